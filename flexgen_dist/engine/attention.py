@@ -1,0 +1,78 @@
+"""Attention over a KV cache laid out as rows of (batch, kv_head).
+
+The cache of one layer and one GPU batch is K, V of shape (b * kv_heads, max_len, head_dim).
+A row is one (sequence, kv head) pair; rows are independent, so a cache whose rows are split
+across tiers is attended chunk by chunk, each chunk on the device that holds it (CPU-delegated
+attention moves q to the cache instead of the cache to q).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """(b, t, kvh, d) -> (b * kvh, t, d)."""
+    b, t, kvh, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(b * kvh, t, d)
+
+
+def q_to_rows(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, t, nh, d) -> (b * kvh, G, t, d) with G = nh // kvh query heads per kv head."""
+    b, t, nh, d = q.shape
+    g = nh // kv_heads
+    return q.view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b * kv_heads, g, t, d)
+
+
+def rows_to_out(o: torch.Tensor, batch: int) -> torch.Tensor:
+    """(b * kvh, G, t, d) -> (b, t, nh * d)."""
+    r, g, t, d = o.shape
+    kvh = r // batch
+    return o.view(batch, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(batch, t, kvh * g * d)
+
+
+def mask_to_rows(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, t, L) bool -> (b * kvh, 1, t, L), a broadcastable view (no copy)."""
+    b, t, L = mask.shape
+    return mask[:, None, None].expand(b, kv_heads, 1, t, L).reshape(b * kv_heads, 1, t, L)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                sparsity: float = 1.0) -> torch.Tensor:
+    """Attention for rows: q (R, G, t, d), k/v (R, L, d), mask (R, 1, t, L) -> (R, G, t, d).
+
+    Every query row must have at least one visible key (the engine guarantees it: padding
+    queries see themselves). With ``sparsity`` < 1, each query keeps only its top-k keys
+    (k = ceil(sparsity * L)) and reads only those V rows.
+    """
+    if sparsity < 1.0:
+        return _sparse_attend(q, k, v, mask, sparsity)
+    return F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask)
+
+
+def _sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sparsity: float) -> torch.Tensor:
+    r, g, t, d = q.shape
+    L = k.shape[1]
+    scores = torch.matmul(q.reshape(r, g * t, d), k.transpose(1, 2)).view(r, g, t, L)
+    scores = scores * (1.0 / math.sqrt(d))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    top = max(1, math.ceil(sparsity * L))
+    vals, idx = scores.topk(min(top, L), dim=-1)
+    probs = torch.softmax(vals.float(), dim=-1).to(v.dtype)  # (r, g, t, top)
+    picked = torch.gather(v[:, None, None].expand(r, g, t, L, d), 3,
+                          idx[..., None].expand(*idx.shape, d))
+    return (probs[..., None] * picked).sum(dim=3)
+
+
+def merge_partial(outs: list[tuple[int, int, torch.Tensor]], rows: int, device: torch.device) -> torch.Tensor:
+    """Concatenate per-chunk outputs [(r0, r1, out)] back into (rows, G, t, d) on ``device``."""
+    if len(outs) == 1:
+        return outs[0][2].to(device, non_blocking=True)
+    first = outs[0][2]
+    res = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=device)
+    for r0, r1, o in outs:
+        res[r0:r1].copy_(o, non_blocking=True)
+    return res

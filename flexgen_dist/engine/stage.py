@@ -1,0 +1,222 @@
+"""StageEngine: one stage's layers, weights, caches and activations; runs the block schedule.
+
+A stage owns a contiguous range of decoder layers, plus the embedding if it is the first stage
+and the final norm + LM head if it is the last. The same code serves one stage (the whole
+model) and the stages of a pipeline: a stage is the model minus what it does not own.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..memory.disk import DiskStore
+from ..memory.tiers import MemoryTracker, Tier, format_bytes
+from ..models.common import family_module
+from ..models.loader import WeightSource
+from ..models.spec import ModelSpec
+from .activations import ActStore
+from .attention import mask_to_rows, q_to_rows, rows_to_out, to_rows
+from .kvcache import BlockCache
+from .policy import Policy
+from .schedule import Step, token_schedule
+from .weights import Slot, WeightStore
+
+
+@dataclass
+class BlockMeta:
+    """What every stage must know about one block: its GPU batches and their prompt lengths."""
+
+    prompt_lens: list[list[int]]  # per GPU batch, the true length of each (left-padded) prompt
+    prompt_len: int  # s: padded prompt length of the block
+    gen_len: int  # n
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [len(p) for p in self.prompt_lens]
+
+
+@dataclass
+class StageTimes:
+    compute_s: float = 0.0
+    io_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "io_wait_s": self.io_wait_s}
+
+
+@dataclass
+class BlockState:
+    meta: BlockMeta
+    cache: BlockCache | None
+    acts: ActStore
+    valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
+    outputs: list[Any] = field(default_factory=list)
+
+
+class StageEngine:
+    def __init__(self, spec: ModelSpec, source: WeightSource, layers: tuple[int, int], *,
+                 has_embed: bool, has_head: bool, policy: Policy, device: torch.device,
+                 dtype: torch.dtype, disk: DiskStore | None = None,
+                 tracker: MemoryTracker | None = None) -> None:
+        self.spec, self.policy, self.device, self.dtype = spec, policy, device, dtype
+        self.family = family_module(spec)
+        self.layers = list(range(*layers))
+        self.slots: list[Slot] = ([("embed", None)] if has_embed else []) + \
+            [("layer", j) for j in self.layers] + ([("head", None)] if has_head else [])
+        self.has_embed, self.has_head = has_embed, has_head
+        self.tracker = tracker or MemoryTracker()
+        self.disk = disk
+        self.times = StageTimes()
+        self.weights = WeightStore(self.slots, source.get, policy.fractions("w"), device, dtype,
+                                   self.tracker, disk, compress=policy.compress_weight,
+                                   group_size=policy.comp_group_size, bits=policy.comp_bits)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
+        self._wbuf: dict[int, Any] = {}
+        self._pending: list[Future] = []
+
+    # --- blocks -------------------------------------------------------------------------
+    def new_block(self, meta: BlockMeta, tag: str = "") -> BlockState:
+        total = meta.prompt_len + meta.gen_len
+        if total > self.spec.max_positions:
+            raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds "
+                             f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
+        cache = None
+        if self.layers:
+            cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,
+                               self.spec.head_dim, self.policy.fractions("cache"), self.device,
+                               self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag)
+        acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
+                        self.device, self.dtype, self.tracker, self.disk, tag)
+        valid = []
+        for lens in meta.prompt_lens:
+            v = torch.ones((len(lens), total), dtype=torch.bool, device=self.device)
+            for r, n in enumerate(lens):
+                v[r, : meta.prompt_len - n] = False
+            valid.append(v)
+        return BlockState(meta, cache, acts, valid)
+
+    def free_block(self, st: BlockState) -> None:
+        if st.cache is not None:
+            st.cache.free()
+        st.acts.free()
+
+    # --- one token of one block ---------------------------------------------------------
+    def run_token(self, st: BlockState, i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run token i over this stage's slots for every GPU batch of the block.
+
+        inputs[k]: token ids (b, t) for a first stage, else hidden states (b, t, hidden).
+        Returns per GPU batch: last-position logits (b, vocab) for a last stage, else hidden
+        states (b, t, hidden).
+        """
+        st.outputs = [None] * len(inputs)
+        st.acts.set_inputs([x.to(self.device) for x in inputs])
+        num_gb = len(inputs)
+        for step in token_schedule(i, len(self.slots), num_gb, self.policy.overlap):
+            self._do(st, step, num_gb)
+        return st.outputs
+
+    def _do(self, st: BlockState, s: Step, num_gb: int) -> None:
+        kind = s.kind
+        if kind == "compute":
+            t0 = time.perf_counter()
+            self._compute(st, s.i, s.j, s.k, num_gb)
+            self.times.compute_s += time.perf_counter() - t0
+        elif kind == "load_weight":
+            fut = self._pool.submit(self.weights.load, self.slots[s.j])
+            self._wbuf[s.j] = fut
+            if not self.policy.overlap:
+                self._wait([fut])
+        elif kind == "load_cache":
+            if st.cache is not None and s.i > 0 and self.slots[s.j][0] == "layer":
+                st.cache.load(self.slots[s.j][1], s.k, st.meta.prompt_len + s.i - 1)  # type: ignore[arg-type]
+                if not self.policy.overlap:
+                    self._wait([f for ch in st.cache.chunks[(self.slots[s.j][1], s.k)] for f in ch.futures])
+        elif kind == "store_cache":
+            if st.cache is not None and self.slots[s.j][0] == "layer":
+                self._pending += st.cache.store(self.slots[s.j][1], s.k)  # type: ignore[arg-type]
+        elif kind == "load_act":
+            self._pending += st.acts.load(s.k)
+        elif kind == "store_act":
+            if s.j < len(self.slots) - 1:
+                self._pending += st.acts.store(s.k)
+        if kind == "sync" or not self.policy.overlap:
+            self._wait(self._pending)
+            self._pending = []
+
+    def _wait(self, futs: list[Future]) -> None:
+        t0 = time.perf_counter()
+        for f in futs:
+            f.result()
+        self.times.io_wait_s += time.perf_counter() - t0
+
+    def _weights(self, j: int) -> dict[str, torch.Tensor]:
+        fut = self._wbuf[j]
+        if isinstance(fut, Future):
+            self._wait([fut])
+            self._wbuf[j] = fut.result()
+        return self._wbuf[j]
+
+    def _compute(self, st: BlockState, i: int, j: int, k: int, num_gb: int) -> None:
+        slot = self.slots[j]
+        w = self._weights(j)
+        x = st.acts.get(k)
+        meta, spec = st.meta, self.spec
+        s = meta.prompt_len
+        valid = st.valid[k]
+        if i == 0:
+            pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
+        else:
+            pos = (valid[:, : s + i].sum(-1, keepdim=True) - 1)
+        if slot[0] == "embed":
+            y = self.family.embed(spec, w, x, pos)
+        elif slot[0] == "head":
+            y = self.family.head(spec, w, x[:, -1])
+            st.outputs[k] = y
+        else:
+            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, i, slot[1], k))
+        if slot[0] != "head" and j == len(self.slots) - 1:
+            st.outputs[k] = y
+        st.acts.put(k, y)
+        if k == num_gb - 1:  # every GPU batch has used this slot's weights
+            self.weights.release(slot, self._wbuf.pop(j))
+
+    def _attend_fn(self, st: BlockState, i: int, layer: int, k: int):  # noqa: ANN202
+        s = st.meta.prompt_len
+        valid = st.valid[k]
+        kvh = self.spec.num_kv_heads
+        if i == 0:
+            causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
+            mask = causal[None] & valid[:, None, :s]
+            mask |= torch.eye(s, dtype=torch.bool, device=self.device)[None]  # padding sees itself
+            pos0 = 0
+        else:
+            mask = valid[:, None, : s + i]
+            pos0 = s + i - 1
+        mrows = mask_to_rows(mask, kvh)
+        cache = st.cache
+        assert cache is not None
+
+        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+            o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mrows, pos0,
+                             self.policy.attn_sparsity)
+            return rows_to_out(o, q.shape[0])
+
+        return attend
+
+    # --- reporting and cleanup ----------------------------------------------------------
+    def peak_bytes(self) -> dict[str, int]:
+        return self.tracker.peak_bytes()
+
+    def describe(self) -> str:
+        b = self.weights.bytes_per_tier()
+        return ", ".join(f"{t}: {format_bytes(n)}" for t, n in b.items() if n)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["StageEngine", "BlockMeta", "BlockState", "StageTimes", "Tier"]

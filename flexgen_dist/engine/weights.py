@@ -1,0 +1,130 @@
+"""Weight placement (layer granularity) and loading onto the compute device.
+
+Each tensor of a slot lives whole on one tier. Within a slot, tensors are walked in order and
+each goes to the tier whose share of the slot's cumulative bytes contains the tensor's middle
+byte, so every slot (and hence the stage) splits its bytes by the policy's fractions, and
+every layer loads the same amount from each tier (even overlap from layer to layer).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..memory.disk import DiskStore, DiskTensor
+from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
+from ..memory.quant import QTensor, dequantize, quantize
+
+Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
+
+
+def choose_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[Tier]:
+    """Tier of each tensor so that cumulative bytes follow (gpu, cpu, disk) fractions."""
+    total = float(sum(sizes)) or 1.0
+    g, c, _ = fractions
+    out, cum = [], 0
+    for s in sizes:
+        mid = (cum + s / 2) / total
+        cum += s
+        out.append(Tier.GPU if mid < g else Tier.CPU if mid < g + c else Tier.DISK)
+    return out
+
+
+@dataclass
+class Placed:
+    """One weight tensor at rest on its tier (possibly compressed)."""
+
+    tier: Tier
+    data: Any  # torch.Tensor (gpu/cpu), DiskTensor (disk), or QTensor (compressed gpu/cpu)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class WeightStore:
+    """All weights of one stage, placed on tiers; loads a slot's weights to the compute device."""
+
+    def __init__(self, slots: list[Slot], read: Callable[[str, int | None], dict[str, torch.Tensor]],
+                 fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
+                 tracker: MemoryTracker, disk: DiskStore | None, compress: bool = False,
+                 group_size: int = 64, bits: int = 4) -> None:
+        self.device, self.dtype, self.tracker, self.disk = device, dtype, tracker, disk
+        self.compress, self.group_size, self.bits = compress, group_size, bits
+        self.placed: dict[Slot, dict[str, Placed]] = {}
+        for slot in slots:
+            ws = read(*slot)
+            names = list(ws)
+            tiers = choose_tiers([ws[n].numel() * ws[n].element_size() for n in names], fractions)
+            self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
+
+    def _put(self, slot: Slot, name: str, w: torch.Tensor, tier: Tier) -> Placed:
+        shape = tuple(w.shape)
+        if self.compress and w.dim() == 2:
+            # grouped along the output-channel dimension (dim 0 of a (out, in) matrix)
+            w = quantize(w, bits=self.bits, group_size=self.group_size, dim=0)  # type: ignore[assignment]
+            if tier == Tier.DISK:
+                tier = Tier.CPU  # compressed weights stay in RAM: 4x smaller, no file per part
+        if tier == Tier.DISK:
+            assert self.disk is not None
+            dt = self.disk.allocate(f"w-{slot[0]}{slot[1] if slot[1] is not None else ''}-{name}",
+                                    shape, self.dtype)
+            dt.write(w)
+            nbytes = dt.nbytes
+            data: Any = dt
+        elif tier == Tier.GPU:
+            data = w.to(self.device)
+            nbytes = data.nbytes
+        else:
+            data = w.pin() if isinstance(w, QTensor) and self.device.type == "cuda" else (
+                w if isinstance(w, QTensor) else pin_if_cuda(w, self.device))
+            nbytes = data.nbytes
+        self.tracker.add(tier, nbytes)
+        return Placed(tier, data, shape, nbytes)
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        out = {t.value: 0 for t in Tier}
+        for ws in self.placed.values():
+            for p in ws.values():
+                out[p.tier.value] += p.nbytes
+        return out
+
+    def tiers_of(self, slot: Slot) -> dict[str, Tier]:
+        return {n: p.tier for n, p in self.placed[slot].items()}
+
+    def load(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """The slot's weights as compute-device tensors (views where already there)."""
+        out = {}
+        for name, p in self.placed[slot].items():
+            if isinstance(p.data, QTensor):
+                out[name] = dequantize(p.data, self.device)
+                self.tracker.add(Tier.GPU, out[name].nbytes)
+            elif isinstance(p.data, DiskTensor):
+                out[name] = _disk_to_device(p.data, self.device, self.dtype)
+                self.tracker.add(Tier.GPU, out[name].nbytes)
+            elif p.data.device == self.device:
+                out[name] = p.data
+            else:
+                buf = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+                copy_between(buf, p.data, non_blocking=True)
+                out[name] = buf
+                self.tracker.add(Tier.GPU, buf.nbytes)
+        return out
+
+    def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
+        """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
+        for name, p in self.placed[slot].items():
+            if isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device:
+                self.tracker.sub(Tier.GPU, loaded[name].nbytes)
+
+
+def _disk_to_device(dt: DiskTensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if device.type == "cpu":
+        return dt.read()
+    host = pin_if_cuda(torch.empty(dt.shape, dtype=dtype), device)
+    dt.read(out=host)
+    return host.to(device, non_blocking=True)
+
+
+def resolve(fut: Future | Any) -> Any:
+    return fut.result() if isinstance(fut, Future) else fut

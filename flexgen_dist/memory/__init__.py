@@ -1,0 +1,15 @@
+"""Where bytes live and how they move: tiers and budgets, the disk tier, quantization.
+
+Knows nothing about transformers: never imports flexgen_dist.models, .engine or .dist.
+"""
+from flexgen_dist.memory.disk import DiskStore, DiskStoreError, DiskTensor, aligned_empty
+from flexgen_dist.memory.quant import (QTensor, dequantize, empty_qtensor, qtensor_layout,
+                                       quantize)
+from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
+                                       format_bytes, parse_size, pin_if_cuda, tensor_nbytes)
+
+__all__ = [
+    "DiskStore", "DiskStoreError", "DiskTensor", "MemoryBudgetError", "MemoryTracker",
+    "QTensor", "Tier", "aligned_empty", "copy_between", "dequantize", "empty_qtensor",
+    "format_bytes", "parse_size", "pin_if_cuda", "qtensor_layout", "quantize", "tensor_nbytes",
+]

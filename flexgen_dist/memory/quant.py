@@ -1,0 +1,183 @@
+"""Group-wise asymmetric min-max quantization (FlexGen style), packed 2/4/8-bit.
+
+A tensor is cut into groups of ``group_size`` contiguous elements along one dimension
+``dim``. Each group stores its minimum and its step ``scale = (max - min) / (2^bits - 1)``;
+the codes are ``round((x - min) / scale)`` clamped to ``[0, 2^bits - 1]`` and packed
+``8 // bits`` per byte (low bits first).
+
+Layout of a :class:`QTensor` (``d`` is the grouping dim, ``L`` the other dims in order,
+i.e. ``shape`` with ``d`` removed)::
+
+    data   : uint8, L + (packed,)      packed = ceil(num_groups * group_size * bits / 8)
+    mins   : dtype, L + (num_groups,)  num_groups = ceil(shape[d] / group_size)
+    scales : dtype, L + (num_groups,)
+
+For the usual ``dim=-1`` that is ``data.shape == x.shape[:-1] + (packed,)`` and
+``mins.shape == x.shape[:-1] + (num_groups,)``: every part keeps the leading dims of the
+original, so a caller can write a slice of rows/positions of a preallocated QTensor (e.g. a
+KV cache ``(rows, seq, head_dim)`` grouped along ``head_dim``) part by part. The grouping dim
+is padded (with copies of the group's values, which cannot widen its range) up to a whole
+number of groups; the padding is dropped again by :func:`dequantize`.
+
+Parts may also be :class:`~flexgen_dist.memory.disk.DiskTensor` s (a compressed tensor on the
+disk tier); only ``nbytes`` and ``copy_between`` apply to those.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor: packed codes plus per-group min and scale (see module doc)."""
+
+    data: Any    # torch.Tensor (uint8) or DiskTensor
+    mins: Any    # torch.Tensor (original dtype) or DiskTensor
+    scales: Any  # torch.Tensor (original dtype) or DiskTensor
+    shape: torch.Size
+    dtype: torch.dtype
+    dim: int            # grouping dim, normalised to 0 <= dim < len(shape)
+    group_size: int
+    bits: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually stored: codes plus group metadata."""
+        return int(self.data.nbytes + self.mins.nbytes + self.scales.nbytes)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def parts(self) -> tuple[Any, Any, Any]:
+        return self.data, self.mins, self.scales
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> QTensor:
+        return replace(self, data=self.data.to(device, non_blocking=non_blocking),
+                       mins=self.mins.to(device, non_blocking=non_blocking),
+                       scales=self.scales.to(device, non_blocking=non_blocking))
+
+    def pin(self) -> QTensor:
+        """Pinned-memory copy of a CPU QTensor; returns self without CUDA (nothing to pin for)."""
+        if not torch.cuda.is_available():
+            return self
+        return replace(self, data=self.data.pin_memory(), mins=self.mins.pin_memory(),
+                       scales=self.scales.pin_memory())
+
+
+def _check_args(shape: torch.Size, dtype: torch.dtype, bits: int, group_size: int,
+                dim: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"quantization bits={bits}: use one of {SUPPORTED_BITS}")
+    if group_size < 1:
+        raise ValueError(f"quantization group_size={group_size}: must be >= 1")
+    if not dtype.is_floating_point:
+        raise TypeError(f"can only quantize floating-point tensors, got {dtype}")
+    if len(shape) == 0:
+        raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"quantization dim={dim} out of range for shape {tuple(shape)}")
+    return dim % len(shape)
+
+
+def qtensor_layout(shape: tuple[int, ...] | torch.Size, bits: int, group_size: int,
+                   dim: int) -> tuple[torch.Size, torch.Size]:
+    """``(data_shape, meta_shape)`` of the QTensor of a tensor of ``shape`` (module doc)."""
+    shape = torch.Size(shape)
+    dim = _check_args(shape, torch.float32, bits, group_size, dim)
+    lead = shape[:dim] + shape[dim + 1:]
+    num_groups = math.ceil(shape[dim] / group_size)
+    packed = math.ceil(num_groups * group_size * bits / 8)
+    return lead + (packed,), lead + (num_groups,)
+
+
+def empty_qtensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, bits: int = 4,
+                  group_size: int = 64, dim: int = -1,
+                  device: torch.device | str = "cpu") -> QTensor:
+    """A preallocated QTensor to be filled in place (e.g. a KV cache).
+
+    Zero-filled, not uninitialised: unwritten positions dequantize to 0, never to NaN, so a
+    masked attention over them stays finite.
+    """
+    shape = torch.Size(shape)
+    ndim_dim = _check_args(shape, dtype, bits, group_size, dim)
+    data_shape, meta_shape = qtensor_layout(shape, bits, group_size, dim)
+    return QTensor(data=torch.zeros(data_shape, dtype=torch.uint8, device=device),
+                   mins=torch.zeros(meta_shape, dtype=dtype, device=device),
+                   scales=torch.zeros(meta_shape, dtype=dtype, device=device),
+                   shape=shape, dtype=dtype, dim=ndim_dim, group_size=group_size, bits=bits)
+
+
+def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1) -> QTensor:
+    """Quantize ``x`` group-wise along ``dim``; runs on ``x``'s device, math in float32."""
+    d = _check_args(x.shape, x.dtype, bits, group_size, dim)
+    n = x.shape[d]
+    num_groups = math.ceil(n / group_size)
+    xt = x.detach().movedim(d, -1).float()
+    lead = xt.shape[:-1]
+    pad = num_groups * group_size - n
+    if pad:
+        # Repeat the last element: padding inside the last group's existing range.
+        xt = torch.cat([xt, xt[..., -1:].expand(*lead, pad)], dim=-1)
+    groups = xt.reshape(*lead, num_groups, group_size)
+    mn = groups.amin(dim=-1)
+    mx = groups.amax(dim=-1)
+    levels = 2 ** bits - 1
+    # Codes are computed against the min/scale as stored (rounded to x.dtype), so the
+    # stored metadata's rounding does not add to the reconstruction error.
+    mins = mn.to(x.dtype)
+    scales = ((mx - mn) / levels).to(x.dtype)
+    mn_s = mins.float().unsqueeze(-1)
+    sc_s = scales.float().unsqueeze(-1)
+    safe = torch.where(sc_s > 0, sc_s, torch.ones_like(sc_s))  # constant group -> code 0
+    codes = ((groups - mn_s) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    return QTensor(data=_pack(codes.reshape(*lead, -1), bits), mins=mins, scales=scales,
+                   shape=x.shape, dtype=x.dtype, dim=d, group_size=group_size, bits=bits)
+
+
+def dequantize(q: QTensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Back to a dense tensor of ``q.shape`` and ``q.dtype`` on ``device`` (default: q's)."""
+    data, mins, scales = q.data, q.mins, q.scales
+    if not all(isinstance(p, torch.Tensor) for p in (data, mins, scales)):
+        raise TypeError("dequantize needs the QTensor in memory: copy it off disk first "
+                        "(copy_between into an empty_qtensor)")
+    if device is not None:
+        data, mins, scales = (p.to(device) for p in (data, mins, scales))
+    n = q.shape[q.dim]
+    num_groups = mins.shape[-1]
+    lead = mins.shape[:-1]
+    codes = _unpack(data, q.bits)[..., : num_groups * q.group_size]
+    groups = codes.reshape(*lead, num_groups, q.group_size).float()
+    x = groups * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
+    x = x.reshape(*lead, num_groups * q.group_size)[..., :n]
+    return x.movedim(-1, q.dim).to(q.dtype).contiguous()
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes along the last dim, ``8 // bits`` per byte, low bits first."""
+    per = 8 // bits
+    if per == 1:
+        return codes.contiguous()
+    n = codes.shape[-1]
+    pad = -n % per
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    codes = codes.reshape(*codes.shape[:-1], -1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    if per == 1:
+        return data
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)
+    mask = (1 << bits) - 1
+    codes = (data.unsqueeze(-1) >> shifts) & mask
+    return codes.reshape(*data.shape[:-1], -1)

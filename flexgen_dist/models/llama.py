@@ -1,0 +1,125 @@
+"""LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense): RMSNorm, rotary positions,
+SwiGLU MLP, grouped-query attention, tied or untied LM head."""
+from __future__ import annotations
+
+import torch
+
+from .common import Attend, Weights, apply_rope, linear, rms_norm, rope_cos_sin
+from .spec import ModelSpec
+
+_LAYER_HF = {
+    "attn_norm.w": "input_layernorm.weight",
+    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
+    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
+    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
+    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
+    "mlp_norm.w": "post_attention_layernorm.weight",
+    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
+    "gate.b": "mlp.gate_proj.bias", "up.b": "mlp.up_proj.bias", "down.b": "mlp.down_proj.bias",
+}
+_LAYER_GGUF = {
+    "attn_norm.w": "attn_norm.weight", "q.w": "attn_q.weight", "k.w": "attn_k.weight",
+    "v.w": "attn_v.weight", "o.w": "attn_output.weight", "q.b": "attn_q.bias",
+    "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
+    "mlp_norm.w": "ffn_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
+    "down.w": "ffn_down.weight",
+}
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),
+        "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f),
+    }
+    if spec.attention_bias:
+        shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
+    if spec.mlp_bias:
+        shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
+    return shapes
+
+
+def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
+
+
+def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
+    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def layer_names(spec: ModelSpec) -> list[str]:
+    return list(layer_shapes(spec))
+
+
+def embed_names(spec: ModelSpec) -> list[str]:
+    return list(embed_shapes(spec))
+
+
+def head_names(spec: ModelSpec) -> list[str]:
+    return list(head_shapes(spec))
+
+
+def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
+    """Canonical name -> candidate checkpoint names (first found wins)."""
+    if part == "layer":
+        return {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_names(spec)}
+    if part == "embed":
+        return {"tok.w": ["model.embed_tokens.weight"]}
+    out = {"norm.w": ["model.norm.weight"]}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = ["model.embed_tokens.weight", "lm_head.weight"]
+    else:
+        out["lm_head.w"] = ["lm_head.weight"]
+    return out
+
+
+def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """Canonical name -> GGUF tensor name (llama.cpp convention)."""
+    if part == "layer":
+        return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_names(spec)}
+    if part == "embed":
+        return {"tok.w": "token_embd.weight"}
+    out = {"norm.w": "output_norm.weight"}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = "token_embd.weight"
+    else:
+        out["lm_head.w"] = "output.weight"
+    return out
+
+
+def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Undo llama.cpp's rotary row interleaving of the q and k projections."""
+    if name not in ("q.w", "k.w", "q.b", "k.b"):
+        return w
+    n = spec.num_heads if name.startswith("q") else spec.num_kv_heads
+    rows = w.shape[0]
+    return w.reshape(n, rows // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding(ids, w["tok.w"])
+
+
+def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
+                  attend: Attend) -> torch.Tensor:
+    b, t, _ = x.shape
+    d, eps = spec.head_dim, spec.norm_eps
+    residual = x
+    x = rms_norm(x, w["attn_norm.w"], eps)
+    q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
+    k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
+    v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
+    cos, sin = rope_cos_sin(pos, d, spec.rope_theta, x.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    x = residual + linear(attend(q, k, v), w["o.w"], w.get("o.b"))
+    residual = x
+    x = rms_norm(x, w["mlp_norm.w"], eps)
+    x = torch.nn.functional.silu(linear(x, w["gate.w"], w.get("gate.b"))) * linear(x, w["up.w"], w.get("up.b"))
+    return residual + linear(x, w["down.w"], w.get("down.b"))
+
+
+def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    x = rms_norm(x, w["norm.w"], spec.norm_eps)
+    return linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])

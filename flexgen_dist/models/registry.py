@@ -1,0 +1,60 @@
+"""Named model shapes, for dummy-weight runs and for the planner.
+
+Shapes follow the published configs of each model; dummy weights are random, so only the
+shape matters here.
+"""
+from __future__ import annotations
+
+from .spec import ModelSpec
+
+_OPT = dict(family="opt", vocab_size=50272, max_positions=2048, bos_token_id=2,
+            eos_token_ids=(2,), pad_token_id=1)
+_LLAMA2 = dict(family="llama", vocab_size=32000, max_positions=4096, bos_token_id=1,
+               eos_token_ids=(2,), pad_token_id=0, tie_word_embeddings=False, norm_eps=1e-5)
+_LLAMA3 = dict(family="llama", vocab_size=128256, max_positions=8192, bos_token_id=128000,
+               eos_token_ids=(128001,), pad_token_id=None, tie_word_embeddings=False,
+               norm_eps=1e-5, rope_theta=500000.0)
+_SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
+             eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
+
+_SHAPES: dict[str, dict] = {
+    # name: (layers, hidden, ffn, heads) + extras
+    "opt-125m": dict(_OPT, num_layers=12, hidden_size=768, ffn_size=3072, num_heads=12),
+    "opt-350m": dict(_OPT, num_layers=24, hidden_size=1024, ffn_size=4096, num_heads=16,
+                     word_embed_proj_dim=512, pre_layer_norm=False),
+    "opt-1.3b": dict(_OPT, num_layers=24, hidden_size=2048, ffn_size=8192, num_heads=32),
+    "opt-2.7b": dict(_OPT, num_layers=32, hidden_size=2560, ffn_size=10240, num_heads=32),
+    "opt-6.7b": dict(_OPT, num_layers=32, hidden_size=4096, ffn_size=16384, num_heads=32),
+    "opt-13b": dict(_OPT, num_layers=40, hidden_size=5120, ffn_size=20480, num_heads=40),
+    "opt-30b": dict(_OPT, num_layers=48, hidden_size=7168, ffn_size=28672, num_heads=56),
+    "opt-66b": dict(_OPT, num_layers=64, hidden_size=9216, ffn_size=36864, num_heads=72),
+    "opt-175b": dict(_OPT, num_layers=96, hidden_size=12288, ffn_size=49152, num_heads=96),
+    "llama-2-7b": dict(_LLAMA2, num_layers=32, hidden_size=4096, ffn_size=11008, num_heads=32),
+    "llama-2-13b": dict(_LLAMA2, num_layers=40, hidden_size=5120, ffn_size=13824, num_heads=40),
+    "llama-2-70b": dict(_LLAMA2, num_layers=80, hidden_size=8192, ffn_size=28672, num_heads=64,
+                        num_kv_heads=8),
+    "llama-3-8b": dict(_LLAMA3, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
+                       num_kv_heads=8),
+    "llama-3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, ffn_size=28672, num_heads=64,
+                        num_kv_heads=8),
+    "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
+                         num_kv_heads=3, rope_theta=100000.0),
+    "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,
+                         num_kv_heads=5, rope_theta=100000.0),
+    "smollm2-1.7b": dict(_SMOL, num_layers=24, hidden_size=2048, ffn_size=8192, num_heads=32,
+                         rope_theta=130000.0),
+}
+
+
+def registry_names() -> list[str]:
+    return sorted(_SHAPES)
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The registered shape called ``name`` (case-insensitive; ``facebook/`` prefix allowed)."""
+    key = name.lower().split("/")[-1]
+    if key not in _SHAPES:
+        raise KeyError(
+            f"unknown model name {name!r}: use a registry shape ({', '.join(registry_names())}), "
+            "a Hugging Face model directory, or a .gguf file")
+    return ModelSpec(name=key, **_SHAPES[key])

@@ -1,0 +1,135 @@
+"""ModelSpec: the shape and conventions of one decoder-only model.
+
+Everything the math, the loader, the planner and the engine need to know about a model is
+here; nothing here knows where tensors live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAMILIES = ("opt", "llama")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer of the OPT or LLaMA family.
+
+    ``ffn_size`` is the MLP's inner width (OPT ``ffn_dim``, LLaMA ``intermediate_size``).
+    ``num_kv_heads`` < ``num_heads`` means grouped-query attention (LLaMA family only).
+    """
+
+    name: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    vocab_size: int
+    max_positions: int
+    num_kv_heads: int = 0  # 0: same as num_heads
+    head_dim_override: int = 0  # 0: hidden_size // num_heads
+    norm_eps: float = 1e-5
+    # OPT conventions
+    pre_layer_norm: bool = True  # False for opt-350m (post-LN, no final norm)
+    word_embed_proj_dim: int = 0  # 0: hidden_size (no project_in/out)
+    # LLaMA conventions
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # token ids
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelSpec.family={self.family!r}: use one of {FAMILIES}")
+        for f in ("num_layers", "hidden_size", "ffn_size", "num_heads", "vocab_size", "max_positions"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelSpec.{f}={getattr(self, f)}: must be >= 1")
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelSpec.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim_override == 0 and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"ModelSpec.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        if self.family == "opt" and self.num_kv_heads != self.num_heads:
+            raise ValueError("ModelSpec: OPT models have no grouped-query attention; set num_kv_heads=0")
+        if isinstance(self.eos_token_ids, int):
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
+        else:
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    # derived shape ---------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.hidden_size // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding (OPT's word_embed_proj_dim)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def has_projection(self) -> bool:
+        return self.family == "opt" and self.embed_dim != self.hidden_size
+
+    @property
+    def norm(self) -> str:
+        return "layernorm" if self.family == "opt" else "rmsnorm"
+
+    @property
+    def activation(self) -> str:
+        return "relu" if self.family == "opt" else "silu"
+
+    @property
+    def positions(self) -> str:
+        return "learned" if self.family == "opt" else "rope"
+
+    # sizes (element counts; multiply by the dtype's bytes) -------------------------
+    def layer_numel(self) -> int:
+        """Elements of one decoder layer's weights (attention + MLP + norms + biases)."""
+        h, f = self.hidden_size, self.ffn_size
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if self.family == "opt":
+            mlp = 2 * h * f
+            biases = self.q_dim + 2 * self.kv_dim + h + f + h
+            norms = 4 * h
+            return attn + mlp + biases + norms
+        mlp = 3 * h * f
+        biases = (self.q_dim + 2 * self.kv_dim + h) * self.attention_bias + (2 * f + h) * self.mlp_bias
+        return attn + mlp + biases + 2 * h
+
+    def embed_numel(self) -> int:
+        n = self.vocab_size * self.embed_dim
+        if self.family == "opt":
+            n += (self.max_positions + 2) * self.hidden_size
+            if self.has_projection:
+                n += 2 * self.embed_dim * self.hidden_size
+        return n
+
+    def head_numel(self) -> int:
+        """Final norm + LM head (0 extra for a tied head)."""
+        n = 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+        if self.family == "llama" and not self.tie_word_embeddings:
+            n += self.vocab_size * self.hidden_size
+        return n
+
+    def total_numel(self) -> int:
+        return self.embed_numel() + self.num_layers * self.layer_numel() + self.head_numel()
+
+    def kv_numel_per_token(self) -> int:
+        """K and V elements per token per layer."""
+        return 2 * self.kv_dim

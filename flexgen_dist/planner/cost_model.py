@@ -1,0 +1,327 @@
+"""Latency and peak-memory model of one pipeline stage (FlexGen's cost model, per stage).
+
+Every time and memory term is *linear* in the nine placement fractions
+``x = (wg, wc, wd, cg, cc, cd, hg, hc, hd)`` (weights, KV cache, activations on gpu/cpu/disk),
+so one table of coefficients serves both :func:`estimate_stage` (evaluate it at a policy) and
+the LP in ``search.py`` (optimise over it). Two working-set terms are not linear — the
+rounding slack of placing whole tensors when weights are split at all — and enter as
+constants switched on by ``StageTerms.peaks`` from the fractions, or conservatively by the LP.
+
+Notation (DESIGN.md): l layers in the stage, s prompt length, n generated tokens, h1 hidden,
+h2 FFN width, bls = gbs * num_gb sequences per block, G micro-batch groups in flight, b bytes
+per element. Times are per layer for the whole block; a block's prefill takes l * Tpre and its
+decode (n-1) * l * Tgen, each the max over the overlapped channels.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.models.spec import ModelSpec
+from flexgen_dist.planner.hardware import HardwareSpec
+
+CHANNELS = ("ctog", "gtoc", "dtoc", "ctod", "comp", "net")
+TIERS = ("gpu", "cpu", "disk")
+PHASES = ("prefill", "decode")
+WG, WC, WD, CG, CC, CD, HG, HC, HD = range(9)
+CONST = 9  # column of the constant term
+TOKEN_ID_BYTES = 8  # int64 token ids the last stage sends back to the first
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is generated: padded prompt length, tokens per sequence, bytes per element."""
+
+    prompt_len: int
+    gen_len: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise ValueError(f"Workload prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
+                             "both must be >= 1")
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"Workload.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
+                             "(fp32)")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Predicted cost of one block (one micro-batch group) on one stage.
+
+    ``prefill_time_s`` is the block's prefill, ``decode_time_s`` its whole decode ((n-1)
+    steps), both with the network channel overlapped; ``*_net_s`` are the sends alone (for
+    the pipeline's fill). ``peak[phase][tier]`` are bytes.
+    """
+
+    prefill_time_s: float
+    decode_time_s: float
+    peak: dict[str, dict[str, int]]
+    block_size: int
+    prompt_len: int
+    gen_len: int
+    num_layers: int
+    prefill_net_s: float = 0.0
+    decode_net_s: float = 0.0
+    channels: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def decode_step_s(self) -> float:
+        return self.decode_time_s / max(1, self.gen_len - 1)
+
+    @property
+    def prefill_throughput(self) -> float:
+        return self.block_size * self.prompt_len / self.prefill_time_s
+
+    @property
+    def decode_throughput(self) -> float:
+        steps = self.gen_len - 1
+        return self.block_size * steps / self.decode_time_s if steps and self.decode_time_s else 0.0
+
+    @property
+    def total_throughput(self) -> float:
+        return self.block_size * self.gen_len / (self.prefill_time_s + self.decode_time_s)
+
+    @property
+    def time_per_token_s(self) -> float:
+        """The LP's objective T / bls."""
+        return (self.prefill_time_s + self.decode_time_s) / self.block_size
+
+
+@dataclass(frozen=True, eq=False)
+class StageTerms:
+    """Coefficient tables of one stage for one (gbs, num_gb, cpu_attention, compression).
+
+    ``prefill``/``decode``: (6 channels, 10) seconds per layer per block, columns = the nine
+    fractions + constant. ``peak_base``: (2 phases, 3 tiers, 10) bytes. ``gpu_slack`` /
+    ``cpu_slack``: bytes added to the gpu (cpu) rows when weights are split off the gpu (onto
+    disk) at all: whole tensors overshoot a fraction by up to one tensor.
+    """
+
+    num_layers: int
+    block_size: int
+    prompt_len: int
+    gen_len: int
+    prefill: np.ndarray
+    decode: np.ndarray
+    peak_base: np.ndarray
+    gpu_slack: float
+    cpu_slack: float
+    prefill_net_s: float
+    decode_net_s: float
+
+    def peak_rows(self, gpu_split: bool, disk_split: bool) -> np.ndarray:
+        rows = self.peak_base.copy()
+        rows[:, 0, CONST] += self.gpu_slack * gpu_split
+        rows[:, 1, CONST] += self.cpu_slack * disk_split
+        return rows
+
+    def peaks(self, x: np.ndarray) -> np.ndarray:
+        """(2, 3) peak bytes at fractions ``x`` (length 9)."""
+        return self.peak_rows(x[WG] < 1 - 1e-9, x[WD] > 1e-9) @ np.append(x, 1.0)
+
+    def layer_times(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel seconds per layer per block: (prefill[6], decode[6])."""
+        v = np.append(x, 1.0)
+        return self.prefill @ v, self.decode @ v
+
+    def block_time(self, x: np.ndarray) -> tuple[float, float]:
+        """(prefill seconds, decode seconds for all n-1 steps) of one block."""
+        tp, tg = self.layer_times(x)
+        return self.num_layers * float(tp.max()), (self.gen_len - 1) * self.num_layers * float(tg.max())
+
+
+def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) -> float:
+    """Group-wise quantized size: packed values + a min and a scale per group."""
+    return numel * bits / 8 + math.ceil(numel / group_size) * 2 * meta_bytes
+
+
+def policy_fractions(policy: Policy) -> np.ndarray:
+    return np.array(policy.fractions("w") + policy.fractions("cache") + policy.fractions("act"))
+
+
+def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
+                gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
+                has_embed: bool, has_head: bool, compress_weight: bool = False,
+                compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
+                num_micro_batches: int = 1, num_stages: int = 1) -> StageTerms:
+    """Build the linear coefficient tables (see module docstring) for one stage."""
+    l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
+    gbs, bls, G = gpu_batch_size, gpu_batch_size * num_gpu_batches, num_micro_batches
+    h1, q, kv, nh, V = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.num_heads, spec.vocab_size
+    mlp_width = spec.ffn_size * (2 if spec.family == "llama" else 1)  # gate+up for SwiGLU
+    # Decode attention reads 2*kv*b cache bytes per 4*q FLOPs; the profiler measures it with
+    # MHA, so bmm_flops * b / 2 is the device's memory bandwidth for memory-bound GEMMs.
+    mem_bw = hw.bmm_flops * b / 2
+
+    def wbytes(numel: float) -> float:
+        return compressed_bytes(numel, comp_bits, comp_group_size, b) if compress_weight else numel * b
+
+    def cbytes(numel: float) -> float:
+        return compressed_bytes(numel, comp_bits, comp_group_size, b) if compress_cache else numel * b
+
+    lnum = spec.layer_numel()
+    wl = wbytes(lnum)
+    largest = max(h1 * q, h1 * spec.ffn_size)  # the largest single tensor of a layer
+    extra_numel = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
+    if has_head and spec.tie_word_embeddings and not has_embed:
+        extra_numel += V * spec.embed_dim  # a tied head needs its own copy on the last stage
+    W = l * wl + extra_numel * b  # embedding and head stay uncompressed
+    wl_io = wl + extra_numel * b / l  # weight traffic per layer, extras spread over the layers
+    kv_tok = 2 * kv  # K and V elements per token per sequence per layer
+    C = G * l * bls * cbytes((s + n) * kv_tok)  # preallocated for s+n tokens, G groups
+    c_pre = bls * cbytes(s * kv_tok)  # cache written by a block's prefill, per layer
+    c_avg = bls * cbytes((s + n / 2) * kv_tok)  # cache read per decode step, per layer
+    c_new = bls * cbytes(kv_tok)  # cache written per decode step, per layer
+    a_pre, a_dec = bls * s * h1 * b, bls * h1 * b  # a block's hidden states
+
+    # --- time per layer per block -------------------------------------------------------
+    def gemm(rows: int) -> float:
+        """Linear layers of one block: compute-bound, or weight-read-bound per GPU batch."""
+        flops = 2.0 * rows * lnum
+        return max(flops / hw.mm_flops, num_gpu_batches * lnum * b / mem_bw)
+
+    head_p = head_d = 0.0
+    if has_head:  # logits of the last position only
+        head_d = max(2.0 * bls * h1 * V / hw.mm_flops, num_gpu_batches * V * h1 * b / mem_bw)
+        head_p = head_d
+    deq_w = (lnum * b + wl) / mem_bw if compress_weight else 0.0
+    deq_c_pre = bls * s * kv_tok * b / mem_bw if compress_cache else 0.0
+    att_flops = 4.0 * bls * (s + n / 2) * q
+    deq_c = bls * (s + n / 2) * kv_tok * b if compress_cache else 0.0  # bytes to expand
+
+    net_p = net_d = 0.0
+    if num_stages > 1:
+        sent_p = bls * TOKEN_ID_BYTES if has_head else a_pre
+        sent_d = bls * TOKEN_ID_BYTES if has_head else a_dec
+        net_p = hw.net_latency + sent_p / hw.net_bw
+        net_d = hw.net_latency + sent_d / hw.net_bw
+
+    P = np.zeros((6, 10))
+    P[0, [WC, WD]] = wl_io / hw.ctog_bw
+    P[0, [HC, HD]] += a_pre / hw.ctog_bw
+    P[1, [CC, CD]] = c_pre / hw.gtoc_bw
+    P[1, [HC, HD]] += a_pre / hw.gtoc_bw
+    P[2, WD] = wl_io / hw.dtoc_bw
+    P[2, HD] += a_pre / hw.dtoc_bw
+    P[3, CD] = c_pre / hw.ctod_bw
+    P[3, HD] += a_pre / hw.ctod_bw
+    # prefill attention (s x s per head) is large enough to run at the GEMM rate
+    P[4, CONST] = (gemm(bls * s) + 4.0 * bls * s * s * q / hw.mm_flops + deq_w + deq_c_pre
+                   + head_p / l)
+    P[5, CONST] = net_p / l
+
+    D = np.zeros((6, 10))
+    D[0, [WC, WD]] = wl_io / hw.ctog_bw
+    D[0, [HC, HD]] += a_dec / hw.ctog_bw
+    D[1, [HC, HD]] = a_dec / hw.gtoc_bw
+    D[1, [CC, CD]] += c_new / hw.gtoc_bw
+    if cpu_attention:  # q goes to the cache, the attention output comes back
+        D[0, [CC, CD]] += bls * q * b / hw.ctog_bw
+        D[1, [CC, CD]] += bls * q * b / hw.gtoc_bw
+    else:  # the cache comes to the compute device
+        D[0, [CC, CD]] += c_avg / hw.ctog_bw
+    D[2, WD] = wl_io / hw.dtoc_bw
+    D[2, HD] += a_dec / hw.dtoc_bw
+    D[2, CD] += c_avg / hw.dtoc_bw
+    D[3, HD] = a_dec / hw.ctod_bw
+    D[3, CD] += c_new / hw.ctod_bw
+    D[4, CONST] = gemm(bls) + deq_w + head_d / l
+    D[4, CG] = att_flops / hw.bmm_flops + deq_c / mem_bw
+    if cpu_attention:
+        D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (hw.cpu_flops * 2)
+    else:
+        D[4, [CC, CD]] = att_flops / hw.bmm_flops + deq_c / mem_bw
+    D[5, CONST] = net_d / l
+
+    # --- peak bytes per tier ---------------------------------------------------------------
+    M = np.zeros((2, 3, 10))
+    for ph, act in ((0, a_pre), (1, a_dec)):
+        for t, cols in enumerate(((WG, CG, HG), (WC, CC, HC), (WD, CD, HD))):
+            M[ph, t, cols[0]] = W
+            M[ph, t, cols[1]] = C
+            M[ph, t, cols[2]] = act
+        if num_stages > 1:  # a send and a receive buffer of one block's hidden states
+            M[ph, 0, HG] += 2 * act
+            M[ph, 1, [HC, HD]] += 2 * act
+    # compute-device working set: one layer's weights double-buffered (the off-gpu share;
+    # dequantized in full when compressed), one GPU batch of activations / scores.
+    for ph in (0, 1):
+        if compress_weight:
+            M[ph, 0, CONST] += 2 * lnum * b
+        else:
+            M[ph, 0, [WC, WD]] += 2 * wl
+        M[ph, 0, [WC, WD]] += extra_numel * b  # an offloaded embedding/head loads whole
+        if has_head:
+            M[ph, 0, CONST] += gbs * V * 4  # fp32 logits
+    pre_tok = gbs * s
+    M[0, 0, CONST] += pre_tok * b * (2 * h1 + max(q + 2 * kv + nh * s, mlp_width))
+    M[0, 0, [HC, HD]] += 2 * pre_tok * h1 * b  # load next / store previous GPU batch
+    M[0, 0, [CC, CD]] += 2 * gbs * cbytes(s * kv_tok)
+    M[1, 0, CONST] += gbs * b * (2 * h1 + max(q + 2 * kv + nh * (s + n), mlp_width))
+    M[1, 0, [HC, HD]] += 2 * gbs * h1 * b
+    if cpu_attention:
+        M[1, 0, [CC, CD]] += 2 * gbs * (q + kv_tok) * b
+        M[1, 1, CONST] += gbs * nh * (s + n) * 4 + 2 * gbs * q * 4  # fp32 scores on the host
+    else:
+        M[1, 0, [CC, CD]] += 2 * gbs * cbytes((s + n) * kv_tok)
+    # host working set: staging for disk traffic (disk -> host -> device)
+    M[0, 1, HD] += 2 * pre_tok * h1 * b
+    M[0, 1, CD] += 2 * gbs * cbytes(s * kv_tok)
+    M[1, 1, HD] += 2 * gbs * h1 * b
+    M[1, 1, CD] += 2 * gbs * cbytes((s + n) * kv_tok)
+    disk_staging = hw.compute_device == "cuda"  # on a CPU device reads land in place
+    for ph in (0, 1):
+        M[ph, 1, WD] += 2 * wl * disk_staging
+    slack = 0.0 if compress_weight else float(wbytes(largest))
+    return StageTerms(num_layers=l, block_size=bls, prompt_len=s, gen_len=n, prefill=P,
+                      decode=D, peak_base=M, gpu_slack=slack,
+                      cpu_slack=slack if disk_staging else 0.0,
+                      prefill_net_s=net_p, decode_net_s=net_d)
+
+
+def cost_from_terms(terms: StageTerms, x: np.ndarray) -> StageCost:
+    tp, tg = terms.layer_times(x)
+    pre, dec = terms.block_time(x)
+    pk = terms.peaks(x)
+    peak = {ph: {t: int(math.ceil(pk[i, j])) for j, t in enumerate(TIERS)}
+            for i, ph in enumerate(PHASES)}
+    channels = {"prefill": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tp)},
+                "decode_step": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tg)}}
+    return StageCost(prefill_time_s=pre, decode_time_s=dec, peak=peak,
+                     block_size=terms.block_size, prompt_len=terms.prompt_len,
+                     gen_len=terms.gen_len, num_layers=terms.num_layers,
+                     prefill_net_s=terms.prefill_net_s, decode_net_s=terms.decode_net_s,
+                     channels=channels)
+
+
+def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: HardwareSpec,
+                     workload: Workload, *, has_embed: bool, has_head: bool,
+                     num_micro_batches: int = 1, num_stages: int = 1) -> StageTerms:
+    return stage_terms(spec, num_layers, hw, workload, gpu_batch_size=policy.gpu_batch_size,
+                       num_gpu_batches=policy.num_gpu_batches, cpu_attention=policy.cpu_attention,
+                       has_embed=has_embed, has_head=has_head,
+                       compress_weight=policy.compress_weight,
+                       compress_cache=policy.compress_cache, comp_bits=policy.comp_bits,
+                       comp_group_size=policy.comp_group_size,
+                       num_micro_batches=num_micro_batches, num_stages=num_stages)
+
+
+def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,
+                   workload: Workload, *, has_embed: bool, has_head: bool,
+                   num_micro_batches: int = 1, num_stages: int = 1) -> StageCost:
+    """Predicted block times and per-tier peaks of ``policy`` on one stage.
+
+    ``num_micro_batches`` groups share the stage (their KV caches all stay resident);
+    ``num_stages`` > 1 adds the network channel (hidden states out, or token ids back from
+    the last stage) and the send/receive buffers.
+    """
+    if num_layers_in_stage < 1:
+        raise ValueError(f"num_layers_in_stage={num_layers_in_stage}: a stage needs >= 1 layer")
+    terms = terms_for_policy(spec, num_layers_in_stage, policy, hw, workload,
+                             has_embed=has_embed, has_head=has_head,
+                             num_micro_batches=num_micro_batches, num_stages=num_stages)
+    return cost_from_terms(terms, policy_fractions(policy))

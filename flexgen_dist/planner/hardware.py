@@ -1,0 +1,358 @@
+"""HardwareSpec: the numbers the cost model needs about one stage's machine; YAML I/O.
+
+All fields are SI: bytes, bytes/s, FLOP/s, seconds. ``gpu_*`` always means the *compute
+device*: on a CPU-only machine that is the CPU itself, so ``ctog``/``gtoc`` become memcpy
+bandwidths and ``gpu_mem``/``cpu_mem`` are two shares of the same RAM (see
+``configs/hardware/README.md``). :func:`profile_hardware` measures them on this machine.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import statistics
+import threading
+import time
+from typing import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from flexgen_dist.memory.disk import DiskStore
+from flexgen_dist.memory.tiers import parse_size
+
+SOURCES = ("measured", "from specifications")
+DEVICES = ("cuda", "cpu")
+MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
+BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
+FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """Capacities, bandwidths and compute rates of one stage's machine.
+
+    ``mm_flops``: dense matmul rate at linear-layer sizes on the compute device (fp16 on cuda,
+    fp32 on cpu). ``bmm_flops``: decode-attention-shaped batched matmul on the compute device;
+    that shape is memory-bound, so the cost model also derives the device's memory bandwidth
+    from it. ``cpu_flops``: the same attention computed on the host CPU in fp32 (CPU-delegated
+    attention). ``net_bw``/``net_latency``: hidden states to the next stage.
+    """
+
+    name: str
+    source: str
+    gpu_mem: int
+    cpu_mem: int
+    disk_mem: int
+    ctog_bw: float
+    gtoc_bw: float
+    dtoc_bw: float
+    ctod_bw: float
+    mm_flops: float
+    bmm_flops: float
+    cpu_flops: float
+    net_bw: float
+    net_latency: float
+    compute_device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"HardwareSpec.name={self.name!r}: give a non-empty name")
+        if self.source not in SOURCES:
+            raise ValueError(f"HardwareSpec.source={self.source!r}: use one of {SOURCES}")
+        if self.compute_device not in DEVICES:
+            raise ValueError(f"HardwareSpec.compute_device={self.compute_device!r}: "
+                             f"use one of {DEVICES}")
+        for f in MEM_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"HardwareSpec.{f}={v!r}: must be a positive number of bytes "
+                                 f"(e.g. '16GiB' in YAML)")
+        for f in BW_FIELDS + FLOPS_FIELDS + ("net_latency",):
+            v = getattr(self, f)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v < 0 or (v == 0 and f != "net_latency"):
+                what = "seconds >= 0" if f == "net_latency" else "a positive rate"
+                raise ValueError(f"HardwareSpec.{f}={v!r}: must be {what}")
+            object.__setattr__(self, f, float(v))
+
+    def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
+                     disk_mem: int | str | None = None) -> HardwareSpec:
+        """The same machine with some memory capacities replaced (sizes like '16GiB' allowed)."""
+        new = {k: parse_size(v) for k, v in
+               (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem), ("disk_mem", disk_mem))
+               if v is not None}
+        return replace(self, **new)
+
+    # YAML ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_yaml(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = ("# flexgen_dist hardware spec (SI units: bytes, bytes/s, FLOP/s, seconds);\n"
+                  "# fields are explained in configs/hardware/README.md\n")
+        path.write_text(header + yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "hardware spec") -> HardwareSpec:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping of fields, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(d) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                             f"known keys: {', '.join(known)}")
+        required = [f.name for f in fields(cls) if f.name != "compute_device"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+        vals = dict(d)
+        try:
+            for f in MEM_FIELDS:
+                vals[f] = parse_size(vals[f])
+            for f in BW_FIELDS:
+                vals[f] = _parse_rate(vals[f])
+            for f in FLOPS_FIELDS + ("net_latency",):
+                vals[f] = float(vals[f])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        return cls(**vals)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> HardwareSpec:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"hardware file {path} not found: pass a YAML file such as "
+                                    f"configs/hardware/t4.yaml, or run "
+                                    f"'python -m flexgen_dist.planner profile --out {path}'")
+        with open(path) as f:
+            d = yaml.safe_load(f)
+        return cls.from_dict(d, where=str(path))
+
+
+def _parse_rate(v: Any) -> float:
+    """A bandwidth: a number of bytes/s, or a size string with an optional '/s' ('12GB/s')."""
+    if isinstance(v, str):
+        s = v.strip()
+        s = s[:-2] if s.lower().endswith("/s") else s
+        return float(parse_size(s))
+    return float(v)
+
+
+def default_cache_path(device: str) -> Path:
+    """Where a profile of this host and device is cached between runs."""
+    return Path.home() / ".cache" / "flexgen_dist" / f"hardware-{socket.gethostname()}-{device}.yaml"
+
+
+def load_or_profile(path: str | Path | None, device: str = "cpu",
+                    offload_dir: str = "/tmp") -> HardwareSpec:
+    """The spec in ``path`` (or the per-host cache file); profile and save it when absent.
+
+    Profiling takes up to a minute, so its result is cached; delete the file to re-measure.
+    """
+    p = Path(path) if path is not None else default_cache_path(device)
+    if p.is_file():
+        return HardwareSpec.from_yaml(p)
+    hw = profile_hardware(device=device, offload_dir=offload_dir)
+    hw.to_yaml(p)
+    return hw
+
+
+# profiler ------------------------------------------------------------------------------
+# Sizes are chosen to look like the work they stand for (a linear layer of a 7B-30B model, a
+# decode-attention block, a layer of weights) while keeping the whole run under a minute on
+# a 2-core CPU (quick mode: under ten seconds, for tests).
+_MM_SHAPES = {("cpu", False): (512, 4096, 4096), ("cpu", True): (128, 1024, 1024),
+              ("cuda", False): (4096, 8192, 8192), ("cuda", True): (2048, 4096, 4096)}
+_ATTN_SHAPES = {False: (512, 1024, 128), True: (64, 256, 128)}  # (batch*heads, keys, head_dim)
+_COPY_BYTES = {False: 256 * 2**20, True: 32 * 2**20}
+_DISK_BYTES = {False: 512 * 2**20, True: 32 * 2**20}
+_NET_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
+
+
+def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], Any]) -> float:
+    """Median seconds of ``fn`` after one warm-up call (median: achievable, not a lucky peak)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _sync_of(device: str) -> Callable[[], Any]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_mm_flops(device: str, quick: bool = False) -> float:
+    """Dense matmul FLOP/s at linear-layer sizes (fp16 on cuda, fp32 on cpu)."""
+    m, k, n = _MM_SHAPES[(device, quick)]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    t = _timeit(lambda: a @ b, 2 if quick else 3, _sync_of(device))
+    return 2.0 * m * k * n / t
+
+
+def measure_attention_flops(device: str, quick: bool = False) -> float:
+    """FLOP/s of decode attention (one query against many cached keys): q@k^T, softmax, @v."""
+    bh, keys, hd = _ATTN_SHAPES[quick]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = torch.randn(bh, 1, hd, dtype=dtype, device=device)
+    k = torch.randn(bh, keys, hd, dtype=dtype, device=device)
+    v = torch.randn(bh, keys, hd, dtype=dtype, device=device)
+
+    def attn() -> torch.Tensor:
+        return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+
+    t = _timeit(attn, 3 if quick else 5, _sync_of(device))
+    return 4.0 * bh * keys * hd / t
+
+
+def measure_copy_bw(device: str, quick: bool = False) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: pinned copies on cuda, memcpy on a CPU device."""
+    nbytes = _COPY_BYTES[quick]
+    sync = _sync_of(device)
+    if device == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        to_dev = _timeit(lambda: dev.copy_(host, non_blocking=True), 3, sync)
+        to_host = _timeit(lambda: host.copy_(dev, non_blocking=True), 3, sync)
+        return nbytes / to_dev, nbytes / to_host
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    t1 = _timeit(lambda: dst.copy_(src), 3, sync)
+    t2 = _timeit(lambda: src.copy_(dst), 3, sync)
+    return nbytes / t1, nbytes / t2
+
+
+def _drop_page_cache() -> bool:
+    """Drop the page cache where allowed (root), so buffered reads hit the device."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure_disk_bw(offload_dir: str, quick: bool = False) -> tuple[float, float]:
+    """(read, write) bytes/s of the engine's own disk path (DiskStore, O_DIRECT when allowed)."""
+    nbytes = _DISK_BYTES[quick]
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    reads, writes = [], []
+    with DiskStore(offload_dir, rank=0) as store:
+        dt = store.allocate("profile", (nbytes,), torch.uint8)
+        for _ in range(1 if quick else 2):
+            t0 = time.perf_counter()
+            dt.write(data)
+            if not store.direct:
+                os.sync()  # buffered fallback: count the flush, not the page-cache copy
+            writes.append(time.perf_counter() - t0)
+            _drop_page_cache()
+            t0 = time.perf_counter()
+            dt.read()
+            reads.append(time.perf_counter() - t0)
+    return nbytes / max(min(reads), 1e-9), nbytes / max(min(writes), 1e-9)
+
+
+def measure_loopback(quick: bool = False) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) of TCP over loopback: a stand-in for the real network."""
+    nbytes, rounds = _NET_BYTES[quick], 50 if quick else 200
+    chunk = 1 << 20
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                conn.sendall(conn.recv(1))
+            left, buf = nbytes, bytearray(chunk)
+            while left > 0:
+                got = conn.recv_into(buf, min(chunk, left))
+                if got == 0:
+                    break
+                left -= got
+            conn.sendall(b"k")
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as cli:
+            cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                cli.sendall(b"x")
+                cli.recv(1)
+            latency = (time.perf_counter() - t0) / rounds / 2
+            payload = bytes(chunk)
+            t0 = time.perf_counter()
+            for _ in range(nbytes // chunk):
+                cli.sendall(payload)
+            cli.recv(1)
+            bw = nbytes / (time.perf_counter() - t0)
+    finally:
+        th.join(timeout=10)
+        srv.close()
+    return bw, latency
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool = False, *,
+                     net_bw: float | None = None,
+                     net_latency: float | None = None) -> HardwareSpec:
+    """Measure this machine as a :class:`HardwareSpec` (under a minute; ``quick``: ~10 s).
+
+    Capacities are what is free now, with headroom: 90% of free GPU memory, 90% of
+    MemAvailable, 95% of free space under ``offload_dir``. On a CPU device the compute device
+    *is* host RAM, so the available RAM is split evenly between the gpu and cpu tiers to keep
+    their sum honest; override with ``with_budgets``. The network defaults to a loopback
+    measurement (an upper bound: real links are slower); pass ``net_bw``/``net_latency`` to
+    use your interconnect's figures.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: use one of {DEVICES}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here: profile with --device cpu")
+    mm = measure_mm_flops(device, quick)
+    cpu_att = measure_attention_flops("cpu", quick)
+    bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
+    ctog, gtoc = measure_copy_bw(device, quick)
+    dtoc, ctod = measure_disk_bw(offload_dir, quick)
+    if net_bw is None or net_latency is None:
+        lo_bw, lo_lat = measure_loopback(quick)
+        net_bw = lo_bw if net_bw is None else net_bw
+        net_latency = lo_lat if net_latency is None else net_latency
+    ram = _mem_available()
+    if device == "cuda":
+        gpu_mem, cpu_mem = int(0.9 * torch.cuda.mem_get_info()[0]), int(0.9 * ram)
+    else:
+        gpu_mem = cpu_mem = int(0.45 * ram)
+    disk_mem = int(0.95 * shutil.disk_usage(offload_dir).free)
+    return HardwareSpec(name=f"{socket.gethostname()}-{device}", source="measured",
+                        gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem,
+                        ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
+                        mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
+                        net_bw=net_bw, net_latency=net_latency, compute_device=device)

@@ -1,0 +1,190 @@
+"""Sizes, budgets and peak accounting, and copy_between across tensor/disk/QTensor."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexgen_dist.memory.disk import DiskStore
+from flexgen_dist.memory.quant import dequantize, quantize
+from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
+                                       format_bytes, parse_size, pin_if_cuda, tensor_nbytes)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with DiskStore(tmp_path / "offload") as s:
+        yield s
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("16GiB", 16 * 2**30), ("512MB", 512 * 10**6), ("1.5G", 3 * 2**29), ("100", 100),
+    ("0", 0), ("2 KiB", 2048), ("1k", 1024), ("3mib", 3 * 2**20), ("1TB", 10**12),
+    ("7B", 7), (4096, 4096), (1.5e3, 1500), (" 1.5 GiB ", 3 * 2**29),
+])
+def test_parse_size(text: str | int | float, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "12XB", "-1G", "1.2.3G", "GiB", -5, float("inf")])
+def test_parse_size_rejects_with_the_bad_string(bad: str | float) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(3 * 2**29) == "1.50 GiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(2048) == "2.00 KiB"
+    assert format_bytes(5 * 2**40) == "5.00 TiB"
+
+
+def test_tracker_current_and_peaks() -> None:
+    t = MemoryTracker()
+    t.add(Tier.GPU, 100)
+    t.add("gpu", 50)
+    t.sub(Tier.GPU, 120)
+    t.add(Tier.DISK, 7)
+    assert t.current(Tier.GPU) == 30 and t.peak(Tier.GPU) == 150
+    assert t.peak_bytes() == {"gpu": 150, "cpu": 0, "disk": 7}
+    t.reset_peaks()
+    assert t.peak_bytes() == {"gpu": 30, "cpu": 0, "disk": 7}
+    with pytest.raises(ValueError, match="frees must match"):
+        t.sub(Tier.CPU, 1)
+
+
+def test_tracker_is_thread_safe() -> None:
+    t = MemoryTracker()
+
+    def work() -> None:
+        for _ in range(2000):
+            t.add(Tier.CPU, 3)
+            t.sub(Tier.CPU, 3)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert t.current(Tier.CPU) == 0
+    assert 3 <= t.peak(Tier.CPU) <= 12
+
+
+def test_budget_check_message() -> None:
+    t = MemoryTracker({Tier.GPU: 2 * 2**30, Tier.CPU: None})
+    t.check(Tier.GPU, 2 * 2**30)   # equal fits
+    t.check(Tier.CPU, 10**15)      # no budget, no check
+    with pytest.raises(MemoryBudgetError) as info:
+        t.check(Tier.GPU, int(3.2 * 2**30))
+    msg = str(info.value)
+    assert msg.startswith("predicted gpu peak 3.20 GiB exceeds --gpu-mem 2.00 GiB: lower ")
+    assert "batch size" in msg and "--percent" in msg
+    t2 = MemoryTracker({Tier.DISK: 10})
+    with pytest.raises(MemoryBudgetError, match="exceeds --disk-mem 10 B"):
+        t2.check("disk", 11)
+
+
+def test_tensor_nbytes(store: DiskStore) -> None:
+    x = torch.zeros(10, 3, dtype=torch.float16)
+    assert tensor_nbytes(x) == 60
+    assert tensor_nbytes(x[::2]) == 30  # elements, not the underlying storage
+    assert tensor_nbytes(store.allocate("d", (10, 3), torch.bfloat16)) == 60
+    q = quantize(torch.randn(4, 128), bits=4, group_size=64)
+    assert tensor_nbytes(q) == 4 * 64 + 2 * 4 * 2 * 4
+    with pytest.raises(TypeError):
+        tensor_nbytes([1, 2])
+
+
+def test_copy_tensor_to_tensor_with_rows() -> None:
+    src = torch.arange(20.0).reshape(10, 2)
+    dst = torch.zeros(6, 2)
+    copy_between(dst, src, dst_rows=(1, 4), src_rows=(5, 8))
+    assert torch.equal(dst[1:4], src[5:8])
+    assert torch.equal(dst[0], torch.zeros(2)) and torch.equal(dst[4:], torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="shapes differ"):
+        copy_between(dst, src, src_rows=(0, 3))
+    with pytest.raises(ValueError, match="out of range"):
+        copy_between(dst, src, dst_rows=(4, 7), src_rows=(0, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_tensor_disk_roundtrip_with_rows(store: DiskStore, dtype: torch.dtype) -> None:
+    x = _rand((33, 7, 5), dtype)  # 35 elements per row: rows straddle 4 KiB blocks
+    d = store.allocate("x", x.shape, dtype)
+    copy_between(d, x)
+    back = torch.empty_like(x)
+    copy_between(back, d)
+    assert torch.equal(back, x)
+
+    patch = _rand((9, 7, 5), dtype, seed=1)
+    copy_between(d, patch, dst_rows=(11, 18), src_rows=(2, 9))
+    expected = x.clone()
+    expected[11:18] = patch[2:9]
+    part = torch.zeros(12, 7, 5, dtype=dtype)
+    copy_between(part, d, dst_rows=(2, 12), src_rows=(10, 20))
+    assert torch.equal(part[2:12], expected[10:20])
+    assert torch.equal(part[:2], torch.zeros(2, 7, 5, dtype=dtype))
+    full = torch.empty_like(x)
+    copy_between(full, d)
+    assert torch.equal(full, expected)
+
+
+def test_copy_disk_to_disk_and_noncontiguous(store: DiskStore) -> None:
+    x = _rand((20, 6), torch.float16)
+    a = store.allocate("a", (20, 6), torch.float16)
+    b = store.allocate("b", (8, 6), torch.float16)
+    copy_between(a, x.t().contiguous().t())  # same values, column-major source
+    copy_between(b, a, dst_rows=(0, 8), src_rows=(12, 20))
+    assert torch.equal(b.read(), x[12:20])
+    out = torch.zeros(6, 20, dtype=torch.float16).t()  # non-contiguous destination
+    copy_between(out, a)
+    assert torch.equal(out, x)
+    with pytest.raises(ValueError, match="shapes differ"):
+        copy_between(b, a)
+
+
+def test_copy_qtensor_through_disk_with_rows(store: DiskStore) -> None:
+    x = torch.randn(6, 10, 64, generator=torch.Generator().manual_seed(5)).half()
+    q = quantize(x, bits=4, group_size=32)
+    on_disk = store.allocate_qtensor("kv", x.shape, x.dtype, bits=4, group_size=32)
+    assert tensor_nbytes(on_disk) == q.nbytes
+    copy_between(on_disk, q, dst_rows=(0, 3), src_rows=(0, 3))
+    copy_between(on_disk, q, dst_rows=(3, 6), src_rows=(3, 6))
+    back = quantize(torch.zeros_like(x), bits=4, group_size=32)
+    copy_between(back, on_disk)
+    assert torch.equal(dequantize(back), dequantize(q))
+    with pytest.raises(TypeError, match="QTensor"):
+        copy_between(torch.empty_like(x), q)
+    with pytest.raises(ValueError, match="layouts differ"):
+        copy_between(quantize(x, bits=8, group_size=32), q)
+
+
+def test_pin_if_cuda_is_identity_for_cpu() -> None:
+    t = torch.ones(3)
+    assert pin_if_cuda(t, torch.device("cpu")) is t
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_cuda_disk_roundtrip(store: DiskStore, dtype: torch.dtype) -> None:
+    x = _rand((33, 7, 5), dtype).cuda()
+    d = store.allocate("x", x.shape, dtype)
+    copy_between(d, x)
+    back = torch.zeros_like(x)
+    copy_between(back, d, dst_rows=(3, 20), src_rows=(3, 20), non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back[3:20], x[3:20])
+    assert pin_if_cuda(torch.ones(3), torch.device("cuda")).is_pinned()
