@@ -86,6 +86,13 @@ class BlockCache:
         for tier, n in self._bytes:
             self.tracker.sub(tier, n)
         self._bytes.clear()
+        for parts in self.chunks.values():
+            for ch in parts:
+                for f in ch.futures:
+                    f.cancel()
+                if ch.tier == Tier.DISK and self._disk_store is not None:
+                    self._disk_store.free(ch.k)
+                    self._disk_store.free(ch.v)
         self.chunks.clear()
 
     # --- overlapped I/O steps ----------------------------------------------------------

@@ -231,8 +231,8 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     D[3, CD] += c_new / hw.ctod_bw
     D[4, CONST] = gemm(bls) + deq_w + head_d / l
     D[4, CG] = att_flops / hw.bmm_flops + deq_c / mem_bw
-    if cpu_attention:
-        D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (hw.cpu_flops * 2)
+    if cpu_attention:  # fp32 on the host: 4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops
+        D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (2 * hw.cpu_flops)
     else:
         D[4, [CC, CD]] = att_flops / hw.bmm_flops + deq_c / mem_bw
     D[5, CONST] = net_d / l
@@ -325,3 +325,59 @@ def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw
                              has_embed=has_embed, has_head=has_head,
                              num_micro_batches=num_micro_batches, num_stages=num_stages)
     return cost_from_terms(terms, policy_fractions(policy))
+
+
+def pipeline_prediction(costs: list[StageCost], num_micro_batches: int) -> dict:
+    """Pipeline throughput from per-stage block costs (all stages share one block size).
+
+    Prefill: the first group fills the pipe (every stage plus every send), the other G-1
+    follow at the bottleneck stage's pace. Decode: a group's next token needs the whole ring
+    (every stage, every send, the token ids back to stage 0), and each stage serves all G
+    groups per step, so a step takes max(G * slowest stage, one trip round the ring).
+    """
+    G, m = num_micro_batches, len(costs)
+    bls, s, n = costs[0].block_size, costs[0].prompt_len, costs[0].gen_len
+    if any(c.block_size != bls for c in costs):
+        raise ValueError(f"stages use block sizes {[c.block_size for c in costs]}: a pipeline "
+                         "needs one block size (gpu_batch_size * num_gpu_batches) on every stage")
+    pre = [c.prefill_time_s for c in costs]
+    step = [c.decode_step_s for c in costs]
+    prefill_time = sum(pre) + sum(c.prefill_net_s for c in costs[:-1]) + (G - 1) * max(pre)
+    ring = sum(step) + (sum(c.decode_net_s for c in costs) if m > 1 else 0.0)
+    decode_time = (n - 1) * max(G * max(step), ring)
+    seqs = G * bls
+    return {
+        "prefill_throughput": seqs * s / prefill_time,
+        "decode_throughput": seqs * (n - 1) / decode_time if n > 1 else 0.0,
+        "total_throughput": seqs * n / (prefill_time + decode_time),
+        "prefill_time_s": prefill_time,
+        "decode_time_s": decode_time,
+        "num_stages": m,
+        "num_micro_batches": G,
+        "block_size": bls,
+        "stage_times": [{"layers": c.num_layers, "prefill_s": c.prefill_time_s,
+                         "decode_step_s": c.decode_step_s, "prefill_net_s": c.prefill_net_s,
+                         "decode_net_s": c.decode_net_s} for c in costs],
+        "peak_bytes": [c.peak for c in costs],
+    }
+
+
+def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[Policy],
+                      hws: list[HardwareSpec], workload: Workload,
+                      num_micro_batches: int) -> dict:
+    """Predicted prefill/decode/total throughput (tokens/s) of the whole pipeline.
+
+    Keys: prefill_throughput (prompt tokens / prefill time), decode_throughput (tokens after
+    the first / decode time), total_throughput (generated tokens / (prefill + decode)),
+    prefill_time_s, decode_time_s, stage_times, peak_bytes (per stage, per phase, per tier).
+    """
+    m = len(stage_layers)
+    if not (len(policies) == len(hws) == m) or m < 1:
+        raise ValueError(f"estimate_pipeline: {m} stage layer counts, {len(policies)} policies "
+                         f"and {len(hws)} hardware specs: give one of each per stage")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches}: must be >= 1")
+    costs = [estimate_stage(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
+                            num_micro_batches=num_micro_batches, num_stages=m)
+             for i, (ls, pol, hw) in enumerate(zip(stage_layers, policies, hws))]
+    return pipeline_prediction(costs, num_micro_batches)

@@ -1,0 +1,235 @@
+"""Run configuration: defaults < YAML file (--config) < command-line flags.
+
+Every flag has a YAML key of the same name with dashes as underscores. The policy of each
+stage is built from --policy FILE (a mapping, or ``stages:`` a list of mappings, one per
+stage) and then overridden by the policy flags given on the command line.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .engine.policy import PERCENT_FIELDS, Policy
+from .engine.sampling import SamplingConfig
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the key and what to change."""
+
+
+POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
+                "compress_weight", "compress_cache", "attn_sparsity")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str | None = None
+    dummy_weights: bool = False
+    prompts: str | None = None
+    num_prompts: int | None = None
+    prompt_len: int = 128
+    gen_len: int = 32
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    output: str | None = None
+    metrics: str | None = None
+    policy: str | None = None
+    percent: tuple[float, ...] | None = None
+    gpu_batch_size: int | None = None
+    num_gpu_batches: int | None = None
+    cpu_attention: bool | None = None
+    overlap: bool | None = None
+    compress_weight: bool | None = None
+    compress_cache: bool | None = None
+    attn_sparsity: float | None = None
+    offload_dir: str = "~/.cache/flexgen_dist/offload"
+    direct_io: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_mem: str | None = None
+    cpu_mem: str | None = None
+    disk_mem: str | None = None
+    hardware: str | None = None
+    num_micro_batches: int | None = None
+    stage_layers: tuple[int, ...] | None = None
+    partition: str = "equal"
+    backend: str | None = None
+    dist_timeout: float = 120.0
+    master_addr: str | None = None
+    master_port: int | None = None
+    log_dir: str | None = None
+    print_outputs: int = 8
+    progress: bool = True
+    stages: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # per-stage policy dicts
+
+    def __post_init__(self) -> None:
+        if self.gen_len < 1:
+            raise ConfigError(f"--gen-len {self.gen_len}: must be >= 1")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ConfigError(f"--num-prompts {self.num_prompts}: must be >= 1")
+        if self.prompt_len < 1:
+            raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
+        if self.percent is not None and len(self.percent) != 6:
+            raise ConfigError(f"--percent takes six numbers WG WC CG CC HG HC, got {len(self.percent)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r}: use cpu, cuda or auto")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(f"--dtype {self.dtype!r}: use float32, float16, bfloat16 or auto")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"--direct-io {self.direct_io!r}: use auto, on or off")
+        if self.partition not in ("equal", "balanced"):
+            raise ConfigError(f"--partition {self.partition!r}: use equal or balanced")
+        if self.dist_timeout <= 0:
+            raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
+        SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+
+    @property
+    def auto_policy(self) -> bool:
+        return self.policy == "auto"
+
+    def policy_overrides(self) -> dict[str, Any]:
+        """Policy fields given as flags (or top-level YAML keys)."""
+        out: dict[str, Any] = {}
+        for f in POLICY_FLAGS:
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if f == "percent":
+                out.update(zip(PERCENT_FIELDS, (float(x) for x in v)))
+            else:
+                out[f] = v
+        return out
+
+    def stage_policies(self, num_stages: int) -> list[Policy]:
+        """One Policy per stage: policy file (or per-stage list), then flag overrides."""
+        base: list[dict[str, Any]] = [dict(s) for s in self.stages]
+        if self.policy and not self.auto_policy:
+            base = load_policy_file(self.policy)
+        if not base:
+            base = [{}]
+        if len(base) == 1:
+            base = base * num_stages
+        if len(base) != num_stages:
+            raise ConfigError(f"{len(base)} stage policies given for {num_stages} stages: give one, "
+                              f"or one per stage")
+        over = self.policy_overrides()
+        try:
+            return [Policy.from_dict({**b, **over}) for b in base]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+
+
+def load_policy_file(path: str) -> list[dict[str, Any]]:
+    data = _read_yaml(path)
+    if isinstance(data, dict) and "stages" in data:
+        data = data["stages"]
+    if isinstance(data, dict):
+        return [data]
+    if isinstance(data, list) and all(isinstance(d, dict) for d in data):
+        return data
+    raise ConfigError(f"{path}: a policy file is a mapping of policy fields, or 'stages:' a list of them")
+
+
+def _read_yaml(path: str) -> Any:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    S = argparse.SUPPRESS
+    p = argparse.ArgumentParser(prog="python -m flexgen_dist.run", argument_default=S,
+                                description="High-throughput generation with offloading, on one "
+                                "device or a pipeline of ranks.")
+    a = p.add_argument
+    a("--config", help="YAML file with any of these options (flags override it)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="registry name, Hugging Face model dir, or .gguf file "
+                   "(default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompts", help=".jsonl with {id, prompt|input_ids} per line, or .txt one per line")
+    g.add_argument("--num-prompts", type=int, help="synthetic prompts (random ids) instead of a file")
+    g.add_argument("--prompt-len", type=int, help="length of synthetic prompts (default 128)")
+    g.add_argument("--gen-len", type=int, help="tokens to generate per prompt (default 32)")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --gen-len tokens")
+    g.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}")
+    g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
+    g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g = p.add_argument_group("policy")
+    g.add_argument("--policy", help="policy YAML file, or 'auto' to plan one")
+    g.add_argument("--percent", nargs=6, type=float, metavar=("WG", "WC", "CG", "CC", "HG", "HC"),
+                   help="GPU and CPU percent of weights, cache, activations (disk gets the rest)")
+    g.add_argument("--gpu-batch-size", type=int)
+    g.add_argument("--num-gpu-batches", type=int)
+    g.add_argument("--cpu-attention", action=argparse.BooleanOptionalAction)
+    g.add_argument("--overlap", action=argparse.BooleanOptionalAction)
+    g.add_argument("--compress-weight", action=argparse.BooleanOptionalAction)
+    g.add_argument("--compress-cache", action=argparse.BooleanOptionalAction)
+    g.add_argument("--attn-sparsity", type=float)
+    g.add_argument("--offload-dir")
+    g.add_argument("--direct-io", choices=["auto", "on", "off"])
+    g.add_argument("--gpu-mem")
+    g.add_argument("--cpu-mem")
+    g.add_argument("--disk-mem")
+    g.add_argument("--hardware", help="hardware profile YAML for --policy auto")
+    g = p.add_argument_group("distributed")
+    g.add_argument("--num-micro-batches", type=int, help="groups of blocks in flight (default: stages)")
+    g.add_argument("--stage-layers", nargs="+", type=int, help="layers per stage, e.g. 5 4 3")
+    g.add_argument("--partition", choices=["equal", "balanced"])
+    g.add_argument("--backend", choices=["gloo", "nccl"])
+    g.add_argument("--dist-timeout", type=float, help="seconds before a silent peer is declared dead")
+    g.add_argument("--master-addr")
+    g.add_argument("--master-port", type=int)
+    g.add_argument("--log-dir", help="per-rank logs go here (default: next to --metrics, or none)")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    ns = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    if "config" in ns:
+        data = _read_yaml(ns.pop("config"))
+        if not isinstance(data, dict):
+            raise ConfigError("--config file must be a YAML mapping of option: value")
+        known = {f.name for f in fields(RunConfig)}
+        for k, v in data.items():
+            key = str(k).replace("-", "_")
+            if key not in known:
+                raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
+            values[key] = v
+    values.update(ns)
+    for k in ("percent", "stage_layers"):
+        if values.get(k) is not None:
+            values[k] = tuple(values[k])
+    if "stages" in values:
+        st = values["stages"]
+        if not isinstance(st, (list, tuple)) or not all(isinstance(s, dict) for s in st):
+            raise ConfigError("'stages' in the config file must be a list of policy mappings")
+        values["stages"] = tuple(st)
+    try:
+        return RunConfig(**values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,85 @@
+"""Predicted peak bytes per tier of a stage under a policy, checked before anything is allocated.
+
+The prediction mirrors what the engine allocates: weights by ``choose_tiers``, the KV cache of
+one block by ``split_rows``, activations of one block, plus the compute device's working set
+(two slots of weights in flight when they live off the device, one GPU batch's activations and
+attention scores).
+"""
+from __future__ import annotations
+
+from ..memory.tiers import MemoryBudgetError, Tier, format_bytes
+from ..models.common import family_module
+from ..models.spec import ModelSpec
+from .kvcache import split_rows
+from .policy import Policy
+from .weights import choose_tiers
+
+
+def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
+                  has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
+                  num_blocks_in_flight: int = 1) -> dict[str, int]:
+    fam = family_module(spec)
+    peak = {t.value: 0 for t in Tier}
+    parts = (["embed"] if has_embed else []) + ["layer"] * (layers[1] - layers[0]) + (["head"] if has_head else [])
+    max_off = 0
+    for part in parts:
+        shapes = getattr(fam, f"{part}_shapes")(spec)
+        sizes = [_numel(s) * dtype_bytes for s in shapes.values()]
+        if policy.compress_weight:
+            sizes = [_compressed(s, policy, dtype_bytes) if len(sh) == 2 else s for s, sh in zip(sizes, shapes.values())]
+        tiers = choose_tiers(sizes, policy.fractions("w"))
+        off = 0
+        for size, tier in zip(sizes, tiers):
+            if policy.compress_weight and tier == Tier.DISK:
+                tier = Tier.CPU
+            peak[tier.value] += size
+            off += size if tier != Tier.GPU else 0
+        max_off = max(max_off, sum(_numel(s) for s in shapes.values()) * dtype_bytes if off else 0)
+    total = prompt_len + gen_len
+    nl = layers[1] - layers[0]
+    b = policy.gpu_batch_size
+    cache = {t.value: 0 for t in Tier}
+    for tier, r0, r1 in split_rows(b * spec.num_kv_heads, policy.fractions("cache")):
+        cache[tier.value] += 2 * (r1 - r0) * total * spec.head_dim * dtype_bytes
+    acts = {t.value: 0 for t in Tier}
+    for tier, r0, r1 in split_rows(b, policy.fractions("act")):
+        acts[tier.value] += (r1 - r0) * prompt_len * spec.hidden_size * dtype_bytes
+    blocks = policy.num_gpu_batches * num_blocks_in_flight
+    for t in peak:
+        peak[t] += cache[t] * nl * blocks + acts[t] * blocks
+    # compute-device working set: weights of two slots in flight, one batch's activations,
+    # its MLP intermediate and its prefill attention scores
+    work = 2 * max_off
+    work += b * prompt_len * (2 * spec.hidden_size + spec.ffn_size) * dtype_bytes
+    work += b * spec.num_heads * prompt_len * prompt_len * 4
+    if has_head:
+        work += b * spec.vocab_size * 4
+    peak[Tier.GPU.value] += work
+    return peak
+
+
+def check_budgets(peak: dict[str, int], budgets: dict[str, int | None], stage: int = 0) -> None:
+    """Refuse a policy whose predicted peak exceeds a cap, naming the tier, peak and cap."""
+    flags = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}
+    hints = {"gpu": "lower the GPU percents (--percent) or --gpu-batch-size",
+             "cpu": "move weights or cache to disk (--percent) or lower the batch size",
+             "disk": "raise --disk-mem, free space, or lower the batch size"}
+    for tier, cap in budgets.items():
+        if cap is not None and peak[tier] > cap:
+            where = f" on stage {stage}" if stage else ""
+            raise MemoryBudgetError(
+                f"predicted {tier} peak {format_bytes(peak[tier])}{where} exceeds {flags[tier]} "
+                f"{format_bytes(cap)}: {hints[tier]}, or use --policy auto")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _compressed(nbytes: int, policy: Policy, dtype_bytes: int) -> int:
+    """Packed codes plus a min and a scale (original dtype) per group."""
+    numel = nbytes // dtype_bytes
+    return numel * policy.comp_bits // 8 + 2 * (numel // policy.comp_group_size + 1) * dtype_bytes

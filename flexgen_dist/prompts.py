@@ -1,0 +1,117 @@
+"""Reading prompts (.jsonl, .txt, synthetic) and writing outputs (.jsonl, incrementally)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, IO
+
+import torch
+
+from .config import ConfigError
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+]
+
+
+@dataclass
+class Prompt:
+    id: Any
+    text: str | None
+    ids: list[int]
+
+
+def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tokenizer: Any | None,
+                 vocab_size: int, seed: int = 0) -> list[Prompt]:
+    """Prompts from a file, synthetic ids, or (neither given) a few built-in examples."""
+    if path is None and num_prompts is not None:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(low=min(10, vocab_size - 1), high=vocab_size, size=(num_prompts, prompt_len),
+                            generator=g)
+        return [Prompt(i, None, row) for i, row in enumerate(ids.tolist())]
+    if path is None:
+        raw: list[tuple[Any, str | None, list[int] | None]] = [(i, t, None) for i, t in enumerate(DEFAULT_PROMPTS)]
+    else:
+        raw = _read_file(path)
+    if not raw:
+        raise ConfigError(f"{path}: no prompts in the file")
+    if num_prompts is not None:
+        raw = raw[:num_prompts]
+    out = []
+    for pid, text, ids in raw:
+        if ids is None:
+            if tokenizer is None:
+                raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
+                                  "'input_ids' in a .jsonl file, or use a model with a tokenizer")
+            ids = list(tokenizer(text)["input_ids"])
+        if not ids:
+            raise ConfigError(f"prompt {pid!r} is empty: remove it or give it some text")
+        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ConfigError(f"prompt {pid!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        out.append(Prompt(pid, text, [int(t) for t in ids]))
+    return out
+
+
+def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"--prompts {path}: no such file")
+    lines = p.read_text(encoding="utf-8").splitlines()
+    if p.suffix == ".jsonl" or p.suffix == ".json":
+        out = []
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n + 1}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or ("prompt" not in rec and "input_ids" not in rec):
+                raise ConfigError(f"{path}:{n + 1}: each line needs a 'prompt' or 'input_ids' field")
+            pid = rec.get("id", n)
+            if "input_ids" in rec:
+                ids = rec["input_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ConfigError(f"{path}:{n + 1}: 'input_ids' must be a list of integers")
+                out.append((pid, rec.get("prompt"), ids))
+            else:
+                out.append((pid, str(rec["prompt"]), None))
+        return out
+    return [(n, line, None) for n, line in enumerate(lines) if line.strip()]
+
+
+class OutputWriter:
+    """Writes one JSON line per prompt, in prompt order, flushed block by block."""
+
+    def __init__(self, path: str | None, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.f: IO[str] | None = None
+        if path:
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(Path(path).expanduser(), "w", encoding="utf-8")
+
+    def record(self, p: Prompt, tokens: list[int]) -> dict[str, Any]:
+        rec: dict[str, Any] = {"id": p.id}
+        if p.text is not None:
+            rec["prompt"] = p.text
+        if self.tokenizer is not None:
+            rec["text"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        rec["tokens"] = tokens
+        return rec
+
+    def write(self, recs: list[dict[str, Any]]) -> None:
+        if self.f is None:
+            return
+        for r in recs:
+            self.f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
