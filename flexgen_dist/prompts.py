@@ -46,7 +46,7 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
         if ids is None:
             if tokenizer is None:
                 raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
-                                  "'input_ids' in a .jsonl file, or use a model with a tokenizer")
+                                  "'input_ids' in a .jsonl file, or --num-prompts N --prompt-len S for synthetic prompts")
             ids = list(tokenizer(text)["input_ids"])
         if not ids:
             raise ConfigError(f"prompt {pid!r} is empty: remove it or give it some text")

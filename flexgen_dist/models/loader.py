@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,13 +226,35 @@ def _load_tokenizer(path: Path, gguf_file: str | None = None) -> Any | None:
     hf_logging.set_verbosity_error()
     try:
         if gguf_file:
-            return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+            return _gguf_tokenizer(path / gguf_file)
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                    "vocab.json", "tokenizer.model")):
             return None
         return AutoTokenizer.from_pretrained(str(path))
     except Exception:  # noqa: BLE001 - a model without a usable tokenizer still runs on ids
         return None
+
+
+def _gguf_tokenizer(gguf: Path) -> Any:
+    """Tokenizer of a GGUF file; converted once, then read from a cache (seconds -> ms)."""
+    from transformers import AutoTokenizer
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "tokenizers" / key
+    if (cache / "tokenizer_config.json").exists():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # noqa: BLE001 - a broken cache entry is rebuilt below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cache) if not cache.exists() else None
+    except OSError:
+        pass  # an unwritable cache only costs time
+    return tok
 
 
 def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,

@@ -43,7 +43,7 @@ class Workload:
         if self.prompt_len < 1 or self.gen_len < 1:
             raise ValueError(f"Workload prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
                              "both must be >= 1")
-        if self.dtype_bytes not in (1, 2, 4):
+        if self.dtype_bytes not in (2, 4):
             raise ValueError(f"Workload.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
                              "(fp32)")
 
@@ -112,6 +112,7 @@ class StageTerms:
     cpu_slack: float
     prefill_net_s: float
     decode_net_s: float
+    overlap: bool = True  # False: channels run one after another (sum instead of max)
 
     def peak_rows(self, gpu_split: bool, disk_split: bool) -> np.ndarray:
         rows = self.peak_base.copy()
@@ -121,7 +122,10 @@ class StageTerms:
 
     def peaks(self, x: np.ndarray) -> np.ndarray:
         """(2, 3) peak bytes at fractions ``x`` (length 9)."""
-        return self.peak_rows(x[WG] < 1 - 1e-9, x[WD] > 1e-9) @ np.append(x, 1.0)
+        out = self.peak_base @ np.append(x, 1.0)
+        out[:, 0] += self.gpu_slack * (x[WG] < 1 - 1e-9)
+        out[:, 1] += self.cpu_slack * (x[WD] > 1e-9)
+        return out
 
     def layer_times(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel seconds per layer per block: (prefill[6], decode[6])."""
@@ -131,7 +135,11 @@ class StageTerms:
     def block_time(self, x: np.ndarray) -> tuple[float, float]:
         """(prefill seconds, decode seconds for all n-1 steps) of one block."""
         tp, tg = self.layer_times(x)
-        return self.num_layers * float(tp.max()), (self.gen_len - 1) * self.num_layers * float(tg.max())
+        if self.overlap:
+            tp_, tg_ = float(tp.max()), float(tg.max())
+        else:
+            tp_, tg_ = float(tp.sum()), float(tg.sum())
+        return self.num_layers * tp_, (self.gen_len - 1) * self.num_layers * tg_
 
 
 def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) -> float:
@@ -140,14 +148,16 @@ def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) 
 
 
 def policy_fractions(policy: Policy) -> np.ndarray:
-    return np.array(policy.fractions("w") + policy.fractions("cache") + policy.fractions("act"))
+    x = np.array(policy.fractions("w") + policy.fractions("cache") + policy.fractions("act"))
+    return np.round(x, 12)  # 1 - 0.91 - 0.09 is 1e-17, not a disk share
 
 
 def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
-                num_micro_batches: int = 1, num_stages: int = 1) -> StageTerms:
+                num_micro_batches: int = 1, num_stages: int = 1,
+                overlap: bool = True) -> StageTerms:
     """Build the linear coefficient tables (see module docstring) for one stage."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
     gbs, bls, G = gpu_batch_size, gpu_batch_size * num_gpu_batches, num_micro_batches
@@ -177,6 +187,9 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     c_avg = bls * cbytes((s + n / 2) * kv_tok)  # cache read per decode step, per layer
     c_new = bls * cbytes(kv_tok)  # cache written per decode step, per layer
     a_pre, a_dec = bls * s * h1 * b, bls * h1 * b  # a block's hidden states
+    # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
+    # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
+    hop = 1.0 if hw.compute_device == "cuda" else 0.0
 
     # --- time per layer per block -------------------------------------------------------
     def gemm(rows: int) -> float:
@@ -201,10 +214,10 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         net_d = hw.net_latency + sent_d / hw.net_bw
 
     P = np.zeros((6, 10))
-    P[0, [WC, WD]] = wl_io / hw.ctog_bw
-    P[0, [HC, HD]] += a_pre / hw.ctog_bw
-    P[1, [CC, CD]] = c_pre / hw.gtoc_bw
-    P[1, [HC, HD]] += a_pre / hw.gtoc_bw
+    P[0, [WC, WD]] = np.array([1.0, hop]) * wl_io / hw.ctog_bw
+    P[0, [HC, HD]] += np.array([1.0, hop]) * a_pre / hw.ctog_bw
+    P[1, [CC, CD]] = np.array([1.0, hop]) * c_pre / hw.gtoc_bw
+    P[1, [HC, HD]] += np.array([1.0, hop]) * a_pre / hw.gtoc_bw
     P[2, WD] = wl_io / hw.dtoc_bw
     P[2, HD] += a_pre / hw.dtoc_bw
     P[3, CD] = c_pre / hw.ctod_bw
@@ -215,15 +228,15 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     P[5, CONST] = net_p / l
 
     D = np.zeros((6, 10))
-    D[0, [WC, WD]] = wl_io / hw.ctog_bw
-    D[0, [HC, HD]] += a_dec / hw.ctog_bw
-    D[1, [HC, HD]] = a_dec / hw.gtoc_bw
-    D[1, [CC, CD]] += c_new / hw.gtoc_bw
+    D[0, [WC, WD]] = np.array([1.0, hop]) * wl_io / hw.ctog_bw
+    D[0, [HC, HD]] += np.array([1.0, hop]) * a_dec / hw.ctog_bw
+    D[1, [HC, HD]] = np.array([1.0, hop]) * a_dec / hw.gtoc_bw
+    D[1, [CC, CD]] += np.array([1.0, hop]) * c_new / hw.gtoc_bw
     if cpu_attention:  # q goes to the cache, the attention output comes back
         D[0, [CC, CD]] += bls * q * b / hw.ctog_bw
         D[1, [CC, CD]] += bls * q * b / hw.gtoc_bw
     else:  # the cache comes to the compute device
-        D[0, [CC, CD]] += c_avg / hw.ctog_bw
+        D[0, [CC, CD]] += np.array([1.0, hop]) * c_avg / hw.ctog_bw
     D[2, WD] = wl_io / hw.dtoc_bw
     D[2, HD] += a_dec / hw.dtoc_bw
     D[2, CD] += c_avg / hw.dtoc_bw
@@ -280,14 +293,14 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     return StageTerms(num_layers=l, block_size=bls, prompt_len=s, gen_len=n, prefill=P,
                       decode=D, peak_base=M, gpu_slack=slack,
                       cpu_slack=slack if disk_staging else 0.0,
-                      prefill_net_s=net_p, decode_net_s=net_d)
+                      prefill_net_s=net_p, decode_net_s=net_d, overlap=overlap)
 
 
 def cost_from_terms(terms: StageTerms, x: np.ndarray) -> StageCost:
     tp, tg = terms.layer_times(x)
     pre, dec = terms.block_time(x)
     pk = terms.peaks(x)
-    peak = {ph: {t: int(math.ceil(pk[i, j])) for j, t in enumerate(TIERS)}
+    peak = {ph: {t: max(0, int(math.ceil(pk[i, j] - 1e-6))) for j, t in enumerate(TIERS)}
             for i, ph in enumerate(PHASES)}
     channels = {"prefill": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tp)},
                 "decode_step": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tg)}}
@@ -307,7 +320,8 @@ def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: Hardw
                        compress_weight=policy.compress_weight,
                        compress_cache=policy.compress_cache, comp_bits=policy.comp_bits,
                        comp_group_size=policy.comp_group_size,
-                       num_micro_batches=num_micro_batches, num_stages=num_stages)
+                       num_micro_batches=num_micro_batches, num_stages=num_stages,
+                       overlap=policy.overlap)
 
 
 def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,

@@ -113,16 +113,17 @@ class HardwareSpec:
         if missing:
             raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
         vals = dict(d)
+        convert = {**{f: parse_size for f in MEM_FIELDS}, **{f: _parse_rate for f in BW_FIELDS},
+                   **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
+        for f, conv in convert.items():
+            try:
+                vals[f] = conv(vals[f])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: {f}={vals[f]!r}: {e}") from None
         try:
-            for f in MEM_FIELDS:
-                vals[f] = parse_size(vals[f])
-            for f in BW_FIELDS:
-                vals[f] = _parse_rate(vals[f])
-            for f in FLOPS_FIELDS + ("net_latency",):
-                vals[f] = float(vals[f])
-        except (TypeError, ValueError) as e:
+            return cls(**vals)
+        except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        return cls(**vals)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> HardwareSpec:

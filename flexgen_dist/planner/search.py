@@ -10,6 +10,7 @@ rounding overshot, and pushed toward higher tiers where that costs nothing (ties
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import linprog
@@ -17,7 +18,8 @@ from scipy.optimize import linprog
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import (CONST, TIERS, WC, WD, WG, StageCost, StageTerms,
-                                             Workload, cost_from_terms, stage_terms)
+                                             Workload, cost_from_terms, pipeline_prediction,
+                                             stage_terms)
 from flexgen_dist.planner.hardware import HardwareSpec
 
 GIB = 2**30
@@ -164,10 +166,6 @@ def _push_up(terms: StageTerms, p: np.ndarray, budgets: np.ndarray) -> np.ndarra
     return p
 
 
-def _finish(terms: StageTerms, x: np.ndarray, budgets: np.ndarray,
-            no_disk_weights: bool) -> np.ndarray | None:
-    p = _nudge_down(terms, round_percents(x), budgets, no_disk_weights)
-    return None if p is None else _push_up(terms, p, budgets)
 
 
 def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec,
@@ -193,12 +191,12 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                                     has_embed=has_embed, has_head=has_head,
                                     compress_weight=compress, compress_cache=compress,
                                     num_micro_batches=num_micro_batches, num_stages=num_stages)
-                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress)
+                bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
+                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar)
                 if cand is None:
                     break
-                bls = cand.block_size
-                if bls not in best or cand.objective < best[bls].objective:
-                    best[bls] = cand
+                if cand.objective < bar:
+                    best[gbs * ngb] = cand
             else:
                 continue
             if ngb == ngb_list[0]:
@@ -207,7 +205,10 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
 
 
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
-                     cpu_att: bool, compress: bool) -> Candidate | None:
+                     cpu_att: bool, compress: bool, bar: float = float("inf")
+                     ) -> Candidate | None:
+    """Solve, round and repair one (gbs, num_gb, cpu_attention); ``bar``: best so far for
+    this block size (the tie-breaking push toward higher tiers is skipped for clear losers)."""
     found: list[np.ndarray] = []
     x = solve_lp(terms, budgets, weights_all_gpu=False, no_disk_weights=compress)
     if x is not None:
@@ -223,10 +224,13 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
             found.append(x)
     best = None
     for x in found:
-        p = _finish(terms, x, budgets, compress)
+        p = _nudge_down(terms, round_percents(x), budgets, compress)
         if p is None:
             continue
         obj = _objective(terms, p / 100.0)
+        if obj <= bar * 1.001:
+            p = _push_up(terms, p, budgets)
+            obj = _objective(terms, p / 100.0)
         if best is None or obj < best.objective:
             best = Candidate(gbs, ngb, cpu_att, compress, p, terms, obj)
     return best
@@ -292,3 +296,129 @@ def plan_stage(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, work
                                  num_micro_batches=num_micro_batches, num_stages=num_stages))
     best = min(cands.values(), key=lambda c: (c.objective, c.block_size))
     return best.policy(), best.cost()
+
+
+# pipeline -----------------------------------------------------------------------------
+class StagePlan(NamedTuple):
+    layers: range  # model layer indices this stage owns
+    policy: Policy
+    cost: StageCost
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Per-stage policies for one pipeline and the planner's predicted throughput."""
+
+    model: str
+    workload: Workload
+    num_micro_batches: int
+    stages: list[StagePlan]
+    predicted: dict
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stage_layers(self) -> list[int]:
+        return [len(s.layers) for s in self.stages]
+
+    @property
+    def policies(self) -> list[Policy]:
+        return [s.policy for s in self.stages]
+
+
+def equal_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts differing by at most one; earlier stages take the extra layers."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"num_stages={num_stages}: use 1 to {num_layers} (one layer per stage "
+                         "at least)")
+    q, r = divmod(num_layers, num_stages)
+    return [q + (i < r) for i in range(num_stages)]
+
+
+def _ranges(stage_layers: list[int]) -> list[range]:
+    starts = np.cumsum([0] + stage_layers[:-1])
+    return [range(int(a), int(a) + n) for a, n in zip(starts, stage_layers)]
+
+
+def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | HardwareSpec,
+                  workload: Workload, *, stage_layers: list[int] | None = None,
+                  partition: str = "equal", num_micro_batches: int | None = None,
+                  compress: bool = False, max_gpu_batch_size: int = 64,
+                  max_num_gpu_batches: int = 16) -> PipelinePlan:
+    """Plan every stage of an m-stage pipeline; all stages share one block size.
+
+    Each stage's search gives its best placement per block size; the block size with the
+    highest predicted total throughput of the whole pipeline wins. ``partition="balanced"``
+    then moves layers across stage boundaries while that raises the prediction (it matters
+    for the stages carrying the embedding and the LM head, and for mixed hardware).
+    ``num_micro_batches`` defaults to the number of stages (every stage busy).
+    """
+    m = num_stages
+    hw_list = list(hws) if isinstance(hws, (list, tuple)) else [hws] * m
+    if len(hw_list) != m:
+        raise ValueError(f"{len(hw_list)} hardware specs for {m} stages: give one, or one per stage")
+    if partition not in ("equal", "balanced"):
+        raise ValueError(f"partition={partition!r}: use 'equal' or 'balanced'")
+    G = num_micro_batches or m
+    layers = list(stage_layers) if stage_layers is not None else equal_split(spec.num_layers, m)
+    if len(layers) != m or sum(layers) != spec.num_layers or min(layers) < 1:
+        raise ValueError(f"stage_layers={layers}: give {m} positive counts summing to "
+                         f"{spec.num_layers}")
+    memo: dict[tuple, dict[int, Candidate]] = {}
+
+    def candidates(i: int, n_layers: int) -> dict[int, Candidate]:
+        key = (n_layers, i == 0, i == m - 1, hw_list[i])
+        if key not in memo:
+            memo[key] = stage_candidates(
+                spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
+                max_gpu_batch_size=max_gpu_batch_size, max_num_gpu_batches=max_num_gpu_batches,
+                compress=compress, num_micro_batches=G, num_stages=m)
+            if not memo[key]:
+                where = f"stage {i} of {m}: " if m > 1 else ""
+                raise PlanError(where + diagnose(
+                    spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
+                    compress=compress, num_micro_batches=G, num_stages=m))
+        return memo[key]
+
+    def best_for(split: list[int]) -> tuple[float, list[Candidate], dict]:
+        per_stage = [candidates(i, n) for i, n in enumerate(split)]
+        common = set.intersection(*(set(c) for c in per_stage))
+        if not common:
+            raise PlanError(f"the {m} stages of {spec.name} share no feasible block size: "
+                            "raise the memory budgets or use another partition")
+        best = None
+        for bls in sorted(common):
+            chosen = [c[bls] for c in per_stage]
+            pred = pipeline_prediction([c.cost() for c in chosen], G)
+            if best is None or pred["total_throughput"] > best[0]:
+                best = (pred["total_throughput"], chosen, pred)
+        assert best is not None
+        return best
+
+    best = best_for(layers)
+    if partition == "balanced" and m > 1:
+        improved = True
+        while improved:
+            improved = False
+            times = [s["prefill_s"] + (workload.gen_len - 1) * s["decode_step_s"]
+                     for s in best[2]["stage_times"]]
+            slow = int(np.argmax(times))
+            for nb in (slow - 1, slow + 1):  # hand one layer to a neighbour
+                if not 0 <= nb < m or layers[slow] <= 1:
+                    continue
+                trial = list(layers)
+                trial[slow] -= 1
+                trial[nb] += 1
+                try:
+                    cand = best_for(trial)
+                except PlanError:
+                    continue
+                if cand[0] > best[0] * (1 + 1e-9):
+                    best, layers, improved = cand, trial, True
+                    break
+    _, chosen, pred = best
+    stages = [StagePlan(r, c.policy(), c.cost()) for r, c in zip(_ranges(layers), chosen)]
+    return PipelinePlan(model=spec.name, workload=workload, num_micro_batches=G,
+                        stages=stages, predicted=pred)

@@ -1,0 +1,138 @@
+"""The offloading engine: every placement gives the reference tokens; tiers, files, budgets."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist.engine.generate import generate
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.engine.sampling import SamplingConfig
+from flexgen_dist.engine.stage import StageEngine
+from flexgen_dist.memory.disk import DiskStore
+from flexgen_dist.memory.tiers import Tier
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.run import main
+
+PLACEMENTS = {
+    "all-compute": (100, 0, 100, 0, 100, 0),
+    "weights-cpu": (0, 100, 0, 100, 0, 100),
+    "all-disk": (0, 0, 0, 0, 0, 0),
+    "mixed": (30, 30, 20, 50, 50, 50),
+}
+GEN = 6
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_every_placement_matches_transformers(kind: str, tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models[kind]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    ref = reference_generate(tm, PROMPTS, GEN)
+    for (name, pct), overlap, cpu_att in itertools.product(PLACEMENTS.items(), [True, False], [True, False]):
+        with DiskStore(tmp_path / "off") as disk:
+            eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                              policy=Policy(2, 2, *pct, overlap=overlap, cpu_attention=cpu_att),
+                              device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+            outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            eng.close()
+        assert outs == ref, (name, overlap, cpu_att)
+
+
+def test_cli_offload_flags_match_and_leave_no_files(tiny_models, tmp_path: Path, capsys) -> None:
+    tm = tiny_models["opt-post-proj"]
+    p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    off, out = tmp_path / "off", tmp_path / "o.jsonl"
+    rc = main(["--model", str(tm.path), "--prompts", str(p), "--gen-len", str(GEN), "--ignore-eos",
+               "--percent", "0", "0", "0", "0", "0", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "3",
+               "--offload-dir", str(off), "--output", str(out), "--no-progress", "--metrics", str(tmp_path / "m.json")])
+    assert rc == 0
+    assert [r["tokens"] for r in read_jsonl(out)] == reference_generate(tm, PROMPTS, GEN)
+    assert off.is_dir() and list(off.iterdir()) == []  # the per-rank dir and its files are gone
+    import json
+
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["peak_bytes"][0]["disk"] > 0 and m["direct_io"] in (True, False)
+
+
+def test_weight_tiers_follow_the_fractions(tmp_path: Path) -> None:
+    lm = load_model("opt-125m", dummy_weights=True)
+    with DiskStore(tmp_path / "off") as disk:
+        eng = StageEngine(lm.spec, lm.source, (0, 4), has_embed=False, has_head=False,
+                          policy=Policy(1, 1, 30, 30, 100, 0, 100, 0), device=torch.device("cpu"),
+                          dtype=torch.float32, disk=disk)
+        by_tier = eng.weights.bytes_per_tier()
+        total = sum(by_tier.values())
+        largest = max(p.nbytes for ws in eng.weights.placed.values() for p in ws.values())
+        for tier, frac in (("gpu", 0.3), ("cpu", 0.3), ("disk", 0.4)):
+            assert abs(by_tier[tier] - frac * total) <= 4 * largest / 2, (tier, by_tier)
+        for slot, ws in eng.weights.placed.items():
+            for name, p in ws.items():
+                if p.tier == Tier.DISK:
+                    assert Path(p.data.path).is_file()  # a real file per disk tensor
+                elif p.tier == Tier.GPU:
+                    assert isinstance(p.data, torch.Tensor)
+        files = list(Path(disk.dir).iterdir())
+        assert len(files) == sum(p.tier == Tier.DISK for ws in eng.weights.placed.values() for p in ws.values())
+        eng.close()
+        d = Path(disk.dir)
+    assert not d.exists()
+
+
+def test_budget_is_refused_with_predicted_peak(tiny_models, capsys) -> None:
+    rc = main(["--model", str(tiny_models["opt-pre"].path), "--gpu-mem", "10KiB", "--no-progress", "--num-prompts", "2", "--prompt-len", "4"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "predicted gpu peak" in err and "exceeds --gpu-mem 10.00 KiB" in err
+
+
+def test_unwritable_offload_dir_fails_before_generation(tiny_models, tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["--model", str(tiny_models["opt-pre"].path), "--percent", "0", "0", "100", "0", "100", "0",
+               "--offload-dir", str(blocker / "sub"), "--no-progress", "--num-prompts", "2", "--prompt-len", "8", "--output", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error:" in err and "offload" in err.lower()
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_full_disk_is_predicted(tiny_models, tmp_path: Path, capsys, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
+    rc = main(["--model", str(tiny_models["opt-pre"].path), "--percent", "0", "0", "100", "0", "100", "0",
+               "--offload-dir", str(tmp_path / "off"), "--no-progress", "--num-prompts", "2", "--prompt-len", "8"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "free" in err and "needs" in err
+
+
+def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
+    off = tmp_path / "off"
+    out = tmp_path / "o.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "flexgen_dist.run", "--model", "opt-125m", "--dummy-weights",
+                             "--num-prompts", "4", "--prompt-len", "16", "--gen-len", "400", "--ignore-eos",
+                             "--gpu-batch-size", "1", "--percent", "100", "0", "0", "0", "100", "0",
+                             "--offload-dir", str(off), "--output", str(out), "--no-progress"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (off.is_dir() and any(off.rglob("*-kv-*"))):
+            time.sleep(0.2)
+        assert any(off.rglob("*-kv-*")), "the run never wrote its KV cache to disk"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert list(off.iterdir()) == []

@@ -1,0 +1,242 @@
+"""Planner: cost model, LP search, pipeline plans, hardware YAML, profiler and CLI.
+
+Fast (the searches take well under a second each) and free of wall-clock assertions.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.models.registry import get_spec
+from flexgen_dist.models.spec import ModelSpec
+from flexgen_dist.planner.cli import main as cli_main
+from flexgen_dist.planner.cost_model import (Workload, estimate_pipeline, estimate_stage,
+                                             stage_terms)
+from flexgen_dist.planner.hardware import HardwareSpec, profile_hardware
+from flexgen_dist.planner.search import (PlanError, equal_split, plan_pipeline, plan_stage,
+                                         round_percents, solve_lp)
+
+ROOT = Path(__file__).resolve().parents[1]
+T4 = ROOT / "configs" / "hardware" / "t4.yaml"
+WL = Workload(prompt_len=512, gen_len=32)
+FAST = dict(max_gpu_batch_size=16, max_num_gpu_batches=4)  # a smaller grid for property tests
+
+
+@pytest.fixture(scope="module")
+def t4() -> HardwareSpec:
+    return HardwareSpec.from_yaml(T4)
+
+
+def _budgets(hw: HardwareSpec) -> dict[str, int]:
+    return {"gpu": hw.gpu_mem, "cpu": hw.cpu_mem, "disk": hw.disk_mem}
+
+
+def _assert_fits(peak: dict[str, dict[str, int]], hw: HardwareSpec) -> None:
+    for phase in ("prefill", "decode"):
+        for tier, budget in _budgets(hw).items():
+            assert peak[phase][tier] <= budget, (phase, tier, peak[phase][tier], budget)
+
+
+def _plan(name: str, hw: HardwareSpec, **kw) -> tuple[Policy, object]:
+    spec = get_spec(name)
+    return plan_stage(spec, spec.num_layers, hw, WL, has_embed=True, has_head=True, **kw)
+
+
+# LP and rounding ----------------------------------------------------------------------
+@pytest.mark.parametrize("gbs,ngb,cpu_att", [(8, 4, True), (32, 2, False), (64, 8, True)])
+def test_lp_solution_satisfies_constraints(t4, gbs, ngb, cpu_att):
+    spec = get_spec("opt-30b")
+    terms = stage_terms(spec, spec.num_layers, t4, WL, gpu_batch_size=gbs, num_gpu_batches=ngb,
+                        cpu_attention=cpu_att, has_embed=True, has_head=True)
+    budgets = np.array([t4.gpu_mem, t4.cpu_mem, t4.disk_mem], dtype=float)
+    x = solve_lp(terms, budgets, weights_all_gpu=False, no_disk_weights=False)
+    assert x is not None
+    assert np.all(x >= -1e-9) and np.all(x <= 1 + 1e-9)
+    for i in range(0, 9, 3):
+        assert abs(x[i:i + 3].sum() - 1.0) < 1e-6
+    lp_peaks = terms.peak_rows(True, True) @ np.append(x, 1.0)  # what the LP constrained
+    assert np.all(lp_peaks <= budgets * (1 + 1e-6))
+    p = round_percents(x)
+    assert all(p[i:i + 3].sum() == 100 for i in range(0, 9, 3))
+
+
+@pytest.mark.parametrize("name,budget", [("opt-6.7b", {}), ("opt-30b", {}), ("opt-175b", {}),
+                                         ("opt-30b", {"gpu_mem": "6GiB", "cpu_mem": "64GiB"}),
+                                         ("llama-2-70b", {"cpu_mem": "100GiB"})])
+def test_plan_fits_budgets_after_rounding(t4, name, budget):
+    hw = t4.with_budgets(**budget)
+    pol, cost = _plan(name, hw)
+    assert all(float(v).is_integer() for v in pol.percent())
+    for kind in ("w", "cache", "act"):
+        assert abs(sum(pol.fractions(kind)) - 1.0) < 1e-6
+    _assert_fits(cost.peak, hw)
+    spec = get_spec(name)
+    again = estimate_stage(spec, spec.num_layers, pol, hw, WL, has_embed=True, has_head=True)
+    assert again.peak == cost.peak
+    assert again.total_throughput == pytest.approx(cost.total_throughput)
+
+
+@pytest.mark.parametrize("name,field,values", [
+    ("opt-6.7b", "gpu_mem", ["24GiB", "16GiB", "8GiB", "3GiB"]),
+    ("opt-30b", "cpu_mem", ["200GiB", "96GiB", "32GiB"]),
+    ("opt-175b", "disk_mem", ["1300GiB", "400GiB", "200GiB"]),
+])
+def test_tighter_budget_never_raises_throughput(t4, name, field, values):
+    prev = float("inf")
+    for v in values:  # loosest first
+        _, cost = _plan(name, t4.with_budgets(**{field: v}), **FAST)
+        assert cost.total_throughput <= prev * (1 + 1e-9), (field, v)
+        prev = cost.total_throughput
+
+
+def test_unlimited_gpu_puts_everything_on_gpu(t4):
+    pol, _ = _plan("opt-1.3b", t4.with_budgets(gpu_mem="10TiB"), **FAST)
+    assert pol.percent() == (100.0, 0.0, 100.0, 0.0, 100.0, 0.0)
+
+
+def test_tiny_gpu_huge_cpu_keeps_weights_and_cache_on_cpu(t4):
+    pol, _ = _plan("opt-6.7b", t4.with_budgets(gpu_mem="2GiB", cpu_mem="1TiB"), **FAST)
+    assert pol.w_cpu_percent >= 95 and pol.w_disk_percent == 0
+    assert pol.cache_cpu_percent >= 95 and pol.cache_disk_percent == 0
+
+
+@pytest.mark.parametrize("name,budget,tier", [
+    ("opt-175b", {"disk_mem": "10GiB"}, "disk"),
+    ("opt-30b", {"gpu_mem": "256MiB"}, "gpu"),
+    ("opt-175b", {"cpu_mem": "1GiB"}, "cpu"),
+])
+def test_infeasible_budget_names_the_tier(t4, name, budget, tier):
+    with pytest.raises(PlanError, match=rf"{tier} too small by [0-9.]+ GiB for {name}") as e:
+        _plan(name, t4.with_budgets(**budget))
+    assert f"--{tier}-mem" in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_compression_keeps_weights_off_disk(t4):
+    pol, cost = _plan("opt-175b", t4, compress=True, **FAST)
+    assert pol.compress_weight and pol.compress_cache and pol.w_disk_percent == 0
+    _, plain = _plan("opt-175b", t4, **FAST)
+    assert cost.total_throughput > plain.total_throughput
+
+
+# cost model ---------------------------------------------------------------------------
+def test_gqa_cache_is_smaller_than_mha(t4):
+    shape = dict(name="x", family="llama", num_layers=32, hidden_size=4096, ffn_size=11008,
+                 num_heads=32, vocab_size=32000, max_positions=4096)
+    mha, gqa = ModelSpec(**shape), ModelSpec(**shape, num_kv_heads=8)
+    pol = Policy(gpu_batch_size=16, num_gpu_batches=4, w_gpu_percent=0, w_cpu_percent=0,
+                 cache_gpu_percent=0, cache_cpu_percent=100)
+    peaks = [estimate_stage(s, 32, pol, t4, WL, has_embed=True, has_head=True).peak
+             for s in (mha, gqa)]
+    assert peaks[1]["decode"]["cpu"] < peaks[0]["decode"]["cpu"] / 2
+
+
+def test_micro_batch_groups_multiply_the_cache(t4):
+    spec = get_spec("opt-6.7b")
+    pol = Policy(gpu_batch_size=8, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+                 cache_gpu_percent=0, cache_cpu_percent=100)
+    one, four = (estimate_stage(spec, 8, pol, t4, WL, has_embed=False, has_head=False,
+                                num_micro_batches=g).peak["decode"]["cpu"] for g in (1, 4))
+    cache = 8 * 16 * (512 + 32) * 2 * spec.kv_dim * 2
+    assert four - one == pytest.approx(3 * cache, rel=1e-6)
+
+
+def test_estimate_pipeline_matches_plan(t4):
+    spec = get_spec("opt-30b")
+    plan = plan_pipeline(spec, 2, t4, WL, **FAST)
+    again = estimate_pipeline(spec, plan.stage_layers, plan.policies, [t4, t4], WL,
+                              plan.num_micro_batches)
+    for k in ("prefill_throughput", "decode_throughput", "total_throughput"):
+        assert again[k] == pytest.approx(plan.predicted[k])
+    assert plan.stages[0].layers == range(0, 24) and plan.stages[1].layers == range(24, 48)
+
+
+def test_more_stages_scale_decode_super_linearly_when_one_stage_needs_disk(t4):
+    spec = get_spec("opt-175b")
+    one = plan_pipeline(spec, 1, t4, WL)
+    pol = one.policies[0]
+    assert pol.w_disk_percent > 0 or pol.cache_disk_percent > 0
+    four = plan_pipeline(spec, 4, t4, WL)
+    assert four.num_micro_batches == 4
+    assert four.predicted["decode_throughput"] > 4 * one.predicted["decode_throughput"]
+    for st in four.stages:
+        _assert_fits(st.cost.peak, t4)
+
+
+def test_equal_split():
+    assert equal_split(96, 4) == [24, 24, 24, 24]
+    assert equal_split(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError):
+        equal_split(3, 4)
+
+
+def test_balanced_partition_is_no_worse(t4):
+    spec = get_spec("opt-1.3b")
+    caps = dict(max_gpu_batch_size=16, max_num_gpu_batches=4)
+    eq = plan_pipeline(spec, 3, t4, WL, **caps)
+    bal = plan_pipeline(spec, 3, t4, WL, partition="balanced", **caps)
+    assert sum(bal.stage_layers) == spec.num_layers
+    assert bal.predicted["total_throughput"] >= eq.predicted["total_throughput"] * (1 - 1e-9)
+
+
+# hardware -----------------------------------------------------------------------------
+def test_hardware_yaml_round_trip(t4, tmp_path):
+    path = tmp_path / "hw.yaml"
+    t4.to_yaml(path)
+    assert HardwareSpec.from_yaml(path) == t4
+    assert t4.gpu_mem == 15 * 2**30  # "15GiB" in the file
+    assert t4.with_budgets(cpu_mem="64GiB").cpu_mem == 64 * 2**30
+
+
+def test_hardware_yaml_rejects_unknown_and_missing_keys(t4, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(T4.read_text() + "gpu_memory: 16GiB\n")
+    with pytest.raises(ValueError, match="unknown key.*gpu_memory"):
+        HardwareSpec.from_yaml(bad)
+    d = t4.to_dict()
+    del d["dtoc_bw"]
+    with pytest.raises(ValueError, match="missing key.*dtoc_bw"):
+        HardwareSpec.from_dict(d)
+    with pytest.raises(ValueError, match="ctog_bw"):
+        replace(t4, ctog_bw=0.0)
+
+
+def test_profiler_quick_mode_is_positive(tmp_path):
+    hw = profile_hardware("cpu", str(tmp_path), quick=True)
+    assert hw.source == "measured" and hw.compute_device == "cpu"
+    for v in hw.to_dict().values():
+        if isinstance(v, (int, float)):
+            assert v > 0
+    assert list(tmp_path.iterdir()) == [] or all(p.is_dir() for p in tmp_path.iterdir())
+
+
+# CLI ----------------------------------------------------------------------------------
+def test_cli_plan_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = cli_main(["plan", "--model", "opt-1.3b", "--hardware", str(T4), "--prompt-len", "128",
+                   "--gen-len", "8", "--stages", "1", "2", "--json", str(out),
+                   "--max-gpu-batch-size", "16", "--max-num-gpu-batches", "4"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "decode scaling" in text and "WG" in text
+    data = json.loads(out.read_text())
+    assert [d["stages"] for d in data] == [1, 2]
+    for d in data:
+        assert len(d["policies"]) == d["stages"]
+        Policy.from_dict(d["policies"][0])
+        assert set(d["predicted"]) >= {"prefill_throughput", "decode_throughput",
+                                       "total_throughput"}
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert cli_main(["plan", "--model", "opt-175b", "--hardware", str(T4),
+                     "--disk-mem", "1GiB"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "disk too small" in err[0]
+    assert cli_main(["plan", "--model", "no-such-model", "--hardware", str(T4)]) != 0
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
