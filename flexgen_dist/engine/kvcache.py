@@ -73,8 +73,9 @@ class BlockCache:
             nbytes = k.nbytes + v.nbytes
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
-            k = torch.zeros((n, self.max_len, self.head_dim), dtype=self.dtype, device=dev)
-            v = torch.zeros_like(k)
+            # never read before written: prefill fills [0, s), each decode step its position
+            k = torch.empty((n, self.max_len, self.head_dim), dtype=self.dtype, device=dev)
+            v = torch.empty_like(k)
             if tier == Tier.CPU:
                 k, v = pin_if_cuda(k, self.device), pin_if_cuda(v, self.device)
             nbytes = 2 * k.nbytes

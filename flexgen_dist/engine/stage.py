@@ -15,7 +15,7 @@ import torch
 
 from ..memory.disk import DiskStore
 from ..memory.tiers import MemoryTracker, Tier, format_bytes
-from ..models.common import family_module
+from ..models.common import Positions, family_module
 from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
@@ -55,6 +55,7 @@ class BlockState:
     acts: ActStore
     valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
     outputs: list[Any] = field(default_factory=list)
+    step_inputs: dict[int, tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
 
 
 class StageEngine:
@@ -164,39 +165,44 @@ class StageEngine:
         slot = self.slots[j]
         w = self._weights(j)
         x = st.acts.get(k)
-        meta, spec = st.meta, self.spec
-        s = meta.prompt_len
-        valid = st.valid[k]
-        if i == 0:
-            pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
-        else:
-            pos = (valid[:, : s + i].sum(-1, keepdim=True) - 1)
+        spec = self.spec
+        pos, mrows, pos0 = self._step_inputs(st, i, k)
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1])
             st.outputs[k] = y
         else:
-            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, i, slot[1], k))
+            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0))
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k] = y
         st.acts.put(k, y)
         if k == num_gb - 1:  # every GPU batch has used this slot's weights
             self.weights.release(slot, self._wbuf.pop(j))
 
-    def _attend_fn(self, st: BlockState, i: int, layer: int, k: int):  # noqa: ANN202
+    def _step_inputs(self, st: BlockState, i: int, k: int) -> tuple[Positions, torch.Tensor, int]:
+        """Positions, attention mask rows and cache offset of (token i, batch k), shared by all layers."""
+        cached = st.step_inputs.get(k)
+        if cached is not None and cached[0] == i:
+            return cached[1], cached[2], cached[3]
         s = st.meta.prompt_len
         valid = st.valid[k]
-        kvh = self.spec.num_kv_heads
         if i == 0:
+            pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
             causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
             mask = causal[None] & valid[:, None, :s]
             mask |= torch.eye(s, dtype=torch.bool, device=self.device)[None]  # padding sees itself
             pos0 = 0
         else:
+            pos = valid[:, : s + i].sum(-1, keepdim=True) - 1
             mask = valid[:, None, : s + i]
             pos0 = s + i - 1
-        mrows = mask_to_rows(mask, kvh)
+        out = (Positions(pos), mask_to_rows(mask, self.spec.num_kv_heads), pos0)
+        st.step_inputs[k] = (i, *out)
+        return out
+
+    def _attend_fn(self, st: BlockState, layer: int, k: int, mrows: torch.Tensor, pos0: int):  # noqa: ANN202
+        kvh = self.spec.num_kv_heads
         cache = st.cache
         assert cache is not None
 

@@ -54,6 +54,28 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+class Positions:
+    """Integer positions (b, t) of a batch, with the rotary tables memoised.
+
+    Every layer of a stage sees the same positions for one (token, GPU batch), so the engine
+    builds one ``Positions`` and the layers share its cos/sin instead of recomputing them.
+    """
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._rope: dict[tuple[int, float, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (head_dim, theta, dtype)
+        if key not in self._rope:
+            self._rope[key] = rope_cos_sin(self.ids, head_dim, theta, dtype)
+        return self._rope[key]
+
+
+def as_positions(pos: "torch.Tensor | Positions") -> Positions:
+    return pos if isinstance(pos, Positions) else Positions(pos)
+
+
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Attend, Weights, apply_rope, linear, rms_norm, rope_cos_sin
+from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -98,11 +98,11 @@ def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return w.reshape(n, rows // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
     return torch.nn.functional.embedding(ids, w["tok.w"])
 
 
-def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
+def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend) -> torch.Tensor:
     b, t, _ = x.shape
     d, eps = spec.head_dim, spec.norm_eps
@@ -111,7 +111,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
     k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
     v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
-    cos, sin = rope_cos_sin(pos, d, spec.rope_theta, x.dtype)
+    cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     x = residual + linear(attend(q, k, v), w["o.w"], w.get("o.b"))
     residual = x

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Attend, Weights, layer_norm, linear
+from .common import Attend, Positions, Weights, as_positions, layer_norm, linear
 from .spec import ModelSpec
 
 POS_OFFSET = 2
@@ -80,14 +80,14 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     return out
 
 
-def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
     x = torch.nn.functional.embedding(ids, w["tok.w"])
     if spec.has_projection:
         x = linear(x, w["proj_in.w"])
-    return x + torch.nn.functional.embedding(pos + POS_OFFSET, w["pos.w"])
+    return x + torch.nn.functional.embedding(as_positions(pos).ids + POS_OFFSET, w["pos.w"])
 
 
-def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
+def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend) -> torch.Tensor:
     b, t, _ = x.shape
     nh, d, eps = spec.num_heads, spec.head_dim, spec.norm_eps

@@ -1,0 +1,13 @@
+"""Choosing a policy per stage: hardware specs, the cost model, and the LP search.
+
+See docs/planner.md. Imports only models/, engine/policy and memory/ (never dist/ or the stage).
+"""
+from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
+                                             estimate_stage)
+from flexgen_dist.planner.hardware import HardwareSpec, load_or_profile, profile_hardware
+from flexgen_dist.planner.search import (PipelinePlan, PlanError, StagePlan, equal_split,
+                                         plan_pipeline, plan_stage)
+
+__all__ = ["HardwareSpec", "PipelinePlan", "PlanError", "StageCost", "StagePlan", "Workload",
+           "equal_split", "estimate_pipeline", "estimate_stage", "load_or_profile",
+           "plan_pipeline", "plan_stage", "profile_hardware"]

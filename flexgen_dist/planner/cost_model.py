@@ -281,18 +281,20 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         M[1, 1, CONST] += gbs * nh * (s + n) * 4 + 2 * gbs * q * 4  # fp32 scores on the host
     else:
         M[1, 0, [CC, CD]] += 2 * gbs * cbytes((s + n) * kv_tok)
-    # host working set: staging for disk traffic (disk -> host -> device)
-    M[0, 1, HD] += 2 * pre_tok * h1 * b
-    M[0, 1, CD] += 2 * gbs * cbytes(s * kv_tok)
-    M[1, 1, HD] += 2 * gbs * h1 * b
-    M[1, 1, CD] += 2 * gbs * cbytes((s + n) * kv_tok)
-    disk_staging = hw.compute_device == "cuda"  # on a CPU device reads land in place
+    # host working set: staging for disk traffic (disk -> host -> GPU); on a CPU device
+    # reads land in the compute tier's buffers counted above. CPU attention reads the disk
+    # share of the cache into host buffers either way.
+    disk_staging = 1.0 if hw.compute_device == "cuda" else 0.0
+    M[0, 1, HD] += 2 * pre_tok * h1 * b * disk_staging
+    M[0, 1, CD] += 2 * gbs * cbytes(s * kv_tok) * disk_staging
+    M[1, 1, HD] += 2 * gbs * h1 * b * disk_staging
+    M[1, 1, CD] += 2 * gbs * cbytes((s + n) * kv_tok) * max(disk_staging, float(cpu_attention))
     for ph in (0, 1):
         M[ph, 1, WD] += 2 * wl * disk_staging
     slack = 0.0 if compress_weight else float(wbytes(largest))
     return StageTerms(num_layers=l, block_size=bls, prompt_len=s, gen_len=n, prefill=P,
                       decode=D, peak_base=M, gpu_slack=slack,
-                      cpu_slack=slack if disk_staging else 0.0,
+                      cpu_slack=slack * disk_staging,
                       prefill_net_s=net_p, decode_net_s=net_d, overlap=overlap)
 
 

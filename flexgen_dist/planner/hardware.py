@@ -14,10 +14,9 @@ import socket
 import statistics
 import threading
 import time
-from typing import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -37,9 +36,9 @@ class HardwareSpec:
     """Capacities, bandwidths and compute rates of one stage's machine.
 
     ``mm_flops``: dense matmul rate at linear-layer sizes on the compute device (fp16 on cuda,
-    fp32 on cpu). ``bmm_flops``: decode-attention-shaped batched matmul on the compute device;
-    that shape is memory-bound, so the cost model also derives the device's memory bandwidth
-    from it. ``cpu_flops``: the same attention computed on the host CPU in fp32 (CPU-delegated
+    fp32 on cpu). ``bmm_flops``: decode attention (one query against the cache) on the compute
+    device; that shape is memory-bound, so the cost model also derives the device's memory
+    bandwidth from it. ``cpu_flops``: the same attention computed on the host CPU in fp32 (CPU-delegated
     attention). ``net_bw``/``net_latency``: hidden states to the next stage.
     """
 
@@ -171,7 +170,7 @@ def load_or_profile(path: str | Path | None, device: str = "cpu",
 # a 2-core CPU (quick mode: under ten seconds, for tests).
 _MM_SHAPES = {("cpu", False): (512, 4096, 4096), ("cpu", True): (128, 1024, 1024),
               ("cuda", False): (4096, 8192, 8192), ("cuda", True): (2048, 4096, 4096)}
-_ATTN_SHAPES = {False: (512, 1024, 128), True: (64, 256, 128)}  # (batch*heads, keys, head_dim)
+_ATTN_SHAPES = {False: (512, 1024, 128), True: (128, 512, 128)}  # (batch*heads, keys, head_dim)
 _COPY_BYTES = {False: 256 * 2**20, True: 32 * 2**20}
 _DISK_BYTES = {False: 512 * 2**20, True: 32 * 2**20}
 _NET_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
@@ -205,15 +204,20 @@ def measure_mm_flops(device: str, quick: bool = False) -> float:
 
 
 def measure_attention_flops(device: str, quick: bool = False) -> float:
-    """FLOP/s of decode attention (one query against many cached keys): q@k^T, softmax, @v."""
+    """FLOP/s of decode attention (one query against many cached keys, with a key mask).
+
+    Uses the same call as the engine's attention (``scaled_dot_product_attention`` over rows
+    of (sequence, kv head)), so the rate includes what that kernel really does on this device.
+    """
     bh, keys, hd = _ATTN_SHAPES[quick]
     dtype = torch.float16 if device == "cuda" else torch.float32
-    q = torch.randn(bh, 1, hd, dtype=dtype, device=device)
-    k = torch.randn(bh, keys, hd, dtype=dtype, device=device)
-    v = torch.randn(bh, keys, hd, dtype=dtype, device=device)
+    q = torch.randn(bh, 1, 1, hd, dtype=dtype, device=device)
+    k = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
+    v = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
+    mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool, device=device)
 
     def attn() -> torch.Tensor:
-        return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     t = _timeit(attn, 3 if quick else 5, _sync_of(device))
     return 4.0 * bh * keys * hd / t

@@ -166,8 +166,6 @@ def _push_up(terms: StageTerms, p: np.ndarray, budgets: np.ndarray) -> np.ndarra
     return p
 
 
-
-
 def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec,
                      workload: Workload, *, has_embed: bool, has_head: bool,
                      max_gpu_batch_size: int = 64, max_num_gpu_batches: int = 16,
@@ -179,6 +177,8 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     Larger batches only need more memory, so once (gbs, num_gb) has no feasible placement
     every larger num_gb is skipped, and once (gbs, 1) has none every larger gbs is.
     """
+    if num_layers_in_stage < 1:
+        raise ValueError(f"num_layers_in_stage={num_layers_in_stage}: a stage needs >= 1 layer")
     budgets = _budgets(hw)
     gbs_list = [g for g in GBS_CANDIDATES if g <= max_gpu_batch_size] or [max_gpu_batch_size]
     ngb_list = [k for k in NUM_GB_CANDIDATES if k <= max_num_gpu_batches] or [max_num_gpu_batches]

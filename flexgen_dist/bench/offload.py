@@ -1,0 +1,224 @@
+"""Offloading benchmark: a model whose weights mostly live on disk, three ways, in one run.
+
+    python -m flexgen_dist.bench.offload --model opt-350m --num-prompts 32 --json out.json
+
+(a) this engine, a block of many GPU batches sharing each loaded layer;
+(b) this engine with num_gpu_batches 1 (each GPU batch reloads every layer);
+(c) Hugging Face accelerate disk offload (device_map + max_memory + offload_folder) at the
+    largest batch the same compute-memory budget allows (the GPU batch size of (a)).
+Plus ablations of (a): no overlap, no CPU attention.
+
+All runs use the same dummy weights (written once as a Hugging Face checkpoint for (c)) and
+the same prompts. The weights that do not fit the RAM budget are on disk for everyone: the
+engine reads them with O_DIRECT, and accelerate reads memory-mapped files, so the page cache
+is dropped before each run and every ``--drop-interval`` seconds during it (root only; the
+JSON says whether it was possible). Otherwise RAM larger than the budget would silently hold
+accelerate's "disk" weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..engine.generate import generate
+from ..engine.policy import Policy
+from ..engine.sampling import SamplingConfig
+from ..engine.stage import StageEngine
+from ..memory.disk import DiskStore
+from ..models.common import family_module
+from ..models.loader import load_model
+from .single import machine
+
+DROP = "/proc/sys/vm/drop_caches"
+
+
+def can_drop_caches() -> bool:
+    return os.access(DROP, os.W_OK)
+
+
+def drop_caches() -> None:
+    if can_drop_caches():
+        os.sync()
+        with open(DROP, "w") as f:
+            f.write("3\n")
+
+
+class CacheDropper:
+    """Drops the page cache every ``interval`` seconds while a run is in progress."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval, self._stop = interval, threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            drop_caches()
+
+    def __enter__(self) -> "CacheDropper":
+        drop_caches()
+        if can_drop_caches() and self.interval > 0:
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._t.is_alive():
+            self._t.join()
+
+
+def write_hf_checkpoint(lm: Any, out: Path) -> None:
+    """Save the dummy weights under Hugging Face names, so accelerate runs the same model."""
+    from safetensors.torch import save_file
+    from transformers import OPTConfig
+
+    spec = lm.spec
+    if spec.family != "opt":
+        raise SystemExit("the accelerate baseline is built for OPT shapes (use an opt-* model)")
+    fam = family_module(spec)
+    cfg = OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_dim=spec.ffn_size,
+                    num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                    max_position_embeddings=spec.max_positions, do_layer_norm_before=spec.pre_layer_norm,
+                    word_embed_proj_dim=spec.embed_dim, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+                    dtype="float32")
+    cfg.save_pretrained(out)
+    parts = [("embed", None)] + [("layer", j) for j in range(spec.num_layers)] + [("head", None)]
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    n = 0
+
+    def flush() -> None:
+        nonlocal shard, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, n = {}, n + 1
+
+    for part, j in parts:
+        ws = lm.source.get(part, j)
+        for k, names in fam.hf_names(spec, part, j).items():
+            key = [c for c in names if c.startswith("model.decoder.")][0]
+            if key not in index and key not in shard:
+                shard[key] = ws[k].contiguous()
+        if sum(t.numel() for t in shard.values()) * 4 > 512 * 2**20:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+
+
+def timed(fn: Callable[[], Any], drop_interval: float) -> tuple[float, Any]:
+    with CacheDropper(drop_interval):
+        t0 = time.perf_counter()
+        res = fn()
+        return time.perf_counter() - t0, res
+
+
+def run_engine(lm: Any, prompts: list[list[int]], gen_len: int, policy: Policy, offload: Path) -> tuple[list, dict]:
+    with DiskStore(offload) as disk:
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=policy, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+        try:
+            outs, tm = generate(eng, prompts, gen_len, SamplingConfig(ignore_eos=True))
+            info = {**tm.metrics(), **eng.times.as_dict(), "peak_bytes": eng.peak_bytes(),
+                    "direct_io": disk.direct, "disk_bytes_read": disk.bytes_read}
+        finally:
+            eng.close()
+    return outs, info
+
+
+def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: int, cpu_budget: int,
+                   offload: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, device_map="auto", max_memory={"cpu": cpu_budget},
+        offload_folder=str(offload), offload_state_dict=True).eval()
+    outs = []
+    with torch.no_grad():
+        for a in range(0, len(prompts), batch):
+            x = torch.tensor(prompts[a:a + batch])
+            o = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
+                               min_new_tokens=gen_len, do_sample=False, pad_token_id=1)
+            outs += o[:, x.shape[1]:].tolist()
+    return outs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="opt-350m", help="registry OPT shape with >= 1 GB of fp32 weights")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--gpu-batch-size", type=int, default=8)
+    ap.add_argument("--cpu-weight-percent", type=float, default=20.0,
+                    help="share of weights the RAM budget holds; the rest is on disk")
+    ap.add_argument("--drop-interval", type=float, default=1.0)
+    ap.add_argument("--workdir", default=None, help="where checkpoints and offload files go")
+    ap.add_argument("--skip-ablations", action="store_true")
+    ap.add_argument("--json", default="bench_results/offload.json")
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
+    work.mkdir(parents=True, exist_ok=True)
+    lm = load_model(args.model, dummy_weights=True, dtype=torch.float32)
+    spec = lm.spec
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    weight_bytes = spec.total_numel() * 4
+    cpu_budget = int(weight_bytes * args.cpu_weight_percent / 100)
+    gbs = args.gpu_batch_size
+    ngb = max(1, args.num_prompts // gbs)
+    wc = args.cpu_weight_percent
+    runs: dict[str, Any] = {}
+
+    def engine(name: str, policy: Policy) -> list:
+        t, (outs, info) = timed(lambda: run_engine(lm, prompts, args.gen_len, policy, work / "offload"),
+                                args.drop_interval)
+        runs[name] = {"wall_s": t, "policy": policy.to_dict(), **info,
+                      "throughput": args.num_prompts * args.gen_len / t}
+        print(f"{name}: {runs[name]['throughput']:.2f} tok/s ({t:.1f} s)", flush=True)
+        return outs
+
+    pct = (0, wc, 100, 0, 100, 0)
+    ref = engine("a_block", Policy(gbs, ngb, *pct))
+    engine("b_one_batch", Policy(gbs, 1, *pct))
+    if not args.skip_ablations:
+        engine("a_no_overlap", Policy(gbs, ngb, *pct, overlap=False))
+        engine("a_no_cpu_attention", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0, cpu_attention=False))
+        engine("a_cache_on_cpu", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0))
+
+    ckpt = work / "hf"
+    if not (ckpt / "config.json").exists():
+        print("writing the Hugging Face checkpoint for the accelerate baseline ...", flush=True)
+        write_hf_checkpoint(lm, ckpt)
+    t, outs = timed(lambda: run_accelerate(ckpt, prompts, args.gen_len, gbs, cpu_budget, work / "hf-offload"),
+                    args.drop_interval)
+    runs["c_accelerate"] = {"wall_s": t, "batch_size": gbs, "max_memory_cpu": cpu_budget,
+                            "throughput": args.num_prompts * args.gen_len / t, "tokens_match_a": outs == ref}
+    print(f"c_accelerate: {runs['c_accelerate']['throughput']:.2f} tok/s ({t:.1f} s)", flush=True)
+
+    res = {
+        "benchmark": "offload", "machine": machine(), "model": spec.name, "weight_bytes": weight_bytes,
+        "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+                     "dtype": "float32", "ram_budget_weight_percent": wc},
+        "page_cache_dropped": can_drop_caches(), "drop_interval_s": args.drop_interval,
+        "runs": runs,
+        "ratios": {"a_over_c": runs["a_block"]["throughput"] / runs["c_accelerate"]["throughput"],
+                   "a_over_b": runs["a_block"]["throughput"] / runs["b_one_batch"]["throughput"]},
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(json.dumps(res["ratios"]), "->", args.json)
+    return res
+
+
+if __name__ == "__main__":
+    main()
