@@ -106,7 +106,8 @@ def run_single(cfg: RunConfig) -> int:
     if cfg.auto_policy:
         from .planner.auto import auto_policies
 
-        policies, predicted = auto_policies(cfg, spec, [(0, spec.num_layers)], max_len, dtype_bytes, device)
+        policies, predicted, _ = auto_policies(cfg, spec, [(0, spec.num_layers)], max_len, dtype_bytes,
+                                               device, len(prompts))
         policy = policies[0]
     else:
         policy = cfg.stage_policies(1)[0]
@@ -181,6 +182,10 @@ def _report(cfg: RunConfig, records: list[dict[str, Any]], metrics: dict[str, An
     print(f"prefill {metrics['prefill_throughput']:.1f} tok/s | decode {metrics['decode_throughput']:.1f} "
           f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({metrics['num_prompts']} prompts, "
           f"gen-len {metrics['gen_len']}, {metrics['prefill_time_s'] + metrics['decode_time_s']:.2f} s)")
+    pred = metrics.get("predicted", {})
+    if "total_throughput" in pred:
+        print(f"predicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "
+              f"{pred['decode_throughput']:.1f} | total {pred['total_throughput']:.1f} tok/s")
     if cfg.metrics:
         p = Path(cfg.metrics).expanduser()
         p.parent.mkdir(parents=True, exist_ok=True)

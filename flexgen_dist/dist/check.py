@@ -84,6 +84,22 @@ def ring(ctx: DistContext, comm: StageComm, args: argparse.Namespace) -> int:
     if meta["visited"] != expected_visited or meta["size"] != args.size:
         raise RuntimeError(f"metadata came back wrong: {meta}")
 
+    # One lap of token-id-like int64 data and bfloat16 data into a non-contiguous buffer.
+    ids = torch.arange(12, device=ctx.device).reshape(3, 4)
+    half = torch.linspace(-1, 1, 12, device=ctx.device).to(torch.bfloat16).reshape(4, 3)
+    got_ids = torch.empty_like(ids)
+    got_half = torch.empty(3, 4, dtype=torch.bfloat16, device=ctx.device).t()  # a strided view
+    if rank == 0:
+        comm.send(ids, nxt)
+        comm.wait(comm.isend(half, nxt))
+    comm.recv(ids.shape, ids.dtype, prev, out=got_ids)
+    comm.wait(comm.irecv(got_half, prev))
+    if rank != 0:
+        comm.send(got_ids, nxt)
+        comm.wait(comm.isend(got_half, nxt))
+    if not (torch.equal(got_ids, ids) and torch.equal(got_half, half)):
+        raise RuntimeError(f"rank {rank}: int64/bfloat16 data from rank {prev} came wrong")
+
     base = torch.arange(args.size, dtype=torch.float32, device=ctx.device) % 1000
     buf = torch.empty_like(base)
     for rnd in range(args.rounds):

@@ -90,12 +90,16 @@ class StageComm:
         self._check_peer(src)
         if src == self.ctx.rank:
             return CommHandle("recv", src, buffer=buf)
-        if self.ctx.backend != "nccl" and buf.device.type != "cpu":
-            wire = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+        if self.ctx.backend == "nccl":
+            if buf.device != self.ctx.device:
+                raise ValueError(f"nccl receives into tensors on {self.ctx.device}, got {buf.device}")
+            wire_device = buf.device
         else:
-            if not buf.is_contiguous():
-                raise ValueError("irecv needs a contiguous buffer")
+            wire_device = torch.device("cpu")  # gloo: stage device buffers through the host
+        if buf.device == wire_device and buf.is_contiguous():
             wire = buf
+        else:
+            wire = torch.empty(buf.shape, dtype=buf.dtype, device=wire_device)
         try:
             work = dist.irecv(wire, src)
         except Exception as err:  # noqa: BLE001
@@ -195,10 +199,18 @@ def create_failure_store(
         return None
     port = ctx.topology.master_port + 1 if port is None else port
     timeout = ctx.timeout_s if timeout_s is None else timeout_s
-    return dist.TCPStore(
-        ctx.topology.master_addr, port, is_master=ctx.rank == 0,
-        timeout=timedelta(seconds=timeout), wait_for_workers=False,
-    )
+    try:
+        return dist.TCPStore(
+            ctx.topology.master_addr, port, is_master=ctx.rank == 0,
+            timeout=timedelta(seconds=timeout), wait_for_workers=False,
+        )
+    except Exception as err:  # noqa: BLE001 - c10d raises DistNetworkError/RuntimeError
+        where = "open" if ctx.rank == 0 else "reach"
+        raise RuntimeError(
+            f"rank {ctx.rank}: cannot {where} the failure monitor's store at "
+            f"{ctx.topology.master_addr}:{port} (MASTER_PORT + 1): {err}. Pick another "
+            "MASTER_PORT whose next port is free too, and open both in the firewall"
+        ) from err
 
 
 class FailureMonitor:

@@ -216,14 +216,15 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
             if policies is None:
                 from ..planner.auto import auto_policies
 
-                policies, predicted = auto_policies(cfg, spec, ranges, max_len, torch.finfo(dtype).bits // 8, device)
+                policies, predicted, ranges = auto_policies(cfg, spec, ranges, max_len, torch.finfo(dtype).bits // 8,
+                                                            device, len(prompts))
             sizes = {p.block_size for p in policies}
             if len(sizes) != 1:
                 raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
                                   "num_gpu_batches): every stage must use the same block size")
             G = cfg.num_micro_batches or m
             blocks = plan_blocks([len(p.ids) for p in prompts], policies[0].block_size)
-            header = {"blocks": blocks, "policies": [p.to_dict() for p in policies], "G": G,
+            header = {"blocks": blocks, "policies": [p.to_dict() for p in policies], "G": G, "ranges": ranges,
                       "max_len": max_len, "predicted": predicted}
             for r in range(1, m):
                 comm.send_obj(header, r)
@@ -232,7 +233,7 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
         from ..engine.policy import Policy
 
         policies = [Policy.from_dict(d) for d in header["policies"]]
-        policy, blocks, G = policies[rank], header["blocks"], header["G"]
+        policy, blocks, G, ranges = policies[rank], header["blocks"], header["G"], header["ranges"]
         lo, hi = ranges[rank]
         peak = predict_peaks(spec, policy, (lo, hi), has_embed=topo.is_first, has_head=topo.is_last,
                              prompt_len=header["max_len"], gen_len=cfg.gen_len,

@@ -171,7 +171,7 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                      max_gpu_batch_size: int = 64, max_num_gpu_batches: int = 16,
                      cpu_attention_options: tuple[bool, ...] = (True, False),
                      compress: bool = False, num_micro_batches: int = 1,
-                     num_stages: int = 1) -> dict[int, Candidate]:
+                     num_stages: int = 1, max_block_size: int | None = None) -> dict[int, Candidate]:
     """The best candidate per block size (a pipeline needs one block size on every stage).
 
     Larger batches only need more memory, so once (gbs, num_gb) has no feasible placement
@@ -186,6 +186,8 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     for cpu_att in dict.fromkeys(cpu_attention_options):
         for gbs in gbs_list:
             for ngb in ngb_list:
+                if max_block_size is not None and gbs * ngb > max_block_size and (gbs, ngb) != (1, 1):
+                    continue
                 terms = stage_terms(spec, num_layers_in_stage, hw, workload, gpu_batch_size=gbs,
                                     num_gpu_batches=ngb, cpu_attention=cpu_att,
                                     has_embed=has_embed, has_head=has_head,
@@ -346,7 +348,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                   workload: Workload, *, stage_layers: list[int] | None = None,
                   partition: str = "equal", num_micro_batches: int | None = None,
                   compress: bool = False, max_gpu_batch_size: int = 64,
-                  max_num_gpu_batches: int = 16) -> PipelinePlan:
+                  max_num_gpu_batches: int = 16, max_block_size: int | None = None) -> PipelinePlan:
     """Plan every stage of an m-stage pipeline; all stages share one block size.
 
     Each stage's search gives its best placement per block size; the block size with the
@@ -374,7 +376,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
             memo[key] = stage_candidates(
                 spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
                 max_gpu_batch_size=max_gpu_batch_size, max_num_gpu_batches=max_num_gpu_batches,
-                compress=compress, num_micro_batches=G, num_stages=m)
+                compress=compress, num_micro_batches=G, num_stages=m, max_block_size=max_block_size)
             if not memo[key]:
                 where = f"stage {i} of {m}: " if m > 1 else ""
                 raise PlanError(where + diagnose(
