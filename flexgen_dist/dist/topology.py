@@ -140,6 +140,8 @@ def _expand_range(spec: str, hostlist: str) -> list[str]:
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int:
+    if name not in env:
+        raise ValueError(f"environment variable {name} is not set (the launcher sets it)")
     try:
         return int(env[name])
     except ValueError:

@@ -39,6 +39,18 @@ def mask_to_rows(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return mask[:, None, None].expand(b, kv_heads, 1, t, L).reshape(b * kv_heads, 1, t, L)
 
 
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Prompt attention on the compute device over the fresh k, v (no cache read).
+
+    q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d). A fused
+    kernel with grouped-query support; nothing of size (t, t) per head is materialised.
+    """
+    b, t, nh, d = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, enable_gqa=k.shape[2] != nh)
+    return o.transpose(1, 2).reshape(b, t, nh * d)
+
+
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 sparsity: float = 1.0) -> torch.Tensor:
     """Attention for rows: q (R, G, t, d), k/v (R, L, d), mask (R, 1, t, L) -> (R, G, t, d).
@@ -49,7 +61,15 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     """
     if sparsity < 1.0:
         return _sparse_attend(q, k, v, mask, sparsity)
-    return F.scaled_dot_product_attention(q, k[:, None], v[:, None], attn_mask=mask)
+    r, g, t, d = q.shape
+    L = k.shape[1]
+    # Two batched matmuls over rows. k and v may be strided views of a preallocated cache
+    # (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
+    # heads would first copy the whole cache.
+    scores = torch.bmm(q.reshape(r, g * t, d), k.transpose(1, 2)).view(r, g, t, L)
+    scores.mul_(1.0 / math.sqrt(d)).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(probs.view(r, g * t, L), v).view(r, g, t, d)
 
 
 def _sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

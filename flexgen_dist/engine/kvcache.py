@@ -128,26 +128,28 @@ class BlockCache:
         return futs
 
     # --- compute ------------------------------------------------------------------------
+    def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store the prompt's k/v rows (rows, s, d) into each chunk at positions [0, s)."""
+        s = k_new.shape[1]
+        for ch in self.chunks[(j, kb)]:
+            kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
+            if ch.tier == Tier.DISK:
+                ch.pending = (0, kn.transpose(0, 1).contiguous().cpu(), vn.transpose(0, 1).contiguous().cpu())
+            else:
+                copy_between(ch.k[:, :s], kn, non_blocking=True)
+                copy_between(ch.v[:, :s], vn, non_blocking=True)
+
     def attend(self, j: int, kb: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                mask: torch.Tensor, pos0: int, sparsity: float = 1.0) -> torch.Tensor:
-        """Write k_new/v_new (rows, t, d) at pos0 and attend; q (rows, G, t, d), mask (rows, 1, t, L)."""
-        t = k_new.shape[1]
-        length = pos0 + t
-        rows = q.shape[0]
-        chunks = self.chunks[(j, kb)]
-        prefill = pos0 == 0
+        """Decode: write k_new/v_new (rows, 1, d) at pos0 and attend over [0, pos0].
+
+        q (rows, G, 1, d), mask (rows, 1, 1, L). Each chunk is attended where it lives.
+        """
+        length = pos0 + k_new.shape[1]
         outs = []
-        for ch in chunks:
+        for ch in self.chunks[(j, kb)]:
             kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
             m = mask[ch.r0:ch.r1]
-            if ch.tier != Tier.DISK:
-                copy_between(ch.k[:, pos0:length], kn, non_blocking=True)
-                copy_between(ch.v[:, pos0:length], vn, non_blocking=True)
-            if prefill:  # attend to the fresh k, v on the compute device; nothing to read
-                if ch.tier == Tier.DISK:
-                    ch.pending = (0, kn.transpose(0, 1).contiguous().cpu(), vn.transpose(0, 1).contiguous().cpu())
-                outs.append((ch.r0, ch.r1, attend_rows(q[ch.r0:ch.r1], kn, vn, m, sparsity)))
-                continue
             if ch.tier == Tier.DISK:
                 for f in ch.futures:
                     f.result()
@@ -158,17 +160,18 @@ class BlockCache:
                 ch.pending = (pos0, kbuf[pos0:length], vbuf[pos0:length])
                 kc, vc = kbuf[:length].transpose(0, 1), vbuf[:length].transpose(0, 1)
             else:
+                copy_between(ch.k[:, pos0:length], kn, non_blocking=True)
+                copy_between(ch.v[:, pos0:length], vn, non_blocking=True)
                 kc, vc = ch.k[:, :length], ch.v[:, :length]
             if ch.tier == Tier.GPU or kc.device == self.device:
                 outs.append((ch.r0, ch.r1, attend_rows(q[ch.r0:ch.r1], kc, vc, m, sparsity)))
             elif self.cpu_attention:  # move q (small) to the cache instead of the cache to q
-                qc = q[ch.r0:ch.r1].to("cpu", non_blocking=False)
-                o = attend_rows(qc, kc, vc, m.to("cpu"), sparsity)
+                o = attend_rows(q[ch.r0:ch.r1].to("cpu"), kc, vc, m.to("cpu"), sparsity)
                 outs.append((ch.r0, ch.r1, o))
             else:
                 kd, vd = kc.to(self.device, non_blocking=True), vc.to(self.device, non_blocking=True)
                 outs.append((ch.r0, ch.r1, attend_rows(q[ch.r0:ch.r1], kd, vd, m, sparsity)))
-        return merge_partial(outs, rows, self.device)
+        return merge_partial(outs, q.shape[0], self.device)
 
 
 def _disk(name: str, shape: tuple[int, ...], dtype: torch.dtype, cache: BlockCache) -> DiskTensor:

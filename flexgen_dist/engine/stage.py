@@ -19,7 +19,7 @@ from ..models.common import Positions, family_module
 from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
-from .attention import mask_to_rows, q_to_rows, rows_to_out, to_rows
+from .attention import mask_to_rows, prefill_attention, q_to_rows, rows_to_out, to_rows
 from .kvcache import BlockCache
 from .policy import Policy
 from .schedule import Step, token_schedule
@@ -106,6 +106,7 @@ class StageEngine:
         st.acts.free()
 
     # --- one token of one block ---------------------------------------------------------
+    @torch.no_grad()
     def run_token(self, st: BlockState, i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run token i over this stage's slots for every GPU batch of the block.
 
@@ -192,7 +193,9 @@ class StageEngine:
             causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
             mask = causal[None] & valid[:, None, :s]
             mask |= torch.eye(s, dtype=torch.bool, device=self.device)[None]  # padding sees itself
-            pos0 = 0
+            out = (Positions(pos), mask[:, None], 0)
+            st.step_inputs[k] = (i, *out)
+            return out
         else:
             pos = valid[:, : s + i].sum(-1, keepdim=True) - 1
             mask = valid[:, None, : s + i]
@@ -201,10 +204,19 @@ class StageEngine:
         st.step_inputs[k] = (i, *out)
         return out
 
-    def _attend_fn(self, st: BlockState, layer: int, k: int, mrows: torch.Tensor, pos0: int):  # noqa: ANN202
+    def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor, pos0: int):  # noqa: ANN202
+        """The ``attend`` callable the model layer calls: cache write + attention."""
         kvh = self.spec.num_kv_heads
         cache = st.cache
         assert cache is not None
+        mrows = mask
+
+        if pos0 == 0:
+            def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+                cache.write_prefill(layer, k, to_rows(kk), to_rows(vv))
+                return prefill_attention(q, kk, vv, mask)
+
+            return prefill
 
         def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
             o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mrows, pos0,

@@ -113,11 +113,14 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
     cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    x = residual + linear(attend(q, k, v), w["o.w"], w.get("o.b"))
+    # in-place adds and activations: these temporaries are the size of the whole batch, and
+    # on the CPU every fresh one costs page faults
+    x = linear(attend(q, k, v), w["o.w"], w.get("o.b")).add_(residual)
     residual = x
     x = rms_norm(x, w["mlp_norm.w"], eps)
-    x = torch.nn.functional.silu(linear(x, w["gate.w"], w.get("gate.b"))) * linear(x, w["up.w"], w.get("up.b"))
-    return residual + linear(x, w["down.w"], w.get("down.b"))
+    g = torch.nn.functional.silu(linear(x, w["gate.w"], w.get("gate.b")), inplace=True)
+    g.mul_(linear(x, w["up.w"], w.get("up.b")))
+    return linear(g, w["down.w"], w.get("down.b")).add_(residual)
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

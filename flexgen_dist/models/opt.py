@@ -97,14 +97,13 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q = linear(x, w["q.w"], w["q.b"]).view(b, t, nh, d)
     k = linear(x, w["k.w"], w["k.b"]).view(b, t, nh, d)
     v = linear(x, w["v.w"], w["v.b"]).view(b, t, nh, d)
-    x = residual + linear(attend(q, k, v), w["o.w"], w["o.b"])
+    x = linear(attend(q, k, v), w["o.w"], w["o.b"]).add_(residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
     residual = x
     if spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
-    x = linear(torch.relu(linear(x, w["fc1.w"], w["fc1.b"])), w["fc2.w"], w["fc2.b"])
-    x = residual + x
+    x = linear(torch.relu_(linear(x, w["fc1.w"], w["fc1.b"])), w["fc2.w"], w["fc2.b"]).add_(residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
     return x
