@@ -21,7 +21,7 @@ from .search import plan_pipeline
 
 
 def hardware_for(cfg: RunConfig, device: torch.device) -> HardwareSpec:
-    if cfg.hardware:
+    if cfg.hardware and cfg.hardware != "auto":
         hw = HardwareSpec.from_yaml(cfg.hardware)
     else:
         print("planner: using the cached hardware profile of this host (profiling it if absent)",
