@@ -151,14 +151,14 @@ def run_single(cfg: RunConfig) -> int:
         _report(cfg, records, metrics)
         return 0
     finally:
-        if bar is not None:
-            bar.close()
-        if engine is not None:
-            engine.close()
-        if disk is not None:
-            disk.close()
-        if writer is not None:
-            writer.close()
+        close_all(bar, engine, disk, writer)
+
+
+def close_all(*things: Any) -> None:
+    """Close each of ``things`` that exists, in order (the engine before its disk store)."""
+    for t in things:
+        if t is not None:
+            t.close()
 
 
 def _progress(cfg: RunConfig, num_prompts: int, block_size: int) -> Any:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from test_launchers import kill_tree
 import torch
 
 from flexgen_dist.dist.comm import FailureMonitor, StageComm
@@ -50,27 +52,6 @@ def free_port_pair() -> int:
                 except OSError:
                     continue
     raise RuntimeError("no free port pair")
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and all its descendants (torchrun puts its workers in new sessions)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    todo, tree = [pid], []
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    for p in tree:  # parents first, so none of them starts a new child meanwhile
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def fail_time(text: str) -> float:

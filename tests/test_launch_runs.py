@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
-from test_launchers import (REPO, clean_env, find_mpirun, free_port, run_two_hosts, slurm,  # noqa: F401
-                            start, stop, two_hosts, wait_job)
+from test_launchers import REPO, clean_env, find_mpirun, free_port, run_two_hosts, start, stop, wait_job
+from test_launchers import slurm, two_hosts  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.multinode
 GEN = 4

@@ -4,16 +4,17 @@
 
 (a) this engine, a block of many GPU batches sharing each loaded layer;
 (b) this engine with num_gpu_batches 1 (each GPU batch reloads every layer);
-(c) Hugging Face accelerate disk offload (device_map + max_memory + offload_folder) at the
-    largest batch the same compute-memory budget allows (the GPU batch size of (a)).
-Plus ablations of (a): no overlap, no CPU attention.
+(c) Hugging Face accelerate disk offload (a device_map of "cpu"/"disk" modules holding the
+    same RAM budget, plus offload_folder) at the largest batch the same compute-memory budget
+    allows (the GPU batch size of (a)).
+Plus ablations of (a): no overlap, no CPU attention, KV cache on the CPU tier.
 
-All runs use the same dummy weights (written once as a Hugging Face checkpoint for (c)) and
-the same prompts. The weights that do not fit the RAM budget are on disk for everyone: the
-engine reads them with O_DIRECT, and accelerate reads memory-mapped files, so the page cache
-is dropped before each run and every ``--drop-interval`` seconds during it (root only; the
-JSON says whether it was possible). Otherwise RAM larger than the budget would silently hold
-accelerate's "disk" weights.
+All runs use the same dummy weights, written once as a Hugging Face checkpoint that the
+engine loads too (so the tokens must agree), and the same prompts. The weights that do not
+fit the RAM budget are on disk for everyone: the engine reads them with O_DIRECT, and
+accelerate reads memory-mapped files, so the page cache is dropped before each run and every
+``--drop-interval`` seconds during it (root only; the JSON says whether it was possible).
+Otherwise RAM larger than the budget would silently hold accelerate's "disk" weights.
 """
 from __future__ import annotations
 
@@ -205,8 +206,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
     work.mkdir(parents=True, exist_ok=True)
-    lm = load_model(args.model, dummy_weights=True, dtype=torch.float32)
-    spec = lm.spec
+    dummy = load_model(args.model, dummy_weights=True, dtype=torch.float32)
+    ckpt = work / "hf"
+    if not (ckpt / "config.json").exists():
+        print("writing the dummy weights as a Hugging Face checkpoint ...", flush=True)
+        write_hf_checkpoint(dummy, ckpt)
+    # Everyone runs the checkpoint, not the dummy source: the dummy source draws the tied LM
+    # head independently of the embedding, which a tied HF checkpoint cannot represent.
+    lm = load_model(str(ckpt), load_tokenizer=False, dtype=torch.float32)
+    spec = dummy.spec
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g).tolist()
     weight_bytes = spec.total_numel() * 4
@@ -232,10 +240,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine("a_no_cpu_attention", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0, cpu_attention=False))
         engine("a_cache_on_cpu", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0))
 
-    ckpt = work / "hf"
-    if not (ckpt / "config.json").exists():
-        print("writing the Hugging Face checkpoint for the accelerate baseline ...", flush=True)
-        write_hf_checkpoint(lm, ckpt)
     t, (outs, acc) = timed(lambda: run_accelerate(ckpt, prompts, args.gen_len, gbs, cpu_budget,
                                                   work / "hf-offload"), args.drop_interval)
     runs["c_accelerate"] = {"wall_s": t, "batch_size": gbs, "ram_budget_bytes": cpu_budget, **acc,

@@ -189,104 +189,99 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
     from ..memory.disk import DiskStore
     from ..models.loader import describe, load_model
     from ..prompts import OutputWriter, read_prompts
-    from ..run import _progress, _report, budgets_of, check_prompt_lengths, needs_disk, resolve_device, resolve_dtype
+    from ..run import (_progress, _report, budgets_of, check_prompt_lengths, close_all, needs_disk,
+                       resolve_device, resolve_dtype)
 
     device = resolve_device(cfg.device, topo.local_rank)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.log_dir:
         setup_rank_logging(cfg.log_dir, topo.rank)
     ctx = DistContext.init(topo, device.type, cfg.backend, cfg.dist_timeout)
-    monitor = FailureMonitor(ctx).start()
     disk = engine = writer = None
+    # the monitor reports an exception to the other ranks, then stops (rank 0 lingers until
+    # its peers are done, so they read its own error, not a vanished store)
     try:
-        m, rank = topo.world_size, topo.rank
-        loaded = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=dtype, seed=cfg.seed,
-                            load_tokenizer=topo.is_first)
-        spec = loaded.spec
-        ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-        policies = cfg.stage_policies(m) if not cfg.auto_policy else None
-        comm = StageComm(ctx)
-        prompts = None
-        if topo.is_first:
-            prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, loaded.tokenizer,
-                                   spec.vocab_size, cfg.seed)
-            check_prompt_lengths(prompts, cfg.gen_len, spec.max_positions)
-            max_len = max(len(p.ids) for p in prompts)
-            predicted: dict[str, Any] = {}
-            if policies is None:
-                from ..planner.auto import auto_policies
+        with FailureMonitor(ctx) as monitor:
+            m, rank = topo.world_size, topo.rank
+            loaded = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=dtype, seed=cfg.seed,
+                                load_tokenizer=topo.is_first)
+            spec = loaded.spec
+            ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
+            policies = cfg.stage_policies(m) if not cfg.auto_policy else None
+            comm = StageComm(ctx)
+            prompts = None
+            if topo.is_first:
+                prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, loaded.tokenizer,
+                                       spec.vocab_size, cfg.seed)
+                check_prompt_lengths(prompts, cfg.gen_len, spec.max_positions)
+                max_len = max(len(p.ids) for p in prompts)
+                predicted: dict[str, Any] = {}
+                if policies is None:
+                    from ..planner.auto import auto_policies
 
-                policies, predicted, ranges = auto_policies(cfg, spec, ranges, max_len, torch.finfo(dtype).bits // 8,
-                                                            device, len(prompts))
-            sizes = {p.block_size for p in policies}
-            if len(sizes) != 1:
-                raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
-                                  "num_gpu_batches): every stage must use the same block size")
-            G = cfg.num_micro_batches or m
-            blocks = plan_blocks([len(p.ids) for p in prompts], policies[0].block_size)
-            header = {"blocks": blocks, "policies": [p.to_dict() for p in policies], "G": G, "ranges": ranges,
-                      "max_len": max_len, "predicted": predicted}
-            for r in range(1, m):
-                comm.send_obj(header, r)
-        else:
-            header = comm.recv_obj(0)
-        from ..engine.policy import Policy
+                    policies, predicted, ranges = auto_policies(cfg, spec, ranges, max_len, torch.finfo(dtype).bits // 8,
+                                                                device, len(prompts))
+                sizes = {p.block_size for p in policies}
+                if len(sizes) != 1:
+                    raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
+                                      "num_gpu_batches): every stage must use the same block size")
+                G = cfg.num_micro_batches or m
+                blocks = plan_blocks([len(p.ids) for p in prompts], policies[0].block_size)
+                header = {"blocks": blocks, "policies": [p.to_dict() for p in policies], "G": G, "ranges": ranges,
+                          "max_len": max_len, "predicted": predicted}
+                for r in range(1, m):
+                    comm.send_obj(header, r)
+            else:
+                header = comm.recv_obj(0)
+            from ..engine.policy import Policy
 
-        policies = [Policy.from_dict(d) for d in header["policies"]]
-        policy, blocks, G, ranges = policies[rank], header["blocks"], header["G"], header["ranges"]
-        lo, hi = ranges[rank]
-        peak = predict_peaks(spec, policy, (lo, hi), has_embed=topo.is_first, has_head=topo.is_last,
-                             prompt_len=header["max_len"], gen_len=cfg.gen_len,
-                             dtype_bytes=torch.finfo(dtype).bits // 8, num_blocks_in_flight=G)
-        check_budgets(peak, budgets_of(cfg), stage=rank)
-        if needs_disk([policy]):
-            disk = DiskStore(Path(cfg.offload_dir).expanduser(), rank=rank, direct_io=cfg.direct_io)
-            disk.check_space(peak["disk"])
-            monitor.add_cleanup(disk.close)
-        engine = StageEngine(spec, loaded.source, (lo, hi), has_embed=topo.is_first, has_head=topo.is_last,
-                             policy=policy, device=device, dtype=dtype, disk=disk)
-        log.info("stage %d: layers [%d, %d) weights %s", rank, lo, hi, engine.describe())
-        pipe = Pipeline(ctx, engine, cfg, blocks, G)
-        records: list[dict[str, Any]] = []
-        bar = None
-        on_block = None
-        if topo.is_first:
-            print(f"model: {describe(loaded)}; {m} stages {ranges}; G={G}", file=sys.stderr)
-            writer = OutputWriter(cfg.output, loaded.tokenizer)
-            bar = _progress(cfg, len(prompts), policy.block_size)  # type: ignore[arg-type]
+            policies = [Policy.from_dict(d) for d in header["policies"]]
+            policy, blocks, G, ranges = policies[rank], header["blocks"], header["G"], header["ranges"]
+            lo, hi = ranges[rank]
+            peak = predict_peaks(spec, policy, (lo, hi), has_embed=topo.is_first, has_head=topo.is_last,
+                                 prompt_len=header["max_len"], gen_len=cfg.gen_len,
+                                 dtype_bytes=torch.finfo(dtype).bits // 8, num_blocks_in_flight=G)
+            check_budgets(peak, budgets_of(cfg), stage=rank)
+            if needs_disk([policy]):
+                disk = DiskStore(Path(cfg.offload_dir).expanduser(), rank=rank, direct_io=cfg.direct_io)
+                disk.check_space(peak["disk"])
+                monitor.add_cleanup(disk.close)
+            engine = StageEngine(spec, loaded.source, (lo, hi), has_embed=topo.is_first, has_head=topo.is_last,
+                                 policy=policy, device=device, dtype=dtype, disk=disk)
+            log.info("stage %d: layers [%d, %d) weights %s", rank, lo, hi, engine.describe())
+            pipe = Pipeline(ctx, engine, cfg, blocks, G)
+            records: list[dict[str, Any]] = []
+            bar = None
+            on_block = None
+            if topo.is_first:
+                print(f"model: {describe(loaded)}; {m} stages {ranges}; G={G}", file=sys.stderr)
+                writer = OutputWriter(cfg.output, loaded.tokenizer)
+                bar = _progress(cfg, len(prompts), policy.block_size)  # type: ignore[arg-type]
 
-            def on_block(first: int, outs: list[list[int]]) -> None:
-                recs = [writer.record(prompts[first + n], toks) for n, toks in enumerate(outs)]  # type: ignore[index, union-attr]
-                writer.write(recs)  # type: ignore[union-attr]
-                records.extend(recs)
+                def on_block(first: int, outs: list[list[int]]) -> None:
+                    recs = [writer.record(prompts[first + n], toks) for n, toks in enumerate(outs)]  # type: ignore[index, union-attr]
+                    writer.write(recs)  # type: ignore[union-attr]
+                    records.extend(recs)
 
-        tm = pipe.run([p.ids for p in prompts] if prompts else None, on_block,
-                      bar.update if bar is not None else None)
-        if bar is not None:
-            bar.close()
-        mine = {"stage": rank, "layers": [lo, hi], "policy": policy.to_dict(), "peak_bytes": engine.peak_bytes(),
-                "predicted_peak_bytes": peak, **engine.times.as_dict(), "comm_wait_s": pipe.comm_wait_s}
-        if cfg.metrics:
-            p = Path(cfg.metrics).expanduser()
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.with_name(p.stem + f".rank{rank}.json").write_text(json.dumps(mine, indent=2) + "\n")
-        if rank != 0:
-            comm.send_obj(mine, 0)
-        else:
-            stages = [mine] + [comm.recv_obj(r) for r in range(1, m)]
-            _report(cfg, records, merged_metrics(cfg, describe(loaded), device, dtype, prompts, tm, stages, header))
-        monitor.stop()
-        return 0
-    except BaseException as e:
-        monitor.report(e)
-        raise
+            tm = pipe.run([p.ids for p in prompts] if prompts else None, on_block,
+                          bar.update if bar is not None else None)
+            if bar is not None:
+                bar.close()
+            mine = {"stage": rank, "layers": [lo, hi], "policy": policy.to_dict(), "peak_bytes": engine.peak_bytes(),
+                    "predicted_peak_bytes": peak, **engine.times.as_dict(), "comm_wait_s": pipe.comm_wait_s}
+            if cfg.metrics:
+                p = Path(cfg.metrics).expanduser()
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.with_name(p.stem + f".rank{rank}.json").write_text(json.dumps(mine, indent=2) + "\n")
+            if rank != 0:
+                comm.send_obj(mine, 0)
+            else:
+                stages = [mine] + [comm.recv_obj(r) for r in range(1, m)]
+                _report(cfg, records,
+                        merged_metrics(cfg, describe(loaded), device, dtype, prompts, tm, stages, header))
+            return 0
     finally:
-        if engine is not None:
-            engine.close()
-        if disk is not None:
-            disk.close()
-        if writer is not None:
-            writer.close()
+        close_all(engine, disk, writer)
         ctx.close()
 
 

@@ -1,8 +1,9 @@
 """Predicted peak bytes per tier of a stage under a policy, checked before anything is allocated.
 
 The prediction mirrors what the engine allocates: weights by ``choose_tiers``, the KV cache of
-one block by ``split_rows``, activations of one block, plus the compute device's working set
-(two slots of weights in flight when they live off the device, one GPU batch's activations and
+one block by ``split_rows`` (packed codes plus group metadata per position when
+``compress_cache``), activations of one block, plus the compute device's working set (two
+slots of weights in flight when they live off the device, one GPU batch's activations and
 attention scores).
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from ..memory.tiers import MemoryBudgetError, Tier, format_bytes
 from ..models.common import family_module
 from ..models.spec import ModelSpec
-from .kvcache import split_rows
+from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
 from .weights import choose_tiers
 
@@ -39,8 +40,10 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
     nl = layers[1] - layers[0]
     b = policy.gpu_batch_size
     cache = {t.value: 0 for t in Tier}
+    per_pos = cache_bytes_per_position(spec.head_dim, dtype_bytes, policy.compress_cache,
+                                       policy.comp_bits, policy.comp_group_size)
     for tier, r0, r1 in split_rows(b * spec.num_kv_heads, policy.fractions("cache")):
-        cache[tier.value] += 2 * (r1 - r0) * total * spec.head_dim * dtype_bytes
+        cache[tier.value] += 2 * (r1 - r0) * total * per_pos
     acts = {t.value: 0 for t in Tier}
     for tier, r0, r1 in split_rows(b, policy.fractions("act")):
         acts[tier.value] += (r1 - r0) * prompt_len * spec.hidden_size * dtype_bytes

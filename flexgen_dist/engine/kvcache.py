@@ -9,16 +9,24 @@ and a read of the first L positions is one sequential read.
 
 Decode attention on a chunk that is not on the compute device runs on the CPU when
 ``cpu_attention`` is on (q goes to the cache); otherwise the chunk is copied to the device.
+
+With ``compress`` every chunk holds K and V as :class:`QTensor` s in the same layouts, grouped
+along head_dim, so each (row, position) is whole groups and positions are written and read
+independently. New k/v are quantized on the compute device before they move anywhere, stay
+compressed on every tier (disk included), and a chunk is dequantized on the device that runs
+its attention, right before use. The group is capped at head_dim: a group never spans
+positions, so a larger one would only store padding.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..memory.disk import DiskStore, DiskTensor
+from ..memory.disk import DiskStore
+from ..memory.quant import QTensor, dequantize, empty_qtensor, qtensor_layout, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from .attention import attend_rows, merge_partial
 
@@ -32,15 +40,32 @@ def split_rows(rows: int, fractions: tuple[float, float, float]) -> list[tuple[T
     return [(t, a, b) for t, a, b in bounds if b > a]
 
 
+def cache_group_size(head_dim: int, group_size: int) -> int:
+    """The quantization group of the cache: at most head_dim (groups never span positions)."""
+    return min(group_size, head_dim)
+
+
+def cache_bytes_per_position(head_dim: int, dtype_bytes: int, compress: bool = False,
+                             bits: int = 4, group_size: int = 64) -> int:
+    """Bytes one row of K (or of V) stores per position, exactly as :class:`BlockCache` allocates."""
+    if not compress:
+        return head_dim * dtype_bytes
+    data, meta = qtensor_layout((head_dim,), bits, cache_group_size(head_dim, group_size), -1)
+    return data[-1] + 2 * meta[-1] * dtype_bytes  # packed codes + a min and a scale per group
+
+
+Stored = Any  # torch.Tensor, DiskTensor, or a QTensor of either
+
+
 @dataclass
 class Chunk:
     tier: Tier
     r0: int
     r1: int
-    k: Any  # torch.Tensor (rows, L, d) or DiskTensor (L, rows, d)
-    v: Any
-    staged: tuple[torch.Tensor, torch.Tensor] | None = None  # disk: positions [0, p] in RAM
-    pending: tuple[int, torch.Tensor, torch.Tensor] | None = None  # disk: (pos0, k, v) to write
+    k: Stored  # (rows, L, d) in RAM / on device, (L, rows, d) on disk; QTensor when compressed
+    v: Stored
+    staged: tuple[Stored, Stored] | None = None  # disk: positions [0, p] in RAM
+    pending: tuple[int, Stored, Stored] | None = None  # disk: (pos0, k, v) to write
     futures: list[Future] = field(default_factory=list)
 
 
@@ -50,10 +75,13 @@ class BlockCache:
     def __init__(self, layers: list[int], batch_sizes: list[int], kv_heads: int, max_len: int,
                  head_dim: int, fractions: tuple[float, float, float], device: torch.device,
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
-                 cpu_attention: bool, tag: str = "") -> None:
+                 cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
+                 group_size: int = 64) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
         self.cpu_attention = cpu_attention
+        self.compress, self.bits = compress, bits
+        self.group_size = cache_group_size(head_dim, group_size)
         self._disk_store = disk
         self.chunks: dict[tuple[int, int], list[Chunk]] = {}
         self._bytes: list[tuple[Tier, int]] = []
@@ -68,20 +96,34 @@ class BlockCache:
         n = r1 - r0
         if tier == Tier.DISK:
             shape = (self.max_len, n, self.head_dim)
-            k = _disk(name + "-k", shape, self.dtype, self)
-            v = _disk(name + "-v", shape, self.dtype, self)
-            nbytes = k.nbytes + v.nbytes
+            k, v = self._disk(name + "-k", shape), self._disk(name + "-v", shape)
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
             # never read before written: prefill fills [0, s), each decode step its position
-            k = torch.empty((n, self.max_len, self.head_dim), dtype=self.dtype, device=dev)
-            v = torch.empty_like(k)
+            k, v = (self._empty((n, self.max_len, self.head_dim), dev) for _ in range(2))
             if tier == Tier.CPU:
-                k, v = pin_if_cuda(k, self.device), pin_if_cuda(v, self.device)
-            nbytes = 2 * k.nbytes
+                k, v = _pin(k, self.device), _pin(v, self.device)
+        nbytes = int(k.nbytes + v.nbytes)
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
         return Chunk(tier, r0, r1, k, v)
+
+    def _empty(self, shape: tuple[int, ...], device: torch.device) -> Stored:
+        if self.compress:
+            return empty_qtensor(shape, self.dtype, self.bits, self.group_size, dim=-1, device=device)
+        return torch.empty(shape, dtype=self.dtype, device=device)
+
+    def _disk(self, name: str, shape: tuple[int, ...]) -> Stored:
+        store = self._disk_store
+        if store is None:
+            raise RuntimeError("cache on disk needs an offload directory (--offload-dir)")
+        if self.compress:
+            return store.allocate_qtensor(name, shape, self.dtype, self.bits, self.group_size, dim=-1)
+        return store.allocate(name, shape, self.dtype)
+
+    def _encode(self, x: torch.Tensor) -> Stored:
+        """What is stored for new k/v rows: quantized (on x's device) when compressing."""
+        return quantize(x, self.bits, self.group_size, dim=-1) if self.compress else x
 
     def free(self) -> None:
         for tier, n in self._bytes:
@@ -92,8 +134,8 @@ class BlockCache:
                 for f in ch.futures:
                     f.cancel()
                 if ch.tier == Tier.DISK and self._disk_store is not None:
-                    self._disk_store.free(ch.k)
-                    self._disk_store.free(ch.v)
+                    for p in _parts(ch.k) + _parts(ch.v):
+                        self._disk_store.free(p)
         self.chunks.clear()
 
     # --- overlapped I/O steps ----------------------------------------------------------
@@ -102,14 +144,13 @@ class BlockCache:
         for ch in self.chunks.get((j, kb), []):
             if ch.tier != Tier.DISK or length == 0:
                 continue
-            n = ch.r1 - ch.r0
-            kbuf = torch.empty((length + 1, n, self.head_dim), dtype=self.dtype)
-            vbuf = torch.empty_like(kbuf)
-            self.tracker.add(Tier.CPU, 2 * kbuf.nbytes)
+            shape = (length + 1, ch.r1 - ch.r0, self.head_dim)
+            kbuf, vbuf = self._empty(shape, torch.device("cpu")), self._empty(shape, torch.device("cpu"))
+            self.tracker.add(Tier.CPU, kbuf.nbytes + vbuf.nbytes)
             ch.staged = (kbuf, vbuf)
-            store = ch.k.store
-            ch.futures = [store.submit_read(ch.k, out=kbuf[:length], rows=(0, length)),
-                          store.submit_read(ch.v, out=vbuf[:length], rows=(0, length))]
+            ch.futures = [p.store.submit_read(p, out=b[:length], rows=(0, length))
+                          for src, buf in ((ch.k, kbuf), (ch.v, vbuf))
+                          for p, b in zip(_parts(src), _parts(buf))]
 
     def store(self, j: int, kb: int) -> list[Future]:
         """Write what compute produced for disk chunks (async); returns the futures."""
@@ -120,24 +161,31 @@ class BlockCache:
             pos0, kk, vv = ch.pending
             ch.pending = None
             rows = (pos0, pos0 + kk.shape[0])
-            futs.append(ch.k.store.submit_write(ch.k, kk, rows=rows))
-            futs.append(ch.v.store.submit_write(ch.v, vv, rows=rows))
+            for dst, src in ((ch.k, kk), (ch.v, vv)):
+                futs += [p.store.submit_write(p, s, rows=rows)
+                         for p, s in zip(_parts(dst), _parts(src))]
             if ch.staged is not None:
-                self.tracker.sub(Tier.CPU, 2 * ch.staged[0].nbytes)
+                self.tracker.sub(Tier.CPU, ch.staged[0].nbytes + ch.staged[1].nbytes)
                 ch.staged = None
         return futs
 
     # --- compute ------------------------------------------------------------------------
+    def _non_blocking(self, ch: Chunk) -> bool:
+        # the CPU reads a RAM chunk right after this write when it runs the attention itself
+        return ch.tier == Tier.GPU or not self.cpu_attention
+
     def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store the prompt's k/v rows (rows, s, d) into each chunk at positions [0, s)."""
         s = k_new.shape[1]
         for ch in self.chunks[(j, kb)]:
             kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
             if ch.tier == Tier.DISK:
-                ch.pending = (0, kn.transpose(0, 1).contiguous().cpu(), vn.transpose(0, 1).contiguous().cpu())
+                ch.pending = (0, _host(self._encode(kn.transpose(0, 1))),
+                              _host(self._encode(vn.transpose(0, 1))))
             else:
-                copy_between(ch.k[:, :s], kn, non_blocking=True)
-                copy_between(ch.v[:, :s], vn, non_blocking=True)
+                nb = self._non_blocking(ch)
+                copy_between(_positions(ch.k, 0, s, 1), self._encode(kn), non_blocking=nb)
+                copy_between(_positions(ch.v, 0, s, 1), self._encode(vn), non_blocking=nb)
 
     def attend(self, j: int, kb: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                mask: torch.Tensor, pos0: int, sparsity: float = 1.0) -> torch.Tensor:
@@ -149,33 +197,62 @@ class BlockCache:
         outs = []
         for ch in self.chunks[(j, kb)]:
             kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
-            m = mask[ch.r0:ch.r1]
-            if ch.tier == Tier.DISK:
-                for f in ch.futures:
-                    f.result()
-                ch.futures = []
-                kbuf, vbuf = ch.staged  # type: ignore[misc]
-                kbuf[pos0:length].copy_(kn.transpose(0, 1))
-                vbuf[pos0:length].copy_(vn.transpose(0, 1))
-                ch.pending = (pos0, kbuf[pos0:length], vbuf[pos0:length])
-                kc, vc = kbuf[:length].transpose(0, 1), vbuf[:length].transpose(0, 1)
-            else:
-                copy_between(ch.k[:, pos0:length], kn, non_blocking=True)
-                copy_between(ch.v[:, pos0:length], vn, non_blocking=True)
-                kc, vc = ch.k[:, :length], ch.v[:, :length]
-            if ch.tier == Tier.GPU or kc.device == self.device:
-                outs.append((ch.r0, ch.r1, attend_rows(q[ch.r0:ch.r1], kc, vc, m, sparsity)))
-            elif self.cpu_attention:  # move q (small) to the cache instead of the cache to q
-                o = attend_rows(q[ch.r0:ch.r1].to("cpu"), kc, vc, m.to("cpu"), sparsity)
-                outs.append((ch.r0, ch.r1, o))
-            else:
-                kd, vd = kc.to(self.device, non_blocking=True), vc.to(self.device, non_blocking=True)
-                outs.append((ch.r0, ch.r1, attend_rows(q[ch.r0:ch.r1], kd, vd, m, sparsity)))
+            qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
+            kc, vc, pos_major = self._append(ch, kn, vn, pos0, length)
+            dev = self.device
+            if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
+                dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
+                qr, m = qr.to(dev), m.to(dev)
+            kd, vd = _dense(kc, dev, pos_major), _dense(vc, dev, pos_major)
+            outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity)))
         return merge_partial(outs, q.shape[0], self.device)
 
+    def _append(self, ch: Chunk, kn: torch.Tensor, vn: torch.Tensor, pos0: int,
+                length: int) -> tuple[Stored, Stored, bool]:
+        """Write positions [pos0, length); return K, V over [0, length) as stored, in memory,
+        and whether they are position-major (a staged disk chunk)."""
+        if ch.tier == Tier.DISK:
+            for f in ch.futures:
+                f.result()
+            ch.futures = []
+            kbuf, vbuf = ch.staged  # type: ignore[misc]
+            copy_between(_positions(kbuf, pos0, length, 0), self._encode(kn.transpose(0, 1)))
+            copy_between(_positions(vbuf, pos0, length, 0), self._encode(vn.transpose(0, 1)))
+            ch.pending = (pos0, _positions(kbuf, pos0, length, 0), _positions(vbuf, pos0, length, 0))
+            return _positions(kbuf, 0, length, 0), _positions(vbuf, 0, length, 0), True
+        nb = self._non_blocking(ch)
+        copy_between(_positions(ch.k, pos0, length, 1), self._encode(kn), non_blocking=nb)
+        copy_between(_positions(ch.v, pos0, length, 1), self._encode(vn), non_blocking=nb)
+        return _positions(ch.k, 0, length, 1), _positions(ch.v, 0, length, 1), False
 
-def _disk(name: str, shape: tuple[int, ...], dtype: torch.dtype, cache: BlockCache) -> DiskTensor:
-    store: DiskStore | None = getattr(cache, "_disk_store", None)
-    if store is None:
-        raise RuntimeError("cache on disk needs an offload directory (--offload-dir)")
-    return store.allocate(name, shape, dtype)
+
+def _parts(x: Stored) -> tuple[Any, ...]:
+    return x.parts() if isinstance(x, QTensor) else (x,)
+
+
+def _positions(x: Stored, a: int, b: int, dim: int) -> Stored:
+    """A view of positions [a, b) along leading dim ``dim`` of an in-memory tensor or QTensor."""
+    if isinstance(x, QTensor):
+        data, mins, scales = (p.narrow(dim, a, b - a) for p in x.parts())
+        shape = list(x.shape)
+        shape[dim] = b - a
+        return replace(x, data=data, mins=mins, scales=scales, shape=torch.Size(shape))
+    return x.narrow(dim, a, b - a)
+
+
+def _dense(x: Stored, device: torch.device, pos_major: bool) -> torch.Tensor:
+    """Row-major (rows, L, d) K or V on ``device``, dequantized there when compressed."""
+    x = dequantize(x, device) if isinstance(x, QTensor) else x.to(device, non_blocking=True)
+    return x.transpose(0, 1) if pos_major else x
+
+
+def _host(x: Stored) -> Stored:
+    """A CPU copy that an async disk write can own."""
+    return x.to("cpu") if isinstance(x, QTensor) else x.contiguous().cpu()
+
+
+def _pin(x: Stored, device: torch.device) -> Stored:
+    if isinstance(x, QTensor):
+        return replace(x, data=pin_if_cuda(x.data, device), mins=pin_if_cuda(x.mins, device),
+                       scales=pin_if_cuda(x.scales, device))
+    return pin_if_cuda(x, device)

@@ -89,7 +89,9 @@ class StageEngine:
         if self.layers:
             cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,
                                self.spec.head_dim, self.policy.fractions("cache"), self.device,
-                               self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag)
+                               self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
+                               compress=self.policy.compress_cache, bits=self.policy.comp_bits,
+                               group_size=self.policy.comp_group_size)
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []

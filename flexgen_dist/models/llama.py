@@ -49,22 +49,11 @@ def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_names(spec: ModelSpec) -> list[str]:
-    return list(layer_shapes(spec))
-
-
-def embed_names(spec: ModelSpec) -> list[str]:
-    return list(embed_shapes(spec))
-
-
-def head_names(spec: ModelSpec) -> list[str]:
-    return list(head_shapes(spec))
-
 
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
-        return {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_names(spec)}
+        return {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_shapes(spec)}
     if part == "embed":
         return {"tok.w": ["model.embed_tokens.weight"]}
     out = {"norm.w": ["model.norm.weight"]}
@@ -78,7 +67,7 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
     """Canonical name -> GGUF tensor name (llama.cpp convention)."""
     if part == "layer":
-        return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_names(spec)}
+        return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
     if part == "embed":
         return {"tok.w": "token_embd.weight"}
     out = {"norm.w": "output_norm.weight"}

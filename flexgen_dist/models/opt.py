@@ -52,17 +52,6 @@ def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_names(spec: ModelSpec) -> list[str]:
-    return list(layer_shapes(spec))
-
-
-def embed_names(spec: ModelSpec) -> list[str]:
-    return list(embed_shapes(spec))
-
-
-def head_names(spec: ModelSpec) -> list[str]:
-    return list(head_shapes(spec))
-
 
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
@@ -72,7 +61,7 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
         table = {"tok.w": "embed_tokens.weight", "pos.w": "embed_positions.weight",
                  "proj_in.w": "project_in.weight", "proj_out.w": "project_out.weight",
                  "norm.w": "final_layer_norm.weight", "norm.b": "final_layer_norm.bias"}
-        names = embed_names(spec) if part == "embed" else head_names(spec)
+        names = embed_shapes(spec) if part == "embed" else head_shapes(spec)
         rel = {k: table[k] for k in names}
     out = {k: [p + v for p in _PREFIXES] for k, v in rel.items()}
     if part == "head":

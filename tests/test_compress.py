@@ -1,0 +1,132 @@
+"""The compressed KV cache (--compress-cache): smaller on every tier, close to the dense cache."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, read_jsonl, write_jsonl
+from flexgen_dist.engine.budget import predict_peaks
+from flexgen_dist.engine.generate import generate, make_blocks, pad_token
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.engine.sampling import SamplingConfig
+from flexgen_dist.engine.stage import StageEngine
+from flexgen_dist.memory.disk import DiskStore
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.run import main
+
+GEN = 5
+# percent WG WC CG CC HG HC; weights and activations stay on the compute device so the
+# cache's tier holds only the cache (all-compute is measured against cache-cpu's gpu peak)
+PLACEMENTS = {
+    "all-compute": ((100, 0, 100, 0, 100, 0), "gpu"),
+    "cache-cpu": ((100, 0, 0, 100, 100, 0), "cpu"),
+    "cache-disk": ((100, 0, 0, 0, 100, 0), "disk"),
+}
+
+
+def _engine(lm, pct, disk, compress: bool, cpu_attention: bool = True, **kw) -> StageEngine:
+    pol = Policy(2, 3, *pct, cpu_attention=cpu_attention, compress_cache=compress, **kw)
+    return StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                       policy=pol, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+
+
+def _run(lm, pct, tmp_path: Path, compress: bool, cpu_attention: bool = True,
+         **kw) -> tuple[list[list[int]], dict[str, int]]:
+    with DiskStore(tmp_path / "off") as disk:
+        eng = _engine(lm, pct, disk, compress, cpu_attention, **kw)
+        outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+        eng.close()
+    return outs, eng.peak_bytes()
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_compressed_cache_is_small_on_every_tier(kind: str, tiny_models, tmp_path: Path) -> None:
+    lm = load_model(str(tiny_models[kind].path), load_tokenizer=False)
+    base_gpu = {}  # gpu peak without any cache on it (cache-cpu), per compress setting
+    cache_bytes: dict[tuple[str, bool, bool], int] = {}
+    for name, (pct, tier) in PLACEMENTS.items():
+        for cpu_att in ([True, False] if name == "cache-cpu" else [True]):
+            for compress in (False, True):
+                outs, peak = _run(lm, pct, tmp_path, compress, cpu_att)
+                assert len(outs) == len(PROMPTS) and all(len(o) == GEN for o in outs)
+                cache_bytes[(name, cpu_att, compress)] = peak[tier]
+                if name == "cache-cpu":
+                    base_gpu[compress] = peak["gpu"]
+                # the budget prediction mirrors the allocation (one full block in flight)
+                pol = Policy(2, 3, *pct, compress_cache=compress)
+                pred = predict_peaks(lm.spec, pol, (0, lm.spec.num_layers), has_embed=True,
+                                     has_head=True, prompt_len=max(map(len, PROMPTS)),
+                                     gen_len=GEN, dtype_bytes=4)
+                if tier != "gpu":
+                    assert pred[tier] == peak[tier], (name, compress)
+    for c in (False, True):
+        cache_bytes[("all-compute", True, c)] -= base_gpu[c]
+    for (name, cpu_att, compress), n in cache_bytes.items():
+        if compress:
+            dense = cache_bytes[(name, cpu_att, False)]
+            assert 0 < n < 0.3 * dense, (name, cpu_att, n, dense)
+
+
+def _step_logits(lm, pct, disk, compress: bool, steps: int,
+                 forced: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Logits of each step of one block of 2 GPU batches; inputs forced to ``forced`` if given."""
+    eng = _engine(lm, pct, disk, compress)
+    pol = eng.policy
+    blk = make_blocks(PROMPTS[:6], pol, steps)[0]
+    st = eng.new_block(blk.meta)
+    pad = pad_token(lm.spec.pad_token_id, lm.spec.eos_token_ids)
+    inputs = [blk.padded(k, pad) for k in range(len(blk.prompt_ids))]
+    out = []
+    for i in range(steps):
+        logits = torch.cat(eng.run_token(st, i, inputs))
+        out.append(logits)
+        nxt = forced[i] if forced is not None else logits.argmax(-1)
+        inputs = list(nxt[:, None].split(pol.gpu_batch_size))
+    eng.free_block(st)
+    eng.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_compressed_cache_logits_are_close(kind: str, tiny_models, tmp_path: Path) -> None:
+    lm = load_model(str(tiny_models[kind].path), load_tokenizer=False)
+    steps = 4
+    pct = (100, 0, 30, 30, 100, 0)  # cache rows on all three tiers
+    with DiskStore(tmp_path / "off") as disk:
+        dense = _step_logits(lm, pct, disk, False, steps)
+        forced = [lg.argmax(-1) for lg in dense]
+        comp = _step_logits(lm, pct, disk, True, steps, forced)
+    # prefill attends over the fresh k/v, not the cache
+    assert torch.equal(dense[0], comp[0])
+    for i in range(1, steps):
+        rel = ((comp[i] - dense[i]).abs().max() / dense[i].abs().max()).item()
+        assert 0 < rel < 0.1, (i, rel)  # > 0: decode really read the quantized cache
+
+
+def test_compressed_placements_agree_and_cli_runs(tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models["llama-gqa"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    runs = {}
+    for name, pct in [("all-compute", (100, 0, 100, 0, 100, 0)), ("cache-cpu", (100, 0, 0, 100, 100, 0)),
+                      ("all-disk", (0, 0, 0, 0, 0, 0)), ("mixed", (30, 30, 20, 50, 50, 50))]:
+        for cpu_att in (True, False):
+            for overlap in (True, False):
+                runs[(name, cpu_att, overlap)] = _run(lm, pct, tmp_path, True, cpu_att, overlap=overlap)[0]
+    first = next(iter(runs.values()))
+    assert all(r == first for r in runs.values()), runs
+
+    p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    out, met, off = tmp_path / "o.jsonl", tmp_path / "m.json", tmp_path / "cli-off"
+    rc = main(["--model", str(tm.path), "--prompts", str(p), "--gen-len", str(GEN), "--ignore-eos",
+               "--percent", "0", "100", "0", "50", "0", "0", "--gpu-batch-size", "2",
+               "--num-gpu-batches", "3", "--compress-cache", "--compress-weight",
+               "--offload-dir", str(off), "--output", str(out), "--no-progress", "--metrics", str(met)])
+    assert rc == 0
+    toks = [r["tokens"] for r in read_jsonl(out)]
+    assert len(toks) == len(PROMPTS) and all(len(t) == GEN for t in toks)
+    peak = json.loads(met.read_text())["peak_bytes"][0]
+    assert peak["disk"] > 0 and peak["cpu"] > 0
+    assert list(off.iterdir()) == []
