@@ -264,3 +264,19 @@ def test_cli_errors_are_one_line(capsys):
     assert len(err) == 1 and "disk too small" in err[0]
     assert cli_main(["plan", "--model", "no-such-model", "--hardware", str(T4)]) != 0
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_per_stage_hardware_list(tmp_path) -> None:
+    from flexgen_dist.planner.hardware import hardware_for_stages, load_hardware_stages
+
+    hw_dir = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+    f = tmp_path / "mixed.yaml"
+    f.write_text(f"stages:\n  - {hw_dir / 't4.yaml'}\n  - {hw_dir / 'cpu-2core.yaml'}\n")
+    hws = load_hardware_stages(f)
+    assert [h.compute_device for h in hws] == ["cuda", "cpu"]
+    assert len(load_hardware_stages(hw_dir / "t4.yaml")) == 1
+    with pytest.raises(ValueError, match="lists 2 stages but the pipeline has 3"):
+        hardware_for_stages(hws, 3)
+    plan = plan_pipeline(get_spec("opt-1.3b"), 2, hardware_for_stages(hws, 2), Workload(128, 16))
+    # the CPU stage is the slower one: its policy is planned for its own memory and rates
+    assert plan.stages[1].cost.decode_time_s > plan.stages[0].cost.decode_time_s

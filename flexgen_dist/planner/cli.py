@@ -17,6 +17,7 @@ import torch
 from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.planner.cost_model import Workload
 from flexgen_dist.planner.hardware import (DEVICES, HardwareSpec, default_cache_path,
+                                           hardware_for_stages, load_hardware_stages,
                                            load_or_profile, profile_hardware)
 from flexgen_dist.planner.search import PipelinePlan, PlanError, plan_pipeline
 
@@ -91,18 +92,20 @@ def _summary(rows: list[tuple[int, PipelinePlan]], base_decode: float | None) ->
     return "\n".join(out)
 
 
-def _hardware(args: argparse.Namespace) -> HardwareSpec:
+def _hardware(args: argparse.Namespace) -> list[HardwareSpec]:
+    """The machines of the stages: one for all, or one per stage (a ``stages:`` YAML)."""
     if args.hardware == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        hw = load_or_profile(None, device)
+        hws = [load_or_profile(None, device)]
     else:
-        hw = HardwareSpec.from_yaml(args.hardware)
-    return hw.with_budgets(args.gpu_mem, args.cpu_mem, args.disk_mem)
+        hws = load_hardware_stages(args.hardware)
+    return [hw.with_budgets(args.gpu_mem, args.cpu_mem, args.disk_mem) for hw in hws]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     spec = get_spec(args.model)
-    hw = _hardware(args)
+    hws = _hardware(args)
+    hw = hws[0]
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
     wl = Workload(args.prompt_len, args.gen_len, dtype_bytes)
     kw = dict(partition=args.partition, compress=args.compress,
@@ -113,15 +116,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{hw.cpu_mem / 2**30:.1f} GiB, disk {hw.disk_mem / 2**30:.1f} GiB")
     base_decode = None
     try:
-        base = plan_pipeline(spec, 1, hw, wl, num_micro_batches=args.micro_batches, **kw)
+        base = plan_pipeline(spec, 1, hw, wl, num_micro_batches=args.micro_batches, **kw)  # on stage 0's machine
         base_decode = base.predicted["decode_throughput"] or None
     except PlanError:
         base = None
     rows, failed, records = [], 0, []
     for m in args.stages:
         try:
-            plan = base if m == 1 and base is not None else plan_pipeline(
-                spec, m, hw, wl, num_micro_batches=args.micro_batches, **kw)
+            plan = base if m == 1 and base is not None and len(hws) == 1 else plan_pipeline(
+                spec, m, hardware_for_stages(hws, m), wl, num_micro_batches=args.micro_batches, **kw)
         except (PlanError, ValueError) as e:
             print(f"error: {m} stage(s): {e}", file=sys.stderr)
             failed += 1

@@ -136,6 +136,44 @@ class HardwareSpec:
         return cls.from_dict(d, where=str(path))
 
 
+def load_hardware_stages(path: str | Path) -> list[HardwareSpec]:
+    """One HardwareSpec, or one per stage from ``stages:`` (each a file path or a mapping).
+
+    A pipeline whose stages run on different machines lists them in order::
+
+        stages:
+          - t4.yaml            # relative to this file
+          - {name: a100, ...}  # or inline
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [HardwareSpec.from_yaml(path)]  # raises the not-found error
+    with open(path) as f:
+        d = yaml.safe_load(f)
+    if not (isinstance(d, dict) and "stages" in d):
+        return [HardwareSpec.from_dict(d, where=str(path))]
+    items = d["stages"]
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{path}: 'stages' must be a non-empty list of hardware files or mappings")
+    out = []
+    for n, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(HardwareSpec.from_yaml(path.parent / item))
+        else:
+            out.append(HardwareSpec.from_dict(item, where=f"{path} stage {n}"))
+    return out
+
+
+def hardware_for_stages(hws: list[HardwareSpec], num_stages: int) -> list[HardwareSpec]:
+    """The hardware of each of ``num_stages`` stages: one spec for all, or one per stage."""
+    if len(hws) == 1:
+        return hws * num_stages
+    if len(hws) != num_stages:
+        raise ValueError(f"the hardware file lists {len(hws)} stages but the pipeline has {num_stages}: "
+                         "give one machine for all stages, or one per stage")
+    return list(hws)
+
+
 def _parse_rate(v: Any) -> float:
     """A bandwidth: a number of bytes/s, or a size string with an optional '/s' ('12GB/s')."""
     if isinstance(v, str):
