@@ -207,7 +207,6 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
                                 load_tokenizer=topo.is_first)
             spec = loaded.spec
             ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-            policies = cfg.stage_policies(m) if not cfg.auto_policy else None
             comm = StageComm(ctx)
             prompts = None
             if topo.is_first:
@@ -215,6 +214,8 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
                                        spec.vocab_size, cfg.seed)
                 check_prompt_lengths(prompts, cfg.gen_len, spec.max_positions)
                 max_len = max(len(p.ids) for p in prompts)
+                # only rank 0 reads policy files: the other nodes get the policies below
+                policies = cfg.stage_policies(m) if not cfg.auto_policy else None
                 predicted: dict[str, Any] = {}
                 if policies is None:
                     from ..planner.auto import auto_policies

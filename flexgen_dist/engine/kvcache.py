@@ -123,7 +123,10 @@ class BlockCache:
 
     def _encode(self, x: torch.Tensor) -> Stored:
         """What is stored for new k/v rows: quantized (on x's device) when compressing."""
-        return quantize(x, self.bits, self.group_size, dim=-1) if self.compress else x
+        if not self.compress:
+            return x
+        # in the cache dtype, as a dense cache would hold it (k may arrive in float32)
+        return quantize(x.to(self.dtype), self.bits, self.group_size, dim=-1)
 
     def free(self) -> None:
         for tier, n in self._bytes:
