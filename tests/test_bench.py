@@ -1,0 +1,98 @@
+"""Smoke tests of the benchmark scripts: arguments parse, a tiny configuration runs end to end,
+the JSON has the keys the docs read. No timing asserts (benchmarks report, tests don't judge)."""
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexgen_dist.bench import offload, planner_accuracy, scaling
+
+
+def test_modules_import_without_side_effects(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for mod in (offload, planner_accuracy, scaling):
+        importlib.reload(mod)
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
+
+
+def test_offload_tiny_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "offload.json"
+    res = offload.main(["--model", "opt-125m", "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "2",
+                        "--gpu-batch-size", "1", "--skip-ablations", "--drop-interval", "0",
+                        "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res, default=str))
+    assert set(data["runs"]) == {"a_block", "b_one_batch", "c_accelerate"}
+    for run in data["runs"].values():
+        assert run["throughput"] > 0 and run["generate_s"] > 0
+    assert data["runs"]["c_accelerate"]["tokens_match_a"] is True
+    assert data["runs"]["c_accelerate"]["modules_on_disk"] > 0  # the baseline really offloads
+    assert data["runs"]["a_block"]["disk_bytes_read"] > 0
+    assert set(data["ratios"]) == {"a_over_c", "a_over_b"} and all(v > 0 for v in data["ratios"].values())
+
+
+def test_accelerate_device_map_fills_the_budget(tmp_path: Path) -> None:
+    import torch
+
+    from flexgen_dist.models.loader import load_model
+
+    lm = load_model("opt-125m", dummy_weights=True, dtype=torch.float32)
+    offload.write_hf_checkpoint(lm, tmp_path)
+    budget = lm.spec.total_numel() * 4 // 2
+    dmap, used = offload.accelerate_device_map(tmp_path, budget)
+    assert used["cpu"] <= budget < used["cpu"] + lm.spec.layer_numel() * 4
+    assert "disk" in dmap.values() and dmap["lm_head"] == dmap["model.decoder.embed_tokens"] == "cpu"
+
+
+def test_planner_accuracy_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "pa.json"
+    planner_accuracy.main(["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "1",
+                           "--num-gpu-batches", "2", "--quick", "--policies", "w0-50_cache-disk", "all-in-ram",
+                           "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["policies"]) == {"w0-50_cache-disk", "all-in-ram"}
+    assert data["hardware"]["compute_device"] == "cpu" and "quick" in data["hardware_source"]
+    for r in data["policies"].values():
+        for side in ("predicted", "measured"):
+            assert r[side]["total_s"] > 0 and r[side]["prefill_s"] > 0 and r[side]["decode_s"] > 0
+        assert set(r["rel_error"]) == {"prefill_s", "decode_s", "total_s"}
+    assert data["policies"]["w0-50_cache-disk"]["measured"]["disk_bytes_read"] > 0
+    assert "max_abs_total_error" in data and isinstance(data["all_within_30pct"], bool)
+
+
+def test_planner_accuracy_rejects_unknown_policy() -> None:
+    with pytest.raises(SystemExit):
+        planner_accuracy.parse_args(["--policies", "nope"])
+
+
+def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s.json"
+    res = scaling.main(["--dry-run", "--stages", "1", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["dry_run"] is True and set(data["runs"]) == {"1", "2"} and "scaling_vs_1_stage" not in data
+    one, two = data["runs"]["1"], data["runs"]["2"]
+    budget = data["weight_budget_bytes_per_rank"]
+    assert budget == 512 * 2**20 == res["weight_budget_bytes_per_rank"]
+    # one stage offloads more of its weights than either of two stages
+    assert one["policies"][0]["percent"][1] < min(p["percent"][1] for p in two["policies"])
+    assert sum(two["stage_weight_bytes"]) >= one["stage_weight_bytes"][0]
+    printed = capsys.readouterr().out
+    assert "--nproc-per-node 2" in printed and "flexgen_dist.run" in printed and "--policy" in printed
+    for m in ("1", "2"):
+        assert (tmp_path / "w" / f"policy-{m}.yaml").is_file()
+        assert f"--nproc-per-node {m}" in data["runs"][m]["command"]
+
+
+def test_scaling_rejects_bad_stages() -> None:
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--stages", "0"])
+
+
+def test_scaling_cli_help() -> None:
+    p = subprocess.run([sys.executable, "-m", "flexgen_dist.bench.scaling", "--help"], capture_output=True, text=True)
+    assert p.returncode == 0 and "--dry-run" in p.stdout
