@@ -130,7 +130,7 @@ class StageEngine:
             self._compute(st, s.i, s.j, s.k, num_gb)
             self.times.compute_s += time.perf_counter() - t0
         elif kind == "load_weight":
-            fut = self._pool.submit(self.weights.load, self.slots[s.j])
+            fut = self._pool.submit(self.weights.load, self.slots[s.j], self.weights.next_buffers())
             self._wbuf[s.j] = fut
             if not self.policy.overlap:
                 self._wait([fut])

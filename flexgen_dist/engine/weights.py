@@ -7,13 +7,12 @@ every layer loads the same amount from each tier (even overlap from layer to lay
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ..memory.disk import DiskStore, DiskTensor
+from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, quantize
 
@@ -52,6 +51,12 @@ class WeightStore:
         self.device, self.dtype, self.tracker, self.disk = device, dtype, tracker, disk
         self.compress, self.group_size, self.bits = compress, group_size, bits
         self.placed: dict[Slot, dict[str, Placed]] = {}
+        # Two rotating sets of aligned host buffers for disk reads: at most two slots are in
+        # flight (the one computing, the one prefetched), and reusing pre-faulted buffers keeps
+        # the I/O thread asleep in O_DIRECT reads instead of page-faulting fresh memory, which
+        # on a CPU device would steal cycles from the compute threads.
+        self._bufsets: list[dict[tuple, torch.Tensor]] = [{}, {}]
+        self._turn = 0
         for slot in slots:
             ws = read(*slot)
             names = list(ws)
@@ -92,16 +97,40 @@ class WeightStore:
     def tiers_of(self, slot: Slot) -> dict[str, Tier]:
         return {n: p.tier for n, p in self.placed[slot].items()}
 
-    def load(self, slot: Slot) -> dict[str, torch.Tensor]:
-        """The slot's weights as compute-device tensors (views where already there)."""
+    def next_buffers(self) -> dict[tuple, torch.Tensor]:
+        """The read-buffer set for the next load; call in schedule order (not from workers)."""
+        bufs = self._bufsets[self._turn]
+        self._turn ^= 1
+        return bufs
+
+    def _buffer(self, bufs: dict[tuple, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        key = (name, shape)
+        if key not in bufs:
+            cuda = self.device.type == "cuda"
+            bufs[key] = aligned_empty(shape, self.dtype, pin=cuda)
+            self.tracker.add(Tier.CPU if cuda else Tier.GPU, bufs[key].nbytes)
+        return bufs[key]
+
+    def load(self, slot: Slot, bufs: dict[tuple, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The slot's weights as compute-device tensors (views where already there).
+
+        ``bufs`` (from ``next_buffers``) receives what is read from disk.
+        """
+        if bufs is None:
+            bufs = self.next_buffers()
         out = {}
         for name, p in self.placed[slot].items():
             if isinstance(p.data, QTensor):
                 out[name] = dequantize(p.data, self.device)
                 self.tracker.add(Tier.GPU, out[name].nbytes)
             elif isinstance(p.data, DiskTensor):
-                out[name] = _disk_to_device(p.data, self.device, self.dtype)
-                self.tracker.add(Tier.GPU, out[name].nbytes)
+                host = self._buffer(bufs, name, p.shape)
+                p.data.read(out=host)
+                if self.device.type == "cpu":
+                    out[name] = host
+                else:
+                    out[name] = host.to(self.device, non_blocking=True)
+                    self.tracker.add(Tier.GPU, out[name].nbytes)
             elif p.data.device == self.device:
                 out[name] = p.data
             else:
@@ -114,17 +143,7 @@ class WeightStore:
     def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
         for name, p in self.placed[slot].items():
+            if isinstance(p.data, DiskTensor) and self.device.type == "cpu":
+                continue  # a reused read buffer, counted once when it was made
             if isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device:
                 self.tracker.sub(Tier.GPU, loaded[name].nbytes)
-
-
-def _disk_to_device(dt: DiskTensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if device.type == "cpu":
-        return dt.read()
-    host = pin_if_cuda(torch.empty(dt.shape, dtype=dtype), device)
-    dt.read(out=host)
-    return host.to(device, non_blocking=True)
-
-
-def resolve(fut: Future | Any) -> Any:
-    return fut.result() if isinstance(fut, Future) else fut
