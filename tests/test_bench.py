@@ -96,3 +96,48 @@ def test_scaling_rejects_bad_stages() -> None:
 def test_scaling_cli_help() -> None:
     p = subprocess.run([sys.executable, "-m", "flexgen_dist.bench.scaling", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "--dry-run" in p.stdout
+
+
+def test_cost_model_counts_the_bytes_the_engine_places(tmp_path: Path) -> None:
+    """planner_accuracy compares times; this pins the bytes under them: all weights on disk,
+    the cost model's disk peak is exactly what the engine writes (the tied head's own copy
+    included), and the realised split the benchmark feeds back sums to the engine's bytes."""
+    import torch
+
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.disk import DiskStore
+    from flexgen_dist.models.loader import DummySource
+    from flexgen_dist.models.spec import ModelSpec
+    from flexgen_dist.planner.cost_model import Workload, estimate_stage
+    from flexgen_dist.planner.hardware import HardwareSpec
+
+    hw = HardwareSpec.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml")
+    for tied in (True, False):
+        spec = ModelSpec(name="t", family="llama", num_layers=2, hidden_size=64, ffn_size=128, num_heads=4,
+                         vocab_size=300, max_positions=64, tie_word_embeddings=tied)
+        pol = Policy(1, 1, 0, 0, 100, 0, 100, 0)
+        with DiskStore(tmp_path / "off") as disk:
+            eng = StageEngine(spec, DummySource(spec, torch.float32), (0, 2), has_embed=True, has_head=True,
+                              policy=pol, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+            placed = eng.weights.bytes_per_tier()
+            eng.close()
+        cost = estimate_stage(spec, 2, pol, hw, Workload(8, 2, dtype_bytes=4), has_embed=True, has_head=True)
+        assert cost.peak["decode"]["disk"] == placed["disk"] == sum(placed.values()), tied
+        real = planner_accuracy.realised_policy(Policy(1, 1, 0, 50, 100, 0, 100, 0), placed)
+        assert real.w_disk_percent == pytest.approx(100.0)
+
+
+def test_hardware_gemm_bw_is_optional(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from flexgen_dist.planner.hardware import HardwareSpec
+
+    hw_dir = Path(__file__).resolve().parents[1] / "configs" / "hardware"
+    old = HardwareSpec.from_yaml(hw_dir / "cpu-2core.yaml")  # written before the field existed
+    assert old.gemm_bw is None
+    new = replace(old, gemm_bw=6.5e9)
+    new.to_yaml(tmp_path / "hw.yaml")
+    assert HardwareSpec.from_yaml(tmp_path / "hw.yaml") == new
+    with pytest.raises(ValueError, match="gemm_bw"):
+        replace(old, gemm_bw=-1.0)

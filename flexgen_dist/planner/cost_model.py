@@ -164,8 +164,12 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     h1, q, kv, nh, V = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.num_heads, spec.vocab_size
     mlp_width = spec.ffn_size * (2 if spec.family == "llama" else 1)  # gate+up for SwiGLU
     # Decode attention reads 2*kv*b cache bytes per 4*q FLOPs; the profiler measures it with
-    # MHA, so bmm_flops * b / 2 is the device's memory bandwidth for memory-bound GEMMs.
+    # MHA, so bmm_flops * b / 2 is the device's memory bandwidth (dequantization traffic).
     mem_bw = hw.bmm_flops * b / 2
+    # Small-batch linear layers stream their weights at the skinny-GEMM rate the profiler
+    # measures (gemm_bw); on a CPU that is ~2x below mem_bw. Spec-sheet files without it
+    # fall back to mem_bw.
+    stream_bw = hw.gemm_bw or mem_bw
 
     def wbytes(numel: float) -> float:
         return compressed_bytes(numel, comp_bits, comp_group_size, b) if compress_weight else numel * b
@@ -177,8 +181,10 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     wl = wbytes(lnum)
     largest = max(h1 * q, h1 * spec.ffn_size)  # the largest single tensor of a layer
     extra_numel = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
-    if has_head and spec.tie_word_embeddings and not has_embed:
-        extra_numel += V * spec.embed_dim  # a tied head needs its own copy on the last stage
+    if has_head and spec.tie_word_embeddings:
+        # the engine's head slot holds its own copy of a tied matrix, also on a stage that
+        # has the embedding (a single stage stores, loads and reads it twice)
+        extra_numel += V * spec.embed_dim
     W = l * wl + extra_numel * b  # embedding and head stay uncompressed
     wl_io = wl + extra_numel * b / l  # weight traffic per layer, extras spread over the layers
     kv_tok = 2 * kv  # K and V elements per token per sequence per layer
@@ -195,11 +201,12 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     def gemm(rows: int) -> float:
         """Linear layers of one block: compute-bound, or weight-read-bound per GPU batch."""
         flops = 2.0 * rows * lnum
-        return max(flops / hw.mm_flops, num_gpu_batches * lnum * b / mem_bw)
+        return max(flops / hw.mm_flops, num_gpu_batches * lnum * b / stream_bw)
 
     head_p = head_d = 0.0
-    if has_head:  # logits of the last position only
-        head_d = max(2.0 * bls * h1 * V / hw.mm_flops, num_gpu_batches * V * h1 * b / mem_bw)
+    if has_head:  # logits of the last position only; the LM head is (vocab, embed_dim)
+        e = spec.embed_dim
+        head_d = max(2.0 * bls * e * V / hw.mm_flops, num_gpu_batches * V * e * b / stream_bw)
         head_p = head_d
     deq_w = (lnum * b + wl) / mem_bw if compress_weight else 0.0
     deq_c_pre = bls * s * kv_tok * b / mem_bw if compress_cache else 0.0
