@@ -10,14 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_dist.bench import offload, planner_accuracy, scaling
+from flexgen_dist.bench import offload, planner_accuracy, scaling, single
 
 
 def test_modules_import_without_side_effects(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    for mod in (offload, planner_accuracy, scaling):
+    for mod in (offload, planner_accuracy, scaling, single):
         importlib.reload(mod)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
+
+
+def test_single_tiny_end_to_end(tmp_path: Path, tiny_models) -> None:
+    out = tmp_path / "single.json"
+    res = single.main(["--model", str(tiny_models["llama-gqa"].path), "--num-prompts", "4", "--prompt-len", "6",
+                       "--gen-len", "3", "--batch-size", "2", "--repeats", "2", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(res))
+    assert data["tokens_match"] is True
+    assert len(data["flexgen_dist"]["wall_s"]) == 2 and len(data["transformers"]["wall_s"]) == 2
+    assert len(data["flexgen_dist"]["per_repeat"]) == 2
+    assert data["ratio"] > 0 and data["workload"]["repeats"] == 2
 
 
 def test_offload_tiny_end_to_end(tmp_path: Path) -> None:
