@@ -114,8 +114,8 @@ def test_scaling_cli_help() -> None:
 
 def test_cost_model_counts_the_bytes_the_engine_places(tmp_path: Path) -> None:
     """planner_accuracy compares times; this pins the bytes under them: all weights on disk,
-    the cost model's disk peak is exactly what the engine writes (the tied head's own copy
-    included), and the realised split the benchmark feeds back sums to the engine's bytes."""
+    the cost model's disk peak is exactly what the engine writes (a tied head stored once
+    with the embedding), and the realised split the benchmark feeds back sums to the engine's bytes."""
     import torch
 
     from flexgen_dist.engine.policy import Policy

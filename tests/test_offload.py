@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist.engine.budget import predict_peaks
 from flexgen_dist.engine.generate import generate
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig
@@ -135,3 +136,33 @@ def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert list(off.iterdir()) == []
+
+
+@pytest.mark.parametrize("w_pct", [(100, 0), (0, 100), (0, 0)])
+def test_tied_head_is_stored_once_on_a_stage_with_the_embedding(tmp_path: Path, w_pct) -> None:
+    from flexgen_dist.models.loader import DummySource
+    from flexgen_dist.models.spec import ModelSpec
+
+    spec = ModelSpec(name="t", family="llama", num_layers=2, hidden_size=64, ffn_size=128, num_heads=4,
+                     vocab_size=300, max_positions=64, tie_word_embeddings=True)
+    src = DummySource(spec, torch.float32)
+    assert torch.equal(src.get("head")["tok.w"], src.get("embed")["tok.w"])  # a tied head is the embedding
+    pol = Policy(1, 1, *w_pct, 100, 0, 100, 0)
+    with DiskStore(tmp_path / "off") as disk:
+        one = StageEngine(spec, src, (0, 2), has_embed=True, has_head=True, policy=pol,
+                          device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+        assert one.weights.placed[("head", None)]["tok.w"] is one.weights.placed[("embed", None)]["tok.w"]
+        assert sum(one.weights.bytes_per_tier().values()) == spec.total_numel() * 4
+        if w_pct == (0, 0):  # one file for the shared matrix
+            assert len(list(Path(disk.dir).iterdir())) == len(one.weights.unique_placed())
+        last = StageEngine(spec, src, (1, 2), has_embed=False, has_head=True, policy=pol,
+                           device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+        assert "tok.w" in last.weights.placed[("head", None)]  # a head without the embedding keeps its copy
+        peak = predict_peaks(spec, pol, (0, 2), has_embed=True, has_head=True, prompt_len=4, gen_len=2,
+                             dtype_bytes=4)
+        placed = one.weights.bytes_per_tier()
+        for tier in ("cpu", "disk"):
+            if placed[tier]:
+                assert peak[tier] >= placed[tier]
+        one.close()
+        last.close()

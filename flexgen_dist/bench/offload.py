@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not (ckpt / "config.json").exists():
         print("writing the dummy weights as a Hugging Face checkpoint ...", flush=True)
         write_hf_checkpoint(dummy, ckpt)
-    # Everyone runs the checkpoint, not the dummy source: the dummy source draws the tied LM
-    # head independently of the embedding, which a tied HF checkpoint cannot represent.
+    # Everyone runs the written checkpoint (the engine too), so all runs provably use the same
+    # weights and their tokens can be compared.
     held = {"lm": load_model(str(ckpt), load_tokenizer=False, dtype=torch.float32)}
     spec = dummy.spec
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from ..models.common import family_module
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
-from .weights import choose_tiers
+from .weights import TIED, choose_tiers
 
 
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
@@ -25,6 +25,8 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
     max_off = 0
     for part in parts:
         shapes = getattr(fam, f"{part}_shapes")(spec)
+        if part == "head" and has_embed:
+            shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
         sizes = [_numel(s) * dtype_bytes for s in shapes.values()]
         if policy.compress_weight:
             sizes = [_compressed(s, policy, dtype_bytes) if len(sh) == 2 else s for s, sh in zip(sizes, shapes.values())]

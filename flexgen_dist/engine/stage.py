@@ -75,6 +75,9 @@ class StageEngine:
         self.weights = WeightStore(self.slots, source.get, policy.fractions("w"), device, dtype,
                                    self.tracker, disk, compress=policy.compress_weight,
                                    group_size=policy.comp_group_size, bits=policy.comp_bits)
+        # Every weight is placed now: release the checkpoint's handles, so memory maps that no
+        # placed tensor uses are unmapped (mapped pages would also pin the page cache).
+        source.close()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
         self._wbuf: dict[int, Any] = {}
         self._pending: list[Future] = []

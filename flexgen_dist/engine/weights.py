@@ -1,6 +1,7 @@
 """Weight placement (layer granularity) and loading onto the compute device.
 
-Each tensor of a slot lives whole on one tier. Within a slot, tensors are walked in order and
+Each tensor of a slot lives whole on one tier (a head tied to the embedding of the same stage
+shares the embedding's tensor). Within a slot, tensors are walked in order and
 each goes to the tier whose share of the slot's cumulative bytes contains the tensor's middle
 byte, so every slot (and hence the stage) splits its bytes by the policy's fractions, and
 every layer loads the same amount from each tier (even overlap from layer to layer).
@@ -17,6 +18,7 @@ from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, quantize
 
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
+TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it
 
 
 def choose_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[Tier]:
@@ -59,9 +61,22 @@ class WeightStore:
         self._turn = 0
         for slot in slots:
             ws = read(*slot)
-            names = list(ws)
+            tied = self._tied_head(slot, ws)
+            names = [n for n in ws if tied is None or n != TIED]
             tiers = choose_tiers([ws[n].numel() * ws[n].element_size() for n in names], fractions)
             self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
+            if tied is not None:
+                self.placed[slot][TIED] = tied
+            del ws
+
+    def _tied_head(self, slot: Slot, ws: dict[str, torch.Tensor]) -> Placed | None:
+        """The embedding's placement, when ``slot`` is a head tied to an embedding of this store.
+
+        A family names the LM head matrix "tok.w" exactly when it is the token embedding, so a
+        stage holding both stores it once; a head on another stage keeps its own copy.
+        """
+        embed = self.placed.get(("embed", None), {})
+        return embed.get(TIED) if slot == ("head", None) and TIED in ws else None
 
     def _put(self, slot: Slot, name: str, w: torch.Tensor, tier: Tier) -> Placed:
         shape = tuple(w.shape)
@@ -89,10 +104,17 @@ class WeightStore:
 
     def bytes_per_tier(self) -> dict[str, int]:
         out = {t.value: 0 for t in Tier}
+        for p in self.unique_placed():
+            out[p.tier.value] += p.nbytes
+        return out
+
+    def unique_placed(self) -> list[Placed]:
+        """Every stored tensor once (a tied head shares the embedding's)."""
+        seen: dict[int, Placed] = {}
         for ws in self.placed.values():
             for p in ws.values():
-                out[p.tier.value] += p.nbytes
-        return out
+                seen.setdefault(id(p), p)
+        return list(seen.values())
 
     def tiers_of(self, slot: Slot) -> dict[str, Tier]:
         return {n: p.tier for n, p in self.placed[slot].items()}

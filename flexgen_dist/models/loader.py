@@ -142,20 +142,25 @@ class HFDirSource(WeightSource):
         if not files:
             raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin files in the model dir")
         for f in files:
-            try:
-                if f.suffix == ".safetensors":
-                    from safetensors import safe_open
+            self.index.update({n: f for n in self._open(f).keys()})
 
-                    h = safe_open(str(f), framework="pt")
-                    names = list(h.keys())
-                else:
-                    h = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-                    names = list(h)
-            except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
-                raise ModelLoadError(f"{f}: cannot read checkpoint ({type(e).__name__}: {e}); "
-                                     "re-download or re-save the model") from e
-            self._handles[f] = h
-            self.index.update({n: f for n in names})
+    def _open(self, f: Path) -> Any:
+        """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
+        h = self._handles.get(f)
+        if h is not None:
+            return h
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                h = safe_open(str(f), framework="pt")
+            else:
+                h = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
+            raise ModelLoadError(f"{f}: cannot read checkpoint ({type(e).__name__}: {e}); "
+                                 "re-download or re-save the model") from e
+        self._handles[f] = h
+        return h
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
@@ -163,9 +168,14 @@ class HFDirSource(WeightSource):
             name = next((c for c in candidates if c in self.index), None)
             if name is None:
                 raise ModelLoadError(f"{self.path}: tensor {candidates[0]} missing from the checkpoint")
-            h = self._handles[self.index[name]]
+            h = self._open(self.index[name])
             out[k] = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
         return out
+
+    def close(self) -> None:
+        """Drop the checkpoint handles (and their memory maps once no tensor uses them); a
+        later read reopens the file it needs."""
+        self._handles.clear()
 
 
 class GGUFSource(WeightSource):
@@ -199,7 +209,9 @@ class DummySource(WeightSource):
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
         for k, shape in self.shapes(part).items():
-            key = f"{self.seed}/{part}/{layer}/{k}".encode()
+            # a tied head ("tok.w" in the head) draws the embedding's values, as a checkpoint
+            # of a tied model holds one matrix for both
+            key = (f"{self.seed}/embed/None/{k}" if k == "tok.w" else f"{self.seed}/{part}/{layer}/{k}").encode()
             g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
             if k.endswith("norm.w"):
                 out[k] = torch.ones(shape)

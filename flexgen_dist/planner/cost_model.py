@@ -181,12 +181,16 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     wl = wbytes(lnum)
     largest = max(h1 * q, h1 * spec.ffn_size)  # the largest single tensor of a layer
     extra_numel = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
+    io_numel = extra_numel
     if has_head and spec.tie_word_embeddings:
-        # the engine's head slot holds its own copy of a tied matrix, also on a stage that
-        # has the embedding (a single stage stores, loads and reads it twice)
-        extra_numel += V * spec.embed_dim
+        # A tied head reads the embedding matrix: a stage with both stores it once but loads
+        # it twice per token (embedding and head are separate slots); a last stage without
+        # the embedding stores its own copy.
+        io_numel += V * spec.embed_dim
+        if not has_embed:
+            extra_numel += V * spec.embed_dim
     W = l * wl + extra_numel * b  # embedding and head stay uncompressed
-    wl_io = wl + extra_numel * b / l  # weight traffic per layer, extras spread over the layers
+    wl_io = wl + io_numel * b / l  # weight traffic per layer, extras spread over the layers
     kv_tok = 2 * kv  # K and V elements per token per sequence per layer
     C = G * l * bls * cbytes((s + n) * kv_tok)  # preallocated for s+n tokens, G groups
     c_pre = bls * cbytes(s * kv_tok)  # cache written by a block's prefill, per layer
