@@ -32,12 +32,14 @@ def test_single_tiny_end_to_end(tmp_path: Path, tiny_models) -> None:
     assert data["ratio"] > 0 and data["workload"]["repeats"] == 2
 
 
-def test_offload_tiny_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_tiny_end_to_end(tmp_path: Path, dtype: str) -> None:
     out = tmp_path / "offload.json"
     res = offload.main(["--model", "opt-125m", "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "2",
-                        "--gpu-batch-size", "1", "--skip-ablations", "--drop-interval", "0",
+                        "--gpu-batch-size", "1", "--skip-ablations", "--drop-interval", "0", "--dtype", dtype,
                         "--workdir", str(tmp_path / "work"), "--json", str(out)])
     data = json.loads(out.read_text())
+    assert data["workload"]["dtype"] == dtype
     assert data == json.loads(json.dumps(res, default=str))
     assert set(data["runs"]) == {"a_block", "b_one_batch", "c_accelerate"}
     for run in data["runs"].values():

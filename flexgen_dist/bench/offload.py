@@ -108,7 +108,7 @@ class CacheDropper:
             self._t.join()
 
 
-def write_hf_checkpoint(lm: Any, out: Path) -> None:
+def write_hf_checkpoint(lm: Any, out: Path, dtype: torch.dtype = torch.float32) -> None:
     """Save the dummy weights under Hugging Face names, so accelerate runs the same model."""
     from safetensors.torch import save_file
     from transformers import OPTConfig
@@ -121,7 +121,7 @@ def write_hf_checkpoint(lm: Any, out: Path) -> None:
                     num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                     max_position_embeddings=spec.max_positions, do_layer_norm_before=spec.pre_layer_norm,
                     word_embed_proj_dim=spec.embed_dim, pad_token_id=1, bos_token_id=2, eos_token_id=2,
-                    dtype="float32")
+                    dtype=str(dtype).removeprefix("torch."))
     cfg.save_pretrained(out)
     parts = [("embed", None)] + [("layer", j) for j in range(spec.num_layers)] + [("head", None)]
     shard: dict[str, torch.Tensor] = {}
@@ -141,20 +141,20 @@ def write_hf_checkpoint(lm: Any, out: Path) -> None:
         for k, names in fam.hf_names(spec, part, j).items():
             key = [c for c in names if c.startswith("model.decoder.")][0]
             if key not in index and key not in shard:
-                shard[key] = ws[k].contiguous()
-        if sum(t.numel() for t in shard.values()) * 4 > 512 * 2**20:
+                shard[key] = ws[k].to(dtype).contiguous()
+        if sum(t.nbytes for t in shard.values()) > 512 * 2**20:
             flush()
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
 
 
 def run_engine(lm: Any, prompts: list[list[int]], gen_len: int, policy: Policy, offload: Path,
-               drop_interval: float) -> tuple[list, dict]:
+               drop_interval: float, dtype: torch.dtype = torch.float32) -> tuple[list, dict]:
     """Place the weights (setup), drop the page cache, then time generation alone."""
     with CacheDropper(drop_interval), DiskStore(offload) as disk:
         t0 = time.perf_counter()
         eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
-                          policy=policy, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+                          policy=policy, device=torch.device("cpu"), dtype=dtype, disk=disk)
         try:
             setup = time.perf_counter() - t0
             drop_caches()
@@ -169,7 +169,8 @@ def run_engine(lm: Any, prompts: list[list[int]], gen_len: int, policy: Policy, 
     return outs, info
 
 
-def accelerate_device_map(ckpt: Path, cpu_budget: int) -> tuple[dict[str, str], dict[str, int]]:
+def accelerate_device_map(ckpt: Path, cpu_budget: int,
+                          dtype: torch.dtype = torch.float32) -> tuple[dict[str, str], dict[str, int]]:
     """A device_map that fills the RAM budget in module order and puts the rest on "disk".
 
     ``device_map="auto"`` with the same ``max_memory`` is not a like-for-like baseline: its
@@ -186,7 +187,7 @@ def accelerate_device_map(ckpt: Path, cpu_budget: int) -> tuple[dict[str, str], 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(ckpt)))
     model.tie_weights()
-    sizes = compute_module_sizes(model, dtype=torch.float32)
+    sizes = compute_module_sizes(model, dtype=dtype)
     dec = model.model.decoder
     parts = [f"model.decoder.{n}" for n, m in dec.named_children() if n != "layers" and m is not None]
     parts += [f"model.decoder.layers.{j}" for j in range(len(dec.layers))]
@@ -201,15 +202,16 @@ def accelerate_device_map(ckpt: Path, cpu_budget: int) -> tuple[dict[str, str], 
 
 
 def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: int, cpu_budget: int,
-                   offload: Path, drop_interval: float) -> tuple[list[list[int]], dict[str, Any]]:
+                   offload: Path, drop_interval: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[list[list[int]], dict[str, Any]]:
     """Load with the disk-offload device_map (setup), drop the page cache, time generation."""
     from transformers import AutoModelForCausalLM
 
     with CacheDropper(drop_interval):
         t0 = time.perf_counter()
-        dmap, used = accelerate_device_map(ckpt, cpu_budget)
+        dmap, used = accelerate_device_map(ckpt, cpu_budget, dtype)
         model = AutoModelForCausalLM.from_pretrained(
-            str(ckpt), dtype=torch.float32, device_map=dmap, offload_folder=str(offload),
+            str(ckpt), dtype=dtype, device_map=dmap, offload_folder=str(offload),
             offload_state_dict=True).eval()
         placed = dict(getattr(model, "hf_device_map", {}))
         if "disk" not in placed.values():
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--gpu-batch-size", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="of weights and compute, for every run (bfloat16: AMX GEMMs where the CPU has them)")
     ap.add_argument("--cpu-weight-percent", type=float, default=20.0,
                     help="share of weights the RAM budget holds; the rest is on disk")
     ap.add_argument("--drop-interval", type=float, default=1.0)
@@ -249,18 +253,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
     work.mkdir(parents=True, exist_ok=True)
-    dummy = load_model(args.model, dummy_weights=True, dtype=torch.float32)
-    ckpt = work / "hf"
+    dtype = getattr(torch, args.dtype)
+    dummy = load_model(args.model, dummy_weights=True, dtype=dtype)
+    ckpt = work / f"hf-{args.model}-{args.dtype}"
     if not (ckpt / "config.json").exists():
         print("writing the dummy weights as a Hugging Face checkpoint ...", flush=True)
-        write_hf_checkpoint(dummy, ckpt)
+        write_hf_checkpoint(dummy, ckpt, dtype)
     # Everyone runs the written checkpoint (the engine too), so all runs provably use the same
     # weights and their tokens can be compared.
-    held = {"lm": load_model(str(ckpt), load_tokenizer=False, dtype=torch.float32)}
+    held = {"lm": load_model(str(ckpt), load_tokenizer=False, dtype=dtype)}
     spec = dummy.spec
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g).tolist()
-    weight_bytes = spec.total_numel() * 4
+    weight_bytes = spec.total_numel() * dtype.itemsize
     cpu_budget = int(weight_bytes * args.cpu_weight_percent / 100)
     gbs = args.gpu_batch_size
     ngb = max(1, args.num_prompts // gbs)
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"setup {info['setup_s']:.1f} s)", flush=True)
 
     def engine(name: str, policy: Policy) -> list:
-        outs, info = run_engine(held["lm"], prompts, args.gen_len, policy, work / "offload", args.drop_interval)
+        outs, info = run_engine(held["lm"], prompts, args.gen_len, policy, work / "offload", args.drop_interval,
+                                dtype)
         record(name, info, {"policy": policy.to_dict()})
         return outs
 
@@ -296,14 +302,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mapped = checkpoint_mapped(ckpt)
     if mapped:
         raise RuntimeError(f"{ckpt} is still memory-mapped ({mapped}): accelerate would read RAM, not disk")
-    outs, acc = run_accelerate(ckpt, prompts, args.gen_len, gbs, cpu_budget, work / "hf-offload",
-                               args.drop_interval)
+    outs, acc = run_accelerate(ckpt, prompts, args.gen_len, gbs, cpu_budget, work / f"hf-offload-{args.dtype}",
+                               args.drop_interval, dtype)
     record("c_accelerate", acc, {"batch_size": gbs, "ram_budget_bytes": cpu_budget, "tokens_match_a": outs == ref})
 
     res = {
         "benchmark": "offload", "machine": machine(), "model": spec.name, "weight_bytes": weight_bytes,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-                     "dtype": "float32", "ram_budget_weight_percent": wc},
+                     "dtype": args.dtype, "ram_budget_weight_percent": wc},
         "page_cache_dropped": can_drop_caches(), "drop_interval_s": args.drop_interval,
         "runs": runs,
         "ratios": {"a_over_c": runs["a_block"]["throughput"] / runs["c_accelerate"]["throughput"],

@@ -52,7 +52,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     (``F.linear`` always). Both forms compute the same sums; results can differ in the last
     bit.
     """
-    if x.device.type != "cpu" or not _GEMM_TUNE or x.dim() < 2:
+    if x.device.type != "cpu":
+        return F.linear(x, w, b)
+    if b is not None and x.dtype != torch.float32:
+        # a half-type addmm on the CPU first broadcasts the bias into the output, then runs
+        # a slower GEMM path than the bias-free one: add the bias afterwards instead
+        return linear(x, w).add_(b)
+    if not _GEMM_TUNE or x.dim() < 2:
         return F.linear(x, w, b)
     k = x.shape[-1]
     m = x.numel() // k if k else 0
