@@ -90,7 +90,6 @@ def test_world_one_loopback() -> None:
 
 def run_launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, float]:
     """Run a launcher in its own process group; kill the group if it overstays."""
-    start = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

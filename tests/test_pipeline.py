@@ -102,17 +102,17 @@ def test_killed_rank_makes_the_others_exit(tmp_path: Path) -> None:
             time.sleep(0.5)
         time.sleep(3)  # well into the generation loop
         procs[1].send_signal(signal.SIGKILL)
-        t0 = time.time()
+        # not a hang: both survivors exit within the 10 s dist timeout plus polling
+        # (wait raises TimeoutExpired past the bound)
+        exit_by = time.time() + 40
         for k in (0, 2):
-            procs[k].wait(timeout=60)
-        elapsed = time.time() - t0
+            procs[k].wait(timeout=max(1.0, exit_by - time.time()))
         errs = {k: procs[k].stderr.read() for k in (0, 2)}
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     assert procs[0].returncode != 0 and procs[2].returncode != 0
-    assert elapsed < 40  # bounded by the 10 s timeout plus polling, not a hang
     assert all("rank 1" in e for e in errs.values()), errs
 
 

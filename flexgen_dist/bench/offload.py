@@ -34,24 +34,10 @@ from ..engine.generate import generate
 from ..engine.policy import Policy
 from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine
-from ..memory.disk import DiskStore
+from ..memory.disk import DiskStore, can_drop_page_cache, drop_page_cache
 from ..models.common import family_module
 from ..models.loader import load_model
 from .single import machine
-
-DROP = "/proc/sys/vm/drop_caches"
-
-
-def can_drop_caches() -> bool:
-    return os.access(DROP, os.W_OK)
-
-
-def drop_caches() -> None:
-    if can_drop_caches():
-        os.sync()
-        with open(DROP, "w") as f:
-            f.write("3\n")
-
 
 def device_bytes_read(path: Path) -> int | None:
     """Bytes the block device holding ``path`` has read so far (/proc/diskstats), or None.
@@ -94,11 +80,11 @@ class CacheDropper:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            drop_caches()
+            drop_page_cache()
 
     def __enter__(self) -> "CacheDropper":
-        drop_caches()
-        if can_drop_caches() and self.interval > 0:
+        drop_page_cache()
+        if can_drop_page_cache() and self.interval > 0:
             self._t.start()
         return self
 
@@ -157,7 +143,7 @@ def run_engine(lm: Any, prompts: list[list[int]], gen_len: int, policy: Policy, 
                           policy=policy, device=torch.device("cpu"), dtype=dtype, disk=disk)
         try:
             setup = time.perf_counter() - t0
-            drop_caches()
+            drop_page_cache()
             r0, t0 = device_bytes_read(offload.parent), time.perf_counter()
             outs, tm = generate(eng, prompts, gen_len, SamplingConfig(ignore_eos=True))
             gen = time.perf_counter() - t0
@@ -217,7 +203,7 @@ def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: in
         if "disk" not in placed.values():
             raise RuntimeError(f"accelerate kept every module in RAM ({placed}); the baseline would not offload")
         setup = time.perf_counter() - t0
-        drop_caches()
+        drop_page_cache()
         outs = []
         r0, t0 = device_bytes_read(ckpt), time.perf_counter()
         with torch.no_grad():
@@ -310,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "offload", "machine": machine(), "model": spec.name, "weight_bytes": weight_bytes,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                      "dtype": args.dtype, "ram_budget_weight_percent": wc},
-        "page_cache_dropped": can_drop_caches(), "drop_interval_s": args.drop_interval,
+        "page_cache_dropped": can_drop_page_cache(), "drop_interval_s": args.drop_interval,
         "runs": runs,
         "ratios": {"a_over_c": runs["a_block"]["throughput"] / runs["c_accelerate"]["throughput"],
                    "a_over_b": runs["a_block"]["throughput"] / runs["b_one_batch"]["throughput"]},

@@ -65,7 +65,7 @@ def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offloa
     from ..engine.sampling import SamplingConfig
     from ..engine.stage import StageEngine
     from ..memory.disk import DiskStore
-    from .offload import drop_caches
+    from ..memory.disk import drop_page_cache
 
     sc = SamplingConfig(ignore_eos=True)
     with DiskStore(offload) as disk:
@@ -75,7 +75,7 @@ def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offloa
             generate(eng, [p[:8] for p in prompts[:1]], 2, sc)  # warm-up: kernels, allocator
             eng.times.compute_s = eng.times.io_wait_s = 0.0
             read0 = disk.bytes_read
-            drop_caches()
+            drop_page_cache()
             t0 = time.perf_counter()
             _, tm = generate(eng, prompts, gen_len, sc)
             wall = time.perf_counter() - t0
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from ..engine.policy import Policy
     from ..models.loader import load_model
     from ..planner.cost_model import Workload, estimate_stage
-    from ..planner.hardware import HardwareSpec, profile_hardware
+    from ..planner.hardware import HardwareSpec
+    from ..planner.profiler import profile_hardware
     from .single import machine
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-planner-acc-"))

@@ -35,8 +35,6 @@ from typing import Any
 
 import yaml
 
-DROP = "/proc/sys/vm/drop_caches"
-
 
 def stage_weight_bytes(model: str, num_stages: int, dtype_bytes: int = 4) -> list[int]:
     """Weight bytes each stage holds (the engine's slots: embed, layers, head)."""
@@ -81,15 +79,6 @@ def command(args: argparse.Namespace, m: int, policy_file: Path, metrics: Path, 
             "--gen-len", str(args.gen_len), "--ignore-eos", "--device", "cpu", "--dtype", "float32",
             "--policy", str(policy_file), "--offload-dir", str(offload), "--metrics", str(metrics),
             "--print-outputs", "0", "--no-progress"]
-
-
-def drop_caches() -> bool:
-    if not os.access(DROP, os.W_OK):
-        return False
-    os.sync()
-    with open(DROP, "w") as f:
-        f.write("3\n")
-    return True
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -145,10 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(plan["command"], flush=True)
         res["runs"][str(m)] = {k: v for k, v in plan.items() if k != "argv"}
     if not args.dry_run:
+        from ..memory.disk import drop_page_cache
+
         for m, plan in plans.items():
             run = res["runs"][str(m)]
             env = {**os.environ, "OMP_NUM_THREADS": str(plan["omp_num_threads_per_rank"])}
-            run["page_cache_dropped"] = drop_caches()
+            run["page_cache_dropped"] = drop_page_cache()
             t0 = time.perf_counter()
             p = subprocess.run(plan["argv"], env=env, capture_output=True, text=True, timeout=args.timeout)
             run["wall_s"] = time.perf_counter() - t0

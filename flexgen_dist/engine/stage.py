@@ -214,7 +214,6 @@ class StageEngine:
         kvh = self.spec.num_kv_heads
         cache = st.cache
         assert cache is not None
-        mrows = mask
 
         if pos0 == 0:
             def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
@@ -224,7 +223,7 @@ class StageEngine:
             return prefill
 
         def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
-            o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mrows, pos0,
+            o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
                              self.policy.attn_sparsity)
             return rows_to_out(o, q.shape[0])
 

@@ -6,6 +6,7 @@ model never materialises whole in RAM.
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import importlib.util
 import json
@@ -106,8 +107,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
 
 # --------------------------------------------------------------------------------------
 # weight sources
-class WeightSource:
-    """Hands out the weights of one part as CPU tensors of ``dtype``."""
+class WeightSource(abc.ABC):
+    """Hands out the weights of one part as CPU tensors of ``dtype``; a subclass reads them."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         self.spec, self.dtype = spec, dtype
@@ -125,11 +126,12 @@ class WeightSource:
                                      f"{tuple(out[k].shape)}, expected {shape}: corrupt checkpoint?")
         return {k: v.to(self.dtype).contiguous() for k, v in out.items()}
 
+    @abc.abstractmethod
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The raw tensors of one part under canonical names (``get`` checks and converts)."""
 
     def close(self) -> None:
-        pass
+        """Release file handles; a source without any keeps this."""
 
 
 class HFDirSource(WeightSource):

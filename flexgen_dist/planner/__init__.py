@@ -4,7 +4,8 @@ See docs/planner.md. Imports only models/, engine/policy and memory/ (never dist
 """
 from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
                                              estimate_stage)
-from flexgen_dist.planner.hardware import HardwareSpec, load_or_profile, profile_hardware
+from flexgen_dist.planner.hardware import HardwareSpec
+from flexgen_dist.planner.profiler import load_or_profile, profile_hardware
 from flexgen_dist.planner.search import (PipelinePlan, PlanError, StagePlan, equal_split,
                                          plan_pipeline, plan_stage)
 

@@ -16,7 +16,8 @@ from ..config import RunConfig
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
 from .cost_model import Workload
-from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages, load_or_profile
+from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages
+from .profiler import load_or_profile
 from .search import plan_pipeline
 
 

@@ -16,9 +16,8 @@ import torch
 
 from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.planner.cost_model import Workload
-from flexgen_dist.planner.hardware import (DEVICES, HardwareSpec, default_cache_path,
-                                           hardware_for_stages, load_hardware_stages,
-                                           load_or_profile, profile_hardware)
+from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
+from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware
 from flexgen_dist.planner.search import PipelinePlan, PlanError, plan_pipeline
 
 

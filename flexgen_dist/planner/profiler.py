@@ -1,0 +1,274 @@
+"""The profiler: measures this machine as a :class:`HardwareSpec`, and caches the result.
+
+``profile_hardware`` times, at sizes that look like the engine's work, dense matmuls,
+decode-shaped weight streaming, decode attention, host<->device copies, the engine's own disk
+path and the loopback network; ``load_or_profile`` reads a spec file or profiles once and
+caches it per host.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flexgen_dist.memory.disk import DiskStore, aligned_empty, drop_page_cache
+from flexgen_dist.planner.hardware import DEVICES, HardwareSpec
+
+
+def default_cache_path(device: str) -> Path:
+    """Where a profile of this host and device is cached between runs."""
+    return Path.home() / ".cache" / "flexgen_dist" / f"hardware-{socket.gethostname()}-{device}.yaml"
+
+
+def load_or_profile(path: str | Path | None, device: str = "cpu",
+                    offload_dir: str = "/tmp") -> HardwareSpec:
+    """The spec in ``path`` (or the per-host cache file); profile and save it when absent.
+
+    Profiling takes up to a minute, so its result is cached; delete the file to re-measure.
+    """
+    p = Path(path) if path is not None else default_cache_path(device)
+    if p.is_file():
+        return HardwareSpec.from_yaml(p)
+    hw = profile_hardware(device=device, offload_dir=offload_dir)
+    hw.to_yaml(p)
+    return hw
+
+
+# Sizes are chosen to look like the work they stand for (a linear layer of a 7B-30B model, a
+# decode-attention block, a layer of weights) while keeping the whole run under a minute on
+# a 2-core CPU (quick mode: under ten seconds, for tests).
+_MM_SHAPES = {("cpu", False): (512, 4096, 4096), ("cpu", True): (128, 1024, 1024),
+              ("cuda", False): (4096, 8192, 8192), ("cuda", True): (2048, 4096, 4096)}
+_ATTN_SHAPES = {False: (512, 1024, 128), True: (128, 512, 128)}  # (batch*heads, keys, head_dim)
+_COPY_BYTES = {False: 256 * 2**20, True: 32 * 2**20}
+_DISK_BYTES = {False: 2048 * 2**20, True: 32 * 2**20}
+# The engine reads offloaded weights tensor by tensor into reused buffers, one after another
+# on one thread: the disk sees one request of a tensor's size at a time. 16 MiB is a
+# linear layer's weight at hidden 1024 in fp32 (or 2048 in fp16); on the development VM that
+# pattern reads ~10% slower than single 256 MiB requests (what the profiler used to time).
+_DISK_TENSOR_BYTES = {False: 16 * 2**20, True: 4 * 2**20}
+# Decode-shaped linear layers: a GPU batch of rows against weights that do not fit the caches.
+_GEMM_ROWS = 8
+_GEMM_SHAPE = {"cpu": (1024, 4096), "cuda": (4096, 16384)}  # (in, out) of one weight matrix
+_GEMM_BYTES = {False: 512 * 2**20, True: 64 * 2**20}  # weights streamed per pass
+_NET_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
+
+
+def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], Any]) -> float:
+    """Median seconds of ``fn`` after one warm-up call (median: achievable, not a lucky peak)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def _sync_of(device: str) -> Callable[[], Any]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def measure_mm_flops(device: str, quick: bool = False) -> float:
+    """Dense matmul FLOP/s at linear-layer sizes (fp16 on cuda, fp32 on cpu)."""
+    m, k, n = _MM_SHAPES[(device, quick)]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    # a shared VM's rate moves from call to call; a median over more calls is steadier
+    t = _timeit(lambda: a @ b, 2 if quick else 9, _sync_of(device))
+    return 2.0 * m * k * n / t
+
+
+def measure_gemm_bw(device: str, quick: bool = False) -> float:
+    """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows).
+
+    Small-batch linear layers are neither compute-bound nor at the memory's copy bandwidth:
+    the GEMM library's skinny kernels set the pace. Distinct weight matrices (more bytes than
+    any cache holds) are multiplied one after another, as a decode step walks the layers.
+    """
+    k, n = _GEMM_SHAPE[device]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    esize = torch.empty((), dtype=dtype).element_size()
+    count = max(2, _GEMM_BYTES[quick] // (k * n * esize))
+    ws = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(count)]
+    x = torch.randn(_GEMM_ROWS, k, dtype=dtype, device=device)
+
+    def walk() -> None:
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+
+    t = _timeit(walk, 2 if quick else 5, _sync_of(device))
+    return count * k * n * esize / t
+
+
+def measure_attention_flops(device: str, quick: bool = False) -> float:
+    """FLOP/s of decode attention (one query against many cached keys, with a key mask).
+
+    Uses the same call as the engine's attention (``scaled_dot_product_attention`` over rows
+    of (sequence, kv head)), so the rate includes what that kernel really does on this device.
+    """
+    bh, keys, hd = _ATTN_SHAPES[quick]
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    q = torch.randn(bh, 1, 1, hd, dtype=dtype, device=device)
+    k = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
+    v = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
+    mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool, device=device)
+
+    def attn() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    t = _timeit(attn, 3 if quick else 5, _sync_of(device))
+    return 4.0 * bh * keys * hd / t
+
+
+def measure_copy_bw(device: str, quick: bool = False) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: pinned copies on cuda, memcpy on a CPU device."""
+    nbytes = _COPY_BYTES[quick]
+    sync = _sync_of(device)
+    if device == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        to_dev = _timeit(lambda: dev.copy_(host, non_blocking=True), 3, sync)
+        to_host = _timeit(lambda: host.copy_(dev, non_blocking=True), 3, sync)
+        return nbytes / to_dev, nbytes / to_host
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    t1 = _timeit(lambda: dst.copy_(src), 3, sync)
+    t2 = _timeit(lambda: src.copy_(dst), 3, sync)
+    return nbytes / t1, nbytes / t2
+
+
+def measure_disk_bw(offload_dir: str, quick: bool = False) -> tuple[float, float]:
+    """(read, write) bytes/s of the engine's own disk path (DiskStore, O_DIRECT when allowed).
+
+    Both follow the engine's pattern for offloaded weights: ``_DISK_TENSOR_BYTES`` files
+    written, then read, one after another on one thread, reads into a reused pre-faulted
+    aligned buffer; the page cache is dropped before the reads; medians of the repetitions.
+    The files total ``_DISK_BYTES`` (2 GiB in full mode): on a VM a smaller set can be served
+    partly by the host's cache (the development VM reads 512 MiB ~25% faster than 2 GiB),
+    which offloaded weights, usually far larger, do not enjoy.
+    """
+    nbytes, tbytes = _DISK_BYTES[quick], _DISK_TENSOR_BYTES[quick]
+    data = torch.randint(0, 255, (tbytes,), dtype=torch.uint8)
+    reads, writes = [], []
+    with DiskStore(offload_dir, rank=0) as store:
+        parts = [store.allocate(f"profile-{i}", (tbytes,), torch.uint8) for i in range(nbytes // tbytes)]
+        buf = aligned_empty((tbytes,), torch.uint8).zero_()  # reused and pre-faulted, as the engine's
+        for _ in range(1 if quick else 3):
+            t0 = time.perf_counter()
+            for p in parts:
+                p.write(data)
+            if not store.direct:
+                os.sync()  # buffered fallback: count the flush, not the page-cache copy
+            writes.append(time.perf_counter() - t0)
+            drop_page_cache()
+            t0 = time.perf_counter()
+            for p in parts:
+                p.read(out=buf)
+            reads.append(time.perf_counter() - t0)
+    total = len(parts) * tbytes
+    return total / max(statistics.median(reads), 1e-9), total / max(statistics.median(writes), 1e-9)
+
+
+def measure_loopback(quick: bool = False) -> tuple[float, float]:
+    """(bytes/s, one-way latency s) of TCP over loopback: a stand-in for the real network."""
+    nbytes, rounds = _NET_BYTES[quick], 50 if quick else 200
+    chunk = 1 << 20
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                conn.sendall(conn.recv(1))
+            left, buf = nbytes, bytearray(chunk)
+            while left > 0:
+                got = conn.recv_into(buf, min(chunk, left))
+                if got == 0:
+                    break
+                left -= got
+            conn.sendall(b"k")
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as cli:
+            cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                cli.sendall(b"x")
+                cli.recv(1)
+            latency = (time.perf_counter() - t0) / rounds / 2
+            payload = bytes(chunk)
+            t0 = time.perf_counter()
+            for _ in range(nbytes // chunk):
+                cli.sendall(payload)
+            cli.recv(1)
+            bw = nbytes / (time.perf_counter() - t0)
+    finally:
+        th.join(timeout=10)
+        srv.close()
+    return bw, latency
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool = False, *,
+                     net_bw: float | None = None,
+                     net_latency: float | None = None) -> HardwareSpec:
+    """Measure this machine as a :class:`HardwareSpec` (under a minute; ``quick``: ~10 s).
+
+    Capacities are what is free now, with headroom: 90% of free GPU memory, 90% of
+    MemAvailable, 95% of free space under ``offload_dir``. On a CPU device the compute device
+    *is* host RAM, so the available RAM is split evenly between the gpu and cpu tiers to keep
+    their sum honest; override with ``with_budgets``. The network defaults to a loopback
+    measurement (an upper bound: real links are slower); pass ``net_bw``/``net_latency`` to
+    use your interconnect's figures.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: use one of {DEVICES}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here: profile with --device cpu")
+    mm = measure_mm_flops(device, quick)
+    gemm_bw = measure_gemm_bw(device, quick)
+    cpu_att = measure_attention_flops("cpu", quick)
+    bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
+    ctog, gtoc = measure_copy_bw(device, quick)
+    dtoc, ctod = measure_disk_bw(offload_dir, quick)
+    if net_bw is None or net_latency is None:
+        lo_bw, lo_lat = measure_loopback(quick)
+        net_bw = lo_bw if net_bw is None else net_bw
+        net_latency = lo_lat if net_latency is None else net_latency
+    ram = _mem_available()
+    if device == "cuda":
+        gpu_mem, cpu_mem = int(0.9 * torch.cuda.mem_get_info()[0]), int(0.9 * ram)
+    else:
+        gpu_mem = cpu_mem = int(0.45 * ram)
+    disk_mem = int(0.95 * shutil.disk_usage(offload_dir).free)
+    return HardwareSpec(name=f"{socket.gethostname()}-{device}", source="measured",
+                        gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem,
+                        ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
+                        mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
+                        net_bw=net_bw, net_latency=net_latency, compute_device=device,
+                        gemm_bw=gemm_bw)
