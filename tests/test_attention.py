@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from flexgen_dist.engine.attention import (attend_rows, mask_to_rows, merge_partial, prefill_attention,
@@ -42,6 +43,29 @@ def test_dense_rows_match_reference_and_strided_cache_views() -> None:
     big_k[:, :5], big_v[:, :5] = to_rows(k), to_rows(v)
     out2 = rows_to_out(attend_rows(q_to_rows(q, kvh), big_k[:, :5], big_v[:, :5], mask_to_rows(mask, kvh)), 3)
     torch.testing.assert_close(out2, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pos_major", [False, True])
+def test_half_type_decode_matches_float32_reference(dtype: torch.dtype, pos_major: bool) -> None:
+    """Decode (one query position) in a half type on the CPU takes the fused path; it must
+    agree with the float32 reference over strided views of a longer preallocated cache, laid
+    out row-major (RAM chunks) or position-major (staged disk chunks), with GQA."""
+    q, k, v, mask = make(b=4, t=1, L=11, nh=8, kvh=2, d=16, seed=3)
+    kvh = k.shape[2]
+    ref = naive(q, k, v, mask)
+    rows = k.shape[0] * kvh
+    if pos_major:
+        big_k, big_v = (torch.zeros(20, rows, 16, dtype=dtype) for _ in range(2))
+        big_k[:11], big_v[:11] = to_rows(k).transpose(0, 1), to_rows(v).transpose(0, 1)
+        kc, vc = big_k[:11].transpose(0, 1), big_v[:11].transpose(0, 1)
+    else:
+        big_k, big_v = (torch.zeros(rows, 20, 16, dtype=dtype) for _ in range(2))
+        big_k[:, :11], big_v[:, :11] = to_rows(k), to_rows(v)
+        kc, vc = big_k[:, :11], big_v[:, :11]
+    out = attend_rows(q_to_rows(q.to(dtype), kvh), kc, vc, mask_to_rows(mask, kvh))
+    assert out.dtype == dtype and out.shape == (rows, 4, 1, 16)
+    torch.testing.assert_close(rows_to_out(out, 4).float(), ref, rtol=0.05, atol=0.05)
 
 
 def test_prefill_sdpa_matches_reference() -> None:

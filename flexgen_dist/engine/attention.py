@@ -63,6 +63,14 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         return _sparse_attend(q, k, v, mask, sparsity)
     r, g, t, d = q.shape
     L = k.shape[1]
+    if t == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        # Decode in a half type on the CPU: bmm would first copy the strided cache rows
+        # (measured 2.1 ms vs 0.4 ms for SDPA's fused kernel on 128 rows x 264 positions x 64
+        # in bfloat16; 13 ms vs 0.7 ms over a position-major staged disk chunk). SDPA reads
+        # them in place; the G query heads of a row become G queries over one kv head.
+        o = F.scaled_dot_product_attention(q.view(r, 1, g, d), k.unsqueeze(1), v.unsqueeze(1),
+                                           attn_mask=mask.view(r, 1, 1, L))
+        return o.view(r, g, 1, d)
     # Two batched matmuls over rows. k and v may be strided views of a preallocated cache
     # (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
     # heads would first copy the whole cache.
