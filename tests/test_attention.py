@@ -99,3 +99,24 @@ def test_top_k_sparse_attention() -> None:
     torch.testing.assert_close(one, picked)
     half = attend_rows(*args, sparsity=0.5)
     assert not torch.allclose(half, dense) and torch.isfinite(half).all()
+
+
+@pytest.mark.parametrize("r0,r1", [(0, 12), (0, 5), (5, 12), (4, 8), (1, 2), (3, 11), (7, 7)])
+@pytest.mark.parametrize("pos_major", [False, True])
+def test_copy_rows_gathers_cache_rows_from_the_projection_layout(r0: int, r1: int, pos_major: bool) -> None:
+    """Prefill writes k/v (b, t, kvh, d) straight into a chunk's rows [r0, r1), which may
+    split a sequence's kv heads, in a row-major cache view or a position-major buffer."""
+    from flexgen_dist.engine.kvcache import copy_rows
+
+    src = torch.randn(3, 5, 4, 2)  # 3 sequences x 4 kv heads = 12 rows
+    n = r1 - r0
+    if pos_major:
+        buf = torch.full((5, n, 2), float("nan"))
+        dst = buf.transpose(0, 1)
+    else:
+        buf = torch.full((n, 9, 2), float("nan"))
+        dst = buf[:, :5]
+    copy_rows(dst, src, r0, r1)
+    torch.testing.assert_close(dst, to_rows(src)[r0:r1], rtol=0, atol=0)
+    if not pos_major:
+        assert buf[:, 5:].isnan().all()  # positions past the prompt untouched

@@ -2,7 +2,8 @@
 
     python -m flexgen_dist.bench.single --num-prompts 32 --prompt-len 128 --gen-len 32 --json out.json
 
-Both run the same synthetic prompts at the same batch size, in float32, greedy. Each is warmed
+Both run the same synthetic prompts at the same batch size and dtype (``--dtype``, float32 by
+default; bfloat16 runs every GEMM on AMX where the CPU has it), greedy. Each is warmed
 up on the full workload shape (every prompt, 2 new tokens), so neither pays the first touch of
 its large buffers inside the timing; then the two are timed alternately ``--repeats`` times and
 the medians compared. The JSON has every timing, both median throughputs, their ratio, and
@@ -32,16 +33,13 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def hf_model(model: str | None) -> Any:
+def hf_model(model: str | None, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    if model is None:
-        p = bundled_model_path()
-        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    if model.endswith(".gguf"):
-        p = Path(model)
-        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    if model is None or model.endswith(".gguf"):
+        p = bundled_model_path() if model is None else Path(model)
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
 
 
 def run_hf(model: Any, ids: torch.Tensor, gen_len: int, batch: int, pad: int) -> tuple[float, list[list[int]]]:
@@ -63,11 +61,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="of weights and compute, for both sides")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each, alternating")
     ap.add_argument("--json", default="bench_results/single.json")
     args = ap.parse_args(argv)
 
-    lm = load_model(args.model, load_tokenizer=False)
+    dtype = getattr(torch, args.dtype)
+    lm = load_model(args.model, load_tokenizer=False, dtype=dtype)
     spec = lm.spec
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g)
@@ -76,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     eng = StageEngine(spec, lm.source, (0, spec.num_layers), has_embed=True, has_head=True,
                       policy=Policy(gpu_batch_size=args.batch_size), device=torch.device("cpu"),
-                      dtype=torch.float32)
-    model = hf_model(args.model)
+                      dtype=dtype)
+    model = hf_model(args.model, dtype)
     sc = SamplingConfig(ignore_eos=True)
     generate(eng, prompts, 2, sc)  # warm-up on the full shape
     run_hf(model, ids, 2, args.batch_size, pad)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = {
         "benchmark": "single", "machine": machine(), "model": spec.name,
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                     "gen_len": args.gen_len, "batch_size": args.batch_size, "dtype": "float32",
+                     "gen_len": args.gen_len, "batch_size": args.batch_size, "dtype": args.dtype,
                      "repeats": args.repeats},
         "flexgen_dist": {"total_throughput": gen_tokens / med_ours, "wall_s": t_ours,
                          "per_repeat": metrics},

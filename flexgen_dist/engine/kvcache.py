@@ -28,7 +28,7 @@ import torch
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor, dequantize, empty_qtensor, qtensor_layout, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
-from .attention import attend_rows, merge_partial
+from .attention import attend_rows, merge_partial, to_rows
 
 
 def split_rows(rows: int, fractions: tuple[float, float, float]) -> list[tuple[Tier, int, int]]:
@@ -178,17 +178,32 @@ class BlockCache:
         return ch.tier == Tier.GPU or not self.cpu_attention
 
     def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Store the prompt's k/v rows (rows, s, d) into each chunk at positions [0, s)."""
+        """Store the prompt's k/v, (b, s, kv_heads, d) as the projection made them, into each
+        chunk at positions [0, s).
+
+        Uncompressed, each chunk's rows are gathered straight from that layout into the cache
+        (one copy, not a row-major copy first and then the cache write)."""
         s = k_new.shape[1]
+        if self.compress:  # quantization works on rows
+            k_rows, v_rows = to_rows(k_new), to_rows(v_new)
         for ch in self.chunks[(j, kb)]:
-            kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
-            if ch.tier == Tier.DISK:
-                ch.pending = (0, _host(self._encode(kn.transpose(0, 1))),
-                              _host(self._encode(vn.transpose(0, 1))))
+            if self.compress:
+                kn, vn = k_rows[ch.r0:ch.r1], v_rows[ch.r0:ch.r1]
+                if ch.tier == Tier.DISK:
+                    ch.pending = (0, _host(self._encode(kn.transpose(0, 1))),
+                                  _host(self._encode(vn.transpose(0, 1))))
+                else:
+                    for dst, src in ((ch.k, kn), (ch.v, vn)):
+                        copy_between(_positions(dst, 0, s, 1), self._encode(src), non_blocking=self._non_blocking(ch))
+            elif ch.tier == Tier.DISK:
+                # position-major host buffers an async disk write can own
+                bufs = [torch.empty((s, ch.r1 - ch.r0, self.head_dim), dtype=self.dtype) for _ in range(2)]
+                for buf, src in zip(bufs, (k_new, v_new)):
+                    copy_rows(buf.transpose(0, 1), src, ch.r0, ch.r1)
+                ch.pending = (0, bufs[0], bufs[1])
             else:
-                nb = self._non_blocking(ch)
-                copy_between(_positions(ch.k, 0, s, 1), self._encode(kn), non_blocking=nb)
-                copy_between(_positions(ch.v, 0, s, 1), self._encode(vn), non_blocking=nb)
+                for dst, src in ((ch.k, k_new), (ch.v, v_new)):
+                    copy_rows(dst.narrow(1, 0, s), src, ch.r0, ch.r1, non_blocking=self._non_blocking(ch))
 
     def attend(self, j: int, kb: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                mask: torch.Tensor, pos0: int, sparsity: float = 1.0) -> torch.Tensor:
@@ -227,6 +242,25 @@ class BlockCache:
         copy_between(_positions(ch.k, pos0, length, 1), self._encode(kn), non_blocking=nb)
         copy_between(_positions(ch.v, pos0, length, 1), self._encode(vn), non_blocking=nb)
         return _positions(ch.k, 0, length, 1), _positions(ch.v, 0, length, 1), False
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocking: bool = False) -> None:
+    """``dst[:] = to_rows(src, r0, r1)`` without materialising the rows: src (b, t, kvh, d),
+    dst a (r1 - r0, t, d) view (any strides). Whole sequences go in one strided copy; a chunk
+    boundary that splits a sequence's kv heads adds at most two small ones."""
+    kvh = src.shape[2]
+    r = r0
+    while r < r1:
+        bi, h = divmod(r, kvh)
+        if h == 0 and r1 - r >= kvh:
+            nb = (r1 - r) // kvh
+            dst[r - r0: r - r0 + nb * kvh].view(nb, kvh, *dst.shape[1:]).copy_(
+                src[bi:bi + nb].transpose(1, 2), non_blocking=non_blocking)
+            r += nb * kvh
+        else:
+            n = min(kvh - h, r1 - r)
+            dst[r - r0: r - r0 + n].copy_(src[bi, :, h:h + n].transpose(0, 1), non_blocking=non_blocking)
+            r += n
 
 
 def _parts(x: Stored) -> tuple[Any, ...]:

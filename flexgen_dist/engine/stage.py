@@ -217,7 +217,7 @@ class StageEngine:
 
         if pos0 == 0:
             def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
-                cache.write_prefill(layer, k, to_rows(kk), to_rows(vv))
+                cache.write_prefill(layer, k, kk, vv)
                 return prefill_attention(q, kk, vv, mask)
 
             return prefill
