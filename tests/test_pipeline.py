@@ -133,3 +133,33 @@ def test_raising_rank_makes_the_others_exit(tmp_path: Path) -> None:
     assert procs[0].returncode != 0 and procs[1].returncode != 0
     assert "offload" in outs[1][1].lower()  # the failing rank says why
     assert "rank 1" in outs[0][1]  # the other one names it
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_eos_stops_a_group_on_every_stage(nproc: int, tiny_models, tmp_path: Path) -> None:
+    """A group whose sequences have all reached EOS is dropped by every stage at the same step:
+    outputs equal the reference cut at EOS, and each stage computes fewer (token, group) items."""
+    import json
+    import shutil
+
+    tm = tiny_models["llama-gqa"]
+    gen = 10
+    ref = reference_generate(tm, PROMPTS, gen)
+    eos = ref[0][2]  # the first prompt's third token: its group (one prompt) ends after step 2
+    model = tmp_path / "model"
+    shutil.copytree(tm.path, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (model / "config.json").write_text(json.dumps(cfg))
+    p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
+    args = ["--model", str(model), "--prompts", str(p), "--gen-len", str(gen), "--gpu-batch-size", "1",
+            "--num-micro-batches", "2", "--output", str(out), "--metrics", str(met)]
+    r = torchrun(nproc, args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = [x[:x.index(eos) + 1] if eos in x else x for x in ref]
+    assert [x["tokens"] for x in read_jsonl(out)] == want
+    steps = [s["token_steps"] for s in json.loads(met.read_text())["stage_times"]]
+    full = gen * len(PROMPTS)
+    ended_early = sum(gen - len(w) for w in want)  # steps no stage needs to run
+    assert ended_early > 0 and steps == [full - ended_early] * nproc

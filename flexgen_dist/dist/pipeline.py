@@ -7,6 +7,12 @@ stage 0, which feeds them in at (i+1, t). With G >= m, stage 0 has other groups 
 while a group's token travels round the ring, so every stage stays busy after the first
 prefill. Stage 0 keeps every token id it receives, so it writes outputs in prompt order
 without a separate gather. Receives are posted one item ahead so they overlap compute.
+
+Early stop: when every sequence of a group has reached EOS, the last stage flags it in the
+token message it sends stage 0 (one extra element). Stage 0 then skips the group's
+remaining steps and passes a "skip" header down the chain in place of the group's next
+hidden states, so each stage drops the group at the same item and no receive is left
+waiting. Every hidden-state message is preceded by that one-element header.
 """
 from __future__ import annotations
 
@@ -69,21 +75,41 @@ class Pipeline:
         self.pad = pad_token(spec.pad_token_id, spec.eos_token_ids)
         self.hidden = spec.hidden_size
         self.comm_wait_s = 0.0
+        self.token_steps = 0  # (token, group) items this stage computed (fewer than all after an early stop)
         self._sends: list[Any] = []
+        # the header before each hidden-state message: go on, or skip the group from here
+        self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=ctx.wire_device) for v in (0, 1))
 
     # --- messages -----------------------------------------------------------------------
     def _hidden_shape(self, blk: BlockPlan, i: int) -> tuple[int, ...]:
         return (len(blk.lens), blk.prompt_len if i == 0 else 1, self.hidden)
 
     def _post_recv(self, blk: BlockPlan, i: int) -> Any:
-        """Post the receive this rank needs for (i, blk), or None if it needs none."""
+        """Post the receives this rank needs for (i, blk), or None if it needs none: the header
+        and hidden states from the previous stage, or (stage 0) the token ids of step i - 1
+        with the last stage's early-stop flag appended."""
         if not self.first:
+            header = torch.empty((1,), dtype=torch.long, device=self.ctx.wire_device)
             buf = torch.empty(self._hidden_shape(blk, i), dtype=self.engine.dtype, device=self.ctx.wire_device)
-            return self.comm.irecv(buf, self.prev)  # type: ignore[arg-type]
+            return self.comm.irecv(header, self.prev), self.comm.irecv(buf, self.prev)  # type: ignore[arg-type]
         if i > 0 and not self.last:
-            buf = torch.empty((len(blk.lens),), dtype=torch.long, device=self.ctx.wire_device)
+            buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.ctx.wire_device)
             return self.comm.irecv(buf, self.last_rank)
         return None
+
+    def _next_item(self, items: list[tuple[int, int]], n: int, done: list[bool]) -> int:
+        """Index of the first item after n whose group is still running (len(items) if none)."""
+        n += 1
+        while n < len(items) and done[items[n][1]]:
+            n += 1
+        return n
+
+    def _pass_skip(self, blk: BlockPlan, i: int) -> None:
+        """Tell the next stage to drop this group from item (i, blk) on."""
+        if not self.last:
+            self._send(self._skip, self.next)
+            self._send(torch.empty(self._hidden_shape(blk, i), dtype=self.engine.dtype,
+                                   device=self.ctx.wire_device), self.next)
 
     def _wait(self, handle: Any) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -93,7 +119,7 @@ class Pipeline:
 
     def _send(self, x: torch.Tensor, dst: int) -> None:
         self._sends.append(self.comm.isend(x, dst))
-        if len(self._sends) > 2 * self.G + 2:  # bound the sends in flight
+        if len(self._sends) > 4 * self.G + 4:  # bound the sends in flight
             self._wait(self._sends.pop(0))
 
     # --- the loop -----------------------------------------------------------------------
@@ -113,38 +139,42 @@ class Pipeline:
                                        self.engine.device) for b in wave]
                 gens = [make_generator(sampling.seed, b.index, self.engine.device) for b in wave]
             items = [(i, t) for i in range(gen_len) for t in range(len(wave))]
+            done = [False] * len(wave)  # groups whose every sequence has ended (same on every rank)
             pending = self._post_recv(wave[0], 0)
             t_wave = time.perf_counter()
             self._prefill_done: float | None = None
             try:
-                for n, (i, t) in enumerate(items):
+                n = 0
+                while n < len(items):
+                    i, t = items[n]
                     blk = wave[t]
                     handle, pending = pending, None
-                    if n + 1 < len(items):
-                        ni, nt = items[n + 1]
-                        pending = self._post_recv(wave[nt], ni)
+                    nn = self._next_item(items, n, done)
+                    if nn < len(items):
+                        ni, nt = items[nn]
+                        if nt != t:  # a group's own next item is posted once its flag is known
+                            pending = self._post_recv(wave[nt], ni)
                     x = self._input(blk, i, t, handle, tokens, prompts)
-                    xs = list(torch.split(x, self.gbs))
-                    outs = self.engine.run_token(states[t], i, xs)
-                    if self.last:
-                        nxt = torch.cat([trackers[t].update(sample(lg.float(), sampling, gens[t]))  # type: ignore[index]
-                                         for lg in outs]) if len(outs) > 1 else \
-                            trackers[t].update(sample(outs[0].float(), sampling, gens[t]))  # type: ignore[index]
-                        if self.first:
-                            tokens[t].append(nxt.cpu())
-                        else:
-                            self._send(nxt.to(self.ctx.wire_device), 0)
+                    if x is None:  # the group ended at step i - 1: drop it on every later stage
+                        done[t] = True
+                        self._pass_skip(blk, i)
                     else:
-                        y = outs[0] if len(outs) == 1 else torch.cat(outs)
-                        self._send(y, self.next)  # type: ignore[arg-type]
+                        self._compute(states[t], blk, i, t, x, tokens, trackers, gens, done)
                     if i == 0 and t == len(wave) - 1 and self.first and self.last:
                         self._prefill_done = time.perf_counter()
                     if progress is not None:
-                        progress(1)
+                        progress(1 if not done[t] else gen_len - i)
+                    if pending is None:
+                        nn = self._next_item(items, n, done)
+                        if nn < len(items):
+                            pending = self._post_recv(wave[items[nn][1]], items[nn][0])
+                    n = nn
                 if self.first and not self.last:
-                    for t, blk in enumerate(wave):  # the last token of each group
-                        buf = torch.empty((len(blk.lens),), dtype=torch.long, device=self.ctx.wire_device)
-                        tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank)).cpu())
+                    for t, blk in enumerate(wave):  # the last token of each group still running
+                        if done[t]:
+                            continue
+                        buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.ctx.wire_device)
+                        tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank))[:-1].cpu())
             finally:
                 for st in states:
                     self.engine.free_block(st)
@@ -166,10 +196,36 @@ class Pipeline:
         return {"prefill_s": prefill_s, "decode_s": decode_s, "generated": generated,
                 "decode_tokens": decode_tokens}
 
+    def _compute(self, st: Any, blk: BlockPlan, i: int, t: int, x: torch.Tensor,
+                 tokens: list[list[torch.Tensor]], trackers: Any, gens: Any, done: list[bool]) -> None:
+        """Run (i, t) on this stage and send the result on: hidden states to the next stage,
+        or (last stage) the sampled ids, with the early-stop flag, to stage 0."""
+        outs = self.engine.run_token(st, i, list(torch.split(x, self.gbs)))
+        self.token_steps += 1
+        if not self.last:
+            y = outs[0] if len(outs) == 1 else torch.cat(outs)
+            self._send(self._go, self.next)
+            self._send(y, self.next)  # type: ignore[arg-type]
+            return
+        sampling = self.cfg.sampling
+        nxt = torch.cat([trackers[t].update(sample(lg.float(), sampling, gens[t])) for lg in outs]) \
+            if len(outs) > 1 else trackers[t].update(sample(outs[0].float(), sampling, gens[t]))
+        ended = trackers[t].all_done()
+        if self.first:
+            tokens[t].append(nxt.cpu())
+            done[t] = ended  # nobody else to tell
+        else:
+            flag = self._skip if ended else self._go
+            self._send(torch.cat([nxt.to(self.ctx.wire_device), flag]), 0)
+
     def _input(self, blk: BlockPlan, i: int, t: int, handle: Any, tokens: list[list[torch.Tensor]],
-               prompts: list[list[int]] | None) -> torch.Tensor:
+               prompts: list[list[int]] | None) -> torch.Tensor | None:
+        """This stage's input for (i, t), or None when the group has ended before step i."""
         if not self.first:
-            return self._wait(handle).to(self.engine.device)
+            header, body = handle
+            go = int(self._wait(header).item()) == 0
+            x = self._wait(body)
+            return x.to(self.engine.device) if go else None
         if i == 0:
             assert prompts is not None
             s = blk.prompt_len
@@ -177,11 +233,12 @@ class Pipeline:
             return torch.tensor(rows, dtype=torch.long)
         if self.last:
             return tokens[t][i - 1][:, None]
-        ids = self._wait(handle).cpu()
+        msg = self._wait(handle).cpu()
+        ids, ended = msg[:-1], bool(msg[-1])
         tokens[t].append(ids)
         if i == 1 and t == len(tokens) - 1:  # stage 0's prefill ends when every group's first token is back
             self._prefill_done = time.perf_counter()
-        return ids[:, None]
+        return None if ended else ids[:, None]
 
 
 def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
@@ -269,7 +326,8 @@ def run_pipeline(cfg: RunConfig, topo: Topology) -> int:
             if bar is not None:
                 bar.close()
             mine = {"stage": rank, "layers": [lo, hi], "policy": policy.to_dict(), "peak_bytes": engine.peak_bytes(),
-                    "predicted_peak_bytes": peak, **engine.times.as_dict(), "comm_wait_s": pipe.comm_wait_s}
+                    "predicted_peak_bytes": peak, **engine.times.as_dict(), "comm_wait_s": pipe.comm_wait_s,
+                    "token_steps": pipe.token_steps}
             if cfg.metrics:
                 p = Path(cfg.metrics).expanduser()
                 p.parent.mkdir(parents=True, exist_ok=True)
@@ -301,6 +359,7 @@ def merged_metrics(cfg: RunConfig, model: str, device: torch.device, dtype: torc
         "total_throughput": gen / (pre + dec) if pre + dec else 0.0,
         "prompt_tokens": prompt_tokens, "generated_tokens": gen,
         "policy": [s["policy"] for s in stages], "peak_bytes": [s["peak_bytes"] for s in stages],
-        "stage_times": [{k: s[k] for k in ("stage", "layers", "compute_s", "io_wait_s", "comm_wait_s")} for s in stages],
+        "stage_times": [{k: s[k] for k in ("stage", "layers", "compute_s", "io_wait_s", "comm_wait_s", "token_steps")}
+                        for s in stages],
         "predicted": {**header.get("predicted", {}), "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},
     }
