@@ -144,7 +144,7 @@ def run_single(cfg: RunConfig) -> int:
             "num_prompts": len(prompts), "prompt_len": max_len, "gen_len": cfg.gen_len, "world_size": 1,
             **tm.metrics(),
             "policy": [policy.to_dict()], "peak_bytes": [engine.peak_bytes()],
-            "stage_times": [{**engine.times.as_dict(), "comm_wait_s": 0.0}],
+            "stage_times": [{**engine.times.as_dict(), "comm_wait_s": 0.0, "token_steps": tm.token_steps}],
             "predicted": {**predicted, "peak_bytes": [peak]},
             "direct_io": None if disk is None else disk.direct,
         }

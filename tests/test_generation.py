@@ -91,11 +91,16 @@ def test_eos_stops_each_sequence(tiny_models, tmp_path: Path) -> None:
     eos = ref[0][3]
     lm = load_model(str(tm.path))
     spec = lm.spec.__class__(**{**lm.spec.__dict__, "eos_token_ids": (eos,)})
-    eng = StageEngine(spec, lm.source, (0, spec.num_layers), has_embed=True, has_head=True,
-                      policy=Policy(3, 2), device=torch.device("cpu"), dtype=torch.float32)
-    outs, _ = generate(eng, PROMPTS, 16, SamplingConfig())
-    eng.close()
-    for o, r in zip(outs, ref):
-        cut = r.index(eos) + 1 if eos in r else len(r)
-        assert o == r[:cut]
-    assert len(outs[0]) == ref[0].index(eos) + 1 <= 4
+    for gbs, ngb in ((3, 2), (1, 1)):  # one block of all prompts; a block per prompt
+        eng = StageEngine(spec, lm.source, (0, spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(gbs, ngb), device=torch.device("cpu"), dtype=torch.float32)
+        outs, tm = generate(eng, PROMPTS, 16, SamplingConfig())
+        eng.close()
+        for o, r in zip(outs, ref):
+            cut = r.index(eos) + 1 if eos in r else len(r)
+            assert o == r[:cut]
+        assert len(outs[0]) == ref[0].index(eos) + 1 <= 4
+        # a block stops at the step where its last sequence ends
+        n = gbs * ngb
+        assert tm.token_steps == sum(max(len(o) for o in outs[a:a + n]) for a in range(0, len(outs), n))
+    assert tm.token_steps < 16 * len(PROMPTS)  # the first prompt's block stopped early

@@ -23,6 +23,7 @@ class Timings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     decode_tokens: int = 0  # generated tokens after the first of each sequence
+    token_steps: int = 0  # token steps run over all blocks (fewer than gen_len each after EOS)
 
     def metrics(self) -> dict[str, float]:
         tot = self.prefill_s + self.decode_s
@@ -120,6 +121,7 @@ def run_block(engine: StageEngine, blk: Block, sampling: SamplingConfig, pad: in
                 progress(1)
             if all(t.all_done() for t in trackers):
                 break
+        tm.token_steps += steps
         if progress is not None and steps < meta.gen_len:
             progress(meta.gen_len - steps)
         outs = [trim(seq, spec.eos_token_ids, sampling.ignore_eos)
