@@ -166,3 +166,35 @@ def test_tied_head_is_stored_once_on_a_stage_with_the_embedding(tmp_path: Path, 
                 assert peak[tier] >= placed[tier]
         one.close()
         last.close()
+
+
+@pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
+@pytest.mark.parametrize("pct", [(100, 0, 100, 0, 100, 0), (0, 100, 0, 100, 100, 0), (30, 30, 20, 50, 50, 50)])
+def test_op_major_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tmp_path: Path,
+                                            monkeypatch) -> None:
+    """On a CPU device, decode runs a block's GPU batches through a layer op by op where no
+    I/O sits between them: the same tokens as batch by batch (and as transformers), and the
+    op-by-op path is really taken exactly when the layer's cache is off disk."""
+    import flexgen_dist.engine.stage as stage_mod
+
+    tm = tiny_models[kind]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    ref = reference_generate(tm, PROMPTS, GEN)
+    calls = []
+    real = stage_mod.run_steps_interleaved
+    monkeypatch.setattr(stage_mod, "run_steps_interleaved", lambda steps: calls.append(len(steps)) or real(steps))
+    outs = {}
+    for op_major in (True, False):
+        if not op_major:
+            monkeypatch.setattr(StageEngine, "_op_major", lambda *a: False)
+        with DiskStore(tmp_path / "off") as disk:
+            eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                              policy=Policy(2, 3, *pct), device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+            outs[op_major], _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            eng.close()
+    assert outs[True] == outs[False] == ref
+    cache_on_disk = pct[2] + pct[3] < 100
+    if cache_on_disk:
+        assert calls == []
+    else:  # every decode step, every layer, one call with the 3 GPU batches of the block
+        assert calls == [3] * ((GEN - 1) * lm.spec.num_layers)

@@ -91,6 +91,7 @@ class BlockCache:
                 for tier, r0, r1 in split_rows(b * kv_heads, fractions):
                     parts.append(self._alloc(tier, r0, r1, f"kv{tag}-l{j}-b{kb}"))
                 self.chunks[(j, kb)] = parts
+        self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
 
     def _alloc(self, tier: Tier, r0: int, r1: int, name: str) -> Chunk:
         n = r1 - r0
@@ -127,6 +128,10 @@ class BlockCache:
             return x
         # in the cache dtype, as a dense cache would hold it (k may arrive in float32)
         return quantize(x.to(self.dtype), self.bits, self.group_size, dim=-1)
+
+    def on_disk(self, j: int) -> bool:
+        """Whether any chunk of layer j (any GPU batch) is on disk."""
+        return j in self._disk_layers
 
     def free(self) -> None:
         for tier, n in self._bytes:

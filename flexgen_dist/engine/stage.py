@@ -15,7 +15,7 @@ import torch
 
 from ..memory.disk import DiskStore
 from ..memory.tiers import MemoryTracker, Tier, format_bytes
-from ..models.common import Positions, family_module
+from ..models.common import Positions, family_module, run_steps_interleaved
 from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
@@ -167,9 +167,39 @@ class StageEngine:
             self._wbuf[j] = fut.result()
         return self._wbuf[j]
 
+    def _op_major(self, st: BlockState, i: int, slot: Slot, num_gb: int) -> bool:
+        """Whether decode runs this layer for every GPU batch at once, op by op.
+
+        On a CPU device a decode GEMM of a few rows streams the whole weight matrix through
+        the caches, and the block schedule's batch-by-batch order evicts it (a layer is
+        larger than L2) before the next batch needs it: batch k runs q, k, v, o, fc1, fc2,
+        then batch k+1 starts over. Run op by op instead (q for every batch, then k, ...),
+        each batch with its own GEMM of gbs rows as before, and each matrix is reused while
+        it is still cached: 699 -> 514 ms per step for opt-350m's 24 bfloat16 layers x 8
+        batches of 8. Only where nothing has to move between the batches' computes: the
+        batches' activations stay on the device and none of the layer's cache is on disk
+        (RAM chunks are attended in place).
+        """
+        return (self.device.type == "cpu" and i > 0 and num_gb > 1 and slot[0] == "layer"
+                and st.acts.on_device and st.cache is not None and not st.cache.on_disk(slot[1]))  # type: ignore[arg-type]
+
     def _compute(self, st: BlockState, i: int, j: int, k: int, num_gb: int) -> None:
         slot = self.slots[j]
         w = self._weights(j)
+        if self._op_major(st, i, slot, num_gb):
+            if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
+                steps = []
+                for kk in range(num_gb):
+                    pos, mrows, pos0 = self._step_inputs(st, i, kk)
+                    steps.append(self.family.layer_steps(self.spec, w, st.acts.get(kk), pos,
+                                                         self._attend_fn(st, slot[1], kk, mrows, pos0)))
+                for kk, y in enumerate(run_steps_interleaved(steps)):
+                    if j == len(self.slots) - 1:
+                        st.outputs[kk] = y
+                    st.acts.put(kk, y)
+            if k == num_gb - 1:
+                self.weights.release(slot, self._wbuf.pop(j))
+            return
         x = st.acts.get(k)
         spec = self.spec
         pos, mrows, pos0 = self._step_inputs(st, i, k)

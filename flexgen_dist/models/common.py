@@ -9,13 +9,17 @@ callable ``(q, k, v) -> out`` where q is (b, t, num_heads, head_dim), k and v ar
 (b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim). The engine's
 ``attend`` writes k and v into its preallocated cache (wherever that lives) and attends over
 it, on the compute device or on the CPU.
+
+``layer_steps`` is the same layer as a generator that pauses after each use of a weight
+matrix (and after attention); ``layer_forward`` runs it to the end. The engine uses the pauses
+to run the GPU batches of a block through a layer op by op (see ``run_steps_interleaved``).
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Generator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +41,34 @@ class Family(Protocol):
     def embed(self, spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
     def layer_forward(self, spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
                       attend: Attend) -> torch.Tensor: ...
+    def layer_steps(self, spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
+                    attend: Attend) -> Generator[None, None, torch.Tensor]: ...
     def head(self, spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def run_steps(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """Run a layer's ``layer_steps`` generator to the end; its return value is the output."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_steps_interleaved(steps: list[Generator[None, None, torch.Tensor]]) -> list[torch.Tensor]:
+    """Run several GPU batches through one layer op by op: every generator advances one step
+    per round, so each weight matrix is used by all batches in turn while it is still in the
+    CPU's caches (each batch's own GEMMs, sums and order are unchanged)."""
+    outs: list[Any] = [None] * len(steps)
+    live = list(range(len(steps)))
+    while live:
+        for k in live:
+            try:
+                next(steps[k])
+            except StopIteration as stop:
+                outs[k] = stop.value
+        live = [k for k in live if outs[k] is None]
+    return outs
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
