@@ -170,31 +170,33 @@ def test_tied_head_is_stored_once_on_a_stage_with_the_embedding(tmp_path: Path, 
 
 @pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
 @pytest.mark.parametrize("pct", [(100, 0, 100, 0, 100, 0), (0, 100, 0, 100, 100, 0), (30, 30, 20, 50, 50, 50)])
-def test_op_major_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tmp_path: Path,
-                                            monkeypatch) -> None:
-    """On a CPU device, decode runs a block's GPU batches through a layer op by op where no
-    I/O sits between them: the same tokens as batch by batch (and as transformers), and the
-    op-by-op path is really taken exactly when the layer's cache is off disk."""
-    import flexgen_dist.engine.stage as stage_mod
-
+def test_merged_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tmp_path: Path,
+                                          monkeypatch) -> None:
+    """On a CPU device, decode runs each layer (and the head) once over the rows of all GPU
+    batches of a block where no I/O sits between them: the same tokens as batch by batch (and
+    as transformers), and the merged path is really taken exactly when the layer's cache is
+    off disk and the activations are on the device."""
     tm = tiny_models[kind]
     lm = load_model(str(tm.path), load_tokenizer=False)
     ref = reference_generate(tm, PROMPTS, GEN)
     calls = []
-    real = stage_mod.run_steps_interleaved
-    monkeypatch.setattr(stage_mod, "run_steps_interleaved", lambda steps: calls.append(len(steps)) or real(steps))
+    real = StageEngine._compute_merged
+    monkeypatch.setattr(StageEngine, "_compute_merged",
+                        lambda self, st, i, j, w, n: calls.append((self.slots[j][0], n)) or real(self, st, i, j, w, n))
     outs = {}
-    for op_major in (True, False):
-        if not op_major:
-            monkeypatch.setattr(StageEngine, "_op_major", lambda *a: False)
+    for merged in (True, False):
+        if not merged:
+            monkeypatch.setattr(StageEngine, "_merged", lambda *a: False)
         with DiskStore(tmp_path / "off") as disk:
             eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
                               policy=Policy(2, 3, *pct), device=torch.device("cpu"), dtype=torch.float32, disk=disk)
-            outs[op_major], _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            outs[merged], _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
             eng.close()
     assert outs[True] == outs[False] == ref
-    cache_on_disk = pct[2] + pct[3] < 100
-    if cache_on_disk:
+    head = [("head", 3)] if pct[4] == 100 else []
+    if pct[4] < 100:  # activations partly off the device: nothing is merged
         assert calls == []
-    else:  # every decode step, every layer, one call with the 3 GPU batches of the block
-        assert calls == [3] * ((GEN - 1) * lm.spec.num_layers)
+    elif pct[2] + pct[3] < 100:  # the cache is partly on disk: only the head is merged
+        assert calls == head * (GEN - 1)
+    else:  # every decode step: every layer, then the head, each once with the 3 GPU batches
+        assert calls == ([("layer", 3)] * lm.spec.num_layers + head) * (GEN - 1)

@@ -8,18 +8,16 @@ The attention itself is not model math here: ``layer_forward`` receives an ``att
 callable ``(q, k, v) -> out`` where q is (b, t, num_heads, head_dim), k and v are
 (b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim). The engine's
 ``attend`` writes k and v into its preallocated cache (wherever that lives) and attends over
-it, on the compute device or on the CPU.
-
-``layer_steps`` is the same layer as a generator that pauses after each use of a weight
-matrix (and after attention); ``layer_forward`` runs it to the end. The engine uses the pauses
-to run the GPU batches of a block through a layer op by op (see ``run_steps_interleaved``).
+it, on the compute device or on the CPU. Rows of x are independent outside ``attend``, so
+the engine may pass the rows of several GPU batches at once with an ``attend`` that splits
+them again (merged decode, see ``engine/stage.py``).
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from typing import Any, Callable, Generator, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,34 +39,7 @@ class Family(Protocol):
     def embed(self, spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
     def layer_forward(self, spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
                       attend: Attend) -> torch.Tensor: ...
-    def layer_steps(self, spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
-                    attend: Attend) -> Generator[None, None, torch.Tensor]: ...
     def head(self, spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
-
-
-def run_steps(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    """Run a layer's ``layer_steps`` generator to the end; its return value is the output."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as stop:
-            return stop.value
-
-
-def run_steps_interleaved(steps: list[Generator[None, None, torch.Tensor]]) -> list[torch.Tensor]:
-    """Run several GPU batches through one layer op by op: every generator advances one step
-    per round, so each weight matrix is used by all batches in turn while it is still in the
-    CPU's caches (each batch's own GEMMs, sums and order are unchanged)."""
-    outs: list[Any] = [None] * len(steps)
-    live = list(range(len(steps)))
-    while live:
-        for k in live:
-            try:
-                next(steps[k])
-            except StopIteration as stop:
-                outs[k] = stop.value
-        live = [k for k in live if outs[k] is None]
-    return outs
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

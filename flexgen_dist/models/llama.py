@@ -2,11 +2,9 @@
 SwiGLU MLP, grouped-query attention, tied or untied LM head."""
 from __future__ import annotations
 
-from typing import Generator
-
 import torch
 
-from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm, run_steps
+from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -95,36 +93,24 @@ def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Po
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend) -> torch.Tensor:
-    return run_steps(layer_steps(spec, w, x, pos, attend))
-
-
-def layer_steps(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
-                attend: Attend) -> Generator[None, None, torch.Tensor]:
-    """One decoder layer, pausing after each weight matrix's use and after attention."""
+    """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
     b, t, _ = x.shape
     d, eps = spec.head_dim, spec.norm_eps
     residual = x
     x = rms_norm(x, w["attn_norm.w"], eps)
     q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
-    yield
     k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
-    yield
     v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
-    yield
     cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
-    yield
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
     x = linear(a, w["o.w"], w.get("o.b")).add_(residual)
     residual = x
     x = rms_norm(x, w["mlp_norm.w"], eps)
-    yield
     g = torch.nn.functional.silu(linear(x, w["gate.w"], w.get("gate.b")), inplace=True)
-    yield
     g.mul_(linear(x, w["up.w"], w.get("up.b")))
-    yield
     return linear(g, w["down.w"], w.get("down.b")).add_(residual)
 
 

@@ -2,11 +2,9 @@
 optional project_in/project_out, LM head tied to the token embedding."""
 from __future__ import annotations
 
-from typing import Generator
-
 import torch
 
-from .common import Attend, Positions, Weights, as_positions, layer_norm, linear, run_steps
+from .common import Attend, Positions, Weights, as_positions, layer_norm, linear
 from .spec import ModelSpec
 
 POS_OFFSET = 2
@@ -80,34 +78,23 @@ def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Po
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend) -> torch.Tensor:
-    return run_steps(layer_steps(spec, w, x, pos, attend))
-
-
-def layer_steps(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
-                attend: Attend) -> Generator[None, None, torch.Tensor]:
-    """One decoder layer, pausing after each weight matrix's use and after attention."""
+    """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
     b, t, _ = x.shape
     nh, d, eps = spec.num_heads, spec.head_dim, spec.norm_eps
     residual = x
     if spec.pre_layer_norm:
         x = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
     q = linear(x, w["q.w"], w["q.b"]).view(b, t, nh, d)
-    yield
     k = linear(x, w["k.w"], w["k.b"]).view(b, t, nh, d)
-    yield
     v = linear(x, w["v.w"], w["v.b"]).view(b, t, nh, d)
-    yield
     a = attend(q, k, v)
-    yield
     x = linear(a, w["o.w"], w["o.b"]).add_(residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
     residual = x
     if spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
-    yield
     h = torch.relu_(linear(x, w["fc1.w"], w["fc1.b"]))
-    yield
     x = linear(h, w["fc2.w"], w["fc2.b"]).add_(residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
