@@ -2,12 +2,16 @@
 
     python -m flexgen_dist.bench.offload --model opt-350m --num-prompts 32 --json out.json
 
-(a) this engine, a block of many GPU batches sharing each loaded layer;
+(a) this engine, a block of many GPU batches sharing each loaded layer, the KV cache in RAM
+    (the cpu tier) with CPU attention, so the compute tier holds one GPU batch's working set;
 (b) this engine with num_gpu_batches 1 (each GPU batch reloads every layer);
 (c) Hugging Face accelerate disk offload (a device_map of "cpu"/"disk" modules holding the
     same RAM budget, plus offload_folder) at the largest batch the same compute-memory budget
     allows (the GPU batch size of (a)).
-Plus ablations of (a): no overlap, no CPU attention, KV cache on the CPU tier.
+Plus ablations of (a): no overlap, no CPU attention, the KV cache on the compute tier.
+
+The default model is the smallest registry OPT shape with at least 1 GB of weights in the
+chosen dtype (opt-350m in float32, opt-1.3b in bfloat16).
 
 All runs use the same dummy weights, written once as a Hugging Face checkpoint that the
 engine loads too (so the tokens must agree), and the same prompts. The weights that do not
@@ -37,6 +41,7 @@ from ..engine.stage import StageEngine
 from ..memory.disk import DiskStore, can_drop_page_cache, drop_page_cache
 from ..models.common import family_module
 from ..models.loader import load_model
+from ..models.registry import get_spec, registry_names
 from .single import machine
 
 def device_bytes_read(path: Path) -> int | None:
@@ -220,9 +225,16 @@ def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: in
     return outs, info
 
 
+def default_model(dtype: torch.dtype) -> str:
+    """The smallest registry OPT shape with at least 1 GB of weights in ``dtype``."""
+    shapes = sorted((get_spec(n).total_numel(), n) for n in registry_names() if n.startswith("opt-"))
+    return next(n for numel, n in shapes if numel * dtype.itemsize >= 10**9)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="opt-350m", help="registry OPT shape with >= 1 GB of fp32 weights")
+    ap.add_argument("--model", default=None,
+                    help="registry OPT shape (default: the smallest with >= 1 GB of weights in --dtype)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=32)
@@ -240,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
     work.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)
+    args.model = args.model or default_model(dtype)
     dummy = load_model(args.model, dummy_weights=True, dtype=dtype)
     ckpt = work / f"hf-{args.model}-{args.dtype}"
     if not (ckpt / "config.json").exists():
@@ -271,13 +284,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record(name, info, {"policy": policy.to_dict()})
         return outs
 
-    pct = (0, wc, 100, 0, 100, 0)
+    pct = (0, wc, 0, 100, 100, 0)  # weights: wc % in RAM, the rest on disk; KV cache in RAM
     ref = engine("a_block", Policy(gbs, ngb, *pct))
     engine("b_one_batch", Policy(gbs, 1, *pct))
     if not args.skip_ablations:
         engine("a_no_overlap", Policy(gbs, ngb, *pct, overlap=False))
-        engine("a_no_cpu_attention", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0, cpu_attention=False))
-        engine("a_cache_on_cpu", Policy(gbs, ngb, 0, wc, 0, 100, 100, 0))
+        engine("a_no_cpu_attention", Policy(gbs, ngb, *pct, cpu_attention=False))
+        engine("a_cache_on_compute", Policy(gbs, ngb, 0, wc, 100, 0, 100, 0))
 
     # The engine's checkpoint reader keeps the safetensors files memory-mapped, and the page
     # cache cannot drop mapped pages: left open, accelerate's "disk" reads would all come from
