@@ -1,10 +1,15 @@
-"""The model's small kernels against their textbook definitions: rotary, RMSNorm, linear."""
+"""The model's small kernels against their textbook definitions: rotary, RMSNorm, linear, and the
+native CPU kernel."""
 from __future__ import annotations
+
+import logging
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from flexgen_dist import kernels
 from flexgen_dist.models import common
 
 
@@ -48,7 +53,7 @@ def test_linear_equals_f_linear_through_tuning(fresh_gemm_tuner, rows: int, bias
     b = torch.randn(48, generator=g) if bias else None
     x = torch.randn(rows, 1, 24, generator=g)
     ref = F.linear(x, w, b)
-    for _ in range(2 * common._GEMM_TRIAL_CALLS + 2):  # trials of both forms, then the choice
+    for _ in range(len(common._FORMS) * common._GEMM_TRIAL_CALLS + 2):  # trials of each form, then the choice
         out = common.linear(x, w, b)
         assert out.shape == ref.shape and out.is_contiguous()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -63,7 +68,7 @@ def test_linear_accepts_strided_input(fresh_gemm_tuner) -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(16, 8, generator=g)
     x = torch.randn(8, 4, generator=g).t()  # (4, 8), not contiguous
-    for _ in range(2 * common._GEMM_TRIAL_CALLS + 1):
+    for _ in range(len(common._FORMS) * common._GEMM_TRIAL_CALLS + 1):
         torch.testing.assert_close(common.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
@@ -73,3 +78,91 @@ def test_linear_tuning_can_be_switched_off(fresh_gemm_tuner, monkeypatch) -> Non
     for _ in range(10):
         torch.testing.assert_close(common.linear(x, w), F.linear(x, w))
     assert not common._GEMM_CHOICE and not common._GEMM_TRIALS
+
+
+def _native_library():
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    lib = kernels.library()
+    assert lib is not None, "g++ is present, so the native kernels must build"
+    return lib
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32, 64])
+@pytest.mark.parametrize("shape", [(48, 64), (7, 33), (50, 16), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_f_linear(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    """Every row and column tail (rows not a multiple of the register block, in-features not a
+    multiple of the vector width, out-features not a multiple of the weight block)."""
+    _native_library()
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, 1, k, generator=g)
+    out = kernels.linear_f32(x, w, b)
+    assert out is not None and out.shape == (rows, 1, n)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_native_linear_reads_strided_rows_and_declines_what_it_cannot_take() -> None:
+    _native_library()
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(6, 40, generator=g)
+    x = big[:, 4:36]  # rows 40 apart, each contiguous
+    w = torch.randn(24, 40, generator=g)[:, 3:35]  # weight rows 40 apart
+    out = kernels.linear_f32(x, w)
+    assert out is not None
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert kernels.linear_f32(x.t(), torch.randn(3, 6)) is None  # input rows not contiguous
+    assert kernels.linear_f32(x, w.t().contiguous().t()) is None  # weight not row-major
+    assert kernels.linear_f32(x.bfloat16(), w.bfloat16()) is None  # float32 only
+
+
+def test_without_a_compiler_linear_falls_back(monkeypatch, caplog, fresh_gemm_tuner) -> None:
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with caplog.at_level(logging.WARNING, logger="flexgen_dist.kernels"):
+        assert kernels.library() is None
+    assert "no C++ compiler" in caplog.text
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    assert kernels.linear_f32(x, w) is None
+    for _ in range(3 * common._GEMM_TRIAL_CALLS):
+        torch.testing.assert_close(common.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert (4, 16, 8, torch.float32) in common._GEMM_CHOICE  # tuned over the two torch forms
+
+
+def test_kernels_can_be_switched_off(monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("FLEXGEN_CPU_KERNELS", "0")
+    assert kernels.library() is None
+
+
+@pytest.mark.parametrize("g,d,L", [(1, 64, 1), (3, 64, 37), (4, 128, 200), (2, 32, 9)])
+def test_native_attention_matches_softmax_reference(g: int, d: int, L: int) -> None:
+    """Rows read in place from a preallocated (rows, max_len, d) cache, some positions masked."""
+    _native_library()
+    gen = torch.Generator().manual_seed(g * 100 + L)
+    r, max_len = 6, L + 5
+    cache_k, cache_v = torch.randn(2, r, max_len, d, generator=gen)
+    k, v = cache_k[:, :L], cache_v[:, :L]
+    q = torch.randn(r, g, 1, d, generator=gen)
+    mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
+    mask[..., -1] = True  # every row sees at least one position
+    out = kernels.attention_f32(q, k, v, mask, 1.0 / d ** 0.5)
+    assert out is not None and out.shape == (r, g, 1, d)
+    scores = torch.einsum("rgtd,rld->rgtl", q, k) / d ** 0.5
+    ref = torch.einsum("rgtl,rld->rgtd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_attention_declines_other_layouts() -> None:
+    _native_library()
+    q, k, v = torch.randn(4, 2, 1, 64), torch.randn(4, 10, 64), torch.randn(4, 10, 64)
+    mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+    assert kernels.attention_f32(q, k, v, mask, 0.125) is not None
+    pos_major = torch.randn(10, 4, 64)
+    assert kernels.attention_f32(q, pos_major.transpose(0, 1), v, mask, 0.125) is None  # a staged disk chunk
+    assert kernels.attention_f32(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125) is None
+    assert kernels.attention_f32(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
+    assert kernels.attention_f32(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None

@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
     """(b, t, kvh, d) -> (b * kvh, t, d)."""
@@ -71,6 +73,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         o = F.scaled_dot_product_attention(q.view(r, 1, g, d), k.unsqueeze(1), v.unsqueeze(1),
                                            attn_mask=mask.view(r, 1, 1, L))
         return o.view(r, g, 1, d)
+    if t == 1:
+        # Decode in float32 on the CPU: the native kernel reads each cache row once for the G
+        # query heads (None where it does not apply)
+        o = kernels.attention_f32(q, k, v, mask, 1.0 / math.sqrt(d))
+        if o is not None:
+            return o
     # Two batched matmuls over rows. k and v may be strided views of a preallocated cache
     # (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
     # heads would first copy the whole cache.

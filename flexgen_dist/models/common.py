@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from .spec import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -45,14 +46,16 @@ class Family(Protocol):
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + b`` with w of shape (out, in), as ``F.linear``.
 
-    On the CPU, for few rows (decode: the rows are the GPU batch), the BLAS may run
-    ``w @ x.T`` much faster than ``x @ w.T`` (up to 1.7x measured with MKL: the weight is the
-    streamed operand and is not repacked per call), and which form wins depends on the shape
-    and on the weight being cold in cache, as it is in a real pass over the layers. So the
-    first calls of each (rows, out, in, dtype) alternate the two forms on the real operands,
-    timed, and the faster one is kept from then on. ``FLEXGEN_GEMM_TUNE=0`` turns this off
-    (``F.linear`` always). Both forms compute the same sums; results can differ in the last
-    bit.
+    On the CPU, for few rows (decode: the rows are the GPU batch), the BLAS is far from its
+    peak: it repacks the whole weight matrix on every call. Two other forms can beat it:
+    ``w @ x.T`` (up to 1.7x with MKL: the weight is the streamed operand) and, in float32,
+    the native kernel of ``flexgen_dist.kernels`` (each weight row read once, straight from
+    its layout). Which wins depends on the shape and on the weight being cold in cache, as it
+    is in a real pass over the layers, so the first calls of each (rows, out, in, dtype)
+    alternate the forms on the real operands, timed, and the fastest is kept from then on
+    (``F.linear`` unless another is at least 5 % faster). ``FLEXGEN_GEMM_TUNE=0`` turns this
+    off (``F.linear`` always). All forms compute the same sums in different orders; results
+    can differ in the last bit.
     """
     if x.device.type != "cpu":
         return F.linear(x, w, b)
@@ -67,18 +70,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if not 0 < m <= _GEMM_TUNE_MAX_ROWS:
         return F.linear(x, w, b)
     key = (m, w.shape[0], k, x.dtype)
-    use_t = _GEMM_CHOICE.get(key)
-    if use_t is not None:
-        return _linear_t(x, w, b, m) if use_t else F.linear(x, w, b)
-    trials = _GEMM_TRIALS.setdefault(key, ([], []))
-    use_t = len(trials[1]) < len(trials[0])  # alternate, plain first
+    form = _GEMM_CHOICE.get(key)
+    if form is not None:
+        return _FORMS[form](x, w, b, m)
+    forms = [0, 1] + ([2] if x.dtype == torch.float32 and kernels.library() is not None else [])
+    trials = _GEMM_TRIALS.setdefault(key, {f: [] for f in forms})
+    form = min(forms, key=lambda f: len(trials[f]))  # round robin, plain first
     t0 = time.perf_counter()
-    y = _linear_t(x, w, b, m) if use_t else F.linear(x, w, b)
-    trials[use_t].append(time.perf_counter() - t0)
-    if len(trials[1]) >= _GEMM_TRIAL_CALLS:
-        _GEMM_CHOICE[key] = statistics.median(trials[1]) < 0.95 * statistics.median(trials[0])
+    y = _FORMS[form](x, w, b, m)
+    trials[form].append(time.perf_counter() - t0)
+    if all(len(t) >= _GEMM_TRIAL_CALLS for t in trials.values()):
+        med = {f: statistics.median(t) for f, t in trials.items()}
+        best = min(med, key=med.__getitem__)
+        _GEMM_CHOICE[key] = best if med[best] < 0.95 * med[0] else 0
         del _GEMM_TRIALS[key]
     return y
+
+
+def _linear_plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
+    return F.linear(x, w, b)
 
 
 def _linear_t(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
@@ -88,11 +98,18 @@ def _linear_t(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) 
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def _linear_native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
+    y = kernels.linear_f32(x, w, b)
+    return F.linear(x, w, b) if y is None else y  # operands the kernel does not take
+
+
+_FORMS: tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor], ...] = (
+    _linear_plain, _linear_t, _linear_native)
 _GEMM_TUNE = os.environ.get("FLEXGEN_GEMM_TUNE", "1") not in ("0", "false", "no")
 _GEMM_TUNE_MAX_ROWS = 64  # beyond this the plain form won for every shape measured
 _GEMM_TRIAL_CALLS = 4  # timed calls of each form before choosing
-_GEMM_CHOICE: dict[tuple[int, int, int, torch.dtype], bool] = {}
-_GEMM_TRIALS: dict[tuple[int, int, int, torch.dtype], tuple[list[float], list[float]]] = {}
+_GEMM_CHOICE: dict[tuple[int, int, int, torch.dtype], int] = {}
+_GEMM_TRIALS: dict[tuple[int, int, int, torch.dtype], dict[int, list[float]]] = {}
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:

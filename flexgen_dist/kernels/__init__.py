@@ -1,0 +1,145 @@
+"""Native CPU kernels for decode, compiled on first use for the machine that runs them.
+
+``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) as
+``-O3 -march=native -fopenmp`` into ``$FLEXGEN_CACHE/kernels`` (default
+``~/.cache/flexgen_dist/kernels``), once per source, compiler and CPU feature set, so nodes
+that share a home directory never load a build for another CPU. The build takes ~2 s.
+Without a compiler, on a CPU without AVX2+FMA, or with ``FLEXGEN_CPU_KERNELS=0``, ``library()``
+returns None and callers use torch's own kernels; the reason is logged once.
+
+This package is a leaf: it imports nothing else from flexgen_dist.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("flexgen_dist.kernels")
+
+_SRC = Path(__file__).with_name("cpu_kernels.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("FLEXGEN_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(cxx: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build under a unique name, then rename: ranks on one node may build at the same time
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError((r.stderr.strip().splitlines() or ["compiler failed"])[-1])
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> ctypes.CDLL | None:
+    if not enabled():
+        return None
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        log.warning("no C++ compiler (g++ or $CXX) found: decode GEMMs use torch's kernels")
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+                             + _cpu_flags().encode()).hexdigest()[:16]
+        base = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser()
+        so = base / "kernels" / f"cpu_kernels-{key}.so"
+        if not so.exists():
+            _build(cxx, so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels unavailable (%s): decode GEMMs use torch's kernels", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.fg_linear_f32.restype = None
+    lib.fg_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, ctypes.c_float,
+                                     ptr, ctypes.c_int]
+    lib.fg_attention_f32.restype = None
+    lib.fg_vector_width.restype = ctypes.c_int
+    _state["width"] = lib.fg_vector_width()
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on the first call; None where they cannot be had."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _load()
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ w.T + b`` for float32 CPU tensors with few rows, or None where the kernel does not
+    apply (no library, another dtype or device, a weight or input whose rows are not contiguous).
+
+    x (..., in) with its last dim contiguous, w (out, in) row-major, b (out,) or None.
+    """
+    lib = library()
+    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
+            or w.device.type != "cpu" or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
+            or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))):
+        return None
+    if x.stride(-1) != 1:
+        return None
+    try:
+        x2 = x.view(-1, x.shape[-1])  # rows evenly strided, without a copy
+    except RuntimeError:
+        return None
+    m, k = x2.shape
+    n = w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.fg_linear_f32(x2.data_ptr(), m, k, x2.stride(0), w.data_ptr(), n, w.stride(0),
+                      b.data_ptr() if b is not None else None, y.data_ptr(), n, torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor | None:
+    """Decode attention over cache rows: q (R, G, 1, d), k/v (R, L, d) with each row's
+    positions contiguous (strided views of a preallocated cache are read in place), mask
+    (R, 1, 1, L) bool -> (R, G, 1, d); or None where the kernel does not apply (no library,
+    not float32 on the CPU, another layout, head_dim not a multiple of the vector width).
+    """
+    lib = library()
+    if lib is None:
+        return None
+    r, g, t, d = q.shape
+    L = k.shape[1]
+    if (t != 1 or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in (q, k, v))
+            or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
+            or mask.shape != (r, 1, 1, L) or mask.stride(-1) != 1 or k.shape != v.shape
+            or k.shape[0] != r or any(x.stride(2) != 1 or x.stride(1) != d for x in (k, v))):
+        return None
+    out = torch.empty((r, g, 1, d), dtype=torch.float32)
+    lib.fg_attention_f32(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), L,
+                         mask.data_ptr(), mask.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+    return out
