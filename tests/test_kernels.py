@@ -166,3 +166,20 @@ def test_native_attention_declines_other_layouts() -> None:
     assert kernels.attention_f32(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125) is None
     assert kernels.attention_f32(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
     assert kernels.attention_f32(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 64), (1, 1, 576), (2, 7, 33), (4096, 24)])
+def test_native_rms_norm_matches_reference(shape: tuple[int, ...]) -> None:
+    _native_library()
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(*shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    out = kernels.rms_norm_f32(x, w, 1e-5)
+    assert out is not None and out.shape == x.shape
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    strided = torch.randn(6, 80, generator=g)[:, 8:72]  # rows 80 apart
+    torch.testing.assert_close(kernels.rms_norm_f32(strided, torch.ones(64), 1e-6),
+                               strided * torch.rsqrt(strided.pow(2).mean(-1, keepdim=True) + 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    assert kernels.rms_norm_f32(x.bfloat16(), w.bfloat16(), 1e-5) is None

@@ -83,6 +83,8 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, ctypes.c_float,
                                      ptr, ctypes.c_int]
     lib.fg_attention_f32.restype = None
+    lib.fg_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    lib.fg_rms_norm_f32.restype = None
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
     return lib
@@ -143,3 +145,20 @@ def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     lib.fg_attention_f32(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), L,
                          mask.data_ptr(), mask.stride(0), scale, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def rms_norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of float32 CPU rows x (..., n) (last dim contiguous) with weight w (n,), in one
+    pass; or None where the kernel does not apply."""
+    lib = library()
+    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
+            or w.device.type != "cpu" or not w.is_contiguous() or x.stride(-1) != 1 or w.shape != x.shape[-1:]):
+        return None
+    try:
+        x2 = x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.fg_rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps, y.data_ptr(),
+                        torch.get_num_threads())
+    return y

@@ -266,4 +266,28 @@ void fg_attention_f32(const float* q, int64_t R, int64_t G, int64_t d, const flo
     }
 }
 
+// y (M, n) contiguous = x * (1 / sqrt(mean(x^2) + eps)) * w, x rows ldx apart: RMSNorm in
+// one read of x and one write of y (torch's CPU rms_norm runs five passes). The order of the
+// products is the reference implementation's: (x * r) * w.
+void fg_rms_norm_f32(const float* x, int64_t M, int64_t n, int64_t ldx, const float* w, float eps, float* y,
+                     int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * n >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float* xm = x + m * ldx;
+        float* ym = y + m * n;
+        vf acc = vzero();
+        int64_t e = 0;
+        for (; e + VW <= n; e += VW) {
+            vf v = vload(xm + e);
+            acc = vfma(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (int64_t t = e; t < n; t++) ss += xm[t] * xm[t];
+        float r = 1.f / sqrtf(ss / (float)n + eps);
+        vf rv = _set1(r);
+        for (e = 0; e + VW <= n; e += VW) vstore(ym + e, (vload(xm + e) * rv) * vload(w + e));
+        for (int64_t t = e; t < n; t++) ym[t] = (xm[t] * r) * w[t];
+    }
+}
+
 }  // extern "C"
