@@ -183,3 +183,39 @@ def test_native_rms_norm_matches_reference(shape: tuple[int, ...]) -> None:
                                strided * torch.rsqrt(strided.pow(2).mean(-1, keepdim=True) + 1e-6),
                                rtol=1e-5, atol=1e-5)
     assert kernels.rms_norm_f32(x.bfloat16(), w.bfloat16(), 1e-5) is None
+
+
+def test_native_linear_adds_the_residual_as_linear_then_add() -> None:
+    _native_library()
+    g = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(5, 1, 40, generator=g), torch.randn(30, 40, generator=g), torch.randn(30, generator=g)
+    res = torch.randn(5, 1, 30, generator=g)
+    out = kernels.linear_f32(x, w, b, res)
+    assert out is not None
+    torch.testing.assert_close(out, F.linear(x, w, b) + res, rtol=1e-5, atol=1e-4)
+    assert kernels.linear_f32(x, w, b, res.transpose(0, 1)) is None  # a residual of another shape
+
+
+@pytest.mark.parametrize("n", [7, 64, 100_003])
+def test_native_silu_mul_matches_torch(n: int) -> None:
+    _native_library()
+    g = torch.Generator().manual_seed(n)
+    gate, up = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g)
+    ref = F.silu(gate) * up
+    assert kernels.silu_mul_f32(gate, up)
+    torch.testing.assert_close(gate, ref, rtol=1e-6, atol=1e-6)
+    assert not kernels.silu_mul_f32(gate.bfloat16(), up.bfloat16())
+
+
+@pytest.mark.parametrize("d", [64, 8, 40])
+def test_native_rope_equals_rotate_half_formula(d: int) -> None:
+    _native_library()
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 5, 4, d, generator=g)
+    pos = torch.arange(5).expand(3, 5) + torch.tensor([[0], [2], [7]])
+    cos, sin = common.rope_cos_sin(pos, d, 10000.0, torch.float32)
+    ref = x * cos + torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1) * sin
+    out = kernels.rope_f32(x, cos, sin)
+    assert out is not None
+    assert torch.equal(out, ref)  # the same two roundings per element as the formula
+    assert kernels.rope_f32(x.transpose(1, 2), cos, sin) is None

@@ -26,7 +26,9 @@ import torch
 log = logging.getLogger("flexgen_dist.kernels")
 
 _SRC = Path(__file__).with_name("cpu_kernels.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: a product and a sum stay two roundings where the reference rounds twice
+# (FMAs are written out where they are meant)
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -78,13 +80,17 @@ def _load() -> ctypes.CDLL | None:
         log.warning("CPU kernels unavailable (%s): decode GEMMs use torch's kernels", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
+    lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_f32.restype = None
     lib.fg_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, ctypes.c_float,
                                      ptr, ctypes.c_int]
     lib.fg_attention_f32.restype = None
     lib.fg_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.fg_rms_norm_f32.restype = None
+    lib.fg_silu_mul_f32.argtypes = [ptr, ptr, i64, ctypes.c_int]
+    lib.fg_silu_mul_f32.restype = None
+    lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.fg_rope_f32.restype = None
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
     return lib
@@ -99,16 +105,21 @@ def library() -> ctypes.CDLL | None:
     return _state["lib"]  # type: ignore[return-value]
 
 
-def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ w.T + b`` for float32 CPU tensors with few rows, or None where the kernel does not
-    apply (no library, another dtype or device, a weight or input whose rows are not contiguous).
+def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ w.T + b + residual`` for float32 CPU tensors with few rows, or None where the
+    kernel does not apply (no library, another dtype or device, a weight or input whose rows
+    are not contiguous).
 
-    x (..., in) with its last dim contiguous, w (out, in) row-major, b (out,) or None.
+    x (..., in) with its last dim contiguous, w (out, in) row-major, b (out,) or None,
+    residual (..., out) contiguous or None.
     """
     lib = library()
     if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
             or w.device.type != "cpu" or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
-            or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))):
+            or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))
+            or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                          or residual.shape != (*x.shape[:-1], w.shape[0])))):
         return None
     if x.stride(-1) != 1:
         return None
@@ -120,7 +131,9 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) 
     n = w.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     lib.fg_linear_f32(x2.data_ptr(), m, k, x2.stride(0), w.data_ptr(), n, w.stride(0),
-                      b.data_ptr() if b is not None else None, y.data_ptr(), n, torch.get_num_threads())
+                      b.data_ptr() if b is not None else None,
+                      residual.data_ptr() if residual is not None else None, y.data_ptr(), n,
+                      torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -162,3 +175,29 @@ def rms_norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor |
     lib.fg_rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps, y.data_ptr(),
                         torch.get_num_threads())
     return y
+
+
+def silu_mul_f32(g: torch.Tensor, u: torch.Tensor) -> bool:
+    """``g = silu(g) * u`` in place in one pass, for contiguous float32 CPU tensors of one
+    shape; False (nothing done) where the kernel does not apply."""
+    lib = library()
+    if (lib is None or g.dtype != torch.float32 or u.dtype != torch.float32 or g.device.type != "cpu"
+            or u.device.type != "cpu" or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous()):
+        return False
+    lib.fg_silu_mul_f32(g.data_ptr(), u.data_ptr(), g.numel(), torch.get_num_threads())
+    return True
+
+
+def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding (rotate-half convention) of x (b, t, heads, d) with cos/sin
+    (b, t, 1, d), out of place, in one pass; None where the kernel does not apply."""
+    lib = library()
+    if (lib is None or x.dim() != 4 or any(a.dtype != torch.float32 or a.device.type != "cpu" or not a.is_contiguous()
+                                           for a in (x, cos, sin))
+            or cos.shape != (*x.shape[:2], 1, x.shape[3]) or sin.shape != cos.shape or x.shape[3] % 2):
+        return None
+    b, t, h, d = x.shape
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.fg_rope_f32(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                    torch.get_num_threads())
+    return out

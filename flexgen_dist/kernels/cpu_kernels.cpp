@@ -36,6 +36,7 @@ static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 static inline vf _set1(float a) { return _mm512_set1_ps(a); }
 static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 static inline vf vpow2i(vf n) {  // 2^n for integral n in [-127, 128]
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
@@ -56,6 +57,7 @@ static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf _set1(float a) { return _mm256_set1_ps(a); }
 static inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 static inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 static inline vf vfloor(vf a) { return _mm256_floor_ps(a); }
 static inline vf vpow2i(vf n) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -80,11 +82,12 @@ static inline float hsum(vf v) {
 #error "flexgen_dist CPU kernels need AVX2 with FMA or AVX-512"
 #endif
 
-// e^x for x <= 0 (softmax after subtracting the max), Cephes' expf polynomial: within 2 ulp
-// of expf; exactly 0 below -87.3 (masked positions are -inf).
-static inline vf vexp_nonpos(vf x) {
+// e^x, Cephes' expf polynomial: within 2 ulp of expf over [-87.3, 88.7]; exactly 0 below
+// (masked softmax positions are -inf), e^88.7 above.
+static inline vf vexp(vf x) {
     const float lo = -87.3f;
     vf xc = vmax(x, _set1(lo));
+    xc = vmin(xc, _set1(88.7f));
     vf n = vfloor(vfma(xc, _set1(1.44269504088896341f), _set1(0.5f)));
     vf r = vfma(n, _set1(-0.693359375f), xc);
     r = vfma(n, _set1(2.12194440e-4f), r);
@@ -115,7 +118,7 @@ struct Prefetch {
 // in every instantiation, so the accumulators stay in registers.
 template <int nb, int mb>
 static inline void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                         const float* bias, float* y, int64_t ldy, Prefetch& pf) {
+                         const float* bias, const float* res, float* y, int64_t ldy, Prefetch& pf) {
     vf acc[nb][mb];
 #pragma GCC unroll 8
     for (int i = 0; i < nb; i++)
@@ -140,7 +143,8 @@ static inline void block(const float* x, int64_t ldx, const float* w, int64_t ld
         for (int j = 0; j < mb; j++) {
             float s = hsum(acc[i][j]);
             for (int64_t kk = k; kk < K; kk++) s += w[i * ldw + kk] * x[j * ldx + kk];
-            y[j * ldy + i] = bias ? s + bias[i] : s;
+            if (bias) s += bias[i];
+            y[j * ldy + i] = res ? s + res[j * ldy + i] : s;
         }
     }
 }
@@ -149,37 +153,40 @@ static inline void block(const float* x, int64_t ldx, const float* w, int64_t ld
 template <int nb, int mb>
 struct TailM {
     static void run(int64_t r, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                    const float* bias, float* y, int64_t ldy, Prefetch& pf) {
-        if (r == mb) block<nb, mb>(x, ldx, w, ldw, K, bias, y, ldy, pf);
-        else TailM<nb, mb - 1>::run(r, x, ldx, w, ldw, K, bias, y, ldy, pf);
+                    const float* bias, const float* res, float* y, int64_t ldy, Prefetch& pf) {
+        if (r == mb) block<nb, mb>(x, ldx, w, ldw, K, bias, res, y, ldy, pf);
+        else TailM<nb, mb - 1>::run(r, x, ldx, w, ldw, K, bias, res, y, ldy, pf);
     }
 };
 template <int nb>
 struct TailM<nb, 0> {
-    static void run(int64_t, const float*, int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t,
-                    Prefetch&) {}
+    static void run(int64_t, const float*, int64_t, const float*, int64_t, int64_t, const float*, const float*,
+                    float*, int64_t, Prefetch&) {}
 };
 
 template <int nb>
 static void rows(const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                 const float* bias, float* y, int64_t ldy, Prefetch& pf) {
+                 const float* bias, const float* res, float* y, int64_t ldy, Prefetch& pf) {
     int64_t m = 0;
-    for (; m + MB <= M; m += MB) block<nb, MB>(x + m * ldx, ldx, w, ldw, K, bias, y + m * ldy, ldy, pf);
-    if (m < M) TailM<nb, MB - 1>::run(M - m, x + m * ldx, ldx, w, ldw, K, bias, y + m * ldy, ldy, pf);
+    for (; m + MB <= M; m += MB)
+        block<nb, MB>(x + m * ldx, ldx, w, ldw, K, bias, res ? res + m * ldy : res, y + m * ldy, ldy, pf);
+    if (m < M)
+        TailM<nb, MB - 1>::run(M - m, x + m * ldx, ldx, w, ldw, K, bias, res ? res + m * ldy : res, y + m * ldy,
+                               ldy, pf);
 }
 
 template <int nb>
 struct TailN {
     static void run(int64_t r, const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                    const float* bias, float* y, int64_t ldy, Prefetch& pf) {
-        if (r == nb) rows<nb>(x, M, ldx, w, ldw, K, bias, y, ldy, pf);
-        else TailN<nb - 1>::run(r, x, M, ldx, w, ldw, K, bias, y, ldy, pf);
+                    const float* bias, const float* res, float* y, int64_t ldy, Prefetch& pf) {
+        if (r == nb) rows<nb>(x, M, ldx, w, ldw, K, bias, res, y, ldy, pf);
+        else TailN<nb - 1>::run(r, x, M, ldx, w, ldw, K, bias, res, y, ldy, pf);
     }
 };
 template <>
 struct TailN<0> {
-    static void run(int64_t, const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
-                    int64_t, Prefetch&) {}
+    static void run(int64_t, const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                    const float*, float*, int64_t, Prefetch&) {}
 };
 
 extern "C" {
@@ -187,9 +194,10 @@ extern "C" {
 int fg_vector_width(void) { return VW; }
 
 // y (M, N) with row stride ldy = x (M, K; row stride ldx) @ w.T, w (N, K; row stride ldw),
-// plus bias (N) when not null. Parallel over blocks of weight rows.
+// plus bias (N) when not null, plus res (M, N; row stride ldy) when not null, in that order
+// (as F.linear(x, w, bias).add_(res) rounds). Parallel over blocks of weight rows.
 void fg_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t N,
-                   int64_t ldw, const float* bias, float* y, int64_t ldy, int nthreads) {
+                   int64_t ldw, const float* bias, const float* res, float* y, int64_t ldy, int nthreads) {
     int64_t nblocks = (N + NB - 1) / NB;
     int64_t iters = ((M + MB - 1) / MB) * (K / VW > 0 ? K / VW : 1);  // inner iterations per block
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -197,12 +205,13 @@ void fg_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const floa
         int64_t n = b * NB;
         const float* wn = w + n * ldw;
         const float* bn = bias ? bias + n : nullptr;
+        const float* rn = res ? res + n : nullptr;
         float* yn = y + n;
         int64_t next_end = n + 2 * NB < N ? n + 2 * NB : N;
         int64_t bytes = n + NB < N ? (next_end - n - NB) * ldw * 4 : 0;
         int64_t lines = (bytes + 63) / 64;
         Prefetch pf{(const char*)(wn + NB * ldw), (const char*)(wn + NB * ldw) + bytes, (lines + iters - 1) / iters};
-        TailN<NB>::run(N - n >= NB ? NB : N - n, x, M, ldx, wn, ldw, K, bn, yn, ldy, pf);
+        TailN<NB>::run(N - n >= NB ? NB : N - n, x, M, ldx, wn, ldw, K, bn, rn, yn, ldy, pf);
     }
 }
 
@@ -243,7 +252,7 @@ void fg_attention_f32(const float* q, int64_t R, int64_t G, int64_t d, const flo
                 for (int64_t l = 0; l < Lp; l += VW) mv = vmax(mv, vload(sg + l));
                 vf mx = _set1(hmax(mv)), sv = vzero();
                 for (int64_t l = 0; l < Lp; l += VW) {
-                    vf e = vexp_nonpos(vload(sg + l) - mx);
+                    vf e = vexp(vload(sg + l) - mx);
                     vstore(sg + l, e);
                     sv = sv + e;
                 }
@@ -287,6 +296,46 @@ void fg_rms_norm_f32(const float* x, int64_t M, int64_t n, int64_t ldx, const fl
         vf rv = _set1(r);
         for (e = 0; e + VW <= n; e += VW) vstore(ym + e, (vload(xm + e) * rv) * vload(w + e));
         for (int64_t t = e; t < n; t++) ym[t] = (xm[t] * r) * w[t];
+    }
+}
+
+// g = silu(g) * u in place over n elements, as torch's silu (g / (1 + e^-g)) then mul.
+void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) {
+    int64_t nv = n / VW;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < nv; b++) {
+        vf x = vload(g + b * VW);
+        vstore(g + b * VW, (x / (_set1(1.f) + vexp(-x))) * vload(u + b * VW));
+    }
+    for (int64_t i = nv * VW; i < n; i++) g[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
+}
+
+// Rotary embedding, rotate-half convention, out of place: x and out (P, H, d) contiguous
+// (P positions of H heads), cos and sin (P, d). First half: x1 * c - x2 * s; second half:
+// x2 * c + x1 * s; each product rounded before the sum, as x * cos + rotate_half(x) * sin.
+void fg_rope_f32(const float* x, int64_t P, int64_t H, int64_t d, const float* cos, const float* sin,
+                 float* out, int nthreads) {
+    const int64_t h = d / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (P * H * d >= 65536)
+    for (int64_t p = 0; p < P; p++) {
+        const float* c = cos + p * d;
+        const float* s = sin + p * d;
+        for (int64_t hd = 0; hd < H; hd++) {
+            const float* x1 = x + (p * H + hd) * d;
+            const float* x2 = x1 + h;
+            float* o1 = out + (p * H + hd) * d;
+            float* o2 = o1 + h;
+            int64_t e = 0;
+            for (; e + VW <= h; e += VW) {
+                vf a = vload(x1 + e), b = vload(x2 + e);
+                vstore(o1 + e, a * vload(c + e) - b * vload(s + e));
+                vstore(o2 + e, b * vload(c + h + e) + a * vload(s + h + e));
+            }
+            for (; e < h; e++) {
+                o1[e] = x1[e] * c[e] - x2[e] * s[e];
+                o2[e] = x2[e] * c[h + e] + x1[e] * s[h + e];
+            }
+        }
     }
 }
 

@@ -43,8 +43,10 @@ class Family(Protocol):
     def head(self, spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + b`` with w of shape (out, in), as ``F.linear``.
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + b`` with w of shape (out, in), as ``F.linear``, plus ``residual`` when given
+    (rounded as ``F.linear(x, w, b).add_(residual)``; the native kernel adds it as it writes).
 
     On the CPU, for few rows (decode: the rows are the GPU batch), the BLAS is far from its
     peak: it repacks the whole weight matrix on every call. Two other forms can beat it:
@@ -58,26 +60,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     can differ in the last bit.
     """
     if x.device.type != "cpu":
-        return F.linear(x, w, b)
+        return _add(F.linear(x, w, b), residual)
     if b is not None and x.dtype != torch.float32:
         # a half-type addmm on the CPU first broadcasts the bias into the output, then runs
         # a slower GEMM path than the bias-free one: add the bias afterwards instead
-        return linear(x, w).add_(b)
+        return _add(linear(x, w).add_(b), residual)
     if not _GEMM_TUNE or x.dim() < 2:
-        return F.linear(x, w, b)
+        return _add(F.linear(x, w, b), residual)
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if not 0 < m <= _GEMM_TUNE_MAX_ROWS:
-        return F.linear(x, w, b)
+        return _add(F.linear(x, w, b), residual)
     key = (m, w.shape[0], k, x.dtype)
     form = _GEMM_CHOICE.get(key)
     if form is not None:
-        return _FORMS[form](x, w, b, m)
+        return _FORMS[form](x, w, b, m, residual)
     forms = [0, 1] + ([2] if x.dtype == torch.float32 and kernels.library() is not None else [])
     trials = _GEMM_TRIALS.setdefault(key, {f: [] for f in forms})
     form = min(forms, key=lambda f: len(trials[f]))  # round robin, plain first
     t0 = time.perf_counter()
-    y = _FORMS[form](x, w, b, m)
+    y = _FORMS[form](x, w, b, m, residual)
     trials[form].append(time.perf_counter() - t0)
     if all(len(t) >= _GEMM_TRIAL_CALLS for t in trials.values()):
         med = {f: statistics.median(t) for f, t in trials.items()}
@@ -87,29 +89,43 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y
 
 
-def _linear_plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
-    return F.linear(x, w, b)
+def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else y.add_(residual)
 
 
-def _linear_t(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
+Opt = torch.Tensor | None
+
+
+def _linear_plain(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
+    return _add(F.linear(x, w, b), residual)
+
+
+def _linear_t(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
     y = torch.mm(w, x.reshape(m, x.shape[-1]).t()).t().contiguous()
     if b is not None:
         y.add_(b)
-    return y.view(*x.shape[:-1], w.shape[0])
+    return _add(y.view(*x.shape[:-1], w.shape[0]), residual)
 
 
-def _linear_native(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, m: int) -> torch.Tensor:
-    y = kernels.linear_f32(x, w, b)
-    return F.linear(x, w, b) if y is None else y  # operands the kernel does not take
+def _linear_native(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
+    y = kernels.linear_f32(x, w, b, residual)
+    return _linear_plain(x, w, b, m, residual) if y is None else y  # operands the kernel does not take
 
 
-_FORMS: tuple[Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor], ...] = (
+_FORMS: tuple[Callable[[torch.Tensor, torch.Tensor, Opt, int, Opt], torch.Tensor], ...] = (
     _linear_plain, _linear_t, _linear_native)
 _GEMM_TUNE = os.environ.get("FLEXGEN_GEMM_TUNE", "1") not in ("0", "false", "no")
 _GEMM_TUNE_MAX_ROWS = 64  # beyond this the plain form won for every shape measured
 _GEMM_TRIAL_CALLS = 4  # timed calls of each form before choosing
 _GEMM_CHOICE: dict[tuple[int, int, int, torch.dtype], int] = {}
 _GEMM_TRIALS: dict[tuple[int, int, int, torch.dtype], dict[int, list[float]]] = {}
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u``, in place in g (SwiGLU's gate times its up projection)."""
+    if g.device.type == "cpu" and kernels.silu_mul_f32(g, u):  # one pass, float32
+        return g
+    return F.silu(g, inplace=True).mul_(u)
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,6 +180,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     ``x * cos + rotate_half(x) * sin`` without building ``rotate_half(x)``: the two halves are
     updated in place with fused multiply-adds (two passes over x instead of five).
     """
+    if x.device.type == "cpu":
+        y = kernels.rope_f32(x, cos, sin)  # one pass, float32
+        if y is not None:
+            return y
     half = x.shape[-1] // 2
     x1, x2, s = x[..., :half], x[..., half:], sin[..., :half]
     out = x * cos

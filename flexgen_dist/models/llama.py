@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm
+from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm, silu_mul
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -106,12 +106,11 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     a = attend(q, k, v)
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
-    x = linear(a, w["o.w"], w.get("o.b")).add_(residual)
+    x = linear(a, w["o.w"], w.get("o.b"), residual)
     residual = x
     x = rms_norm(x, w["mlp_norm.w"], eps)
-    g = torch.nn.functional.silu(linear(x, w["gate.w"], w.get("gate.b")), inplace=True)
-    g.mul_(linear(x, w["up.w"], w.get("up.b")))
-    return linear(g, w["down.w"], w.get("down.b")).add_(residual)
+    g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
+    return linear(g, w["down.w"], w.get("down.b"), residual)
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

@@ -88,14 +88,14 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     k = linear(x, w["k.w"], w["k.b"]).view(b, t, nh, d)
     v = linear(x, w["v.w"], w["v.b"]).view(b, t, nh, d)
     a = attend(q, k, v)
-    x = linear(a, w["o.w"], w["o.b"]).add_(residual)
+    x = linear(a, w["o.w"], w["o.b"], residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
     residual = x
     if spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
     h = torch.relu_(linear(x, w["fc1.w"], w["fc1.b"]))
-    x = linear(h, w["fc2.w"], w["fc2.b"]).add_(residual)
+    x = linear(h, w["fc2.w"], w["fc2.b"], residual)
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)
     return x
