@@ -134,10 +134,14 @@ class StageEngine:
             self._compute(st, s.i, s.j, s.k, num_gb)
             self.times.compute_s += time.perf_counter() - t0
         elif kind == "load_weight":
-            fut = self._pool.submit(self.weights.load, self.slots[s.j], self.weights.next_buffers())
-            self._wbuf[s.j] = fut
-            if not self.policy.overlap:
-                self._wait([fut])
+            slot = self.slots[s.j]
+            if slot in self.weights.resident:
+                self._wbuf[s.j] = self.weights.load(slot)
+            else:
+                fut = self._pool.submit(self.weights.load, slot, self.weights.next_buffers())
+                self._wbuf[s.j] = fut
+                if not self.policy.overlap:
+                    self._wait([fut])
         elif kind == "load_cache":
             if st.cache is not None and s.i > 0 and self.slots[s.j][0] == "layer":
                 st.cache.load(self.slots[s.j][1], s.k, st.meta.prompt_len + s.i - 1)  # type: ignore[arg-type]

@@ -68,6 +68,10 @@ class WeightStore:
             if tied is not None:
                 self.placed[slot][TIED] = tied
             del ws
+        # slots whose every tensor is at rest on the compute device, uncompressed: loading them
+        # is a dict of references, not worth a trip through the I/O thread
+        self.resident = {slot for slot, ws in self.placed.items()
+                         if all(isinstance(p.data, torch.Tensor) and p.data.device == device for p in ws.values())}
 
     def _tied_head(self, slot: Slot, ws: dict[str, torch.Tensor]) -> Placed | None:
         """The embedding's placement, when ``slot`` is a head tied to an embedding of this store.
