@@ -202,16 +202,22 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     hop = 1.0 if hw.compute_device == "cuda" else 0.0
 
     # --- time per layer per block -------------------------------------------------------
-    def gemm(rows: int) -> float:
-        """Linear layers of one block: compute-bound, or weight-read-bound per GPU batch."""
+    # How often a decode step streams each weight matrix through the compute units: once per
+    # GPU batch on a GPU; once per block on a CPU device, where the engine runs the GPU
+    # batches of a block as one GEMM (merged decode: activations on the device, the cache off
+    # disk, which is where the planner puts them on a CPU).
+    streams = 1 if hw.compute_device == "cpu" else num_gpu_batches
+
+    def gemm(rows: int, passes: int) -> float:
+        """Linear layers of one block: compute-bound, or bound by reading the weights ``passes`` times."""
         flops = 2.0 * rows * lnum
-        return max(flops / hw.mm_flops, num_gpu_batches * lnum * b / stream_bw)
+        return max(flops / hw.mm_flops, passes * lnum * b / stream_bw)
 
     head_p = head_d = 0.0
     if has_head:  # logits of the last position only; the LM head is (vocab, embed_dim)
         e = spec.embed_dim
-        head_d = max(2.0 * bls * e * V / hw.mm_flops, num_gpu_batches * V * e * b / stream_bw)
-        head_p = head_d
+        head_d = max(2.0 * bls * e * V / hw.mm_flops, streams * V * e * b / stream_bw)
+        head_p = max(2.0 * bls * e * V / hw.mm_flops, num_gpu_batches * V * e * b / stream_bw)
     deq_w = (lnum * b + wl) / mem_bw if compress_weight else 0.0
     deq_c_pre = bls * s * kv_tok * b / mem_bw if compress_cache else 0.0
     att_flops = 4.0 * bls * (s + n / 2) * q
@@ -234,7 +240,7 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     P[3, CD] = c_pre / hw.ctod_bw
     P[3, HD] += a_pre / hw.ctod_bw
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
-    P[4, CONST] = (gemm(bls * s) + 4.0 * bls * s * s * q / hw.mm_flops + deq_w + deq_c_pre
+    P[4, CONST] = (gemm(bls * s, num_gpu_batches) + 4.0 * bls * s * s * q / hw.mm_flops + deq_w + deq_c_pre
                    + head_p / l)
     P[5, CONST] = net_p / l
 
@@ -253,7 +259,7 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     D[2, CD] += c_avg / hw.dtoc_bw
     D[3, HD] = a_dec / hw.ctod_bw
     D[3, CD] += c_new / hw.ctod_bw
-    D[4, CONST] = gemm(bls) + deq_w + head_d / l
+    D[4, CONST] = gemm(bls, streams) + deq_w + head_d / l
     D[4, CG] = att_flops / hw.bmm_flops + deq_c / mem_bw
     if cpu_attention:  # fp32 on the host: 4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops
         D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (2 * hw.cpu_flops)
