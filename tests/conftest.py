@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import random
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,3 +79,31 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.fixture
 def prompts_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(pair: bool = False) -> int:
+    """A free TCP port on loopback (with ``pair``, p and p + 1 both free: the failure monitor
+    listens on MASTER_PORT + 1).
+
+    Drawn below the kernel's ephemeral range: a port handed out by ``bind(0)`` lies inside it,
+    where any process's next outgoing connection (gloo opens many) may take it, or its
+    neighbour, before the test's rank binds it.
+    """
+    high = min(_ephemeral_low(), 65535) - 2
+    for _ in range(200):
+        port = random.randint(20000, max(20001, high))
+        try:
+            for p in (port, port + 1) if pair else (port,):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from test_launchers import kill_tree
 import torch
 
@@ -36,22 +36,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
-
-
-def free_port_pair() -> int:
-    """A port p with p and p+1 free (the failure monitor uses MASTER_PORT+1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair")
 
 
 def fail_time(text: str) -> float:
@@ -133,7 +117,7 @@ def test_failure_torchrun(flag: str) -> None:
 
 
 def spawn_ranks(world: int, tmp_path: Path, *args: str) -> list[subprocess.Popen]:
-    port = free_port_pair()
+    port = free_port(pair=True)
     procs = []
     for r in range(world):
         env = clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
-from test_launchers import REPO, clean_env, find_mpirun, free_port, run_two_hosts, start, stop, wait_job
+from conftest import PROMPTS, free_port, read_jsonl, reference_generate, write_jsonl
+from test_launchers import REPO, clean_env, find_mpirun, run_two_hosts, start, stop, wait_job
 from test_launchers import slurm, two_hosts  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.multinode

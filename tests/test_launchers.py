@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
@@ -33,22 +34,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MODULE="flexgen_dist.dist.check",
                PYTHON=sys.executable, **extra)
     return env
-
-
-def free_port(pair: bool = False) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
 
 
 def start(cmd: list[str], env: dict[str, str], out: Path) -> subprocess.Popen:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
+from conftest import PROMPTS, free_port, read_jsonl, reference_generate, write_jsonl
 
 pytestmark = pytest.mark.multinode
 GEN = 5
@@ -22,15 +21,9 @@ STAGES_YAML = """stages:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
            "-m", "flexgen_dist.run", "--no-progress"] + args
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
@@ -80,7 +73,7 @@ def test_gen_len_one_and_more_groups_than_blocks(tiny_models, tmp_path: Path) ->
 
 def _spawn_ranks(nproc: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
     """Start ranks as plain processes (no launcher agent that would kill the others for us)."""
-    port = free_port()
+    port = free_port(pair=True)
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
