@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..memory.disk import DiskStore
 from ..memory.tiers import MemoryTracker, Tier, format_bytes
 from ..models.common import Positions, family_module
@@ -79,6 +80,8 @@ class StageEngine:
         # Every weight is placed now: release the checkpoint's handles, so memory maps that no
         # placed tensor uses are unmapped (mapped pages would also pin the page cache).
         source.close()
+        if dtype == torch.float32 and (device.type == "cpu" or policy.cpu_attention):
+            kernels.library()  # built now (first use on this machine: ~2 s), not inside a timed step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
         self._wbuf: dict[int, Any] = {}
         self._pending: list[Future] = []
