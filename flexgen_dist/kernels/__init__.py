@@ -1,7 +1,8 @@
-"""Native CPU kernels for decode, compiled on first use for the machine that runs them.
+"""Native float32 CPU kernels (decode GEMM and attention, RMSNorm, rotary, SwiGLU's
+``silu(g) * u``), compiled on first use for the machine that runs them.
 
-``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) as
-``-O3 -march=native -fopenmp`` into ``$FLEXGEN_CACHE/kernels`` (default
+``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
+into ``$FLEXGEN_CACHE/kernels`` (default
 ``~/.cache/flexgen_dist/kernels``), once per source, compiler and CPU feature set, so nodes
 that share a home directory never load a build for another CPU. The build takes ~2 s.
 Without a compiler, on a CPU without AVX2+FMA, or with ``FLEXGEN_CPU_KERNELS=0``, ``library()``
@@ -65,7 +66,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
-        log.warning("no C++ compiler (g++ or $CXX) found: decode GEMMs use torch's kernels")
+        log.warning("no C++ compiler (g++ or $CXX) found: torch's kernels run instead of the native ones")
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -77,7 +78,7 @@ def _load() -> ctypes.CDLL | None:
             _build(cxx, so)
         lib = ctypes.CDLL(str(so))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("CPU kernels unavailable (%s): decode GEMMs use torch's kernels", e)
+        log.warning("CPU kernels unavailable (%s): torch's kernels run instead", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
@@ -105,6 +106,20 @@ def library() -> ctypes.CDLL | None:
     return _state["lib"]  # type: ignore[return-value]
 
 
+def _f32_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x (..., n) as (rows, n) without a copy (each row contiguous, rows evenly strided), or None."""
+    if x.stride(-1) != 1:
+        return None
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ w.T + b + residual`` for float32 CPU tensors with few rows, or None where the
@@ -115,17 +130,13 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     residual (..., out) contiguous or None.
     """
     lib = library()
-    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
-            or w.device.type != "cpu" or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
-            or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))
-            or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
-                                          or residual.shape != (*x.shape[:-1], w.shape[0])))):
+    if (lib is None or not _f32_cpu(x, w) or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
+            or (b is not None and not (_f32_cpu(b) and b.is_contiguous()))
+            or (residual is not None and not (_f32_cpu(residual) and residual.is_contiguous()
+                                              and residual.shape == (*x.shape[:-1], w.shape[0])))):
         return None
-    if x.stride(-1) != 1:
-        return None
-    try:
-        x2 = x.view(-1, x.shape[-1])  # rows evenly strided, without a copy
-    except RuntimeError:
+    x2 = _rows(x)
+    if x2 is None:
         return None
     m, k = x2.shape
     n = w.shape[0]
@@ -149,8 +160,7 @@ def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         return None
     r, g, t, d = q.shape
     L = k.shape[1]
-    if (t != 1 or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in (q, k, v))
-            or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
+    if (t != 1 or not _f32_cpu(q, k, v) or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
             or mask.shape != (r, 1, 1, L) or mask.stride(-1) != 1 or k.shape != v.shape
             or k.shape[0] != r or any(x.stride(2) != 1 or x.stride(1) != d for x in (k, v))):
         return None
@@ -164,12 +174,8 @@ def rms_norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor |
     """RMSNorm of float32 CPU rows x (..., n) (last dim contiguous) with weight w (n,), in one
     pass; or None where the kernel does not apply."""
     lib = library()
-    if (lib is None or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
-            or w.device.type != "cpu" or not w.is_contiguous() or x.stride(-1) != 1 or w.shape != x.shape[-1:]):
-        return None
-    try:
-        x2 = x.view(-1, x.shape[-1])
-    except RuntimeError:
+    x2 = _rows(x) if lib is not None and _f32_cpu(x, w) and w.is_contiguous() and w.shape == x.shape[-1:] else None
+    if x2 is None:
         return None
     y = torch.empty(x.shape, dtype=torch.float32)
     lib.fg_rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps, y.data_ptr(),
@@ -181,8 +187,7 @@ def silu_mul_f32(g: torch.Tensor, u: torch.Tensor) -> bool:
     """``g = silu(g) * u`` in place in one pass, for contiguous float32 CPU tensors of one
     shape; False (nothing done) where the kernel does not apply."""
     lib = library()
-    if (lib is None or g.dtype != torch.float32 or u.dtype != torch.float32 or g.device.type != "cpu"
-            or u.device.type != "cpu" or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous()):
+    if lib is None or not _f32_cpu(g, u) or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous():
         return False
     lib.fg_silu_mul_f32(g.data_ptr(), u.data_ptr(), g.numel(), torch.get_num_threads())
     return True
@@ -192,9 +197,8 @@ def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     """Rotary embedding (rotate-half convention) of x (b, t, heads, d) with cos/sin
     (b, t, 1, d), out of place, in one pass; None where the kernel does not apply."""
     lib = library()
-    if (lib is None or x.dim() != 4 or any(a.dtype != torch.float32 or a.device.type != "cpu" or not a.is_contiguous()
-                                           for a in (x, cos, sin))
-            or cos.shape != (*x.shape[:2], 1, x.shape[3]) or sin.shape != cos.shape or x.shape[3] % 2):
+    if (lib is None or x.dim() != 4 or not _f32_cpu(x, cos, sin)
+            or not all(a.is_contiguous() for a in (x, cos, sin)) or cos.shape != (*x.shape[:2], 1, x.shape[3]) or sin.shape != cos.shape or x.shape[3] % 2):
         return None
     b, t, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float32)

@@ -1,5 +1,7 @@
-// CPU kernels for decode, compiled on first use for the machine that runs them
-// (flexgen_dist/kernels/__init__.py builds this file with -O3 -march=native -fopenmp).
+// Float32 CPU kernels, compiled on first use for the machine that runs them
+// (flexgen_dist/kernels/__init__.py builds this file with -O3 -march=native -fopenmp
+// -ffp-contract=off). Decode: linear_f32, attention_f32. Every pass: rms_norm_f32,
+// rope_f32, silu_mul_f32 (one read and one write instead of torch's several passes).
 //
 // linear_f32: y = x @ w.T (+ bias) for a few rows of x (a decode step: the rows are the
 // sequences of a batch). The BLAS repacks the whole weight matrix on every call, which for a
