@@ -89,11 +89,22 @@ class RunConfig:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
-        SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+        try:
+            SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+
+    @property
+    def budgets(self) -> dict[str, int | None]:
+        """--gpu-mem/--cpu-mem/--disk-mem in bytes (None where not given)."""
+        from .memory.tiers import parse_size
+
+        return {t: parse_size(v) if v is not None else None
+                for t, v in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem), ("disk", self.disk_mem))}
 
     @property
     def auto_policy(self) -> bool:

@@ -41,20 +41,30 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
         raise ConfigError(f"{path}: no prompts in the file")
     if num_prompts is not None:
         raw = raw[:num_prompts]
-    out = []
-    for pid, text, ids in raw:
-        if ids is None:
-            if tokenizer is None:
-                raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
-                                  "'input_ids' in a .jsonl file, or --num-prompts N --prompt-len S for synthetic prompts")
-            ids = list(tokenizer(text)["input_ids"])
-        if not ids:
-            raise ConfigError(f"prompt {pid!r} is empty: remove it or give it some text")
-        bad = [t for t in ids if not 0 <= int(t) < vocab_size]
-        if bad:
-            raise ConfigError(f"prompt {pid!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-        out.append(Prompt(pid, text, [int(t) for t in ids]))
-    return out
+    return [make_prompt(pid, text, ids, tokenizer, vocab_size) for pid, text, ids in raw]
+
+
+def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
+                vocab_size: int) -> Prompt:
+    """A checked prompt: text is tokenized; ids must be non-empty and inside the vocabulary."""
+    if ids is None:
+        if tokenizer is None:
+            raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
+                              "'input_ids' in a .jsonl file, or --num-prompts N --prompt-len S for synthetic prompts")
+        ids = list(tokenizer(text)["input_ids"])
+    if not ids:
+        raise ConfigError(f"prompt {pid!r} is empty: remove it or give it some text")
+    bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+    if bad:
+        raise ConfigError(f"prompt {pid!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return Prompt(pid, text, [int(t) for t in ids])
+
+
+def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int) -> None:
+    for p in prompts:
+        if len(p.ids) + gen_len > max_positions:
+            raise ConfigError(f"prompt {p.id!r} has {len(p.ids)} tokens; with --gen-len {gen_len} that "
+                              f"exceeds the model's {max_positions} positions: shorten it or lower --gen-len")
 
 
 def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
@@ -86,27 +96,35 @@ def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
 
 
 class OutputWriter:
-    """Writes one JSON line per prompt, in prompt order, flushed block by block."""
+    """Writes one JSON line per prompt, in prompt order, flushed block by block.
+
+    The file is opened (and truncated) at the first write, so a run that fails before its
+    first block leaves no empty output behind; its directory is made at once."""
 
     def __init__(self, path: str | None, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self.path = Path(path).expanduser() if path else None
         self.f: IO[str] | None = None
-        if path:
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(Path(path).expanduser(), "w", encoding="utf-8")
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def record(self, p: Prompt, tokens: list[int]) -> dict[str, Any]:
+    def record(self, p: Prompt, tokens: list[int], text: str | None = None) -> dict[str, Any]:
+        """The output line of prompt ``p``; ``text`` is the decoded completion if known already."""
         rec: dict[str, Any] = {"id": p.id}
         if p.text is not None:
             rec["prompt"] = p.text
-        if self.tokenizer is not None:
+        if text is not None:
+            rec["text"] = text
+        elif self.tokenizer is not None:
             rec["text"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
         rec["tokens"] = tokens
         return rec
 
     def write(self, recs: list[dict[str, Any]]) -> None:
-        if self.f is None:
+        if self.path is None:
             return
+        if self.f is None:
+            self.f = open(self.path, "w", encoding="utf-8")
         for r in recs:
             self.f.write(json.dumps(r, ensure_ascii=False) + "\n")
         self.f.flush()

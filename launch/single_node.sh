@@ -4,7 +4,7 @@
 #   launch/single_node.sh NPROC [args for python -m $MODULE ...]
 #
 # Environment:
-#   MODULE   python module to run (default flexgen_dist.run; flexgen_dist.dist.check is the
+#   MODULE   python module to run (default flexgen_dist.run; flexgen_dist.distributed.check is the
 #            communication self-check)
 #   PYTHON   interpreter (default python); torchrun is run as `$PYTHON -m torch.distributed.run`
 #            so it always matches the interpreter that has flexgen_dist installed

@@ -7,7 +7,7 @@
 #
 # Writes OUTDIR/run-{N}n-%j.out (Slurm's log) and passes --metrics OUTDIR/metrics-{N}n.json
 # and --output OUTDIR/out-{N}n.jsonl to the run (OUTDIR default: sweep-<date>). Set
-# SWEEP_NO_METRICS=1 to pass neither (e.g. for MODULE=flexgen_dist.dist.check).
+# SWEEP_NO_METRICS=1 to pass neither (e.g. for MODULE=flexgen_dist.distributed.check).
 # SBATCH_ARGS adds sbatch options to every submission, e.g. "--partition=gpu --gpus-per-task=1".
 set -euo pipefail
 

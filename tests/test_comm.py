@@ -22,8 +22,8 @@ from conftest import free_port
 from test_launchers import kill_tree
 import torch
 
-from flexgen_dist.dist.comm import FailureMonitor, StageComm
-from flexgen_dist.dist.topology import DistContext, detect_topology
+from flexgen_dist.distributed.comm import FailureMonitor, StageComm
+from flexgen_dist.distributed.topology import DistContext, detect_topology
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 10.0  # --timeout given to the ranks in failure tests
@@ -86,7 +86,7 @@ def run_launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[i
 
 
 def single_node(nproc: int, *args: str, timeout: float = 90) -> tuple[int, str, float]:
-    env = clean_env(MODULE="flexgen_dist.dist.check", PYTHON=sys.executable)
+    env = clean_env(MODULE="flexgen_dist.distributed.check", PYTHON=sys.executable)
     cmd = [str(REPO / "launch" / "single_node.sh"), str(nproc), *args]
     return run_launcher(cmd, env, timeout)
 
@@ -123,7 +123,7 @@ def spawn_ranks(world: int, tmp_path: Path, *args: str) -> list[subprocess.Popen
         env = clean_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "flexgen_dist.dist.check", *args], cwd=REPO, env=env,
+            [sys.executable, "-m", "flexgen_dist.distributed.check", *args], cwd=REPO, env=env,
             stdout=open(tmp_path / f"rank{r}.out", "w"), stderr=open(tmp_path / f"rank{r}.err", "w"),
             start_new_session=True))
     return procs

@@ -9,7 +9,8 @@ import torch
 
 from conftest import PROMPTS, read_jsonl, write_jsonl
 from flexgen_dist.engine.budget import predict_peaks
-from flexgen_dist.engine.generate import generate, make_blocks, pad_token
+from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig
 from flexgen_dist.engine.stage import StageEngine
@@ -75,10 +76,10 @@ def _step_logits(lm, pct, disk, compress: bool, steps: int,
     """Logits of each step of one block of 2 GPU batches; inputs forced to ``forced`` if given."""
     eng = _engine(lm, pct, disk, compress)
     pol = eng.policy
-    blk = make_blocks(PROMPTS[:6], pol, steps)[0]
-    st = eng.new_block(blk.meta)
+    blk = plan_blocks([len(p) for p in PROMPTS[:6]], pol.block_size)[0]
+    st = eng.new_block(blk.meta(pol.gpu_batch_size, steps))
     pad = pad_token(lm.spec.pad_token_id, lm.spec.eos_token_ids)
-    inputs = [blk.padded(k, pad) for k in range(len(blk.prompt_ids))]
+    inputs = list(left_pad(PROMPTS[:len(blk.lens)], blk.prompt_len, pad).split(pol.gpu_batch_size))
     out = []
     for i in range(steps):
         logits = torch.cat(eng.run_token(st, i, inputs))

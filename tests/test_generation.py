@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import MODEL_KINDS, PROMPTS, read_jsonl, reference_generate
-from flexgen_dist.engine.generate import generate, make_blocks, pad_token
+from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig
 from flexgen_dist.engine.stage import StageEngine
@@ -37,10 +38,10 @@ def test_first_step_logits_match(kind: str, tiny_models) -> None:
     pol = Policy(gpu_batch_size=len(PROMPTS))
     eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
                       policy=pol, device=torch.device("cpu"), dtype=torch.float32)
-    blk = make_blocks(PROMPTS, pol, 1)[0]
-    st = eng.new_block(blk.meta)
+    blk = plan_blocks([len(p) for p in PROMPTS], pol.block_size)[0]
+    st = eng.new_block(blk.meta(pol.gpu_batch_size, 1))
     pad = pad_token(lm.spec.pad_token_id, lm.spec.eos_token_ids)
-    ids = blk.padded(0, pad)
+    ids = left_pad(PROMPTS, blk.prompt_len, pad)
     logits = eng.run_token(st, 0, [ids])[0]
     s = ids.shape[1]
     mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in PROMPTS])[:, None]).long()

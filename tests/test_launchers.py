@@ -1,6 +1,6 @@
 """The launch kit for real: two "hosts" in network namespaces, mpirun, a one-node Slurm.
 
-Each runs the communication self-check (MODULE=flexgen_dist.dist.check) through the same
+Each runs the communication self-check (MODULE=flexgen_dist.distributed.check) through the same
 scripts that launch `python -m flexgen_dist.run`. Prerequisites missing -> skip, with why.
 """
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.multinode
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MODULE="flexgen_dist.dist.check",
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MODULE="flexgen_dist.distributed.check",
                PYTHON=sys.executable, **extra)
     return env
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from flexgen_dist.dist.partition import partition_layers
-from flexgen_dist.dist.topology import (
+from flexgen_dist.distributed.partition import partition_layers
+from flexgen_dist.distributed.topology import (
     DistContext,
     Topology,
     detect_topology,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..engine.generate import generate
+from ..distributed.pipeline import generate
 from ..engine.policy import Policy
 from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine
@@ -231,7 +231,7 @@ def default_model(dtype: torch.dtype) -> str:
     return next(n for numel, n in shapes if numel * dtype.itemsize >= 10**9)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="registry OPT shape (default: the smallest with >= 1 GB of weights in --dtype)")
@@ -247,8 +247,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workdir", default=None, help="where checkpoints and offload files go")
     ap.add_argument("--skip-ablations", action="store_true")
     ap.add_argument("--json", default="bench_results/offload.json")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
     work.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)

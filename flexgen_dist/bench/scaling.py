@@ -42,7 +42,7 @@ def stage_weight_bytes(model: str, num_stages: int, dtype_bytes: int = 4) -> lis
 
     import torch
 
-    from ..dist.partition import partition_layers
+    from ..distributed.partition import partition_layers
     from ..models.loader import DummySource
     from ..models.registry import get_spec
 

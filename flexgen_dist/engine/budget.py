@@ -88,3 +88,8 @@ def _compressed(nbytes: int, policy: Policy, dtype_bytes: int) -> int:
     """Packed codes plus a min and a scale (original dtype) per group."""
     numel = nbytes // dtype_bytes
     return numel * policy.comp_bits // 8 + 2 * (numel // policy.comp_group_size + 1) * dtype_bytes
+
+
+def needs_disk(policies: list[Policy]) -> bool:
+    """Whether any of ``policies`` puts weights, cache or activations on the disk tier."""
+    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in ("w", "cache", "act"))

@@ -1,6 +1,6 @@
 """Where bytes live and how they move: tiers and budgets, the disk tier, quantization.
 
-Knows nothing about transformers: never imports flexgen_dist.models, .engine or .dist.
+Knows nothing about transformers: never imports flexgen_dist.models, .engine or .distributed.
 """
 from flexgen_dist.memory.disk import DiskStore, DiskStoreError, DiskTensor, aligned_empty
 from flexgen_dist.memory.quant import (QTensor, dequantize, empty_qtensor, qtensor_layout,

@@ -1,6 +1,6 @@
 """Choosing a policy per stage: hardware specs, the cost model, and the LP search.
 
-See docs/planner.md. Imports only models/, engine/policy and memory/ (never dist/ or the stage).
+See docs/planner.md. Imports only models/, engine/policy and memory/ (never distributed/ or the stage).
 """
 from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
                                              estimate_stage)

@@ -1,7 +1,7 @@
 """Self-check of the distributed foundation: pass a tensor around the ring of ranks.
 
-    torchrun --standalone --nproc-per-node 3 -m flexgen_dist.dist.check --rounds 5
-    MODULE=flexgen_dist.dist.check launch/single_node.sh 3 --rounds 5
+    torchrun --standalone --nproc-per-node 3 -m flexgen_dist.distributed.check --rounds 5
+    MODULE=flexgen_dist.distributed.check launch/single_node.sh 3 --rounds 5
 
 Rank 0 sends a tensor to rank 1, each rank adds 1 and forwards it, the last rank sends it back
 to rank 0, which checks the sum; R rounds with isend/irecv. Prints on rank 0
@@ -21,14 +21,14 @@ import time
 
 import torch
 
-from flexgen_dist.dist.comm import FailureMonitor, StageComm
-from flexgen_dist.dist.topology import DistContext, detect_topology, print0, setup_rank_logging
+from flexgen_dist.distributed.comm import FailureMonitor, StageComm
+from flexgen_dist.distributed.topology import DistContext, detect_topology, print0, setup_rank_logging
 
 log = logging.getLogger("flexgen_dist.check")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flexgen_dist.dist.check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m flexgen_dist.distributed.check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=1 << 18, help="float32 elements per message")
     p.add_argument("--rounds", type=int, default=5)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexgen_dist.dist.topology import LOGGER_NAME, DistContext
+from flexgen_dist.distributed.topology import LOGGER_NAME, DistContext
 
 log = logging.getLogger(LOGGER_NAME + ".comm")
 

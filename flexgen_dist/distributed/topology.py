@@ -6,7 +6,7 @@ rest of the package receives the `DistContext` as an argument: nothing here is g
 the logging configuration that `setup_rank_logging` installs.
 
 Run as a module to expand a Slurm host list without `scontrol` (used by slurm/run.sbatch):
-    python -m flexgen_dist.dist.topology --first "node[01-03,07],other"   ->  node01
+    python -m flexgen_dist.distributed.topology --first "node[01-03,07],other"   ->  node01
 """
 
 from __future__ import annotations
@@ -200,6 +200,12 @@ def _in_slurm_batch_shell(env: Mapping[str, str]) -> bool:
     return "SLURM_JOB_ID" in env and "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env
 
 
+def cuda_device_for(local_rank: int) -> torch.device:
+    """The one rule for a rank's accelerator: the node-local rank, modulo the visible devices
+    (more ranks than GPUs on a node share them round-robin)."""
+    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+
 class DistContext:
     """One per process: topology, compute device, backend, timeout and the process group.
 
@@ -227,8 +233,7 @@ class DistContext:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if device_kind == "cuda":
-            # One accelerator per process, chosen by the node-local rank.
-            device = torch.device("cuda", topology.local_rank)
+            device = cuda_device_for(topology.local_rank)
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")

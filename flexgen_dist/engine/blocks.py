@@ -1,0 +1,55 @@
+"""Blocks of prompts: how the input is cut, padded and trimmed, the same on every stage.
+
+A block is ``num_gpu_batches`` GPU batches of ``gpu_batch_size`` prompts, in input order; it
+shares each loaded layer across its batches (the zig-zag schedule). Every stage of a
+pipeline plans the same blocks from the prompt lengths alone, so only lengths travel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .stage import BlockMeta
+
+
+@dataclass
+class BlockPlan:
+    """One block as every rank sees it: its index, first prompt, and prompt lengths."""
+
+    index: int
+    first: int  # index of the block's first prompt in the input order
+    lens: list[int]
+    prompt_len: int  # s: the longest prompt of the block; the others are left-padded to it
+
+    def meta(self, gbs: int, gen_len: int) -> BlockMeta:
+        return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len)
+
+
+def plan_blocks(lens: list[int], block_size: int) -> list[BlockPlan]:
+    """Cut prompts (given by their lengths), in input order, into blocks of ``block_size``."""
+    out = []
+    for bi, a in enumerate(range(0, len(lens), block_size)):
+        chunk = lens[a:a + block_size]
+        out.append(BlockPlan(bi, a, chunk, max(chunk)))
+    return out
+
+
+def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
+    """(len(prompts), length) token ids, each prompt right-aligned after padding."""
+    return torch.tensor([[pad_id] * (length - len(p)) + p for p in prompts], dtype=torch.long)
+
+
+def pad_token(spec_pad: int | None, eos: tuple[int, ...]) -> int:
+    if spec_pad is not None:
+        return spec_pad
+    return eos[0] if eos else 0
+
+
+def trim(seq: list[int], eos: tuple[int, ...], ignore_eos: bool) -> list[int]:
+    """Generated ids up to and including the first EOS."""
+    if not ignore_eos:
+        for n, t in enumerate(seq):
+            if t in eos:
+                return seq[: n + 1]
+    return seq

@@ -1,0 +1,76 @@
+"""What a run measured: the loop's timings, one record per stage, the merged report.
+
+The same keys for one process and for m ranks (world size 1 is a one-stage pipeline):
+throughputs are prompt tokens / prefill time, tokens after each sequence's first / decode
+time, and generated tokens / (prefill + decode time).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class Timings:
+    """Stage 0's clock over one generate call (the other stages only count token steps)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_tokens: int = 0  # generated tokens after the first of each sequence
+    token_steps: int = 0  # (token, block) items this stage computed (fewer than all after EOS)
+
+    def metrics(self) -> dict[str, float]:
+        tot = self.prefill_s + self.decode_s
+        return {
+            "prefill_time_s": self.prefill_s, "decode_time_s": self.decode_s,
+            "prefill_throughput": self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0,
+            "decode_throughput": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
+            "total_throughput": self.generated_tokens / tot if tot else 0.0,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+        }
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+STAGE_TIME_KEYS = ("stage", "layers", "compute_s", "io_wait_s", "comm_wait_s", "token_steps")
+
+
+def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, Any]],
+                  predicted: dict[str, Any]) -> dict[str, Any]:
+    """The report of one generate call: ``run`` (model, device, dtype, workload) and stage 0's
+    ``timings``, with every stage's record (policy, peaks, times) in stage order."""
+    disks = [s["direct_io"] for s in stages if s.get("direct_io") is not None]
+    return {
+        **run, "world_size": len(stages),
+        **timings.metrics(),
+        "policy": [s["policy"] for s in stages], "peak_bytes": [s["peak_bytes"] for s in stages],
+        "stage_times": [{k: s[k] for k in STAGE_TIME_KEYS} for s in stages],
+        "predicted": {**predicted, "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},
+        "direct_io": all(disks) if disks else None,  # None: no stage used the disk tier
+    }
+
+
+def summary(metrics: dict[str, Any]) -> str:
+    """One or two lines: measured throughputs, and the planner's where it made a plan."""
+    line = (f"prefill {metrics['prefill_throughput']:.1f} tok/s | decode {metrics['decode_throughput']:.1f} "
+            f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({metrics['num_prompts']} prompts, "
+            f"gen-len {metrics['gen_len']}, {metrics['prefill_time_s'] + metrics['decode_time_s']:.2f} s)")
+    pred = metrics.get("predicted", {})
+    if "total_throughput" in pred:
+        line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "
+                 f"{pred['decode_throughput']:.1f} | total {pred['total_throughput']:.1f} tok/s")
+    return line
+
+
+def progress_bar(total_steps: int, enabled: bool) -> Any:
+    """A tqdm bar on stderr counting token steps, or None."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_steps, desc="generating", unit="step", file=sys.stderr,
+                mininterval=1.0, leave=False, dynamic_ncols=True)
