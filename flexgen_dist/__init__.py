@@ -8,9 +8,9 @@
 
 See ``flexgen_dist.api`` for the options and the SPMD rule under torchrun, mpirun and Slurm.
 """
-from .api import LLM, Completion
+from .api import LLM, Completion, Score
 from .config import ConfigError, RunConfig
 from .engine.policy import Policy
 from .engine.sampling import SamplingConfig
 
-__all__ = ["LLM", "Completion", "ConfigError", "Policy", "RunConfig", "SamplingConfig"]
+__all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig"]

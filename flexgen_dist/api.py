@@ -59,6 +59,33 @@ class Completion:
     prompt: str | None = None  # the prompt's text, when it was given as text
 
 
+@dataclass
+class Score:
+    """Teacher-forced score of one sequence: each scored token's -log p given what precedes it."""
+
+    index: int  # position of the sequence in the score call's input
+    nll: float  # sum over the scored tokens of -log p(token | prefix), natural log
+    count: int  # tokens scored
+    correct: int  # scored tokens that were the model's top-1 prediction
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.count if self.count else 0.0
+
+
+def score_targets(seqs: list[list[int]], first_scored: Sequence[int] | None) -> list[list[int]]:
+    """Per sequence, the id that follows each position (-1 where that token is not scored)."""
+    if first_scored is not None and len(first_scored) != len(seqs):
+        raise ConfigError(f"first_scored has {len(first_scored)} entries for {len(seqs)} sequences")
+    out = []
+    for n, ids in enumerate(seqs):
+        f = 1 if first_scored is None else int(first_scored[n])
+        if not 1 <= f <= len(ids):
+            raise ConfigError(f"sequence {n}: first_scored {f} must be in [1, {len(ids)}] (token 0 has no prefix)")
+        out.append([t if j + 1 >= f else -1 for j, t in enumerate(ids[1:])] + [-1])
+    return out
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,18 +182,39 @@ class LLM:
                sampling: SamplingConfig | None = None) -> Iterator[list[Completion]]:
         """Like ``generate``, yielding each block's completions as soon as the block finishes.
         Exhaust it (a stream abandoned midway on several ranks fails the other ranks)."""
-        if self._closed:
-            raise RuntimeError("this LLM is closed: build a new one")
+        self._check_open()
         with self._guard():
             work = self._start(prompts, gen_len, sampling)
-            yield from self._run(work)
+            for first, outs in self._run(work):
+                yield [self._completion(first + n, work["prompts"][first + n], toks) for n, toks in enumerate(outs)]
+
+    def score(self, sequences: Sequence[PromptLike] | None = None,
+              first_scored: Sequence[int] | None = None) -> list[Score]:
+        """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order:
+        one prefill per sequence, the head on every position. Token j of sequence n counts
+        from ``first_scored[n]`` on (default 1: every token that has a prefix). On ranks
+        other than 0 the arguments are ignored and the result is empty."""
+        self._check_open()
+        with self._guard():
+            work = self._start(sequences, 1, None, scoring=True, first_scored=first_scored)
+            out: list[Score] = []
+            for first, rows in self._run(work):
+                out += [Score(first + n, float(r[0]), int(r[1]), int(r[2])) for n, r in enumerate(rows)]
+            return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM is closed: build a new one")
 
     def _start(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
-               sampling: SamplingConfig | None) -> dict[str, Any]:
+               sampling: SamplingConfig | None, *, scoring: bool = False,
+               first_scored: Sequence[int] | None = None) -> dict[str, Any]:
         """Rank 0 checks the workload, plans the stages on the first call, and tells the
         others; every rank then builds (or re-checks) its engine."""
         if self.is_driver:
-            work = self._workload(prompts, gen_len, sampling)
+            work = self._workload(prompts, gen_len, sampling, scoring)
+            if scoring:
+                work["targets"] = score_targets([p.ids for p in work["prompts"]], first_scored)
             if self._plan is None:
                 work["plan"] = self._make_plan(work)
             header = {k: v for k, v in work.items() if k != "prompts"}
@@ -180,10 +228,11 @@ class LLM:
         return work
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
-                  sampling: SamplingConfig | None) -> dict[str, Any]:
+                  sampling: SamplingConfig | None, scoring: bool = False) -> dict[str, Any]:
         cfg, spec = self.config, self.model.spec
+        what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
         if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-            raise ConfigError("generate() takes a non-empty list of prompts (strings or token-id lists)")
+            raise ConfigError(f"{what} (strings or token-id lists)")
         gen_len = cfg.gen_len if gen_len is None else int(gen_len)
         if gen_len < 1:
             raise ConfigError(f"gen_len {gen_len}: must be >= 1")
@@ -192,7 +241,8 @@ class LLM:
                             make_prompt(n, p if isinstance(p, str) else None,
                                         None if isinstance(p, str) else list(p), self.tokenizer, spec.vocab_size)
                             for n, p in enumerate(prompts)]
-        check_prompt_lengths(ps, gen_len, spec.max_positions)
+        # a scored sequence generates nothing: it may fill every position
+        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
         return {"prompts": ps, "lens": [len(p.ids) for p in ps], "gen_len": gen_len,
                 "sampling": dataclasses.asdict(sampling)}
 
@@ -266,21 +316,21 @@ class LLM:
                   f"{' '.join(f'{x:g}' for x in p.percent())} cpu_attention={p.cpu_attention} "
                   f"overlap={p.overlap}", file=sys.stderr)
 
-    def _run(self, work: dict[str, Any]) -> Iterator[list[Completion]]:
-        """The one loop over this call's blocks; rank 0 turns token lists into completions."""
+    def _run(self, work: dict[str, Any]) -> Iterator[tuple[int, list[Any]]]:
+        """The one loop over this call's blocks: rank 0 gets (first index, per-sequence results)
+        of each block; at the end every rank records its stage and rank 0 merges them."""
         engine, plan = self.engine, self._plan
         assert engine is not None and plan is not None
         gen_len, sampling = work["gen_len"], SamplingConfig(**work["sampling"])
         blocks = plan_blocks(work["lens"], engine.policy.block_size)
-        pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx)
+        pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx,
+                        targets=work.get("targets"))
         times0 = engine.times.as_dict()
         prompts: list[Prompt] | None = work.get("prompts")
         bar = progress_bar(len(blocks) * gen_len, self.config.progress and self.is_driver)
         try:
-            for first, outs in pipe.run([p.ids for p in prompts] if prompts else None,
-                                        bar.update if bar is not None else None):
-                yield [self._completion(first + n, prompts[first + n], toks)  # type: ignore[index]
-                       for n, toks in enumerate(outs)]
+            yield from pipe.run([p.ids for p in prompts] if prompts else None,
+                                bar.update if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -307,7 +357,7 @@ class LLM:
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""
-        return summary(self.metrics) if self.metrics else "no generate call has finished yet"
+        return summary(self.metrics) if self.metrics else "no call has finished yet"
 
     # --- failures and cleanup -----------------------------------------------------------
     @contextmanager
@@ -349,7 +399,9 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        # One process only: on several ranks close() waits for the peers, which a garbage
+        # collector must not do (call close(), or use a with block).
+        if not getattr(self, "_closed", True) and self.world_size == 1:
             try:
                 self.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown

@@ -14,14 +14,9 @@ from typing import Any
 
 from .api import LLM
 from .config import ConfigError, RunConfig, parse_config
-from .memory.disk import DiskStoreError
-from .memory.tiers import MemoryBudgetError
+from .errors import USER_ERRORS
 from .metrics import summary
-from .models.loader import ModelLoadError
 from .prompts import OutputWriter, read_prompts
-
-USER_ERRORS = (ConfigError, ModelLoadError, DiskStoreError, MemoryBudgetError, ValueError,
-               FileNotFoundError, PermissionError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,10 @@ while a group's token travels round the ring, so every stage stays busy after th
 prefill. Stage 0 keeps every token id it receives, so it yields outputs in prompt order
 without a separate gather. Receives are posted one item ahead so they overlap compute.
 
+Scoring (``targets`` given, gen_len 1): the last stage returns per sequence the summed
+negative log-likelihood of the targets, the positions scored and the top-1 hits, (b, 3)
+float64, in place of sampled ids; that is what stage 0 receives and yields.
+
 With one stage (the single process) the same loop runs with no communicator: stage 0 is
 also the last, samples itself, and keeps the sampled ids on the compute device (no wire
 copies, no per-step host sync beyond the EOS check).
@@ -40,9 +44,13 @@ class Pipeline:
     (token, group) items over the blocks of one generate call."""
 
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
-                 sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None) -> None:
+                 sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
+                 targets: list[list[int]] | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         self.gen_len, self.sampling = gen_len, sampling
+        self.targets = targets  # scoring: per prompt, the next id at each position (-1: not scored)
+        if targets is not None and gen_len != 1:
+            raise ValueError("scoring runs the prefill only: gen_len must be 1")
         self.ctx = ctx if ctx is not None and ctx.world_size > 1 else None
         if self.ctx is None:
             self.comm: StageComm | None = None
@@ -87,10 +95,10 @@ class Pipeline:
               progress: Progress | None) -> Iterator[tuple[int, list[list[int]]]]:
         """G blocks in flight: every (token, group) item in order, skipping ended groups."""
         gen_len = self.gen_len
-        states = [self.engine.new_block(b.meta(self.gbs, gen_len), tag=f"-blk{b.index}") for b in wave]
+        states = [self.engine.new_block(self._meta(b), tag=f"-blk{b.index}") for b in wave]
         tokens: list[list[torch.Tensor]] = [[] for _ in wave]  # stage 0 and last: per group
         trackers = gens = None
-        if self.last:
+        if self.last and self.targets is None:
             spec, dev = self.engine.spec, self.engine.device
             trackers = [[EosTracker(len(lens), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev)
                          for lens in st.meta.prompt_lens] for st in states]
@@ -134,12 +142,25 @@ class Pipeline:
         if self.first:
             yield from self._finish_wave(wave, tokens, t_wave)
 
+    def _meta(self, blk: BlockPlan) -> Any:
+        # scoring generates nothing: the cache holds the prompt's positions only
+        meta = blk.meta(self.gbs, self.gen_len if self.targets is None else 0)
+        if self.targets is not None and self.last:
+            mine = self.targets[blk.first:blk.first + len(blk.lens)]
+            meta.targets = list(left_pad(mine, blk.prompt_len, -1).split(self.gbs))
+        return meta
+
     def _last_tokens(self, wave: list[BlockPlan], tokens: list[list[torch.Tensor]], done: list[bool]) -> None:
-        """Stage 0 of several: receive the last token of each group still running."""
+        """Stage 0 of several: receive the last token (or the scores) of each group still running."""
         for t, blk in enumerate(wave):
-            if not done[t]:
-                buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.wire)
-                tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank))[:-1].cpu())  # type: ignore[union-attr]
+            if done[t]:
+                continue
+            if self.targets is not None:
+                buf = torch.empty((len(blk.lens), 3), dtype=torch.float64, device=self.wire)
+                tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank)).cpu())  # type: ignore[union-attr]
+                continue
+            buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.wire)
+            tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank))[:-1].cpu())  # type: ignore[union-attr]
 
     def _finish_wave(self, wave: list[BlockPlan], tokens: list[list[torch.Tensor]],
                      t_wave: float) -> Iterator[tuple[int, list[list[int]]]]:
@@ -150,6 +171,10 @@ class Pipeline:
         pd = (self._prefill_done or t_end) - t_wave
         tm.prefill_s += pd
         tm.decode_s += t_end - t_wave - pd
+        if self.targets is not None:  # one (b, 3) score row per sequence
+            for t, blk in enumerate(wave):
+                yield blk.first, tokens[t][0].tolist()
+            return
         outs_of = []
         for t in range(len(wave)):
             seqs = torch.stack(tokens[t], 1).tolist()
@@ -170,6 +195,13 @@ class Pipeline:
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._send(self._go, self.next)  # type: ignore[arg-type]
             self._send(y, self.next)  # type: ignore[arg-type]
+            return
+        if self.targets is not None:
+            scores = torch.cat(outs)
+            if self.first:
+                tokens[t].append(scores)
+            else:
+                self._send(scores.to(self.wire), 0)
             return
         parts = [trk.update(sample(lg.float(), self.sampling, gens[t])) for trk, lg in zip(trackers[t], outs)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)

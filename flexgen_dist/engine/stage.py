@@ -34,6 +34,10 @@ class BlockMeta:
     prompt_lens: list[list[int]]  # per GPU batch, the true length of each (left-padded) prompt
     prompt_len: int  # s: padded prompt length of the block
     gen_len: int  # n
+    # Scoring mode (prefill only): per GPU batch, (b, s) ids of the next token at each position,
+    # -1 where a position is not scored. The head then returns per sequence (b, 3) float64
+    # [sum of -log p(target), positions scored, top-1 hits] instead of last-position logits.
+    targets: list[torch.Tensor] | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -74,7 +78,9 @@ class StageEngine:
         self.tracker = tracker or MemoryTracker()
         self.disk = disk
         self.times = StageTimes()
-        self.weights = WeightStore(self.slots, source.get, policy.fractions("w"), device, dtype,
+        # compressed: a checkpoint's own quantized blocks (GGUF Q4/Q8) are kept, not re-quantized
+        read = source.get_packed if policy.compress_weight else source.get
+        self.weights = WeightStore(self.slots, read, policy.fractions("w"), device, dtype,
                                    self.tracker, disk, compress=policy.compress_weight,
                                    group_size=policy.comp_group_size, bits=policy.comp_bits)
         # Every weight is placed now: release the checkpoint's handles, so memory maps that no
@@ -242,7 +248,8 @@ class StageEngine:
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head":
-            y = self.family.head(spec, w, x[:, -1])
+            y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
+                self._score(w, x, st.meta.targets[k])
             st.outputs[k] = y
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0))
@@ -251,6 +258,31 @@ class StageEngine:
         st.acts.put(k, y)
         if k == num_gb - 1:  # every GPU batch has used this slot's weights
             self.weights.release(slot, self._wbuf.pop(j))
+
+    def _score(self, w: dict[str, torch.Tensor], x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
+
+        The head runs on the scored positions only, in chunks of ~64 MB of float32 logits,
+        so a window of s positions never holds (b, s, vocab) logits at once."""
+        b, s, h = x.shape
+        flat_x, flat_t = x.reshape(b * s, h), targets.reshape(-1).to(self.device)
+        rows = torch.arange(b, device=self.device).repeat_interleave(s)
+        out = torch.zeros((b, 3), dtype=torch.float64, device=self.device)
+        step = max(1, (64 << 20) // (4 * self.spec.vocab_size))
+        for a in range(0, b * s, step):
+            t = flat_t[a:a + step]
+            keep = t >= 0
+            lg = self.family.head(self.spec, w, flat_x[a:a + step][keep]).float()
+            if lg.shape[0] == 0:
+                continue
+            tk = t[keep]
+            nll = torch.logsumexp(lg, -1) - lg.gather(-1, tk[:, None]).squeeze(-1)
+            hit = lg.max(-1).indices == tk
+            r = rows[a:a + step][keep]
+            out[:, 0].index_add_(0, r, nll.double())
+            out[:, 1].index_add_(0, r, torch.ones_like(nll, dtype=torch.float64))
+            out[:, 2].index_add_(0, r, hit.double())
+        return out
 
     def _step_inputs(self, st: BlockState, i: int, k: int) -> tuple[Positions, torch.Tensor, int]:
         """Positions, attention mask rows and cache offset of (token i, batch k), shared by all layers."""

@@ -16,6 +16,7 @@ import torch
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, quantize
+from ..models.loader import PackedWeight
 
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
 TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it
@@ -63,7 +64,7 @@ class WeightStore:
             ws = read(*slot)
             tied = self._tied_head(slot, ws)
             names = [n for n in ws if tied is None or n != TIED]
-            tiers = choose_tiers([ws[n].numel() * ws[n].element_size() for n in names], fractions)
+            tiers = choose_tiers([_nbytes(ws[n]) for n in names], fractions)
             self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
             if tied is not None:
                 self.placed[slot][TIED] = tied
@@ -82,9 +83,15 @@ class WeightStore:
         embed = self.placed.get(("embed", None), {})
         return embed.get(TIED) if slot == ("head", None) and TIED in ws else None
 
-    def _put(self, slot: Slot, name: str, w: torch.Tensor, tier: Tier) -> Placed:
+    def _put(self, slot: Slot, name: str, w: torch.Tensor | PackedWeight, tier: Tier) -> Placed:
         shape = tuple(w.shape)
-        if self.compress and w.dim() == 2:
+        if isinstance(w, PackedWeight):
+            # the checkpoint's own groups (GGUF blocks along the input dim), adopted as they are
+            w = QTensor(data=w.codes, mins=w.mins, scales=w.scales, shape=torch.Size(w.shape),  # type: ignore[assignment]
+                        dtype=self.dtype, dim=1, group_size=w.group_size, bits=w.bits)
+            if tier == Tier.DISK:
+                tier = Tier.CPU
+        elif self.compress and w.dim() == 2:
             # grouped along the output-channel dimension (dim 0 of a (out, in) matrix)
             w = quantize(w, bits=self.bits, group_size=self.group_size, dim=0)  # type: ignore[assignment]
             if tier == Tier.DISK:
@@ -173,3 +180,7 @@ class WeightStore:
                 continue  # a reused read buffer, counted once when it was made
             if isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device:
                 self.tracker.sub(Tier.GPU, loaded[name].nbytes)
+
+
+def _nbytes(w: torch.Tensor | PackedWeight) -> int:
+    return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()

@@ -10,6 +10,7 @@ import abc
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from .common import family_module
 from .registry import get_spec
 from .spec import ModelSpec
 
+log = logging.getLogger("flexgen_dist")
 DEFAULT_MODEL = "smollm2-135m-instruct (bundled GGUF)"
 _SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -107,6 +109,32 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
 
 # --------------------------------------------------------------------------------------
 # weight sources
+@dataclass
+class PackedWeight:
+    """A 2-D weight kept in its file's own group-wise quantization, unexpanded.
+
+    Groups of ``group_size`` consecutive elements along dim 1 (the input dim); element e of a
+    row is ``codes(e) * scales[g] + mins[g]`` with g = e // group_size. ``codes`` packs
+    ``8 // bits`` codes per byte, low bits first: the layout of the engine's compressed
+    tensors (``memory.quant.QTensor`` with dim 1), so the engine adopts it without a copy.
+    """
+
+    codes: torch.Tensor  # uint8, (rows, cols * bits / 8)
+    mins: torch.Tensor  # (rows, cols / group_size), the source's dtype
+    scales: torch.Tensor
+    shape: tuple[int, int]
+    bits: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.nbytes + self.mins.nbytes + self.scales.nbytes)
+
+    def rows(self, fn: Any) -> PackedWeight:
+        """The same weight with ``fn`` applied to the rows of every part (a row permutation)."""
+        return PackedWeight(fn(self.codes), fn(self.mins), fn(self.scales), self.shape, self.bits, self.group_size)
+
+
 class WeightSource(abc.ABC):
     """Hands out the weights of one part as CPU tensors of ``dtype``; a subclass reads them."""
 
@@ -125,6 +153,11 @@ class WeightSource(abc.ABC):
                 raise ModelLoadError(f"{self.spec.name}: tensor {k} of {part} {layer} has shape "
                                      f"{tuple(out[k].shape)}, expected {shape}: corrupt checkpoint?")
         return {k: v.to(self.dtype).contiguous() for k, v in out.items()}
+
+    def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
+        """Like ``get``, but a weight the file stores group-wise quantized in a form the engine
+        keeps (GGUF Q4_0, Q4_1, Q8_0) comes as a ``PackedWeight``, never expanded."""
+        return dict(self.get(part, layer))
 
     @abc.abstractmethod
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
@@ -185,6 +218,7 @@ class GGUFSource(WeightSource):
         super().__init__(spec, dtype)
         self.reader, self.path = reader, path
         self.tensors = {t.name: t for t in reader.tensors}
+        self._said: set[str] = set()  # tensor types already reported as not native
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         from gguf import dequantize
@@ -199,6 +233,58 @@ class GGUFSource(WeightSource):
             w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
             out[k] = unpermute_gguf(k, w, self.spec)
         return out
+
+    def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
+        from .llama import gguf_names, unpermute_gguf
+
+        out: dict[str, torch.Tensor | PackedWeight] = {}
+        dense = self.get(part, layer)
+        for k, name in gguf_names(self.spec, part, layer).items():
+            t = self.tensors[name]
+            kind = t.tensor_type.name
+            if kind in GGUF_NATIVE and len(t.data.shape) == 2:
+                pw = gguf_packed(t.data, kind, self.shapes(part)[k], self.dtype)
+                out[k] = pw.rows(lambda x, k=k: unpermute_gguf(k, x, self.spec))
+            else:
+                if len(dense[k].shape) == 2 and kind not in self._said:
+                    self._said.add(kind)
+                    log.info("%s: GGUF %s tensors have no native compressed form here; they are "
+                             "re-quantized group-wise from their dequantized values", self.path.name, kind)
+                out[k] = dense[k]
+        return out
+
+
+GGUF_NATIVE = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def gguf_packed(data: Any, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> PackedWeight:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 matrix (rows of 32-element blocks) as a ``PackedWeight``.
+
+    Q4_1 blocks are ``d, m`` (float16) and 16 bytes of codes, ``w = d * q + m``; Q4_0 blocks
+    ``d`` and 16 bytes, ``w = d * (q - 8)``, i.e. min ``-8 d``; Q8_0 blocks ``d`` and 32 int8,
+    ``w = d * q``, i.e. codes ``q + 128`` and min ``-128 d``. A 4-bit block holds element j in
+    the low nibble of byte j and element j + 16 in its high nibble; the engine packs
+    neighbours, so the nibbles are reordered (no value changes)."""
+    import numpy as np
+
+    rows, cols = int(shape[0]), int(shape[1])
+    nb = cols // 32
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blk = np.ascontiguousarray(data).reshape(rows, nb, size)
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        q = blk[..., 2:34].copy().view(np.int8).astype(np.int16) + 128
+        codes = torch.from_numpy(q.astype(np.uint8).reshape(rows, nb * 32))
+        m, bits = -128.0 * d, 8
+    else:
+        if kind == "Q4_1":
+            m, qs = blk[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blk[..., 4:20]
+        else:
+            m, qs = -8.0 * d, blk[..., 2:18]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (rows, nb, 32) in element order
+        codes = torch.from_numpy((q[..., 0::2] | (q[..., 1::2] << 4)).reshape(rows, nb * 16).astype(np.uint8))
+        bits = 4
+    return PackedWeight(codes, torch.from_numpy(m).to(dtype), torch.from_numpy(d).to(dtype), (rows, cols), bits, 32)
 
 
 class DummySource(WeightSource):
