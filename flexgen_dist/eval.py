@@ -26,7 +26,8 @@ from typing import Any
 
 from .api import LLM, Score
 from .config import ConfigError, RunConfig, parse_config
-from .errors import USER_ERRORS
+from .prompts import jsonl_records
+from .errors import exit_code_of
 
 BUNDLED_TEXT = Path(__file__).with_name("data") / "english.txt"
 
@@ -55,15 +56,8 @@ def read_ids(path: str | None, tokenizer: Any | None) -> tuple[list[int], str]:
         raise ConfigError(f"--text {p}: cannot be read as UTF-8 text ({e})") from None
     if p.suffix == ".jsonl":
         ids: list[int] = []
-        for n, line in enumerate(raw.splitlines()):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p}:{n + 1}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("input_ids"), list) \
-                    or not all(isinstance(t, int) for t in rec["input_ids"]):
+        for n, rec in jsonl_records(p, raw):
+            if not isinstance(rec.get("input_ids"), list) or not all(isinstance(t, int) for t in rec["input_ids"]):
                 raise ConfigError(f"{p}:{n + 1}: each line needs 'input_ids', a list of integers")
             ids += rec["input_ids"]
     else:
@@ -146,15 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        with LLM(config=cfg) as llm:
-            res = evaluate(llm, args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return exit_code_of(lambda: run(args, cfg))
+
+
+def run(args: argparse.Namespace, cfg: RunConfig) -> int:
+    with LLM(config=cfg) as llm:
+        res = evaluate(llm, args)
     if res is not None:
         print(report(res))
         if args.json:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, IO
+from typing import IO, Any, Iterator
 
 import torch
 
@@ -67,6 +67,21 @@ def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int
                               f"exceeds the model's {max_positions} positions: shorten it or lower --gen-len")
 
 
+def jsonl_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(0-based line number, object) of each non-blank line; a line that is not a JSON object
+    is a one-line error naming the file and line."""
+    for n, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n + 1}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise ConfigError(f"{path}:{n + 1}: each line must be a JSON object")
+        yield n, rec
+
+
 def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
     p = Path(path).expanduser()
     if not p.is_file():
@@ -74,14 +89,8 @@ def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
     lines = p.read_text(encoding="utf-8").splitlines()
     if p.suffix == ".jsonl" or p.suffix == ".json":
         out = []
-        for n, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n + 1}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or ("prompt" not in rec and "input_ids" not in rec):
+        for n, rec in jsonl_records(p, "\n".join(lines)):
+            if "prompt" not in rec and "input_ids" not in rec:
                 raise ConfigError(f"{path}:{n + 1}: each line needs a 'prompt' or 'input_ids' field")
             pid = rec.get("id", n)
             if "input_ids" in rec:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .api import LLM
 from .config import ConfigError, RunConfig, parse_config
-from .errors import USER_ERRORS
+from .errors import exit_code_of
 from .metrics import summary
 from .prompts import OutputWriter, read_prompts
 
@@ -26,14 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        return run(cfg)
-    except KeyboardInterrupt:
-        print("error: interrupted; outputs written so far are kept", file=sys.stderr)
-        return 130
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return exit_code_of(lambda: run(cfg))
 
 
 def run(cfg: RunConfig) -> int:
