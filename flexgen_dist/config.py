@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
-                "compress_weight", "compress_cache", "attn_sparsity")
+                "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class RunConfig:
     compress_weight: bool | None = None
     compress_cache: bool | None = None
     attn_sparsity: float | None = None
+    comp_group_size: int | None = None
+    comp_bits: int | None = None
+    gguf_native: bool = True  # GGUF Q4_0/Q4_1/Q8_0 kept in the file's blocks under compress_weight
     offload_dir: str = "~/.cache/flexgen_dist/offload"
     direct_io: str = "auto"
     device: str = "auto"
@@ -200,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compress-weight", action=argparse.BooleanOptionalAction)
     g.add_argument("--compress-cache", action=argparse.BooleanOptionalAction)
     g.add_argument("--attn-sparsity", type=float)
+    g.add_argument("--comp-group-size", type=int, help="elements per quantization group (default 64)")
+    g.add_argument("--comp-bits", type=int, choices=[4, 8], help="bits per compressed value (default 4)")
+    g.add_argument("--no-gguf-native", dest="gguf_native", action="store_false",
+                   help="re-quantize a GGUF file's Q4/Q8 weights from their dequantized values "
+                        "instead of keeping its blocks (for comparisons)")
     g.add_argument("--offload-dir")
     g.add_argument("--direct-io", choices=["auto", "on", "off"])
     g.add_argument("--gpu-mem")

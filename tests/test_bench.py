@@ -157,3 +157,22 @@ def test_hardware_gemm_bw_is_optional(tmp_path: Path) -> None:
     assert HardwareSpec.from_yaml(tmp_path / "hw.yaml") == new
     with pytest.raises(ValueError, match="gemm_bw"):
         replace(old, gemm_bw=-1.0)
+
+
+def test_accuracy_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:
+    import json as _json
+
+    from flexgen_dist.bench import accuracy
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(_json.dumps({"input_ids": list(range(3, 120))}) + "\n")
+    res = accuracy.main(["--model", str(tiny_models["llama-gqa"].path), "--text", str(ids), "--window", "32",
+                         "--json", str(tmp_path / "a.json")])
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert len(rows) == len(accuracy.MODES) and res["rows"][0]["ppl_change"] == 0.0
+    assert all(r["tokens_scored"] == 116 - 3 for r in res["rows"])  # 117 tokens, 4 windows
+    # 8-bit groups lose less than 4-bit groups of 128, and compression shrinks the weights
+    r8, r128 = rows["8-bit weights re-quantized, group 64"], rows["4-bit weights re-quantized, group 128"]
+    assert abs(r8["ppl_change"]) < abs(r128["ppl_change"])
+    assert r128["weight_bytes"] < res["rows"][0]["weight_bytes"]
+    assert _json.loads((tmp_path / "a.json").read_text())["rows"][0]["mode"] == res["rows"][0]["mode"]

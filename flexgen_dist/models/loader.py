@@ -219,6 +219,7 @@ class GGUFSource(WeightSource):
         self.reader, self.path = reader, path
         self.tensors = {t.name: t for t in reader.tensors}
         self._said: set[str] = set()  # tensor types already reported as not native
+        self.native = True  # False: every tensor expanded, as get() (re-quantized by the engine)
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         from gguf import dequantize
@@ -242,7 +243,7 @@ class GGUFSource(WeightSource):
         for k, name in gguf_names(self.spec, part, layer).items():
             t = self.tensors[name]
             kind = t.tensor_type.name
-            if kind in GGUF_NATIVE and len(t.data.shape) == 2:
+            if self.native and kind in GGUF_NATIVE and len(t.data.shape) == 2:
                 pw = gguf_packed(t.data, kind, self.shapes(part)[k], self.dtype)
                 out[k] = pw.rows(lambda x, k=k: unpermute_gguf(k, x, self.spec))
             else:
