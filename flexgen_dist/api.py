@@ -150,8 +150,7 @@ class LLM:
                 self._comm = StageComm(self._ctx)
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
                                                  seed=cfg.seed, load_tokenizer=self.is_driver)
-            if hasattr(self.model.source, "native"):
-                self.model.source.native = cfg.gguf_native
+            self.model.source.keep_packed = cfg.gguf_native
 
     # --- who am I -----------------------------------------------------------------------
     @property

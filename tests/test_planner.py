@@ -15,8 +15,8 @@ from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cli import main as cli_main
-from flexgen_dist.planner.cost_model import (Workload, estimate_pipeline, estimate_stage,
-                                             stage_terms)
+from flexgen_dist.planner.cost_model import Workload, estimate_pipeline, estimate_stage
+from flexgen_dist.planner.terms import stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import profile_hardware
 from flexgen_dist.planner.search import (PlanError, equal_split, plan_pipeline, plan_stage,

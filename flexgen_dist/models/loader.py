@@ -138,6 +138,8 @@ class PackedWeight:
 class WeightSource(abc.ABC):
     """Hands out the weights of one part as CPU tensors of ``dtype``; a subclass reads them."""
 
+    keep_packed = True  # get_packed keeps a file's own quantized blocks (off: expand everything)
+
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         self.spec, self.dtype = spec, dtype
         self.family = family_module(spec)
@@ -147,16 +149,21 @@ class WeightSource(abc.ABC):
 
     def get(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor]:
         """Weights of ``part`` ('embed', 'layer' or 'head'); ``layer`` indexes the model."""
-        out = self._read(part, layer)
-        for k, shape in self.shapes(part).items():
-            if tuple(out[k].shape) != tuple(shape):
+        return self._checked(part, layer, self._read(part, layer))
+
+    def _checked(self, part: str, layer: int | None, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``out`` in this source's dtype, each tensor's shape checked against the spec."""
+        shapes = self.shapes(part)
+        for k, v in out.items():
+            if tuple(v.shape) != tuple(shapes[k]):
                 raise ModelLoadError(f"{self.spec.name}: tensor {k} of {part} {layer} has shape "
-                                     f"{tuple(out[k].shape)}, expected {shape}: corrupt checkpoint?")
+                                     f"{tuple(v.shape)}, expected {shapes[k]}: corrupt checkpoint?")
         return {k: v.to(self.dtype).contiguous() for k, v in out.items()}
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         """Like ``get``, but a weight the file stores group-wise quantized in a form the engine
-        keeps (GGUF Q4_0, Q4_1, Q8_0) comes as a ``PackedWeight``, never expanded."""
+        keeps (GGUF Q4_0, Q4_1, Q8_0) comes as a ``PackedWeight``, never expanded, unless
+        ``keep_packed`` is off (then every weight is expanded, as ``get``)."""
         return dict(self.get(part, layer))
 
     @abc.abstractmethod
@@ -219,40 +226,47 @@ class GGUFSource(WeightSource):
         self.reader, self.path = reader, path
         self.tensors = {t.name: t for t in reader.tensors}
         self._said: set[str] = set()  # tensor types already reported as not native
-        self.native = True  # False: every tensor expanded, as get() (re-quantized by the engine)
+
+    def _tensor(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
+        return t
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        from .llama import gguf_names
+
+        return {k: self._expanded(k, self._tensor(name)) for k, name in gguf_names(self.spec, part, layer).items()}
+
+    def _expanded(self, k: str, t: Any) -> torch.Tensor:
         from gguf import dequantize
 
-        from .llama import gguf_names, unpermute_gguf
+        from .llama import unpermute_gguf
 
-        out = {}
-        for k, name in gguf_names(self.spec, part, layer).items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
-            w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-            out[k] = unpermute_gguf(k, w, self.spec)
-        return out
+        return unpermute_gguf(k, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float(), self.spec)
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         from .llama import gguf_names, unpermute_gguf
 
-        out: dict[str, torch.Tensor | PackedWeight] = {}
-        dense = self.get(part, layer)
+        packed: dict[str, PackedWeight] = {}
+        dense: dict[str, torch.Tensor] = {}
+        shapes = self.shapes(part)
         for k, name in gguf_names(self.spec, part, layer).items():
-            t = self.tensors[name]
+            t = self._tensor(name)
             kind = t.tensor_type.name
-            if self.native and kind in GGUF_NATIVE and len(t.data.shape) == 2:
-                pw = gguf_packed(t.data, kind, self.shapes(part)[k], self.dtype)
-                out[k] = pw.rows(lambda x, k=k: unpermute_gguf(k, x, self.spec))
-            else:
-                if len(dense[k].shape) == 2 and kind not in self._said:
-                    self._said.add(kind)
-                    log.info("%s: GGUF %s tensors have no native compressed form here; they are "
-                             "re-quantized group-wise from their dequantized values", self.path.name, kind)
-                out[k] = dense[k]
-        return out
+            if self.keep_packed and kind in GGUF_NATIVE and len(shapes[k]) == 2:
+                if tuple(t.shape[::-1]) != tuple(shapes[k]):
+                    raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape[::-1])}, "
+                                         f"expected {shapes[k]}: corrupt checkpoint?")
+                pw = gguf_packed(t.data, kind, shapes[k], self.dtype)
+                packed[k] = pw.rows(lambda x, k=k: unpermute_gguf(k, x, self.spec))
+                continue
+            if len(shapes[k]) == 2 and kind not in self._said:
+                self._said.add(kind)
+                log.info("%s: GGUF %s tensors have no native compressed form here; they are "
+                         "re-quantized group-wise from their dequantized values", self.path.name, kind)
+            dense[k] = self._expanded(k, t)
+        return {**self._checked(part, layer, dense), **packed}
 
 
 GGUF_NATIVE = ("Q4_0", "Q4_1", "Q8_0")

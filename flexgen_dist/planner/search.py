@@ -17,9 +17,8 @@ from scipy.optimize import linprog
 
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
-from flexgen_dist.planner.cost_model import (CONST, TIERS, WC, WD, WG, StageCost, StageTerms,
-                                             Workload, cost_from_terms, pipeline_prediction,
-                                             stage_terms)
+from flexgen_dist.planner.cost_model import StageCost, cost_from_terms, pipeline_prediction
+from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 
 GIB = 2**30

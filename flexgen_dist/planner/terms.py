@@ -1,0 +1,388 @@
+"""The linear coefficient tables of one stage: what each channel costs per layer, and what
+each tier holds at peak, as linear functions of the nine placement fractions.
+
+``stage_sizes`` derives a stage's bytes, FLOPs and rates for one batch shape; the builders
+``prefill_terms``, ``decode_terms`` and ``peak_terms`` turn them into the tables of a
+``StageTerms``, which ``cost_model`` evaluates at a policy and ``search`` optimises over.
+Notation and units: see ``cost_model``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexgen_dist.models.spec import ModelSpec
+from flexgen_dist.planner.hardware import HardwareSpec
+
+CHANNELS = ("ctog", "gtoc", "dtoc", "ctod", "comp", "net")
+TIERS = ("gpu", "cpu", "disk")
+PHASES = ("prefill", "decode")
+WG, WC, WD, CG, CC, CD, HG, HC, HD = range(9)
+CONST = 9  # column of the constant term
+TOKEN_ID_BYTES = 8  # int64 token ids the last stage sends back to the first
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is generated: padded prompt length, tokens per sequence, bytes per element."""
+
+    prompt_len: int
+    gen_len: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise ValueError(f"Workload prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
+                             "both must be >= 1")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"Workload.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
+                             "(fp32)")
+
+
+@dataclass(frozen=True, eq=False)
+class StageTerms:
+    """Coefficient tables of one stage for one (gbs, num_gb, cpu_attention, compression).
+
+    ``prefill``/``decode``: (6 channels, 10) seconds per layer per block, columns = the nine
+    fractions + constant. ``peak_base``: (2 phases, 3 tiers, 10) bytes. ``gpu_slack`` /
+    ``cpu_slack``: bytes added to the gpu (cpu) rows when weights are split off the gpu (onto
+    disk) at all: whole tensors overshoot a fraction by up to one tensor.
+    """
+
+    num_layers: int
+    block_size: int
+    prompt_len: int
+    gen_len: int
+    prefill: np.ndarray
+    decode: np.ndarray
+    peak_base: np.ndarray
+    gpu_slack: float
+    cpu_slack: float
+    prefill_net_s: float
+    decode_net_s: float
+    overlap: bool = True  # False: channels run one after another (sum instead of max)
+
+    def peak_rows(self, gpu_split: bool, disk_split: bool) -> np.ndarray:
+        rows = self.peak_base.copy()
+        rows[:, 0, CONST] += self.gpu_slack * gpu_split
+        rows[:, 1, CONST] += self.cpu_slack * disk_split
+        return rows
+
+    def peaks(self, x: np.ndarray) -> np.ndarray:
+        """(2, 3) peak bytes at fractions ``x`` (length 9)."""
+        out = self.peak_base @ np.append(x, 1.0)
+        out[:, 0] += self.gpu_slack * (x[WG] < 1 - 1e-9)
+        out[:, 1] += self.cpu_slack * (x[WD] > 1e-9)
+        return out
+
+    def layer_times(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel seconds per layer per block: (prefill[6], decode[6])."""
+        v = np.append(x, 1.0)
+        return self.prefill @ v, self.decode @ v
+
+    def block_time(self, x: np.ndarray) -> tuple[float, float]:
+        """(prefill seconds, decode seconds for all n-1 steps) of one block."""
+        tp, tg = self.layer_times(x)
+        if self.overlap:
+            tp_, tg_ = float(tp.max()), float(tg.max())
+        else:
+            tp_, tg_ = float(tp.sum()), float(tg.sum())
+        return self.num_layers * tp_, (self.gen_len - 1) * self.num_layers * tg_
+
+
+def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) -> float:
+    """Group-wise quantized size: packed values + a min and a scale per group."""
+    return numel * bits / 8 + math.ceil(numel / group_size) * 2 * meta_bytes
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """Derived sizes and rates that one stage's time and peak terms share.
+
+    Notation as in the module docstring. Byte counts are per layer per block unless noted;
+    ``c_seq_pre``/``c_seq_full`` are one sequence's cache of the prompt / of s+n tokens per
+    layer (compressed when the cache is), which the per-GPU-batch working sets scale.
+    """
+
+    l: int
+    s: int
+    n: int
+    b: int
+    gbs: int
+    num_gb: int
+    bls: int
+    h1: int
+    q: int
+    kv: int
+    nh: int
+    V: int
+    e: int
+    mlp_width: int
+    mem_bw: float
+    stream_bw: float
+    lnum: int
+    wl: float
+    extra_numel: int
+    W: float
+    wl_io: float
+    kv_tok: int
+    c_seq_pre: float
+    c_seq_full: float
+    C: float
+    c_pre: float
+    c_avg: float
+    c_new: float
+    a_pre: int
+    a_dec: int
+    hop: float
+    disk_staging: float
+    streams: int
+    deq_w: float
+    net_p: float
+    net_d: float
+    slack: float
+    cpu_attention: bool
+    compress_weight: bool
+    compress_cache: bool
+    has_head: bool
+    multi_stage: bool
+
+
+def _extra_weight_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> tuple[int, int]:
+    """(stored, loaded per token) elements of the stage's embedding and head."""
+    extra_numel = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
+    io_numel = extra_numel
+    if has_head and spec.tie_word_embeddings:
+        # A tied head reads the embedding matrix: a stage with both stores it once but loads
+        # it twice per token (embedding and head are separate slots); a last stage without
+        # the embedding stores its own copy.
+        io_numel += spec.vocab_size * spec.embed_dim
+        if not has_embed:
+            extra_numel += spec.vocab_size * spec.embed_dim
+    return extra_numel, io_numel
+
+
+def _net_times(hw: HardwareSpec, bls: int, a_pre: int, a_dec: int, has_head: bool,
+               num_stages: int) -> tuple[float, float]:
+    """Seconds of one block's send (prefill, decode step): hidden states, or token ids back."""
+    if num_stages <= 1:
+        return 0.0, 0.0
+    sent_p = bls * TOKEN_ID_BYTES if has_head else a_pre
+    sent_d = bls * TOKEN_ID_BYTES if has_head else a_dec
+    return hw.net_latency + sent_p / hw.net_bw, hw.net_latency + sent_d / hw.net_bw
+
+
+def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
+                gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
+                has_embed: bool, has_head: bool, compress_weight: bool = False,
+                compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
+                num_micro_batches: int = 1, num_stages: int = 1) -> StageSizes:
+    """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
+    l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
+    gbs, bls, G = gpu_batch_size, gpu_batch_size * num_gpu_batches, num_micro_batches
+    # Decode attention reads 2*kv*b cache bytes per 4*q FLOPs; the profiler measures it with
+    # MHA, so bmm_flops * b / 2 is the device's memory bandwidth (dequantization traffic).
+    mem_bw = hw.bmm_flops * b / 2
+
+    def wbytes(numel: float) -> float:
+        return compressed_bytes(numel, comp_bits, comp_group_size, b) if compress_weight else numel * b
+
+    def cbytes(numel: float) -> float:
+        return compressed_bytes(numel, comp_bits, comp_group_size, b) if compress_cache else numel * b
+
+    lnum = spec.layer_numel()
+    wl = wbytes(lnum)
+    # the largest single tensor of a layer
+    largest = max(spec.hidden_size * spec.q_dim, spec.hidden_size * spec.ffn_size)
+    extra_numel, io_numel = _extra_weight_numel(spec, has_embed, has_head)
+    kv_tok = 2 * spec.kv_dim  # K and V elements per token per sequence per layer
+    c_seq_pre, c_seq_full = cbytes(s * kv_tok), cbytes((s + n) * kv_tok)
+    a_pre, a_dec = bls * s * spec.hidden_size * b, bls * spec.hidden_size * b  # hidden states
+    # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
+    # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
+    hop = 1.0 if hw.compute_device == "cuda" else 0.0
+    net_p, net_d = _net_times(hw, bls, a_pre, a_dec, has_head, num_stages)
+    return StageSizes(
+        l=l, s=s, n=n, b=b, gbs=gbs, num_gb=num_gpu_batches, bls=bls, h1=spec.hidden_size,
+        q=spec.q_dim, kv=spec.kv_dim, nh=spec.num_heads, V=spec.vocab_size,
+        e=spec.embed_dim,  # the LM head is (vocab, embed_dim)
+        mlp_width=spec.ffn_size * (2 if spec.family == "llama" else 1),  # gate+up for SwiGLU
+        mem_bw=mem_bw,
+        # Small-batch linear layers stream their weights at the skinny-GEMM rate the profiler
+        # measures (gemm_bw); on a CPU that is ~2x below mem_bw. Spec-sheet files without it
+        # fall back to mem_bw.
+        stream_bw=hw.gemm_bw or mem_bw,
+        lnum=lnum, wl=wl, extra_numel=extra_numel,
+        W=l * wl + extra_numel * b,  # embedding and head stay uncompressed
+        wl_io=wl + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
+        kv_tok=kv_tok, c_seq_pre=c_seq_pre, c_seq_full=c_seq_full,
+        C=G * l * bls * c_seq_full,  # preallocated for s+n tokens, G groups
+        c_pre=bls * c_seq_pre,  # cache written by a block's prefill, per layer
+        c_avg=bls * cbytes((s + n / 2) * kv_tok),  # cache read per decode step, per layer
+        c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
+        a_pre=a_pre, a_dec=a_dec, hop=hop,
+        # Host staging for disk traffic exists only on the way to a GPU (see peak_terms).
+        disk_staging=1.0 if hw.compute_device == "cuda" else 0.0,
+        # How often a decode step streams each weight matrix through the compute units: once
+        # per GPU batch on a GPU; once per block on a CPU device, where the engine runs the GPU
+        # batches of a block as one GEMM (merged decode: activations on the device, the cache
+        # off disk, which is where the planner puts them on a CPU).
+        streams=1 if hw.compute_device == "cpu" else num_gpu_batches,
+        deq_w=(lnum * b + wl) / mem_bw if compress_weight else 0.0,
+        net_p=net_p, net_d=net_d,
+        slack=0.0 if compress_weight else float(wbytes(largest)),
+        cpu_attention=cpu_attention, compress_weight=compress_weight,
+        compress_cache=compress_cache, has_head=has_head, multi_stage=num_stages > 1)
+
+
+def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int) -> float:
+    """Linear layers of one block: compute-bound, or bound by reading the weights ``passes`` times."""
+    flops = 2.0 * rows * z.lnum
+    return max(flops / hw.mm_flops, passes * z.lnum * z.b / z.stream_bw)
+
+
+def _head_time(z: StageSizes, hw: HardwareSpec, passes: int) -> float:
+    """LM head of one block, streamed ``passes`` times: logits of the last position only."""
+    if not z.has_head:
+        return 0.0
+    return max(2.0 * z.bls * z.e * z.V / hw.mm_flops, passes * z.V * z.e * z.b / z.stream_bw)
+
+
+def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
+    """(6 channels, 10) prefill seconds per layer per block.
+
+    Weights and the block's activations come in from the cpu/disk shares, the prompt's cache
+    and the activations go out; disk shares take a second hop through host RAM on a GPU.
+    Compute is the linear layers, the s x s attention, dequantization and the head.
+    """
+    hop, a_pre = np.array([1.0, z.hop]), z.a_pre
+    P = np.zeros((6, 10))
+    P[0, [WC, WD]] = hop * z.wl_io / hw.ctog_bw
+    P[0, [HC, HD]] += hop * a_pre / hw.ctog_bw
+    P[1, [CC, CD]] = hop * z.c_pre / hw.gtoc_bw
+    P[1, [HC, HD]] += hop * a_pre / hw.gtoc_bw
+    P[2, WD] = z.wl_io / hw.dtoc_bw
+    P[2, HD] += a_pre / hw.dtoc_bw
+    P[3, CD] = z.c_pre / hw.ctod_bw
+    P[3, HD] += a_pre / hw.ctod_bw
+    deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
+    # prefill attention (s x s per head) is large enough to run at the GEMM rate
+    P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb) + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
+                   + z.deq_w + deq_c_pre + _head_time(z, hw, z.num_gb) / z.l)
+    P[5, CONST] = z.net_p / z.l
+    return P
+
+
+def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
+    """(6 channels, 10) seconds per layer per block of one decode step.
+
+    Weights and one token's activations come in, the new token's cache goes out. With
+    ``cpu_attention`` the cpu/disk share of the cache stays put and only q and the attention
+    output cross; otherwise the average cache (s + n/2 tokens) comes to the compute device.
+    """
+    hop, a_dec, bls, b = np.array([1.0, z.hop]), z.a_dec, z.bls, z.b
+    D = np.zeros((6, 10))
+    D[0, [WC, WD]] = hop * z.wl_io / hw.ctog_bw
+    D[0, [HC, HD]] += hop * a_dec / hw.ctog_bw
+    D[1, [HC, HD]] = hop * a_dec / hw.gtoc_bw
+    D[1, [CC, CD]] += hop * z.c_new / hw.gtoc_bw
+    if z.cpu_attention:  # q goes to the cache, the attention output comes back
+        D[0, [CC, CD]] += bls * z.q * b / hw.ctog_bw
+        D[1, [CC, CD]] += bls * z.q * b / hw.gtoc_bw
+    else:  # the cache comes to the compute device
+        D[0, [CC, CD]] += hop * z.c_avg / hw.ctog_bw
+    D[2, WD] = z.wl_io / hw.dtoc_bw
+    D[2, HD] += a_dec / hw.dtoc_bw
+    D[2, CD] += z.c_avg / hw.dtoc_bw
+    D[3, HD] = a_dec / hw.ctod_bw
+    D[3, CD] += z.c_new / hw.ctod_bw
+    att_flops = 4.0 * bls * (z.s + z.n / 2) * z.q
+    deq_c = bls * (z.s + z.n / 2) * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
+    D[4, CONST] = _gemm(z, hw, bls, z.streams) + z.deq_w + _head_time(z, hw, z.streams) / z.l
+    D[4, CG] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
+    if z.cpu_attention:  # fp32 on the host: 4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops
+        D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (2 * hw.cpu_flops)
+    else:
+        D[4, [CC, CD]] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
+    D[5, CONST] = z.net_d / z.l
+    return D
+
+
+def peak_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
+    """(2 phases, 3 tiers, 10) peak bytes, without the whole-tensor slack.
+
+    Each tier stores its share of the weights, the G groups' caches and a block's hidden
+    states; the compute tier adds its working set and the host its disk staging.
+    """
+    M = np.zeros((2, 3, 10))
+    for ph, act in ((0, z.a_pre), (1, z.a_dec)):
+        for t, cols in enumerate(((WG, CG, HG), (WC, CC, HC), (WD, CD, HD))):
+            M[ph, t, cols[0]] = z.W
+            M[ph, t, cols[1]] = z.C
+            M[ph, t, cols[2]] = act
+        if z.multi_stage:  # a send and a receive buffer of one block's hidden states
+            M[ph, 0, HG] += 2 * act
+            M[ph, 1, [HC, HD]] += 2 * act
+    _add_device_working_set(M, z)
+    _add_host_working_set(M, z)
+    return M
+
+
+def _add_device_working_set(M: np.ndarray, z: StageSizes) -> None:
+    """Compute-device working set: one layer's weights double-buffered (the off-gpu share;
+    dequantized in full when compressed), one GPU batch of activations / scores."""
+    gbs, b, s, n, h1, q, kv, nh = z.gbs, z.b, z.s, z.n, z.h1, z.q, z.kv, z.nh
+    for ph in (0, 1):
+        if z.compress_weight:
+            M[ph, 0, CONST] += 2 * z.lnum * b
+        else:
+            M[ph, 0, [WC, WD]] += 2 * z.wl
+        M[ph, 0, [WC, WD]] += z.extra_numel * b  # an offloaded embedding/head loads whole
+        if z.has_head:
+            M[ph, 0, CONST] += gbs * z.V * 4  # fp32 logits
+    pre_tok = gbs * s
+    M[0, 0, CONST] += pre_tok * b * (2 * h1 + max(q + 2 * kv + nh * s, z.mlp_width))
+    M[0, 0, [HC, HD]] += 2 * pre_tok * h1 * b  # load next / store previous GPU batch
+    M[0, 0, [CC, CD]] += 2 * gbs * z.c_seq_pre
+    M[1, 0, CONST] += gbs * b * (2 * h1 + max(q + 2 * kv + nh * (s + n), z.mlp_width))
+    M[1, 0, [HC, HD]] += 2 * gbs * h1 * b
+    if z.cpu_attention:
+        M[1, 0, [CC, CD]] += 2 * gbs * (q + z.kv_tok) * b
+        M[1, 1, CONST] += gbs * nh * (s + n) * 4 + 2 * gbs * q * 4  # fp32 scores on the host
+    else:
+        M[1, 0, [CC, CD]] += 2 * gbs * z.c_seq_full
+
+
+def _add_host_working_set(M: np.ndarray, z: StageSizes) -> None:
+    """Host working set: staging for disk traffic (disk -> host -> GPU); on a CPU device
+    reads land in the compute tier's buffers counted above. CPU attention reads the disk
+    share of the cache into host buffers either way."""
+    gbs, b, h1, disk_staging = z.gbs, z.b, z.h1, z.disk_staging
+    M[0, 1, HD] += 2 * gbs * z.s * h1 * b * disk_staging
+    M[0, 1, CD] += 2 * gbs * z.c_seq_pre * disk_staging
+    M[1, 1, HD] += 2 * gbs * h1 * b * disk_staging
+    M[1, 1, CD] += 2 * gbs * z.c_seq_full * max(disk_staging, float(z.cpu_attention))
+    for ph in (0, 1):
+        M[ph, 1, WD] += 2 * z.wl * disk_staging
+
+
+def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
+                gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
+                has_embed: bool, has_head: bool, compress_weight: bool = False,
+                compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
+                num_micro_batches: int = 1, num_stages: int = 1,
+                overlap: bool = True) -> StageTerms:
+    """Build the linear coefficient tables (see module docstring) for one stage."""
+    z = stage_sizes(spec, num_layers, hw, workload, gpu_batch_size=gpu_batch_size,
+                    num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
+                    has_embed=has_embed, has_head=has_head, compress_weight=compress_weight,
+                    compress_cache=compress_cache, comp_bits=comp_bits,
+                    comp_group_size=comp_group_size, num_micro_batches=num_micro_batches,
+                    num_stages=num_stages)
+    return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
+                      prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
+                      peak_base=peak_terms(z, hw), gpu_slack=z.slack,
+                      cpu_slack=z.slack * z.disk_staging,
+                      prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
