@@ -86,6 +86,18 @@ def score_targets(seqs: list[list[int]], first_scored: Sequence[int] | None) -> 
     return out
 
 
+def score_split(lens: list[int], decode_tokens: int) -> tuple[list[int], int]:
+    """Scoring: each sequence's prefill length, and the steps of the call (1 + decode steps).
+
+    The last ``decode_tokens`` tokens of a sequence are predicted at decode steps: its prefill
+    stops before them (at 1 token at least), and it feeds one token per step up to its
+    second-to-last (the last token is only a target)."""
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ConfigError(f"decode_tokens {decode_tokens!r}: must be an integer >= 0")
+    prefix = [max(1, n - 1 - decode_tokens) if decode_tokens else n for n in lens]
+    return prefix, 1 + max(max(0, n - 1 - p) for n, p in zip(lens, prefix))
+
+
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,14 +202,18 @@ class LLM:
                 yield [self._completion(first + n, work["prompts"][first + n], toks) for n, toks in enumerate(outs)]
 
     def score(self, sequences: Sequence[PromptLike] | None = None,
-              first_scored: Sequence[int] | None = None) -> list[Score]:
-        """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order:
-        one prefill per sequence, the head on every position. Token j of sequence n counts
-        from ``first_scored[n]`` on (default 1: every token that has a prefix). On ranks
-        other than 0 the arguments are ignored and the result is empty."""
+              first_scored: Sequence[int] | None = None, decode_tokens: int = 0) -> list[Score]:
+        """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order.
+        Token j of sequence n counts from ``first_scored[n]`` on (default 1: every token that
+        has a prefix). The last ``decode_tokens`` tokens of each sequence are predicted by
+        decode steps (one token fed per step, attending to the KV cache as generation does:
+        this is where ``compress_cache`` and ``attn_sparsity`` act); the others by one
+        prefill with the head on every position. On ranks other than 0 the arguments are
+        ignored and the result is empty."""
         self._check_open()
         with self._guard():
-            work = self._start(sequences, 1, None, scoring=True, first_scored=first_scored)
+            work = self._start(sequences, 1, None, scoring=True, first_scored=first_scored,
+                               decode_tokens=decode_tokens)
             out: list[Score] = []
             for first, rows in self._run(work):
                 out += [Score(first + n, float(r[0]), int(r[1]), int(r[2])) for n, r in enumerate(rows)]
@@ -209,13 +225,15 @@ class LLM:
 
     def _start(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                sampling: SamplingConfig | None, *, scoring: bool = False,
-               first_scored: Sequence[int] | None = None) -> dict[str, Any]:
+               first_scored: Sequence[int] | None = None, decode_tokens: int = 0) -> dict[str, Any]:
         """Rank 0 checks the workload, plans the stages on the first call, and tells the
         others; every rank then builds (or re-checks) its engine."""
         if self.is_driver:
             work = self._workload(prompts, gen_len, sampling, scoring)
             if scoring:
-                work["targets"] = score_targets([p.ids for p in work["prompts"]], first_scored)
+                seqs = [p.ids for p in work["prompts"]]
+                work["targets"] = score_targets(seqs, first_scored)
+                work["lens"], work["gen_len"] = score_split(work["lens"], decode_tokens)
             if self._plan is None:
                 work["plan"] = self._make_plan(work)
             header = {k: v for k, v in work.items() if k != "prompts"}

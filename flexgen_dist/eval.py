@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
     ap.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     ap.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --window)")
     ap.add_argument("--max-windows", type=int, default=None, help="score at most this many windows")
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="score only the last N tokens of each window, predicted by teacher-forced decode "
+                         "steps over the KV cache (where --compress-cache and --attn-sparsity act); the "
+                         "rest of the window is context (default 0: every token, in prefill)")
     ap.add_argument("--json", help="write the result here")
     args, rest = ap.parse_known_args(argv)
     args.stride = args.window if args.stride is None else args.stride
@@ -88,6 +92,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
         raise ConfigError(f"--window {args.window}: must be >= 2")
     if not 1 <= args.stride <= args.window:
         raise ConfigError(f"--stride {args.stride}: must be in [1, --window {args.window}]")
+    if not 0 <= args.decode_tokens < args.window - 1:
+        raise ConfigError(f"--decode-tokens {args.decode_tokens}: must be in [0, --window - 2 = {args.window - 2}] "
+                          "(each window keeps at least one token of context)")
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows {args.max_windows}: must be >= 1")
     return args, parse_config(rest)
@@ -105,13 +112,16 @@ def evaluate(llm: LLM, args: argparse.Namespace) -> dict[str, Any] | None:
                           "or less")
     wins = windows(len(ids), args.window, args.stride, args.max_windows)
     t0 = time.perf_counter()
-    scores: list[Score] = llm.score([ids[a:b] for a, b, _ in wins], [f for _, _, f in wins])
+    d = args.decode_tokens
+    firsts = [max(f, b - a - d) if d else f for a, b, f in wins]  # decode-scored: the last d tokens only
+    scores: list[Score] = llm.score([ids[a:b] for a, b, _ in wins], firsts, decode_tokens=d)
     elapsed = time.perf_counter() - t0
     nll, count, correct = (sum(getattr(s, k) for s in scores) for k in ("nll", "count", "correct"))
     m = llm.metrics
     return {
         "text": name, "model": m["model"], "dtype": m["dtype"], "device": m["device"], "world_size": m["world_size"],
-        "window": args.window, "stride": args.stride, "windows": len(wins), "tokens_scored": count,
+        "window": args.window, "stride": args.stride, "windows": len(wins), "decode_tokens": d,
+        "tokens_scored": count,
         "ppl": math.exp(nll / count), "nll_per_token": nll / count, "accuracy": correct / count,
         "time_s": elapsed, "tokens_per_s": sum(b - a for a, b, _ in wins) / elapsed,
         "policy": m["policy"], "peak_bytes": m["peak_bytes"],
@@ -126,6 +136,8 @@ def report(res: dict[str, Any]) -> str:
     rows = [("text", res["text"]), ("model", res["model"]), ("dtype / ranks", f"{res['dtype']} / {res['world_size']}"),
             ("numerics", ", ".join(flags) or "exact (no compression, dense attention)"),
             ("windows", f"{res['windows']} x {res['window']} tokens, stride {res['stride']}"),
+            ("scored in", f"decode steps (the last {res['decode_tokens']} tokens of each window)"
+             if res["decode_tokens"] else "prefill (every token)"),
             ("tokens scored", str(res["tokens_scored"])), ("perplexity", f"{res['ppl']:.4f}"),
             ("next-token accuracy", f"{100 * res['accuracy']:.2f} %"),
             ("time", f"{res['time_s']:.2f} s ({res['tokens_per_s']:.1f} tok/s)")]

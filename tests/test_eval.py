@@ -87,6 +87,52 @@ def test_score_api_first_scored(tiny_models) -> None:
     assert len(also[0].token_ids) == 3
 
 
+def decode_windows(n: int, window: int, stride: int, d: int) -> list[tuple[int, int, int]]:
+    """The windows of ``eval ppl --decode-tokens d``: only each window's last d tokens count."""
+    return [(a, b, max(f, b - a - d)) for a, b, f in windows(n, window, stride)]
+
+
+@pytest.mark.parametrize("kind,policy", [
+    ("opt-pre", []),
+    ("llama-gqa", ["--gpu-batch-size", "2", "--num-gpu-batches", "2"]),  # CPU decode merges the batches
+    ("llama-tied", ["--percent", "0", "50", "0", "0", "100", "0", "--gpu-batch-size", "1",
+                    "--num-gpu-batches", "2"]),  # the cache on disk, CPU attention
+])
+def test_decode_scoring_equals_transformers(kind: str, policy: list[str], tiny_models, tmp_path: Path) -> None:
+    """Tokens predicted by teacher-forced decode steps score as transformers' full logits do."""
+    tm = tiny_models[kind]
+    out = tmp_path / "r.json"
+    # 150 ids, windows of 32 every 28: the last window (10 ids) is shorter than its decode part
+    rc = main(["ppl", "--text", str(ids_file(tmp_path)), "--window", "32", "--stride", "28", "--decode-tokens",
+               "12", "--model", str(tm.path), "--json", str(out), "--no-progress", "--offload-dir",
+               str(tmp_path / "off"), *policy])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    nll, count, hits = hf_reference(tm.model, IDS, decode_windows(len(IDS), 32, 28, 12))
+    assert res["decode_tokens"] == 12 and res["tokens_scored"] == count == 5 * 12 + 6
+    assert abs(res["ppl"] - math.exp(nll / count)) <= 1e-4 * math.exp(nll / count)
+    assert res["accuracy"] == hits / count
+
+
+def test_decode_scoring_sees_cache_compression(tiny_models) -> None:
+    """--compress-cache and --attn-sparsity change decode-scored tokens only: prefill attention
+    runs over the fresh keys and values."""
+    tm = tiny_models["opt-pre"]
+    seqs = [IDS[:40], IDS[40:80], IDS[80:110]]
+
+    def nll(decode_tokens: int, **opts: object) -> list[float]:
+        with LLM(str(tm.path), gpu_batch_size=3, progress=False, **opts) as llm:
+            return [s.nll for s in llm.score(seqs, decode_tokens=decode_tokens)]
+
+    exact = nll(0)
+    assert nll(0, compress_cache=True) == exact
+    assert nll(20) == pytest.approx(exact, rel=1e-5)  # the same scores, by decode steps
+    for opts in ({"compress_cache": True}, {"attn_sparsity": 0.2}):
+        noisy = nll(20, **opts)
+        assert noisy != pytest.approx(exact, rel=1e-6), opts
+        assert noisy == pytest.approx(exact, rel=0.05), opts
+
+
 def test_bundled_text_and_model() -> None:
     from flexgen_dist.models.loader import bundled_model_path
 
@@ -97,7 +143,8 @@ def test_bundled_text_and_model() -> None:
 
         from flexgen_dist.eval import evaluate
 
-        res = evaluate(llm, Namespace(text=None, window=128, stride=128, max_windows=2, json=None))
+        res = evaluate(llm, Namespace(text=None, window=128, stride=128, max_windows=2, json=None,
+                                         decode_tokens=0))
     assert res is not None and res["windows"] == 2 and res["tokens_scored"] == 2 * 127
     assert 2.0 < res["ppl"] < 60.0  # English prose under a small instruct model
     assert 0.2 < res["accuracy"] < 0.9
@@ -113,6 +160,7 @@ def test_bad_input_is_one_line(tiny_models, tmp_path: Path, capsys) -> None:
         (["ppl", "--text", str(tmp_path / "missing.txt")], 1, "no such file"),
         (["ppl", "--text", str(ids_file(tmp_path)), "--window", "500"], 1, "positions"),
         (["ppl", "--text", str(ids_file(tmp_path)), "--stride", "0"], 2, "--stride"),
+        (["ppl", "--text", str(ids_file(tmp_path)), "--window", "16", "--decode-tokens", "15"], 2, "--decode-tokens"),
         (["ppl", "--text", str(empty)], 1, "no tokenizer"),
         (["ppl", "--text", str(text)], 1, "no tokenizer"),
     ]
@@ -139,4 +187,11 @@ def test_ppl_on_two_ranks(tiny_models, tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     nll, count, _ = hf_reference(tm.model, IDS, windows(len(IDS), 32, 16))
     assert res["world_size"] == 2 and res["tokens_scored"] == count
+    assert abs(res["ppl"] - math.exp(nll / count)) <= 1e-4 * math.exp(nll / count)
+    # decode-side scoring on two ranks: stage 0 feeds the known ids, the last stage adds up
+    r = subprocess.run(cmd + ["--decode-tokens", "10"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    nll, count, _ = hf_reference(tm.model, IDS, decode_windows(len(IDS), 32, 16, 10))
+    assert res["tokens_scored"] == count
     assert abs(res["ppl"] - math.exp(nll / count)) <= 1e-4 * math.exp(nll / count)

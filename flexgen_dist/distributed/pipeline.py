@@ -8,9 +8,13 @@ while a group's token travels round the ring, so every stage stays busy after th
 prefill. Stage 0 keeps every token id it receives, so it yields outputs in prompt order
 without a separate gather. Receives are posted one item ahead so they overlap compute.
 
-Scoring (``targets`` given, gen_len 1): the last stage returns per sequence the summed
-negative log-likelihood of the targets, the positions scored and the top-1 hits, (b, 3)
-float64, in place of sampled ids; that is what stage 0 receives and yields.
+Scoring (``targets`` given): each sequence's first ``lens`` ids are its prefill, and its
+next ids are fed one per step as teacher-forced decode steps (gen_len - 1 of them; a
+sequence with fewer feeds padding, unscored), so decode attention reads the cache as it
+does in generation (compressed, sparse). The last stage adds up per sequence the negative
+log-likelihood of the targets, the positions scored and the top-1 hits, (b, 3) float64,
+over every step and sends the sum to stage 0 after the group's last step, which yields it
+in place of token lists. Stage 0 needs nothing back between steps: its inputs are known.
 
 With one stage (the single process) the same loop runs with no communicator: stage 0 is
 also the last, samples itself, and keeps the sampled ids on the compute device (no wire
@@ -29,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, trim
+from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
 from ..engine.sampling import EosTracker, SamplingConfig, make_generator, sample
 from ..engine.stage import StageEngine
 from ..metrics import Timings
@@ -48,9 +52,8 @@ class Pipeline:
                  targets: list[list[int]] | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         self.gen_len, self.sampling = gen_len, sampling
-        self.targets = targets  # scoring: per prompt, the next id at each position (-1: not scored)
-        if targets is not None and gen_len != 1:
-            raise ValueError("scoring runs the prefill only: gen_len must be 1")
+        self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
+        self._forced: list[torch.Tensor] = []  # scoring, stage 0: per group, (b, gen_len - 1) decode inputs
         self.ctx = ctx if ctx is not None and ctx.world_size > 1 else None
         if self.ctx is None:
             self.comm: StageComm | None = None
@@ -96,6 +99,9 @@ class Pipeline:
         """G blocks in flight: every (token, group) item in order, skipping ended groups."""
         gen_len = self.gen_len
         states = [self.engine.new_block(self._meta(b), tag=f"-blk{b.index}") for b in wave]
+        if self.first and self.targets is not None:
+            assert prompts is not None
+            self._forced = [self._forced_inputs(b, prompts) for b in wave]
         tokens: list[list[torch.Tensor]] = [[] for _ in wave]  # stage 0 and last: per group
         trackers = gens = None
         if self.last and self.targets is None:
@@ -143,12 +149,19 @@ class Pipeline:
             yield from self._finish_wave(wave, tokens, t_wave)
 
     def _meta(self, blk: BlockPlan) -> Any:
-        # scoring generates nothing: the cache holds the prompt's positions only
-        meta = blk.meta(self.gbs, self.gen_len if self.targets is None else 0)
+        # scoring feeds gen_len - 1 known ids after the prefill and samples none after them
+        meta = blk.meta(self.gbs, self.gen_len if self.targets is None else self.gen_len - 1)
         if self.targets is not None and self.last:
             mine = self.targets[blk.first:blk.first + len(blk.lens)]
-            meta.targets = list(left_pad(mine, blk.prompt_len, -1).split(self.gbs))
+            rows = score_rows(mine, blk.lens, blk.prompt_len, blk.prompt_len + meta.gen_len)
+            meta.targets = list(rows.to(self.engine.device).split(self.gbs))
         return meta
+
+    def _forced_inputs(self, blk: BlockPlan, prompts: list[list[int]]) -> torch.Tensor:
+        """Scoring, stage 0: (b, gen_len - 1) ids fed at decode steps 1.. (padding past a sequence's end)."""
+        n = self.gen_len - 1
+        rows = [p[m:m + n] for p, m in zip(prompts[blk.first:blk.first + len(blk.lens)], blk.lens)]
+        return torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long, device=self.engine.device)
 
     def _last_tokens(self, wave: list[BlockPlan], tokens: list[list[torch.Tensor]], done: list[bool]) -> None:
         """Stage 0 of several: receive the last token (or the scores) of each group still running."""
@@ -196,12 +209,14 @@ class Pipeline:
             self._send(self._go, self.next)  # type: ignore[arg-type]
             self._send(y, self.next)  # type: ignore[arg-type]
             return
-        if self.targets is not None:
+        if self.targets is not None:  # summed over the group's steps, handed over after the last
             scores = torch.cat(outs)
-            if self.first:
+            if i == 0:
                 tokens[t].append(scores)
             else:
-                self._send(scores.to(self.wire), 0)
+                tokens[t][0] += scores
+            if not self.first and i == self.gen_len - 1:
+                self._send(tokens[t][0].to(self.wire), 0)
             return
         parts = [trk.update(sample(lg.float(), self.sampling, gens[t])) for trk, lg in zip(trackers[t], outs)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -223,7 +238,10 @@ class Pipeline:
             return x.to(self.engine.device) if go else None
         if i == 0:
             assert prompts is not None
-            return left_pad(prompts[blk.first:blk.first + len(blk.lens)], blk.prompt_len, self.pad)
+            mine = prompts[blk.first:blk.first + len(blk.lens)]
+            return left_pad([p[:m] for p, m in zip(mine, blk.lens)], blk.prompt_len, self.pad)
+        if self.targets is not None:
+            return self._forced[t][:, i - 1:i]
         if self.last:
             return tokens[t][i - 1][:, None]
         msg = self._wait(handle).cpu()
@@ -247,7 +265,7 @@ class Pipeline:
             header = torch.empty((1,), dtype=torch.long, device=self.wire)
             buf = torch.empty(self._hidden_shape(blk, i), dtype=self.engine.dtype, device=self.wire)
             return self.comm.irecv(header, self.prev), self.comm.irecv(buf, self.prev)  # type: ignore[arg-type]
-        if i > 0 and not self.last:
+        if i > 0 and not self.last and self.targets is None:
             buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.wire)
             return self.comm.irecv(buf, self.last_rank)
         return None

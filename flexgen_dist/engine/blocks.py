@@ -40,6 +40,15 @@ def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> torch.Tensor
     return torch.tensor([[pad_id] * (length - len(p)) + p for p in prompts], dtype=torch.long)
 
 
+def score_rows(targets: list[list[int]], lens: list[int], prompt_len: int, width: int) -> torch.Tensor:
+    """Scoring: (len(targets), width) targets laid out like the block's cache positions.
+
+    ``targets[r]`` holds the id after each position of sequence r (-1: not scored); its first
+    ``lens[r]`` positions are the left-padded prefix, the rest follow at ``prompt_len`` on."""
+    rows = [[-1] * (prompt_len - n) + t[:width - prompt_len + n] for t, n in zip(targets, lens)]
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
 def pad_token(spec_pad: int | None, eos: tuple[int, ...]) -> int:
     if spec_pad is not None:
         return spec_pad

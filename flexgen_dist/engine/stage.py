@@ -34,9 +34,11 @@ class BlockMeta:
     prompt_lens: list[list[int]]  # per GPU batch, the true length of each (left-padded) prompt
     prompt_len: int  # s: padded prompt length of the block
     gen_len: int  # n
-    # Scoring mode (prefill only): per GPU batch, (b, s) ids of the next token at each position,
-    # -1 where a position is not scored. The head then returns per sequence (b, 3) float64
-    # [sum of -log p(target), positions scored, top-1 hits] instead of last-position logits.
+    # Scoring mode: per GPU batch, (b, s + gen_len) ids of the token that follows each cache
+    # position (-1 where it is not scored); decode steps are teacher-forced, so step i's input
+    # sits at position s + i - 1. The head then returns per sequence (b, 3) float64 [sum of
+    # -log p(target), positions scored, top-1 hits] over the step's positions instead of
+    # last-position logits.
     targets: list[torch.Tensor] | None = None
 
     @property
@@ -210,7 +212,8 @@ class StageEngine:
         spans = list(zip(bounds[:-1], bounds[1:]))
         x = torch.cat(xs)
         if slot[0] == "head":
-            y = self.family.head(spec, w, x[:, -1])
+            y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
+                self._score(w, x, torch.cat([self._step_targets(st, i, kk) for kk in range(num_gb)]))
         else:
             fns = []
             for kk in range(num_gb):
@@ -249,7 +252,7 @@ class StageEngine:
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
-                self._score(w, x, st.meta.targets[k])
+                self._score(w, x, self._step_targets(st, i, k))
             st.outputs[k] = y
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0))
@@ -258,6 +261,12 @@ class StageEngine:
         st.acts.put(k, y)
         if k == num_gb - 1:  # every GPU batch has used this slot's weights
             self.weights.release(slot, self._wbuf.pop(j))
+
+    @staticmethod
+    def _step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:
+        """Scoring: the targets of token i's positions in GPU batch k, (b, s) or (b, 1)."""
+        tg, s = st.meta.targets[k], st.meta.prompt_len  # type: ignore[index]
+        return tg[:, :s] if i == 0 else tg[:, s + i - 1:s + i]
 
     def _score(self, w: dict[str, torch.Tensor], x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
