@@ -100,19 +100,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
     return args, parse_config(rest)
 
 
-def evaluate(llm: LLM, args: argparse.Namespace) -> dict[str, Any] | None:
-    """Score the windows; rank 0 returns the result (the other ranks serve their stage)."""
+def evaluate(llm: LLM, *, text: str | None = None, window: int = 512, stride: int | None = None,
+             max_windows: int | None = None, decode_tokens: int = 0) -> dict[str, Any] | None:
+    """Score the windows of ``text`` (default: the bundled sample) as ``eval ppl`` does; rank 0
+    returns the result (the other ranks serve their stage and return None)."""
     if not llm.is_driver:
         llm.score(None)
         return None
-    ids, name = read_ids(args.text, llm.tokenizer)
+    stride = window if stride is None else stride
+    ids, name = read_ids(text, llm.tokenizer)
     maxpos = llm.model.spec.max_positions
-    if args.window > maxpos:
-        raise ConfigError(f"--window {args.window} exceeds the model's {maxpos} positions: use --window {maxpos} "
+    if window > maxpos:
+        raise ConfigError(f"--window {window} exceeds the model's {maxpos} positions: use --window {maxpos} "
                           "or less")
-    wins = windows(len(ids), args.window, args.stride, args.max_windows)
+    wins = windows(len(ids), window, stride, max_windows)
     t0 = time.perf_counter()
-    d = args.decode_tokens
+    d = decode_tokens
     firsts = [max(f, b - a - d) if d else f for a, b, f in wins]  # decode-scored: the last d tokens only
     scores: list[Score] = llm.score([ids[a:b] for a, b, _ in wins], firsts, decode_tokens=d)
     elapsed = time.perf_counter() - t0
@@ -120,7 +123,7 @@ def evaluate(llm: LLM, args: argparse.Namespace) -> dict[str, Any] | None:
     m = llm.metrics
     return {
         "text": name, "model": m["model"], "dtype": m["dtype"], "device": m["device"], "world_size": m["world_size"],
-        "window": args.window, "stride": args.stride, "windows": len(wins), "decode_tokens": d,
+        "window": window, "stride": stride, "windows": len(wins), "decode_tokens": d,
         "tokens_scored": count,
         "ppl": math.exp(nll / count), "nll_per_token": nll / count, "accuracy": correct / count,
         "time_s": elapsed, "tokens_per_s": sum(b - a for a, b, _ in wins) / elapsed,
@@ -157,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, cfg: RunConfig) -> int:
     with LLM(config=cfg) as llm:
-        res = evaluate(llm, args)
+        res = evaluate(llm, text=args.text, window=args.window, stride=args.stride,
+                       max_windows=args.max_windows, decode_tokens=args.decode_tokens)
     if res is not None:
         print(report(res))
         if args.json:

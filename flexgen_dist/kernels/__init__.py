@@ -1,5 +1,5 @@
 """Native float32 CPU kernels (decode GEMM and attention, RMSNorm, rotary, SwiGLU's
-``silu(g) * u``), compiled on first use for the machine that runs them.
+``silu(g) * u``, dequantization of 4/8-bit groups), compiled on first use for the machine that runs them.
 
 ``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
 into ``$FLEXGEN_CACHE/kernels`` (default
@@ -92,6 +92,8 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_silu_mul_f32.restype = None
     lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.fg_rope_f32.restype = None
+    lib.fg_dequant_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    lib.fg_dequant_f32.restype = None
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
     return lib
@@ -204,4 +206,25 @@ def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     out = torch.empty(x.shape, dtype=torch.float32)
     lib.fg_rope_f32(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                     torch.get_num_threads())
+    return out
+
+
+def dequant_f32(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
+                bits: int) -> torch.Tensor | None:
+    """Rows of group-wise quantized codes back to float32 in one pass: codes (..., packed) uint8,
+    mins/scales (..., groups) float32, each row contiguous -> (..., cols); or None where the
+    kernel does not apply (no library, bits other than 4 and 8, another dtype or device, rows
+    that are not evenly strided)."""
+    lib = library()
+    if (lib is None or bits not in (4, 8) or codes.dtype != torch.uint8 or codes.device.type != "cpu"
+            or not _f32_cpu(mins, scales) or mins.shape != scales.shape or mins.stride() != scales.stride()
+            or codes.shape[:-1] != mins.shape[:-1] or mins.shape[-1] != -(-cols // group)
+            or codes.shape[-1] * 8 // bits < cols):
+        return None
+    c2, m2, s2 = _rows(codes), _rows(mins), _rows(scales)
+    if c2 is None or m2 is None or s2 is None or m2.stride(0) != s2.stride(0):
+        return None
+    out = torch.empty((*mins.shape[:-1], cols), dtype=torch.float32)
+    lib.fg_dequant_f32(c2.data_ptr(), c2.shape[0], cols, c2.stride(0), m2.data_ptr(), s2.data_ptr(), m2.stride(0),
+                       group, bits, out.data_ptr(), cols, torch.get_num_threads())
     return out

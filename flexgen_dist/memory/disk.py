@@ -25,6 +25,7 @@ import signal
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +330,15 @@ class DiskStore:
                        scales=self.allocate(f"{name}.scales", meta_shape, dtype),
                        shape=torch.Size(shape), dtype=dtype, dim=dim % len(shape),
                        group_size=group_size, bits=bits)
+
+    def store_qtensor(self, name: str, q: QTensor) -> QTensor:
+        """``q`` (its parts in memory) written to files: the same QTensor with DiskTensor parts."""
+        parts = {}
+        for part in ("data", "mins", "scales"):
+            x = getattr(q, part).contiguous().cpu()
+            parts[part] = self.allocate(f"{name}.{part}", x.shape, x.dtype)
+            parts[part].write(x)
+        return replace(q, **parts)
 
     def free(self, dt: DiskTensor) -> None:
         """Delete one tensor's file early (the rest go at close)."""
