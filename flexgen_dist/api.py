@@ -298,7 +298,7 @@ class LLM:
         peak = predict_peaks(spec, policy, (lo, hi), has_embed=self.topology.is_first,
                              has_head=self.topology.is_last, prompt_len=max(work["lens"]),
                              gen_len=work["gen_len"], dtype_bytes=self._dtype_bytes,
-                             num_blocks_in_flight=plan["G"])
+                             num_blocks_in_flight=plan["G"], packed=self.model.source.packed_formats)
         check_budgets(peak, self.config.budgets, stage=rank)
         work["peak"] = peak
         if self.engine is not None:

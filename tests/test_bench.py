@@ -52,6 +52,26 @@ def test_offload_tiny_end_to_end(tmp_path: Path, dtype: str) -> None:
     assert set(data["ratios"]) == {"a_over_c", "a_over_b"} and all(v > 0 for v in data["ratios"].values())
 
 
+def test_offload_compressed_run_reads_a_quarter(tmp_path: Path) -> None:
+    out = tmp_path / "offload.json"
+    offload.main(["--model", "opt-125m", "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "3",
+                  "--gpu-batch-size", "1", "--skip-ablations", "--skip-accelerate", "--drop-interval", "0",
+                  "--compress-weight", "--compress-cache", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    both = "a_compress_weight_compress_cache"
+    assert set(data["runs"]) == {"a_block", "b_one_batch", "a_compress_weight", "a_compress_cache", both}
+    pol = data["runs"][both]["policy"]
+    assert pol["compress_weight"] and pol["compress_cache"]
+    assert not data["runs"]["a_compress_cache"]["policy"]["compress_weight"]
+    for name in ("a_compress_weight", both):
+        r = data["ratios"][name]
+        assert r["throughput_over_a"] > 0 and r["decode_step_speedup"] > 0
+        # the same placement fractions: 4-bit codes plus group metadata, ~0.19-0.3 of float32
+        assert 0.1 < r["bytes_read_ratio"] < 0.35
+        assert data["runs"][name]["peak_bytes"]["disk"] < 0.35 * data["runs"]["a_block"]["peak_bytes"]["disk"]
+    assert 0.9 < data["ratios"]["a_compress_cache"]["bytes_read_ratio"] < 1.1  # the cache is in RAM
+
+
 def test_accelerate_device_map_fills_the_budget(tmp_path: Path) -> None:
     import torch
 

@@ -50,3 +50,28 @@ def test_native_compressed_weights_answer_paris_and_keep_perplexity() -> None:
     assert rel < 1e-3, (res[True]["ppl"], res[False]["ppl"])
     assert res[True]["peak_bytes"][0]["gpu"] + res[True]["peak_bytes"][0]["cpu"] < \
         res[False]["peak_bytes"][0]["gpu"] + res[False]["peak_bytes"][0]["cpu"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_budget_predicts_the_packed_bytes_exactly(native: bool) -> None:
+    """The budget check sizes each weight as it will be stored: the file's own 32-element
+    blocks (Q4_1 layers, a Q8_0 embedding) on the native path, the policy's groups otherwise."""
+    from flexgen_dist.engine.budget import predict_peaks
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.models.loader import load_model
+
+    _bundled()
+    lm = load_model(str(bundled_model_path()), load_tokenizer=False)
+    lm.source.keep_packed = native
+    spec = lm.spec
+    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0, compress_weight=True)  # weights alone in RAM
+    peak = predict_peaks(spec, pol, (0, 4), has_embed=True, has_head=False, prompt_len=4, gen_len=1,
+                         dtype_bytes=4, packed=lm.source.packed_formats)
+    eng = StageEngine(spec, lm.source, (0, 4), has_embed=True, has_head=False, policy=pol,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    stored = eng.weights.bytes_per_tier()
+    eng.close()
+    emb = eng.weights.placed[("embed", None)]["tok.w"].data
+    assert (emb.bits, emb.group_size) == ((8, 32) if native else (4, 64))
+    assert peak["cpu"] == stored["cpu"] > 0

@@ -223,6 +223,7 @@ def test_native_rope_equals_rotate_half_formula(d: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape,group", [((64, 256), 64), ((7, 100), 32), ((33, 50), 24), ((3, 5, 64), 16),
+                                         ((4, 9, 128), 64),
                                          ((9, 40), 64)])
 def test_native_dequant_equals_the_torch_path(monkeypatch, bits: int, shape: tuple[int, ...], group: int) -> None:
     """Bit for bit: every group size (vectorised runs of 16 and scalar tails), a last group
@@ -242,5 +243,9 @@ def test_native_dequant_equals_the_torch_path(monkeypatch, bits: int, shape: tup
     part = slice(1, shape[0] - 1)  # rows of a bigger tensor: evenly strided, each contiguous
     sub = kernels.dequant_f32(q.data[part], q.mins[part], q.scales[part], shape[-1], group, bits)
     assert sub is not None and torch.equal(sub, ref[part])
+    if len(shape) == 3:  # positions [1, 4) of each row of a cache chunk: two strides per part
+        pos = (slice(None), slice(1, 4))
+        sub = kernels.dequant_f32(q.data[pos], q.mins[pos], q.scales[pos], shape[-1], group, bits)
+        assert sub is not None and sub.is_contiguous() and torch.equal(sub, ref[pos])
     assert kernels.dequant_f32(q.data, q.mins, q.scales, shape[-1], group, 2) is None  # 2-bit: torch's
     assert kernels.dequant_f32(q.data, q.mins.bfloat16(), q.scales.bfloat16(), shape[-1], group, bits) is None

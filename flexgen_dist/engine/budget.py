@@ -8,28 +8,34 @@ attention scores).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..memory.tiers import MemoryBudgetError, Tier, format_bytes
 from ..models.common import family_module
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
-from .weights import TIED, choose_tiers
+from .weights import TIED, choose_tiers, stored_nbytes
 
 
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
                   has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
-                  num_blocks_in_flight: int = 1) -> dict[str, int]:
+                  num_blocks_in_flight: int = 1,
+                  packed: Callable[[str, int | None], dict[str, tuple[int, int]]] | None = None) -> dict[str, int]:
+    """``packed`` (a source's ``packed_formats``) gives the (bits, group size) of the weights
+    kept in their checkpoint's own blocks under ``compress_weight``."""
     fam = family_module(spec)
     peak = {t.value: 0 for t in Tier}
-    parts = (["embed"] if has_embed else []) + ["layer"] * (layers[1] - layers[0]) + (["head"] if has_head else [])
+    parts = ([("embed", None)] if has_embed else []) + [("layer", j) for j in range(*layers)] + \
+        ([("head", None)] if has_head else [])
     max_off = 0
-    for part in parts:
+    for part, j in parts:
         shapes = getattr(fam, f"{part}_shapes")(spec)
         if part == "head" and has_embed:
             shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
-        sizes = [_numel(s) * dtype_bytes for s in shapes.values()]
-        if policy.compress_weight:
-            sizes = [_compressed(s, policy, dtype_bytes) if len(sh) == 2 else s for s, sh in zip(sizes, shapes.values())]
+        fmt = packed(part, j) if packed is not None and policy.compress_weight else {}
+        default = (policy.comp_bits, policy.comp_group_size) if policy.compress_weight else None
+        sizes = [stored_nbytes(sh, dtype_bytes, fmt.get(k, default)) for k, sh in shapes.items()]
         tiers = choose_tiers(sizes, policy.fractions("w"))
         off = 0
         for size, tier in zip(sizes, tiers):
@@ -80,12 +86,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _compressed(nbytes: int, policy: Policy, dtype_bytes: int) -> int:
-    """Packed codes plus a min and a scale (original dtype) per group."""
-    numel = nbytes // dtype_bytes
-    return numel * policy.comp_bits // 8 + 2 * (numel // policy.comp_group_size + 1) * dtype_bytes
 
 
 def needs_disk(policies: list[Policy]) -> bool:

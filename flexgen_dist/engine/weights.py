@@ -8,6 +8,7 @@ every layer loads the same amount from each tier (even overlap from layer to lay
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import torch
 
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
-from ..memory.quant import QTensor, dequantize, quantize
+from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
 from ..models.loader import PackedWeight
 
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
@@ -64,7 +65,7 @@ class WeightStore:
             ws = read(*slot)
             tied = self._tied_head(slot, ws)
             names = [n for n in ws if tied is None or n != TIED]
-            tiers = choose_tiers([_nbytes(ws[n]) for n in names], fractions)
+            tiers = choose_tiers([self._stored_nbytes(ws[n]) for n in names], fractions)
             self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
             if tied is not None:
                 self.placed[slot][TIED] = tied
@@ -82,6 +83,12 @@ class WeightStore:
         """
         embed = self.placed.get(("embed", None), {})
         return embed.get(TIED) if slot == ("head", None) and TIED in ws else None
+
+    def _stored_nbytes(self, w: torch.Tensor | PackedWeight) -> int:
+        if isinstance(w, PackedWeight):
+            return stored_nbytes(w.shape, self.dtype.itemsize, (w.bits, w.group_size))
+        return stored_nbytes(tuple(w.shape), self.dtype.itemsize,
+                             (self.bits, self.group_size) if self.compress else None)
 
     def _put(self, slot: Slot, name: str, w: torch.Tensor | PackedWeight, tier: Tier) -> Placed:
         shape = tuple(w.shape)
@@ -159,8 +166,11 @@ class WeightStore:
                 if isinstance(q.data, DiskTensor):  # read the parts, expand on the compute device
                     q = replace(q, **{k: self._read_part(bufs, f"{name}.{k}", getattr(q, k))
                                       for k in ("data", "mins", "scales")})
-                out[name] = dequantize(q, self.device)
-                self.tracker.add(Tier.GPU, out[name].nbytes)
+                if self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
+                    out[name] = dequantize(q, self.device, out=self._buffer(bufs, name, p.shape))
+                else:
+                    out[name] = dequantize(q, self.device)
+                    self.tracker.add(Tier.GPU, out[name].nbytes)
             elif isinstance(p.data, DiskTensor):
                 host = self._buffer(bufs, name, p.shape)
                 p.data.read(out=host)
@@ -186,11 +196,16 @@ class WeightStore:
     def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
         for name, p in self.placed[slot].items():
-            if isinstance(p.data, DiskTensor) and self.device.type == "cpu":
-                continue  # a reused read buffer, counted once when it was made
+            if isinstance(p.data, (DiskTensor, QTensor)) and self.device.type == "cpu":
+                continue  # a reused buffer, counted once when it was made
             if isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device:
                 self.tracker.sub(Tier.GPU, loaded[name].nbytes)
 
 
-def _nbytes(w: torch.Tensor | PackedWeight) -> int:
-    return w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+def stored_nbytes(shape: tuple[int, ...], dtype_bytes: int, packed: tuple[int, int] | None = None) -> int:
+    """Bytes a weight of ``shape`` takes at rest: dense, or with ``packed = (bits, group_size)``
+    codes plus a min and a scale per group along dim 1 (the layout of a compressed weight)."""
+    if packed is None or len(shape) != 2:
+        return math.prod(shape) * dtype_bytes
+    data_shape, meta_shape = qtensor_layout(shape, packed[0], packed[1], dim=1)
+    return math.prod(data_shape) + 2 * math.prod(meta_shape) * dtype_bytes

@@ -92,7 +92,8 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_silu_mul_f32.restype = None
     lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.fg_rope_f32.restype = None
-    lib.fg_dequant_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    lib.fg_dequant_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr,
+                                   ctypes.c_int]
     lib.fg_dequant_f32.restype = None
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
@@ -210,21 +211,31 @@ def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 def dequant_f32(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
-                bits: int) -> torch.Tensor | None:
+                bits: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Rows of group-wise quantized codes back to float32 in one pass: codes (..., packed) uint8,
-    mins/scales (..., groups) float32, each row contiguous -> (..., cols); or None where the
-    kernel does not apply (no library, bits other than 4 and 8, another dtype or device, rows
-    that are not evenly strided)."""
+    mins/scales (..., groups) float32, each row contiguous -> (..., cols), contiguous (written
+    into ``out`` when given: a reused buffer spares the page faults of a fresh allocation); or
+    None where the kernel does not apply (no library, bits other than 4 and 8, another dtype
+    or device, rows that are neither one strided run nor two, as a slice of a cache chunk is)."""
     lib = library()
     if (lib is None or bits not in (4, 8) or codes.dtype != torch.uint8 or codes.device.type != "cpu"
             or not _f32_cpu(mins, scales) or mins.shape != scales.shape or mins.stride() != scales.stride()
             or codes.shape[:-1] != mins.shape[:-1] or mins.shape[-1] != -(-cols // group)
-            or codes.shape[-1] * 8 // bits < cols):
+            or codes.shape[-1] * 8 // bits < cols or codes.stride(-1) != 1 or mins.stride(-1) != 1):
         return None
-    c2, m2, s2 = _rows(codes), _rows(mins), _rows(scales)
-    if c2 is None or m2 is None or s2 is None or m2.stride(0) != s2.stride(0):
+    lead = tuple(mins.shape[:-1])
+    c2, m2 = _rows(codes), _rows(mins)
+    if c2 is not None and m2 is not None:
+        n0, n1, cs, ms = 1, c2.shape[0], (0, c2.stride(0)), (0, m2.stride(0))
+    elif len(lead) == 2:
+        n0, n1, cs, ms = lead[0], lead[1], codes.stride()[:2], mins.stride()[:2]
+    else:
         return None
-    out = torch.empty((*mins.shape[:-1], cols), dtype=torch.float32)
-    lib.fg_dequant_f32(c2.data_ptr(), c2.shape[0], cols, c2.stride(0), m2.data_ptr(), s2.data_ptr(), m2.stride(0),
-                       group, bits, out.data_ptr(), cols, torch.get_num_threads())
+    if out is None:
+        out = torch.empty((*lead, cols), dtype=torch.float32)
+    elif out.shape != (*lead, cols) or not out.is_contiguous() or not _f32_cpu(out):
+        return None
+    lib.fg_dequant_f32(codes.data_ptr(), n0, n1, cols, *cs, mins.data_ptr(), scales.data_ptr(), *ms, group, bits,
+                       out.data_ptr(), torch.get_num_threads())
     return out
+

@@ -358,42 +358,52 @@ static inline int dq_code(const uint8_t* c, int64_t e, int bits) {
     return bits == 8 ? c[e] : (c[e >> 1] >> ((e & 1) * 4)) & 15;
 }
 
-void fg_dequant_f32(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ldc, const float* mins,
-                    const float* scales, int64_t ldm, int64_t group, int bits, float* out, int64_t ldo,
-                    int nthreads) {
+// Rows are (outer, inner) pairs, n0 x n1 of them, each part with its own two strides (a
+// slice of positions of a cache chunk is not one evenly strided run of rows); the output is
+// contiguous (n0, n1, cols).
+static void dq_row(const uint8_t* c, const float* mn, const float* sc, int64_t cols, int64_t group, int bits,
+                   float* o) {
     const int64_t ngroups = (cols + group - 1) / group;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t* c = codes + r * ldc;
-        const float* mn = mins + r * ldm;
-        const float* sc = scales + r * ldm;
-        float* o = out + r * ldo;
-        for (int64_t g = 0; g < ngroups; g++) {
-            const int64_t e0 = g * group, e1 = e0 + group < cols ? e0 + group : cols;
-            const float sf = sc[g], mf = mn[g];
-            const __m256 s = _mm256_set1_ps(sf), m = _mm256_set1_ps(mf);
-            int64_t e = e0;
-            if (group % 16 == 0) {
-                if (bits == 4) {
-                    const __m128i lo_mask = _mm_set1_epi8(15);
-                    for (; e + 16 <= e1; e += 16) {
-                        __m128i b = _mm_loadl_epi64((const __m128i*)(c + e / 2));
-                        __m128i lo = _mm_and_si128(b, lo_mask);
-                        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
-                        __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
-                        dq_store8(o + e, q, s, m);
-                        dq_store8(o + e + 8, _mm_srli_si128(q, 8), s, m);
-                    }
-                } else if (bits == 8) {
-                    for (; e + 16 <= e1; e += 16) {
-                        __m128i q = _mm_loadu_si128((const __m128i*)(c + e));
-                        dq_store8(o + e, q, s, m);
-                        dq_store8(o + e + 8, _mm_srli_si128(q, 8), s, m);
-                    }
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t e0 = g * group, e1 = e0 + group < cols ? e0 + group : cols;
+        const float sf = sc[g], mf = mn[g];
+        const __m256 s = _mm256_set1_ps(sf), m = _mm256_set1_ps(mf);
+        int64_t e = e0;
+        if (group % 16 == 0) {
+            if (bits == 4) {
+                const __m128i lo_mask = _mm_set1_epi8(15);
+                for (; e + 16 <= e1; e += 16) {
+                    __m128i b = _mm_loadl_epi64((const __m128i*)(c + e / 2));
+                    __m128i lo = _mm_and_si128(b, lo_mask);
+                    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
+                    __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
+                    dq_store8(o + e, q, s, m);
+                    dq_store8(o + e + 8, _mm_srli_si128(q, 8), s, m);
+                }
+            } else if (bits == 8) {
+                for (; e + 16 <= e1; e += 16) {
+                    __m128i q = _mm_loadu_si128((const __m128i*)(c + e));
+                    dq_store8(o + e, q, s, m);
+                    dq_store8(o + e + 8, _mm_srli_si128(q, 8), s, m);
                 }
             }
-            for (; e < e1; e++) o[e] = (float)dq_code(c, e, bits) * sf + mf;
         }
+        for (; e < e1; e++) o[e] = (float)dq_code(c, e, bits) * sf + mf;
+    }
+}
+
+// Rows are (outer, inner) pairs, n0 x n1 of them, each part with its own two strides (a
+// slice of positions of a cache chunk is not one evenly strided run of rows); the output is
+// contiguous (n0, n1, cols).
+void fg_dequant_f32(const uint8_t* codes, int64_t n0, int64_t n1, int64_t cols, int64_t c0, int64_t c1,
+                    const float* mins, const float* scales, int64_t m0, int64_t m1, int64_t group, int bits,
+                    float* out, int nthreads) {
+    const int64_t rows = n0 * n1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t a = r / n1, b = r % n1;
+        dq_row(codes + a * c0 + b * c1, mins + a * m0 + b * m1, scales + a * m0 + b * m1, cols, group, bits,
+               out + r * cols);
     }
 }
 

@@ -141,8 +141,10 @@ def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1
                    shape=x.shape, dtype=x.dtype, dim=d, group_size=group_size, bits=bits)
 
 
-def dequantize(q: QTensor, device: torch.device | str | None = None) -> torch.Tensor:
-    """Back to a dense tensor of ``q.shape`` and ``q.dtype`` on ``device`` (default: q's)."""
+def dequantize(q: QTensor, device: torch.device | str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Back to a dense tensor of ``q.shape`` and ``q.dtype`` on ``device`` (default: q's),
+    written into ``out`` (contiguous, that shape, dtype and device) when given."""
     data, mins, scales = q.data, q.mins, q.scales
     if not all(isinstance(p, torch.Tensor) for p in (data, mins, scales)):
         raise TypeError("dequantize needs the QTensor in memory: copy it off disk first "
@@ -153,16 +155,17 @@ def dequantize(q: QTensor, device: torch.device | str | None = None) -> torch.Te
     if q.dim == len(q.shape) - 1 and q.dtype == torch.float32 and data.device.type == "cpu":
         from .. import kernels  # the same values in one pass (a leaf package: no import cycle)
 
-        out = kernels.dequant_f32(data, mins, scales, n, q.group_size, q.bits)
-        if out is not None:
-            return out
+        fast = kernels.dequant_f32(data, mins, scales, n, q.group_size, q.bits, out)
+        if fast is not None:
+            return fast
     num_groups = mins.shape[-1]
     lead = mins.shape[:-1]
     codes = _unpack(data, q.bits)[..., : num_groups * q.group_size]
     groups = codes.reshape(*lead, num_groups, q.group_size).float()
     x = groups * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
     x = x.reshape(*lead, num_groups * q.group_size)[..., :n]
-    return x.movedim(-1, q.dim).to(q.dtype).contiguous()
+    x = x.movedim(-1, q.dim).to(q.dtype).contiguous()
+    return x if out is None else out.copy_(x)
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -166,6 +166,11 @@ class WeightSource(abc.ABC):
         ``keep_packed`` is off (then every weight is expanded, as ``get``)."""
         return dict(self.get(part, layer))
 
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        """``(bits, group_size)`` of each weight ``get_packed`` keeps in the file's own blocks,
+        read from the file's header alone (for the budget check, before anything is loaded)."""
+        return {}
+
     @abc.abstractmethod
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         """The raw tensors of one part under canonical names (``get`` checks and converts)."""
@@ -244,6 +249,16 @@ class GGUFSource(WeightSource):
         from .llama import unpermute_gguf
 
         return unpermute_gguf(k, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float(), self.spec)
+
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        from .llama import gguf_names
+
+        if not self.keep_packed:
+            return {}
+        shapes = self.shapes(part)
+        kinds = {k: self._tensor(name).tensor_type.name for k, name in gguf_names(self.spec, part, layer).items()}
+        return {k: (8 if kind == "Q8_0" else 4, 32) for k, kind in kinds.items()
+                if kind in GGUF_NATIVE and len(shapes[k]) == 2}
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         from .llama import gguf_names, unpermute_gguf
