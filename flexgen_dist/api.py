@@ -25,12 +25,12 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .config import ConfigError, RunConfig
-from .distributed.comm import FailureMonitor, StageComm
+from .distributed.comm import FailureMonitor, PeerFailure, StageComm
 from .distributed.partition import partition_layers
 from .distributed.pipeline import Pipeline
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
@@ -39,7 +39,7 @@ from .engine.budget import check_budgets, needs_disk, predict_peaks
 from .engine.policy import Policy
 from .engine.sampling import SamplingConfig
 from .engine.stage import StageEngine
-from .memory.disk import DiskStore
+from .memory.disk import DiskStore, reclaim_stale_dirs
 from .metrics import merge_metrics, progress_bar, summary
 from .models.loader import LoadedModel, describe, load_model
 from .prompts import Prompt, check_prompt_lengths, make_prompt
@@ -163,6 +163,8 @@ class LLM:
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
                                                  seed=cfg.seed, load_tokenizer=self.is_driver)
             self.model.source.keep_packed = cfg.gguf_native
+            # every run reclaims what killed runs left under its offload dir, disk tier or not
+            reclaim_stale_dirs(Path(cfg.offload_dir).expanduser())
 
     # --- who am I -----------------------------------------------------------------------
     @property
@@ -182,22 +184,40 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.model.tokenizer
 
+    def on_driver(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 and return its result on every rank: how an SPMD script's ranks
+        agree on what to do next (e.g. what is left of a job). A failure of ``fn`` is reported
+        to the other ranks, which exit naming rank 0, as a failed call's is."""
+        self._check_open()
+        with self._guard():
+            obj = fn() if self.is_driver else None
+            if self.world_size == 1:
+                return obj
+            if self.is_driver:
+                for r in range(1, self.world_size):
+                    self._comm.send_obj(obj, r)  # type: ignore[union-attr]
+                return obj
+            return self._comm.recv_obj(0)  # type: ignore[union-attr]
+
     # --- generation ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
-                 sampling: SamplingConfig | None = None) -> list[Completion]:
+                 sampling: SamplingConfig | None = None, *, keys: Sequence[int] | None = None) -> list[Completion]:
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
-        ``gen_len`` and ``sampling`` default to the options the LLM was built with. On ranks
-        other than 0 the arguments are ignored and the result is empty."""
-        return [c for block in self.stream(prompts, gen_len, sampling) for c in block]
+        ``gen_len`` and ``sampling`` default to the options the LLM was built with. A sampled
+        completion depends on the seed and on its prompt's key alone (default: the prompt's
+        index in this call): a job split over several calls passes ``keys`` (e.g. the
+        prompts' indices in the whole job) to draw what one call would. On ranks other than
+        0 the arguments are ignored and the result is empty."""
+        return [c for block in self.stream(prompts, gen_len, sampling, keys=keys) for c in block]
 
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
-               sampling: SamplingConfig | None = None) -> Iterator[list[Completion]]:
+               sampling: SamplingConfig | None = None, *, keys: Sequence[int] | None = None) -> Iterator[list[Completion]]:
         """Like ``generate``, yielding each block's completions as soon as the block finishes.
         Exhaust it (a stream abandoned midway on several ranks fails the other ranks)."""
         self._check_open()
         with self._guard():
-            work = self._start(prompts, gen_len, sampling)
+            work = self._start(prompts, gen_len, sampling, keys=keys)
             for first, outs in self._run(work):
                 yield [self._completion(first + n, work["prompts"][first + n], toks) for n, toks in enumerate(outs)]
 
@@ -225,11 +245,17 @@ class LLM:
 
     def _start(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                sampling: SamplingConfig | None, *, scoring: bool = False,
-               first_scored: Sequence[int] | None = None, decode_tokens: int = 0) -> dict[str, Any]:
+               first_scored: Sequence[int] | None = None, decode_tokens: int = 0,
+               keys: Sequence[int] | None = None) -> dict[str, Any]:
         """Rank 0 checks the workload, plans the stages on the first call, and tells the
         others; every rank then builds (or re-checks) its engine."""
         if self.is_driver:
             work = self._workload(prompts, gen_len, sampling, scoring)
+            if keys is not None:
+                keys = [int(k) for k in keys]
+                if len(keys) != len(work["lens"]):
+                    raise ConfigError(f"keys has {len(keys)} entries for {len(work['lens'])} prompts")
+                work["keys"] = keys
             if scoring:
                 seqs = [p.ids for p in work["prompts"]]
                 work["targets"] = score_targets(seqs, first_scored)
@@ -343,7 +369,7 @@ class LLM:
         gen_len, sampling = work["gen_len"], SamplingConfig(**work["sampling"])
         blocks = plan_blocks(work["lens"], engine.policy.block_size)
         pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx,
-                        targets=work.get("targets"))
+                        targets=work.get("targets"), keys=work.get("keys"))
         times0 = engine.times.as_dict()
         prompts: list[Prompt] | None = work.get("prompts")
         bar = progress_bar(len(blocks) * gen_len, self.config.progress and self.is_driver)
@@ -388,11 +414,15 @@ class LLM:
             yield
         except BaseException as e:
             if self.world_size > 1:
+                cause = self._monitor.earlier_failure() if self._monitor is not None and \
+                    isinstance(e, PeerFailure) else None
                 if isinstance(e, GeneratorExit):
                     e = RuntimeError("a stream was abandoned before its end")
                 if self._monitor is not None and not (isinstance(e, SystemExit) and e.code in (0, None)):
-                    self._monitor.report(e)
+                    self._monitor.report(e, quiet=True)
                 self.close()
+                if cause is not None:  # name the rank that failed first, not its echo here
+                    raise PeerFailure(cause[1], cause[0]) from None
             elif close:
                 self.close()
             raise

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -38,6 +38,8 @@ class RunConfig:
     top_p: float = 1.0
     seed: int = 0
     output: str | None = None
+    resume: bool = False
+    overwrite: bool = False
     metrics: str | None = None
     policy: str | None = None
     percent: tuple[float, ...] | None = None
@@ -90,6 +92,11 @@ class RunConfig:
             raise ConfigError(f"--partition {self.partition!r}: use equal or balanced")
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite exclude each other: resume finishes a job, overwrite "
+                              "starts it over")
+        if (self.resume or self.overwrite) and not self.output:
+            raise ConfigError(f"--{'resume' if self.resume else 'overwrite'} needs --output FILE (the job's output)")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
         try:
@@ -166,9 +173,52 @@ def _read_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
 
 
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose errors are one ``ConfigError`` line (no usage block) pointing to --help."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def _yaml_value(key: str, v: Any) -> Any:
+    """A --config file's value for ``key``, checked against the option's type (the key named)."""
+    ann = str(next(f.type for f in fields(RunConfig) if f.name == key))
+    if v is None:
+        if "None" in ann:
+            return v
+        raise ConfigError(f"--config key {key!r}: needs a value")
+    base = ann.replace(" | None", "")
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"--config key {key!r}: expected {what}, got {v!r}")
+
+    if base == "bool":
+        if not isinstance(v, bool):
+            raise bad("true or false")
+    elif base == "int":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad("an integer")
+    elif base == "float":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad("a number")
+        return float(v)
+    elif base == "str":
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise bad("a string")
+        return str(v)
+    elif base.startswith("tuple[int"):
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise bad("a list of integers")
+    elif base.startswith("tuple[float"):
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                       for x in v):
+            raise bad("a list of numbers")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     S = argparse.SUPPRESS
-    p = argparse.ArgumentParser(prog="python -m flexgen_dist.run", argument_default=S,
+    p = ArgParser(prog="python -m flexgen_dist.run", argument_default=S,
                                 description="High-throughput generation with offloading, on one "
                                 "device or a pipeline of ranks.")
     a = p.add_argument
@@ -188,7 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int)
-    g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}")
+    g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "
+                   "--resume or --overwrite")
+    g.add_argument("--resume", action="store_true", help="finish the job in --output: skip the prompts "
+                   "already there, generate the rest (same model, dtype, sampling, prompts)")
+    g.add_argument("--overwrite", action="store_true", help="start the job in --output over")
     g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -238,7 +292,7 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
             key = str(k).replace("-", "_")
             if key not in known:
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
-            values[key] = v
+            values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
     for k in ("percent", "stage_layers"):
         if values.get(k) is not None:

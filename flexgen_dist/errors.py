@@ -2,26 +2,57 @@
 a user can fix each by changing an input, a flag or the machine's state."""
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 from .config import ConfigError
+from .distributed.comm import PeerFailure
 from .memory.disk import DiskStoreError
 from .memory.tiers import MemoryBudgetError
 from .models.loader import ModelLoadError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ModelLoadError, DiskStoreError, MemoryBudgetError,
-                                                ValueError, FileNotFoundError, PermissionError)
+                                                ValueError, FileNotFoundError, PermissionError,
+                                                PeerFailure)  # a dead peer: one line naming it
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop now" (Slurm: --signal=USR1@60)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: unwind like Ctrl-C (close outputs, remove offload files)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
 
 
 def exit_code_of(body: Callable[[], int]) -> int:
-    """Run an entry point's body: a user error is one ``error:`` line and exit 1, Ctrl-C 130
-    (what was written so far stays on disk)."""
+    """Run an entry point's body: a user error is one ``error:`` line and exit 1; Ctrl-C
+    exits 130, SIGTERM 143 and SIGUSR1 138, each after one line, with the outputs written so
+    far kept (complete lines, fsynced) and the offload files removed."""
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     try:
         return body()
     except KeyboardInterrupt:
-        print("error: interrupted; outputs written so far are kept", file=sys.stderr)
+        print("error: interrupted; outputs written so far are kept (rerun with --resume to finish)", file=sys.stderr)
         return 130
+    except Stopped as e:
+        name = signal.Signals(e.signum).name
+        print(f"error: stopped by {name}; outputs written so far are kept (rerun with --resume to finish)",
+              file=sys.stderr)
+        return 128 + e.signum
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .api import LLM, Score
-from .config import ConfigError, RunConfig, parse_config
+from .config import ArgParser, ConfigError, RunConfig, parse_config
 from .prompts import jsonl_records
 from .errors import exit_code_of
 
@@ -71,7 +71,7 @@ def read_ids(path: str | None, tokenizer: Any | None) -> tuple[list[int], str]:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
-    ap = argparse.ArgumentParser(prog="python -m flexgen_dist.eval", description=__doc__,
+    ap = ArgParser(prog="python -m flexgen_dist.eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Every flag of python -m flexgen_dist.run (model, placement, "
                                         "compression, distributed) is accepted too.")

@@ -1,10 +1,10 @@
-"""Reading prompts (.jsonl, .txt, synthetic) and writing outputs (.jsonl, incrementally)."""
+"""Reading prompts (.jsonl, .txt, synthetic); writing outputs is ``output.py``."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -102,43 +102,3 @@ def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
                 out.append((pid, str(rec["prompt"]), None))
         return out
     return [(n, line, None) for n, line in enumerate(lines) if line.strip()]
-
-
-class OutputWriter:
-    """Writes one JSON line per prompt, in prompt order, flushed block by block.
-
-    The file is opened (and truncated) at the first write, so a run that fails before its
-    first block leaves no empty output behind; its directory is made at once."""
-
-    def __init__(self, path: str | None, tokenizer: Any | None) -> None:
-        self.tokenizer = tokenizer
-        self.path = Path(path).expanduser() if path else None
-        self.f: IO[str] | None = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(self, p: Prompt, tokens: list[int], text: str | None = None) -> dict[str, Any]:
-        """The output line of prompt ``p``; ``text`` is the decoded completion if known already."""
-        rec: dict[str, Any] = {"id": p.id}
-        if p.text is not None:
-            rec["prompt"] = p.text
-        if text is not None:
-            rec["text"] = text
-        elif self.tokenizer is not None:
-            rec["text"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        rec["tokens"] = tokens
-        return rec
-
-    def write(self, recs: list[dict[str, Any]]) -> None:
-        if self.path is None:
-            return
-        if self.f is None:
-            self.f = open(self.path, "w", encoding="utf-8")
-        for r in recs:
-            self.f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            self.f = None

@@ -2,12 +2,14 @@
 
 A thin shell over the API: parse, build an ``LLM``, generate, write outputs and metrics,
 always clean up. User errors end with one line on stderr and exit code 1 (2 for bad flags);
-outputs already produced stay on disk. Nothing in the package imports this module.
+outputs already produced stay on disk, durable block by block, and ``--resume`` finishes an
+interrupted job (output.py). Nothing in the package imports this module.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ from .api import LLM
 from .config import ConfigError, RunConfig, parse_config
 from .errors import exit_code_of
 from .metrics import summary
-from .prompts import OutputWriter, read_prompts
+from .output import OutputWriter, check_writable
+from .prompts import Prompt, read_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,29 +34,58 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg: RunConfig) -> int:
     """Generate for the run's prompts; rank 0 writes outputs as blocks finish, then the report."""
+    for flag, path in (("--output", cfg.output), ("--metrics", cfg.metrics)):
+        check_writable(flag, path)  # before the model loads, not after the generation
     with LLM(config=cfg) as llm:
-        prompts = None
-        writer = None
-        if llm.is_driver:
-            spec = llm.model.spec
+        prompts: list[Prompt] | None = None
+        writer: OutputWriter | None = None
+
+        def prepare() -> int:
+            """Rank 0: read the prompts, check the output against them; the number left."""
+            nonlocal prompts, writer
             prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
-                                   spec.vocab_size, cfg.seed)
-            writer = OutputWriter(cfg.output, llm.tokenizer)
+                                   llm.model.spec.vocab_size, cfg.seed)
+            writer = OutputWriter(cfg.output, llm.tokenizer, resume=cfg.resume, overwrite=cfg.overwrite)
+            done = writer.start(prompts, fingerprint(cfg, llm))
+            if done:
+                print(f"resuming: {done} of {len(prompts)} prompts already in {cfg.output}", file=sys.stderr)
+            return len(prompts) - done
+
+        left = llm.on_driver(prepare)  # every rank learns what rank 0 found
+        done = writer.done if writer is not None else 0
         records: list[dict[str, Any]] = []
         try:
-            for block in llm.stream(prompts):
-                if writer is not None:
-                    recs = [writer.record(prompts[c.index], c.token_ids, c.text) for c in block]  # type: ignore[index]
-                    writer.write(recs)
-                    records.extend(recs)
+            if left:
+                todo = prompts[done:] if prompts is not None else None
+                # each prompt keeps its job index as its sampling key: a resumed job draws the same
+                for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts))):
+                    if writer is not None:
+                        recs = [writer.record(todo[c.index], c.token_ids, c.text) for c in block]  # type: ignore[index]
+                        writer.write(recs)
+                        records.extend(recs)
         finally:
             if writer is not None:
                 writer.close()
+        if not left:
+            if llm.is_driver:
+                print(f"nothing to do: all {done} prompts are already in {cfg.output}")
+            return 0
         if cfg.metrics and llm.world_size > 1:
             _write_json(_rank_path(cfg.metrics, llm.rank), llm.stage_metrics)
         if llm.is_driver:
-            _report(cfg, records, llm.metrics)
+            assert prompts is not None
+            _report(cfg, records, {**llm.metrics, "job_prompts": len(prompts), "resumed_prompts": done})
     return 0
+
+
+def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
+    """What determines the output lines (not the policy or the ranks, which may change)."""
+    model = cfg.model or "(bundled)"
+    if Path(model).expanduser().exists():
+        model = os.path.realpath(Path(model).expanduser())
+    return {"model": model, "model_name": llm.model.spec.name, "dummy_weights": cfg.dummy_weights, "dtype": str(llm.dtype),
+            "gen_len": cfg.gen_len, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
+            "ignore_eos": cfg.ignore_eos}
 
 
 def _rank_path(path: str, rank: int) -> Path:

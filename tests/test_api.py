@@ -34,8 +34,8 @@ def test_generate_matches_transformers_and_the_cli(kind: str, tiny_models, promp
                  "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--output", str(out), "--metrics", str(met),
                  "--no-progress"]) == 0
     assert [r["tokens"] for r in read_jsonl(out)] == ref
-    # one report format for the API and the CLI
-    assert set(json.loads(met.read_text())) == set(metrics)
+    # one report format for the API and the CLI (which adds where the job stands)
+    assert set(json.loads(met.read_text())) == set(metrics) | {"job_prompts", "resumed_prompts"}
     assert metrics["generated_tokens"] == GEN * len(PROMPTS) and metrics["world_size"] == 1
 
 

@@ -187,12 +187,23 @@ def test_accuracy_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:
     ids = tmp_path / "ids.jsonl"
     ids.write_text(_json.dumps({"input_ids": list(range(3, 120))}) + "\n")
     res = accuracy.main(["--model", str(tiny_models["llama-gqa"].path), "--text", str(ids), "--window", "32",
-                         "--json", str(tmp_path / "a.json")])
-    rows = {r["mode"]: r for r in res["rows"]}
-    assert len(rows) == len(accuracy.MODES) and res["rows"][0]["ppl_change"] == 0.0
-    assert all(r["tokens_scored"] == 116 - 3 for r in res["rows"])  # 117 tokens, 4 windows
+                         "--decode-tokens", "8", "--logit-hidden", "64", "--json", str(tmp_path / "a.json")])
+    w = {r["mode"]: r for r in res["weights"]}
+    assert len(w) == len(accuracy.WEIGHT_MODES) and res["weights"][0]["ppl_change"] == 0.0
+    assert all(r["tokens_scored"] == 116 - 3 for r in res["weights"])  # 117 tokens, 4 windows
     # 8-bit groups lose less than 4-bit groups of 128, and compression shrinks the weights
-    r8, r128 = rows["8-bit weights re-quantized, group 64"], rows["4-bit weights re-quantized, group 128"]
+    r8, r128 = w["8-bit re-quantized, dim 1, group 64"], w["4-bit re-quantized, dim 1, group 128"]
     assert abs(r8["ppl_change"]) < abs(r128["ppl_change"])
-    assert r128["weight_bytes"] < res["rows"][0]["weight_bytes"]
-    assert _json.loads((tmp_path / "a.json").read_text())["rows"][0]["mode"] == res["rows"][0]["mode"]
+    assert r128["weight_bytes"] < res["weights"][0]["weight_bytes"]
+    # the decode table scores the last 8 tokens of each window, by decode steps, and sees the cache
+    d = {r["mode"]: r for r in res["decode"]}
+    assert len(d) == len(accuracy.DECODE_MODES) and all(r["tokens_scored"] == 4 * 8 for r in res["decode"])
+    assert d["4-bit KV cache (`--compress-cache`)"]["ppl_change"] != 0.0
+    # the logit table: every mode on both families; weights change the prefill, the cache does not
+    lg = {(r["family"], r["mode"]): r for r in res["logits"]}
+    assert len(lg) == 2 * len(accuracy.LOGIT_MODES)
+    for fam in ("opt", "llama"):
+        assert lg[(fam, "4-bit KV cache")]["prefill_rel_error"] < 1e-5  # last bits: GEMM forms may differ
+        assert lg[(fam, "4-bit KV cache")]["decode_rel_error"] > 0.0
+        assert lg[(fam, "4-bit weights, dim 1, group 64 (default)")]["prefill_rel_error"] > 1e-4
+    assert _json.loads((tmp_path / "a.json").read_text())["weights"][0]["mode"] == res["weights"][0]["mode"]

@@ -35,7 +35,7 @@ def test_outputs_metrics_and_yaml_precedence(tiny_models, prompts_file: Path, tm
     assert m["num_prompts"] == len(PROMPTS) and m["gen_len"] == 3 and m["policy"][0]["gpu_batch_size"] == 2
     assert "tok/s" in stdout
     rc, _, _ = run_cli(["--config", str(cfg), "--prompts", str(prompts_file), "--output", str(out),
-                        "--gen-len", "5"], capsys)
+                        "--gen-len", "5", "--overwrite"], capsys)
     assert rc == 0
     recs = read_jsonl(out)
     assert all(len(r["tokens"]) == 5 for r in recs)  # the flag beats the YAML
@@ -63,7 +63,11 @@ def test_dummy_weights_for_a_registry_shape(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.parametrize("case", ["unknown-model", "registry-no-weights", "no-weights", "corrupt", "bad-config",
                                   "too-long", "empty-file", "bad-yaml-key", "gen-len-0", "bad-policy",
-                                  "missing-prompts", "text-without-tokenizer", "bad-json-line"])
+                                  "missing-prompts", "text-without-tokenizer", "bad-json-line", "unknown-dummy",
+                                  "temperature", "top-p-0", "top-p-big", "yaml-top-p-word", "yaml-gen-len-word",
+                                  "bad-flag-value", "unknown-flag", "output-under-file", "metrics-under-file",
+                                  "output-exists", "resume-without-output", "resume-and-overwrite",
+                                  "output-is-dir"])
 def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, capsys) -> None:
     tm = tiny_models["opt-pre"]
     model = ["--model", str(tm.path)]
@@ -82,6 +86,24 @@ def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, 
                                     str(_write(tmp_path / "t.txt", "hello\n"))], "no tokenizer"),
         "bad-json-line": (model + ["--prompts", str(_write(tmp_path / "b.jsonl", '{"id": 1}\n'))],
                           "needs a 'prompt' or 'input_ids'"),
+        "unknown-dummy": (["--model", "opt-999b", "--dummy-weights"], "unknown model name 'opt-999b'"),
+        "temperature": (model + ["--temperature", "-0.5"], "--temperature -0.5"),
+        "top-p-0": (model + ["--top-p", "0"], "--top-p 0"),
+        "top-p-big": (model + ["--top-p", "1.5"], "--top-p 1.5"),
+        "yaml-top-p-word": (model + ["--config", str(_write(tmp_path / "c1.yaml", "top_p: high\n"))],
+                            "key 'top_p': expected a number, got 'high'"),
+        "yaml-gen-len-word": (model + ["--config", str(_write(tmp_path / "c2.yaml", "gen_len: many\n"))],
+                              "key 'gen_len': expected an integer"),
+        "bad-flag-value": (model + ["--gen-len", "x"], "argument --gen-len: invalid int value"),
+        "unknown-flag": (model + ["--gen-lenn", "3"], "unrecognized arguments: --gen-lenn"),
+        "output-under-file": (model + ["--output", str(_write(tmp_path / "f", "x") / "o.jsonl")], "is a file"),
+        "metrics-under-file": (model + ["--metrics", str(_write(tmp_path / "f2", "x") / "m.json")], "is a file"),
+        "output-exists": (model + ["--prompts", str(p), "--output", str(_write(tmp_path / "o.jsonl", "{}\n"))],
+                          "--resume"),
+        "resume-without-output": (model + ["--resume"], "--resume needs --output"),
+        "resume-and-overwrite": (model + ["--output", str(tmp_path / "o"), "--resume", "--overwrite"],
+                                 "exclude each other"),
+        "output-is-dir": (model + ["--output", str(tmp_path)], "is a directory"),
     }.get(case, (None, None))
     if case == "no-weights":
         d = tmp_path / "m"
@@ -103,9 +125,10 @@ def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, 
         c = _write(tmp_path / "c.yaml", "gen_len: 3\nbatch_size_typo: 4\n")
         args, expect = model + ["--config", str(c)], "unknown key 'batch_size_typo'"
     rc, _, err = run_cli(args, capsys)
-    assert rc != 0
+    assert rc in (1, 2)
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and expect in lines[0], err
+    assert "usage:" not in err and "Traceback" not in err
 
 
 def test_module_exit_code_and_stderr(tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def test_allocate_enospc_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
         monkeypatch.setattr(os, "posix_fallocate", full)
         with pytest.raises(DiskStoreError, match="ran out of space.*--offload-dir"):
             store.allocate("kv", (1024, 1024), torch.float16)
-        assert os.listdir(store.dir) == []
+        assert os.listdir(store.dir) == [".owner"]
 
 
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
@@ -237,7 +237,7 @@ def test_sigterm_removes_files(tmp_path: Path, mode: str, returncode: int) -> No
                             stdout=subprocess.PIPE, text=True)
     try:
         store_dir = Path(proc.stdout.readline().strip())
-        assert store_dir.is_dir() and len(list(store_dir.iterdir())) == 1
+        assert store_dir.is_dir() and len(list(store_dir.iterdir())) == 2  # a tensor and the .owner file
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == returncode
     finally:
@@ -245,3 +245,36 @@ def test_sigterm_removes_files(tmp_path: Path, mode: str, returncode: int) -> No
             proc.kill()
             proc.wait()
     assert not store_dir.exists()
+
+
+def test_stale_dirs_of_dead_runs_are_removed(tmp_path: Path, caplog) -> None:
+    """A dir whose owner on this host is dead goes (a SIGKILLed run's); a live owner's, another
+    host's, a reused pid's owner being alive, and a dir without an owner file stay."""
+    import json
+    import socket
+
+    from flexgen_dist.memory.disk import OWNER_FILE, _proc_start
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+
+    def make(name: str, owner: dict | None, size: int = 0) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "kv").write_bytes(b"x" * size)
+        if owner is not None:
+            (d / OWNER_FILE).write_text(json.dumps(owner))
+        return d
+
+    gone = make("flexgen-rank0-dead", {"host": host, "pid": dead.pid, "start": None}, 1 << 20)
+    reused = make("flexgen-rank1-reused", {"host": host, "pid": os.getpid(), "start": -1})
+    live = make("flexgen-rank0-live", {"host": host, "pid": os.getpid(), "start": _proc_start(os.getpid())})
+    other = make("flexgen-rank0-other", {"host": host + "-elsewhere", "pid": dead.pid, "start": None})
+    legacy = make("flexgen-rank0-legacy", None)
+    with caplog.at_level("WARNING", logger="flexgen_dist.memory.disk"):
+        with DiskStore(tmp_path) as store:
+            assert json.loads((Path(store.dir) / OWNER_FILE).read_text())["pid"] == os.getpid()
+    assert not gone.exists() and not reused.exists()
+    assert live.exists() and other.exists() and legacy.exists()
+    assert "removed 2 dir(s)" in caplog.text and "1.01 MiB freed" in caplog.text

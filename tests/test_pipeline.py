@@ -106,7 +106,7 @@ def test_killed_rank_makes_the_others_exit(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
     assert procs[0].returncode != 0 and procs[2].returncode != 0
-    assert all("rank 1" in e for e in errs.values()), errs
+    assert all("rank 1" in e for e in errs.values()), "\n----\n".join(errs.values())
 
 
 def test_raising_rank_makes_the_others_exit(tmp_path: Path) -> None:

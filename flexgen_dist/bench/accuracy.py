@@ -112,20 +112,22 @@ def ppl_rows(model: str | None, dummy: bool, modes: list[tuple[str, dict[str, An
     return rows
 
 
-def random_model(family: str, path: Path) -> Path:
-    """A transformers model of a small but real shape with its library's random initialisation."""
+def random_model(family: str, path: Path, hidden: int = 768) -> Path:
+    """A transformers model of a small but real shape (heads of 64) with its library's random
+    initialisation."""
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
+    heads = max(1, hidden // 64)
     if family == "opt":
-        m = OPTForCausalLM(OPTConfig(vocab_size=2048, hidden_size=768, ffn_dim=3072, num_hidden_layers=4,
-                                     num_attention_heads=12, max_position_embeddings=512, pad_token_id=1,
+        m = OPTForCausalLM(OPTConfig(vocab_size=2048, hidden_size=hidden, ffn_dim=4 * hidden, num_hidden_layers=4,
+                                     num_attention_heads=heads, max_position_embeddings=512, pad_token_id=1,
                                      bos_token_id=2, eos_token_id=2))
     else:
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=768, intermediate_size=2048,
-                                         num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
-                                         max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                                         eos_token_id=2))
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=8 * hidden // 3,
+                                         num_hidden_layers=4, num_attention_heads=heads,
+                                         num_key_value_heads=max(1, heads // 3), max_position_embeddings=512,
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=2))
     m.save_pretrained(path)
     return path
 
@@ -156,12 +158,12 @@ def step_logits(path: Path, opts: dict[str, Any], prompts: list[list[int]], forc
     return out
 
 
-def logit_rows(workdir: Path, steps: int = 17) -> list[dict[str, Any]]:
+def logit_rows(workdir: Path, hidden: int = 768, steps: int = 17) -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 2048, (4, 128), generator=g).tolist()
     rows = []
     for family in ("opt", "llama"):
-        path = random_model(family, workdir / family)
+        path = random_model(family, workdir / family, hidden)
         ref = step_logits(path, {}, prompts, None, steps)
         forced = torch.stack([lg.argmax(-1) for lg in ref[:-1]], 1)  # the reference run's own tokens
         for name, opts in LOGIT_MODES:
@@ -199,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--decode-tokens", type=int, default=128, help="of each window, for the KV-cache table")
     ap.add_argument("--skip-logits", action="store_true", help="leave out the random-shape logit table")
+    ap.add_argument("--logit-hidden", type=int, default=768, help="hidden size of the random shapes")
     ap.add_argument("--json", default="bench_results/accuracy.json")
     args = ap.parse_args(argv)
     ev = {"text": args.text, "window": args.window, "max_windows": args.max_windows}
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logits: list[dict[str, Any]] = []
     if not args.skip_logits:
         with tempfile.TemporaryDirectory(prefix="fg-acc-") as d:
-            logits = logit_rows(Path(d))
+            logits = logit_rows(Path(d), args.logit_hidden)
     out = {"benchmark": "accuracy", "machine": machine(), "model": args.model or "bundled SmolLM2-135M-Instruct",
            "text": args.text or "bundled English sample", "window": args.window,
            "decode_tokens": args.decode_tokens, "weights": weights, "decode": decode, "logits": logits}

@@ -263,8 +263,10 @@ class FailureMonitor:
         self._thread.start()
         return self
 
-    def report(self, exc: BaseException) -> None:
-        """Tell the other ranks that this one failed with `exc` (once; best effort, never raises)."""
+    def report(self, exc: BaseException, quiet: bool = False) -> None:
+        """Tell the other ranks that this one failed with `exc` (once; best effort, never raises).
+        Says so on stderr and in the rank log; ``quiet``: in the rank log only (the caller
+        prints the error itself, with ``earlier_failure`` where there is one)."""
         if self._reported:
             return
         self._reported = True
@@ -285,7 +287,23 @@ class FailureMonitor:
                 lines.append(f"flexgen_dist rank {me}: rank 0 (host of the failure store) is "
                              f"unreachable ({err}): it probably died first; see its log")
         for line in lines:
-            _say(line)
+            (_to_log_files if quiet else _say)(line)
+
+    def earlier_failure(self) -> tuple[int, str] | None:
+        """(rank, message) of a failure another rank reported, or None: a broken connection
+        here is often only the echo of it."""
+        if self.store is None:
+            return None
+        try:
+            for p in self._peers:
+                if store_has(self.store, _key("state", p)):
+                    state = self.store.get(_key("state", p)).decode(errors="replace")
+                    if state.startswith("failed:"):
+                        return p, f"rank {p} failed: {state[len('failed:'):][:500]}"
+        except Exception:  # noqa: BLE001 - the store host is gone
+            if self.ctx.rank != 0 and self._finished.get(0) != "done":
+                return 0, "rank 0 failed: its failure store is unreachable: it probably died; see its log"
+        return None
 
     def stop(self) -> None:
         """Stop the thread and say "done" (unless reported); rank 0 waits for its peers."""
@@ -366,7 +384,7 @@ class FailureMonitor:
 
     def _abort(self, reason: str) -> None:
         me = self.ctx.rank
-        _say(f"flexgen_dist rank {me}: {reason}; exiting")
+        _say(f"error: rank {me} stops: {reason}")
         try:
             assert self.store is not None
             self.store.set(_key("state", me), "aborted:" + reason[:1000])
@@ -388,11 +406,26 @@ class FailureMonitor:
         os._exit(self.exit_code)
 
 
+def _handlers() -> list[logging.Handler]:
+    out, lg = [], log
+    while lg is not None:
+        out += lg.handlers
+        lg = lg.parent if lg.propagate else None  # type: ignore[assignment]
+    return out
+
+
+def _to_log_files(line: str) -> None:
+    """To the rank's log files (``--log-dir``), not to stderr."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    for h in _handlers():
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
 def _say(line: str) -> None:
-    """To stderr (what launchers collect) and to the rank log, once each."""
+    """Once to stderr (what launchers collect), and to the rank's log files."""
     print(line, file=sys.stderr, flush=True)
-    if log.hasHandlers():  # otherwise logging's last resort would print it a second time
-        log.error(line)
+    _to_log_files(line)
 
 
 def store_has(store: dist.Store, key: str) -> bool:

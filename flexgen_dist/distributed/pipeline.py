@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.sampling import EosTracker, SamplingConfig, make_generator, sample
+from ..engine.sampling import EosTracker, SamplingConfig, sample
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .comm import StageComm
@@ -49,8 +49,11 @@ class Pipeline:
 
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
-                 targets: list[list[int]] | None = None) -> None:
+                 targets: list[list[int]] | None = None, keys: list[int] | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
+        # each prompt's key for its random draws (its index in the job; default: in this call)
+        n = sum(len(b.lens) for b in blocks)
+        self.keys = torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=engine.device)
         self.gen_len, self.sampling = gen_len, sampling
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
         self._forced: list[torch.Tensor] = []  # scoring, stage 0: per group, (b, gen_len - 1) decode inputs
@@ -103,12 +106,12 @@ class Pipeline:
             assert prompts is not None
             self._forced = [self._forced_inputs(b, prompts) for b in wave]
         tokens: list[list[torch.Tensor]] = [[] for _ in wave]  # stage 0 and last: per group
-        trackers = gens = None
+        trackers = keys = None
         if self.last and self.targets is None:
             spec, dev = self.engine.spec, self.engine.device
             trackers = [[EosTracker(len(lens), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev)
                          for lens in st.meta.prompt_lens] for st in states]
-            gens = [make_generator(self.sampling.seed, b.index, dev) for b in wave]
+            keys = [self.keys[b.first:b.first + len(b.lens)].split(self.gbs) for b in wave]  # per GPU batch
         items = [(i, t) for i in range(gen_len) for t in range(len(wave))]
         done = [False] * len(wave)  # groups whose every sequence has ended (same on every rank)
         pending = self._post_recv(wave[0], 0)
@@ -130,7 +133,7 @@ class Pipeline:
                     done[t] = True
                     self._pass_skip(blk, i)
                 else:
-                    self._compute(states[t], i, t, x, tokens, trackers, gens, done)
+                    self._compute(states[t], i, t, x, tokens, trackers, keys, done)
                 if i == 0 and t == len(wave) - 1 and self.first and self.last:
                     self._prefill_done = time.perf_counter()
                 if progress is not None:
@@ -199,7 +202,7 @@ class Pipeline:
             yield blk.first, outs
 
     def _compute(self, st: Any, i: int, t: int, x: torch.Tensor, tokens: list[list[torch.Tensor]],
-                 trackers: Any, gens: Any, done: list[bool]) -> None:
+                 trackers: Any, keys: Any, done: list[bool]) -> None:
         """Run (i, t) on this stage and pass the result on: hidden states to the next stage,
         or (last stage) the sampled ids, with the early-stop flag, to stage 0."""
         outs = self.engine.run_token(st, i, list(torch.split(x, self.gbs)))
@@ -218,7 +221,8 @@ class Pipeline:
             if not self.first and i == self.gen_len - 1:
                 self._send(tokens[t][0].to(self.wire), 0)
             return
-        parts = [trk.update(sample(lg.float(), self.sampling, gens[t])) for trk, lg in zip(trackers[t], outs)]
+        parts = [trk.update(sample(lg.float(), self.sampling, k, i))
+                 for trk, lg, k in zip(trackers[t], outs, keys[t])]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
         ended = all(trk.all_done() for trk in trackers[t])
         if self.first:
@@ -298,12 +302,12 @@ class Pipeline:
 
 
 def generate(engine: StageEngine, prompts: list[list[int]], gen_len: int, sampling: SamplingConfig,
-             progress: Progress | None = None) -> tuple[list[list[int]], Timings]:
+             progress: Progress | None = None, keys: list[int] | None = None) -> tuple[list[list[int]], Timings]:
     """The loop on one engine that owns the whole model (no ranks, no files): token lists in
     input order and the timings. For engines built by hand (tests, benchmarks); users call
     ``flexgen_dist.LLM``."""
     blocks = plan_blocks([len(p) for p in prompts], engine.policy.block_size)
-    pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling)
+    pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, keys=keys)
     outs: list[list[int]] = []
     for _, block_outs in pipe.run(prompts, progress):
         outs.extend(block_outs)

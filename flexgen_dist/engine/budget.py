@@ -57,10 +57,12 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
     for t in peak:
         peak[t] += cache[t] * nl * blocks + acts[t] * blocks
     # compute-device working set: weights of two slots in flight, one batch's activations,
-    # its MLP intermediate and its prefill attention scores
+    # its MLP intermediate and its prefill attention scores, its expanded cache chunk
     work = 2 * max_off
     work += b * prompt_len * (2 * spec.hidden_size + spec.ffn_size) * dtype_bytes
     work += b * spec.num_heads * prompt_len * prompt_len * 4
+    if policy.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
+        work += 2 * b * spec.num_kv_heads * total * spec.head_dim * dtype_bytes
     if has_head:
         work += b * spec.vocab_size * 4
     peak[Tier.GPU.value] += work

@@ -19,6 +19,8 @@ positions, so a larger one would only store padding.
 """
 from __future__ import annotations
 
+import math
+
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,6 +87,9 @@ class BlockCache:
         self._disk_store = disk
         self.chunks: dict[tuple[int, int], list[Chunk]] = {}
         self._bytes: list[tuple[Tier, int]] = []
+        # compressed, on a CPU: reused dense K and V of one chunk at full length, because
+        # fresh ones each step cost more in page faults than the dequantization itself
+        self._scratch: dict[str, torch.Tensor] = {}
         for j in layers:
             for kb, b in enumerate(batch_sizes):
                 parts = []
@@ -134,6 +139,9 @@ class BlockCache:
         return j in self._disk_layers
 
     def free(self) -> None:
+        for buf in self._scratch.values():
+            self.tracker.sub(Tier.GPU, buf.nbytes)
+        self._scratch.clear()
         for tier, n in self._bytes:
             self.tracker.sub(tier, n)
         self._bytes.clear()
@@ -226,9 +234,24 @@ class BlockCache:
             if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
                 dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
                 qr, m = qr.to(dev), m.to(dev)
-            kd, vd = _dense(kc, dev, pos_major), _dense(vc, dev, pos_major)
+            kd, vd = self._dense(kc, dev, pos_major, "k"), self._dense(vc, dev, pos_major, "v")
             outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity)))
         return merge_partial(outs, q.shape[0], self.device)
+
+    def _dense(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
+        """``_dense``, into a reused buffer where a compressed chunk expands on the CPU."""
+        if not (isinstance(x, QTensor) and device.type == "cpu"):
+            return _dense(x, device, pos_major)
+        rows = x.shape[1] if pos_major else x.shape[0]
+        need = rows * self.max_len * self.head_dim
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < need:
+            if buf is not None:
+                self.tracker.sub(Tier.GPU, buf.nbytes)
+            buf = self._scratch[key] = torch.empty(need, dtype=self.dtype)
+            self.tracker.add(Tier.GPU, buf.nbytes)
+        out = dequantize(x, device, out=buf[:math.prod(x.shape)].view(x.shape))
+        return out.transpose(0, 1) if pos_major else out
 
     def _append(self, ch: Chunk, kn: torch.Tensor, vn: torch.Tensor, pos0: int,
                 length: int) -> tuple[Stored, Stored, bool]:

@@ -398,9 +398,12 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         if p.is_dir() and (p / "config.json").exists():
             spec = spec_from_hf_config(_read_config(p), p.name)
         else:
-            spec = get_spec(model) if not model.endswith(".gguf") else None  # type: ignore[assignment]
-            if spec is None:
+            if model.endswith(".gguf"):
                 raise ModelLoadError("--dummy-weights takes a registry shape or a model dir, not a .gguf")
+            try:
+                spec = get_spec(model)
+            except KeyError as e:
+                raise ModelLoadError(str(e.args[0])) from None
         return LoadedModel(spec, DummySource(spec, dtype, seed), None, f"dummy weights for {spec.name}")
     if str(model).endswith(".gguf"):
         if not p.is_file():

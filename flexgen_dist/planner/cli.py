@@ -17,12 +17,13 @@ import torch
 from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.planner.cost_model import Workload
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
+from flexgen_dist.config import ArgParser, ConfigError
 from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware
 from flexgen_dist.planner.search import PipelinePlan, PlanError, plan_pipeline
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flexgen_dist.planner",
+    ap = ArgParser(prog="python -m flexgen_dist.planner",
                                  description="Plan offloading policies per pipeline stage, or "
                                              "profile this machine.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -158,7 +159,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return cmd_plan(args) if args.cmd == "plan" else cmd_profile(args)
     except KeyError as e:  # unknown model name: its message is the first argument
