@@ -4,6 +4,7 @@
     python -m flexgen_dist.eval ppl --text book.txt --window 512 --stride 256 --compress-weight
     python -m flexgen_dist.eval ppl --text ids.jsonl --model opt-1.3b --dummy-weights --json ppl.json
     torchrun --nproc-per-node 2 -m flexgen_dist.eval ppl --text book.txt ...
+    python -m flexgen_dist.eval ppl --decode-tokens 128 --compress-cache     # the cache, as decode reads it
 
 The text (a text file, or a ``.jsonl`` of ``{"input_ids": [...]}`` lines for models without a
 tokenizer, concatenated) is cut into windows of ``--window`` tokens every ``--stride`` tokens,
@@ -12,6 +13,10 @@ before (all but its first token when stride = window), teacher-forced, with the 
 logits at every position. Every placement, compression and sparsity flag of
 ``flexgen_dist.run`` applies (and ``--policy``, ``--config``, several ranks), so the effect
 of a policy on accuracy is measured on the engine that runs it.
+
+With ``--decode-tokens N`` only the last N tokens of each window are scored, each predicted
+by a teacher-forced decode step over the KV cache (the rest of the window is context), so
+the modes that act on decode attention (``--compress-cache``, ``--attn-sparsity``) show.
 """
 from __future__ import annotations
 

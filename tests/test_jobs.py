@@ -149,3 +149,65 @@ def test_resume_on_another_number_of_ranks(tiny_models, tmp_path: Path, capsys) 
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.read_bytes() == ref.read_bytes()
+
+
+def _spawn(nproc: int, args: list[str]) -> list[subprocess.Popen]:
+    """Ranks as plain processes (no launcher agent that would end the others for us)."""
+    port = free_port(pair=True)
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "flexgen_dist.run", "--no-progress", *args],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_random_kills_then_resume(tiny_models, tmp_path: Path, capsys) -> None:
+    """10 times: SIGKILL a random rank of a 2- or 3-rank job at a random moment; every
+    survivor exits within the timeout naming the dead rank; --resume (on one process) then
+    finishes the job, and its output equals an uninterrupted run's, byte for byte; the
+    offload files the killed ranks left are gone after it."""
+    import random
+
+    tm = tiny_models["opt-pre"]
+    rng = random.Random(1234)
+    prompts = [[5 + i % 50, 6 + i % 7, 7, 8 + i % 3] for i in range(40)]
+    p = write_jsonl(tmp_path / "p.jsonl", prompts)
+    common = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", "110", "--ignore-eos",
+              "--temperature", "0.9", "--seed", "5", "--gpu-batch-size", "2", "--dist-timeout", "8",
+              "--percent", "50", "0", "100", "0", "100", "0", "--offload-dir", str(tmp_path / "off")]
+    ref = tmp_path / "ref.jsonl"
+    assert _run(common + ["--output", str(ref)], capsys)[0] == 0
+    for it in range(10):
+        world = 2 if it % 2 == 0 else 3
+        out = tmp_path / f"out{it}.jsonl"
+        procs = _spawn(world, common + ["--output", str(out)])
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and not (out.exists() and out.stat().st_size > 0):
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 1.5))
+            dead = rng.randrange(world)
+            procs[dead].kill()
+            t_kill = time.time()
+            for r, proc in enumerate(procs):
+                if r == dead:
+                    continue
+                proc.wait(timeout=40)
+                err = proc.stderr.read()
+                if proc.returncode != 0:  # it had not finished before the kill
+                    assert f"rank {dead}" in err, (it, world, dead, r, err[-2000:])
+                    assert time.time() - t_kill < 40
+                    assert "Traceback" not in err, err[-3000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        rc, _ = _run(common + ["--output", str(out), "--resume", "--gpu-batch-size", "3"], capsys)
+        assert rc == 0
+        assert out.read_bytes() == ref.read_bytes(), it
+    assert not any((tmp_path / "off").iterdir())  # the killed ranks' files were reclaimed

@@ -305,3 +305,52 @@ def test_slurm_sweep(slurm: tuple[Path, dict[str, str]]) -> None:
     record = wait_job(job, env)
     out = (d / "sweep" / f"run-1n-{job}.out").read_text()
     assert "ring ok: world=1 rounds=2" in out, out + record
+
+
+def test_slurm_requeue_finishes_the_job_exactly_once(slurm: tuple[Path, dict[str, str]], tiny_models,
+                                                     tmp_path: Path) -> None:
+    """`scontrol requeue` mid-run: the job is stopped (SIGTERM), requeued, restarts with
+    --resume (added by run.sbatch), and finishes; every prompt's line is there once and the
+    file equals an uninterrupted run's."""
+    import json as _json
+
+    d, env = slurm
+    tm = tiny_models["opt-pre"]
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(_json.dumps({"input_ids": [5 + i % 40, 6, 7 + i % 5]}) + "\n" for i in range(40)))
+    args = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", "110", "--ignore-eos", "--gpu-batch-size", "2",
+            "--no-progress", "--offload-dir", str(tmp_path / "off")]
+    ref = tmp_path / "ref.jsonl"
+    r = subprocess.run([sys.executable, "-m", "flexgen_dist.run", *args, "--output", str(ref)], env=clean_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "out.jsonl"
+    env = env | {"MASTER_PORT": str(free_port(pair=True)), "MODULE": "flexgen_dist.run"}
+    res = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=1", f"--output={d}/rq-%j.out",
+                          f"--chdir={REPO}", str(REPO / "slurm/run.sbatch"), *args, "--output", str(out)],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out.exists() and out.read_text().count("\n") >= 2):
+            time.sleep(0.1)
+        assert out.exists(), (d / f"rq-{job}.out").read_text() if (d / f"rq-{job}.out").exists() else "no log"
+        q = subprocess.run(["scontrol", "requeue", job], env=env, capture_output=True, text=True, timeout=30)
+        assert q.returncode == 0, q.stderr
+        # a requeued job waits out a begin time before it is eligible again: make it now
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
+                           capture_output=True, timeout=30)
+            rec = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                                 timeout=30).stdout
+            if "Restarts=1" in rec and ("JobState=COMPLETED" in rec or "JobState=FAILED" in rec):
+                break
+            time.sleep(1)
+    finally:
+        subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+    log = (d / f"rq-{job}.out").read_text()
+    assert "JobState=COMPLETED" in rec, log + rec
+    assert "stopped by SIGTERM" in log and "resuming:" in log, log
+    assert out.read_bytes() == ref.read_bytes(), log
