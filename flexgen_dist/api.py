@@ -145,7 +145,11 @@ class LLM:
         self.device = resolve_device(cfg.device, self.topology.local_rank)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         if cfg.log_dir:
-            setup_rank_logging(cfg.log_dir, self.topology.rank)
+            try:
+                setup_rank_logging(cfg.log_dir, self.topology.rank)
+            except OSError as e:
+                raise ConfigError(f"--log-dir {cfg.log_dir}: cannot be used ({e.strerror or e}); choose a "
+                                  "writable directory") from None
         self.engine: StageEngine | None = None
         self.metrics: dict[str, Any] = {}  # rank 0: the merged report of the last generate call
         self.stage_metrics: dict[str, Any] = {}  # every rank: its own stage's record

@@ -92,6 +92,8 @@ class RunConfig:
             raise ConfigError(f"--partition {self.partition!r}: use equal or balanced")
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
+        if self.print_outputs < 0:
+            raise ConfigError(f"--print-outputs {self.print_outputs}: must be >= 0")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite exclude each other: resume finishes a job, overwrite "
                               "starts it over")
