@@ -8,7 +8,8 @@
 
 See ``flexgen_dist.api`` for the options and the SPMD rule under torchrun, mpirun and Slurm.
 """
-from .api import LLM, Completion, Score
+from .api import LLM, Completion
+from .scoring import Score
 from .config import ConfigError, RunConfig
 from .engine.policy import Policy
 from .engine.sampling import SamplingConfig

@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .api import LLM, Score
+from .api import LLM
+from .scoring import Score
 from .config import ArgParser, ConfigError, RunConfig, parse_config
 from .prompts import jsonl_records
 from .errors import exit_code_of

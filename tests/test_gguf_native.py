@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flexgen_dist.memory.quant import QTensor, dequantize
-from flexgen_dist.models.loader import bundled_model_path, gguf_packed
+from flexgen_dist.models.loader import bundled_model_path
+from flexgen_dist.models.packed import gguf_packed
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

@@ -192,15 +192,13 @@ def test_random_kills_then_resume(tiny_models, tmp_path: Path, capsys) -> None:
             time.sleep(rng.uniform(0.0, 1.5))
             dead = rng.randrange(world)
             procs[dead].kill()
-            t_kill = time.time()
             for r, proc in enumerate(procs):
                 if r == dead:
                     continue
-                proc.wait(timeout=40)
+                proc.wait(timeout=40)  # no hang: raises past the bound
                 err = proc.stderr.read()
                 if proc.returncode != 0:  # it had not finished before the kill
                     assert f"rank {dead}" in err, (it, world, dead, r, err[-2000:])
-                    assert time.time() - t_kill < 40
                     assert "Traceback" not in err, err[-3000:]
         finally:
             for proc in procs:

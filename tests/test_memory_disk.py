@@ -253,7 +253,7 @@ def test_stale_dirs_of_dead_runs_are_removed(tmp_path: Path, caplog) -> None:
     import json
     import socket
 
-    from flexgen_dist.memory.disk import OWNER_FILE, _proc_start
+    from flexgen_dist.memory.owners import OWNER_FILE, _proc_start
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -234,11 +234,11 @@ class BlockCache:
             if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
                 dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
                 qr, m = qr.to(dev), m.to(dev)
-            kd, vd = self._dense(kc, dev, pos_major, "k"), self._dense(vc, dev, pos_major, "v")
+            kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
             outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity)))
         return merge_partial(outs, q.shape[0], self.device)
 
-    def _dense(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
+    def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``_dense``, into a reused buffer where a compressed chunk expands on the CPU."""
         if not (isinstance(x, QTensor) and device.type == "cpu"):
             return _dense(x, device, pos_major)

@@ -17,7 +17,7 @@ import torch
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
-from ..models.loader import PackedWeight
+from ..models.packed import PackedWeight
 
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
 TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it

@@ -11,15 +11,12 @@ file system refuses O_DIRECT, ``direct_io="auto"`` falls back to buffered I/O an
 Files are removed by ``close()``, at interpreter exit, when the store is garbage-collected,
 and on SIGTERM (a handler is installed only over the default action; it removes the files
 and re-raises the signal so the exit status still says SIGTERM). A process killed outright
-(SIGKILL, a lost node) cannot clean up: each dir carries an ``.owner`` file (host, pid and
-the process's start time), and the next store made under the same root removes the dirs
-whose owner on this host is dead (never a live one's, never another host's) and logs how
-much it freed.
+(SIGKILL, a lost node) cannot clean up: each dir carries an ``.owner`` file, and the next
+run under the same root removes the dirs of dead owners (``memory/owners.py``).
 """
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import mmap
 import os
@@ -27,7 +24,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexgen_dist.memory.owners import reclaim_stale_dirs, write_owner
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
 from flexgen_dist.memory.tiers import format_bytes
 
@@ -97,69 +94,6 @@ def _install_sigterm_handler() -> None:
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _sigterm_handler)
-
-
-OWNER_FILE = ".owner"
-
-
-def _proc_start(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (/proc), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int, start: int | None) -> bool:
-    """Whether process ``pid`` still exists and is the one that started at ``start``."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's live process
-    now = _proc_start(pid)
-    return start is None or now is None or now == start  # a reused pid is another process
-
-
-def _dir_bytes(path: Path) -> int:
-    n = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                n += os.stat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
-    return n
-
-
-def remove_stale_dirs(root: Path) -> tuple[int, int]:
-    """Remove the offload dirs under ``root`` whose owner process on this host is dead.
-    Returns (dirs removed, bytes freed)."""
-    host, count, freed = socket.gethostname(), 0, 0
-    for d in root.glob("flexgen-rank*"):
-        try:
-            owner = json.loads((d / OWNER_FILE).read_text())
-            if owner["host"] != host or _alive(int(owner["pid"]), owner.get("start")):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # no readable owner: not ours to judge
-        size = _dir_bytes(d)
-        shutil.rmtree(d, ignore_errors=True)
-        if not d.exists():
-            count, freed = count + 1, freed + size
-    return count, freed
-
-
-def reclaim_stale_dirs(root: Path) -> None:
-    """``remove_stale_dirs`` under an existing ``root``, saying what it freed."""
-    if not root.is_dir():
-        return
-    stale, freed = remove_stale_dirs(root)
-    if stale:
-        log.warning("offload dir %s: removed %d dir(s) left by runs that died (%s freed)",
-                    root, stale, format_bytes(freed))
 
 
 def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor) -> None:
@@ -285,8 +219,7 @@ class DiskStore:
             self.root.mkdir(parents=True, exist_ok=True)
             reclaim_stale_dirs(self.root)
             (self.root / name).mkdir()
-            (self.root / name / OWNER_FILE).write_text(json.dumps(
-                {"host": socket.gethostname(), "pid": os.getpid(), "start": _proc_start(os.getpid())}))
+            write_owner(self.root / name)
         except OSError as e:
             raise DiskStoreError(
                 f"offload dir {self.root} is not usable ({e.strerror or e}): pass a writable "
