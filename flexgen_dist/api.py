@@ -41,6 +41,7 @@ from .engine.sampling import SamplingConfig
 from .engine.stage import StageEngine
 from .memory.disk import DiskStore
 from .memory.owners import reclaim_stale_dirs
+from .memory.tiers import MemoryBudgetError
 from .metrics import merge_metrics, progress_bar, summary
 from .models.loader import LoadedModel, describe, load_model
 from .prompts import Prompt, check_prompt_lengths, make_prompt
@@ -262,21 +263,41 @@ class LLM:
         """Rank 0: layer ranges, one policy per stage (files, flags or the planner), G."""
         cfg, spec, m = self.config, self.model.spec, self.world_size
         ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-        predicted: dict[str, Any] = {}
-        if cfg.auto_policy:
-            from .planner.auto import auto_policies
+        from .planner.auto import auto_policies, fixed_policy_choice
 
-            policies, predicted, ranges = auto_policies(
-                dataclasses.replace(cfg, gen_len=work["gen_len"]), spec, ranges, max(work["lens"]),
-                self._dtype_bytes, self.device, len(work["lens"]))
+        run_cfg = dataclasses.replace(cfg, gen_len=work["gen_len"])
+        prompt_len, n = max(work["lens"]), len(work["lens"])
+        if cfg.auto_policy:
+            policies, predicted, ranges = auto_policies(run_cfg, spec, ranges, prompt_len, self._dtype_bytes,
+                                                        self.device, n)
         else:
             policies = cfg.stage_policies(m)
         sizes = {p.block_size for p in policies}
         if len(sizes) != 1:
             raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
                               "num_gpu_batches): every stage must use the same block size")
+        if not cfg.auto_policy:
+            def fits(G: int) -> bool:
+                try:
+                    for s, (p, r) in enumerate(zip(policies, ranges)):
+                        check_budgets(self._peaks(p, tuple(r), s, prompt_len, work["gen_len"], G), cfg.budgets, s)
+                except MemoryBudgetError:
+                    return False
+                return True
+
+            predicted = fixed_policy_choice(run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes,
+                                            self.device, n, fits)
+        G, items = predicted.pop("num_micro_batches"), predicted.pop("prefill_items")
         return {"policies": [p.to_dict() for p in policies], "ranges": [list(r) for r in ranges],
-                "G": cfg.num_micro_batches or m, "predicted": predicted}
+                "G": G, "prefill": items, "predicted": predicted}
+
+    def _peaks(self, policy: Policy, layers: tuple[int, int], stage: int, prompt_len: int, gen_len: int,
+               G: int) -> dict[str, int]:
+        """The budget check's peak model (``engine/budget.py``) for one stage."""
+        return predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
+                             has_head=stage == self.world_size - 1, prompt_len=prompt_len, gen_len=gen_len,
+                             dtype_bytes=self._dtype_bytes, num_blocks_in_flight=G,
+                             packed=self.model.source.packed_formats)
 
     @property
     def _dtype_bytes(self) -> int:
@@ -288,10 +309,7 @@ class LLM:
         assert plan is not None
         policy = Policy.from_dict(plan["policies"][rank])
         lo, hi = plan["ranges"][rank]
-        peak = predict_peaks(spec, policy, (lo, hi), has_embed=self.topology.is_first,
-                             has_head=self.topology.is_last, prompt_len=max(work["lens"]),
-                             gen_len=work["gen_len"], dtype_bytes=self._dtype_bytes,
-                             num_blocks_in_flight=plan["G"], packed=self.model.source.packed_formats)
+        peak = self._peaks(policy, (lo, hi), rank, max(work["lens"]), work["gen_len"], plan["G"])
         check_budgets(peak, self.config.budgets, stage=rank)
         work["peak"] = peak
         if self.engine is not None:
@@ -318,7 +336,8 @@ class LLM:
     def _say_plan(self) -> None:
         plan = self._plan
         assert plan is not None
-        where = f"; {self.world_size} stages {[tuple(r) for r in plan['ranges']]}; G={plan['G']}" \
+        where = f"; {self.world_size} stages {[tuple(r) for r in plan['ranges']]}; G={plan['G']}; " \
+            f"prefill items per {plan['prefill']}" \
             if self.world_size > 1 else ""
         print(f"model: {describe(self.model)}{where}", file=sys.stderr)
         for s, d in enumerate(plan["policies"]):
@@ -336,8 +355,9 @@ class LLM:
         gen_len, sampling = work["gen_len"], SamplingConfig(**work["sampling"])
         blocks = plan_blocks(work["lens"], engine.policy.block_size)
         pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx,
-                        targets=work.get("targets"), keys=work.get("keys"))
+                        targets=work.get("targets"), keys=work.get("keys"), prefill=plan.get("prefill", "block"))
         times0 = engine.times.as_dict()
+        read0 = self._disk.bytes_read if self._disk is not None else 0
         prompts: list[Prompt] | None = work.get("prompts")
         bar = progress_bar(len(blocks) * gen_len, self.config.progress and self.is_driver)
         try:
@@ -352,6 +372,8 @@ class LLM:
             "stage": self.rank, "layers": [lo, hi], "policy": engine.policy.to_dict(),
             "peak_bytes": engine.peak_bytes(), "predicted_peak_bytes": work["peak"], **times,
             "comm_wait_s": pipe.comm_wait_s, "token_steps": pipe.timings.token_steps,
+            "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
+            "disk_bytes_read": (self._disk.bytes_read - read0) if self._disk is not None else 0,
             "direct_io": None if self._disk is None else self._disk.direct,
         }
         if not self.is_driver:
@@ -360,7 +382,8 @@ class LLM:
         stages = [self.stage_metrics] + [self._comm.recv_obj(r) for r in range(1, self.world_size)]  # type: ignore[union-attr]
         run = {"model": describe(self.model), "device": str(self.device),
                "dtype": str(self.dtype).replace("torch.", ""), "num_prompts": len(work["lens"]),
-               "prompt_len": max(work["lens"]), "gen_len": gen_len, "num_micro_batches": plan["G"]}
+               "prompt_len": max(work["lens"]), "gen_len": gen_len, "num_micro_batches": plan["G"],
+               "prefill_items": plan["prefill"]}
         self.metrics = merge_metrics(run, pipe.timings, stages, plan["predicted"])
 
     def _completion(self, index: int, p: Prompt, toks: list[int]) -> Completion:

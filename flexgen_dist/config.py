@@ -64,6 +64,7 @@ class RunConfig:
     num_micro_batches: int | None = None
     stage_layers: tuple[int, ...] | None = None
     partition: str = "equal"
+    prefill_items: str = "auto"
     backend: str | None = None
     dist_timeout: float = 120.0
     master_addr: str | None = None
@@ -90,6 +91,8 @@ class RunConfig:
             raise ConfigError(f"--direct-io {self.direct_io!r}: use auto, on or off")
         if self.partition not in ("equal", "balanced"):
             raise ConfigError(f"--partition {self.partition!r}: use equal or balanced")
+        if self.prefill_items not in ("auto", "block", "batch"):
+            raise ConfigError(f"--prefill-items {self.prefill_items!r}: use auto, block or batch")
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
         if self.print_outputs < 0:
@@ -271,7 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disk-mem")
     g.add_argument("--hardware", help="hardware profile YAML for --policy auto")
     g = p.add_argument_group("distributed")
-    g.add_argument("--num-micro-batches", type=int, help="groups of blocks in flight (default: stages)")
+    g.add_argument("--num-micro-batches", type=int,
+                   help="groups of blocks in flight (default: the planner's best with a hardware profile, "
+                        "else the number of stages)")
+    g.add_argument("--prefill-items", choices=["auto", "block", "batch"],
+                   help="how a block's prefill crosses the stages: one item per block (each loaded layer "
+                        "serves every GPU batch), or one per GPU batch (the next stage starts sooner; "
+                        "off-device weights are read once per batch); auto: the cost model's choice")
     g.add_argument("--stage-layers", nargs="+", type=int, help="layers per stage, e.g. 5 4 3")
     g.add_argument("--partition", choices=["equal", "balanced"])
     g.add_argument("--backend", choices=["gloo", "nccl"])

@@ -13,7 +13,8 @@ from typing import Any
 
 @dataclass
 class Timings:
-    """Stage 0's clock over one generate call (the other stages only count token steps)."""
+    """One stage's clock over one generate call, split by phase; the token counts are
+    stage 0's (where outputs are gathered)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -36,17 +37,21 @@ class Timings:
         return asdict(self)
 
 
-STAGE_TIME_KEYS = ("stage", "layers", "compute_s", "io_wait_s", "comm_wait_s", "token_steps")
+STAGE_TIME_KEYS = ("stage", "layers", "prefill_s", "decode_s", "compute_s", "io_wait_s", "comm_wait_s",
+                   "token_steps", "disk_bytes_read")
 
 
 def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, Any]],
                   predicted: dict[str, Any]) -> dict[str, Any]:
-    """The report of one generate call: ``run`` (model, device, dtype, workload) and stage 0's
-    ``timings``, with every stage's record (policy, peaks, times) in stage order."""
+    """The report of one generate call: ``run`` (model, device, dtype, workload), stage 0's
+    token counts in ``timings`` and the last stage's clock (where tokens come out: the
+    pipeline's fill counts as prefill), with every stage's record (policy, peaks, times) in
+    stage order."""
     disks = [s["direct_io"] for s in stages if s.get("direct_io") is not None]
+    clock = Timings(**{**timings.as_dict(), "prefill_s": stages[-1]["prefill_s"], "decode_s": stages[-1]["decode_s"]})
     return {
         **run, "world_size": len(stages),
-        **timings.metrics(),
+        **clock.metrics(),
         "policy": [s["policy"] for s in stages], "peak_bytes": [s["peak_bytes"] for s in stages],
         "stage_times": [{k: s[k] for k in STAGE_TIME_KEYS} for s in stages],
         "predicted": {**predicted, "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},

@@ -3,6 +3,9 @@ the JSON has the keys the docs read. No timing asserts (benchmarks report, tests
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import shutil
 import json
 import subprocess
 import sys
@@ -56,8 +59,11 @@ def test_offload_compressed_run_reads_a_quarter(tmp_path: Path) -> None:
     out = tmp_path / "offload.json"
     offload.main(["--model", "opt-125m", "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "3",
                   "--gpu-batch-size", "1", "--skip-ablations", "--skip-accelerate", "--drop-interval", "0",
-                  "--compress-weight", "--compress-cache", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+                  "--compress-weight", "--compress-cache", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+                 + (["--plot", str(tmp_path / "o.png")] if importlib.util.find_spec("matplotlib") else []))
     data = json.loads(out.read_text())
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "o.png").stat().st_size > 10_000
     both = "a_compress_weight_compress_cache"
     assert set(data["runs"]) == {"a_block", "b_one_batch", "a_compress_weight", "a_compress_cache", both}
     pol = data["runs"][both]["policy"]
@@ -108,20 +114,71 @@ def test_planner_accuracy_rejects_unknown_policy() -> None:
 
 def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "s.json"
-    res = scaling.main(["--dry-run", "--stages", "1", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    res = scaling.main(["--dry-run", "--nodes", "1", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
     data = json.loads(out.read_text())
-    assert data["dry_run"] is True and set(data["runs"]) == {"1", "2"} and "scaling_vs_1_stage" not in data
+    assert data["dry_run"] is True and set(data["runs"]) == {"1", "2"} and "scaling_vs_1_node" not in data
+    assert data["mode"] == "nodes" and data["cores_per_node"] == 1
     one, two = data["runs"]["1"], data["runs"]["2"]
-    budget = data["weight_budget_bytes_per_rank"]
-    assert budget == 512 * 2**20 == res["weight_budget_bytes_per_rank"]
+    budget = data["weight_budget_bytes_per_node"]
+    assert budget == 512 * 2**20 == res["weight_budget_bytes_per_node"]
     # one stage offloads more of its weights than either of two stages
     assert one["policies"][0]["percent"][1] < min(p["percent"][1] for p in two["policies"])
     assert sum(two["stage_weight_bytes"]) >= one["stage_weight_bytes"][0]
     printed = capsys.readouterr().out
-    assert "--nproc-per-node 2" in printed and "flexgen_dist.run" in printed and "--policy" in printed
+    assert "--nnodes 2 --node-rank 1" in printed and "taskset -c 1 " in printed and "flexgen_dist.run" in printed
     for m in ("1", "2"):
         assert (tmp_path / "w" / f"policy-{m}.yaml").is_file()
-        assert f"--nproc-per-node {m}" in data["runs"][m]["command"]
+        assert f"--nnodes {m}" in data["runs"][m]["command"]
+    scaling.main(["--dry-run", "--shared-cores", "--nodes", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    assert "--standalone --nproc-per-node 2" in capsys.readouterr().out
+
+
+@pytest.mark.multinode
+def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
+    """The smallest real run: 1 and 2 one-core nodes (2 in network namespaces when root can
+    make them), a tiny workload; the JSON has measured and predicted figures, per-stage time
+    splits, identical tokens, and the PNG is written. No time is judged."""
+    pytest.importorskip("matplotlib")
+    hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
+    common = ["--model", "opt-125m", "--num-prompts", "4", "--prompt-len", "8", "--gen-len", "3",
+              "--gpu-batch-size", "1", "--num-gpu-batches", "2", "--weight-budget", "200MiB",
+              "--hardware", str(hw), "--workdir", str(tmp_path / "w")]
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    scaling.main(common + ["--nodes", "1", "2", "--json", str(out), "--plot", str(png)])
+    data = json.loads(out.read_text())
+    assert png.is_file() and png.stat().st_size > 10_000
+    for m in ("1", "2"):
+        run = data["runs"][m]
+        met = run["metrics"]
+        assert met["world_size"] == int(m) and len(met["stage_times"]) == int(m)
+        assert met["total_throughput"] > 0 and run["predicted"]["total_throughput"] > 0
+        for st in met["stage_times"]:
+            assert st["compute_s"] > 0 and st["prefill_s"] + st["decode_s"] >= st["compute_s"]
+    assert data["runs"]["2"]["tokens_match_1_node"] is True
+    assert data["runs"]["1"]["metrics"]["stage_times"][0]["disk_bytes_read"] > 0  # 1 node reads from disk
+    assert set(data["scaling_vs_1_node"]["2"]) == {"prefill_throughput", "decode_throughput", "total_throughput"}
+    if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"):
+        scaling.main(common + ["--nodes", "2", "--netns", "--link-gbit", "1", "--json", str(out)])
+        data = json.loads(out.read_text())
+        assert data["mode"] == "nodes+netns" and data["runs"]["2"]["metrics"]["total_throughput"] > 0
+
+
+def test_plot_without_matplotlib_is_one_line(monkeypatch) -> None:
+    import builtins
+
+    from flexgen_dist.bench import plots
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(SystemExit) as e:
+        plots.plot_scaling({"runs": {}, "model": "x"}, "x.png")
+    assert "[bench]" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_scaling_rejects_bad_stages() -> None:

@@ -80,13 +80,14 @@ def test_resume_refuses_another_job(tiny_models, tmp_path: Path, capsys) -> None
 _STOPPER = """
 import os, signal, sys, threading
 from flexgen_dist.distributed import pipeline
-orig = pipeline.Pipeline._finish_wave
-def finish(self, *a, **k):
-    yield from orig(self, *a, **k)
-    if int(os.environ["STOP_AFTER"]) == 0:
-        os.kill(os.getpid(), getattr(signal, os.environ["STOP_SIG"]))
-    os.environ["STOP_AFTER"] = str(int(os.environ["STOP_AFTER"]) - 1)
-pipeline.Pipeline._finish_wave = finish
+orig = pipeline.Pipeline.run
+def run(self, *a, **k):
+    for block in orig(self, *a, **k):
+        yield block  # resumed once the caller has written the block
+        if int(os.environ["STOP_AFTER"]) == 0:
+            os.kill(os.getpid(), getattr(signal, os.environ["STOP_SIG"]))
+        os.environ["STOP_AFTER"] = str(int(os.environ["STOP_AFTER"]) - 1)
+pipeline.Pipeline.run = run
 from flexgen_dist.run import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -29,16 +29,20 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.Co
 
 
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
-@pytest.mark.parametrize("nproc,groups,stage_layers,offload", [
-    (2, 1, None, False), (2, 2, None, True), (3, 3, "1 2 1", True), (3, 2, "2 1 1", False),
+@pytest.mark.parametrize("nproc,groups,stage_layers,offload,prefill", [
+    (2, 1, None, False, "batch"), (2, 2, None, True, "batch"), (3, 3, "1 2 1", True, "block"),
+    (3, 2, "2 1 1", False, "batch"),
 ])
 def test_pipeline_matches_transformers(kind: str, nproc: int, groups: int, stage_layers: str | None,
-                                       offload: bool, tiny_models, tmp_path: Path) -> None:
+                                       offload: bool, prefill: str, tiny_models, tmp_path: Path) -> None:
+    """Tokens equal transformers' for every split, offload, group count and prefill item
+    size; with 6 prompts in blocks of 2 and G < 3, later blocks enter as earlier ones end."""
     tm = tiny_models[kind]
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out = tmp_path / "o.jsonl"
     args = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", str(GEN), "--ignore-eos",
             "--gpu-batch-size", "1", "--num-gpu-batches", "2", "--num-micro-batches", str(groups),
+            "--prefill-items", prefill,
             "--output", str(out), "--metrics", str(tmp_path / "m.json"), "--offload-dir", str(tmp_path / "off")]
     if stage_layers:
         args += ["--stage-layers", *stage_layers.split()]
@@ -49,6 +53,7 @@ def test_pipeline_matches_transformers(kind: str, nproc: int, groups: int, stage
     r = torchrun(nproc, args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, PROMPTS, GEN)
+    assert f"prefill items per {prefill}" in r.stderr
     import json
 
     m = json.loads((tmp_path / "m.json").read_text())
@@ -147,7 +152,8 @@ def test_eos_stops_a_group_on_every_stage(nproc: int, num_gb: int, tiny_models, 
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
     args = ["--model", str(model), "--prompts", str(p), "--gen-len", str(gen), "--gpu-batch-size", "1",
-            "--num-gpu-batches", str(num_gb), "--num-micro-batches", "2", "--output", str(out), "--metrics", str(met)]
+            "--num-gpu-batches", str(num_gb), "--num-micro-batches", "2", "--output", str(out), "--metrics", str(met),
+            "--prefill-items", "batch"]
     r = torchrun(nproc, args)
     assert r.returncode == 0, r.stderr[-3000:]
     want = [x[:x.index(eos) + 1] if eos in x else x for x in ref]

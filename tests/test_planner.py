@@ -281,3 +281,38 @@ def test_per_stage_hardware_list(tmp_path) -> None:
     plan = plan_pipeline(get_spec("opt-1.3b"), 2, hardware_for_stages(hws, 2), Workload(128, 16))
     # the CPU stage is the slower one: its policy is planned for its own memory and rates
     assert plan.stages[1].cost.decode_time_s > plan.stages[0].cost.decode_time_s
+
+
+def _cost(pre: float, step: float, n: int = 5, bls: int = 4, net: float = 0.0) -> "StageCost":
+    from flexgen_dist.planner.cost_model import StageCost
+
+    return StageCost(prefill_time_s=pre, decode_time_s=step * (n - 1), peak={}, block_size=bls, prompt_len=8,
+                     gen_len=n, num_layers=1, prefill_net_s=net, decode_net_s=net)
+
+
+def test_pipeline_simulation_of_the_item_stream() -> None:
+    """The prediction walks the runtime's item stream: one stage is the sum of its items; two
+    equal stages pay a fill of one prefill item, which pieces (one per GPU batch) shrink."""
+    from flexgen_dist.planner.cost_model import pipeline_prediction
+
+    one = pipeline_prediction([_cost(2.0, 0.5)], 1, num_blocks=3)
+    assert one["prefill_time_s"] == pytest.approx(3 * 2.0) and one["decode_time_s"] == pytest.approx(3 * 4 * 0.5)
+    two = [_cost(1.0, 0.25), _cost(1.0, 0.25)]
+    whole = pipeline_prediction(two, 2, num_blocks=2)
+    assert whole["prefill_time_s"] == pytest.approx(1.0 + 2 * 1.0)  # fill, then both blocks on stage 1
+    pieces = pipeline_prediction(two, 2, num_blocks=2, piece_costs=[_cost(0.25, 0.0625)] * 2, num_gpu_batches=4)
+    assert pieces["prefill_time_s"] == pytest.approx(0.25 + 2 * 1.0)
+    assert pieces["prefill_items"] == "batch" and whole["prefill_items"] == "block"
+    # decode: a block's step needs the ring (both stages); with G = 2 the other block fills the gap
+    assert whole["decode_time_s"] == pytest.approx(4 * 2 * 0.25, rel=0.01)
+
+
+def test_pipeline_simulation_of_many_blocks_extends_the_steady_state() -> None:
+    from flexgen_dist.planner.cost_model import pipeline_prediction
+
+    two = [_cost(1.0, 0.25, net=0.01), _cost(1.2, 0.3, net=0.01)]
+    exact = pipeline_prediction(two, 2, num_blocks=40)  # > 6 G: extrapolated from 12 blocks
+    from flexgen_dist.planner import cost_model
+
+    p, d = cost_model._simulate(two, None, 2, 1, 40)
+    assert exact["prefill_time_s"] + exact["decode_time_s"] == pytest.approx(p + d, rel=0.02)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from flexgen_dist.distributed.items import ItemStream
 from flexgen_dist.engine.schedule import block_schedule, token_schedule
 
 
@@ -49,3 +50,75 @@ def test_every_store_follows_its_compute() -> None:
                 seen.add((s.j, s.k))
             if s.kind in ("store_cache", "store_act"):
                 assert (s.j, s.k) in seen, (num_gb, s)
+
+
+# ------------------------------------------------------------ the pipeline's item stream
+
+def _names(stream) -> str:
+    return " ".join(map(str, stream.order()))
+
+
+def test_item_stream_order_one_item_per_block() -> None:
+    """G slots take the blocks round-robin; a slot whose block ends starts the next block's
+    prefill while the other slot still decodes (no wave boundary)."""
+    s = ItemStream([2, 2, 2], 2, 3, pieces="block")
+    assert _names(s) == ("P(b0,k0..1) P(b1,k0..1) D(b0,i1) D(b1,i1) D(b0,i2) D(b1,i2) "
+                         "P(b2,k0..1) D(b2,i1) D(b2,i2)")
+
+
+def test_item_stream_prefill_pieces_and_collects() -> None:
+    """One prefill item per GPU batch; stage 0 of several collects a block's last tokens after
+    its slot's next prefill (or at once when the slot has no next block)."""
+    s = ItemStream([2, 2, 2, 2], 2, 3, pieces="batch", collect=True)
+    assert _names(s) == ("P(b0,k0) P(b0,k1) P(b1,k0) P(b1,k1) D(b0,i1) D(b1,i1) D(b0,i2) D(b1,i2) "
+                         "P(b2,k0) P(b2,k1) C(b0) P(b3,k0) P(b3,k1) C(b1) D(b2,i1) D(b3,i1) "
+                         "D(b2,i2) D(b3,i2) C(b2) C(b3)")
+    # a collect only adds items: every other rank sees the same order without them
+    plain = [str(it) for it in ItemStream([2, 2, 2, 2], 2, 3, pieces="batch").order()]
+    assert [x for x in _names(ItemStream([2, 2, 2, 2], 2, 3, pieces="batch", collect=True)).split()
+            if not x.startswith("C")] == plain
+
+
+def test_item_stream_peek_is_the_next_item_and_early_end_drops_only_that_block() -> None:
+    s = ItemStream([1, 1, 1], 2, 4, pieces="batch", collect=True)
+    seen = []
+    while (it := s.next()) is not None:
+        ahead = s.peek()
+        if it.block == 0 and it.i == 1:
+            s.end_block(it.slot, it.block)  # every sequence of block 0 ended at step 1
+        nxt_ok = ahead
+        seen.append(str(it))
+        if nxt_ok is not None:
+            # peeked items never depend on what the current item reveals
+            assert nxt_ok.slot != it.slot or it.kind == "prefill"
+    assert "D(b0,i2)" not in seen and "C(b0)" not in seen  # dropped; nothing left to collect
+    assert seen.index("P(b2,k0)") < seen.index("D(b1,i2)")  # block 2 entered as block 0 ended
+    for b in (1, 2):
+        assert f"D(b{b},i3)" in seen and f"C(b{b})" in seen
+
+
+def test_item_stream_peek_matches_next_whenever_given() -> None:
+    for pieces in ("block", "batch"):
+        for collect in (False, True):
+            s = ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect)
+            it, peeked, total = s.next(), 0, 0
+            while it is not None:
+                ahead = s.peek()
+                nxt = s.next()
+                if ahead is not None:
+                    assert ahead == nxt
+                    peeked += 1
+                total += 1
+                it = nxt
+            assert total == len(ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect).order())
+            assert peeked >= total - 3  # only a slot's own follow-up is left unknown (here: the tail)
+
+
+@pytest.mark.parametrize("gen_len", [1, 2, 3])
+@pytest.mark.parametrize("pieces", ["block", "batch"])
+def test_item_stream_collects_every_block_once(gen_len: int, pieces: str) -> None:
+    items = [str(it) for it in ItemStream([2, 1, 2, 2, 1], 2, gen_len, pieces=pieces, collect=True).order()]
+    assert sorted(x for x in items if x.startswith("C")) == [f"C(b{b})" for b in range(5)]
+    for b in range(5):  # after the block's last step
+        last = f"D(b{b},i{gen_len - 1})" if gen_len > 1 else [x for x in items if x.startswith(f"P(b{b},")][-1]
+        assert items.index(last) < items.index(f"C(b{b})")

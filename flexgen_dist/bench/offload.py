@@ -278,6 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compress-cache", action="store_true", help="also run (a) with a 4-bit KV cache")
     ap.add_argument("--comp-group-size", type=int, default=64)
     ap.add_argument("--json", default="bench_results/offload.json")
+    ap.add_argument("--plot", default=None, help="write a figure of the variants here (PNG; the bench extra)")
     return ap.parse_args(argv)
 
 
@@ -360,6 +361,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(json.dumps(res["ratios"]), "->", args.json)
+    if args.plot:
+        from .plots import plot_offload
+
+        print("->", plot_offload(res, args.plot))
     return res
 
 

@@ -1,24 +1,38 @@
-"""Pipeline scaling benchmark: the real CLI on 1, 2, ... ranks under a fixed per-rank RAM budget.
+"""Pipeline scaling benchmark: the real CLI on 1, 2, ... nodes under a fixed per-node RAM budget.
 
-    python -m flexgen_dist.bench.scaling --stages 1 2 --json bench_results/scaling.json
-    python -m flexgen_dist.bench.scaling --dry-run          # print the commands, run nothing
+    python -m flexgen_dist.bench.scaling --plot bench_results/scaling.png
+    python -m flexgen_dist.bench.scaling --netns --link-gbit 10       # shaped links between nodes
+    python -m flexgen_dist.bench.scaling --shared-cores               # the old mode (see below)
+    python -m flexgen_dist.bench.scaling --dry-run                    # print the commands, run nothing
 
 The claim under test (DESIGN.md): each stage holds 1/m of the weights, so under the same
-per-rank RAM budget it offloads less to disk, and decode throughput can grow faster than m.
+per-node RAM budget it offloads less to disk, and decode throughput can grow faster than m.
 
-Budget: every rank may keep ``--weight-budget`` bytes of weights in RAM (default 512 MiB);
+Nodes (default): every rank is a node of its own. It gets ``--cores-per-node`` CPUs of its
+own (``sched_setaffinity``, and as many compute threads), its own offload directory and the
+same RAM budget for weights, and it is launched as a node is: ``torchrun --nnodes m
+--node-rank r --nproc-per-node 1`` with a static rendezvous. With ``--netns`` each node also
+lives in its own network namespace, joined to the others through a bridge by a veth pair
+whose egress is shaped to ``--link-gbit`` (``tc tbf``), so hidden states cross a real link.
+Node counts default to 1, 2, 4, ... up to what the cores allow. The disk is the machine's one
+device, shared by the nodes (reads of all nodes queue on it: real nodes would each have one).
+
+Budget: every node may keep ``--weight-budget`` bytes of weights in RAM (default 512 MiB);
 the rest of its stage's weights go to disk. With W_s the weight bytes stage s owns (its
 layers, plus the embedding on stage 0 and the final norm + LM head on the last stage), the
 stage's policy keeps ``w_cpu = min(100, 100 * B / W_s)`` percent in RAM and the rest on disk;
 KV cache and activations stay on the compute tier. For opt-350m fp32 (W = 1.3 GB): one
-stage keeps ~40 % of its weights in RAM, each of two stages ~75-90 %. Every m runs
-``python -m torch.distributed.run --standalone --nproc-per-node m -m flexgen_dist.run``
-with a per-stage ``--policy`` YAML, the same prompts and block size, and the default
-G = m micro-batch groups; rank 0's merged metrics give prefill/decode/total throughput.
+stage keeps ~40 % of its weights in RAM, each of two stages ~75-90 %.
 
-On one machine the ranks share its cores and its disk: compute does not scale with m (each
-of m ranks gets cores/m threads), and the disk reads of all ranks queue on one device. What
-can scale is only the bytes read from disk, which the budget shrinks per stage.
+Predictions: node 0's cores are profiled once (``planner profile``, pinned like a node; the
+link rate replaces the measured loopback under ``--netns``), every run gets that profile as
+``--hardware``, and the run's cost model predicts its prefill/decode/total beside the
+measurement and picks G and the prefill items (``--num-micro-batches``/``--prefill-items``
+override).
+
+Shared cores (``--shared-cores``): all ranks on the machine's cores with cores/m threads
+each (``torchrun --standalone``). Compute does not grow with m there; only the bytes read
+from disk shrink, so its figures say nothing about separate machines.
 """
 from __future__ import annotations
 
@@ -34,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .single import machine
 
 
 def stage_weight_bytes(model: str, num_stages: int, dtype_bytes: int = 4) -> list[int]:
@@ -72,13 +88,101 @@ def stage_policies(stage_bytes: list[int], budget: int, gbs: int, num_gb: int) -
     return pols
 
 
-def command(args: argparse.Namespace, m: int, policy_file: Path, metrics: Path, offload: Path) -> list[str]:
+def node_cpus(rank: int, cores_per_node: int) -> list[int]:
+    """The CPUs of node ``rank``: the next ``cores_per_node`` of this process's allowed CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[rank * cores_per_node:(rank + 1) * cores_per_node]
+
+
+def default_nodes(cores: int, cores_per_node: int) -> list[int]:
+    out, m = [], 1
+    while m * cores_per_node <= cores:
+        out.append(m)
+        m *= 2
+    return out
+
+
+def run_args(args: argparse.Namespace, policy_file: Path, metrics: Path, offload: Path, output: Path,
+             hardware: Path | None) -> list[str]:
+    """The flexgen_dist.run arguments of one run (every node gets the same, but its offload dir)."""
+    out = ["--model", args.model, "--dummy-weights", "--num-prompts", str(args.num_prompts),
+           "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--ignore-eos",
+           "--device", "cpu", "--dtype", "float32", "--policy", str(policy_file), "--offload-dir", str(offload),
+           "--metrics", str(metrics), "--output", str(output), "--overwrite", "--print-outputs", "0",
+           "--no-progress", "--prefill-items", args.prefill_items]
+    if hardware is not None:
+        out += ["--hardware", str(hardware)]
+    if args.num_micro_batches:
+        out += ["--num-micro-batches", str(args.num_micro_batches)]
+    return out
+
+
+def shared_command(m: int, run: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(m),
-            "-m", "flexgen_dist.run", "--model", args.model, "--dummy-weights",
-            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--gen-len", str(args.gen_len), "--ignore-eos", "--device", "cpu", "--dtype", "float32",
-            "--policy", str(policy_file), "--offload-dir", str(offload), "--metrics", str(metrics),
-            "--print-outputs", "0", "--no-progress"]
+            "-m", "flexgen_dist.run", *run]
+
+
+def node_command(m: int, rank: int, master: str, port: int, run: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(m), "--node-rank", str(rank),
+            "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
+            "-m", "flexgen_dist.run", *run]
+
+
+class Network:
+    """m network namespaces on one bridge, each node's veth egress shaped by ``tc tbf``."""
+
+    def __init__(self, m: int, gbit: float | None) -> None:
+        import random
+
+        tag = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
+        net = f"10.{random.randrange(100, 250)}.{random.randrange(256)}"
+        self.bridge = f"fgb{tag}"
+        self.nodes = [(f"fgs{tag}n{k}", f"fgs{tag}v{k}", f"fgs{tag}p{k}", f"{net}.{k + 1}") for k in range(m)]
+        self.gbit = gbit
+        self._made: list[str] = []
+
+    @staticmethod
+    def _sh(*cmd: str) -> None:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            raise SystemExit(f"error: {' '.join(cmd)}: {p.stderr.strip()} (--netns needs root and iproute2)")
+
+    def __enter__(self) -> Network:
+        try:
+            self._sh("ip", "link", "add", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            self._sh("ip", "link", "set", self.bridge, "up")
+            for ns, veth, peer, addr in self.nodes:
+                self._sh("ip", "netns", "add", ns)
+                self._made.append(ns)
+                self._sh("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+                self._sh("ip", "link", "set", veth, "netns", ns)
+                self._sh("ip", "link", "set", peer, "master", self.bridge)
+                self._sh("ip", "link", "set", peer, "up")
+                self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+                self._sh("ip", "-n", ns, "link", "set", "lo", "up")
+                self._sh("ip", "-n", ns, "link", "set", veth, "up")
+                if self.gbit:
+                    self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", veth, "root", "tbf",
+                             "rate", f"{int(self.gbit * 1000)}mbit", "burst", "256kb", "latency", "50ms")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in reversed(self._made):  # a namespace takes its end of the veth pair along
+            cmd = ["ip", "link", "del", self.bridge] if name == "bridge" else ["ip", "netns", "del", name]
+            subprocess.run(cmd, capture_output=True, timeout=30)
+        self._made.clear()
+
+    @property
+    def master(self) -> str:
+        return self.nodes[0][3]
+
+    def wrap(self, rank: int, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+        ns, veth, _, _ = self.nodes[rank]
+        return ["ip", "netns", "exec", ns, *cmd], {"GLOO_SOCKET_IFNAME": veth}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,81 +190,216 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-350m", help="registry shape (dummy weights)")
-    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2],
-                    help="pipeline sizes to run (ranks on this machine); 4 on 2 cores is allowed but meaningless")
+    ap.add_argument("--nodes", "--stages", dest="stages", type=int, nargs="+", default=None,
+                    help="node counts (pipeline sizes) to run (default: 1, 2, 4, ... as the cores allow)")
+    ap.add_argument("--cores-per-node", type=int, default=1, help="CPUs (and compute threads) of each node")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="all ranks on all cores, cores/m threads each (the old mode; no node isolation)")
+    ap.add_argument("--netns", action="store_true",
+                    help="each node in its own network namespace, joined by shaped veth links (root)")
+    ap.add_argument("--link-gbit", type=float, default=10.0, help="link rate under --netns (Gbit/s)")
     ap.add_argument("--weight-budget", default="512MiB", type=parse_size,
-                    help="RAM each rank may hold for weights; the rest of its stage goes to disk")
+                    help="RAM each node may hold for weights; the rest of its stage goes to disk")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=32)
-    ap.add_argument("--gpu-batch-size", type=int, default=8)
-    ap.add_argument("--num-gpu-batches", type=int, default=2)
+    ap.add_argument("--gpu-batch-size", type=int, default=2,
+                    help="small GPU batches make fine prefill items (the pipeline's fill is one of them)")
+    ap.add_argument("--num-gpu-batches", type=int, default=8)
+    ap.add_argument("--num-micro-batches", type=int, default=None, help="default: the run's choice")
+    ap.add_argument("--prefill-items", choices=("auto", "block", "batch"), default="auto")
+    ap.add_argument("--hardware", default=None,
+                    help="a node's hardware profile YAML (default: profile node 0 once, in the workdir)")
+    ap.add_argument("--no-predict", action="store_true", help="no profile, no predictions")
+    ap.add_argument("--quick-profile", action="store_true", help="a ~10 s profile (less accurate)")
     ap.add_argument("--workdir", default=None, help="policy files, metrics and offload files go here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and policies, run nothing")
     ap.add_argument("--json", default="bench_results/scaling.json")
+    ap.add_argument("--plot", default=None, help="write the figure here (PNG; needs the bench extra)")
     args = ap.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    if args.cores_per_node < 1:
+        ap.error("--cores-per-node must be >= 1")
+    if args.stages is None:
+        args.stages = default_nodes(cores, args.cores_per_node) if not args.shared_cores else [1, 2]
     if any(m < 1 for m in args.stages):
-        ap.error("--stages: every pipeline size must be >= 1")
+        ap.error("--nodes: every node count must be >= 1")
+    if not args.shared_cores and max(args.stages) * args.cores_per_node > cores:
+        ap.error(f"--nodes {max(args.stages)} x --cores-per-node {args.cores_per_node} needs more than the "
+                 f"{cores} CPUs here: fewer nodes, fewer cores per node, or --shared-cores")
+    if args.netns and args.shared_cores:
+        ap.error("--netns isolates nodes: not with --shared-cores")
+    if args.netns and not args.dry_run and os.geteuid() != 0:
+        ap.error("--netns needs root (network namespaces)")
     return args
+
+
+def profile_node(args: argparse.Namespace, work: Path) -> Path | None:
+    """Node 0's hardware profile, measured once on its own cores (or --hardware as given)."""
+    if args.no_predict:
+        return None
+    if args.hardware:
+        return Path(args.hardware)
+    out = work / "node.yaml"
+    if out.exists():
+        return out
+    cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
+           "--offload-dir", str(work)]
+    if args.quick_profile:
+        cmd.append("--quick")
+    if args.netns:  # the shaped link, not the loopback the profiler would measure
+        cmd += ["--net-bw", str(args.link_gbit * 1e9 / 8), "--net-latency", "0.0002"]
+    threads = args.cores_per_node if not args.shared_cores else len(os.sched_getaffinity(0))
+    cpus = node_cpus(0, threads)
+    print(f"# profiling a node: CPUs {cpus}", flush=True)
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,
+                       timeout=args.timeout, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    if p.returncode != 0:
+        raise SystemExit(f"profiling failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return out
+
+
+def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Network | None) -> list[int]:
+    """Start the m nodes of one run; wait for all; return their exit codes (killing the rest
+    when one fails)."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    procs = []
+    try:
+        for r in range(m):
+            if args.shared_cores:
+                if r:
+                    break
+                cmd, env = shared_command(m, run), {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // m))}
+                cpus = sorted(os.sched_getaffinity(0))
+            else:
+                cmd = node_command(m, r, net.master if net else "127.0.0.1", port, run)
+                env = {"OMP_NUM_THREADS": str(args.cores_per_node)}
+                if net is not None:
+                    cmd, extra = net.wrap(r, cmd)
+                    env.update(extra)
+                cpus = node_cpus(r, args.cores_per_node)
+            log = open(logs / f"m{m}-node{r}.log", "w")
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                          preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c)))
+            log.close()
+        deadline = time.monotonic() + args.timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                grace = time.monotonic() + 30  # the others should exit by themselves, naming the failed node
+                while any(p.poll() is None for p in procs) and time.monotonic() < grace:
+                    time.sleep(0.2)
+                break
+            time.sleep(0.2)
+        return [p.poll() if p.poll() is not None else -9 for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def summarize(met: dict[str, Any]) -> dict[str, Any]:
+    keep = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s", "decode_time_s",
+            "world_size", "num_micro_batches", "stage_times", "peak_bytes")
+    out = {k: met.get(k) for k in keep}
+    out["prefill_items"] = met.get("prefill_items")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-"))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))
+    mode = "shared-cores" if args.shared_cores else ("nodes+netns" if args.netns else "nodes")
     plans: dict[int, dict[str, Any]] = {}
+    hardware = None if args.dry_run else profile_node(args, work)
     for m in args.stages:
         sb = stage_weight_bytes(args.model, m)
         pols = stage_policies(sb, args.weight_budget, args.gpu_batch_size, args.num_gpu_batches)
         pf = work / f"policy-{m}.yaml"
         pf.write_text(yaml.safe_dump({"stages": pols}, sort_keys=False))
-        cmd = command(args, m, pf, work / f"metrics-{m}.json", work / f"offload-{m}")
-        threads = max(1, cores // m)
-        plans[m] = {"stage_weight_bytes": sb, "policies": pols, "omp_num_threads_per_rank": threads,
-                    "command": f"OMP_NUM_THREADS={threads} " + shlex.join(cmd), "argv": cmd}
+        run = run_args(args, pf, work / f"metrics-{m}.json", work / f"offload-{m}", work / f"out-{m}.jsonl",
+                       hardware)
+        if args.shared_cores:
+            shown = f"OMP_NUM_THREADS={max(1, cores // m)} " + shlex.join(shared_command(m, run))
+        else:
+            shown = "\n".join(f"taskset -c {','.join(map(str, node_cpus(r, args.cores_per_node)))} "
+                              f"OMP_NUM_THREADS={args.cores_per_node} "
+                              + shlex.join(node_command(m, r, "MASTER", 0, run)) for r in range(m))
+        plans[m] = {"stage_weight_bytes": sb, "policies": pols, "command": shown, "run": run}
     res: dict[str, Any] = {
-        "benchmark": "scaling", "model": args.model, "dry_run": args.dry_run, "cores": cores,
-        "weight_budget_bytes_per_rank": args.weight_budget,
+        "benchmark": "scaling", "mode": mode, "model": args.model, "dry_run": args.dry_run, "cores": cores,
+        "machine": machine(),
+        "cores_per_node": None if args.shared_cores else args.cores_per_node,
+        "link_gbit": args.link_gbit if args.netns else None,
+        "weight_budget_bytes_per_node": args.weight_budget,
+        "hardware_profile": None if hardware is None else yaml.safe_load(Path(hardware).read_text()),
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                      "gpu_batch_size": args.gpu_batch_size, "num_gpu_batches": args.num_gpu_batches,
                      "dtype": "float32"},
         "runs": {},
     }
     for m, plan in plans.items():
-        print(f"# {m} stage(s): weights per stage {[f'{b / 2**20:.0f} MiB' for b in plan['stage_weight_bytes']]}, "
+        print(f"# {m} node(s): weights per stage {[f'{b / 2**20:.0f} MiB' for b in plan['stage_weight_bytes']]}, "
               f"RAM share {[p['percent'][1] for p in plan['policies']]} %", flush=True)
         print(plan["command"], flush=True)
-        res["runs"][str(m)] = {k: v for k, v in plan.items() if k != "argv"}
+        res["runs"][str(m)] = {k: v for k, v in plan.items() if k != "run"}
     if not args.dry_run:
         from ..memory.disk import drop_page_cache
+        from .offload import device_bytes_read
 
+        tokens: dict[int, list] = {}
         for m, plan in plans.items():
             run = res["runs"][str(m)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(plan["omp_num_threads_per_rank"])}
             run["page_cache_dropped"] = drop_page_cache()
-            t0 = time.perf_counter()
-            p = subprocess.run(plan["argv"], env=env, capture_output=True, text=True, timeout=args.timeout)
+            r0, t0 = device_bytes_read(work), time.perf_counter()
+            net = Network(m, args.link_gbit) if args.netns else None
+            if net is not None:
+                net.__enter__()
+            try:
+                rcs = launch(args, m, plan["run"], work, net)
+            finally:
+                if net is not None:
+                    net.__exit__()
             run["wall_s"] = time.perf_counter() - t0
-            if p.returncode != 0:
-                raise SystemExit(f"{m} stage(s) failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+            r1 = device_bytes_read(work)
+            run["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
+            if any(rcs):
+                logs = "\n".join((work / f"m{m}-node{r}.log").read_text()[-2000:] for r in range(len(rcs)))
+                raise SystemExit(f"{m} node(s) failed (exit codes {rcs}):\n{logs}")
             met = json.loads((work / f"metrics-{m}.json").read_text())
-            run["metrics"] = {k: met[k] for k in ("prefill_throughput", "decode_throughput", "total_throughput",
-                                                  "prefill_time_s", "decode_time_s", "world_size")}
-            run["metrics"].update({k: met.get(k) for k in ("num_micro_batches", "stage_times", "peak_bytes")})
-            print(f"{m} stage(s): prefill {met['prefill_throughput']:.1f} | decode {met['decode_throughput']:.2f} | "
-                  f"total {met['total_throughput']:.2f} tok/s ({run['wall_s']:.0f} s wall)", flush=True)
+            run["metrics"] = summarize(met)
+            run["predicted"] = {k: v for k, v in met.get("predicted", {}).items() if k != "peak_bytes"}
+            tokens[m] = [json.loads(line)["tokens"] for line in (work / f"out-{m}.jsonl").read_text().splitlines()]
+            run["tokens_match_1_node"] = tokens[m] == tokens[min(tokens)] if 1 in tokens else None
+            pred = run["predicted"]
+            line = (f"{m} node(s): prefill {met['prefill_throughput']:.1f} | decode {met['decode_throughput']:.2f} | "
+                    f"total {met['total_throughput']:.2f} tok/s ({run['wall_s']:.0f} s wall)")
+            if "total_throughput" in pred:
+                line += (f"; predicted {pred['prefill_throughput']:.1f} | {pred['decode_throughput']:.2f} | "
+                         f"{pred['total_throughput']:.2f}")
+            print(line, flush=True)
         base = res["runs"].get("1", {}).get("metrics")
+        keys = ("prefill_throughput", "decode_throughput", "total_throughput")
         if base:
-            res["scaling_vs_1_stage"] = {
-                m: {k: r["metrics"][k] / base[k] for k in ("prefill_throughput", "decode_throughput",
-                                                             "total_throughput")}
-                for m, r in res["runs"].items()}
-            print(json.dumps(res["scaling_vs_1_stage"]), flush=True)
+            res["scaling_vs_1_node"] = {m: {k: r["metrics"][k] / base[k] for k in keys}
+                                        for m, r in res["runs"].items()}
+            print(json.dumps(res["scaling_vs_1_node"]), flush=True)
+        res["predicted_over_measured"] = {
+            m: {k: r["predicted"][k] / r["metrics"][k] for k in keys}
+            for m, r in res["runs"].items() if "total_throughput" in r.get("predicted", {})}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print("->", args.json)
+    if args.plot and not args.dry_run:
+        from .plots import plot_scaling
+
+        print("->", plot_scaling(res, args.plot))
     return res
 
 

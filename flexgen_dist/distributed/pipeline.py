@@ -1,30 +1,38 @@
 """The one generation loop: blocks of prompts through m stages (m = 1: one process, no comm).
 
-Blocks of prompts are processed in waves of G groups (one block per group). For each token i
-and group t, stage s receives the hidden states of (i, t) from s-1, runs its block schedule,
-and sends them to s+1; the last stage samples and sends the new token ids of (i, t) back to
-stage 0, which feeds them in at (i+1, t). With G >= m, stage 0 has other groups to work on
-while a group's token travels round the ring, so every stage stays busy after the first
-prefill. Stage 0 keeps every token id it receives, so it yields outputs in prompt order
-without a separate gather. Receives are posted one item ahead so they overlap compute.
+Every rank walks the same stream of items (``items.py``): G group slots take the blocks in
+turn, and each slot's block goes through its prefill (one item per block, or one per GPU
+batch so the next stage can start sooner) and its decode steps; a slot whose block ends
+starts its next block's prefill while the other slots still decode. For each item, stage s
+receives the hidden states from s-1, runs its block schedule over the item's GPU batches,
+and sends them to s+1; the last stage samples and sends the new token ids of the block back
+to stage 0, which feeds them in at the block's next step. With G >= m, stage 0 has other
+blocks to work on while a block's token travels round the ring, so every stage stays busy.
+Stage 0 keeps every token id it receives, so it yields outputs in prompt order without a
+separate gather; a block's last tokens arrive at a *collect* item of stage 0 only. Receives
+are posted one item ahead so they overlap compute.
 
 Scoring (``targets`` given): each sequence's first ``lens`` ids are its prefill, and its
 next ids are fed one per step as teacher-forced decode steps (gen_len - 1 of them; a
 sequence with fewer feeds padding, unscored), so decode attention reads the cache as it
 does in generation (compressed, sparse). The last stage adds up per sequence the negative
 log-likelihood of the targets, the positions scored and the top-1 hits, (b, 3) float64,
-over every step and sends the sum to stage 0 after the group's last step, which yields it
+over every step and sends the sum to stage 0 after the block's last step, which yields it
 in place of token lists. Stage 0 needs nothing back between steps: its inputs are known.
 
 With one stage (the single process) the same loop runs with no communicator: stage 0 is
 also the last, samples itself, and keeps the sampled ids on the compute device (no wire
 copies, no per-step host sync beyond the EOS check).
 
-Early stop: when every sequence of a group has reached EOS, the last stage flags it in the
-token message it sends stage 0 (one extra element). Stage 0 then skips the group's
-remaining steps and passes a "skip" header down the chain in place of the group's next
-hidden states, so each stage drops the group at the same item and no receive is left
+Early stop: when every sequence of a block has reached EOS, the last stage flags it in the
+token message it sends stage 0 (one extra element). Stage 0 then skips the block's
+remaining steps and passes a "skip" header down the chain in place of the block's next
+hidden states, so each stage drops the block at the same item and no receive is left
 waiting. Every hidden-state message is preceded by that one-element header.
+
+Clock: each stage splits its wall time by the item it is on, waiting for the item's input
+included (prefill items count as prefill, the others as decode). The report uses the last
+stage's split, where tokens come out: the pipeline's fill counts as prefill.
 """
 from __future__ import annotations
 
@@ -38,25 +46,27 @@ from ..engine.sampling import EosTracker, SamplingConfig, sample
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .comm import StageComm
+from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
 from .topology import DistContext
 
 Progress = Callable[[int], Any]
 
 
 class Pipeline:
-    """One rank's view of the loop: its engine, its neighbours (if any), and the schedule of
-    (token, group) items over the blocks of one generate call."""
+    """One rank's view of the loop: its engine, its neighbours (if any), and the stream of
+    items (see ``items.py``) over the blocks of one generate call."""
 
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
-                 targets: list[list[int]] | None = None, keys: list[int] | None = None) -> None:
+                 targets: list[list[int]] | None = None, keys: list[int] | None = None,
+                 prefill: str = "block") -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # each prompt's key for its random draws (its index in the job; default: in this call)
         n = sum(len(b.lens) for b in blocks)
         self.keys = torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=engine.device)
         self.gen_len, self.sampling = gen_len, sampling
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
-        self._forced: list[torch.Tensor] = []  # scoring, stage 0: per group, (b, gen_len - 1) decode inputs
+        self.prefill = prefill  # prefill items: one per block, or one per GPU batch
         self.ctx = ctx if ctx is not None and ctx.world_size > 1 else None
         if self.ctx is None:
             self.comm: StageComm | None = None
@@ -76,80 +86,108 @@ class Pipeline:
         self.pad = pad_token(spec.pad_token_id, spec.eos_token_ids)
         self.hidden = spec.hidden_size
         self.comm_wait_s = 0.0
-        self.timings = Timings()  # stage 0's clock; token_steps on every stage
+        self.timings = Timings()  # this stage's clock; token counts on stage 0
         self._sends: list[Any] = []
-        self._prefill_done: float | None = None
+        self._max_sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) + 4
+        # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
+        self._states: dict[int, Any] = {}
+        self._tokens: dict[int, list[torch.Tensor]] = {}
+        self._pieces: dict[int, list[torch.Tensor]] = {}  # last stage: a prefill's ids so far
+        self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
+        self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
+        self._trackers: dict[int, list[EosTracker]] = {}
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
+
+    def stream(self) -> ItemStream:
+        """This rank's items, in order (a fresh stream)."""
+        return ItemStream([len(b.meta(self.gbs, 1).prompt_lens) for b in self.blocks], self.G, self.gen_len,
+                          pieces=self.prefill, collect=self.first and not self.last)
 
     # --- the loop -----------------------------------------------------------------------
     def run(self, prompts: list[list[int]] | None,
             progress: Progress | None = None) -> Iterator[tuple[int, list[list[int]]]]:
-        """Run every block. Stage 0 yields ``(first prompt index, token lists)`` per block as its
-        wave finishes; the other stages yield nothing. Exhaust the iterator: the last sends
-        are awaited after the last block."""
+        """Run every block. Stage 0 yields ``(first prompt index, token lists)`` per block, in
+        block order, as blocks finish; the other stages yield nothing. Exhaust the iterator:
+        the last sends are awaited after the last block.
+
+        Each stage's clock splits its wall time by the item it is on (waiting for its input
+        included): prefill pieces count as prefill, the rest as decode."""
         if self.first:
             assert prompts is not None, "stage 0 needs the prompts"
             self.timings.prompt_tokens += sum(len(p) for p in prompts)
-        for w in range(0, len(self.blocks), self.G):
-            yield from self._wave(self.blocks[w:w + self.G], prompts, progress)
-        for h in self._sends:
-            self._wait(h)
-        self._sends.clear()
-
-    def _wave(self, wave: list[BlockPlan], prompts: list[list[int]] | None,
-              progress: Progress | None) -> Iterator[tuple[int, list[list[int]]]]:
-        """G blocks in flight: every (token, group) item in order, skipping ended groups."""
-        gen_len = self.gen_len
-        states = [self.engine.new_block(self._meta(b), tag=f"-blk{b.index}") for b in wave]
-        if self.first and self.targets is not None:
-            assert prompts is not None
-            self._forced = [self._forced_inputs(b, prompts) for b in wave]
-        tokens: list[list[torch.Tensor]] = [[] for _ in wave]  # stage 0 and last: per group
-        trackers = keys = None
-        if self.last and self.targets is None:
-            spec, dev = self.engine.spec, self.engine.device
-            trackers = [[EosTracker(len(lens), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev)
-                         for lens in st.meta.prompt_lens] for st in states]
-            keys = [self.keys[b.first:b.first + len(b.lens)].split(self.gbs) for b in wave]  # per GPU batch
-        items = [(i, t) for i in range(gen_len) for t in range(len(wave))]
-        done = [False] * len(wave)  # groups whose every sequence has ended (same on every rank)
-        pending = self._post_recv(wave[0], 0)
-        t_wave = time.perf_counter()
-        self._prefill_done = None
+        self._start_together()
+        items = self.stream()
+        finished: dict[int, list[Any]] = {}
+        next_out = 0
+        tm, clock = self.timings, time.perf_counter()
+        item = items.next()
+        pending = self._post_recv(item) if item is not None else None
         try:
-            n = 0
-            while n < len(items):
-                i, t = items[n]
-                blk = wave[t]
+            while item is not None:
                 handle, pending = pending, None
-                nn = self._next_item(items, n, done)
-                if nn < len(items):
-                    ni, nt = items[nn]
-                    if nt != t:  # a group's own next item is posted once its flag is known
-                        pending = self._post_recv(wave[nt], ni)
-                x = self._input(blk, i, t, handle, tokens, prompts)
-                if x is None:  # the group ended at step i - 1: drop it on every later stage
-                    done[t] = True
-                    self._pass_skip(blk, i)
+                ahead = items.peek()
+                if ahead is not None:
+                    pending = self._post_recv(ahead)
+                done = self._item(items, item, handle, prompts)
+                if done is not None and self.first:
+                    finished[item.block] = self._outputs(done)
+                now = time.perf_counter()
+                if item.kind == PREFILL:
+                    tm.prefill_s += now - clock
                 else:
-                    self._compute(states[t], i, t, x, tokens, trackers, keys, done)
-                if i == 0 and t == len(wave) - 1 and self.first and self.last:
-                    self._prefill_done = time.perf_counter()
-                if progress is not None:
-                    progress(1 if not done[t] else gen_len - i)
-                if pending is None:
-                    nn = self._next_item(items, n, done)
-                    if nn < len(items):
-                        pending = self._post_recv(wave[items[nn][1]], items[nn][0])
-                n = nn
-            if self.first and not self.last:
-                self._last_tokens(wave, tokens, done)
+                    tm.decode_s += now - clock
+                clock = now
+                if progress is not None and item.last and item.kind != COLLECT:
+                    progress(1 if done is None or item.i == self.gen_len - 1 else self.gen_len - item.i)
+                while next_out in finished:
+                    yield self.blocks[next_out].first, finished.pop(next_out)
+                    next_out += 1
+                    clock = time.perf_counter()  # the caller's time is not the loop's
+                item = items.next()
+                if item is not None:
+                    if ahead is None:
+                        pending = self._post_recv(item)
+                    else:
+                        assert item == ahead, (item, ahead)
+            for h in self._sends:
+                self._wait(h)
+            self._sends.clear()
+            tm.decode_s += time.perf_counter() - clock
         finally:
-            for st in states:
+            for st in self._states.values():
                 self.engine.free_block(st)
-        if self.first:
-            yield from self._finish_wave(wave, tokens, t_wave)
+            self._states.clear()
+
+    def _item(self, items: ItemStream, item: Item, handle: Any, prompts: list[list[int]] | None) -> int | None:
+        """Run one item; returns the block index if the item ended its block here (stage 0
+        finishes a block at its last step, at its collect, or when it ended early)."""
+        b = item.block
+        if item.kind == COLLECT:
+            self._collect(item, handle)
+            return b
+        x = self._input(item, handle, prompts)
+        if x is None:  # the block ended at step i - 1: drop it on every later stage
+            items.end_block(item.slot, b)
+            self._pass_skip(item)
+            self._free(b)
+            return b
+        ended = self._compute(item, x)
+        if ended:
+            items.end_block(item.slot, b)
+        if ended or (item.last and item.i == self.gen_len - 1):
+            self._free(b)
+            return b if self.last else None  # stage 0 of several waits for the collect
+        return None
+
+    def _free(self, b: int) -> None:
+        st = self._states.pop(b, None)
+        if st is not None:
+            self.engine.free_block(st)
+
+    def _rows(self, item: Item) -> tuple[int, int]:
+        n = len(self.blocks[item.block].lens)
+        return min(n, item.batches[0] * self.gbs), min(n, item.batches[1] * self.gbs)
 
     def _meta(self, blk: BlockPlan) -> Any:
         # scoring feeds gen_len - 1 known ids after the prefill and samples none after them
@@ -166,127 +204,162 @@ class Pipeline:
         rows = [p[m:m + n] for p, m in zip(prompts[blk.first:blk.first + len(blk.lens)], blk.lens)]
         return torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long, device=self.engine.device)
 
-    def _last_tokens(self, wave: list[BlockPlan], tokens: list[list[torch.Tensor]], done: list[bool]) -> None:
-        """Stage 0 of several: receive the last token (or the scores) of each group still running."""
-        for t, blk in enumerate(wave):
-            if done[t]:
-                continue
-            if self.targets is not None:
-                buf = torch.empty((len(blk.lens), 3), dtype=torch.float64, device=self.wire)
-                tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank)).cpu())  # type: ignore[union-attr]
-                continue
-            buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.wire)
-            tokens[t].append(self._wait(self.comm.irecv(buf, self.last_rank))[:-1].cpu())  # type: ignore[union-attr]
+    def _state(self, item: Item, prompts: list[list[int]] | None) -> Any:
+        b = item.block
+        st = self._states.get(b)
+        if st is None:  # the block's first item on this stage
+            blk = self.blocks[b]
+            st = self._states[b] = self.engine.new_block(self._meta(blk), tag=f"-blk{b}")
+            if self.first:
+                self._tokens[b] = []
+            if self.first and self.targets is not None:
+                assert prompts is not None
+                self._forced[b] = self._forced_inputs(blk, prompts)
+            if self.last and self.targets is None:
+                spec, dev = self.engine.spec, self.engine.device
+                self._trackers[b] = [EosTracker(len(lens), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev)
+                                     for lens in st.meta.prompt_lens]
+        return st
 
-    def _finish_wave(self, wave: list[BlockPlan], tokens: list[list[torch.Tensor]],
-                     t_wave: float) -> Iterator[tuple[int, list[list[int]]]]:
-        """Stage 0: clock the wave (prefill until every group's first token, decode after), then
-        yield each block's token lists, cut after EOS."""
-        tm = self.timings
-        t_end = time.perf_counter()
-        pd = (self._prefill_done or t_end) - t_wave
-        tm.prefill_s += pd
-        tm.decode_s += t_end - t_wave - pd
-        if self.targets is not None:  # one (b, 3) score row per sequence
-            for t, blk in enumerate(wave):
-                yield blk.first, tokens[t][0].tolist()
-            return
-        outs_of = []
-        for t in range(len(wave)):
-            seqs = torch.stack(tokens[t], 1).tolist()
-            outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
-            tm.generated_tokens += sum(len(o) for o in outs)
-            tm.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
-            outs_of.append(outs)
-        for blk, outs in zip(wave, outs_of):
-            yield blk.first, outs
+    def _collect(self, item: Item, handle: Any) -> None:
+        """Stage 0 of several: the block's last tokens (or its scores) from the last stage."""
+        msg = self._wait(handle).cpu()
+        if self.targets is not None:
+            self._tokens[item.block] = [msg]
+        else:
+            self._tokens[item.block].append(msg[:-1])
 
-    def _compute(self, st: Any, i: int, t: int, x: torch.Tensor, tokens: list[list[torch.Tensor]],
-                 trackers: Any, keys: Any, done: list[bool]) -> None:
-        """Run (i, t) on this stage and pass the result on: hidden states to the next stage,
-        or (last stage) the sampled ids, with the early-stop flag, to stage 0."""
-        outs = self.engine.run_token(st, i, list(torch.split(x, self.gbs)))
-        self.timings.token_steps += 1
+    def _outputs(self, b: int) -> list[Any]:
+        """Stage 0: block b's token lists, cut after EOS (scoring: its (b, 3) score rows)."""
+        tokens = self._tokens.pop(b)
+        self._forced.pop(b, None)
+        if self.targets is not None:
+            return tokens[0].tolist()
+        seqs = torch.stack(tokens, 1).tolist()
+        outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
+        self.timings.generated_tokens += sum(len(o) for o in outs)
+        self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
+        return outs
+
+    def _compute(self, item: Item, x: torch.Tensor) -> bool:
+        """Run the item on this stage and pass the result on: hidden states to the next stage,
+        or (last stage) the sampled ids, with the early-stop flag, to stage 0. Returns whether
+        the block has ended (one stage only: every sequence at EOS)."""
+        b, i = item.block, item.i
+        st = self._states[b]
+        outs = self.engine.run_token(st, i, list(torch.split(x, self.gbs)), first_batch=item.batches[0])
+        if item.last:
+            self.timings.token_steps += 1
         if not self.last:
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._send(self._go, self.next)  # type: ignore[arg-type]
             self._send(y, self.next)  # type: ignore[arg-type]
-            return
-        if self.targets is not None:  # summed over the group's steps, handed over after the last
+            return False
+        if self.targets is not None:  # summed over the block's steps, handed over after the last
             scores = torch.cat(outs)
-            if i == 0:
-                tokens[t].append(scores)
-            else:
-                tokens[t][0] += scores
-            if not self.first and i == self.gen_len - 1:
-                self._send(tokens[t][0].to(self.wire), 0)
-            return
-        parts = [trk.update(sample(lg.float(), self.sampling, k, i))
-                 for trk, lg, k in zip(trackers[t], outs, keys[t])]
+            acc = self._scores.get(b)
+            if acc is None:
+                acc = self._scores[b] = torch.zeros((len(self.blocks[b].lens), 3), dtype=torch.float64,
+                                                    device=scores.device)
+            r0, r1 = self._rows(item)
+            acc[r0:r1] += scores
+            if item.last and i == self.gen_len - 1:
+                del self._scores[b]
+                if self.first:
+                    self._tokens[b] = [acc]
+                else:
+                    self._send(acc.to(self.wire), 0)
+            return False
+        keys = self.keys[self.blocks[b].first + self._rows(item)[0]:].split(self.gbs)
+        trk = self._trackers[b][item.batches[0]:item.batches[1]]
+        parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
-        ended = all(trk.all_done() for trk in trackers[t])
+        if i == 0 and not (item.last and item.batches[0] == 0):  # a prefill piece: wait for the rest
+            self._pieces.setdefault(b, []).append(nxt)
+            if not item.last:
+                return False
+            nxt = torch.cat(self._pieces.pop(b))
+        ended = all(t.all_done() for t in self._trackers[b])
+        if item.last and (ended or i == self.gen_len - 1):
+            del self._trackers[b]
         if self.first:
-            tokens[t].append(nxt)  # stays on the device: fed back in at i + 1
-            done[t] = ended  # nobody else to tell
-        else:
-            flag = self._skip if ended else self._go
-            self._send(torch.cat([nxt.to(self.wire), flag]), 0)
+            self._tokens[b].append(nxt)  # stays on the device: fed back in at i + 1
+            return ended  # nobody else to tell
+        flag = self._skip if ended else self._go
+        self._send(torch.cat([nxt.to(self.wire), flag]), 0)
+        return False
 
-    def _input(self, blk: BlockPlan, i: int, t: int, handle: Any, tokens: list[list[torch.Tensor]],
-               prompts: list[list[int]] | None) -> torch.Tensor | None:
-        """This stage's input for (i, t), or None when the group has ended before step i."""
+    def _input(self, item: Item, handle: Any, prompts: list[list[int]] | None) -> torch.Tensor | None:
+        """This stage's input for the item, or None when its block has ended before step i."""
+        b, i = item.block, item.i
         if not self.first:
             header, body = handle
             go = int(self._wait(header).item()) == 0
             x = self._wait(body)
-            return x.to(self.engine.device) if go else None
+            if go:
+                self._state(item, None)
+                return x.to(self.engine.device)
+            return None
+        self._state(item, prompts)
+        blk = self.blocks[b]
         if i == 0:
             assert prompts is not None
-            mine = prompts[blk.first:blk.first + len(blk.lens)]
-            return left_pad([p[:m] for p, m in zip(mine, blk.lens)], blk.prompt_len, self.pad)
+            r0, r1 = self._rows(item)
+            mine = prompts[blk.first + r0:blk.first + r1]
+            return left_pad([p[:m] for p, m in zip(mine, blk.lens[r0:r1])], blk.prompt_len, self.pad)
         if self.targets is not None:
-            return self._forced[t][:, i - 1:i]
+            return self._forced[b][:, i - 1:i]
         if self.last:
-            return tokens[t][i - 1][:, None]
+            return self._tokens[b][i - 1][:, None]
         msg = self._wait(handle).cpu()
         ids, ended = msg[:-1], bool(msg[-1])
-        tokens[t].append(ids)
-        if i == 1 and t == len(tokens) - 1:  # stage 0's prefill ends when every group's first token is back
-            self._prefill_done = time.perf_counter()
+        self._tokens[b].append(ids)
         return None if ended else ids[:, None]
 
     # --- messages -----------------------------------------------------------------------
-    def _hidden_shape(self, blk: BlockPlan, i: int) -> tuple[int, ...]:
-        return (len(blk.lens), blk.prompt_len if i == 0 else 1, self.hidden)
+    def _start_together(self) -> None:
+        """Every stage's clock starts when all are ready (a barrier of bounded waits: a rank
+        that failed while getting ready is named, as in any receive)."""
+        if self.comm is None:
+            return
+        one = torch.zeros((1,), dtype=torch.long, device=self.wire)
+        if self.first:
+            for r in range(1, self.last_rank + 1):
+                self._wait(self.comm.irecv(torch.empty_like(one), r))
+            for r in range(1, self.last_rank + 1):
+                self._wait(self.comm.isend(one, r))
+        else:
+            self._wait(self.comm.isend(one, 0))
+            self._wait(self.comm.irecv(torch.empty_like(one), 0))
+        self.comm_wait_s = 0.0
 
-    def _post_recv(self, blk: BlockPlan, i: int) -> Any:
-        """Post the receives this rank needs for (i, blk), or None if it needs none: the header
+    def _hidden_shape(self, item: Item) -> tuple[int, ...]:
+        r0, r1 = self._rows(item)
+        return (r1 - r0, self.blocks[item.block].prompt_len if item.i == 0 else 1, self.hidden)
+
+    def _post_recv(self, item: Item) -> Any:
+        """Post the receives this rank needs for the item, or None if it needs none: the header
         and hidden states from the previous stage, or (stage 0) the token ids of step i - 1
-        with the last stage's early-stop flag appended."""
+        with the last stage's early-stop flag appended (at a collect: of the last step, or
+        the block's scores)."""
         if self.comm is None:
             return None
+        n = len(self.blocks[item.block].lens)
         if not self.first:
             header = torch.empty((1,), dtype=torch.long, device=self.wire)
-            buf = torch.empty(self._hidden_shape(blk, i), dtype=self.engine.dtype, device=self.wire)
+            buf = torch.empty(self._hidden_shape(item), dtype=self.engine.dtype, device=self.wire)
             return self.comm.irecv(header, self.prev), self.comm.irecv(buf, self.prev)  # type: ignore[arg-type]
-        if i > 0 and not self.last and self.targets is None:
-            buf = torch.empty((len(blk.lens) + 1,), dtype=torch.long, device=self.wire)
-            return self.comm.irecv(buf, self.last_rank)
+        if item.kind == COLLECT and self.targets is not None:
+            return self.comm.irecv(torch.empty((n, 3), dtype=torch.float64, device=self.wire), self.last_rank)
+        if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
+            return self.comm.irecv(torch.empty((n + 1,), dtype=torch.long, device=self.wire), self.last_rank)
         return None
 
-    @staticmethod
-    def _next_item(items: list[tuple[int, int]], n: int, done: list[bool]) -> int:
-        """Index of the first item after n whose group is still running (len(items) if none)."""
-        n += 1
-        while n < len(items) and done[items[n][1]]:
-            n += 1
-        return n
-
-    def _pass_skip(self, blk: BlockPlan, i: int) -> None:
-        """Tell the next stage to drop this group from item (i, blk) on."""
+    def _pass_skip(self, item: Item) -> None:
+        """Tell the next stage to drop this block from this item on."""
         if not self.last:
             self._send(self._skip, self.next)  # type: ignore[arg-type]
-            self._send(torch.empty(self._hidden_shape(blk, i), dtype=self.engine.dtype, device=self.wire),
+            self._send(torch.empty(self._hidden_shape(item), dtype=self.engine.dtype, device=self.wire),
                        self.next)  # type: ignore[arg-type]
 
     def _wait(self, handle: Any) -> torch.Tensor:
@@ -297,7 +370,7 @@ class Pipeline:
 
     def _send(self, x: torch.Tensor, dst: int) -> None:
         self._sends.append(self.comm.isend(x, dst))  # type: ignore[union-attr]
-        if len(self._sends) > 4 * self.G + 4:  # bound the sends in flight
+        if len(self._sends) > self._max_sends:  # bound the sends in flight
             self._wait(self._sends.pop(0))
 
 

@@ -37,9 +37,11 @@ class ActStore:
         self._held = [0] * len(batch_sizes)
         self._writing: list[Future | None] = [None] * len(batch_sizes)
 
-    def set_inputs(self, xs: list[torch.Tensor]) -> None:
-        self.cur = list(xs)
-        self.stored = [None] * len(xs)
+    def set_inputs(self, xs: list[torch.Tensor], ks: range | None = None) -> None:
+        """The inputs of GPU batches ``ks`` (default: every batch) for the next token."""
+        for k, x in zip(range(len(xs)) if ks is None else ks, xs):
+            self.cur[k] = x
+            self.stored[k] = None
 
     def get(self, k: int) -> torch.Tensor:
         x = self.cur[k]

@@ -64,6 +64,7 @@ class BlockState:
     outputs: list[Any] = field(default_factory=list)
     step_inputs: dict[int, tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
+    out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
 
 
 class StageEngine:
@@ -124,25 +125,32 @@ class StageEngine:
 
     # --- one token of one block ---------------------------------------------------------
     @torch.no_grad()
-    def run_token(self, st: BlockState, i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run token i over this stage's slots for every GPU batch of the block.
+    def run_token(self, st: BlockState, i: int, inputs: list[torch.Tensor], first_batch: int = 0) -> list[torch.Tensor]:
+        """Run token i over this stage's slots for GPU batches ``first_batch, first_batch + 1, ...``
+        of the block (one per input; decode steps run every batch of the block).
 
         inputs[k]: token ids (b, t) for a first stage, else hidden states (b, t, hidden).
         Returns per GPU batch: last-position logits (b, vocab) for a last stage, else hidden
-        states (b, t, hidden).
+        states (b, t, hidden). A prefill run over a part of the block (the pipeline's finer
+        prefill items) loads each off-device weight once for that part.
         """
+        ks = range(first_batch, first_batch + len(inputs))
+        if i > 0 and len(ks) != len(st.meta.prompt_lens):
+            raise ValueError(f"decode step {i} runs every GPU batch of the block, got batches {list(ks)}")
         st.outputs = [None] * len(inputs)
-        st.acts.set_inputs([x.to(self.device) for x in inputs])
-        num_gb = len(inputs)
-        for step in token_schedule(i, len(self.slots), num_gb, self.policy.overlap):
-            self._do(st, step, num_gb)
+        st.out_base = first_batch
+        st.acts.set_inputs([x.to(self.device) for x in inputs], ks)
+        for step in token_schedule(i, len(self.slots), len(ks), self.policy.overlap):
+            if first_batch and step.k >= 0:
+                step = Step(step.kind, step.i, step.j, step.k + first_batch)
+            self._do(st, step, ks)
         return st.outputs
 
-    def _do(self, st: BlockState, s: Step, num_gb: int) -> None:
+    def _do(self, st: BlockState, s: Step, ks: range) -> None:
         kind = s.kind
         if kind == "compute":
             t0 = time.perf_counter()
-            self._compute(st, s.i, s.j, s.k, num_gb)
+            self._compute(st, s.i, s.j, s.k, ks)
             self.times.compute_s += time.perf_counter() - t0
         elif kind == "load_weight":
             slot = self.slots[s.j]
@@ -236,9 +244,10 @@ class StageEngine:
             st.merged_pos = (i, Positions(ids))
         return st.merged_pos[1]
 
-    def _compute(self, st: BlockState, i: int, j: int, k: int, num_gb: int) -> None:
+    def _compute(self, st: BlockState, i: int, j: int, k: int, ks: range) -> None:
         slot = self.slots[j]
         w = self._weights(j)
+        num_gb = len(ks)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
                 self._compute_merged(st, i, j, w, num_gb)
@@ -253,13 +262,13 @@ class StageEngine:
         elif slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
                 self._score(w, x, self._step_targets(st, i, k))
-            st.outputs[k] = y
+            st.outputs[k - st.out_base] = y
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0))
         if slot[0] != "head" and j == len(self.slots) - 1:
-            st.outputs[k] = y
+            st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
-        if k == num_gb - 1:  # every GPU batch has used this slot's weights
+        if k == ks[-1]:  # every GPU batch of this run has used this slot's weights
             self.weights.release(slot, self._wbuf.pop(j))
 
     @staticmethod

@@ -15,10 +15,10 @@ import torch
 from ..config import RunConfig
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
-from .cost_model import Workload
+from .cost_model import Workload, estimate_pipeline
 from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages
 from .profiler import load_or_profile
-from .search import plan_pipeline
+from .search import PlanError, plan_pipeline
 
 
 def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int) -> list[HardwareSpec]:
@@ -32,25 +32,92 @@ def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int) -> list[
     return [hw.with_budgets(gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem, disk_mem=cfg.disk_mem) for hw in hws]
 
 
+PREDICTED_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
+                  "decode_time_s", "num_micro_batches", "prefill_items")
+
+
+def group_options(cfg: RunConfig, num_stages: int) -> list[int]:
+    """Micro-batch group counts to weigh: the one asked for, else m (every stage busy) and 2m
+    (a block's ring trip hidden behind more blocks, at the memory of m more caches)."""
+    if cfg.num_micro_batches:
+        return [cfg.num_micro_batches]
+    return [num_stages] if num_stages == 1 else [num_stages, 2 * num_stages]
+
+
 def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], prompt_len: int,
                   dtype_bytes: int, device: torch.device, num_prompts: int | None = None
                   ) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
-    """Policies (one per stage), the planner's prediction, and the (possibly rebalanced) layer ranges."""
+    """Policies (one per stage), the planner's prediction (with its choice of G and prefill
+    items), and the (possibly rebalanced) layer ranges."""
     m = len(ranges)
     hws = hardware_for(cfg, device, m)
-    G = cfg.num_micro_batches or m
     n = num_prompts if num_prompts is not None else (cfg.num_prompts or 1)
-    plan = plan_pipeline(spec, m, hws, Workload(prompt_len, cfg.gen_len, dtype_bytes),
-                         stage_layers=[b - a for a, b in ranges], partition=cfg.partition,
-                         num_micro_batches=G, compress=bool(cfg.compress_weight),
-                         max_block_size=max(1, -(-n // G)))
+    plan = None
+    for G in group_options(cfg, m):
+        if G > m and G > n:  # a group without prompts
+            continue
+        try:
+            p = plan_pipeline(spec, m, hws, Workload(prompt_len, cfg.gen_len, dtype_bytes),
+                              stage_layers=[b - a for a, b in ranges], partition=cfg.partition,
+                              num_micro_batches=G, compress=bool(cfg.compress_weight),
+                              max_block_size=max(1, -(-n // G)), num_prompts=n,
+                              prefill_items=cfg.prefill_items)
+        except PlanError:
+            if plan is None and G == group_options(cfg, m)[-1]:
+                raise
+            continue
+        if plan is None or p.predicted["total_throughput"] > plan.predicted["total_throughput"]:
+            plan = p
+    assert plan is not None
     over = cfg.policy_overrides()
     policies = [Policy.from_dict({**s.policy.to_dict(), **over}) for s in plan.stages]
     new_ranges, a = [], 0
     for s in plan.stages:
         new_ranges.append((a, a + len(s.layers)))
         a += len(s.layers)
-    predicted = {k: plan.predicted[k] for k in ("prefill_throughput", "decode_throughput", "total_throughput",
-                                                "prefill_time_s", "decode_time_s") if k in plan.predicted}
+    predicted = {k: plan.predicted[k] for k in PREDICTED_KEYS if k in plan.predicted}
     predicted["hardware"] = [hw.name for hw in hws]
     return policies, predicted, new_ranges
+
+
+def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], policies: list[Policy],
+                        prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
+                        fits: Any) -> dict[str, Any]:
+    """For policies given by the user: the prediction with ``--hardware FILE`` (choosing G
+    among ``group_options`` where ``fits(G)`` and the prefill items by the cost model), else
+    only the choices: G = m and prefill items by ``default_prefill_items``."""
+    m = len(ranges)
+    if not cfg.hardware or cfg.hardware == "auto":
+        G = cfg.num_micro_batches or m
+        items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, device)
+        return {"num_micro_batches": G, "prefill_items": items}
+    hws = hardware_for(cfg, device, m)
+    wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
+    best: dict[str, Any] | None = None
+    options = group_options(cfg, m)
+    for G in options:
+        if G != options[0] and not fits(G):
+            continue
+        pred = estimate_pipeline(spec, [b - a for a, b in ranges], policies, hws, wl, G,
+                                 num_blocks=-(-num_prompts // policies[0].block_size),
+                                 prefill_items=cfg.prefill_items)
+        if best is None or pred["total_throughput"] > best["total_throughput"]:
+            best = pred
+    assert best is not None
+    out = {k: best[k] for k in PREDICTED_KEYS}
+    out["hardware"] = [hw.name for hw in hws]
+    return out
+
+
+def default_prefill_items(policies: list[Policy], device: torch.device) -> str:
+    """Without a hardware profile: one prefill item per GPU batch where that costs no extra
+    weight traffic (every stage's weights at rest on the compute device, uncompressed) and
+    the stages share one GPU batch size; else one per block."""
+    if len(policies) == 1 or len({p.gpu_batch_size for p in policies}) > 1:
+        return "block"
+    for p in policies:
+        wg, wc, wd = p.fractions("w")
+        resident = wd < 1e-9 if device.type == "cpu" else wg > 1 - 1e-9
+        if p.num_gpu_batches == 1 or p.compress_weight or not resident:
+            return "block"
+    return "batch"

@@ -14,6 +14,7 @@ decode (n-1) * l * Tgen, each the max over the overlapped channels.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -118,33 +119,86 @@ def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw
     return cost_from_terms(terms, policy_fractions(policy))
 
 
-def pipeline_prediction(costs: list[StageCost], num_micro_batches: int) -> dict:
+def piece_policy(policy: Policy) -> Policy:
+    """The policy of one prefill piece (one GPU batch): its cost is the block's with one batch."""
+    return dataclasses.replace(policy, num_gpu_batches=1)
+
+
+def _simulate(costs: list[StageCost], pieces: list[StageCost] | None, G: int, num_gb: int,
+              num_blocks: int) -> tuple[float, float]:
+    """(prefill, decode) seconds of the last stage's clock for ``num_blocks`` blocks.
+
+    Walks the runtime's own item stream (``distributed/items.py``): each stage takes the
+    items in that order; an item starts on stage s when s is free and the item has arrived
+    from s - 1 (its send time after it), a decode step on stage 0 when the block's previous
+    tokens are back from the last stage. The last stage's wall time is split by item kind,
+    waiting included, as the runtime's clock does."""
+    from ..distributed.items import PREFILL, ItemStream
+
+    m, n = len(costs), costs[0].gen_len
+    stream = ItemStream([num_gb] * num_blocks, G, n, pieces="batch" if pieces else "block")
+    free = [0.0] * m
+    back: dict[int, float] = {}  # block -> when its latest tokens are at stage 0
+    clock = pre = dec = 0.0
+    while (it := stream.next()) is not None:
+        arrive = back.get(it.block, 0.0) if it.kind != PREFILL else 0.0
+        for s, c in enumerate(costs):
+            if it.kind == PREFILL:
+                cc = pieces[s] if pieces else c
+                busy, net = cc.prefill_time_s, cc.prefill_net_s
+            else:
+                busy, net = c.decode_step_s, c.decode_net_s
+            end = max(free[s], arrive) + busy
+            free[s] = end
+            arrive = end + (net if m > 1 else 0.0)
+        if it.kind == PREFILL:
+            pre += free[-1] - clock
+        else:
+            dec += free[-1] - clock
+        clock = free[-1]
+        if it.last:
+            back[it.block] = arrive if m > 1 else clock
+    return pre, dec
+
+
+def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_blocks: int | None = None,
+                        piece_costs: list[StageCost] | None = None, num_gpu_batches: int = 1) -> dict:
     """Pipeline throughput from per-stage block costs (all stages share one block size).
 
-    Prefill: the first group fills the pipe (every stage plus every send), the other G-1
-    follow at the bottleneck stage's pace. Decode: a group's next token needs the whole ring
-    (every stage, every send, the token ids back to stage 0), and each stage serves all G
-    groups per step, so a step takes max(G * slowest stage, one trip round the ring).
+    The runtime's item stream is simulated (``_simulate``) for ``num_blocks`` blocks (default:
+    one per micro-batch group, G): a block's prefill crosses the stages as one item, or with
+    ``piece_costs`` (each stage's cost of a one-GPU-batch block) as ``num_gpu_batches``
+    pieces, so stage s + 1 starts after one piece rather than the whole block; a decode step
+    of a block needs the whole ring (every stage, every send, the token ids back to stage 0)
+    while the other G - 1 blocks keep the stages busy; a slot whose block ends starts the
+    next block's prefill while the others decode. Long jobs are simulated over 6 G blocks
+    and extended by the per-block increment of the last G.
     """
     G, m = num_micro_batches, len(costs)
     bls, s, n = costs[0].block_size, costs[0].prompt_len, costs[0].gen_len
     if any(c.block_size != bls for c in costs):
         raise ValueError(f"stages use block sizes {[c.block_size for c in costs]}: a pipeline "
                          "needs one block size (gpu_batch_size * num_gpu_batches) on every stage")
-    pre = [c.prefill_time_s for c in costs]
-    step = [c.decode_step_s for c in costs]
-    prefill_time = sum(pre) + sum(c.prefill_net_s for c in costs[:-1]) + (G - 1) * max(pre)
-    ring = sum(step) + (sum(c.decode_net_s for c in costs) if m > 1 else 0.0)
-    decode_time = (n - 1) * max(G * max(step), ring)
-    seqs = G * bls
+    nb = num_blocks or G
+    cap = 6 * G
+    if nb <= cap:
+        prefill_time, decode_time = _simulate(costs, piece_costs, G, num_gpu_batches, nb)
+    else:
+        p1, d1 = _simulate(costs, piece_costs, G, num_gpu_batches, cap)
+        p0, d0 = _simulate(costs, piece_costs, G, num_gpu_batches, cap - G)
+        k = (nb - cap) / G
+        prefill_time, decode_time = p1 + k * (p1 - p0), d1 + k * (d1 - d0)
+    seqs = nb * bls
     return {
         "prefill_throughput": seqs * s / prefill_time,
-        "decode_throughput": seqs * (n - 1) / decode_time if n > 1 else 0.0,
+        "decode_throughput": seqs * (n - 1) / decode_time if n > 1 and decode_time else 0.0,
         "total_throughput": seqs * n / (prefill_time + decode_time),
         "prefill_time_s": prefill_time,
         "decode_time_s": decode_time,
         "num_stages": m,
         "num_micro_batches": G,
+        "num_blocks": nb,
+        "prefill_items": "batch" if piece_costs else "block",
         "block_size": bls,
         "stage_times": [{"layers": c.num_layers, "prefill_s": c.prefill_time_s,
                          "decode_step_s": c.decode_step_s, "prefill_net_s": c.prefill_net_s,
@@ -153,14 +207,31 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int) -> dict:
     }
 
 
+def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G: int, *,
+                  num_blocks: int | None, num_gpu_batches: int, prefill_items: str = "auto") -> dict:
+    """``pipeline_prediction`` with the prefill items given, or (``auto``) the faster of one
+    item per block and one per GPU batch (only a pipeline of several stages gains from pieces)."""
+    whole = pipeline_prediction(costs, G, num_blocks=num_blocks)
+    if prefill_items == "block" or piece_costs is None or (prefill_items == "auto" and
+                                                           (len(costs) == 1 or num_gpu_batches == 1)):
+        return whole
+    split = pipeline_prediction(costs, G, num_blocks=num_blocks, piece_costs=piece_costs,
+                                num_gpu_batches=num_gpu_batches)
+    if prefill_items == "batch" or split["total_throughput"] > whole["total_throughput"]:
+        return split
+    return whole
+
+
 def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[Policy],
                       hws: list[HardwareSpec], workload: Workload,
-                      num_micro_batches: int) -> dict:
+                      num_micro_batches: int, *, num_blocks: int | None = None,
+                      prefill_items: str = "auto") -> dict:
     """Predicted prefill/decode/total throughput (tokens/s) of the whole pipeline.
 
     Keys: prefill_throughput (prompt tokens / prefill time), decode_throughput (tokens after
     the first / decode time), total_throughput (generated tokens / (prefill + decode)),
-    prefill_time_s, decode_time_s, stage_times, peak_bytes (per stage, per phase, per tier).
+    prefill_time_s, decode_time_s, prefill_items (what ``auto`` chose), stage_times,
+    peak_bytes (per stage, per phase, per tier).
     """
     m = len(stage_layers)
     if not (len(policies) == len(hws) == m) or m < 1:
@@ -168,7 +239,13 @@ def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[P
                          f"and {len(hws)} hardware specs: give one of each per stage")
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches={num_micro_batches}: must be >= 1")
-    costs = [estimate_stage(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
-                            num_micro_batches=num_micro_batches, num_stages=m)
-             for i, (ls, pol, hw) in enumerate(zip(stage_layers, policies, hws))]
-    return pipeline_prediction(costs, num_micro_batches)
+    def costs(pols: list[Policy]) -> list[StageCost]:
+        return [estimate_stage(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
+                               num_micro_batches=num_micro_batches, num_stages=m)
+                for i, (ls, pol, hw) in enumerate(zip(stage_layers, pols, hws))]
+
+    ngb = policies[0].num_gpu_batches
+    same_gbs = len({p.gpu_batch_size for p in policies}) == 1  # pieces are GPU batches
+    pieces = costs([piece_policy(p) for p in policies]) if m > 1 and ngb > 1 and same_gbs else None
+    return best_pipeline(costs(policies), pieces, num_micro_batches, num_blocks=num_blocks,
+                         num_gpu_batches=ngb, prefill_items=prefill_items)

@@ -10,14 +10,16 @@ rounding overshot, and pushed toward higher tiers where that costs nothing (ties
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 from scipy.optimize import linprog
 
+from flexgen_dist.engine.budget import predict_peaks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
-from flexgen_dist.planner.cost_model import StageCost, cost_from_terms, pipeline_prediction
+from flexgen_dist.planner.cost_model import (StageCost, best_pipeline, cost_from_terms, estimate_stage,
+                                             piece_policy)
 from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 
@@ -170,11 +172,13 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                      max_gpu_batch_size: int = 64, max_num_gpu_batches: int = 16,
                      cpu_attention_options: tuple[bool, ...] = (True, False),
                      compress: bool = False, num_micro_batches: int = 1,
-                     num_stages: int = 1, max_block_size: int | None = None) -> dict[int, Candidate]:
+                     num_stages: int = 1, max_block_size: int | None = None,
+                     peaks_of: PeaksOf | None = None) -> dict[int, Candidate]:
     """The best candidate per block size (a pipeline needs one block size on every stage).
 
     Larger batches only need more memory, so once (gbs, num_gb) has no feasible placement
     every larger num_gb is skipped, and once (gbs, 1) has none every larger gbs is.
+    ``peaks_of(policy)``: the runtime's budget check, per tier (see ``_solve_candidate``).
     """
     if num_layers_in_stage < 1:
         raise ValueError(f"num_layers_in_stage={num_layers_in_stage}: a stage needs >= 1 layer")
@@ -193,7 +197,7 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                                     compress_weight=compress, compress_cache=compress,
                                     num_micro_batches=num_micro_batches, num_stages=num_stages)
                 bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
-                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar)
+                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar, peaks_of)
                 if cand is None:
                     break
                 if cand.objective < bar:
@@ -205,11 +209,35 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     return best
 
 
+PeaksOf = Callable[[Policy], np.ndarray]
+
+
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
-                     cpu_att: bool, compress: bool, bar: float = float("inf")
-                     ) -> Candidate | None:
+                     cpu_att: bool, compress: bool, bar: float = float("inf"),
+                     peaks_of: PeaksOf | None = None) -> Candidate | None:
     """Solve, round and repair one (gbs, num_gb, cpu_attention); ``bar``: best so far for
-    this block size (the tie-breaking push toward higher tiers is skipped for clear losers)."""
+    this block size (the tie-breaking push toward higher tiers is skipped for clear losers).
+
+    ``peaks_of`` is the runtime's own budget check (``engine/budget.py``: what the engine
+    will allocate, tensor by tensor). The LP's linear peaks approximate it; where the check
+    finds a tier over its budget, that tier's budget is lowered by the excess and the
+    candidate solved again, so a plan is never refused by the run it was made for."""
+    limit = budgets.copy()
+    for _ in range(6):
+        cand = _solve_once(terms, limit, gbs, ngb, cpu_att, compress, bar)
+        if cand is None or peaks_of is None:
+            return cand
+        over = peaks_of(cand.policy()) - budgets
+        if np.all(over <= 0):
+            return cand
+        limit = limit - np.maximum(over, 0) - (over > 0) * 0.01 * budgets
+        if np.any(limit <= 0):
+            return None
+    return None
+
+
+def _solve_once(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
+                cpu_att: bool, compress: bool, bar: float) -> Candidate | None:
     found: list[np.ndarray] = []
     x = solve_lp(terms, budgets, weights_all_gpu=False, no_disk_weights=compress)
     if x is not None:
@@ -347,7 +375,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                   workload: Workload, *, stage_layers: list[int] | None = None,
                   partition: str = "equal", num_micro_batches: int | None = None,
                   compress: bool = False, max_gpu_batch_size: int = 64,
-                  max_num_gpu_batches: int = 16, max_block_size: int | None = None) -> PipelinePlan:
+                  max_num_gpu_batches: int = 16, max_block_size: int | None = None,
+                  num_prompts: int | None = None, prefill_items: str = "auto") -> PipelinePlan:
     """Plan every stage of an m-stage pipeline; all stages share one block size.
 
     Each stage's search gives its best placement per block size; the block size with the
@@ -355,6 +384,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     then moves layers across stage boundaries while that raises the prediction (it matters
     for the stages carrying the embedding and the LM head, and for mixed hardware).
     ``num_micro_batches`` defaults to the number of stages (every stage busy).
+    ``num_prompts`` (default: one block per group) sets how many blocks the prediction runs;
+    ``prefill_items`` (auto, block, batch) how a block's prefill crosses the stages.
     """
     m = num_stages
     hw_list = list(hws) if isinstance(hws, (list, tuple)) else [hws] * m
@@ -369,13 +400,22 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                          f"{spec.num_layers}")
     memo: dict[tuple, dict[int, Candidate]] = {}
 
+    def runtime_peaks(i: int, n_layers: int) -> PeaksOf:
+        def peaks(policy: Policy) -> np.ndarray:
+            pk = predict_peaks(spec, policy, (0, n_layers), has_embed=i == 0, has_head=i == m - 1,
+                               prompt_len=workload.prompt_len, gen_len=workload.gen_len,
+                               dtype_bytes=workload.dtype_bytes, num_blocks_in_flight=G)
+            return np.array([pk[t] for t in TIERS], dtype=float)
+        return peaks
+
     def candidates(i: int, n_layers: int) -> dict[int, Candidate]:
         key = (n_layers, i == 0, i == m - 1, hw_list[i])
         if key not in memo:
             memo[key] = stage_candidates(
                 spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
                 max_gpu_batch_size=max_gpu_batch_size, max_num_gpu_batches=max_num_gpu_batches,
-                compress=compress, num_micro_batches=G, num_stages=m, max_block_size=max_block_size)
+                compress=compress, num_micro_batches=G, num_stages=m, max_block_size=max_block_size,
+                peaks_of=runtime_peaks(i, n_layers))
             if not memo[key]:
                 where = f"stage {i} of {m}: " if m > 1 else ""
                 raise PlanError(where + diagnose(
@@ -392,7 +432,17 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
         best = None
         for bls in sorted(common):
             chosen = [c[bls] for c in per_stage]
-            pred = pipeline_prediction([c.cost() for c in chosen], G)
+            ngb = chosen[0].num_gpu_batches
+            pieces = None
+            same_gbs = len({c.gpu_batch_size for c in chosen}) == 1  # pieces are GPU batches
+            if m > 1 and ngb > 1 and prefill_items != "block" and same_gbs:
+                pieces = [estimate_stage(spec, n, piece_policy(c.policy()), hw_list[i], workload,
+                                         has_embed=i == 0, has_head=i == m - 1, num_micro_batches=G,
+                                         num_stages=m)
+                          for i, (n, c) in enumerate(zip(split, chosen))]
+            nblocks = -(-num_prompts // bls) if num_prompts else None
+            pred = best_pipeline([c.cost() for c in chosen], pieces, G, num_blocks=nblocks,
+                                 num_gpu_batches=ngb, prefill_items=prefill_items)
             if best is None or pred["total_throughput"] > best[0]:
                 best = (pred["total_throughput"], chosen, pred)
         assert best is not None
