@@ -283,7 +283,7 @@ def test_per_stage_hardware_list(tmp_path) -> None:
     assert plan.stages[1].cost.decode_time_s > plan.stages[0].cost.decode_time_s
 
 
-def _cost(pre: float, step: float, n: int = 5, bls: int = 4, net: float = 0.0) -> "StageCost":
+def _cost(pre: float, step: float, n: int = 5, bls: int = 4, net: float = 0.0):  # noqa: ANN202
     from flexgen_dist.planner.cost_model import StageCost
 
     return StageCost(prefill_time_s=pre, decode_time_s=step * (n - 1), peak={}, block_size=bls, prompt_len=8,

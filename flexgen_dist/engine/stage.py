@@ -149,9 +149,9 @@ class StageEngine:
     def _do(self, st: BlockState, s: Step, ks: range) -> None:
         kind = s.kind
         if kind == "compute":
-            t0 = time.perf_counter()
-            self._compute(st, s.i, s.j, s.k, ks)
-            self.times.compute_s += time.perf_counter() - t0
+            t0, io0 = time.perf_counter(), self.times.io_wait_s
+            self._compute(st, s.i, s.j, s.k, ks)  # its wait for the slot's weights is I/O wait, not compute
+            self.times.compute_s += time.perf_counter() - t0 - (self.times.io_wait_s - io0)
         elif kind == "load_weight":
             slot = self.slots[s.j]
             if slot in self.weights.resident:
