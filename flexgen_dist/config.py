@@ -91,6 +91,9 @@ class RunConfig:
             raise ConfigError(f"--direct-io {self.direct_io!r}: use auto, on or off")
         if self.partition not in ("equal", "balanced"):
             raise ConfigError(f"--partition {self.partition!r}: use equal or balanced")
+        if self.partition == "balanced" and not self.auto_policy:
+            raise ConfigError("--partition balanced moves layers by the planner's stage times: it needs "
+                              "--policy auto (or give the split yourself with --stage-layers)")
         if self.prefill_items not in ("auto", "block", "batch"):
             raise ConfigError(f"--prefill-items {self.prefill_items!r}: use auto, block or batch")
         if self.dist_timeout <= 0:
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dist-timeout", type=float, help="seconds before a silent peer is declared dead")
     g.add_argument("--master-addr")
     g.add_argument("--master-port", type=int)
-    g.add_argument("--log-dir", help="per-rank logs go here (default: next to --metrics, or none)")
+    g.add_argument("--log-dir", help="write each rank's log (rank{r}.log) here (default: no log files)")
     return p
 
 

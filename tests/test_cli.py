@@ -67,7 +67,8 @@ def test_dummy_weights_for_a_registry_shape(tmp_path: Path, capsys) -> None:
                                   "temperature", "top-p-0", "top-p-big", "yaml-top-p-word", "yaml-gen-len-word",
                                   "bad-flag-value", "unknown-flag", "output-under-file", "metrics-under-file",
                                   "output-exists", "resume-without-output", "resume-and-overwrite",
-                                  "output-is-dir", "log-dir-under-file", "print-outputs"])
+                                  "output-is-dir", "log-dir-under-file", "print-outputs",
+                                  "balanced-fixed-policy", "prefill-items"])
 def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, capsys) -> None:
     tm = tiny_models["opt-pre"]
     model = ["--model", str(tm.path)]
@@ -106,6 +107,8 @@ def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, 
         "output-is-dir": (model + ["--output", str(tmp_path)], "is a directory"),
         "log-dir-under-file": (model + ["--log-dir", str(_write(tmp_path / "f3", "x") / "logs")], "--log-dir"),
         "print-outputs": (model + ["--print-outputs", "-1"], "--print-outputs -1"),
+        "balanced-fixed-policy": (model + ["--partition", "balanced"], "needs --policy auto"),
+        "prefill-items": (model + ["--prefill-items", "rows"], "argument --prefill-items: invalid choice"),
     }.get(case, (None, None))
     if case == "no-weights":
         d = tmp_path / "m"
