@@ -32,6 +32,7 @@ import torch
 from .config import ConfigError, RunConfig
 from .distributed.comm import FailureMonitor, PeerFailure, StageComm
 from .distributed.partition import partition_layers
+from .distributed.items import default_prefill_items
 from .distributed.pipeline import Pipeline
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.blocks import plan_blocks
@@ -263,11 +264,11 @@ class LLM:
         """Rank 0: layer ranges, one policy per stage (files, flags or the planner), G."""
         cfg, spec, m = self.config, self.model.spec, self.world_size
         ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-        from .planner.auto import auto_policies, fixed_policy_choice
-
         run_cfg = dataclasses.replace(cfg, gen_len=work["gen_len"])
         prompt_len, n = max(work["lens"]), len(work["lens"])
         if cfg.auto_policy:
+            from .planner.auto import auto_policies
+
             policies, predicted, ranges = auto_policies(run_cfg, spec, ranges, prompt_len, self._dtype_bytes,
                                                         self.device, n)
         else:
@@ -276,7 +277,10 @@ class LLM:
         if len(sizes) != 1:
             raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
                               "num_gpu_batches): every stage must use the same block size")
-        if not cfg.auto_policy:
+        if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
+            items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
+            predicted = {"num_micro_batches": cfg.num_micro_batches or m, "prefill_items": items}
+        elif not cfg.auto_policy:
             def fits(G: int) -> bool:
                 try:
                     for s, (p, r) in enumerate(zip(policies, ranges)):
@@ -284,6 +288,8 @@ class LLM:
                 except MemoryBudgetError:
                     return False
                 return True
+
+            from .planner.auto import fixed_policy_choice
 
             predicted = fixed_policy_choice(run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes,
                                             self.device, n, fits)

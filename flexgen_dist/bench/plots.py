@@ -25,6 +25,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     """Two panels: throughput against nodes (measured points, predicted dashed, linear from one
     node dotted), and each stage's wall time split into compute / I/O wait / comm wait / other."""
@@ -68,12 +77,7 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     bx.set_title("per stage: where the wall time goes", fontsize=10)
     bx.legend(fontsize=8)
     bx.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def plot_offload(res: dict[str, Any], path: str | Path) -> Path:
@@ -95,12 +99,7 @@ def plot_offload(res: dict[str, Any], path: str | Path) -> Path:
     bx.set_ylabel("GB read from the disk device")
     bx.set_title("bytes read during generation", fontsize=10)
     bx.tick_params(axis="x", labelrotation=30, labelsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from ..engine.policy import Policy
+
 PREFILL, DECODE, COLLECT = "prefill", "decode", "collect"
 
 
@@ -150,3 +154,17 @@ class ItemStream:
         while (it := self.next()) is not None:
             out.append(it)
         return out
+
+
+def default_prefill_items(policies: list[Policy], device: torch.device) -> str:
+    """Without a hardware profile: one prefill item per GPU batch where that costs no extra
+    weight traffic (every stage's weights at rest on the compute device, uncompressed) and
+    the stages share one GPU batch size; else one per block."""
+    if len(policies) == 1 or len({p.gpu_batch_size for p in policies}) > 1:
+        return "block"
+    for p in policies:
+        wg, wc, wd = p.fractions("w")
+        resident = wd < 1e-9 if device.type == "cpu" else wg > 1 - 1e-9
+        if p.num_gpu_batches == 1 or p.compress_weight or not resident:
+            return "block"
+    return "batch"

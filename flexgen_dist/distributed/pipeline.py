@@ -270,7 +270,9 @@ class Pipeline:
                 else:
                     self._send(acc.to(self.wire), 0)
             return False
-        keys = self.keys[self.blocks[b].first + self._rows(item)[0]:].split(self.gbs)
+        r0, r1 = self._rows(item)
+        first = self.blocks[b].first
+        keys = self.keys[first + r0:first + r1].split(self.gbs)
         trk = self._trackers[b][item.batches[0]:item.batches[1]]
         parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)

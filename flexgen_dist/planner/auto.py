@@ -83,14 +83,9 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
 def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], policies: list[Policy],
                         prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
                         fits: Any) -> dict[str, Any]:
-    """For policies given by the user: the prediction with ``--hardware FILE`` (choosing G
-    among ``group_options`` where ``fits(G)`` and the prefill items by the cost model), else
-    only the choices: G = m and prefill items by ``default_prefill_items``."""
+    """For policies given by the user with ``--hardware FILE``: the prediction, choosing G
+    among ``group_options`` where ``fits(G)`` and the prefill items by the cost model."""
     m = len(ranges)
-    if not cfg.hardware or cfg.hardware == "auto":
-        G = cfg.num_micro_batches or m
-        items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, device)
-        return {"num_micro_batches": G, "prefill_items": items}
     hws = hardware_for(cfg, device, m)
     wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
     best: dict[str, Any] | None = None
@@ -107,17 +102,3 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
     out = {k: best[k] for k in PREDICTED_KEYS}
     out["hardware"] = [hw.name for hw in hws]
     return out
-
-
-def default_prefill_items(policies: list[Policy], device: torch.device) -> str:
-    """Without a hardware profile: one prefill item per GPU batch where that costs no extra
-    weight traffic (every stage's weights at rest on the compute device, uncompressed) and
-    the stages share one GPU batch size; else one per block."""
-    if len(policies) == 1 or len({p.gpu_batch_size for p in policies}) > 1:
-        return "block"
-    for p in policies:
-        wg, wc, wd = p.fractions("w")
-        resident = wd < 1e-9 if device.type == "cpu" else wg > 1 - 1e-9
-        if p.num_gpu_batches == 1 or p.compress_weight or not resident:
-            return "block"
-    return "batch"
