@@ -40,6 +40,7 @@ from .engine.budget import check_budgets, needs_disk, predict_peaks
 from .engine.policy import Policy
 from .engine.sampling import SamplingConfig
 from .engine.stage import StageEngine
+from .kernels import gemm
 from .memory.disk import DiskStore
 from .memory.owners import reclaim_stale_dirs
 from .memory.tiers import MemoryBudgetError
@@ -381,6 +382,7 @@ class LLM:
             "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
             "disk_bytes_read": (self._disk.bytes_read - read0) if self._disk is not None else 0,
             "direct_io": None if self._disk is None else self._disk.direct,
+            "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums
         }
         if not self.is_driver:
             self._comm.send_obj(self.stage_metrics, 0)  # type: ignore[union-attr]

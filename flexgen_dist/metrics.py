@@ -56,6 +56,7 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
         "stage_times": [{k: s[k] for k in STAGE_TIME_KEYS} for s in stages],
         "predicted": {**predicted, "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},
         "direct_io": all(disks) if disks else None,  # None: no stage used the disk tier
+        "kernel_policy": [s.get("kernel_policy") for s in stages],
     }
 
 

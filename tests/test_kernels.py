@@ -1,8 +1,7 @@
-"""The model's small kernels against their textbook definitions: rotary, RMSNorm, linear, and the
-native CPU kernel."""
+"""The model's small kernels against their textbook definitions: rotary, RMSNorm, and the native
+CPU kernels (the GEMM form policy: test_gemm_policy.py)."""
 from __future__ import annotations
 
-import logging
 import shutil
 
 import pytest
@@ -36,48 +35,6 @@ def test_rms_norm_matches_reference(dtype: torch.dtype) -> None:
     assert out.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-
-
-@pytest.fixture
-def fresh_gemm_tuner(monkeypatch):
-    monkeypatch.setattr(common, "_GEMM_TUNE", True)
-    monkeypatch.setattr(common, "_GEMM_CHOICE", {})
-    monkeypatch.setattr(common, "_GEMM_TRIALS", {})
-
-
-@pytest.mark.parametrize("rows", [1, 6, 32, 100])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear_through_tuning(fresh_gemm_tuner, rows: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(48, 24, generator=g)
-    b = torch.randn(48, generator=g) if bias else None
-    x = torch.randn(rows, 1, 24, generator=g)
-    ref = F.linear(x, w, b)
-    for _ in range(len(common._FORMS) * common._GEMM_TRIAL_CALLS + 2):  # trials of each form, then the choice
-        out = common.linear(x, w, b)
-        assert out.shape == ref.shape and out.is_contiguous()
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    key = (rows, 48, 24, torch.float32)
-    if rows <= common._GEMM_TUNE_MAX_ROWS:
-        assert key in common._GEMM_CHOICE and key not in common._GEMM_TRIALS
-    else:
-        assert not common._GEMM_CHOICE and not common._GEMM_TRIALS  # big GEMMs are not tuned
-
-
-def test_linear_accepts_strided_input(fresh_gemm_tuner) -> None:
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(16, 8, generator=g)
-    x = torch.randn(8, 4, generator=g).t()  # (4, 8), not contiguous
-    for _ in range(len(common._FORMS) * common._GEMM_TRIAL_CALLS + 1):
-        torch.testing.assert_close(common.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
-def test_linear_tuning_can_be_switched_off(fresh_gemm_tuner, monkeypatch) -> None:
-    monkeypatch.setattr(common, "_GEMM_TUNE", False)
-    x, w = torch.randn(4, 8), torch.randn(16, 8)
-    for _ in range(10):
-        torch.testing.assert_close(common.linear(x, w), F.linear(x, w))
-    assert not common._GEMM_CHOICE and not common._GEMM_TRIALS
 
 
 def _native_library():
@@ -117,19 +74,6 @@ def test_native_linear_reads_strided_rows_and_declines_what_it_cannot_take() -> 
     assert kernels.linear_f32(x.t(), torch.randn(3, 6)) is None  # input rows not contiguous
     assert kernels.linear_f32(x, w.t().contiguous().t()) is None  # weight not row-major
     assert kernels.linear_f32(x.bfloat16(), w.bfloat16()) is None  # float32 only
-
-
-def test_without_a_compiler_linear_falls_back(monkeypatch, caplog, fresh_gemm_tuner) -> None:
-    monkeypatch.setattr(kernels, "_state", {})
-    monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with caplog.at_level(logging.WARNING, logger="flexgen_dist.kernels"):
-        assert kernels.library() is None
-    assert "no C++ compiler" in caplog.text
-    x, w = torch.randn(4, 8), torch.randn(16, 8)
-    assert kernels.linear_f32(x, w) is None
-    for _ in range(3 * common._GEMM_TRIAL_CALLS):
-        torch.testing.assert_close(common.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert (4, 16, 8, torch.float32) in common._GEMM_CHOICE  # tuned over the two torch forms
 
 
 def test_kernels_can_be_switched_off(monkeypatch) -> None:

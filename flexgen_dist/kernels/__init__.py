@@ -2,9 +2,10 @@
 ``silu(g) * u``, dequantization of 4/8-bit groups), compiled on first use for the machine that runs them.
 
 ``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
-into ``$FLEXGEN_CACHE/kernels`` (default
+into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``$FLEXGEN_CACHE/kernels``, default
 ``~/.cache/flexgen_dist/kernels``), once per source, compiler and CPU feature set, so nodes
-that share a home directory never load a build for another CPU. The build takes ~2 s.
+that share a home directory never load a build for another CPU. The build takes ~2 s. The
+GEMM form policy (``gemm.py``) is stored in the same directory.
 Without a compiler, on a CPU without AVX2+FMA, or with ``FLEXGEN_CPU_KERNELS=0``, ``library()``
 returns None and callers use torch's own kernels; the reason is logged once.
 
@@ -38,10 +39,20 @@ def enabled() -> bool:
     return os.environ.get("FLEXGEN_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
-def _cpu_flags() -> str:
+def kernel_dir() -> Path:
+    """Where the compiled kernels and the GEMM form policy live."""
+    d = os.environ.get("FLEXGEN_KERNEL_DIR")
+    if d:
+        return Path(d).expanduser()
+    return Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "kernels"
+
+
+def cpu_info(field: str) -> str:
+    """The first ``field`` line of /proc/cpuinfo (e.g. "flags", "model name"), or "" where
+    there is none: part of the key of everything built or measured for this CPU."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("flags")), "")
+            return next((ln for ln in f if ln.startswith(field)), "")
     except OSError:
         return ""
 
@@ -71,9 +82,8 @@ def _load() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
         key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
-                             + _cpu_flags().encode()).hexdigest()[:16]
-        base = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser()
-        so = base / "kernels" / f"cpu_kernels-{key}.so"
+                             + cpu_info("flags").encode()).hexdigest()[:16]
+        so = kernel_dir() / f"cpu_kernels-{key}.so"
         if not so.exists():
             _build(cxx, so)
         lib = ctypes.CDLL(str(so))
@@ -97,6 +107,7 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_dequant_f32.restype = None
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
+    _state["key"] = key
     return lib
 
 
@@ -107,6 +118,11 @@ def library() -> ctypes.CDLL | None:
             if "lib" not in _state:
                 _state["lib"] = _load()
     return _state["lib"]  # type: ignore[return-value]
+
+
+def build_key() -> str | None:
+    """The loaded build's key (source, flags, compiler, CPU flags), or None without the kernels."""
+    return _state.get("key") if library() is not None else None  # type: ignore[return-value]
 
 
 def _f32_cpu(*ts: torch.Tensor) -> bool:

@@ -14,15 +14,13 @@ them again (merged decode, see ``engine/stage.py``).
 """
 from __future__ import annotations
 
-import os
-import statistics
-import time
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..kernels import gemm
 from .spec import ModelSpec
 
 Weights = dict[str, torch.Tensor]
@@ -48,16 +46,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     """``x @ w.T + b`` with w of shape (out, in), as ``F.linear``, plus ``residual`` when given
     (rounded as ``F.linear(x, w, b).add_(residual)``; the native kernel adds it as it writes).
 
-    On the CPU, for few rows (decode: the rows are the GPU batch), the BLAS is far from its
-    peak: it repacks the whole weight matrix on every call. Two other forms can beat it:
-    ``w @ x.T`` (up to 1.7x with MKL: the weight is the streamed operand) and, in float32,
-    the native kernel of ``flexgen_dist.kernels`` (each weight row read once, straight from
-    its layout). Which wins depends on the shape and on the weight being cold in cache, as it
-    is in a real pass over the layers, so the first calls of each (rows, out, in, dtype)
-    alternate the forms on the real operands, timed, and the fastest is kept from then on
-    (``F.linear`` unless another is at least 5 % faster). ``FLEXGEN_GEMM_TUNE=0`` turns this
-    off (``F.linear`` always). All forms compute the same sums in different orders; results
-    can differ in the last bit.
+    On the CPU a GEMM of few rows runs in the form the machine's kernel policy stores for its
+    shape (``kernels/gemm.py``: ``F.linear``, ``w @ x.T`` or the native kernel, chosen once
+    per machine, never by timing this call), so every run computes the same sums in the same
+    order. ``FLEXGEN_GEMM_TUNE=0`` runs ``F.linear`` always.
     """
     if x.device.type != "cpu":
         return _add(F.linear(x, w, b), residual)
@@ -65,60 +57,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         # a half-type addmm on the CPU first broadcasts the bias into the output, then runs
         # a slower GEMM path than the bias-free one: add the bias afterwards instead
         return _add(linear(x, w).add_(b), residual)
-    if not _GEMM_TUNE or x.dim() < 2:
-        return _add(F.linear(x, w, b), residual)
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    if not 0 < m <= _GEMM_TUNE_MAX_ROWS:
-        return _add(F.linear(x, w, b), residual)
-    key = (m, w.shape[0], k, x.dtype)
-    form = _GEMM_CHOICE.get(key)
-    if form is not None:
-        return _FORMS[form](x, w, b, m, residual)
-    forms = [0, 1] + ([2] if x.dtype == torch.float32 and kernels.library() is not None else [])
-    trials = _GEMM_TRIALS.setdefault(key, {f: [] for f in forms})
-    form = min(forms, key=lambda f: len(trials[f]))  # round robin, plain first
-    t0 = time.perf_counter()
-    y = _FORMS[form](x, w, b, m, residual)
-    trials[form].append(time.perf_counter() - t0)
-    if all(len(t) >= _GEMM_TRIAL_CALLS for t in trials.values()):
-        med = {f: statistics.median(t) for f, t in trials.items()}
-        best = min(med, key=med.__getitem__)
-        _GEMM_CHOICE[key] = best if med[best] < 0.95 * med[0] else 0
-        del _GEMM_TRIALS[key]
-    return y
+    return gemm.linear(x, w, b, residual)
 
 
 def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return y if residual is None else y.add_(residual)
-
-
-Opt = torch.Tensor | None
-
-
-def _linear_plain(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
-    return _add(F.linear(x, w, b), residual)
-
-
-def _linear_t(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
-    y = torch.mm(w, x.reshape(m, x.shape[-1]).t()).t().contiguous()
-    if b is not None:
-        y.add_(b)
-    return _add(y.view(*x.shape[:-1], w.shape[0]), residual)
-
-
-def _linear_native(x: torch.Tensor, w: torch.Tensor, b: Opt, m: int, residual: Opt) -> torch.Tensor:
-    y = kernels.linear_f32(x, w, b, residual)
-    return _linear_plain(x, w, b, m, residual) if y is None else y  # operands the kernel does not take
-
-
-_FORMS: tuple[Callable[[torch.Tensor, torch.Tensor, Opt, int, Opt], torch.Tensor], ...] = (
-    _linear_plain, _linear_t, _linear_native)
-_GEMM_TUNE = os.environ.get("FLEXGEN_GEMM_TUNE", "1") not in ("0", "false", "no")
-_GEMM_TUNE_MAX_ROWS = 64  # beyond this the plain form won for every shape measured
-_GEMM_TRIAL_CALLS = 4  # timed calls of each form before choosing
-_GEMM_CHOICE: dict[tuple[int, int, int, torch.dtype], int] = {}
-_GEMM_TRIALS: dict[tuple[int, int, int, torch.dtype], dict[int, list[float]]] = {}
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
