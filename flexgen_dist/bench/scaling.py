@@ -25,10 +25,12 @@ KV cache and activations stay on the compute tier. For opt-350m fp32 (W = 1.3 GB
 stage keeps ~40 % of its weights in RAM, each of two stages ~75-90 %.
 
 Predictions: node 0's cores are profiled once (``planner profile``, pinned like a node; the
-link rate replaces the measured loopback under ``--netns``), every run gets that profile as
-``--hardware``, and the run's cost model predicts its prefill/decode/total beside the
-measurement and picks G and the prefill items (``--num-micro-batches``/``--prefill-items``
-override).
+link rate replaces the measured loopback under ``--netns``). Right before the run of m nodes,
+m probes (one per node, on its cores) measure the disk at once, and that run's ``--hardware``
+is the profile with the disk rates a node got while sharing it (and the compute the
+transfers cost, ``disk_cpu``): the nodes here share one disk, whose rate also moves between
+runs on a VM. The run's cost model predicts its prefill/decode/total beside the measurement
+and picks G and the prefill items (``--num-micro-batches``/``--prefill-items`` override).
 
 Shared cores (``--shared-cores``): all ranks on the machine's cores with cores/m threads
 each (``torchrun --standalone``). Compute does not grow with m there; only the bytes read
@@ -310,21 +312,56 @@ def summarize(met: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+_PROBE = ("import json, sys; from flexgen_dist.planner.profiler import measure_disk_bw; "
+          "r, w, c = measure_disk_bw(sys.argv[1], quick=sys.argv[2] == '1', device='cpu'); "
+          "print(json.dumps({'dtoc_bw': r, 'ctod_bw': w, 'disk_cpu': c}))")
+
+
+def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path) -> Path:
+    """A hardware file for the runs of m nodes: node 0's profile with the disk rates (and the
+    compute they cost) that each node gets while all m read and write at once, measured now.
+
+    The nodes of this benchmark share the machine's one disk, and its rate moves between
+    runs on a VM: a profile taken once, alone, would credit every node with the whole disk
+    at whatever rate it had then."""
+    cpus = [node_cpus(r, args.cores_per_node) for r in range(m)]
+    probes = []
+    for r in range(m):
+        d = work / f"probe-{m}-{r}"
+        d.mkdir(exist_ok=True)
+        probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if args.quick_profile else "0"],
+                                       env={**os.environ, "OMP_NUM_THREADS": str(args.cores_per_node)},
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       preexec_fn=lambda c=cpus[r]: os.sched_setaffinity(0, c)))
+    got = []
+    for p in probes:
+        out, err = p.communicate(timeout=args.timeout)
+        if p.returncode != 0:
+            raise SystemExit(f"disk probe failed (exit {p.returncode}):\n{err[-2000:]}")
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    hw = yaml.safe_load(hardware.read_text())
+    for k in ("dtoc_bw", "ctod_bw", "disk_cpu"):
+        vals = [g[k] for g in got if g[k] is not None]
+        if vals:
+            hw[k] = sum(vals) / len(vals)
+    out_path = work / f"node-{m}.yaml"
+    out_path.write_text(yaml.safe_dump(hw, sort_keys=False))
+    print(f"# {m} node(s) sharing the disk: read {hw['dtoc_bw'] / 1e9:.2f} GB/s per node", flush=True)
+    return out_path
+
+
+def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> dict[int, dict[str, Any]]:
+    """Per node count: the stages' weight bytes, their policies, the CLI arguments and the
+    command lines shown."""
     cores = len(os.sched_getaffinity(0))
-    mode = "shared-cores" if args.shared_cores else ("nodes+netns" if args.netns else "nodes")
     plans: dict[int, dict[str, Any]] = {}
-    hardware = None if args.dry_run else profile_node(args, work)
     for m in args.stages:
         sb = stage_weight_bytes(args.model, m)
         pols = stage_policies(sb, args.weight_budget, args.gpu_batch_size, args.num_gpu_batches)
         pf = work / f"policy-{m}.yaml"
         pf.write_text(yaml.safe_dump({"stages": pols}, sort_keys=False))
-        run = run_args(args, pf, work / f"metrics-{m}.json", work / f"offload-{m}", work / f"out-{m}.jsonl",
-                       hardware)
+        hw_m = work / f"node-{m}.yaml" if hardware is not None and not args.hardware else hardware
+        run = run_args(args, pf, work / f"metrics-{m}.json", work / f"offload-{m}", work / f"out-{m}.jsonl", hw_m)
         if args.shared_cores:
             shown = f"OMP_NUM_THREADS={max(1, cores // m)} " + shlex.join(shared_command(m, run))
         else:
@@ -332,9 +369,55 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"OMP_NUM_THREADS={args.cores_per_node} "
                               + shlex.join(node_command(m, r, "MASTER", 0, run)) for r in range(m))
         plans[m] = {"stage_weight_bytes": sb, "policies": pols, "command": shown, "run": run}
+    return plans
+
+
+def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Path, run: dict[str, Any],
+                tokens: dict[int, list]) -> None:
+    """Run m nodes once (page cache dropped first) and record the metrics, the prediction,
+    the device's bytes read and whether the tokens equal the 1-node run's."""
+    from ..memory.disk import drop_page_cache
+    from .offload import device_bytes_read
+
+    run["page_cache_dropped"] = drop_page_cache()
+    r0, t0 = device_bytes_read(work), time.perf_counter()
+    net = Network(m, args.link_gbit) if args.netns else None
+    if net is not None:
+        net.__enter__()
+    try:
+        rcs = launch(args, m, plan["run"], work, net)
+    finally:
+        if net is not None:
+            net.__exit__()
+    run["wall_s"] = time.perf_counter() - t0
+    r1 = device_bytes_read(work)
+    run["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
+    if any(rcs):
+        logs = "\n".join((work / f"m{m}-node{r}.log").read_text()[-2000:] for r in range(len(rcs)))
+        raise SystemExit(f"{m} node(s) failed (exit codes {rcs}):\n{logs}")
+    met = json.loads((work / f"metrics-{m}.json").read_text())
+    run["metrics"] = summarize(met)
+    run["predicted"] = pred = {k: v for k, v in met.get("predicted", {}).items() if k != "peak_bytes"}
+    tokens[m] = [json.loads(line)["tokens"] for line in (work / f"out-{m}.jsonl").read_text().splitlines()]
+    run["tokens_match_1_node"] = tokens[m] == tokens[min(tokens)] if 1 in tokens else None
+    line = (f"{m} node(s): prefill {met['prefill_throughput']:.1f} | decode {met['decode_throughput']:.2f} | "
+            f"total {met['total_throughput']:.2f} tok/s ({run['wall_s']:.0f} s wall)")
+    if "total_throughput" in pred:
+        line += (f"; predicted {pred['prefill_throughput']:.1f} | {pred['decode_throughput']:.2f} | "
+                 f"{pred['total_throughput']:.2f}")
+    print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    mode = "shared-cores" if args.shared_cores else ("nodes+netns" if args.netns else "nodes")
+    hardware = None if args.dry_run else profile_node(args, work)
+    plans = plan_runs(args, work, hardware)
     res: dict[str, Any] = {
-        "benchmark": "scaling", "mode": mode, "model": args.model, "dry_run": args.dry_run, "cores": cores,
-        "machine": machine(),
+        "benchmark": "scaling", "mode": mode, "model": args.model, "dry_run": args.dry_run,
+        "cores": len(os.sched_getaffinity(0)), "machine": machine(),
         "cores_per_node": None if args.shared_cores else args.cores_per_node,
         "link_gbit": args.link_gbit if args.netns else None,
         "weight_budget_bytes_per_node": args.weight_budget,
@@ -350,42 +433,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(plan["command"], flush=True)
         res["runs"][str(m)] = {k: v for k, v in plan.items() if k != "run"}
     if not args.dry_run:
-        from ..memory.disk import drop_page_cache
-        from .offload import device_bytes_read
-
         tokens: dict[int, list] = {}
         for m, plan in plans.items():
             run = res["runs"][str(m)]
-            run["page_cache_dropped"] = drop_page_cache()
-            r0, t0 = device_bytes_read(work), time.perf_counter()
-            net = Network(m, args.link_gbit) if args.netns else None
-            if net is not None:
-                net.__enter__()
-            try:
-                rcs = launch(args, m, plan["run"], work, net)
-            finally:
-                if net is not None:
-                    net.__exit__()
-            run["wall_s"] = time.perf_counter() - t0
-            r1 = device_bytes_read(work)
-            run["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
-            if any(rcs):
-                logs = "\n".join((work / f"m{m}-node{r}.log").read_text()[-2000:] for r in range(len(rcs)))
-                raise SystemExit(f"{m} node(s) failed (exit codes {rcs}):\n{logs}")
-            met = json.loads((work / f"metrics-{m}.json").read_text())
-            run["metrics"] = summarize(met)
-            run["predicted"] = {k: v for k, v in met.get("predicted", {}).items() if k != "peak_bytes"}
-            tokens[m] = [json.loads(line)["tokens"] for line in (work / f"out-{m}.jsonl").read_text().splitlines()]
-            run["tokens_match_1_node"] = tokens[m] == tokens[min(tokens)] if 1 in tokens else None
-            pred = run["predicted"]
-            line = (f"{m} node(s): prefill {met['prefill_throughput']:.1f} | decode {met['decode_throughput']:.2f} | "
-                    f"total {met['total_throughput']:.2f} tok/s ({run['wall_s']:.0f} s wall)")
-            if "total_throughput" in pred:
-                line += (f"; predicted {pred['prefill_throughput']:.1f} | {pred['decode_throughput']:.2f} | "
-                         f"{pred['total_throughput']:.2f}")
-            print(line, flush=True)
-        base = res["runs"].get("1", {}).get("metrics")
+            if hardware is not None and not args.hardware and not args.shared_cores:
+                run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware).read_text())
+            elif hardware is not None and not args.hardware:  # shared cores: one process, the profile as it is
+                (work / f"node-{m}.yaml").write_text(hardware.read_text())
+            measure_run(args, m, plan, work, run, tokens)
         keys = ("prefill_throughput", "decode_throughput", "total_throughput")
+        base = res["runs"].get("1", {}).get("metrics")
         if base:
             res["scaling_vs_1_node"] = {m: {k: r["metrics"][k] / base[k] for k in keys}
                                         for m, r in res["runs"].items()}

@@ -22,7 +22,7 @@ DEVICES = ("cuda", "cpu")
 MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
-OPTIONAL_FIELDS = ("compute_device", "gemm_bw")
+OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,10 @@ class HardwareSpec:
     compute device (a few rows against weights far larger than the caches); small-batch
     linear layers are bound by it. Without it the cost model falls back to the
     attention-derived bandwidth, which on a CPU overstates what a skinny GEMM achieves ~2x.
+    ``disk_cpu`` (optional, CPU devices): compute seconds lost per byte moved to or from disk.
+    On a CPU device the reads' thread and the kernel's I/O path run on the cores that compute
+    (on a one-core node they take a large share of it); the cost model adds this time to the
+    compute channel. Without it, disk traffic costs no compute.
     """
 
     name: str
@@ -56,6 +60,7 @@ class HardwareSpec:
     net_latency: float
     compute_device: str = "cuda"
     gemm_bw: float | None = None
+    disk_cpu: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -82,6 +87,11 @@ class HardwareSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"HardwareSpec.gemm_bw={v!r}: must be a positive rate, or absent")
             object.__setattr__(self, "gemm_bw", float(v))
+        if self.disk_cpu is not None:
+            v = self.disk_cpu
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"HardwareSpec.disk_cpu={v!r}: must be seconds per byte >= 0, or absent")
+            object.__setattr__(self, "disk_cpu", float(v))
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
                      disk_mem: int | str | None = None) -> HardwareSpec:
@@ -120,6 +130,8 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
+        if vals.get("disk_cpu") is not None:
+            convert["disk_cpu"] = float
         for f, conv in convert.items():
             try:
                 vals[f] = conv(vals[f])

@@ -155,17 +155,26 @@ class _ComputeLoad:
     With overlap the engine reads weights while its compute threads keep every core busy,
     and on a CPU device the I/O thread then competes with them for cores: measured on the
     development VM, the same reads ran at 1.9 GB/s on an idle CPU and 1.2-1.5 GB/s beside two
-    busy compute threads. Disk rates for a CPU device are timed under this load.
+    busy compute threads. Disk rates for a CPU device are timed under this load. The load
+    also counts its matmuls, so ``rate`` over a window tells how much compute the reads took.
     """
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
+        self.done = 0
 
     def _run(self) -> None:
         a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
         while not self._stop.is_set():
             torch.mm(a, b)
+            self.done += 1
+
+    def rate(self, seconds: float) -> float:
+        """Matmuls per second over the next ``seconds``."""
+        n0, t0 = self.done, time.perf_counter()
+        time.sleep(seconds)
+        return (self.done - n0) / (time.perf_counter() - t0)
 
     def __enter__(self) -> "_ComputeLoad":
         self._t.start()
@@ -176,8 +185,9 @@ class _ComputeLoad:
         self._t.join()
 
 
-def measure_disk_bw(offload_dir: str, quick: bool = False, device: str = "cuda") -> tuple[float, float]:
-    """(read, write) bytes/s of the engine's own disk path (DiskStore, O_DIRECT when allowed).
+def measure_disk_bw(offload_dir: str, quick: bool = False, device: str = "cuda") -> tuple[float, float, float | None]:
+    """(read, write) bytes/s of the engine's own disk path (DiskStore, O_DIRECT when allowed),
+    and on a CPU device the compute seconds lost per byte moved (else None).
 
     Both follow the engine's pattern for offloaded weights: ``_DISK_TENSOR_BYTES`` files
     written, then read, one after another on one thread, reads into a reused pre-faulted
@@ -185,17 +195,21 @@ def measure_disk_bw(offload_dir: str, quick: bool = False, device: str = "cuda")
     The files total ``_DISK_BYTES`` (2 GiB in full mode): on a VM a smaller set can be served
     partly by the host's cache (the development VM reads 512 MiB ~25% faster than 2 GiB),
     which offloaded weights, usually far larger, do not enjoy. For a CPU compute device the
-    reads and writes run beside a compute load (see ``_ComputeLoad``), as the engine's do.
+    reads and writes run beside a compute load (see ``_ComputeLoad``), as the engine's do; the
+    load's matmul rate during the transfers against its rate alone gives the compute they
+    take (on a one-core node a large share: the I/O thread and the kernel's I/O path run on
+    the core that computes).
     """
     nbytes, tbytes = _DISK_BYTES[quick], _DISK_TENSOR_BYTES[quick]
     data = torch.randint(0, 255, (tbytes,), dtype=torch.uint8)
-    reads, writes = [], []
-    load = _ComputeLoad() if device == "cpu" else contextlib.nullcontext()
-    with DiskStore(offload_dir, rank=0) as store, load:
+    reads, writes, busy = [], [], 0.0
+    load = _ComputeLoad() if device == "cpu" else None
+    with DiskStore(offload_dir, rank=0) as store, load or contextlib.nullcontext():
+        alone = load.rate(0.3 if quick else 1.0) if load is not None else 0.0
         parts = [store.allocate(f"profile-{i}", (tbytes,), torch.uint8) for i in range(nbytes // tbytes)]
         buf = aligned_empty((tbytes,), torch.uint8).zero_()  # reused and pre-faulted, as the engine's
         for _ in range(1 if quick else 3):
-            t0 = time.perf_counter()
+            t0, n0 = time.perf_counter(), load.done if load is not None else 0
             for p in parts:
                 p.write(data)
             if not store.direct:
@@ -206,8 +220,14 @@ def measure_disk_bw(offload_dir: str, quick: bool = False, device: str = "cuda")
             for p in parts:
                 p.read(out=buf)
             reads.append(time.perf_counter() - t0)
+            if load is not None:  # compute seconds lost over the writes and reads
+                lost = (writes[-1] + reads[-1]) - (load.done - n0) / max(alone, 1e-9)
+                busy += max(0.0, lost)
     total = len(parts) * tbytes
-    return total / max(statistics.median(reads), 1e-9), total / max(statistics.median(writes), 1e-9)
+    read_bw = total / max(statistics.median(reads), 1e-9)
+    write_bw = total / max(statistics.median(writes), 1e-9)
+    disk_cpu = busy / (2 * total * len(reads)) if load is not None else None
+    return read_bw, write_bw, disk_cpu
 
 
 def measure_loopback(quick: bool = False) -> tuple[float, float]:
@@ -285,7 +305,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     cpu_att = measure_attention_flops("cpu", quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
-    dtoc, ctod = measure_disk_bw(offload_dir, quick, device)
+    dtoc, ctod, disk_cpu = measure_disk_bw(offload_dir, quick, device)
     if net_bw is None or net_latency is None:
         lo_bw, lo_lat = measure_loopback(quick)
         net_bw = lo_bw if net_bw is None else net_bw
@@ -301,4 +321,4 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
-                        gemm_bw=gemm_bw)
+                        gemm_bw=gemm_bw, disk_cpu=disk_cpu)

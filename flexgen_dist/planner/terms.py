@@ -272,6 +272,7 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb) + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.num_gb) / z.l)
     P[5, CONST] = z.net_p / z.l
+    _add_disk_cpu(P, hw)
     return P
 
 
@@ -307,7 +308,15 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     else:
         D[4, [CC, CD]] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
     D[5, CONST] = z.net_d / z.l
+    _add_disk_cpu(D, hw)
     return D
+
+
+def _add_disk_cpu(T: np.ndarray, hw: HardwareSpec) -> None:
+    """On a CPU device, disk traffic also takes compute time: ``disk_cpu`` seconds per byte
+    read or written (the bytes are the disk channels' seconds times their rates)."""
+    if hw.compute_device == "cpu" and hw.disk_cpu:
+        T[4] += hw.disk_cpu * (T[2] * hw.dtoc_bw + T[3] * hw.ctod_bw)
 
 
 def peak_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
