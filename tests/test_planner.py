@@ -19,8 +19,7 @@ from flexgen_dist.planner.cost_model import Workload, estimate_pipeline, estimat
 from flexgen_dist.planner.terms import stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import profile_hardware
-from flexgen_dist.planner.search import (PlanError, equal_split, plan_pipeline, plan_stage,
-                                         round_percents, solve_lp)
+from flexgen_dist.planner.search import PlanError, plan_pipeline, plan_stage, round_percents, solve_lp
 
 ROOT = Path(__file__).resolve().parents[1]
 T4 = ROOT / "configs" / "hardware" / "t4.yaml"
@@ -191,13 +190,6 @@ def test_more_stages_scale_decode_super_linearly_when_one_stage_needs_disk(t4):
     assert four.predicted["decode_throughput"] > 4 * one.predicted["decode_throughput"]
     for st in four.stages:
         _assert_fits(st.cost.peak, t4)
-
-
-def test_equal_split():
-    assert equal_split(96, 4) == [24, 24, 24, 24]
-    assert equal_split(10, 4) == [3, 3, 2, 2]
-    with pytest.raises(ValueError):
-        equal_split(3, 4)
 
 
 def test_balanced_partition_is_no_worse(t4):

@@ -15,9 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-KINDS = ("load_weight", "load_cache", "load_act", "compute", "store_cache", "store_act", "sync")
-
-
 @dataclass(frozen=True)
 class Step:
     kind: str

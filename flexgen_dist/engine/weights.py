@@ -134,9 +134,6 @@ class WeightStore:
                 seen.setdefault(id(p), p)
         return list(seen.values())
 
-    def tiers_of(self, slot: Slot) -> dict[str, Tier]:
-        return {n: p.tier for n, p in self.placed[slot].items()}
-
     def next_buffers(self) -> dict[tuple, torch.Tensor]:
         """The read-buffer set for the next load; call in schedule order (not from workers)."""
         bufs = self._bufsets[self._turn]

@@ -1,14 +1,14 @@
 """Choosing a policy per stage: hardware specs, the cost model, and the LP search.
 
-See docs/planner.md. Imports only models/, engine/policy and memory/ (never distributed/ or the stage).
+See docs/planner.md. Imports only models/, engine/ (policy, peaks), memory/ and the layer split
+of distributed/partition.py (never the stage, the pipeline or the communicator).
 """
 from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
                                              estimate_stage)
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import load_or_profile, profile_hardware
-from flexgen_dist.planner.search import (PipelinePlan, PlanError, StagePlan, equal_split,
-                                         plan_pipeline, plan_stage)
+from flexgen_dist.planner.search import PipelinePlan, PlanError, StagePlan, plan_pipeline, plan_stage
 
 __all__ = ["HardwareSpec", "PipelinePlan", "PlanError", "StageCost", "StagePlan", "Workload",
-           "equal_split", "estimate_pipeline", "estimate_stage", "load_or_profile",
+           "estimate_pipeline", "estimate_stage", "load_or_profile",
            "plan_pipeline", "plan_stage", "profile_hardware"]

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
+from ..distributed.partition import partition_layers
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
 from .cost_model import Workload, estimate_pipeline
@@ -71,10 +72,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
     assert plan is not None
     over = cfg.policy_overrides()
     policies = [Policy.from_dict({**s.policy.to_dict(), **over}) for s in plan.stages]
-    new_ranges, a = [], 0
-    for s in plan.stages:
-        new_ranges.append((a, a + len(s.layers)))
-        a += len(s.layers)
+    new_ranges = partition_layers(spec.num_layers, m, plan.stage_layers)
     predicted = {k: plan.predicted[k] for k in PREDICTED_KEYS if k in plan.predicted}
     predicted["hardware"] = [hw.name for hw in hws]
     return policies, predicted, new_ranges

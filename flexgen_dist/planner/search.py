@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from scipy.optimize import linprog
 
+from flexgen_dist.distributed.partition import partition_layers
 from flexgen_dist.engine.budget import predict_peaks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
@@ -357,20 +358,6 @@ class PipelinePlan:
         return [s.policy for s in self.stages]
 
 
-def equal_split(num_layers: int, num_stages: int) -> list[int]:
-    """Layer counts differing by at most one; earlier stages take the extra layers."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"num_stages={num_stages}: use 1 to {num_layers} (one layer per stage "
-                         "at least)")
-    q, r = divmod(num_layers, num_stages)
-    return [q + (i < r) for i in range(num_stages)]
-
-
-def _ranges(stage_layers: list[int]) -> list[range]:
-    starts = np.cumsum([0] + stage_layers[:-1])
-    return [range(int(a), int(a) + n) for a, n in zip(starts, stage_layers)]
-
-
 def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | HardwareSpec,
                   workload: Workload, *, stage_layers: list[int] | None = None,
                   partition: str = "equal", num_micro_batches: int | None = None,
@@ -394,10 +381,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     if partition not in ("equal", "balanced"):
         raise ValueError(f"partition={partition!r}: use 'equal' or 'balanced'")
     G = num_micro_batches or m
-    layers = list(stage_layers) if stage_layers is not None else equal_split(spec.num_layers, m)
-    if len(layers) != m or sum(layers) != spec.num_layers or min(layers) < 1:
-        raise ValueError(f"stage_layers={layers}: give {m} positive counts summing to "
-                         f"{spec.num_layers}")
+    layers = [b - a for a, b in partition_layers(spec.num_layers, m, stage_layers)]
     memo: dict[tuple, dict[int, Candidate]] = {}
 
     def runtime_peaks(i: int, n_layers: int) -> PeaksOf:
@@ -470,6 +454,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                     best, layers, improved = cand, trial, True
                     break
     _, chosen, pred = best
-    stages = [StagePlan(r, c.policy(), c.cost()) for r, c in zip(_ranges(layers), chosen)]
+    stages = [StagePlan(range(a, b), c.policy(), c.cost())
+              for (a, b), c in zip(partition_layers(spec.num_layers, m, layers), chosen)]
     return PipelinePlan(model=spec.name, workload=workload, num_micro_batches=G,
                         stages=stages, predicted=pred)
