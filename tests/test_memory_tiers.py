@@ -1,4 +1,4 @@
-"""Sizes, budgets and peak accounting, and copy_between across tensor/disk/QTensor."""
+"""Sizes, peak accounting, the budget check, and copy_between across tensor/disk/QTensor."""
 from __future__ import annotations
 
 import threading
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexgen_dist.engine.budget import check_budgets
 from flexgen_dist.memory.disk import DiskStore
 from flexgen_dist.memory.quant import dequantize, quantize
 from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
@@ -51,18 +52,19 @@ def test_format_bytes() -> None:
     assert format_bytes(5 * 2**40) == "5.00 TiB"
 
 
-def test_tracker_current_and_peaks() -> None:
+def test_tracker_counts_peaks() -> None:
     t = MemoryTracker()
     t.add(Tier.GPU, 100)
     t.add("gpu", 50)
     t.sub(Tier.GPU, 120)
     t.add(Tier.DISK, 7)
-    assert t.current(Tier.GPU) == 30 and t.peak(Tier.GPU) == 150
     assert t.peak_bytes() == {"gpu": 150, "cpu": 0, "disk": 7}
-    t.reset_peaks()
-    assert t.peak_bytes() == {"gpu": 30, "cpu": 0, "disk": 7}
+    t.add(Tier.GPU, 200)  # 30 still counted: the peak is 230
+    assert t.peak_bytes()["gpu"] == 230
     with pytest.raises(ValueError, match="frees must match"):
         t.sub(Tier.CPU, 1)
+    with pytest.raises(ValueError, match="use sub"):
+        t.add(Tier.CPU, -1)
 
 
 def test_tracker_is_thread_safe() -> None:
@@ -78,22 +80,21 @@ def test_tracker_is_thread_safe() -> None:
         th.start()
     for th in threads:
         th.join()
-    assert t.current(Tier.CPU) == 0
-    assert 3 <= t.peak(Tier.CPU) <= 12
+    assert 3 <= t.peak_bytes()["cpu"] <= 12
+    with pytest.raises(ValueError, match="frees must match"):
+        t.sub(Tier.CPU, 1)
 
 
-def test_budget_check_message() -> None:
-    t = MemoryTracker({Tier.GPU: 2 * 2**30, Tier.CPU: None})
-    t.check(Tier.GPU, 2 * 2**30)   # equal fits
-    t.check(Tier.CPU, 10**15)      # no budget, no check
+def test_budget_check_names_tier_peak_cap_and_stage() -> None:
+    """The run's budget check (on predicted peaks, before anything is allocated)."""
+    check_budgets({"gpu": 2 * 2**30, "cpu": 10**15, "disk": 0}, {"gpu": 2 * 2**30, "cpu": None, "disk": 0})
     with pytest.raises(MemoryBudgetError) as info:
-        t.check(Tier.GPU, int(3.2 * 2**30))
+        check_budgets({"gpu": int(3.2 * 2**30), "cpu": 0, "disk": 0}, {"gpu": 2 * 2**30}, stage=1)
     msg = str(info.value)
-    assert msg.startswith("predicted gpu peak 3.20 GiB exceeds --gpu-mem 2.00 GiB: lower ")
-    assert "batch size" in msg and "--percent" in msg
-    t2 = MemoryTracker({Tier.DISK: 10})
+    assert msg.startswith("predicted gpu peak 3.20 GiB on stage 1 exceeds --gpu-mem 2.00 GiB: lower ")
+    assert "--percent" in msg
     with pytest.raises(MemoryBudgetError, match="exceeds --disk-mem 10 B"):
-        t2.check("disk", 11)
+        check_budgets({"gpu": 0, "cpu": 0, "disk": 11}, {"disk": 10})
 
 
 def test_tensor_nbytes(store: DiskStore) -> None:

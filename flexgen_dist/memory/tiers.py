@@ -77,35 +77,19 @@ class MemoryBudgetError(RuntimeError):
     """A predicted or measured peak does not fit a tier's budget."""
 
 
-_BUDGET_FLAG = {Tier.GPU: "--gpu-mem", Tier.CPU: "--cpu-mem", Tier.DISK: "--disk-mem"}
-_BUDGET_FIX = {
-    Tier.GPU: "lower the gpu percentages in --percent or the batch size (--gpu-batch-size, "
-              "--num-gpu-batches), or turn on --compress-weight/--compress-cache",
-    Tier.CPU: "lower the cpu percentages in --percent (disk takes the rest) or the batch "
-              "size, or turn on --compress-weight/--compress-cache",
-    Tier.DISK: "lower the batch size or --gen-len, turn on --compress-weight/--compress-cache, "
-               "or raise --disk-mem",
-}
-
-
 class MemoryTracker:
-    """Thread-safe current/peak bytes per tier, with optional budgets.
+    """Thread-safe current/peak bytes per tier.
 
-    Callers ``add`` when they allocate on a tier and ``sub`` when they free; this is the one
-    place bytes per tier are counted, and ``peak_bytes()`` is what the metrics report.
+    Callers ``add`` when they allocate on a tier and ``sub`` when they free (the compute
+    thread and the I/O threads both do); this is the one place bytes per tier are counted,
+    and ``peak_bytes()`` is what the metrics report. Budgets are checked before the run, on
+    predicted peaks (``engine/budget.py``), not here.
     """
 
-    def __init__(self, budgets: dict[Tier, int] | None = None) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._budgets: dict[Tier, int] = {}
-        for tier, b in (budgets or {}).items():
-            if b is not None:
-                self._budgets[Tier(tier)] = int(b)
         self._current = {t: 0 for t in Tier}
         self._peak = {t: 0 for t in Tier}
-
-    def budget(self, tier: Tier | str) -> int | None:
-        return self._budgets.get(Tier(tier))
 
     def add(self, tier: Tier | str, nbytes: int) -> None:
         tier, nbytes = Tier(tier), int(nbytes)
@@ -124,32 +108,10 @@ class MemoryTracker:
                     f"frees must match earlier add() calls")
             self._current[tier] -= nbytes
 
-    def current(self, tier: Tier | str) -> int:
-        with self._lock:
-            return self._current[Tier(tier)]
-
-    def peak(self, tier: Tier | str) -> int:
-        with self._lock:
-            return self._peak[Tier(tier)]
-
     def peak_bytes(self) -> dict[str, int]:
         """Peaks keyed ``"gpu"``, ``"cpu"``, ``"disk"`` (for the metrics JSON)."""
         with self._lock:
             return {t.value: self._peak[t] for t in Tier}
-
-    def reset_peaks(self) -> None:
-        """Restart peak tracking from the current usage (e.g. between prefill and decode)."""
-        with self._lock:
-            self._peak = dict(self._current)
-
-    def check(self, tier: Tier | str, predicted_peak: int) -> None:
-        """Raise :class:`MemoryBudgetError` if ``predicted_peak`` exceeds the tier's budget."""
-        tier = Tier(tier)
-        budget = self._budgets.get(tier)
-        if budget is not None and predicted_peak > budget:
-            raise MemoryBudgetError(
-                f"predicted {tier.value} peak {format_bytes(predicted_peak)} exceeds "
-                f"{_BUDGET_FLAG[tier]} {format_bytes(budget)}: {_BUDGET_FIX[tier]}")
 
 
 def tensor_nbytes(x: Movable) -> int:
