@@ -32,7 +32,7 @@ import torch
 from .config import ConfigError, RunConfig
 from .distributed.comm import FailureMonitor, PeerFailure, StageComm
 from .distributed.partition import partition_layers
-from .distributed.items import default_prefill_items
+from .distributed.items import default_prefill_items, default_schedule
 from .distributed.pipeline import Pipeline
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.blocks import plan_blocks
@@ -278,32 +278,43 @@ class LLM:
         if len(sizes) != 1:
             raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
                               "num_gpu_batches): every stage must use the same block size")
-        if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
-            items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
-            predicted = {"num_micro_batches": cfg.num_micro_batches or m, "prefill_items": items}
-        elif not cfg.auto_policy:
-            def fits(G: int) -> bool:
-                try:
-                    for s, (p, r) in enumerate(zip(policies, ranges)):
-                        check_budgets(self._peaks(p, tuple(r), s, prompt_len, work["gen_len"], G), cfg.budgets, s)
-                except MemoryBudgetError:
-                    return False
-                return True
+        def fits(G: int, schedule: str = "sequential") -> bool:
+            """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
+            try:
+                for s, (p, r) in enumerate(zip(policies, ranges)):
+                    check_budgets(self._peaks(p, tuple(r), s, prompt_len, work["gen_len"], G, schedule),
+                                  cfg.budgets, s)
+            except MemoryBudgetError:
+                return False
+            return True
 
+        if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
+            G = cfg.num_micro_batches or m
+            items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
+            schedule = cfg.schedule
+            if schedule == "auto":
+                schedule = default_schedule(policies, self.device, -(-n // policies[0].block_size), G,
+                                            work["gen_len"])
+                schedule = schedule if fits(G, schedule) else "sequential"
+            predicted = {"num_micro_batches": G, "prefill_items": items, "schedule": schedule}
+        elif not cfg.auto_policy:
             from .planner.auto import fixed_policy_choice
 
             predicted = fixed_policy_choice(run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes,
                                             self.device, n, fits)
         G, items = predicted.pop("num_micro_batches"), predicted.pop("prefill_items")
         return {"policies": [p.to_dict() for p in policies], "ranges": [list(r) for r in ranges],
-                "G": G, "prefill": items, "predicted": predicted}
+                "G": G, "prefill": items, "schedule": predicted.pop("schedule", "sequential"),
+                "predicted": predicted}
 
     def _peaks(self, policy: Policy, layers: tuple[int, int], stage: int, prompt_len: int, gen_len: int,
-               G: int) -> dict[str, int]:
-        """The budget check's peak model (``engine/budget.py``) for one stage."""
+               G: int, schedule: str = "sequential") -> dict[str, int]:
+        """The budget check's peak model (``engine/budget.py``) for one stage: G blocks in
+        flight, two per group when the next block's prefill rides on the current's decode."""
         return predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
                              has_head=stage == self.world_size - 1, prompt_len=prompt_len, gen_len=gen_len,
-                             dtype_bytes=self._dtype_bytes, num_blocks_in_flight=G,
+                             dtype_bytes=self._dtype_bytes,
+                             num_blocks_in_flight=G * (2 if schedule == "overlapped" else 1),
                              packed=self.model.source.packed_formats)
 
     @property
@@ -316,7 +327,8 @@ class LLM:
         assert plan is not None
         policy = Policy.from_dict(plan["policies"][rank])
         lo, hi = plan["ranges"][rank]
-        peak = self._peaks(policy, (lo, hi), rank, max(work["lens"]), work["gen_len"], plan["G"])
+        peak = self._peaks(policy, (lo, hi), rank, max(work["lens"]), work["gen_len"], plan["G"],
+                           plan.get("schedule", "sequential"))
         check_budgets(peak, self.config.budgets, stage=rank)
         work["peak"] = peak
         if self.engine is not None:
@@ -346,6 +358,7 @@ class LLM:
         where = f"; {self.world_size} stages {[tuple(r) for r in plan['ranges']]}; G={plan['G']}; " \
             f"prefill items per {plan['prefill']}" \
             if self.world_size > 1 else ""
+        where += f"; schedule {plan.get('schedule', 'sequential')}"
         print(f"model: {describe(self.model)}{where}", file=sys.stderr)
         for s, d in enumerate(plan["policies"]):
             p = Policy.from_dict(d)
@@ -362,7 +375,8 @@ class LLM:
         gen_len, sampling = work["gen_len"], SamplingConfig(**work["sampling"])
         blocks = plan_blocks(work["lens"], engine.policy.block_size)
         pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx,
-                        targets=work.get("targets"), keys=work.get("keys"), prefill=plan.get("prefill", "block"))
+                        targets=work.get("targets"), keys=work.get("keys"), prefill=plan.get("prefill", "block"),
+                        ride=plan.get("schedule") == "overlapped")
         times0 = engine.times.as_dict()
         read0 = self._disk.bytes_read if self._disk is not None else 0
         prompts: list[Prompt] | None = work.get("prompts")
@@ -391,7 +405,7 @@ class LLM:
         run = {"model": describe(self.model), "device": str(self.device),
                "dtype": str(self.dtype).replace("torch.", ""), "num_prompts": len(work["lens"]),
                "prompt_len": max(work["lens"]), "gen_len": gen_len, "num_micro_batches": plan["G"],
-               "prefill_items": plan["prefill"]}
+               "prefill_items": plan["prefill"], "schedule": plan.get("schedule", "sequential")}
         self.metrics = merge_metrics(run, pipe.timings, stages, plan["predicted"])
 
     def _completion(self, index: int, p: Prompt, toks: list[int]) -> Completion:

@@ -65,6 +65,7 @@ class RunConfig:
     stage_layers: tuple[int, ...] | None = None
     partition: str = "equal"
     prefill_items: str = "auto"
+    schedule: str = "auto"
     backend: str | None = None
     dist_timeout: float = 120.0
     master_addr: str | None = None
@@ -96,6 +97,8 @@ class RunConfig:
                               "--policy auto (or give the split yourself with --stage-layers)")
         if self.prefill_items not in ("auto", "block", "batch"):
             raise ConfigError(f"--prefill-items {self.prefill_items!r}: use auto, block or batch")
+        if self.schedule not in ("auto", "sequential", "overlapped"):
+            raise ConfigError(f"--schedule {self.schedule!r}: use auto, sequential or overlapped")
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
         if self.print_outputs < 0:
@@ -284,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how a block's prefill crosses the stages: one item per block (each loaded layer "
                         "serves every GPU batch), or one per GPU batch (the next stage starts sooner; "
                         "off-device weights are read once per batch); auto: the cost model's choice")
+    g.add_argument("--schedule", choices=["auto", "sequential", "overlapped"],
+                   help="overlapped: the next block's prefill rides on this block's decode steps (each "
+                        "loaded layer serves both; needs the memory of two blocks per group); sequential: "
+                        "one block's prefill, then its decode; auto: overlapped where predicted faster "
+                        "(without a hardware profile: where weights stream from off the compute device)")
     g.add_argument("--stage-layers", nargs="+", type=int, help="layers per stage, e.g. 5 4 3")
     g.add_argument("--partition", choices=["equal", "balanced"])
     g.add_argument("--backend", choices=["gloo", "nccl"])

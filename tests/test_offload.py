@@ -201,3 +201,73 @@ def test_merged_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tm
         assert calls == head * (GEN - 1)
     else:  # every decode step: every layer, then the head, each once with the 3 GPU batches
         assert calls == ([("layer", 3)] * lm.spec.num_layers + head) * (GEN - 1)
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_overlapped_schedule_matches_transformers(kind: str, tiny_models, tmp_path: Path) -> None:
+    """The next block's prefill riding on the current block's decode steps (one sweep per
+    step for both) gives the reference tokens for every placement, with one or two groups,
+    GPU batches of one or two, and the prefill cut finer or coarser than the decode steps."""
+    tm = tiny_models[kind]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    for gen in (GEN, 3):
+        ref = reference_generate(tm, PROMPTS, gen)
+        for (name, pct), cpu_att, (gbs, ngb), groups in itertools.product(
+                PLACEMENTS.items(), [True, False], [(1, 2), (1, 1)], [1, 2]):
+            if (gbs, ngb) == (1, 1) and (cpu_att or gen == 3):
+                continue  # fewer cases: one GPU batch per block runs one rider per step
+            with DiskStore(tmp_path / "off") as disk:
+                eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                                  policy=Policy(gbs, ngb, *pct, cpu_attention=cpu_att),
+                                  device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+                sweeps, run = [], eng.run_sweep
+                eng.run_sweep = lambda parts: sweeps.append(len(parts)) or run(parts)  # type: ignore[method-assign]
+                outs, tm_ = generate(eng, PROMPTS, gen, SamplingConfig(ignore_eos=True), schedule="overlapped",
+                                     num_groups=groups)
+                eng.close()
+            assert outs == ref, (name, cpu_att, gbs, ngb, groups, gen)
+            assert tm_.prefill_s > 0 and tm_.decode_s > 0
+            blocks = -(-len(PROMPTS) // (gbs * ngb))
+            # every block after each group's first rode: its GPU batches spread over the steps of
+            # the block before it, one piece on each of min(ngb, gen - 1) of them
+            assert sweeps.count(2) == (blocks - groups) * min(ngb, gen - 1) > 0
+
+
+def test_overlapped_equals_sequential_with_compression(tiny_models, tmp_path: Path) -> None:
+    """Compressed weights and cache (lossy, so not the reference): the overlapped schedule
+    gives exactly the sequential schedule's tokens."""
+    tm = tiny_models["opt-pre"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    got = {}
+    for schedule in ("sequential", "overlapped"):
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(1, 2, 0, 100, 0, 100, 100, 0, compress_weight=True, compress_cache=True),
+                          device=torch.device("cpu"), dtype=torch.float32)
+        got[schedule], _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True), schedule=schedule)
+        eng.close()
+    assert got["overlapped"] == got["sequential"]
+
+
+def test_overlapped_schedule_stops_at_eos(tiny_models, tmp_path: Path) -> None:
+    """A riding block whose sequences all end at their first token leaves the stream at once,
+    and blocks that end early leave their next block's unridden pieces to run alone: the
+    outputs are the reference cut at EOS."""
+    import json
+    import shutil
+
+    tm = tiny_models["llama-gqa"]
+    gen = 8
+    ref = reference_generate(tm, PROMPTS, gen)
+    for eos in (ref[2][0], ref[0][3]):  # block 2 ends at its prefill (a rider); block 0 after step 3
+        model = tmp_path / f"model-{eos}"
+        shutil.copytree(tm.path, model)
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["eos_token_id"] = eos
+        (model / "config.json").write_text(json.dumps(cfg))
+        lm = load_model(str(model), load_tokenizer=False)
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(1, 1, 0, 100, 100, 0, 100, 0), device=torch.device("cpu"),
+                          dtype=torch.float32)
+        outs, _ = generate(eng, PROMPTS, gen, SamplingConfig(), schedule="overlapped")
+        eng.close()
+        assert outs == [x[:x.index(eos) + 1] if eos in x else x for x in ref], eos

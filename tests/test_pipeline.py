@@ -29,20 +29,23 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.Co
 
 
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
-@pytest.mark.parametrize("nproc,groups,stage_layers,offload,prefill", [
-    (2, 1, None, False, "batch"), (2, 2, None, True, "batch"), (3, 3, "1 2 1", True, "block"),
-    (3, 2, "2 1 1", False, "batch"),
+@pytest.mark.parametrize("nproc,groups,stage_layers,offload,prefill,schedule", [
+    (2, 1, None, False, "batch", "sequential"), (2, 2, None, True, "batch", "sequential"),
+    (3, 3, "1 2 1", True, "block", "sequential"), (3, 2, "2 1 1", False, "batch", "sequential"),
+    (2, 1, None, True, "batch", "overlapped"), (3, 1, "2 1 1", False, "block", "overlapped"),
 ])
 def test_pipeline_matches_transformers(kind: str, nproc: int, groups: int, stage_layers: str | None,
-                                       offload: bool, prefill: str, tiny_models, tmp_path: Path) -> None:
-    """Tokens equal transformers' for every split, offload, group count and prefill item
-    size; with 6 prompts in blocks of 2 and G < 3, later blocks enter as earlier ones end."""
+                                       offload: bool, prefill: str, schedule: str, tiny_models,
+                                       tmp_path: Path) -> None:
+    """Tokens equal transformers' for every split, offload, group count, prefill item size
+    and schedule; with 6 prompts in blocks of 2 and G < 3, later blocks enter as earlier ones
+    end (overlapped: their prefill rides on the decode steps of the block before)."""
     tm = tiny_models[kind]
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out = tmp_path / "o.jsonl"
     args = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", str(GEN), "--ignore-eos",
             "--gpu-batch-size", "1", "--num-gpu-batches", "2", "--num-micro-batches", str(groups),
-            "--prefill-items", prefill,
+            "--prefill-items", prefill, "--schedule", schedule,
             "--output", str(out), "--metrics", str(tmp_path / "m.json"), "--offload-dir", str(tmp_path / "off")]
     if stage_layers:
         args += ["--stage-layers", *stage_layers.split()]
@@ -53,7 +56,7 @@ def test_pipeline_matches_transformers(kind: str, nproc: int, groups: int, stage
     r = torchrun(nproc, args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, PROMPTS, GEN)
-    assert f"prefill items per {prefill}" in r.stderr
+    assert f"prefill items per {prefill}" in r.stderr and f"schedule {schedule}" in r.stderr
     import json
 
     m = json.loads((tmp_path / "m.json").read_text())
@@ -133,10 +136,13 @@ def test_raising_rank_makes_the_others_exit(tmp_path: Path) -> None:
     assert "rank 1" in outs[0][1]  # the other one names it
 
 
-@pytest.mark.parametrize("nproc,num_gb", [(2, 1), (3, 1), (2, 2)])
-def test_eos_stops_a_group_on_every_stage(nproc: int, num_gb: int, tiny_models, tmp_path: Path) -> None:
+@pytest.mark.parametrize("nproc,num_gb,schedule", [(2, 1, "sequential"), (3, 1, "sequential"), (2, 2, "sequential"),
+                                                   (2, 1, "overlapped"), (1, 1, "overlapped")])
+def test_eos_stops_a_group_on_every_stage(nproc: int, num_gb: int, schedule: str, tiny_models,
+                                          tmp_path: Path) -> None:
     """A group whose sequences have all reached EOS is dropped by every stage at the same step:
-    outputs equal the reference cut at EOS, and each stage computes fewer (token, group) items."""
+    outputs equal the reference cut at EOS, and each stage computes fewer (token, group) items.
+    Overlapped: the prefill pieces that were to ride on the dropped steps run on their own."""
     import json
     import shutil
 
@@ -153,7 +159,7 @@ def test_eos_stops_a_group_on_every_stage(nproc: int, num_gb: int, tiny_models, 
     out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
     args = ["--model", str(model), "--prompts", str(p), "--gen-len", str(gen), "--gpu-batch-size", "1",
             "--num-gpu-batches", str(num_gb), "--num-micro-batches", "2", "--output", str(out), "--metrics", str(met),
-            "--prefill-items", "batch"]
+            "--prefill-items", "batch", "--schedule", schedule]
     r = torchrun(nproc, args)
     assert r.returncode == 0, r.stderr[-3000:]
     want = [x[:x.index(eos) + 1] if eos in x else x for x in ref]

@@ -97,10 +97,11 @@ def test_item_stream_peek_is_the_next_item_and_early_end_drops_only_that_block()
         assert f"D(b{b},i3)" in seen and f"C(b{b})" in seen
 
 
-def test_item_stream_peek_matches_next_whenever_given() -> None:
+@pytest.mark.parametrize("ride", [False, True])
+def test_item_stream_peek_matches_next_whenever_given(ride: bool) -> None:
     for pieces in ("block", "batch"):
         for collect in (False, True):
-            s = ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect)
+            s = ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect, ride=ride)
             it, peeked, total = s.next(), 0, 0
             while it is not None:
                 ahead = s.peek()
@@ -110,7 +111,7 @@ def test_item_stream_peek_matches_next_whenever_given() -> None:
                     peeked += 1
                 total += 1
                 it = nxt
-            assert total == len(ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect).order())
+            assert total == len(ItemStream([3, 2, 3, 1, 2], 3, 4, pieces=pieces, collect=collect, ride=ride).order())
             assert peeked >= total - 3  # only a slot's own follow-up is left unknown (here: the tail)
 
 
@@ -122,3 +123,47 @@ def test_item_stream_collects_every_block_once(gen_len: int, pieces: str) -> Non
     for b in range(5):  # after the block's last step
         last = f"D(b{b},i{gen_len - 1})" if gen_len > 1 else [x for x in items if x.startswith(f"P(b{b},")][-1]
         assert items.index(last) < items.index(f"C(b{b})")
+
+
+def test_item_stream_riders_spread_the_next_prefill_over_the_decode_steps() -> None:
+    """Overlapped: a slot's next block is prefilled in pieces riding on its current block's
+    decode steps (floor(i * nb / (n - 1)) batches done after step i, so the last piece rides
+    on the last step), and then starts at its first decode step; every GPU batch of every
+    block is prefilled exactly once, before that block's first decode step."""
+    s = ItemStream([2, 4, 1], 1, 3, ride=True, collect=True)
+    assert _names(s) == ("P(b0,k0..1) D(b0,i1)+P(b1,k0..1) D(b0,i2)+P(b1,k2..3) D(b1,i1) C(b0) "
+                         "D(b1,i2)+P(b2,k0) D(b2,i1) C(b1) D(b2,i2) C(b2)")
+    for nb, G, gen in (([3, 2, 3, 1, 2], 2, 4), ([5, 5, 5], 1, 3), ([1, 1, 1, 1], 3, 2)):
+        items = ItemStream(nb, G, gen, ride=True).order()
+        done: dict[int, list[int]] = {}
+        for it in items:
+            for p in it.parts():
+                if p.kind == "prefill":
+                    done.setdefault(p.block, []).extend(range(*p.batches))
+                elif p.i == 1:
+                    assert sorted(done[p.block]) == list(range(nb[p.block])), (p, done)
+                if p is not it:  # a rider: the next block of the same slot
+                    assert p.slot == it.slot and p.block == it.block + G
+        assert {b: sorted(k) for b, k in done.items()} == {b: list(range(n)) for b, n in enumerate(nb)}
+
+
+def test_item_stream_early_end_runs_the_unridden_pieces_on_their_own() -> None:
+    """A block that ends early drops its remaining decode steps; the next block's pieces that
+    were to ride on them run as one prefill item, then that block decodes from step 1."""
+    s = ItemStream([1, 4, 4], 1, 5, ride=True)
+    seen = []
+    while (it := s.next()) is not None:
+        seen.append(str(it))
+        if it.block == 1 and it.i == 3:
+            s.end_block(it.slot, it.block)  # block 1 ended at step 3: two of block 2's pieces rode
+    assert "D(b1,i3)+P(b2,k2)" in seen and "D(b1,i4)+P(b2,k3)" not in seen
+    rest = seen[seen.index("D(b1,i3)+P(b2,k2)") + 1:]
+    assert rest == ["P(b2,k3)", "D(b2,i1)", "D(b2,i2)", "D(b2,i3)", "D(b2,i4)"]
+
+    s = ItemStream([1, 1, 1], 1, 3, ride=True)
+    seen = []
+    while (it := s.next()) is not None:
+        seen.append(str(it))
+        if it.ride is not None and it.ride.block == 1:
+            s.end_block(it.slot, 1)  # block 1's sequences all ended at their first token
+    assert seen == ["P(b0,k0)", "D(b0,i1)", "D(b0,i2)+P(b1,k0)", "P(b2,k0)", "D(b2,i1)", "D(b2,i2)"]

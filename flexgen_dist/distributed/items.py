@@ -40,30 +40,44 @@ class Item:
     i: int  # token step: 0 prefill, 1.. decode; COLLECT: gen_len
     batches: tuple[int, int]  # GPU batches [a, b) of the block this item runs
     last: bool = True  # the last item of its step (a prefill's last piece)
+    ride: Item | None = None  # a decode step's rider: a prefill piece of the slot's next block
+
+    def parts(self) -> list[Item]:
+        """What the item runs, in message order: its rider first, then itself."""
+        return [self] if self.ride is None else [self.ride, self]
 
     def __str__(self) -> str:
         if self.kind == COLLECT:
             return f"C(b{self.block})"
         if self.kind == PREFILL:
             return f"P(b{self.block},k{self.batches[0]}{'' if self.batches[1] - self.batches[0] == 1 else '..' + str(self.batches[1] - 1)})"
-        return f"D(b{self.block},i{self.i})"
+        return f"D(b{self.block},i{self.i})" + ("" if self.ride is None else f"+{self.ride}")
 
 
 class ItemStream:
-    """Items of one call in execution order. ``num_batches[b]``: GPU batches of block b."""
+    """Items of one call in execution order. ``num_batches[b]``: GPU batches of block b.
+
+    ``ride`` (the overlapped schedule): the decode steps of a slot's block carry the prefill
+    of the slot's next block, cut into GPU batches spread evenly over the steps (step i has
+    prefilled floor(i * nb / (n - 1)) of the next block's nb batches, so the last piece rides
+    on the last step). Each such item is one sweep over the stage's layers: every loaded
+    layer serves the decode rows and the piece. A block whose prefill has ridden entirely
+    starts at its first decode step; what an early stop left unridden runs as plain prefill
+    pieces."""
 
     def __init__(self, num_batches: list[int], num_groups: int, gen_len: int, *,
-                 pieces: str = "block", collect: bool = False) -> None:
+                 pieces: str = "block", collect: bool = False, ride: bool = False) -> None:
         if pieces not in ("block", "batch"):
             raise ValueError(f"pieces={pieces!r}: 'block' or 'batch'")
         if num_groups < 1 or gen_len < 1:
             raise ValueError(f"num_groups={num_groups}, gen_len={gen_len}: both must be >= 1")
         self.num_batches, self.G, self.gen_len = num_batches, num_groups, gen_len
-        self.pieces, self.collect = pieces, collect
+        self.pieces, self.collect, self.ride = pieces, collect, ride and gen_len > 1
         # per slot: its blocks (front = current), the next step, a finished block to collect
         self._queue = [list(range(t, len(num_batches), num_groups)) for t in range(num_groups)]
         self._step = [0] * num_groups
         self._to_collect: list[int | None] = [None] * num_groups
+        self._prefilled: dict[int, int] = {}  # block -> GPU batches whose prefill is issued
         self._turn: list[Item] = []  # what is left of the current turn
         self._slot = -1  # the slot whose turn is current
 
@@ -71,25 +85,46 @@ class ItemStream:
     def _has_work(self, t: int) -> bool:
         return bool(self._queue[t]) or self._to_collect[t] is not None
 
-    def _next_turn(self, t: int) -> list[Item]:
-        """Slot t's next turn, advancing its state."""
+    def _next_turn(self, t: int, commit: bool = True) -> list[Item]:
+        """Slot t's next turn; ``commit`` advances the slot's state past it."""
         out: list[Item] = []
-        prev, self._to_collect[t] = self._to_collect[t], None  # finished before this turn
-        q = self._queue[t]
-        if q and self._step[t] == 0:
+        q, step = self._queue[t], self._step[t]
+        done: tuple[int, int] | None = None  # (block, batches now prefilled)
+        if q and step == 0:
             b = q[0]
-            nb = self.num_batches[b]
-            spans = [(0, nb)] if self.pieces == "block" else [(k, k + 1) for k in range(nb)]
+            nb, a = self.num_batches[b], self._prefilled.get(b, 0)
+            spans = [(a, nb)] if self.pieces == "block" else [(k, k + 1) for k in range(a, nb)]
             out += [Item(PREFILL, t, b, 0, sp, n == len(spans) - 1) for n, sp in enumerate(spans)]
-            self._advance(t)
+            done = (b, nb)
         elif q:
             b = q[0]
-            out.append(Item(DECODE, t, b, self._step[t], (0, self.num_batches[b])))
-            self._advance(t)
-        # the slot's previous block's last tokens arrive while its next prefill runs
+            rider = self._rider(t, step)
+            out.append(Item(DECODE, t, b, step, (0, self.num_batches[b]), ride=rider))
+            if rider is not None:
+                done = (rider.block, rider.batches[1])
+        # the slot's previous block's last tokens arrive while its next block runs
+        prev = self._to_collect[t]
         if prev is not None:
             out.append(Item(COLLECT, t, prev, self.gen_len, (0, self.num_batches[prev])))
+        if commit:
+            self._to_collect[t] = None
+            if done is not None:
+                self._prefilled[done[0]] = done[1]
+            if q:
+                self._advance(t)
         return out
+
+    def _rider(self, t: int, step: int) -> Item | None:
+        """The piece of slot t's next block that rides on decode step ``step`` of its current one."""
+        q = self._queue[t]
+        if not self.ride or len(q) < 2:
+            return None
+        nxt = q[1]
+        nb, a = self.num_batches[nxt], self._prefilled.get(nxt, 0)
+        target = step * nb // (self.gen_len - 1)
+        if target <= a:
+            return None
+        return Item(PREFILL, t, nxt, 0, (a, target), target == nb)
 
     def _advance(self, t: int) -> None:
         self._step[t] += 1
@@ -98,7 +133,10 @@ class ItemStream:
 
     def _finish(self, t: int, *, collect: bool) -> None:
         b = self._queue[t].pop(0)
-        self._step[t] = 0
+        self._prefilled.pop(b, None)
+        q = self._queue[t]
+        # a next block whose prefill has all ridden along starts at its first decode step
+        self._step[t] = 1 if q and self._prefilled.get(q[0], 0) == self.num_batches[q[0]] else 0
         if collect:
             self._to_collect[t] = b
 
@@ -128,25 +166,20 @@ class ItemStream:
         t = self._following_slot()
         if t is None or t == self._slot:
             return None
-        q = self._queue[t]
-        if q:
-            b = q[0]
-            if self._step[t] == 0:
-                nb = self.num_batches[b]
-                return Item(PREFILL, t, b, 0, (0, nb) if self.pieces == "block" else (0, 1),
-                            self.pieces == "block" or nb == 1)
-            return Item(DECODE, t, b, self._step[t], (0, self.num_batches[b]))
-        prev = self._to_collect[t]
-        assert prev is not None
-        return Item(COLLECT, t, prev, self.gen_len, (0, self.num_batches[prev]))
+        return self._next_turn(t, commit=False)[0]
 
     def end_block(self, slot: int, block: int) -> None:
         """The slot's block ended early (every sequence at EOS): drop its remaining decode
         steps (none if it ended at its last). Its tokens are all at stage 0 already, so there
-        is nothing to collect."""
-        if self._queue[slot] and self._queue[slot][0] == block and self._step[slot] > 0:
+        is nothing to collect. The next block's prefill that has not ridden yet runs next.
+        A rider's block that ended at its prefill (one stage) leaves the slot's queue."""
+        q = self._queue[slot]
+        if q and q[0] == block and self._step[slot] > 0:
             self._turn = [it for it in self._turn if it.slot != slot]
             self._finish(slot, collect=False)
+        elif block in q[1:]:
+            q.remove(block)
+            self._prefilled.pop(block, None)
 
     def order(self) -> list[Item]:
         """Every item, assuming no block ends early (for printing and tests)."""
@@ -168,3 +201,18 @@ def default_prefill_items(policies: list[Policy], device: torch.device) -> str:
         if p.num_gpu_batches == 1 or p.compress_weight or not resident:
             return "block"
     return "batch"
+
+
+def default_schedule(policies: list[Policy], device: torch.device, num_blocks: int, num_groups: int,
+                     gen_len: int) -> str:
+    """Without a hardware profile: overlapped where a decode step streams weights from off
+    the compute device (disk, or host RAM for a GPU), so the cores or the GPU idle while it
+    waits and a rider's prefill fills that time, and where some group has a next block to
+    ride; else sequential."""
+    if gen_len < 2 or num_blocks <= num_groups:
+        return "sequential"
+    for p in policies:
+        wg, wc, wd = p.fractions("w")
+        if (wd > 1e-9) if device.type == "cpu" else (wg < 1 - 1e-9):
+            return "overlapped"
+    return "sequential"

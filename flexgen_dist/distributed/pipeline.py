@@ -59,7 +59,7 @@ class Pipeline:
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
-                 prefill: str = "block") -> None:
+                 prefill: str = "block", ride: bool = False) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # each prompt's key for its random draws (its index in the job; default: in this call)
         n = sum(len(b.lens) for b in blocks)
@@ -67,6 +67,7 @@ class Pipeline:
         self.gen_len, self.sampling = gen_len, sampling
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
         self.prefill = prefill  # prefill items: one per block, or one per GPU batch
+        self.ride = ride  # the overlapped schedule: next blocks' prefill rides on decode steps
         self.ctx = ctx if ctx is not None and ctx.world_size > 1 else None
         if self.ctx is None:
             self.comm: StageComm | None = None
@@ -88,7 +89,7 @@ class Pipeline:
         self.comm_wait_s = 0.0
         self.timings = Timings()  # this stage's clock; token counts on stage 0
         self._sends: list[Any] = []
-        self._max_sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) + 4
+        self._max_sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) * (1 + ride) + 4
         # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
         self._states: dict[int, Any] = {}
         self._tokens: dict[int, list[torch.Tensor]] = {}
@@ -96,13 +97,14 @@ class Pipeline:
         self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
+        self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
 
     def stream(self) -> ItemStream:
         """This rank's items, in order (a fresh stream)."""
         return ItemStream([len(b.meta(self.gbs, 1).prompt_lens) for b in self.blocks], self.G, self.gen_len,
-                          pieces=self.prefill, collect=self.first and not self.last)
+                          pieces=self.prefill, collect=self.first and not self.last, ride=self.ride)
 
     # --- the loop -----------------------------------------------------------------------
     def run(self, prompts: list[list[int]] | None,
@@ -129,17 +131,17 @@ class Pipeline:
                 ahead = items.peek()
                 if ahead is not None:
                     pending = self._post_recv(ahead)
-                done = self._item(items, item, handle, prompts)
-                if done is not None and self.first:
-                    finished[item.block] = self._outputs(done)
+                done, units = self._item(items, item, handle, prompts)
+                if self.first:
+                    for b in done:
+                        finished[b] = self._outputs(b)
                 now = time.perf_counter()
-                if item.kind == PREFILL:
-                    tm.prefill_s += now - clock
-                else:
-                    tm.decode_s += now - clock
+                pre = now - clock if item.kind == PREFILL else (now - clock) * self._ride_share
+                tm.prefill_s += pre
+                tm.decode_s += now - clock - pre
                 clock = now
-                if progress is not None and item.last and item.kind != COLLECT:
-                    progress(1 if done is None or item.i == self.gen_len - 1 else self.gen_len - item.i)
+                if progress is not None and units:
+                    progress(units)
                 while next_out in finished:
                     yield self.blocks[next_out].first, finished.pop(next_out)
                     next_out += 1
@@ -159,26 +161,56 @@ class Pipeline:
                 self.engine.free_block(st)
             self._states.clear()
 
-    def _item(self, items: ItemStream, item: Item, handle: Any, prompts: list[list[int]] | None) -> int | None:
-        """Run one item; returns the block index if the item ended its block here (stage 0
-        finishes a block at its last step, at its collect, or when it ended early)."""
-        b = item.block
+    def _item(self, items: ItemStream, item: Item, handle: Any,
+              prompts: list[list[int]] | None) -> tuple[list[int], int]:
+        """Run one item (with its rider, in one sweep). Returns the blocks the item ended here
+        (stage 0 finishes a block at its last step, at its collect, or when it ended early)
+        and the (block, step) units it settled for the progress bar (a step run, or the
+        steps an early end skips)."""
+        self._ride_share = 0.0
         if item.kind == COLLECT:
-            self._collect(item, handle)
-            return b
-        x = self._input(item, handle, prompts)
-        if x is None:  # the block ended at step i - 1: drop it on every later stage
-            items.end_block(item.slot, b)
-            self._pass_skip(item)
-            self._free(b)
-            return b
-        ended = self._compute(item, x)
-        if ended:
-            items.end_block(item.slot, b)
-        if ended or (item.last and item.i == self.gen_len - 1):
-            self._free(b)
-            return b if self.last else None  # stage 0 of several waits for the collect
-        return None
+            self._collect(item, handle[0])
+            return [item.block], 0
+        parts = item.parts()
+        xs = [self._input(p, h, prompts) for p, h in zip(parts, handle)]
+        live = [(p, x) for p, x in zip(parts, xs) if x is not None]
+        outs = self._run(live)
+        done, units = [], 0
+        for p, x in zip(parts, xs):
+            if x is None:  # the block ended at step i - 1: drop it on every later stage
+                items.end_block(p.slot, p.block)
+                self._pass_skip(p)
+                self._free(p.block)
+                done.append(p.block)
+                units += self.gen_len - p.i
+                continue
+            ended = self._emit(p, outs[p])
+            units += int(p.last)
+            if ended:
+                items.end_block(p.slot, p.block)
+                units += self.gen_len - 1 - p.i
+            if ended or (p.last and p.i == self.gen_len - 1):
+                self._free(p.block)
+                if self.last:  # stage 0 of several waits for the collect
+                    done.append(p.block)
+        return done, units
+
+    def _run(self, live: list[tuple[Item, torch.Tensor]]) -> dict[Item, list[torch.Tensor]]:
+        """One engine sweep over the parts; with a rider, the share of the sweep's compute
+        that went to its prefill (the clock splits the item's time by it)."""
+        if not live:
+            return {}
+        states = [self._states[p.block] for p, _ in live]
+        outs = self.engine.run_sweep([(st, p.i, list(torch.split(x, self.gbs)), p.batches[0])
+                                      for st, (p, x) in zip(states, live)])
+        if len(live) > 1:
+            c = self.engine.sweep_compute
+            total = sum(c)
+            self._ride_share = sum(t for t, (p, _) in zip(c, live) if p.kind == PREFILL) / total if total > 0 else 0.5
+        for p, _ in live:
+            if p.last:
+                self.timings.token_steps += 1
+        return {p: o for (p, _), o in zip(live, outs)}
 
     def _free(self, b: int) -> None:
         st = self._states.pop(b, None)
@@ -241,15 +273,11 @@ class Pipeline:
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
         return outs
 
-    def _compute(self, item: Item, x: torch.Tensor) -> bool:
-        """Run the item on this stage and pass the result on: hidden states to the next stage,
-        or (last stage) the sampled ids, with the early-stop flag, to stage 0. Returns whether
-        the block has ended (one stage only: every sequence at EOS)."""
+    def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
+        """Pass the item's result on: hidden states to the next stage, or (last stage) the
+        sampled ids, with the early-stop flag, to stage 0. Returns whether the block has
+        ended (one stage only: every sequence at EOS)."""
         b, i = item.block, item.i
-        st = self._states[b]
-        outs = self.engine.run_token(st, i, list(torch.split(x, self.gbs)), first_batch=item.batches[0])
-        if item.last:
-            self.timings.token_steps += 1
         if not self.last:
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._send(self._go, self.next)  # type: ignore[arg-type]
@@ -339,11 +367,15 @@ class Pipeline:
         r0, r1 = self._rows(item)
         return (r1 - r0, self.blocks[item.block].prompt_len if item.i == 0 else 1, self.hidden)
 
-    def _post_recv(self, item: Item) -> Any:
-        """Post the receives this rank needs for the item, or None if it needs none: the header
-        and hidden states from the previous stage, or (stage 0) the token ids of step i - 1
-        with the last stage's early-stop flag appended (at a collect: of the last step, or
-        the block's scores)."""
+    def _post_recv(self, item: Item) -> list[Any]:
+        """Post the receives this rank needs for the item, one entry per part (rider first)."""
+        return [self._post_recv_part(p) for p in item.parts()]
+
+    def _post_recv_part(self, item: Item) -> Any:
+        """The receives of one part, or None if it needs none: the header and hidden states
+        from the previous stage, or (stage 0) the token ids of step i - 1 with the last
+        stage's early-stop flag appended (at a collect: of the last step, or the block's
+        scores)."""
         if self.comm is None:
             return None
         n = len(self.blocks[item.block].lens)
@@ -377,12 +409,16 @@ class Pipeline:
 
 
 def generate(engine: StageEngine, prompts: list[list[int]], gen_len: int, sampling: SamplingConfig,
-             progress: Progress | None = None, keys: list[int] | None = None) -> tuple[list[list[int]], Timings]:
+             progress: Progress | None = None, keys: list[int] | None = None, *,
+             schedule: str = "sequential", num_groups: int = 1) -> tuple[list[list[int]], Timings]:
     """The loop on one engine that owns the whole model (no ranks, no files): token lists in
     input order and the timings. For engines built by hand (tests, benchmarks); users call
-    ``flexgen_dist.LLM``."""
+    ``flexgen_dist.LLM``. ``schedule="overlapped"``: next blocks' prefill rides on decode."""
+    if schedule not in ("sequential", "overlapped"):
+        raise ValueError(f"schedule={schedule!r}: 'sequential' or 'overlapped'")
     blocks = plan_blocks([len(p) for p in prompts], engine.policy.block_size)
-    pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, keys=keys)
+    pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, keys=keys, num_groups=num_groups,
+                    ride=schedule == "overlapped")
     outs: list[list[int]] = []
     for _, block_outs in pipe.run(prompts, progress):
         outs.extend(block_outs)

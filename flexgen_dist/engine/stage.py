@@ -94,6 +94,9 @@ class StageEngine:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
         self._wbuf: dict[int, Any] = {}
         self._pending: list[Future] = []
+        self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
+        self._compute_of: dict[int, float] = {}
+        self.sweep_compute: list[float] = []  # compute seconds of each part of the last sweep
 
     # --- blocks -------------------------------------------------------------------------
     def new_block(self, meta: BlockMeta, tag: str = "") -> BlockState:
@@ -134,24 +137,45 @@ class StageEngine:
         states (b, t, hidden). A prefill run over a part of the block (the pipeline's finer
         prefill items) loads each off-device weight once for that part.
         """
-        ks = range(first_batch, first_batch + len(inputs))
-        if i > 0 and len(ks) != len(st.meta.prompt_lens):
-            raise ValueError(f"decode step {i} runs every GPU batch of the block, got batches {list(ks)}")
-        st.outputs = [None] * len(inputs)
-        st.out_base = first_batch
-        st.acts.set_inputs([x.to(self.device) for x in inputs], ks)
-        for step in token_schedule(i, len(self.slots), len(ks), self.policy.overlap):
-            if first_batch and step.k >= 0:
-                step = Step(step.kind, step.i, step.j, step.k + first_batch)
-            self._do(st, step, ks)
-        return st.outputs
+        return self.run_sweep([(st, i, inputs, first_batch)])[0]
 
-    def _do(self, st: BlockState, s: Step, ks: range) -> None:
+    @torch.no_grad()
+    def run_sweep(self, parts: list[tuple[BlockState, int, list[torch.Tensor], int]]) -> list[list[torch.Tensor]]:
+        """One sweep over this stage's slots that runs several (block, token) parts: each
+        slot's weights are loaded once and serve every part's GPU batches in turn (the
+        overlapped schedule: a decode step of one block and a prefill piece of the next).
+        ``parts``: (state, token i, inputs, first GPU batch) as for ``run_token``; returns
+        each part's outputs."""
+        runs: list[tuple[BlockState, int, int]] = []  # per flat batch q: (state, token, batch k)
+        for st, i, inputs, first in parts:
+            ks = range(first, first + len(inputs))
+            if i > 0 and len(ks) != len(st.meta.prompt_lens):
+                raise ValueError(f"decode step {i} runs every GPU batch of the block, got batches {list(ks)}")
+            st.outputs = [None] * len(inputs)
+            st.out_base = first
+            st.acts.set_inputs([x.to(self.device) for x in inputs], ks)
+            runs += [(st, i, k) for k in ks]
+        self._runs = runs
+        self._compute_of = {id(st): 0.0 for st, _, _, _ in parts}
+        for step in token_schedule(0, len(self.slots), len(runs), self.policy.overlap):
+            self._do(step)
+        self.sweep_compute = [self._compute_of[id(st)] for st, _, _, _ in parts]
+        return [st.outputs for st, _, _, _ in parts]
+
+    def _do(self, s: Step) -> None:
         kind = s.kind
+        if kind in ("load_weight", "sync"):
+            st, i, k = self._runs[0]
+        else:
+            st, i, k = self._runs[s.k]
         if kind == "compute":
             t0, io0 = time.perf_counter(), self.times.io_wait_s
-            self._compute(st, s.i, s.j, s.k, ks)  # its wait for the slot's weights is I/O wait, not compute
-            self.times.compute_s += time.perf_counter() - t0 - (self.times.io_wait_s - io0)
+            self._compute(st, i, s.j, k)  # its wait for the slot's weights is I/O wait, not compute
+            if s.k == len(self._runs) - 1:  # every batch of the sweep has used this slot's weights
+                self.weights.release(self.slots[s.j], self._wbuf.pop(s.j))
+            spent = time.perf_counter() - t0 - (self.times.io_wait_s - io0)
+            self.times.compute_s += spent
+            self._compute_of[id(st)] += spent
         elif kind == "load_weight":
             slot = self.slots[s.j]
             if slot in self.weights.resident:
@@ -162,18 +186,18 @@ class StageEngine:
                 if not self.policy.overlap:
                     self._wait([fut])
         elif kind == "load_cache":
-            if st.cache is not None and s.i > 0 and self.slots[s.j][0] == "layer":
-                st.cache.load(self.slots[s.j][1], s.k, st.meta.prompt_len + s.i - 1)  # type: ignore[arg-type]
+            if st.cache is not None and i > 0 and self.slots[s.j][0] == "layer":
+                st.cache.load(self.slots[s.j][1], k, st.meta.prompt_len + i - 1)  # type: ignore[arg-type]
                 if not self.policy.overlap:
-                    self._wait([f for ch in st.cache.chunks[(self.slots[s.j][1], s.k)] for f in ch.futures])
+                    self._wait([f for ch in st.cache.chunks[(self.slots[s.j][1], k)] for f in ch.futures])
         elif kind == "store_cache":
             if st.cache is not None and self.slots[s.j][0] == "layer":
-                self._pending += st.cache.store(self.slots[s.j][1], s.k)  # type: ignore[arg-type]
+                self._pending += st.cache.store(self.slots[s.j][1], k)  # type: ignore[arg-type]
         elif kind == "load_act":
-            self._pending += st.acts.load(s.k)
+            self._pending += st.acts.load(k)
         elif kind == "store_act":
             if s.j < len(self.slots) - 1:
-                self._pending += st.acts.store(s.k)
+                self._pending += st.acts.store(k)
         if kind == "sync" or not self.policy.overlap:
             self._wait(self._pending)
             self._pending = []
@@ -244,15 +268,13 @@ class StageEngine:
             st.merged_pos = (i, Positions(ids))
         return st.merged_pos[1]
 
-    def _compute(self, st: BlockState, i: int, j: int, k: int, ks: range) -> None:
+    def _compute(self, st: BlockState, i: int, j: int, k: int) -> None:
         slot = self.slots[j]
         w = self._weights(j)
-        num_gb = len(ks)
+        num_gb = len(st.meta.prompt_lens)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
                 self._compute_merged(st, i, j, w, num_gb)
-            if k == num_gb - 1:
-                self.weights.release(slot, self._wbuf.pop(j))
             return
         x = st.acts.get(k)
         spec = self.spec
@@ -268,8 +290,6 @@ class StageEngine:
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
-        if k == ks[-1]:  # every GPU batch of this run has used this slot's weights
-            self.weights.release(slot, self._wbuf.pop(j))
 
     @staticmethod
     def _step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:
