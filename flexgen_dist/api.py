@@ -270,24 +270,15 @@ class LLM:
         if cfg.auto_policy:
             from .planner.auto import auto_policies
 
-            policies, predicted, ranges = auto_policies(run_cfg, spec, ranges, prompt_len, self._dtype_bytes,
-                                                        self.device, n)
+            policies, predicted, ranges = auto_policies(
+                run_cfg, spec, ranges, prompt_len, self._dtype_bytes, self.device, n,
+                lambda pols, rngs, G, schedule: self._fits(pols, rngs, prompt_len, work["gen_len"], G, schedule))
         else:
             policies = cfg.stage_policies(m)
         sizes = {p.block_size for p in policies}
         if len(sizes) != 1:
             raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
                               "num_gpu_batches): every stage must use the same block size")
-        def fits(G: int, schedule: str = "sequential") -> bool:
-            """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
-            try:
-                for s, (p, r) in enumerate(zip(policies, ranges)):
-                    check_budgets(self._peaks(p, tuple(r), s, prompt_len, work["gen_len"], G, schedule),
-                                  cfg.budgets, s)
-            except MemoryBudgetError:
-                return False
-            return True
-
         if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
             G = cfg.num_micro_batches or m
             items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
@@ -295,17 +286,29 @@ class LLM:
             if schedule == "auto":
                 schedule = default_schedule(policies, self.device, -(-n // policies[0].block_size), G,
                                             work["gen_len"])
-                schedule = schedule if fits(G, schedule) else "sequential"
+                schedule = schedule if self._fits(policies, ranges, prompt_len, work["gen_len"], G, schedule) \
+                    else "sequential"
             predicted = {"num_micro_batches": G, "prefill_items": items, "schedule": schedule}
         elif not cfg.auto_policy:
             from .planner.auto import fixed_policy_choice
 
-            predicted = fixed_policy_choice(run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes,
-                                            self.device, n, fits)
+            predicted = fixed_policy_choice(
+                run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes, self.device, n,
+                lambda G, schedule="sequential": self._fits(policies, ranges, prompt_len, work["gen_len"], G, schedule))
         G, items = predicted.pop("num_micro_batches"), predicted.pop("prefill_items")
         return {"policies": [p.to_dict() for p in policies], "ranges": [list(r) for r in ranges],
                 "G": G, "prefill": items, "schedule": predicted.pop("schedule", "sequential"),
                 "predicted": predicted}
+
+    def _fits(self, policies: list[Policy], ranges: list[tuple[int, int]], prompt_len: int, gen_len: int,
+              G: int, schedule: str) -> bool:
+        """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
+        try:
+            for s, (p, r) in enumerate(zip(policies, ranges)):
+                check_budgets(self._peaks(p, tuple(r), s, prompt_len, gen_len, G, schedule), self.config.budgets, s)
+        except MemoryBudgetError:
+            return False
+        return True
 
     def _peaks(self, policy: Policy, layers: tuple[int, int], stage: int, prompt_len: int, gen_len: int,
                G: int, schedule: str = "sequential") -> dict[str, int]:

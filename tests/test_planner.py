@@ -226,10 +226,37 @@ def test_hardware_yaml_rejects_unknown_and_missing_keys(t4, tmp_path):
 def test_profiler_quick_mode_is_positive(tmp_path):
     hw = profile_hardware("cpu", str(tmp_path), quick=True)
     assert hw.source == "measured" and hw.compute_device == "cpu"
-    for v in hw.to_dict().values():
+    for k, v in hw.to_dict().items():
         if isinstance(v, (int, float)):
-            assert v > 0
+            assert v >= 0 if k == "disk_cpu" else v > 0, k  # disk reads may cost no compute
+    assert hw.disk_cpu is not None  # measured on a CPU device
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
+
+
+def test_disk_cpu_adds_compute_for_disk_bytes_on_cpu_devices(tmp_path):
+    """Disk traffic costs ``disk_cpu`` compute seconds per byte on a CPU device, nothing on a
+    GPU; and the field round-trips through YAML and rejects a negative value."""
+    cpu = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "cpu-2core.yaml")
+    spec = get_spec("opt-125m")
+    args = dict(gpu_batch_size=4, num_gpu_batches=2, cpu_attention=True, has_embed=True, has_head=True)
+    x = np.array([0, 0.5, 0.5, 1, 0, 0, 1, 0, 0], dtype=float)  # half the weights on disk
+    base = stage_terms(spec, spec.num_layers, cpu, WL, **args)
+    c = 1e-9  # one second per GB
+    more = stage_terms(spec, spec.num_layers, replace(cpu, disk_cpu=c), WL, **args)
+    for phase in (0, 1):
+        t0, t1 = base.layer_times(x)[phase], more.layer_times(x)[phase]
+        disk_bytes = t0[2] * cpu.dtoc_bw + t0[3] * cpu.ctod_bw
+        assert disk_bytes > 0
+        assert t1[4] == pytest.approx(t0[4] + c * disk_bytes)
+        assert np.allclose(np.delete(t1, 4), np.delete(t0, 4))
+    on_gpu = replace(cpu, compute_device="cuda")
+    g0 = stage_terms(spec, spec.num_layers, on_gpu, WL, **args).layer_times(x)
+    g1 = stage_terms(spec, spec.num_layers, replace(on_gpu, disk_cpu=c), WL, **args).layer_times(x)
+    assert np.allclose(g0[0], g1[0]) and np.allclose(g0[1], g1[1])
+    replace(cpu, disk_cpu=c).to_yaml(tmp_path / "hw.yaml")
+    assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").disk_cpu == c
+    with pytest.raises(ValueError, match="disk_cpu"):
+        replace(cpu, disk_cpu=-1.0)
 
 
 # CLI ----------------------------------------------------------------------------------
@@ -308,3 +335,33 @@ def test_pipeline_simulation_of_many_blocks_extends_the_steady_state() -> None:
 
     p, d = cost_model._simulate(two, None, 2, 1, 40)
     assert exact["prefill_time_s"] + exact["decode_time_s"] == pytest.approx(p + d, rel=0.02)
+
+
+def test_pipeline_simulation_of_the_overlapped_schedule() -> None:
+    """A rider adds its compute (not its weight reads) to the decode step it rides on: a
+    disk-bound step (1.0 s of reads, 0.2 s of compute) carries a 0.5 s piece for free, so
+    three blocks of two batches take 1 + 3 x 2 steps instead of 3 x (1 + 2)."""
+    from flexgen_dist.planner.cost_model import StageCost, best_pipeline, pipeline_prediction
+    from flexgen_dist.planner.terms import CHANNELS
+
+    def cost(pre: float, step: float, shared_comp: float, bls: int) -> StageCost:
+        ch = {"prefill": dict.fromkeys(CHANNELS, 0.0), "decode_step": dict.fromkeys(CHANNELS, 0.0),
+              "prefill_shared": dict.fromkeys(CHANNELS, 0.0)}
+        ch["prefill"]["comp"] = pre
+        ch["decode_step"].update(dtoc=step, comp=0.2)
+        ch["prefill_shared"]["comp"] = shared_comp
+        return StageCost(prefill_time_s=pre, decode_time_s=2 * step, peak={}, block_size=bls, prompt_len=8,
+                         gen_len=3, num_layers=1, channels=ch)
+
+    block, piece = [cost(1.0, 1.0, 1.0, 4)], [cost(0.5, 1.0, 0.5, 2)]
+    seq = pipeline_prediction(block, 1, num_blocks=3, piece_costs=piece, num_gpu_batches=2, split=False)
+    ovl = pipeline_prediction(block, 1, num_blocks=3, piece_costs=piece, num_gpu_batches=2, split=False, ride=True)
+    assert seq["prefill_time_s"] + seq["decode_time_s"] == pytest.approx(9.0)
+    assert ovl["prefill_time_s"] + ovl["decode_time_s"] == pytest.approx(7.0)
+    # a riding step's time is split by compute: 0.5 of its 0.7 s of compute is the rider's
+    assert ovl["prefill_time_s"] == pytest.approx(1.0 + 4 * 0.5 / 0.7)
+    assert ovl["schedule"] == "overlapped" and seq["schedule"] == "sequential"
+    pick = best_pipeline(block, piece, 1, num_blocks=3, num_gpu_batches=2)
+    assert pick["schedule"] == "overlapped"
+    # one block per group: nothing to ride on
+    assert best_pipeline(block, piece, 1, num_blocks=1, num_gpu_batches=2)["schedule"] == "sequential"

@@ -8,7 +8,7 @@ micro-batch groups.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,7 +34,7 @@ def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int) -> list[
 
 
 PREDICTED_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
-                  "decode_time_s", "num_micro_batches", "prefill_items")
+                  "decode_time_s", "num_micro_batches", "prefill_items", "schedule")
 
 
 def group_options(cfg: RunConfig, num_stages: int) -> list[int]:
@@ -45,11 +45,25 @@ def group_options(cfg: RunConfig, num_stages: int) -> list[int]:
     return [num_stages] if num_stages == 1 else [num_stages, 2 * num_stages]
 
 
+def _schedule_that_fits(cfg: RunConfig, estimate: Callable[[str], dict[str, Any]], G: int,
+                        fits: Callable[[int, str], bool] | None) -> dict[str, Any]:
+    """The prediction under ``--schedule``; under ``auto``, overlapped only where it is
+    predicted faster and two blocks per group fit the budgets (the run's own check)."""
+    pred = estimate(cfg.schedule)
+    if cfg.schedule == "auto" and pred.get("schedule") == "overlapped" and fits is not None \
+            and not fits(G, "overlapped"):
+        pred = estimate("sequential")
+    return pred
+
+
 def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], prompt_len: int,
-                  dtype_bytes: int, device: torch.device, num_prompts: int | None = None
+                  dtype_bytes: int, device: torch.device, num_prompts: int | None = None,
+                  fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None
                   ) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
-    """Policies (one per stage), the planner's prediction (with its choice of G and prefill
-    items), and the (possibly rebalanced) layer ranges."""
+    """Policies (one per stage), the planner's prediction (with its choice of G, prefill
+    items and schedule), and the (possibly rebalanced) layer ranges. The policies are planned
+    for G blocks in flight; the overlapped schedule (two per group) is then chosen where it
+    is predicted faster and ``fits(policies, ranges, G, schedule)``."""
     m = len(ranges)
     hws = hardware_for(cfg, device, m)
     n = num_prompts if num_prompts is not None else (cfg.num_prompts or 1)
@@ -62,7 +76,8 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
                               stage_layers=[b - a for a, b in ranges], partition=cfg.partition,
                               num_micro_batches=G, compress=bool(cfg.compress_weight),
                               max_block_size=max(1, -(-n // G)), num_prompts=n,
-                              prefill_items=cfg.prefill_items)
+                              prefill_items=cfg.prefill_items,
+                              schedule="sequential" if cfg.schedule == "auto" else cfg.schedule)
         except PlanError:
             if plan is None and G == group_options(cfg, m)[-1]:
                 raise
@@ -73,7 +88,17 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
     over = cfg.policy_overrides()
     policies = [Policy.from_dict({**s.policy.to_dict(), **over}) for s in plan.stages]
     new_ranges = partition_layers(spec.num_layers, m, plan.stage_layers)
-    predicted = {k: plan.predicted[k] for k in PREDICTED_KEYS if k in plan.predicted}
+    pred = plan.predicted
+    if cfg.schedule == "auto":
+        G = pred["num_micro_batches"]
+        wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
+        ride = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
+                                 num_blocks=-(-n // policies[0].block_size),
+                                 prefill_items=pred["prefill_items"], schedule="overlapped")
+        if ride["total_throughput"] > pred["total_throughput"] and \
+                (fits is None or fits(policies, new_ranges, G, "overlapped")):
+            pred = ride
+    predicted = {k: pred[k] for k in PREDICTED_KEYS if k in pred}
     predicted["hardware"] = [hw.name for hw in hws]
     return policies, predicted, new_ranges
 
@@ -82,7 +107,8 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
                         prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
                         fits: Any) -> dict[str, Any]:
     """For policies given by the user with ``--hardware FILE``: the prediction, choosing G
-    among ``group_options`` where ``fits(G)`` and the prefill items by the cost model."""
+    among ``group_options`` where ``fits(G)``, and the prefill items and schedule by the cost
+    model (overlapped where ``fits(G, "overlapped")``)."""
     m = len(ranges)
     hws = hardware_for(cfg, device, m)
     wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
@@ -91,9 +117,12 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
     for G in options:
         if G != options[0] and not fits(G):
             continue
-        pred = estimate_pipeline(spec, [b - a for a, b in ranges], policies, hws, wl, G,
-                                 num_blocks=-(-num_prompts // policies[0].block_size),
-                                 prefill_items=cfg.prefill_items)
+        def estimate(schedule: str, G: int = G) -> dict[str, Any]:
+            return estimate_pipeline(spec, [b - a for a, b in ranges], policies, hws, wl, G,
+                                     num_blocks=-(-num_prompts // policies[0].block_size),
+                                     prefill_items=cfg.prefill_items, schedule=schedule)
+
+        pred = _schedule_that_fits(cfg, estimate, G, fits)
         if best is None or pred["total_throughput"] > best["total_throughput"]:
             best = pred
     assert best is not None

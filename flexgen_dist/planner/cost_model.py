@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, StageTerms, Workload, stage_terms
+from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,14 @@ class StageCost:
     prefill_net_s: float = 0.0
     decode_net_s: float = 0.0
     channels: dict[str, dict[str, float]] = field(default_factory=dict)
+    overlap: bool = True  # channels overlap (max) or run one after another (sum)
+
+    def ride_step_s(self, piece: StageCost, batches: int) -> float:
+        """One decode step with ``batches`` GPU batches of the next block's prefill riding on
+        it (``piece``: the cost of a one-batch block): each channel adds the pieces' traffic
+        and compute but not their weight reads, which the step's loaded weights serve."""
+        ch = [self.channels["decode_step"][c] + batches * piece.channels["prefill_shared"][c] for c in CHANNELS]
+        return max(ch) if self.overlap else sum(ch)
 
     @property
     def decode_step_s(self) -> float:
@@ -80,13 +89,17 @@ def cost_from_terms(terms: StageTerms, x: np.ndarray) -> StageCost:
     pk = terms.peaks(x)
     peak = {ph: {t: max(0, int(math.ceil(pk[i, j] - 1e-6))) for j, t in enumerate(TIERS)}
             for i, ph in enumerate(PHASES)}
+    shared = x.copy()
+    shared[[WG, WC, WD]] = 0.0  # a rider's weights are the decode step's
+    tp_shared, _ = terms.layer_times(shared)
     channels = {"prefill": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tp)},
-                "decode_step": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tg)}}
+                "decode_step": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tg)},
+                "prefill_shared": {c: terms.num_layers * float(v) for c, v in zip(CHANNELS, tp_shared)}}
     return StageCost(prefill_time_s=pre, decode_time_s=dec, peak=peak,
                      block_size=terms.block_size, prompt_len=terms.prompt_len,
                      gen_len=terms.gen_len, num_layers=terms.num_layers,
                      prefill_net_s=terms.prefill_net_s, decode_net_s=terms.decode_net_s,
-                     channels=channels)
+                     channels=channels, overlap=terms.overlap)
 
 
 def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: HardwareSpec,
@@ -125,44 +138,62 @@ def piece_policy(policy: Policy) -> Policy:
 
 
 def _simulate(costs: list[StageCost], pieces: list[StageCost] | None, G: int, num_gb: int,
-              num_blocks: int) -> tuple[float, float]:
+              num_blocks: int, *, split: bool = False, ride: bool = False) -> tuple[float, float]:
     """(prefill, decode) seconds of the last stage's clock for ``num_blocks`` blocks.
 
     Walks the runtime's own item stream (``distributed/items.py``): each stage takes the
     items in that order; an item starts on stage s when s is free and the item has arrived
     from s - 1 (its send time after it), a decode step on stage 0 when the block's previous
     tokens are back from the last stage. The last stage's wall time is split by item kind,
-    waiting included, as the runtime's clock does."""
+    waiting included, as the runtime's clock does (a decode step with a rider: by the
+    rider's share of the step's compute). ``split``: one prefill item per GPU batch;
+    ``ride``: the overlapped schedule (``pieces`` then gives a rider's cost per batch)."""
     from ..distributed.items import PREFILL, ItemStream
 
     m, n = len(costs), costs[0].gen_len
-    stream = ItemStream([num_gb] * num_blocks, G, n, pieces="batch" if pieces else "block")
+    stream = ItemStream([num_gb] * num_blocks, G, n, pieces="batch" if split else "block", ride=ride)
     free = [0.0] * m
     back: dict[int, float] = {}  # block -> when its latest tokens are at stage 0
     clock = pre = dec = 0.0
     while (it := stream.next()) is not None:
         arrive = back.get(it.block, 0.0) if it.kind != PREFILL else 0.0
+        share = 0.0
         for s, c in enumerate(costs):
-            if it.kind == PREFILL:
-                cc = pieces[s] if pieces else c
-                busy, net = cc.prefill_time_s, cc.prefill_net_s
-            else:
-                busy, net = c.decode_step_s, c.decode_net_s
+            busy, net, share = _item_cost(c, pieces[s] if pieces else None, it, num_gb)
             end = max(free[s], arrive) + busy
             free[s] = end
             arrive = end + (net if m > 1 else 0.0)
-        if it.kind == PREFILL:
-            pre += free[-1] - clock
-        else:
-            dec += free[-1] - clock
+        span = free[-1] - clock
+        pre += span * share
+        dec += span * (1 - share)
         clock = free[-1]
-        if it.last:
-            back[it.block] = arrive if m > 1 else clock
+        for p in it.parts():
+            if p.last:
+                back[p.block] = arrive if m > 1 else clock
     return pre, dec
 
 
+def _item_cost(c: StageCost, piece: StageCost | None, it: Any, num_gb: int) -> tuple[float, float, float]:
+    """(busy seconds, send seconds, prefill share of the time) of one item on one stage."""
+    from ..distributed.items import PREFILL
+
+    k = it.batches[1] - it.batches[0]
+    if it.kind == PREFILL:
+        if piece is None or k == num_gb:
+            return c.prefill_time_s, c.prefill_net_s, 1.0
+        return k * piece.prefill_time_s, k * piece.prefill_net_s, 1.0
+    if it.ride is None or piece is None:
+        return c.decode_step_s, c.decode_net_s, 0.0
+    r = it.ride.batches[1] - it.ride.batches[0]
+    busy = c.ride_step_s(piece, r)
+    ride_comp = r * piece.channels["prefill_shared"]["comp"]
+    comp = c.channels["decode_step"]["comp"] + ride_comp
+    return busy, c.decode_net_s + r * piece.prefill_net_s, ride_comp / comp if comp > 0 else 0.5
+
+
 def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_blocks: int | None = None,
-                        piece_costs: list[StageCost] | None = None, num_gpu_batches: int = 1) -> dict:
+                        piece_costs: list[StageCost] | None = None, num_gpu_batches: int = 1,
+                        split: bool | None = None, ride: bool = False) -> dict:
     """Pipeline throughput from per-stage block costs (all stages share one block size).
 
     The runtime's item stream is simulated (``_simulate``) for ``num_blocks`` blocks (default:
@@ -172,8 +203,13 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
     of a block needs the whole ring (every stage, every send, the token ids back to stage 0)
     while the other G - 1 blocks keep the stages busy; a slot whose block ends starts the
     next block's prefill while the others decode. Long jobs are simulated over 6 G blocks
-    and extended by the per-block increment of the last G.
+    and extended by the per-block increment of the last G. ``split`` (default: whether
+    ``piece_costs`` are given) makes the prefill items per GPU batch; ``ride`` predicts the
+    overlapped schedule (riders costed from ``piece_costs``).
     """
+    split = piece_costs is not None if split is None else split
+    if ride and piece_costs is None:
+        raise ValueError("the overlapped schedule's riders are costed per GPU batch: give piece_costs")
     G, m = num_micro_batches, len(costs)
     bls, s, n = costs[0].block_size, costs[0].prompt_len, costs[0].gen_len
     if any(c.block_size != bls for c in costs):
@@ -182,10 +218,10 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
     nb = num_blocks or G
     cap = 6 * G
     if nb <= cap:
-        prefill_time, decode_time = _simulate(costs, piece_costs, G, num_gpu_batches, nb)
+        prefill_time, decode_time = _simulate(costs, piece_costs, G, num_gpu_batches, nb, split=split, ride=ride)
     else:
-        p1, d1 = _simulate(costs, piece_costs, G, num_gpu_batches, cap)
-        p0, d0 = _simulate(costs, piece_costs, G, num_gpu_batches, cap - G)
+        p1, d1 = _simulate(costs, piece_costs, G, num_gpu_batches, cap, split=split, ride=ride)
+        p0, d0 = _simulate(costs, piece_costs, G, num_gpu_batches, cap - G, split=split, ride=ride)
         k = (nb - cap) / G
         prefill_time, decode_time = p1 + k * (p1 - p0), d1 + k * (d1 - d0)
     seqs = nb * bls
@@ -198,7 +234,8 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
         "num_stages": m,
         "num_micro_batches": G,
         "num_blocks": nb,
-        "prefill_items": "batch" if piece_costs else "block",
+        "prefill_items": "batch" if split else "block",
+        "schedule": "overlapped" if ride else "sequential",
         "block_size": bls,
         "stage_times": [{"layers": c.num_layers, "prefill_s": c.prefill_time_s,
                          "decode_step_s": c.decode_step_s, "prefill_net_s": c.prefill_net_s,
@@ -208,29 +245,37 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
 
 
 def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G: int, *,
-                  num_blocks: int | None, num_gpu_batches: int, prefill_items: str = "auto") -> dict:
-    """``pipeline_prediction`` with the prefill items given, or (``auto``) the faster of one
-    item per block and one per GPU batch (only a pipeline of several stages gains from pieces)."""
-    whole = pipeline_prediction(costs, G, num_blocks=num_blocks)
-    if prefill_items == "block" or piece_costs is None or (prefill_items == "auto" and
-                                                           (len(costs) == 1 or num_gpu_batches == 1)):
-        return whole
-    split = pipeline_prediction(costs, G, num_blocks=num_blocks, piece_costs=piece_costs,
-                                num_gpu_batches=num_gpu_batches)
-    if prefill_items == "batch" or split["total_throughput"] > whole["total_throughput"]:
-        return split
-    return whole
+                  num_blocks: int | None, num_gpu_batches: int, prefill_items: str = "auto",
+                  schedule: str = "auto") -> dict:
+    """``pipeline_prediction`` with the prefill items and schedule given, or (``auto``) the
+    fastest of the options: one prefill item per block or per GPU batch (only a pipeline of
+    several stages gains from pieces), sequential or overlapped (only with more blocks than
+    groups: a group's first block has nothing to ride on)."""
+    can_split = piece_costs is not None and len(costs) > 1 and num_gpu_batches > 1
+    splits = {"block": [False], "batch": [True]}.get(prefill_items, [False, True] if can_split else [False])
+    nb = num_blocks or G
+    can_ride = piece_costs is not None and costs[0].gen_len > 1 and nb > G
+    rides = {"sequential": [False], "overlapped": [True]}.get(schedule, [False, True] if can_ride else [False])
+    best: dict | None = None
+    for split in splits:
+        for ride in rides:
+            pred = pipeline_prediction(costs, G, num_blocks=num_blocks, piece_costs=piece_costs,
+                                       num_gpu_batches=num_gpu_batches, split=split, ride=ride)
+            if best is None or pred["total_throughput"] > best["total_throughput"]:
+                best = pred
+    assert best is not None
+    return best
 
 
 def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[Policy],
                       hws: list[HardwareSpec], workload: Workload,
                       num_micro_batches: int, *, num_blocks: int | None = None,
-                      prefill_items: str = "auto") -> dict:
+                      prefill_items: str = "auto", schedule: str = "auto") -> dict:
     """Predicted prefill/decode/total throughput (tokens/s) of the whole pipeline.
 
     Keys: prefill_throughput (prompt tokens / prefill time), decode_throughput (tokens after
     the first / decode time), total_throughput (generated tokens / (prefill + decode)),
-    prefill_time_s, decode_time_s, prefill_items (what ``auto`` chose), stage_times,
+    prefill_time_s, decode_time_s, prefill_items and schedule (what ``auto`` chose), stage_times,
     peak_bytes (per stage, per phase, per tier).
     """
     m = len(stage_layers)
@@ -246,6 +291,6 @@ def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[P
 
     ngb = policies[0].num_gpu_batches
     same_gbs = len({p.gpu_batch_size for p in policies}) == 1  # pieces are GPU batches
-    pieces = costs([piece_policy(p) for p in policies]) if m > 1 and ngb > 1 and same_gbs else None
+    pieces = costs([piece_policy(p) for p in policies]) if same_gbs else None
     return best_pipeline(costs(policies), pieces, num_micro_batches, num_blocks=num_blocks,
-                         num_gpu_batches=ngb, prefill_items=prefill_items)
+                         num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)

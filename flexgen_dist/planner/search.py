@@ -363,7 +363,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                   partition: str = "equal", num_micro_batches: int | None = None,
                   compress: bool = False, max_gpu_batch_size: int = 64,
                   max_num_gpu_batches: int = 16, max_block_size: int | None = None,
-                  num_prompts: int | None = None, prefill_items: str = "auto") -> PipelinePlan:
+                  num_prompts: int | None = None, prefill_items: str = "auto",
+                  schedule: str = "auto") -> PipelinePlan:
     """Plan every stage of an m-stage pipeline; all stages share one block size.
 
     Each stage's search gives its best placement per block size; the block size with the
@@ -372,7 +373,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     for the stages carrying the embedding and the LM head, and for mixed hardware).
     ``num_micro_batches`` defaults to the number of stages (every stage busy).
     ``num_prompts`` (default: one block per group) sets how many blocks the prediction runs;
-    ``prefill_items`` (auto, block, batch) how a block's prefill crosses the stages.
+    ``prefill_items`` (auto, block, batch) how a block's prefill crosses the stages;
+    ``schedule`` (auto, sequential, overlapped) whether next blocks' prefill rides on decode.
     """
     m = num_stages
     hw_list = list(hws) if isinstance(hws, (list, tuple)) else [hws] * m
@@ -419,14 +421,14 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
             ngb = chosen[0].num_gpu_batches
             pieces = None
             same_gbs = len({c.gpu_batch_size for c in chosen}) == 1  # pieces are GPU batches
-            if m > 1 and ngb > 1 and prefill_items != "block" and same_gbs:
+            if same_gbs and ((m > 1 and ngb > 1 and prefill_items != "block") or schedule != "sequential"):
                 pieces = [estimate_stage(spec, n, piece_policy(c.policy()), hw_list[i], workload,
                                          has_embed=i == 0, has_head=i == m - 1, num_micro_batches=G,
                                          num_stages=m)
                           for i, (n, c) in enumerate(zip(split, chosen))]
             nblocks = -(-num_prompts // bls) if num_prompts else None
             pred = best_pipeline([c.cost() for c in chosen], pieces, G, num_blocks=nblocks,
-                                 num_gpu_batches=ngb, prefill_items=prefill_items)
+                                 num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)
             if best is None or pred["total_throughput"] > best[0]:
                 best = (pred["total_throughput"], chosen, pred)
         assert best is not None
