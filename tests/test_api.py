@@ -142,6 +142,7 @@ with open(f"{out}.{res['rank']}.json", "w") as f:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 def test_api_under_torchrun_two_ranks(tiny_models, tmp_path: Path) -> None:
     tm = tiny_models["llama-gqa"]

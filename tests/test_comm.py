@@ -17,25 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import free_port
-from test_launchers import kill_tree
 import torch
 
+from conftest import REPO, clean_env, free_port, kill_tree
 from flexgen_dist.distributed.comm import FailureMonitor, StageComm
 from flexgen_dist.distributed.topology import DistContext, detect_topology
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 10.0  # --timeout given to the ranks in failure tests
-LAUNCHER_VARS = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
-                           r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|OMPI_.*|PMIX_.*|SLURM_.*)$")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment minus any launcher variables this pytest itself may run under."""
-    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.match(k)}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
-    return env
 
 
 def fail_time(text: str) -> float:
@@ -86,11 +74,12 @@ def run_launcher(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[i
 
 
 def single_node(nproc: int, *args: str, timeout: float = 90) -> tuple[int, str, float]:
-    env = clean_env(MODULE="flexgen_dist.distributed.check", PYTHON=sys.executable)
+    env = clean_env()
     cmd = [str(REPO / "launch" / "single_node.sh"), str(nproc), *args]
     return run_launcher(cmd, env, timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_ring_torchrun(nproc: int, tmp_path: Path) -> None:
@@ -104,6 +93,7 @@ def test_ring_torchrun(nproc: int, tmp_path: Path) -> None:
         assert f"rank {r}/{nproc}" in log and "round 3 ok" in log
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 @pytest.mark.parametrize("flag", ["--fail-rank", "--kill-rank"])
 def test_failure_torchrun(flag: str) -> None:
@@ -148,6 +138,7 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 @pytest.mark.parametrize(
     "world, bad, args, expect",

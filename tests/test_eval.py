@@ -171,6 +171,7 @@ def test_bad_input_is_one_line(tiny_models, tmp_path: Path, capsys) -> None:
     assert "at least 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 def test_ppl_on_two_ranks(tiny_models, tmp_path: Path) -> None:
     tm = tiny_models["opt-pre"]

@@ -135,6 +135,7 @@ def test_sigkilled_run_leaves_nothing_after_the_next(tiny_models, tmp_path: Path
     assert rc == 0 and not any(off.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.multinode
 def test_resume_on_another_number_of_ranks(tiny_models, tmp_path: Path, capsys) -> None:
     """Interrupted on one process, finished on two ranks: the same bytes."""

