@@ -281,3 +281,19 @@ def test_accuracy_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:
         assert lg[(fam, "4-bit KV cache")]["decode_rel_error"] > 0.0
         assert lg[(fam, "4-bit weights, dim 1, group 64 (default)")]["prefill_rel_error"] > 1e-4
     assert _json.loads((tmp_path / "a.json").read_text())["weights"][0]["mode"] == res["weights"][0]["mode"]
+
+
+def test_offload_overlapped_variant(tmp_path: Path) -> None:
+    """With several blocks, (a) also runs under the overlapped schedule: same tokens, its
+    clock split into prefill and decode, and its ratio to (a) in the JSON."""
+    out = tmp_path / "offload.json"
+    offload.main(["--model", "opt-125m", "--num-prompts", "4", "--prompt-len", "8", "--gen-len", "3",
+                  "--gpu-batch-size", "1", "--blocks", "2", "--skip-ablations", "--skip-accelerate",
+                  "--skip-one-batch", "--drop-interval", "0", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert set(data["runs"]) == {"a_block", "a_overlapped"}
+    run = data["runs"]["a_overlapped"]
+    assert run["schedule"] == "overlapped" and data["runs"]["a_block"]["schedule"] == "sequential"
+    assert run["tokens_match_a"] is True and run["blocks"] == 2 and run["policy"]["num_gpu_batches"] == 2
+    assert run["prefill_time_s"] > 0 and run["decode_time_s"] > 0 and run["disk_bytes_read"] > 0
+    assert set(data["ratios"]) == {"overlapped_over_a"} and data["ratios"]["overlapped_over_a"] > 0
