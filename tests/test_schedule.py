@@ -167,3 +167,22 @@ def test_item_stream_early_end_runs_the_unridden_pieces_on_their_own() -> None:
         if it.ride is not None and it.ride.block == 1:
             s.end_block(it.slot, 1)  # block 1's sequences all ended at their first token
     assert seen == ["P(b0,k0)", "D(b0,i1)", "D(b0,i2)+P(b1,k0)", "P(b2,k0)", "D(b2,i1)", "D(b2,i2)"]
+
+
+def test_default_schedule_without_a_profile() -> None:
+    """Overlapped only on a GPU whose weights stream from off the device, with a next block
+    for some group to ride on; a CPU device keeps the sequential order (its reads take the
+    same cores' time: the cost model decides there, with a profile)."""
+    import torch
+
+    from flexgen_dist.distributed.items import default_schedule
+    from flexgen_dist.engine.policy import Policy
+
+    streamed, resident = [Policy(2, 2, 20, 80, 100, 0, 100, 0)], [Policy(2, 2, 100, 0, 100, 0, 100, 0)]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=8) == "overlapped"
+    assert default_schedule(resident, cuda, num_blocks=3, num_groups=1, gen_len=8) == "sequential"
+    assert default_schedule(streamed, cuda, num_blocks=2, num_groups=2, gen_len=8) == "sequential"
+    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=1) == "sequential"
+    assert default_schedule([Policy(2, 2, 0, 20, 100, 0, 100, 0)], cpu, num_blocks=3, num_groups=1,
+                            gen_len=8) == "sequential"
