@@ -19,7 +19,8 @@ from flexgen_dist.planner.cost_model import Workload, estimate_pipeline, estimat
 from flexgen_dist.planner.terms import stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import profile_hardware
-from flexgen_dist.planner.search import PlanError, plan_pipeline, plan_stage, round_percents, solve_lp
+from flexgen_dist.planner.pipeline import plan_pipeline
+from flexgen_dist.planner.search import PlanError, plan_stage, round_percents, solve_lp
 
 ROOT = Path(__file__).resolve().parents[1]
 T4 = ROOT / "configs" / "hardware" / "t4.yaml"

@@ -260,6 +260,22 @@ def compression_ratios(a: dict[str, Any], comp: dict[str, Any], gen_len: int) ->
             "bytes_read_ratio": ratio(comp["disk_bytes_read"], a["disk_bytes_read"])}
 
 
+def ratios(runs: dict[str, Any], comps: list[tuple[str, ...]], gen_len: int) -> dict[str, Any]:
+    """Throughput ratios of the variants that ran: (a) over (b) and (c), overlapped over (a)
+    and (c), and each compressed variant against (a)."""
+    tps = {name: r["throughput"] for name, r in runs.items()}
+    out: dict[str, Any] = {}
+    for key, num, den in (("a_over_b", "a_block", "b_one_batch"), ("overlapped_over_a", "a_overlapped", "a_block"),
+                          ("overlapped_over_c", "a_overlapped", "c_accelerate"),
+                          ("a_over_c", "a_block", "c_accelerate")):
+        if num in tps and den in tps:
+            out[key] = tps[num] / tps[den]
+    for comp in comps:
+        name = "a_" + "_".join(comp)
+        out[name] = compression_ratios(runs["a_block"], runs[name], gen_len)
+    return out
+
+
 def default_model(dtype: torch.dtype) -> str:
     """The smallest registry OPT shape with at least 1 GB of weights in ``dtype``."""
     shapes = sorted((get_spec(n).total_numel(), n) for n in registry_names() if n.startswith("opt-"))
@@ -294,39 +310,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
-    work.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, args.dtype)
-    args.model = args.model or default_model(dtype)
-    dummy = load_model(args.model, dummy_weights=True, dtype=dtype)
-    ckpt = work / f"hf-{args.model}-{args.dtype}"
-    if not (ckpt / "config.json").exists():
-        print("writing the dummy weights as a Hugging Face checkpoint ...", flush=True)
-        write_hf_checkpoint(dummy, ckpt, dtype)
-    # Everyone runs the written checkpoint (the engine too), so all runs provably use the same
-    # weights and their tokens can be compared.
-    held = {"lm": load_model(str(ckpt), load_tokenizer=False, dtype=dtype)}
-    spec = dummy.spec
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g).tolist()
-    weight_bytes = spec.total_numel() * dtype.itemsize
-    cpu_budget = int(weight_bytes * args.cpu_weight_percent / 100)
-    gbs = args.gpu_batch_size
+def engine_variants(args: argparse.Namespace, lm: Any, prompts: list[list[int]], dtype: torch.dtype, work: Path,
+                    record: Any, runs: dict[str, Any]) -> list:
+    """(a), its overlapped schedule (with --blocks > 1), (b), the ablations and the compressed
+    variants, each recorded; returns (a)'s tokens."""
+    gbs, wc = args.gpu_batch_size, args.cpu_weight_percent
     ngb = max(1, args.num_prompts // (gbs * args.blocks))
-    wc = args.cpu_weight_percent
-    runs: dict[str, Any] = {}
-
-    def record(name: str, info: dict[str, Any], extra: dict[str, Any]) -> None:
-        # throughput = generated tokens / generation wall time (weight placement or model
-        # loading is reported as setup_s and excluded, for every run alike)
-        runs[name] = {**extra, **info, "throughput": args.num_prompts * args.gen_len / info["generate_s"]}
-        print(f"{name}: {runs[name]['throughput']:.2f} tok/s (generate {info['generate_s']:.1f} s, "
-              f"setup {info['setup_s']:.1f} s)", flush=True)
 
     def engine(name: str, policy: Policy, schedule: str = "sequential") -> list:
-        outs, info = run_engine(held["lm"], prompts, args.gen_len, policy, work / "offload", args.drop_interval,
+        outs, info = run_engine(lm, prompts, args.gen_len, policy, work / "offload", args.drop_interval,
                                 dtype, schedule)
         record(name, info, {"policy": policy.to_dict(), "schedule": schedule})
         return outs
@@ -347,6 +339,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine("a_" + "_".join(comp), pol)
         if args.blocks > 1:
             engine("a_overlapped_" + "_".join(comp), pol, "overlapped")
+    return ref
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-bench-", dir=str(Path.home())))
+    work.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    args.model = args.model or default_model(dtype)
+    dummy = load_model(args.model, dummy_weights=True, dtype=dtype)
+    ckpt = work / f"hf-{args.model}-{args.dtype}"
+    if not (ckpt / "config.json").exists():
+        print("writing the dummy weights as a Hugging Face checkpoint ...", flush=True)
+        write_hf_checkpoint(dummy, ckpt, dtype)
+    # Everyone runs the written checkpoint (the engine too), so all runs provably use the same
+    # weights and their tokens can be compared.
+    held = {"lm": load_model(str(ckpt), load_tokenizer=False, dtype=dtype)}
+    spec = dummy.spec
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, spec.vocab_size, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    weight_bytes = spec.total_numel() * dtype.itemsize
+    cpu_budget = int(weight_bytes * args.cpu_weight_percent / 100)
+    gbs, wc = args.gpu_batch_size, args.cpu_weight_percent
+    runs: dict[str, Any] = {}
+
+    def record(name: str, info: dict[str, Any], extra: dict[str, Any]) -> None:
+        # throughput = generated tokens / generation wall time (weight placement or model
+        # loading is reported as setup_s and excluded, for every run alike)
+        runs[name] = {**extra, **info, "throughput": args.num_prompts * args.gen_len / info["generate_s"]}
+        print(f"{name}: {runs[name]['throughput']:.2f} tok/s (generate {info['generate_s']:.1f} s, "
+              f"setup {info['setup_s']:.1f} s)", flush=True)
+
+    ref = engine_variants(args, held["lm"], prompts, dtype, work, record, runs)
 
     # The engine's checkpoint reader keeps the safetensors files memory-mapped, and the page
     # cache cannot drop mapped pages: left open, accelerate's "disk" reads would all come from
@@ -369,19 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "dtype": args.dtype, "ram_budget_weight_percent": wc},
         "page_cache_dropped": can_drop_page_cache(), "drop_interval_s": args.drop_interval,
         "runs": runs,
-        "ratios": {},
     }
-    if "b_one_batch" in runs:
-        res["ratios"]["a_over_b"] = runs["a_block"]["throughput"] / runs["b_one_batch"]["throughput"]
-    if "a_overlapped" in runs:
-        res["ratios"]["overlapped_over_a"] = runs["a_overlapped"]["throughput"] / runs["a_block"]["throughput"]
-        if "c_accelerate" in runs:
-            res["ratios"]["overlapped_over_c"] = runs["a_overlapped"]["throughput"] / runs["c_accelerate"]["throughput"]
-    if "c_accelerate" in runs:
-        res["ratios"]["a_over_c"] = runs["a_block"]["throughput"] / runs["c_accelerate"]["throughput"]
-    for comp in compression_variants(args.compress_weight, args.compress_cache):
-        name = "a_" + "_".join(comp)
-        res["ratios"][name] = compression_ratios(runs["a_block"], runs[name], args.gen_len)
+    res["ratios"] = ratios(runs, compression_variants(args.compress_weight, args.compress_cache), args.gen_len)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(json.dumps(res["ratios"]), "->", args.json)

@@ -164,10 +164,7 @@ class StageEngine:
 
     def _do(self, s: Step) -> None:
         kind = s.kind
-        if kind in ("load_weight", "sync"):
-            st, i, k = self._runs[0]
-        else:
-            st, i, k = self._runs[s.k]
+        st, i, k = self._runs[max(s.k, 0)]  # (a sync's k is -1 before the first batch)
         if kind == "compute":
             t0, io0 = time.perf_counter(), self.times.io_wait_s
             self._compute(st, i, s.j, k)  # its wait for the slot's weights is I/O wait, not compute

@@ -7,7 +7,8 @@ from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipel
                                              estimate_stage)
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import load_or_profile, profile_hardware
-from flexgen_dist.planner.search import PipelinePlan, PlanError, StagePlan, plan_pipeline, plan_stage
+from flexgen_dist.planner.pipeline import PipelinePlan, StagePlan, plan_pipeline
+from flexgen_dist.planner.search import PlanError, plan_stage
 
 __all__ = ["HardwareSpec", "PipelinePlan", "PlanError", "StageCost", "StagePlan", "Workload",
            "estimate_pipeline", "estimate_stage", "load_or_profile",

@@ -19,7 +19,8 @@ from ..models.spec import ModelSpec
 from .cost_model import Workload, estimate_pipeline
 from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages
 from .profiler import load_or_profile
-from .search import PlanError, plan_pipeline
+from .pipeline import plan_pipeline
+from .search import PlanError
 
 
 def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int) -> list[HardwareSpec]:
@@ -92,12 +93,11 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
     if cfg.schedule == "auto":
         G = pred["num_micro_batches"]
         wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
-        ride = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
-                                 num_blocks=-(-n // policies[0].block_size),
-                                 prefill_items=pred["prefill_items"], schedule="overlapped")
-        if ride["total_throughput"] > pred["total_throughput"] and \
-                (fits is None or fits(policies, new_ranges, G, "overlapped")):
-            pred = ride
+        either = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
+                                   num_blocks=-(-n // policies[0].block_size),
+                                   prefill_items=pred["prefill_items"], schedule="auto")
+        if either["schedule"] == "overlapped" and (fits is None or fits(policies, new_ranges, G, "overlapped")):
+            pred = either
     predicted = {k: pred[k] for k in PREDICTED_KEYS if k in pred}
     predicted["hardware"] = [hw.name for hw in hws]
     return policies, predicted, new_ranges

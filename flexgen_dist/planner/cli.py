@@ -19,7 +19,8 @@ from flexgen_dist.planner.cost_model import Workload
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
 from flexgen_dist.config import ArgParser, ConfigError
 from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware
-from flexgen_dist.planner.search import PipelinePlan, PlanError, plan_pipeline
+from flexgen_dist.planner.pipeline import PipelinePlan, plan_pipeline
+from flexgen_dist.planner.search import PlanError
 
 
 def _parser() -> argparse.ArgumentParser:

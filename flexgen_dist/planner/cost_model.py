@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from flexgen_dist.distributed.items import PREFILL, Item, ItemStream
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
@@ -148,8 +148,6 @@ def _simulate(costs: list[StageCost], pieces: list[StageCost] | None, G: int, nu
     waiting included, as the runtime's clock does (a decode step with a rider: by the
     rider's share of the step's compute). ``split``: one prefill item per GPU batch;
     ``ride``: the overlapped schedule (``pieces`` then gives a rider's cost per batch)."""
-    from ..distributed.items import PREFILL, ItemStream
-
     m, n = len(costs), costs[0].gen_len
     stream = ItemStream([num_gb] * num_blocks, G, n, pieces="batch" if split else "block", ride=ride)
     free = [0.0] * m
@@ -173,10 +171,8 @@ def _simulate(costs: list[StageCost], pieces: list[StageCost] | None, G: int, nu
     return pre, dec
 
 
-def _item_cost(c: StageCost, piece: StageCost | None, it: Any, num_gb: int) -> tuple[float, float, float]:
+def _item_cost(c: StageCost, piece: StageCost | None, it: Item, num_gb: int) -> tuple[float, float, float]:
     """(busy seconds, send seconds, prefill share of the time) of one item on one stage."""
-    from ..distributed.items import PREFILL
-
     k = it.batches[1] - it.batches[0]
     if it.kind == PREFILL:
         if piece is None or k == num_gb:
@@ -267,7 +263,7 @@ def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G
             # auto takes the overlapped schedule only for a clear predicted gain: it costs the
             # memory of a second block per group, and measured on a 2-core CPU node it lost
             # 2-6 % where the model gave it a few percent (the reads' CPU time, docs/benchmarks.md)
-            bar = RIDE_MARGIN if ride and len(rides) > 1 else 1.0
+            bar = RIDE_MARGIN if ride and best is not None and best["schedule"] == "sequential" else 1.0
             if best is None or pred["total_throughput"] > bar * best["total_throughput"]:
                 best = pred
     assert best is not None

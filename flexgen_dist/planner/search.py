@@ -10,17 +10,14 @@ rounding overshot, and pushed toward higher tiers where that costs nothing (ties
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 from scipy.optimize import linprog
 
-from flexgen_dist.distributed.partition import partition_layers
-from flexgen_dist.engine.budget import predict_peaks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
-from flexgen_dist.planner.cost_model import (StageCost, best_pipeline, cost_from_terms, estimate_stage,
-                                             piece_policy)
+from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
 from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 
@@ -326,137 +323,3 @@ def plan_stage(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, work
                                  num_micro_batches=num_micro_batches, num_stages=num_stages))
     best = min(cands.values(), key=lambda c: (c.objective, c.block_size))
     return best.policy(), best.cost()
-
-
-# pipeline -----------------------------------------------------------------------------
-class StagePlan(NamedTuple):
-    layers: range  # model layer indices this stage owns
-    policy: Policy
-    cost: StageCost
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Per-stage policies for one pipeline and the planner's predicted throughput."""
-
-    model: str
-    workload: Workload
-    num_micro_batches: int
-    stages: list[StagePlan]
-    predicted: dict
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    @property
-    def stage_layers(self) -> list[int]:
-        return [len(s.layers) for s in self.stages]
-
-    @property
-    def policies(self) -> list[Policy]:
-        return [s.policy for s in self.stages]
-
-
-def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | HardwareSpec,
-                  workload: Workload, *, stage_layers: list[int] | None = None,
-                  partition: str = "equal", num_micro_batches: int | None = None,
-                  compress: bool = False, max_gpu_batch_size: int = 64,
-                  max_num_gpu_batches: int = 16, max_block_size: int | None = None,
-                  num_prompts: int | None = None, prefill_items: str = "auto",
-                  schedule: str = "auto") -> PipelinePlan:
-    """Plan every stage of an m-stage pipeline; all stages share one block size.
-
-    Each stage's search gives its best placement per block size; the block size with the
-    highest predicted total throughput of the whole pipeline wins. ``partition="balanced"``
-    then moves layers across stage boundaries while that raises the prediction (it matters
-    for the stages carrying the embedding and the LM head, and for mixed hardware).
-    ``num_micro_batches`` defaults to the number of stages (every stage busy).
-    ``num_prompts`` (default: one block per group) sets how many blocks the prediction runs;
-    ``prefill_items`` (auto, block, batch) how a block's prefill crosses the stages;
-    ``schedule`` (auto, sequential, overlapped) whether next blocks' prefill rides on decode.
-    """
-    m = num_stages
-    hw_list = list(hws) if isinstance(hws, (list, tuple)) else [hws] * m
-    if len(hw_list) != m:
-        raise ValueError(f"{len(hw_list)} hardware specs for {m} stages: give one, or one per stage")
-    if partition not in ("equal", "balanced"):
-        raise ValueError(f"partition={partition!r}: use 'equal' or 'balanced'")
-    G = num_micro_batches or m
-    layers = [b - a for a, b in partition_layers(spec.num_layers, m, stage_layers)]
-    memo: dict[tuple, dict[int, Candidate]] = {}
-
-    def runtime_peaks(i: int, n_layers: int) -> PeaksOf:
-        def peaks(policy: Policy) -> np.ndarray:
-            pk = predict_peaks(spec, policy, (0, n_layers), has_embed=i == 0, has_head=i == m - 1,
-                               prompt_len=workload.prompt_len, gen_len=workload.gen_len,
-                               dtype_bytes=workload.dtype_bytes, num_blocks_in_flight=G)
-            return np.array([pk[t] for t in TIERS], dtype=float)
-        return peaks
-
-    def candidates(i: int, n_layers: int) -> dict[int, Candidate]:
-        key = (n_layers, i == 0, i == m - 1, hw_list[i])
-        if key not in memo:
-            memo[key] = stage_candidates(
-                spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
-                max_gpu_batch_size=max_gpu_batch_size, max_num_gpu_batches=max_num_gpu_batches,
-                compress=compress, num_micro_batches=G, num_stages=m, max_block_size=max_block_size,
-                peaks_of=runtime_peaks(i, n_layers))
-            if not memo[key]:
-                where = f"stage {i} of {m}: " if m > 1 else ""
-                raise PlanError(where + diagnose(
-                    spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
-                    compress=compress, num_micro_batches=G, num_stages=m))
-        return memo[key]
-
-    def best_for(split: list[int]) -> tuple[float, list[Candidate], dict]:
-        per_stage = [candidates(i, n) for i, n in enumerate(split)]
-        common = set.intersection(*(set(c) for c in per_stage))
-        if not common:
-            raise PlanError(f"the {m} stages of {spec.name} share no feasible block size: "
-                            "raise the memory budgets or use another partition")
-        best = None
-        for bls in sorted(common):
-            chosen = [c[bls] for c in per_stage]
-            ngb = chosen[0].num_gpu_batches
-            pieces = None
-            same_gbs = len({c.gpu_batch_size for c in chosen}) == 1  # pieces are GPU batches
-            if same_gbs and ((m > 1 and ngb > 1 and prefill_items != "block") or schedule != "sequential"):
-                pieces = [estimate_stage(spec, n, piece_policy(c.policy()), hw_list[i], workload,
-                                         has_embed=i == 0, has_head=i == m - 1, num_micro_batches=G,
-                                         num_stages=m)
-                          for i, (n, c) in enumerate(zip(split, chosen))]
-            nblocks = -(-num_prompts // bls) if num_prompts else None
-            pred = best_pipeline([c.cost() for c in chosen], pieces, G, num_blocks=nblocks,
-                                 num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)
-            if best is None or pred["total_throughput"] > best[0]:
-                best = (pred["total_throughput"], chosen, pred)
-        assert best is not None
-        return best
-
-    best = best_for(layers)
-    if partition == "balanced" and m > 1:
-        improved = True
-        while improved:
-            improved = False
-            times = [s["prefill_s"] + (workload.gen_len - 1) * s["decode_step_s"]
-                     for s in best[2]["stage_times"]]
-            slow = int(np.argmax(times))
-            for nb in (slow - 1, slow + 1):  # hand one layer to a neighbour
-                if not 0 <= nb < m or layers[slow] <= 1:
-                    continue
-                trial = list(layers)
-                trial[slow] -= 1
-                trial[nb] += 1
-                try:
-                    cand = best_for(trial)
-                except PlanError:
-                    continue
-                if cand[0] > best[0] * (1 + 1e-9):
-                    best, layers, improved = cand, trial, True
-                    break
-    _, chosen, pred = best
-    stages = [StagePlan(range(a, b), c.policy(), c.cost())
-              for (a, b), c in zip(partition_layers(spec.num_layers, m, layers), chosen)]
-    return PipelinePlan(model=spec.name, workload=workload, num_micro_batches=G,
-                        stages=stages, predicted=pred)
