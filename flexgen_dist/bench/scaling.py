@@ -2,6 +2,7 @@
 
     python -m flexgen_dist.bench.scaling --plot bench_results/scaling.png
     python -m flexgen_dist.bench.scaling --netns --link-gbit 10       # shaped links between nodes
+    python -m flexgen_dist.bench.scaling --disk-gbps 0.2              # a 0.2 GB/s disk per node
     python -m flexgen_dist.bench.scaling --shared-cores               # the old mode (see below)
     python -m flexgen_dist.bench.scaling --dry-run                    # print the commands, run nothing
 
@@ -14,8 +15,16 @@ same RAM budget for weights, and it is launched as a node is: ``torchrun --nnode
 --node-rank r --nproc-per-node 1`` with a static rendezvous. With ``--netns`` each node also
 lives in its own network namespace, joined to the others through a bridge by a veth pair
 whose egress is shaped to ``--link-gbit`` (``tc tbf``), so hidden states cross a real link.
-Node counts default to 1, 2, 4, ... up to what the cores allow. The disk is the machine's one
-device, shared by the nodes (reads of all nodes queue on it: real nodes would each have one).
+Node counts default to 1, 2, 4, ... up to what the cores allow.
+
+Disks: by default the nodes share the machine's one disk (reads of all nodes queue on it),
+whose rate on a VM also moves between runs (by 2.5x on ours): a 2-node run then gets another
+disk than a 1-node run, while real nodes each have one of their own. ``--disk-gbps R`` gives
+every node its own disk of a fixed rate: each node's processes (the node, its disk probe,
+and for node 0 the profile) run in a block-I/O cgroup of their own whose reads and writes on
+the device holding ``--workdir`` are limited to R GB/s (root; cgroup v1 blkio or v2 io). Pick
+R at most the disk's slowest rate divided by the largest node count, so that every node
+gets R whatever the others do; the probes still measure what each node got.
 
 Budget: every node may keep ``--weight-budget`` bytes of weights in RAM (default 512 MiB);
 the rest of its stage's weights go to disk. With W_s the weight bytes stage s owns (its
@@ -39,6 +48,7 @@ from disk shrink, so its figures say nothing about separate machines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -51,6 +61,7 @@ from typing import Any
 
 import yaml
 
+from .nodes import DiskLimit, Network, preexec
 from .single import machine
 
 
@@ -130,63 +141,6 @@ def node_command(m: int, rank: int, master: str, port: int, run: list[str]) -> l
             "-m", "flexgen_dist.run", *run]
 
 
-class Network:
-    """m network namespaces on one bridge, each node's veth egress shaped by ``tc tbf``."""
-
-    def __init__(self, m: int, gbit: float | None) -> None:
-        import random
-
-        tag = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
-        net = f"10.{random.randrange(100, 250)}.{random.randrange(256)}"
-        self.bridge = f"fgb{tag}"
-        self.nodes = [(f"fgs{tag}n{k}", f"fgs{tag}v{k}", f"fgs{tag}p{k}", f"{net}.{k + 1}") for k in range(m)]
-        self.gbit = gbit
-        self._made: list[str] = []
-
-    @staticmethod
-    def _sh(*cmd: str) -> None:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        if p.returncode != 0:
-            raise SystemExit(f"error: {' '.join(cmd)}: {p.stderr.strip()} (--netns needs root and iproute2)")
-
-    def __enter__(self) -> Network:
-        try:
-            self._sh("ip", "link", "add", self.bridge, "type", "bridge")
-            self._made.append("bridge")
-            self._sh("ip", "link", "set", self.bridge, "up")
-            for ns, veth, peer, addr in self.nodes:
-                self._sh("ip", "netns", "add", ns)
-                self._made.append(ns)
-                self._sh("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
-                self._sh("ip", "link", "set", veth, "netns", ns)
-                self._sh("ip", "link", "set", peer, "master", self.bridge)
-                self._sh("ip", "link", "set", peer, "up")
-                self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-                self._sh("ip", "-n", ns, "link", "set", "lo", "up")
-                self._sh("ip", "-n", ns, "link", "set", veth, "up")
-                if self.gbit:
-                    self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", veth, "root", "tbf",
-                             "rate", f"{int(self.gbit * 1000)}mbit", "burst", "256kb", "latency", "50ms")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in reversed(self._made):  # a namespace takes its end of the veth pair along
-            cmd = ["ip", "link", "del", self.bridge] if name == "bridge" else ["ip", "netns", "del", name]
-            subprocess.run(cmd, capture_output=True, timeout=30)
-        self._made.clear()
-
-    @property
-    def master(self) -> str:
-        return self.nodes[0][3]
-
-    def wrap(self, rank: int, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
-        ns, veth, _, _ = self.nodes[rank]
-        return ["ip", "netns", "exec", ns, *cmd], {"GLOO_SOCKET_IFNAME": veth}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from ..memory.tiers import parse_size
 
@@ -200,6 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--netns", action="store_true",
                     help="each node in its own network namespace, joined by shaped veth links (root)")
     ap.add_argument("--link-gbit", type=float, default=10.0, help="link rate under --netns (Gbit/s)")
+    ap.add_argument("--disk-gbps", type=float, default=None,
+                    help="each node its own disk: its processes' reads and writes on the workdir's device "
+                         "limited to this many GB/s (1e9 B/s) in a cgroup per node (root; default: unthrottled)")
     ap.add_argument("--weight-budget", default="512MiB", type=parse_size,
                     help="RAM each node may hold for weights; the rest of its stage goes to disk")
     ap.add_argument("--num-prompts", type=int, default=32)
@@ -213,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hardware", default=None,
                     help="a node's hardware profile YAML (default: profile node 0 once, in the workdir)")
     ap.add_argument("--no-predict", action="store_true", help="no profile, no predictions")
-    ap.add_argument("--quick-profile", action="store_true", help="a ~10 s profile (less accurate)")
+    ap.add_argument("--quick-profile", action="store_true", help="a ~10 s profile (less accurate; the disk probes stay full under --disk-gbps)")
     ap.add_argument("--workdir", default=None, help="policy files, metrics and offload files go here")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and policies, run nothing")
@@ -232,18 +189,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  f"{cores} CPUs here: fewer nodes, fewer cores per node, or --shared-cores")
     if args.netns and args.shared_cores:
         ap.error("--netns isolates nodes: not with --shared-cores")
+    if args.disk_gbps is not None and args.shared_cores:
+        ap.error("--disk-gbps gives each node its own disk: not with --shared-cores")
+    if args.disk_gbps is not None and not args.disk_gbps > 0:
+        ap.error(f"--disk-gbps must be > 0 GB/s, got {args.disk_gbps}")
     if args.netns and not args.dry_run and os.geteuid() != 0:
         ap.error("--netns needs root (network namespaces)")
     return args
 
 
-def profile_node(args: argparse.Namespace, work: Path) -> Path | None:
-    """Node 0's hardware profile, measured once on its own cores (or --hardware as given)."""
+def profile_node(args: argparse.Namespace, work: Path, disk: DiskLimit | None = None) -> Path | None:
+    """Node 0's hardware profile, measured once on its own cores, and on its own throttled
+    disk under --disk-gbps (or --hardware as given)."""
     if args.no_predict:
         return None
     if args.hardware:
         return Path(args.hardware)
-    out = work / "node.yaml"
+    # a profile of the unthrottled disk must not stand in for a throttled one, nor the reverse
+    out = work / ("node.yaml" if args.disk_gbps is None else f"node-disk{args.disk_gbps:g}.yaml")
     if out.exists():
         return out
     cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
@@ -256,15 +219,16 @@ def profile_node(args: argparse.Namespace, work: Path) -> Path | None:
     cpus = node_cpus(0, threads)
     print(f"# profiling a node: CPUs {cpus}", flush=True)
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,
-                       timeout=args.timeout, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+                       timeout=args.timeout, preexec_fn=preexec(cpus, disk.join(0) if disk else None))
     if p.returncode != 0:
         raise SystemExit(f"profiling failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return out
 
 
-def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Network | None) -> list[int]:
-    """Start the m nodes of one run; wait for all; return their exit codes (killing the rest
-    when one fails)."""
+def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Network | None,
+           disk: DiskLimit | None = None) -> list[int]:
+    """Start the m nodes of one run (each in its disk cgroup under --disk-gbps); wait for all;
+    return their exit codes (killing the rest when one fails)."""
     import socket
 
     with socket.socket() as sk:
@@ -287,7 +251,7 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
                 cpus = node_cpus(r, args.cores_per_node)
             log = open(logs / f"m{m}-node{r}.log", "w")
             procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c)))
+                                          preexec_fn=preexec(cpus, disk.join(r) if disk else None)))
             log.close()
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
@@ -317,22 +281,26 @@ _PROBE = ("import json, sys; from flexgen_dist.planner.profiler import measure_d
           "print(json.dumps({'dtoc_bw': r, 'ctod_bw': w, 'disk_cpu': c}))")
 
 
-def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path) -> Path:
+def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path, disk: DiskLimit | None = None) -> Path:
     """A hardware file for the runs of m nodes: node 0's profile with the disk rates (and the
-    compute they cost) that each node gets while all m read and write at once, measured now.
+    compute they cost) that each node gets while all m read and write at once, measured now
+    (each probe in its node's disk cgroup under --disk-gbps).
 
     The nodes of this benchmark share the machine's one disk, and its rate moves between
     runs on a VM: a profile taken once, alone, would credit every node with the whole disk
     at whatever rate it had then."""
     cpus = [node_cpus(r, args.cores_per_node) for r in range(m)]
+    # a quick probe moves 32 MiB, less than a throttle lets through at once (its first ~100 ms
+    # slice): under --disk-gbps it would measure that burst (0.7-1.3 GB/s at 0.5), not the rate
+    quick = args.quick_profile and args.disk_gbps is None
     probes = []
     for r in range(m):
         d = work / f"probe-{m}-{r}"
         d.mkdir(exist_ok=True)
-        probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if args.quick_profile else "0"],
+        probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if quick else "0"],
                                        env={**os.environ, "OMP_NUM_THREADS": str(args.cores_per_node)},
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       preexec_fn=lambda c=cpus[r]: os.sched_setaffinity(0, c)))
+                                       preexec_fn=preexec(cpus[r], disk.join(r) if disk else None)))
     got = []
     for p in probes:
         out, err = p.communicate(timeout=args.timeout)
@@ -346,7 +314,8 @@ def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path) -> 
             hw[k] = sum(vals) / len(vals)
     out_path = work / f"node-{m}.yaml"
     out_path.write_text(yaml.safe_dump(hw, sort_keys=False))
-    print(f"# {m} node(s) sharing the disk: read {hw['dtoc_bw'] / 1e9:.2f} GB/s per node", flush=True)
+    how = "sharing the disk" if disk is None else f"each on its own {args.disk_gbps:g} GB/s disk"
+    print(f"# {m} node(s) {how}: read {hw['dtoc_bw'] / 1e9:.2f} GB/s per node", flush=True)
     return out_path
 
 
@@ -365,15 +334,19 @@ def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> di
         if args.shared_cores:
             shown = f"OMP_NUM_THREADS={max(1, cores // m)} " + shlex.join(shared_command(m, run))
         else:
-            shown = "\n".join(f"taskset -c {','.join(map(str, node_cpus(r, args.cores_per_node)))} "
-                              f"OMP_NUM_THREADS={args.cores_per_node} "
-                              + shlex.join(node_command(m, r, "MASTER", 0, run)) for r in range(m))
+            lines = [f"taskset -c {','.join(map(str, node_cpus(r, args.cores_per_node)))} "
+                     f"OMP_NUM_THREADS={args.cores_per_node} " + shlex.join(node_command(m, r, "MASTER", 0, run))
+                     for r in range(m)]
+            if args.disk_gbps is not None:
+                lines.insert(0, f"# each node in its own disk cgroup: {args.disk_gbps:g} GB/s read and write "
+                                "on the workdir's device")
+            shown = "\n".join(lines)
         plans[m] = {"stage_weight_bytes": sb, "policies": pols, "command": shown, "run": run}
     return plans
 
 
 def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Path, run: dict[str, Any],
-                tokens: dict[int, list]) -> None:
+                tokens: dict[int, list], disk: DiskLimit | None = None) -> None:
     """Run m nodes once (page cache dropped first) and record the metrics, the prediction,
     the device's bytes read and whether the tokens equal the 1-node run's."""
     from ..memory.disk import drop_page_cache
@@ -385,7 +358,7 @@ def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Pa
     if net is not None:
         net.__enter__()
     try:
-        rcs = launch(args, m, plan["run"], work, net)
+        rcs = launch(args, m, plan["run"], work, net, disk)
     finally:
         if net is not None:
             net.__exit__()
@@ -408,18 +381,17 @@ def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Pa
     print(line, flush=True)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+def bench(args: argparse.Namespace, work: Path, disk: DiskLimit | None) -> dict[str, Any]:
+    """Profile, plan and (unless --dry-run) measure every node count; the result JSON's content."""
     mode = "shared-cores" if args.shared_cores else ("nodes+netns" if args.netns else "nodes")
-    hardware = None if args.dry_run else profile_node(args, work)
+    hardware = None if args.dry_run else profile_node(args, work, disk)
     plans = plan_runs(args, work, hardware)
     res: dict[str, Any] = {
         "benchmark": "scaling", "mode": mode, "model": args.model, "dry_run": args.dry_run,
         "cores": len(os.sched_getaffinity(0)), "machine": machine(),
         "cores_per_node": None if args.shared_cores else args.cores_per_node,
         "link_gbit": args.link_gbit if args.netns else None,
+        "disk_gbps": args.disk_gbps, "disk_limit": None if disk is None else disk.describe(),
         "weight_budget_bytes_per_node": args.weight_budget,
         "hardware_profile": None if hardware is None else yaml.safe_load(Path(hardware).read_text()),
         "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -437,10 +409,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for m, plan in plans.items():
             run = res["runs"][str(m)]
             if hardware is not None and not args.hardware and not args.shared_cores:
-                run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware).read_text())
+                run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware, disk).read_text())
             elif hardware is not None and not args.hardware:  # shared cores: one process, the profile as it is
                 (work / f"node-{m}.yaml").write_text(hardware.read_text())
-            measure_run(args, m, plan, work, run, tokens)
+            measure_run(args, m, plan, work, run, tokens, disk)
         keys = ("prefill_throughput", "decode_throughput", "total_throughput")
         base = res["runs"].get("1", {}).get("metrics")
         if base:
@@ -450,6 +422,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["predicted_over_measured"] = {
             m: {k: r["predicted"][k] / r["metrics"][k] for k in keys}
             for m, r in res["runs"].items() if "total_throughput" in r.get("predicted", {})}
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    disk = DiskLimit(max(args.stages), args.disk_gbps, work) if args.disk_gbps and not args.dry_run else None
+    with disk or contextlib.nullcontext():
+        res = bench(args, work, disk)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print("->", args.json)

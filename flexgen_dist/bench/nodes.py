@@ -1,0 +1,231 @@
+"""Node isolation for benchmarks that run several "nodes" on one machine.
+
+``bench.scaling`` runs every node of a pipeline as its own process here. Pinning gives each
+node CPUs of its own; the helpers below give it the rest of what a separate machine has:
+
+* :class:`Network`: a network namespace per node, joined through a bridge by shaped links.
+* :class:`DiskLimit`: a block-I/O cgroup per node whose reads and writes on the workdir's disk
+  are throttled to a fixed rate. Real nodes each have a disk of their own; the nodes here
+  share the VM's one disk, whose rate also moves between runs, so without a limit a 2-node
+  run gets a different disk than a 1-node run. Under a limit below the disk's share, every
+  node gets the same rate whatever the others do.
+* :func:`preexec`: one ``preexec_fn`` that pins a child to its CPUs and joins its cgroup.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+_ROOT_ERROR = "--disk-gbps needs root and a cgroup blkio/io controller; run without it"
+
+
+class Network:
+    """m network namespaces on one bridge, each node's veth egress shaped by ``tc tbf``."""
+
+    def __init__(self, m: int, gbit: float | None) -> None:
+        tag = f"{os.getpid() % 1000:03d}{random.randrange(100):02d}"
+        net = f"10.{random.randrange(100, 250)}.{random.randrange(256)}"
+        self.bridge = f"fgb{tag}"
+        self.nodes = [(f"fgs{tag}n{k}", f"fgs{tag}v{k}", f"fgs{tag}p{k}", f"{net}.{k + 1}") for k in range(m)]
+        self.gbit = gbit
+        self._made: list[str] = []
+
+    @staticmethod
+    def _sh(*cmd: str) -> None:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if p.returncode != 0:
+            raise SystemExit(f"error: {' '.join(cmd)}: {p.stderr.strip()} (--netns needs root and iproute2)")
+
+    def __enter__(self) -> Network:
+        try:
+            self._sh("ip", "link", "add", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            self._sh("ip", "link", "set", self.bridge, "up")
+            for ns, veth, peer, addr in self.nodes:
+                self._sh("ip", "netns", "add", ns)
+                self._made.append(ns)
+                self._sh("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+                self._sh("ip", "link", "set", veth, "netns", ns)
+                self._sh("ip", "link", "set", peer, "master", self.bridge)
+                self._sh("ip", "link", "set", peer, "up")
+                self._sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+                self._sh("ip", "-n", ns, "link", "set", "lo", "up")
+                self._sh("ip", "-n", ns, "link", "set", veth, "up")
+                if self.gbit:
+                    self._sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", veth, "root", "tbf",
+                             "rate", f"{int(self.gbit * 1000)}mbit", "burst", "256kb", "latency", "50ms")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in reversed(self._made):  # a namespace takes its end of the veth pair along
+            cmd = ["ip", "link", "del", self.bridge] if name == "bridge" else ["ip", "netns", "del", name]
+            subprocess.run(cmd, capture_output=True, timeout=30)
+        self._made.clear()
+
+    @property
+    def master(self) -> str:
+        return self.nodes[0][3]
+
+    def wrap(self, rank: int, cmd: list[str]) -> tuple[list[str], dict[str, str]]:
+        ns, veth, _, _ = self.nodes[rank]
+        return ["ip", "netns", "exec", ns, *cmd], {"GLOO_SOCKET_IFNAME": veth}
+
+
+def whole_disk(major: int, minor: int, sys_block: Path = Path("/sys/dev/block")) -> tuple[int, int]:
+    """The whole disk holding block device ``major:minor``: throttles apply per whole-disk
+    device, so a partition is replaced by its parent (sysfs puts a partition's directory
+    inside its disk's)."""
+    node = sys_block / f"{major}:{minor}"
+    if (node / "partition").exists():
+        ma, mi = (node.resolve().parent / "dev").read_text().strip().split(":")
+        return int(ma), int(mi)
+    return major, minor
+
+
+def block_device(path: Path, sys_block: Path = Path("/sys/dev/block")) -> tuple[int, int]:
+    """(major, minor) of the whole disk holding ``path``; one-line SystemExit when no block
+    device does (tmpfs, overlay: their device numbers have major 0)."""
+    dev = os.stat(path).st_dev
+    if os.major(dev) == 0:
+        raise SystemExit(f"error: {path} is on no block device (tmpfs/overlay), so --disk-gbps cannot "
+                         f"throttle it: put --workdir on a disk-backed file system")
+    return whole_disk(os.major(dev), os.minor(dev), sys_block)
+
+
+def cgroup_hierarchy(mounts: Path = Path("/proc/self/mounts")) -> tuple[str, Path] | None:
+    """("v1", mount) of a cgroup-v1 blkio hierarchy, else ("v2", mount) of a unified hierarchy
+    offering ``io``, else None. v1 first: on a hybrid system the unified mount exists but a
+    controller bound to v1 cannot be enabled there."""
+    v2: list[Path] = []
+    for line in mounts.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        where, fstype, opts = Path(parts[1]), parts[2], parts[3].split(",")
+        if fstype == "cgroup" and "blkio" in opts and (where / "blkio.throttle.read_bps_device").exists():
+            return "v1", where
+        if fstype == "cgroup2":
+            v2.append(where)
+    for where in v2:
+        ctl = where / "cgroup.controllers"
+        if ctl.exists() and "io" in ctl.read_text().split():
+            return "v2", where
+    return None
+
+
+class DiskLimit:
+    """One block-I/O cgroup per node, ``flexgen-node{r}-{pid}``, whose reads and writes on the
+    disk holding ``path`` are limited to ``gbps`` GB/s (1 GB = 1e9 bytes) each.
+
+    Processes join with :meth:`join` (in ``preexec_fn``); their children inherit the cgroup.
+    The engine's disk tier reads and writes with O_DIRECT, which both cgroup versions throttle
+    (v1 does not throttle buffered writeback)."""
+
+    def __init__(self, m: int, gbps: float, path: Path) -> None:
+        if gbps <= 0:
+            raise ValueError(f"gbps must be > 0, got {gbps}")
+        self.m, self.gbps, self.path = m, gbps, Path(path)
+        self.bps = int(gbps * 1e9)
+        self.version: str | None = None
+        self.device: str | None = None
+        self.cgroups: list[Path] = []
+
+    def __enter__(self) -> DiskLimit:
+        major, minor = block_device(self.path)
+        self.device = f"{major}:{minor}"
+        found = cgroup_hierarchy()
+        if os.geteuid() != 0 or found is None:
+            raise SystemExit(f"error: {_ROOT_ERROR}")
+        self.version, root = found
+        try:
+            if self.version == "v2":
+                ctl = root / "cgroup.subtree_control"
+                if "io" not in ctl.read_text().split():
+                    ctl.write_text("+io")
+            for r in range(self.m):
+                cg = root / f"flexgen-node{r}-{os.getpid()}"
+                cg.mkdir(exist_ok=True)
+                self.cgroups.append(cg)
+                if self.version == "v1":
+                    (cg / "blkio.throttle.read_bps_device").write_text(f"{self.device} {self.bps}")
+                    (cg / "blkio.throttle.write_bps_device").write_text(f"{self.device} {self.bps}")
+                else:
+                    (cg / "io.max").write_text(f"{self.device} rbps={self.bps} wbps={self.bps}")
+        except OSError as e:
+            self.__exit__()
+            raise SystemExit(f"error: {_ROOT_ERROR} ({e})") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cg in self.cgroups:  # empty once the node's processes have exited; reaping may lag a little
+            for attempt in range(20):
+                try:
+                    cg.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if attempt == 19:
+                        print(f"warning: could not remove cgroup {cg}: {e}", file=sys.stderr)
+                    time.sleep(0.1)
+        self.cgroups.clear()
+
+    def files(self, rank: int) -> list[Path]:
+        """The files holding node ``rank``'s limits."""
+        names = (["blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device"]
+                 if self.version == "v1" else ["io.max"])
+        return [self.cgroups[rank] / n for n in names]
+
+    def join(self, rank: int) -> Callable[[], None]:
+        """A callable for ``preexec_fn``: moves the calling (child) process into node
+        ``rank``'s cgroup. Plain os calls only, since it runs between fork and exec."""
+        procs = str(self.cgroups[rank] / "cgroup.procs")
+
+        def _join() -> None:
+            fd = os.open(procs, os.O_WRONLY)
+            try:
+                os.write(fd, str(os.getpid()).encode())
+            finally:
+                os.close(fd)
+
+        return _join
+
+    def bytes_read(self, rank: int) -> int:
+        """Bytes node ``rank``'s processes have read from the limited disk (the cgroup's own count)."""
+        if self.version == "v1":
+            for line in (self.cgroups[rank] / "blkio.throttle.io_service_bytes").read_text().splitlines():
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == self.device and parts[1] == "Read":
+                    return int(parts[2])
+            return 0
+        for line in (self.cgroups[rank] / "io.stat").read_text().splitlines():
+            dev, *kv = line.split()
+            if dev == self.device:
+                return int(dict(x.split("=", 1) for x in kv).get("rbytes", 0))
+        return 0
+
+    def describe(self) -> dict[str, object]:
+        """What the result JSON records: the device, the rate and the cgroup files."""
+        return {"gbps": self.gbps, "bytes_per_s": self.bps, "device": self.device,
+                "cgroup": None if self.version is None else f"cgroup {self.version}",
+                "files": [str(f) for r in range(len(self.cgroups)) for f in self.files(r)]}
+
+
+def preexec(cpus: list[int], join: Callable[[], None] | None = None) -> Callable[[], None]:
+    """One ``preexec_fn`` for a node's process: pin it to ``cpus`` and, with a ``join`` from
+    :meth:`DiskLimit.join`, put it in the node's disk cgroup (``preexec_fn`` takes one callable)."""
+
+    def _pre() -> None:
+        os.sched_setaffinity(0, cpus)
+        if join is not None:
+            join()
+
+    return _pre
