@@ -397,6 +397,7 @@ class LLM:
             "peak_bytes": engine.peak_bytes(), "predicted_peak_bytes": work["peak"], **times,
             "comm_wait_s": pipe.comm_wait_s, "token_steps": pipe.timings.token_steps,
             "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
+            **{f"prefill_{k}": v for k, v in pipe.prefill_split.items()},
             "disk_bytes_read": (self._disk.bytes_read - read0) if self._disk is not None else 0,
             "direct_io": None if self._disk is None else self._disk.direct,
             "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums

@@ -89,6 +89,11 @@ def test_close_removes_offload_files(tiny_models, tmp_path: Path) -> None:
     assert [c.token_ids for c in outs] == reference_generate(tm, PROMPTS, 3)
     assert any(off.rglob("*.bin"))  # weights and cache really lived on disk
     assert llm.metrics["peak_bytes"][0]["disk"] > 0
+    st = llm.metrics["stage_times"][0]
+    # the phase split of the stage's compute and waits: parts of the totals, prefill's own
+    for k in ("compute_s", "io_wait_s", "comm_wait_s"):
+        assert 0 <= st[f"prefill_{k}"] <= st[k], (k, st)
+    assert 0 < st["prefill_compute_s"] < st["compute_s"] and st["prefill_io_wait_s"] > 0
     llm.close()
     assert list(off.iterdir()) == []
     with pytest.raises(RuntimeError, match="closed"):

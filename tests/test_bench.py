@@ -171,6 +171,7 @@ def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
         assert met["total_throughput"] > 0 and run["predicted"]["total_throughput"] > 0
         for st in met["stage_times"]:
             assert st["compute_s"] > 0 and st["prefill_s"] + st["decode_s"] >= st["compute_s"]
+            assert 0 < st["prefill_compute_s"] < st["compute_s"]
     assert data["runs"]["2"]["tokens_match_1_node"] is True
     assert data["runs"]["1"]["metrics"]["stage_times"][0]["disk_bytes_read"] > 0  # 1 node reads from disk
     assert set(data["scaling_vs_1_node"]["2"]) == {"prefill_throughput", "decode_throughput", "total_throughput"}
@@ -178,6 +179,19 @@ def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
         scaling.main(common + ["--nodes", "2", "--netns", "--link-gbit", "1", "--json", str(out)])
         data = json.loads(out.read_text())
         assert data["mode"] == "nodes+netns" and data["runs"]["2"]["metrics"]["total_throughput"] > 0
+
+
+def test_stage_time_bars_split_each_phase() -> None:
+    """The figure's right panel: one bar per phase, each summing to that phase's wall time."""
+    from flexgen_dist.bench.plots import _phase_bars
+
+    st = {"prefill_s": 10.0, "decode_s": 20.0, "compute_s": 18.0, "io_wait_s": 6.0, "comm_wait_s": 2.0,
+          "prefill_compute_s": 8.0, "prefill_io_wait_s": 1.0, "prefill_comm_wait_s": 0.5}
+    (lp, p), (ld, d) = _phase_bars(st)
+    assert (lp, ld) == (" P", " D")
+    assert p == [8.0, 1.0, 0.5, 0.5] and d == [10.0, 5.0, 1.5, 3.5]
+    old = {k: v for k, v in st.items() if not k.startswith("prefill_") or k == "prefill_s"}
+    assert _phase_bars(old) == [("", [18.0, 6.0, 2.0, 4.0])]  # metrics without the split
 
 
 def test_plot_without_matplotlib_is_one_line(monkeypatch) -> None:

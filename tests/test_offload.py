@@ -203,6 +203,38 @@ def test_merged_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tm
         assert calls == ([("layer", 3)] * lm.spec.num_layers + head) * (GEN - 1)
 
 
+def test_first_slot_is_read_during_the_sweep_before(tiny_models, tmp_path: Path) -> None:
+    """With weights on disk, each sweep's first slot (the embedding) is read while the sweep
+    before it computes its last slot: once per sweep, none left over, tokens unchanged."""
+    tm = tiny_models["opt-pre"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    with DiskStore(tmp_path / "off") as disk:
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(2, 2, *PLACEMENTS["all-disk"]), device=torch.device("cpu"),
+                          dtype=torch.float32, disk=disk)
+        sweep, firsts = [0], []
+        load, run = eng.weights.load, eng.run_sweep
+
+        def counted_load(slot, bufs=None):
+            if slot == ("embed", None):
+                firsts.append(sweep[0])
+            return load(slot, bufs)
+
+        def counted_run(parts, more=False):
+            sweep[0] += 1
+            return run(parts, more)
+
+        eng.weights.load, eng.run_sweep = counted_load, counted_run  # type: ignore[method-assign]
+        outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+        eng.close()
+    assert outs == reference_generate(tm, PROMPTS, GEN)
+    n = sweep[0]
+    assert n == 2 * GEN  # two blocks of 2 x 2 prompts, GEN sweeps each
+    # sweep 1 reads its own; sweep s (s < n) reads sweep s + 1's; the last reads nothing ahead
+    assert firsts == [1] + list(range(1, n)), firsts
+    assert eng._ahead is None
+
+
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
 def test_overlapped_schedule_matches_transformers(kind: str, tiny_models, tmp_path: Path) -> None:
     """The next block's prefill riding on the current block's decode steps (one sweep per
@@ -221,7 +253,7 @@ def test_overlapped_schedule_matches_transformers(kind: str, tiny_models, tmp_pa
                                   policy=Policy(gbs, ngb, *pct, cpu_attention=cpu_att),
                                   device=torch.device("cpu"), dtype=torch.float32, disk=disk)
                 sweeps, run = [], eng.run_sweep
-                eng.run_sweep = lambda parts: sweeps.append(len(parts)) or run(parts)  # type: ignore[method-assign]
+                eng.run_sweep = lambda parts, more=False: sweeps.append(len(parts)) or run(parts, more)  # type: ignore[method-assign]
                 outs, tm_ = generate(eng, PROMPTS, gen, SamplingConfig(ignore_eos=True), schedule="overlapped",
                                      num_groups=groups)
                 eng.close()

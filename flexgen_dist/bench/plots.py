@@ -62,22 +62,34 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     labels, parts = [], {"compute": [], "I/O wait": [], "comm wait": [], "other": []}
     for m in ms:
         for st in runs[m]["metrics"]["stage_times"]:
-            wall = st.get("prefill_s", 0.0) + st.get("decode_s", 0.0)
-            c, io, cw = st["compute_s"], st["io_wait_s"], st["comm_wait_s"]
-            labels.append(f"{m}n s{st['stage']}")
-            parts["compute"].append(c)
-            parts["I/O wait"].append(io)
-            parts["comm wait"].append(cw)
-            parts["other"].append(max(0.0, wall - c - io - cw))
+            for label, times in _phase_bars(st):
+                labels.append(f"{m}n s{st['stage']}{label}")
+                for name, v in zip(parts, times):
+                    parts[name].append(v)
     bottom = [0.0] * len(labels)
     for (name, vals), color in zip(parts.items(), ("tab:green", "tab:red", "tab:purple", "tab:gray")):
         bx.bar(labels, vals, bottom=bottom, label=name, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     bx.set_ylabel("seconds")
-    bx.set_title("per stage: where the wall time goes", fontsize=10)
+    bx.set_title("per stage (P prefill, D decode): where the wall time goes", fontsize=10)
     bx.legend(fontsize=8)
     bx.tick_params(axis="x", labelsize=8)
     return _save(plt, fig, path)
+
+
+def _phase_bars(st: dict[str, Any]) -> list[tuple[str, list[float]]]:
+    """A stage's wall time as (compute, I/O wait, comm wait, other): one bar per phase where
+    the metrics split them (``prefill_compute_s``, ...), else one bar for the run."""
+    def bar(wall: float, c: float, io: float, cw: float) -> list[float]:
+        return [c, io, cw, max(0.0, wall - c - io - cw)]
+
+    keys = ("compute_s", "io_wait_s", "comm_wait_s")
+    total = [st[k] for k in keys]
+    if "prefill_compute_s" not in st:
+        return [("", bar(st.get("prefill_s", 0.0) + st.get("decode_s", 0.0), *total))]
+    pre = [st[f"prefill_{k}"] for k in keys]
+    return [(" P", bar(st["prefill_s"], *pre)),
+            (" D", bar(st["decode_s"], *[t - p for t, p in zip(total, pre)]))]
 
 
 def plot_offload(res: dict[str, Any], path: str | Path) -> Path:

@@ -158,6 +158,12 @@ class ItemStream:
             self._turn = self._next_turn(t)
         return self._turn.pop(0)
 
+    def more_sweeps(self) -> bool:
+        """Whether an item that runs the stage's layers (a prefill piece or a decode step)
+        follows the current one, unless blocks end early: the engine then starts reading the
+        next sweep's first weights ahead (a speculation that an early end may waste)."""
+        return any(it.kind != COLLECT for it in self._turn) or any(self._queue)
+
     def peek(self) -> Item | None:
         """The item after the current one, when nothing the current one may reveal can change
         it (see the module docstring); None otherwise, or at the end."""

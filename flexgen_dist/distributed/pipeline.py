@@ -88,6 +88,9 @@ class Pipeline:
         self.hidden = spec.hidden_size
         self.comm_wait_s = 0.0
         self.timings = Timings()  # this stage's clock; token counts on stage 0
+        # the prefill's share of the engine's compute and I/O wait and of the comm wait (the
+        # decode's is the rest), split by item as the clock is
+        self.prefill_split = {"compute_s": 0.0, "io_wait_s": 0.0, "comm_wait_s": 0.0}
         self._sends: list[Any] = []
         self._max_sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) * (1 + ride) + 4
         # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
@@ -98,6 +101,7 @@ class Pipeline:
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
+        self._more = False  # another sweep follows the current item's
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
 
@@ -131,12 +135,17 @@ class Pipeline:
                 ahead = items.peek()
                 if ahead is not None:
                     pending = self._post_recv(ahead)
+                self._more = items.more_sweeps()  # the next sweep's first slot then loads early
+                before = self._waits()
                 done, units = self._item(items, item, handle, prompts)
                 if self.first:
                     for b in done:
                         finished[b] = self._outputs(b)
                 now = time.perf_counter()
-                pre = now - clock if item.kind == PREFILL else (now - clock) * self._ride_share
+                share = 1.0 if item.kind == PREFILL else self._ride_share
+                for k, v in self._waits().items():
+                    self.prefill_split[k] += (v - before[k]) * share
+                pre = (now - clock) * share
                 tm.prefill_s += pre
                 tm.decode_s += now - clock - pre
                 clock = now
@@ -157,9 +166,14 @@ class Pipeline:
             self._sends.clear()
             tm.decode_s += time.perf_counter() - clock
         finally:
+            self.engine.drop_prefetch()
             for st in self._states.values():
                 self.engine.free_block(st)
             self._states.clear()
+
+    def _waits(self) -> dict[str, float]:
+        return {"compute_s": self.engine.times.compute_s, "io_wait_s": self.engine.times.io_wait_s,
+                "comm_wait_s": self.comm_wait_s}
 
     def _item(self, items: ItemStream, item: Item, handle: Any,
               prompts: list[list[int]] | None) -> tuple[list[int], int]:
@@ -202,7 +216,7 @@ class Pipeline:
             return {}
         states = [self._states[p.block] for p, _ in live]
         outs = self.engine.run_sweep([(st, p.i, list(torch.split(x, self.gbs)), p.batches[0])
-                                      for st, (p, x) in zip(states, live)])
+                                      for st, (p, x) in zip(states, live)], more=self._more)
         if len(live) > 1:
             c = self.engine.sweep_compute
             total = sum(c)

@@ -93,6 +93,9 @@ class StageEngine:
             kernels.library()  # built now (first use on this machine: ~2 s), not inside a timed step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
         self._wbuf: dict[int, Any] = {}
+        # The next sweep's first slot, loading during this sweep's last one (``run_sweep(more=)``)
+        self._ahead: Future | None = None
+        self._more = False
         self._pending: list[Future] = []
         self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
         self._compute_of: dict[int, float] = {}
@@ -140,12 +143,21 @@ class StageEngine:
         return self.run_sweep([(st, i, inputs, first_batch)])[0]
 
     @torch.no_grad()
-    def run_sweep(self, parts: list[tuple[BlockState, int, list[torch.Tensor], int]]) -> list[list[torch.Tensor]]:
+    def run_sweep(self, parts: list[tuple[BlockState, int, list[torch.Tensor], int]],
+                  more: bool = False) -> list[list[torch.Tensor]]:
         """One sweep over this stage's slots that runs several (block, token) parts: each
         slot's weights are loaded once and serve every part's GPU batches in turn (the
         overlapped schedule: a decode step of one block and a prefill piece of the next).
         ``parts``: (state, token i, inputs, first GPU batch) as for ``run_token``; returns
-        each part's outputs."""
+        each part's outputs.
+
+        ``more``: another sweep follows. Its first slot's weights are then read while this
+        sweep's last slot computes (and while the pipeline passes messages between the two),
+        so an off-device first slot (often the embedding, the largest) does not stall the
+        start of every step and the disk does not idle between steps. The two slots in flight
+        are the same two the memory budget counts. ``drop_prefetch`` ends a speculative read
+        that no sweep used."""
+        self._more = more and self.policy.overlap
         runs: list[tuple[BlockState, int, int]] = []  # per flat batch q: (state, token, batch k)
         for st, i, inputs, first in parts:
             ks = range(first, first + len(inputs))
@@ -166,6 +178,8 @@ class StageEngine:
         kind = s.kind
         st, i, k = self._runs[max(s.k, 0)]  # (a sync's k is -1 before the first batch)
         if kind == "compute":
+            if self._more and s.j == len(self.slots) - 1 and s.k == 0:
+                self._prefetch_first()
             t0, io0 = time.perf_counter(), self.times.io_wait_s
             self._compute(st, i, s.j, k)  # its wait for the slot's weights is I/O wait, not compute
             if s.k == len(self._runs) - 1:  # every batch of the sweep has used this slot's weights
@@ -175,7 +189,9 @@ class StageEngine:
             self._compute_of[id(st)] += spent
         elif kind == "load_weight":
             slot = self.slots[s.j]
-            if slot in self.weights.resident:
+            if s.j == 0 and self._ahead is not None:  # read during the previous sweep
+                self._wbuf[0], self._ahead = self._ahead, None
+            elif slot in self.weights.resident:
                 self._wbuf[s.j] = self.weights.load(slot)
             else:
                 fut = self._pool.submit(self.weights.load, slot, self.weights.next_buffers())
@@ -198,6 +214,17 @@ class StageEngine:
         if kind == "sync" or not self.policy.overlap:
             self._wait(self._pending)
             self._pending = []
+
+    def _prefetch_first(self) -> None:
+        """Start reading the first slot's weights for the next sweep (see ``run_sweep``)."""
+        if self._ahead is None and self.slots[0] not in self.weights.resident:
+            self._ahead = self._pool.submit(self.weights.load, self.slots[0], self.weights.next_buffers())
+
+    def drop_prefetch(self) -> None:
+        """Wait out and release a first-slot read that no sweep used (the end of a run)."""
+        if self._ahead is not None:
+            fut, self._ahead = self._ahead, None
+            self.weights.release(self.slots[0], fut.result())
 
     def _wait(self, futs: list[Future]) -> None:
         t0 = time.perf_counter()
