@@ -58,6 +58,8 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
     mode = res.get("mode", "nodes")
+    if res.get("disk_gbps"):
+        mode += f", a {res['disk_gbps']:g} GB/s disk per node"
     ax.set_title(f"{res['model']}: throughput against nodes ({mode})", fontsize=10)
     labels, parts = [], {"compute": [], "I/O wait": [], "comm wait": [], "other": []}
     for m in ms:
