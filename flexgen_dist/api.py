@@ -31,22 +31,20 @@ import torch
 
 from .config import ConfigError, RunConfig
 from .distributed.comm import FailureMonitor, PeerFailure, StageComm
-from .distributed.partition import partition_layers
-from .distributed.items import default_prefill_items, default_schedule
 from .distributed.pipeline import Pipeline
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.blocks import plan_blocks
-from .engine.budget import check_budgets, needs_disk, predict_peaks
+from .engine.budget import check_budgets, needs_disk
 from .engine.policy import Policy
 from .engine.sampling import SamplingConfig
 from .engine.stage import StageEngine
 from .kernels import gemm
 from .memory.disk import DiskStore
 from .memory.owners import reclaim_stale_dirs
-from .memory.tiers import MemoryBudgetError
 from .metrics import merge_metrics, progress_bar, summary
 from .models.loader import LoadedModel, describe, load_model
 from .prompts import Prompt, check_prompt_lengths, make_prompt
+from .run_plan import RunPlanner
 from .scoring import Score, score_split, score_targets
 
 log = logging.getLogger("flexgen_dist")
@@ -133,6 +131,7 @@ class LLM:
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
                                                  seed=cfg.seed, load_tokenizer=self.is_driver)
             self.model.source.keep_packed = cfg.gguf_native
+            self._planner = RunPlanner(cfg, self.model, self.world_size, self.device, self.dtype)
             # every run reclaims what killed runs left under its offload dir, disk tier or not
             reclaim_stale_dirs(Path(cfg.offload_dir).expanduser())
 
@@ -231,7 +230,7 @@ class LLM:
                 work["targets"] = score_targets(seqs, first_scored)
                 work["lens"], work["gen_len"] = score_split(work["lens"], decode_tokens)
             if self._plan is None:
-                work["plan"] = self._make_plan(work)
+                work["plan"] = self._planner.plan(work)
             header = {k: v for k, v in work.items() if k != "prompts"}
             for r in range(1, self.world_size):
                 self._comm.send_obj(header, r)  # type: ignore[union-attr]
@@ -261,77 +260,14 @@ class LLM:
         return {"prompts": ps, "lens": [len(p.ids) for p in ps], "gen_len": gen_len,
                 "sampling": dataclasses.asdict(sampling)}
 
-    def _make_plan(self, work: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0: layer ranges, one policy per stage (files, flags or the planner), G."""
-        cfg, spec, m = self.config, self.model.spec, self.world_size
-        ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-        run_cfg = dataclasses.replace(cfg, gen_len=work["gen_len"])
-        prompt_len, n = max(work["lens"]), len(work["lens"])
-        if cfg.auto_policy:
-            from .planner.auto import auto_policies
-
-            policies, predicted, ranges = auto_policies(
-                run_cfg, spec, ranges, prompt_len, self._dtype_bytes, self.device, n,
-                lambda pols, rngs, G, schedule: self._fits(pols, rngs, prompt_len, work["gen_len"], G, schedule))
-        else:
-            policies = cfg.stage_policies(m)
-        sizes = {p.block_size for p in policies}
-        if len(sizes) != 1:
-            raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
-                              "num_gpu_batches): every stage must use the same block size")
-        if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
-            G = cfg.num_micro_batches or m
-            items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
-            schedule = cfg.schedule
-            if schedule == "auto":
-                schedule = default_schedule(policies, self.device, -(-n // policies[0].block_size), G,
-                                            work["gen_len"])
-                schedule = schedule if self._fits(policies, ranges, prompt_len, work["gen_len"], G, schedule) \
-                    else "sequential"
-            predicted = {"num_micro_batches": G, "prefill_items": items, "schedule": schedule}
-        elif not cfg.auto_policy:
-            from .planner.auto import fixed_policy_choice
-
-            predicted = fixed_policy_choice(
-                run_cfg, spec, ranges, policies, prompt_len, self._dtype_bytes, self.device, n,
-                lambda G, schedule="sequential": self._fits(policies, ranges, prompt_len, work["gen_len"], G, schedule))
-        G, items = predicted.pop("num_micro_batches"), predicted.pop("prefill_items")
-        return {"policies": [p.to_dict() for p in policies], "ranges": [list(r) for r in ranges],
-                "G": G, "prefill": items, "schedule": predicted.pop("schedule", "sequential"),
-                "predicted": predicted}
-
-    def _fits(self, policies: list[Policy], ranges: list[tuple[int, int]], prompt_len: int, gen_len: int,
-              G: int, schedule: str) -> bool:
-        """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
-        try:
-            for s, (p, r) in enumerate(zip(policies, ranges)):
-                check_budgets(self._peaks(p, tuple(r), s, prompt_len, gen_len, G, schedule), self.config.budgets, s)
-        except MemoryBudgetError:
-            return False
-        return True
-
-    def _peaks(self, policy: Policy, layers: tuple[int, int], stage: int, prompt_len: int, gen_len: int,
-               G: int, schedule: str = "sequential") -> dict[str, int]:
-        """The budget check's peak model (``engine/budget.py``) for one stage: G blocks in
-        flight, two per group when the next block's prefill rides on the current's decode."""
-        return predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
-                             has_head=stage == self.world_size - 1, prompt_len=prompt_len, gen_len=gen_len,
-                             dtype_bytes=self._dtype_bytes,
-                             num_blocks_in_flight=G * (2 if schedule == "overlapped" else 1),
-                             packed=self.model.source.packed_formats)
-
-    @property
-    def _dtype_bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
-
     def _prepare_engine(self, work: dict[str, Any]) -> None:
         """Check this stage's predicted peaks for the workload; build the engine once."""
         plan, rank, spec = self._plan, self.rank, self.model.spec
         assert plan is not None
         policy = Policy.from_dict(plan["policies"][rank])
         lo, hi = plan["ranges"][rank]
-        peak = self._peaks(policy, (lo, hi), rank, max(work["lens"]), work["gen_len"], plan["G"],
-                           plan.get("schedule", "sequential"))
+        peak = self._planner.peaks(policy, (lo, hi), rank, max(work["lens"]), work["gen_len"], plan["G"],
+                                   plan.get("schedule", "sequential"))
         check_budgets(peak, self.config.budgets, stage=rank)
         work["peak"] = peak
         if self.engine is not None:

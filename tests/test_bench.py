@@ -152,8 +152,8 @@ def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
 @pytest.mark.slow
 @pytest.mark.multinode
 def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
-    """The smallest real run: 1 and 2 one-core nodes (2 in network namespaces when root can
-    make them), a tiny workload; the JSON has measured and predicted figures, per-stage time
+    """The smallest real run: 1 and 2 one-core nodes (2 in network namespaces, and 2 on disk
+    cgroups of their own, when root can make them), a tiny workload; the JSON has measured and predicted figures, per-stage time
     splits, identical tokens, and the PNG is written. No time is judged."""
     pytest.importorskip("matplotlib")
     hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
@@ -179,6 +179,14 @@ def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
         scaling.main(common + ["--nodes", "2", "--netns", "--link-gbit", "1", "--json", str(out)])
         data = json.loads(out.read_text())
         assert data["mode"] == "nodes+netns" and data["runs"]["2"]["metrics"]["total_throughput"] > 0
+    from flexgen_dist.bench.nodes import cgroup_hierarchy
+
+    if os.geteuid() == 0 and cgroup_hierarchy() is not None and os.major(os.stat(tmp_path).st_dev) != 0:
+        scaling.main(common + ["--nodes", "2", "--disk-gbps", "1", "--json", str(out)])
+        run = json.loads(out.read_text())["runs"]["2"]
+        # each node's reads were counted in its own disk cgroup: both read their disk-resident weights
+        assert len(run["node_bytes_read"]) == 2 and all(b > 0 for b in run["node_bytes_read"])
+        assert run["tokens_match_1_node"] is None and run["metrics"]["total_throughput"] > 0
 
 
 def test_stage_time_bars_split_each_phase() -> None:

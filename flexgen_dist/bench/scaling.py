@@ -348,23 +348,22 @@ def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> di
 def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Path, run: dict[str, Any],
                 tokens: dict[int, list], disk: DiskLimit | None = None) -> None:
     """Run m nodes once (page cache dropped first) and record the metrics, the prediction,
-    the device's bytes read and whether the tokens equal the 1-node run's."""
+    the device's bytes read (and each node's, counted by its disk cgroup under --disk-gbps)
+    and whether the tokens equal the 1-node run's."""
     from ..memory.disk import drop_page_cache
     from .offload import device_bytes_read
 
     run["page_cache_dropped"] = drop_page_cache()
+    nodes0 = [disk.bytes_read(r) for r in range(m)] if disk else None
     r0, t0 = device_bytes_read(work), time.perf_counter()
     net = Network(m, args.link_gbit) if args.netns else None
-    if net is not None:
-        net.__enter__()
-    try:
+    with net or contextlib.nullcontext():
         rcs = launch(args, m, plan["run"], work, net, disk)
-    finally:
-        if net is not None:
-            net.__exit__()
     run["wall_s"] = time.perf_counter() - t0
     r1 = device_bytes_read(work)
     run["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
+    if nodes0 is not None:
+        run["node_bytes_read"] = [disk.bytes_read(r) - b for r, b in enumerate(nodes0)]
     if any(rcs):
         logs = "\n".join((work / f"m{m}-node{r}.log").read_text()[-2000:] for r in range(len(rcs)))
         raise SystemExit(f"{m} node(s) failed (exit codes {rcs}):\n{logs}")

@@ -101,7 +101,6 @@ class Pipeline:
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
-        self._more = False  # another sweep follows the current item's
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
 
@@ -135,7 +134,6 @@ class Pipeline:
                 ahead = items.peek()
                 if ahead is not None:
                     pending = self._post_recv(ahead)
-                self._more = items.more_sweeps()  # the next sweep's first slot then loads early
                 before = self._waits()
                 done, units = self._item(items, item, handle, prompts)
                 if self.first:
@@ -172,8 +170,7 @@ class Pipeline:
             self._states.clear()
 
     def _waits(self) -> dict[str, float]:
-        return {"compute_s": self.engine.times.compute_s, "io_wait_s": self.engine.times.io_wait_s,
-                "comm_wait_s": self.comm_wait_s}
+        return {**self.engine.times.as_dict(), "comm_wait_s": self.comm_wait_s}
 
     def _item(self, items: ItemStream, item: Item, handle: Any,
               prompts: list[list[int]] | None) -> tuple[list[int], int]:
@@ -188,7 +185,7 @@ class Pipeline:
         parts = item.parts()
         xs = [self._input(p, h, prompts) for p, h in zip(parts, handle)]
         live = [(p, x) for p, x in zip(parts, xs) if x is not None]
-        outs = self._run(live)
+        outs = self._run(live, more=items.more_sweeps())  # then the next sweep's first slot loads early
         done, units = [], 0
         for p, x in zip(parts, xs):
             if x is None:  # the block ended at step i - 1: drop it on every later stage
@@ -209,14 +206,15 @@ class Pipeline:
                     done.append(p.block)
         return done, units
 
-    def _run(self, live: list[tuple[Item, torch.Tensor]]) -> dict[Item, list[torch.Tensor]]:
-        """One engine sweep over the parts; with a rider, the share of the sweep's compute
-        that went to its prefill (the clock splits the item's time by it)."""
+    def _run(self, live: list[tuple[Item, torch.Tensor]], more: bool) -> dict[Item, list[torch.Tensor]]:
+        """One engine sweep over the parts (``more``: another follows, see ``run_sweep``); with a
+        rider, the share of the sweep's compute that went to its prefill (the clock splits the
+        item's time by it)."""
         if not live:
             return {}
         states = [self._states[p.block] for p, _ in live]
         outs = self.engine.run_sweep([(st, p.i, list(torch.split(x, self.gbs)), p.batches[0])
-                                      for st, (p, x) in zip(states, live)], more=self._more)
+                                      for st, (p, x) in zip(states, live)], more=more)
         if len(live) > 1:
             c = self.engine.sweep_compute
             total = sum(c)

@@ -76,6 +76,16 @@ def _balance(best_for: Callable[[list[int]], tuple[float, list[Candidate], dict]
     return best, layers
 
 
+def _piece_costs(spec: ModelSpec, split: list[int], chosen: list[Candidate], hws: list[HardwareSpec],
+                 workload: Workload, G: int) -> list:
+    """Each stage's cost of one GPU batch's prefill with its own weight loads (a prefill
+    piece, or a rider of the overlapped schedule), under the stage's chosen policy."""
+    m = len(split)
+    return [estimate_stage(spec, n, piece_policy(c.policy()), hws[i], workload, has_embed=i == 0,
+                           has_head=i == m - 1, num_micro_batches=G, num_stages=m)
+            for i, (n, c) in enumerate(zip(split, chosen))]
+
+
 def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | HardwareSpec,
                   workload: Workload, *, stage_layers: list[int] | None = None,
                   partition: str = "equal", num_micro_batches: int | None = None,
@@ -137,13 +147,9 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
         for bls in sorted(common):
             chosen = [c[bls] for c in per_stage]
             ngb = chosen[0].num_gpu_batches
-            pieces = None
             same_gbs = len({c.gpu_batch_size for c in chosen}) == 1  # pieces are GPU batches
-            if same_gbs and ((m > 1 and ngb > 1 and prefill_items != "block") or schedule != "sequential"):
-                pieces = [estimate_stage(spec, n, piece_policy(c.policy()), hw_list[i], workload,
-                                         has_embed=i == 0, has_head=i == m - 1, num_micro_batches=G,
-                                         num_stages=m)
-                          for i, (n, c) in enumerate(zip(split, chosen))]
+            pieces = _piece_costs(spec, split, chosen, hw_list, workload, G) if same_gbs and (
+                (m > 1 and ngb > 1 and prefill_items != "block") or schedule != "sequential") else None
             nblocks = -(-num_prompts // bls) if num_prompts else None
             pred = best_pipeline([c.cost() for c in chosen], pieces, G, num_blocks=nblocks,
                                  num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)
