@@ -130,7 +130,8 @@ def test_planner_accuracy_rejects_unknown_policy() -> None:
 
 def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
     out = tmp_path / "s.json"
-    res = scaling.main(["--dry-run", "--nodes", "1", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+    res = scaling.main(["--dry-run", "--nodes", "1", "2", "--workdir", str(tmp_path / "w"), "--json", str(out),
+                        "--schedule", "sequential"])
     data = json.loads(out.read_text())
     assert data["dry_run"] is True and set(data["runs"]) == {"1", "2"} and "scaling_vs_1_node" not in data
     assert data["mode"] == "nodes" and data["cores_per_node"] == 1
@@ -145,6 +146,7 @@ def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
     for m in ("1", "2"):
         assert (tmp_path / "w" / f"policy-{m}.yaml").is_file()
         assert f"--nnodes {m}" in data["runs"][m]["command"]
+        assert "--schedule sequential" in data["runs"][m]["command"]
     scaling.main(["--dry-run", "--shared-cores", "--nodes", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
     assert "--standalone --nproc-per-node 2" in capsys.readouterr().out
 

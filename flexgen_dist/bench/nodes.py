@@ -10,9 +10,13 @@ node CPUs of its own; the helpers below give it the rest of what a separate mach
   run gets a different disk than a 1-node run. Under a limit below the disk's share, every
   node gets the same rate whatever the others do.
 * :func:`preexec`: one ``preexec_fn`` that pins a child to its CPUs and joins its cgroup.
+* :func:`profile_node` and :func:`disk_share`: what a node measures of its hardware (once,
+  alone) and of its disk (while every node of a run reads at once), for the predictions.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
 import subprocess
@@ -20,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+import yaml
 
 _ROOT_ERROR = "--disk-gbps needs root and a cgroup blkio/io controller; run without it"
 
@@ -229,3 +235,79 @@ def preexec(cpus: list[int], join: Callable[[], None] | None = None) -> Callable
             join()
 
     return _pre
+
+
+def node_cpus(rank: int, cores_per_node: int) -> list[int]:
+    """The CPUs of node ``rank``: the next ``cores_per_node`` of this process's allowed CPUs."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return allowed[rank * cores_per_node:(rank + 1) * cores_per_node]
+
+
+def profile_node(args: argparse.Namespace, work: Path, disk: DiskLimit | None = None) -> Path | None:
+    """Node 0's hardware profile, measured once on its own cores, and on its own throttled
+    disk under --disk-gbps (or --hardware as given)."""
+    if args.no_predict:
+        return None
+    if args.hardware:
+        return Path(args.hardware)
+    # a profile of the unthrottled disk must not stand in for a throttled one, nor the reverse
+    out = work / ("node.yaml" if args.disk_gbps is None else f"node-disk{args.disk_gbps:g}.yaml")
+    if out.exists():
+        return out
+    cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
+           "--offload-dir", str(work)]
+    if args.quick_profile:
+        cmd.append("--quick")
+    if args.netns:  # the shaped link, not the loopback the profiler would measure
+        cmd += ["--net-bw", str(args.link_gbit * 1e9 / 8), "--net-latency", "0.0002"]
+    threads = args.cores_per_node if not args.shared_cores else len(os.sched_getaffinity(0))
+    cpus = node_cpus(0, threads)
+    print(f"# profiling a node: CPUs {cpus}", flush=True)
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,
+                       timeout=args.timeout, preexec_fn=preexec(cpus, disk.join(0) if disk else None))
+    if p.returncode != 0:
+        raise SystemExit(f"profiling failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return out
+
+
+_PROBE = ("import json, sys; from flexgen_dist.planner.profiler import measure_disk_bw; "
+          "r, w, c = measure_disk_bw(sys.argv[1], quick=sys.argv[2] == '1', device='cpu'); "
+          "print(json.dumps({'dtoc_bw': r, 'ctod_bw': w, 'disk_cpu': c}))")
+
+
+def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path, disk: DiskLimit | None = None) -> Path:
+    """A hardware file for the runs of m nodes: node 0's profile with the disk rates (and the
+    compute they cost) that each node gets while all m read and write at once, measured now
+    (each probe in its node's disk cgroup under --disk-gbps).
+
+    The nodes of this benchmark share the machine's one disk, and its rate moves between
+    runs on a VM: a profile taken once, alone, would credit every node with the whole disk
+    at whatever rate it had then."""
+    cpus = [node_cpus(r, args.cores_per_node) for r in range(m)]
+    # a quick probe moves 32 MiB, less than a throttle lets through at once (its first ~100 ms
+    # slice): under --disk-gbps it would measure that burst (0.7-1.3 GB/s at 0.5), not the rate
+    quick = args.quick_profile and args.disk_gbps is None
+    probes = []
+    for r in range(m):
+        d = work / f"probe-{m}-{r}"
+        d.mkdir(exist_ok=True)
+        probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if quick else "0"],
+                                       env={**os.environ, "OMP_NUM_THREADS": str(args.cores_per_node)},
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       preexec_fn=preexec(cpus[r], disk.join(r) if disk else None)))
+    got = []
+    for p in probes:
+        out, err = p.communicate(timeout=args.timeout)
+        if p.returncode != 0:
+            raise SystemExit(f"disk probe failed (exit {p.returncode}):\n{err[-2000:]}")
+        got.append(json.loads(out.strip().splitlines()[-1]))
+    hw = yaml.safe_load(hardware.read_text())
+    for k in ("dtoc_bw", "ctod_bw", "disk_cpu"):
+        vals = [g[k] for g in got if g[k] is not None]
+        if vals:
+            hw[k] = sum(vals) / len(vals)
+    out_path = work / f"node-{m}.yaml"
+    out_path.write_text(yaml.safe_dump(hw, sort_keys=False))
+    how = "sharing the disk" if disk is None else f"each on its own {args.disk_gbps:g} GB/s disk"
+    print(f"# {m} node(s) {how}: read {hw['dtoc_bw'] / 1e9:.2f} GB/s per node", flush=True)
+    return out_path

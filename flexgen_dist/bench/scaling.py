@@ -39,7 +39,8 @@ m probes (one per node, on its cores) measure the disk at once, and that run's `
 is the profile with the disk rates a node got while sharing it (and the compute the
 transfers cost, ``disk_cpu``): the nodes here share one disk, whose rate also moves between
 runs on a VM. The run's cost model predicts its prefill/decode/total beside the measurement
-and picks G and the prefill items (``--num-micro-batches``/``--prefill-items`` override).
+and picks G, the prefill items and the schedule (``--num-micro-batches``, ``--prefill-items``
+and ``--schedule`` override).
 
 Shared cores (``--shared-cores``): all ranks on the machine's cores with cores/m threads
 each (``torchrun --standalone``). Compute does not grow with m there; only the bytes read
@@ -61,7 +62,7 @@ from typing import Any
 
 import yaml
 
-from .nodes import DiskLimit, Network, preexec
+from .nodes import DiskLimit, Network, disk_share, node_cpus, preexec, profile_node
 from .single import machine
 
 
@@ -101,12 +102,6 @@ def stage_policies(stage_bytes: list[int], budget: int, gbs: int, num_gb: int) -
     return pols
 
 
-def node_cpus(rank: int, cores_per_node: int) -> list[int]:
-    """The CPUs of node ``rank``: the next ``cores_per_node`` of this process's allowed CPUs."""
-    allowed = sorted(os.sched_getaffinity(0))
-    return allowed[rank * cores_per_node:(rank + 1) * cores_per_node]
-
-
 def default_nodes(cores: int, cores_per_node: int) -> list[int]:
     out, m = [], 1
     while m * cores_per_node <= cores:
@@ -122,7 +117,7 @@ def run_args(args: argparse.Namespace, policy_file: Path, metrics: Path, offload
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--ignore-eos",
            "--device", "cpu", "--dtype", "float32", "--policy", str(policy_file), "--offload-dir", str(offload),
            "--metrics", str(metrics), "--output", str(output), "--overwrite", "--print-outputs", "0",
-           "--no-progress", "--prefill-items", args.prefill_items]
+           "--no-progress", "--prefill-items", args.prefill_items, "--schedule", args.schedule]
     if hardware is not None:
         out += ["--hardware", str(hardware)]
     if args.num_micro_batches:
@@ -167,6 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-gpu-batches", type=int, default=8)
     ap.add_argument("--num-micro-batches", type=int, default=None, help="default: the run's choice")
     ap.add_argument("--prefill-items", choices=("auto", "block", "batch"), default="auto")
+    ap.add_argument("--schedule", choices=("auto", "sequential", "overlapped"), default="auto",
+                    help="the runs' block schedule (auto: each run's cost model chooses)")
     ap.add_argument("--hardware", default=None,
                     help="a node's hardware profile YAML (default: profile node 0 once, in the workdir)")
     ap.add_argument("--no-predict", action="store_true", help="no profile, no predictions")
@@ -196,33 +193,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.netns and not args.dry_run and os.geteuid() != 0:
         ap.error("--netns needs root (network namespaces)")
     return args
-
-
-def profile_node(args: argparse.Namespace, work: Path, disk: DiskLimit | None = None) -> Path | None:
-    """Node 0's hardware profile, measured once on its own cores, and on its own throttled
-    disk under --disk-gbps (or --hardware as given)."""
-    if args.no_predict:
-        return None
-    if args.hardware:
-        return Path(args.hardware)
-    # a profile of the unthrottled disk must not stand in for a throttled one, nor the reverse
-    out = work / ("node.yaml" if args.disk_gbps is None else f"node-disk{args.disk_gbps:g}.yaml")
-    if out.exists():
-        return out
-    cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
-           "--offload-dir", str(work)]
-    if args.quick_profile:
-        cmd.append("--quick")
-    if args.netns:  # the shaped link, not the loopback the profiler would measure
-        cmd += ["--net-bw", str(args.link_gbit * 1e9 / 8), "--net-latency", "0.0002"]
-    threads = args.cores_per_node if not args.shared_cores else len(os.sched_getaffinity(0))
-    cpus = node_cpus(0, threads)
-    print(f"# profiling a node: CPUs {cpus}", flush=True)
-    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,
-                       timeout=args.timeout, preexec_fn=preexec(cpus, disk.join(0) if disk else None))
-    if p.returncode != 0:
-        raise SystemExit(f"profiling failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return out
 
 
 def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Network | None,
@@ -273,50 +243,8 @@ def summarize(met: dict[str, Any]) -> dict[str, Any]:
             "world_size", "num_micro_batches", "stage_times", "peak_bytes")
     out = {k: met.get(k) for k in keep}
     out["prefill_items"] = met.get("prefill_items")
+    out["schedule"] = met.get("schedule")
     return out
-
-
-_PROBE = ("import json, sys; from flexgen_dist.planner.profiler import measure_disk_bw; "
-          "r, w, c = measure_disk_bw(sys.argv[1], quick=sys.argv[2] == '1', device='cpu'); "
-          "print(json.dumps({'dtoc_bw': r, 'ctod_bw': w, 'disk_cpu': c}))")
-
-
-def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path, disk: DiskLimit | None = None) -> Path:
-    """A hardware file for the runs of m nodes: node 0's profile with the disk rates (and the
-    compute they cost) that each node gets while all m read and write at once, measured now
-    (each probe in its node's disk cgroup under --disk-gbps).
-
-    The nodes of this benchmark share the machine's one disk, and its rate moves between
-    runs on a VM: a profile taken once, alone, would credit every node with the whole disk
-    at whatever rate it had then."""
-    cpus = [node_cpus(r, args.cores_per_node) for r in range(m)]
-    # a quick probe moves 32 MiB, less than a throttle lets through at once (its first ~100 ms
-    # slice): under --disk-gbps it would measure that burst (0.7-1.3 GB/s at 0.5), not the rate
-    quick = args.quick_profile and args.disk_gbps is None
-    probes = []
-    for r in range(m):
-        d = work / f"probe-{m}-{r}"
-        d.mkdir(exist_ok=True)
-        probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if quick else "0"],
-                                       env={**os.environ, "OMP_NUM_THREADS": str(args.cores_per_node)},
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       preexec_fn=preexec(cpus[r], disk.join(r) if disk else None)))
-    got = []
-    for p in probes:
-        out, err = p.communicate(timeout=args.timeout)
-        if p.returncode != 0:
-            raise SystemExit(f"disk probe failed (exit {p.returncode}):\n{err[-2000:]}")
-        got.append(json.loads(out.strip().splitlines()[-1]))
-    hw = yaml.safe_load(hardware.read_text())
-    for k in ("dtoc_bw", "ctod_bw", "disk_cpu"):
-        vals = [g[k] for g in got if g[k] is not None]
-        if vals:
-            hw[k] = sum(vals) / len(vals)
-    out_path = work / f"node-{m}.yaml"
-    out_path.write_text(yaml.safe_dump(hw, sort_keys=False))
-    how = "sharing the disk" if disk is None else f"each on its own {args.disk_gbps:g} GB/s disk"
-    print(f"# {m} node(s) {how}: read {hw['dtoc_bw'] / 1e9:.2f} GB/s per node", flush=True)
-    return out_path
 
 
 def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> dict[int, dict[str, Any]]:

@@ -12,7 +12,7 @@ Files are removed by ``close()``, at interpreter exit, when the store is garbage
 and on SIGTERM (a handler is installed only over the default action; it removes the files
 and re-raises the signal so the exit status still says SIGTERM). A process killed outright
 (SIGKILL, a lost node) cannot clean up: each dir carries an ``.owner`` file, and the next
-run under the same root removes the dirs of dead owners (``memory/owners.py``).
+run under the same root removes the dirs of dead owners (both in ``memory/owners.py``).
 """
 from __future__ import annotations
 
@@ -23,9 +23,7 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import threading
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexgen_dist.memory.owners import reclaim_stale_dirs, write_owner
+from flexgen_dist.memory.owners import reclaim_stale_dirs, remove_at_exit, write_owner
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
 from flexgen_dist.memory.tiers import format_bytes
 
@@ -68,41 +66,6 @@ def drop_page_cache() -> bool:
 
 class DiskStoreError(OSError):
     """The offload dir cannot be used as configured; the message says what to change."""
-
-
-# Process-wide by nature: a signal handler has no other way to find the live stores.
-_LIVE_DIRS: set[tuple[str, int]] = set()
-_LIVE_LOCK = threading.Lock()
-
-
-def _sigterm_handler(signum: int, frame: Any) -> None:
-    pid = os.getpid()
-    for path, owner in _LIVE_DIRS.copy():
-        if owner == pid:
-            shutil.rmtree(path, ignore_errors=True)
-    signal.signal(signum, signal.SIG_DFL)  # we only ever replace the default action
-    os.kill(pid, signum)
-
-
-def _install_sigterm_handler() -> None:
-    """Take over SIGTERM only from its default action (and only from the main thread).
-
-    A handler set by someone else is left alone: it either exits (SystemExit runs the
-    caller's ``finally`` and atexit, which remove the files) or deliberately keeps running.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _sigterm_handler)
-
-
-def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor) -> None:
-    if os.getpid() != pid:  # a forked child must not delete its parent's files
-        return
-    executor.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(path, ignore_errors=True)
-    with _LIVE_LOCK:
-        _LIVE_DIRS.discard((path, pid))
 
 
 def aligned_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *,
@@ -235,10 +198,7 @@ class DiskStore:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=num_workers,
                                             thread_name_prefix=f"flexgen-disk-r{rank}")
-        self._finalizer = weakref.finalize(self, _cleanup, self.dir, os.getpid(), self._executor)
-        with _LIVE_LOCK:
-            _LIVE_DIRS.add((self.dir, os.getpid()))
-        _install_sigterm_handler()
+        self._finalizer = remove_at_exit(self, self.dir, self._executor)
         self.direct = False
         if direct_io != "off":
             reason = self._probe_direct()

@@ -1,4 +1,8 @@
-"""Offload dirs of dead runs: who owns a dir, and removing those whose owner is gone.
+"""Offload dirs: removing a run's own when it ends, and those of dead runs.
+
+A run's dir is removed when its store is closed or garbage-collected, at interpreter exit,
+and on SIGTERM (a handler is installed only over the default action; it removes the files
+and re-raises the signal so the exit status still says SIGTERM): ``remove_at_exit``.
 
 A process killed outright (SIGKILL, a lost node) cannot remove its offload dir. Each dir
 carries an ``.owner`` file (host, pid and the process's start time, so a reused pid is not
@@ -11,8 +15,13 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from flexgen_dist.memory.tiers import format_bytes
 
@@ -86,3 +95,48 @@ def reclaim_stale_dirs(root: Path) -> None:
     if stale:
         log.warning("offload dir %s: removed %d dir(s) left by runs that died (%s freed)",
                     root, stale, format_bytes(freed))
+
+
+# Process-wide by nature: a signal handler has no other way to find the live stores.
+_LIVE_DIRS: set[tuple[str, int]] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _sigterm_handler(signum: int, frame: Any) -> None:
+    pid = os.getpid()
+    for path, owner in _LIVE_DIRS.copy():
+        if owner == pid:
+            shutil.rmtree(path, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)  # we only ever replace the default action
+    os.kill(pid, signum)
+
+
+def _install_sigterm_handler() -> None:
+    """Take over SIGTERM only from its default action (and only from the main thread).
+
+    A handler set by someone else is left alone: it either exits (SystemExit runs the
+    caller's ``finally`` and atexit, which remove the files) or deliberately keeps running.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_handler)
+
+
+def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor) -> None:
+    if os.getpid() != pid:  # a forked child must not delete its parent's files
+        return
+    executor.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(path, ignore_errors=True)
+    with _LIVE_LOCK:
+        _LIVE_DIRS.discard((path, pid))
+
+
+def remove_at_exit(owner: object, path: str, executor: ThreadPoolExecutor) -> weakref.finalize:
+    """Remove ``path`` (after ``executor``'s pending I/O) when ``owner`` is collected, at
+    exit, or on SIGTERM; call the returned finalizer to remove it now."""
+    fin = weakref.finalize(owner, _cleanup, path, os.getpid(), executor)
+    with _LIVE_LOCK:
+        _LIVE_DIRS.add((path, os.getpid()))
+    _install_sigterm_handler()
+    return fin
