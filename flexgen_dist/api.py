@@ -316,7 +316,7 @@ class LLM:
         pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, num_groups=plan["G"], ctx=self._ctx,
                         targets=work.get("targets"), keys=work.get("keys"), prefill=plan.get("prefill", "block"),
                         ride=plan.get("schedule") == "overlapped")
-        times0, reserve0 = engine.times.as_dict(), engine.times.cache_reserve_s
+        times0 = engine.times.as_dict()
         read0 = self._disk.bytes_read if self._disk is not None else 0
         prompts: list[Prompt] | None = work.get("prompts")
         bar = progress_bar(len(blocks) * gen_len, self.config.progress and self.is_driver)
@@ -332,7 +332,6 @@ class LLM:
             "stage": self.rank, "layers": [lo, hi], "policy": engine.policy.to_dict(),
             "peak_bytes": engine.peak_bytes(), "predicted_peak_bytes": work["peak"], **times,
             "comm_wait_s": pipe.comm_wait_s, "token_steps": pipe.timings.token_steps,
-            "cache_reserve_s": engine.times.cache_reserve_s - reserve0,
             "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
             **{f"prefill_{k}": v for k, v in pipe.prefill_split.items()},
             "disk_bytes_read": (self._disk.bytes_read - read0) if self._disk is not None else 0,

@@ -39,7 +39,7 @@ class Timings:
 
 STAGE_TIME_KEYS = ("stage", "layers", "prefill_s", "decode_s", "compute_s", "io_wait_s", "comm_wait_s",
                    "prefill_compute_s", "prefill_io_wait_s", "prefill_comm_wait_s", "token_steps",
-                   "disk_bytes_read", "cache_reserve_s")
+                   "disk_bytes_read")
 
 
 def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, Any]],

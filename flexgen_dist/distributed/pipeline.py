@@ -121,7 +121,6 @@ class Pipeline:
         if self.first:
             assert prompts is not None, "stage 0 needs the prompts"
             self.timings.prompt_tokens += sum(len(p) for p in prompts)
-        self._reserve()
         self._start_together()
         items = self.stream()
         finished: dict[int, list[Any]] = {}
@@ -169,17 +168,6 @@ class Pipeline:
             for st in self._states.values():
                 self.engine.free_block(st)
             self._states.clear()
-
-    def _reserve(self) -> None:
-        """Before the clock: fault in the cache memory of the blocks held at once (G, or 2G
-        when riders prefill the next blocks early), each shaped as the call's largest, so no
-        block's cache writes fault in fresh pages (see ``HostPool``)."""
-        if not self.blocks:
-            return
-        big = max(self.blocks, key=lambda b: (b.prompt_len, len(b.lens)))
-        held = min(len(self.blocks), self.G * (2 if self.ride else 1))
-        gen = self.gen_len if self.targets is None else self.gen_len - 1
-        self.engine.reserve_caches(big.meta(self.gbs, gen), held)
 
     def _waits(self) -> dict[str, float]:
         return {**self.engine.times.as_dict(), "comm_wait_s": self.comm_wait_s}

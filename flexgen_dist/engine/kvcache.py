@@ -59,56 +59,6 @@ def cache_bytes_per_position(head_dim: int, dtype_bytes: int, compress: bool = F
 Stored = Any  # torch.Tensor, DiskTensor, or a QTensor of either
 
 
-class HostPool:
-    """Host-memory buffers of freed block caches, handed to the caches of later blocks.
-
-    A fresh buffer's pages are faulted in (and zeroed by the kernel) by the first write to
-    them, which for a CPU-resident cache is the prefill's cache write: measured here at
-    ~1.3 us per 4 KiB page with one process, several times that with two faulting at once,
-    against ~0.05 ms to overwrite a warm 1.3 MB chunk. Reusing buffers pays that once per
-    engine instead of once per block. ``touch`` faults a fresh buffer in when it is made
-    (``StageEngine.reserve_caches`` does so before the clock starts).
-
-    Buffers are flat, keyed by dtype and pinning, and handed out best fit (the smallest
-    that holds the request, viewed to its shape), so blocks of other lengths reuse them
-    too. A miss drops the idle buffers too small for it, so what the pool holds stays at
-    most what the live caches held at their peak. GPU memory is not pooled (PyTorch's
-    caching allocator reuses it)."""
-
-    def __init__(self) -> None:
-        self._idle: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
-        self.made = 0  # fresh buffers made (misses)
-
-    def take(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, pin: bool = False,
-             zero: bool = False, touch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base, view): a flat buffer of at least prod(shape) elements and its first ones
-        viewed as ``shape``. ``zero``: the view is zeroed; ``touch``: a fresh base is faulted in."""
-        n = math.prod(shape)
-        idle = self._idle.setdefault((dtype, pin), [])
-        fits = [i for i, b in enumerate(idle) if b.numel() >= n]
-        if fits:
-            base = idle.pop(min(fits, key=lambda i: idle[i].numel()))
-        else:
-            idle[:] = [b for b in idle if b.numel() > n]  # too small for this or any larger request
-            base = torch.empty(n, dtype=dtype, pin_memory=pin)
-            self.made += 1
-            if touch and not zero:
-                base.zero_()
-        view = base[:n].view(shape)
-        if zero:
-            view.zero_()
-        return base, view
-
-    def give(self, base: torch.Tensor, pin: bool = False) -> None:
-        self._idle.setdefault((base.dtype, pin), []).append(base)
-
-    def idle_bytes(self) -> int:
-        return sum(b.nbytes for bs in self._idle.values() for b in bs)
-
-    def clear(self) -> None:
-        self._idle.clear()
-
-
 @dataclass
 class Chunk:
     tier: Tier
@@ -128,18 +78,13 @@ class BlockCache:
                  head_dim: int, fractions: tuple[float, float, float], device: torch.device,
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
                  cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
-                 group_size: int = 64, pool: HostPool | None = None, reserve: bool = False) -> None:
-        """``pool``: host-resident chunks come from it and go back on ``free``. ``reserve``:
-        only fault in the pool's buffers for a cache of this shape (no disk chunks; free it
-        right after)."""
+                 group_size: int = 64) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
         self.cpu_attention = cpu_attention
         self.compress, self.bits = compress, bits
         self.group_size = cache_group_size(head_dim, group_size)
         self._disk_store = disk
-        self.pool, self._reserve = pool, reserve
-        self._pooled: list[tuple[torch.Tensor, bool]] = []  # (base, pinned) to give back
         self.chunks: dict[tuple[int, int], list[Chunk]] = {}
         self._bytes: list[tuple[Tier, int]] = []
         # compressed, on a CPU: reused dense K and V of one chunk at full length, because
@@ -149,8 +94,6 @@ class BlockCache:
             for kb, b in enumerate(batch_sizes):
                 parts = []
                 for tier, r0, r1 in split_rows(b * kv_heads, fractions):
-                    if reserve and tier == Tier.DISK:
-                        continue
                     parts.append(self._alloc(tier, r0, r1, f"kv{tag}-l{j}-b{kb}"))
                 self.chunks[(j, kb)] = parts
         self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
@@ -162,15 +105,10 @@ class BlockCache:
             k, v = self._disk(name + "-k", shape), self._disk(name + "-v", shape)
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
-            shape = (n, self.max_len, self.head_dim)
-            if self.pool is not None and dev.type == "cpu":  # host memory: reused across blocks
-                k, v = self._pooled_empty(shape, pin=self.device.type == "cuda"), \
-                    self._pooled_empty(shape, pin=self.device.type == "cuda")
-            else:
-                # never read before written: prefill fills [0, s), each decode step its position
-                k, v = (self._empty(shape, dev) for _ in range(2))
-                if tier == Tier.CPU:
-                    k, v = _pin(k, self.device), _pin(v, self.device)
+            # never read before written: prefill fills [0, s), each decode step its position
+            k, v = (self._empty((n, self.max_len, self.head_dim), dev) for _ in range(2))
+            if tier == Tier.CPU:
+                k, v = _pin(k, self.device), _pin(v, self.device)
         nbytes = int(k.nbytes + v.nbytes)
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
@@ -180,22 +118,6 @@ class BlockCache:
         if self.compress:
             return empty_qtensor(shape, self.dtype, self.bits, self.group_size, dim=-1, device=device)
         return torch.empty(shape, dtype=self.dtype, device=device)
-
-    def _pooled_empty(self, shape: tuple[int, ...], pin: bool) -> Stored:
-        """``_empty`` from the pool (host memory; pinned for a CUDA device's transfers)."""
-        assert self.pool is not None
-        if not self.compress:  # never read before written, as ``_empty``
-            base, out = self.pool.take(shape, self.dtype, pin=pin, touch=self._reserve)
-            self._pooled.append((base, pin))
-            return out
-        data_shape, meta_shape = qtensor_layout(shape, self.bits, self.group_size, -1)
-        parts = []
-        for sh, dt in ((data_shape, torch.uint8), (meta_shape, self.dtype), (meta_shape, self.dtype)):
-            base, view = self.pool.take(sh, dt, pin=pin, zero=True)  # zero-filled, as empty_qtensor
-            self._pooled.append((base, pin))
-            parts.append(view)
-        return QTensor(data=parts[0], mins=parts[1], scales=parts[2], shape=torch.Size(shape), dtype=self.dtype,
-                       dim=len(shape) - 1, group_size=self.group_size, bits=self.bits)
 
     def _disk(self, name: str, shape: tuple[int, ...]) -> Stored:
         store = self._disk_store
@@ -231,10 +153,6 @@ class BlockCache:
                     for p in _parts(ch.k) + _parts(ch.v):
                         self._disk_store.free(p)
         self.chunks.clear()
-        if self.pool is not None:
-            for base, pin in self._pooled:
-                self.pool.give(base, pin)
-        self._pooled.clear()
 
     # --- overlapped I/O steps ----------------------------------------------------------
     def load(self, j: int, kb: int, length: int) -> None:

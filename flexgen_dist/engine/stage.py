@@ -21,7 +21,7 @@ from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
 from .attention import mask_to_rows, prefill_attention, q_to_rows, rows_to_out, to_rows
-from .kvcache import BlockCache, HostPool
+from .kvcache import BlockCache
 from .policy import Policy
 from .schedule import Step, token_schedule
 from .weights import Slot, WeightStore
@@ -50,7 +50,6 @@ class BlockMeta:
 class StageTimes:
     compute_s: float = 0.0
     io_wait_s: float = 0.0
-    cache_reserve_s: float = 0.0  # faulting in cache memory before a call's clock starts
 
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "io_wait_s": self.io_wait_s}
@@ -101,7 +100,6 @@ class StageEngine:
         self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
         self._compute_of: dict[int, float] = {}
         self.sweep_compute: list[float] = []  # compute seconds of each part of the last sweep
-        self.cache_pool = HostPool()  # host memory of freed block caches, for the next blocks
 
     # --- blocks -------------------------------------------------------------------------
     def new_block(self, meta: BlockMeta, tag: str = "") -> BlockState:
@@ -109,7 +107,13 @@ class StageEngine:
         if total > self.spec.max_positions:
             raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds "
                              f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
-        cache = self._cache(meta, tag) if self.layers else None
+        cache = None
+        if self.layers:
+            cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,
+                               self.spec.head_dim, self.policy.fractions("cache"), self.device,
+                               self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
+                               compress=self.policy.compress_cache, bits=self.policy.comp_bits,
+                               group_size=self.policy.comp_group_size)
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []
@@ -119,25 +123,6 @@ class StageEngine:
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
         return BlockState(meta, cache, acts, valid)
-
-    def _cache(self, meta: BlockMeta, tag: str = "", reserve: bool = False) -> BlockCache:
-        return BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, meta.prompt_len + meta.gen_len,
-                          self.spec.head_dim, self.policy.fractions("cache"), self.device,
-                          self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
-                          compress=self.policy.compress_cache, bits=self.policy.comp_bits,
-                          group_size=self.policy.comp_group_size, pool=self.cache_pool, reserve=reserve)
-
-    def reserve_caches(self, meta: BlockMeta, count: int) -> None:
-        """Fault in the host memory of ``count`` blocks' caches shaped as ``meta`` (the largest
-        a call will hold at once) and keep it in the pool, so the blocks that follow write
-        their caches into warm pages. Timed in ``times.cache_reserve_s``."""
-        if not self.layers or count <= 0:
-            return
-        t0 = time.perf_counter()
-        caches = [self._cache(meta, reserve=True) for _ in range(count)]
-        for c in caches:
-            c.free()
-        self.times.cache_reserve_s += time.perf_counter() - t0
 
     def free_block(self, st: BlockState) -> None:
         if st.cache is not None:
@@ -414,7 +399,6 @@ class StageEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.cache_pool.clear()
 
 
 __all__ = ["StageEngine", "BlockMeta", "BlockState", "StageTimes", "Tier"]
