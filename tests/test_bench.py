@@ -321,3 +321,32 @@ def test_offload_overlapped_variant(tmp_path: Path) -> None:
     assert run["tokens_match_a"] is True and run["blocks"] == 2 and run["policy"]["num_gpu_batches"] == 2
     assert run["prefill_time_s"] > 0 and run["decode_time_s"] > 0 and run["disk_bytes_read"] > 0
     assert set(data["ratios"]) == {"overlapped_over_a"} and data["ratios"]["overlapped_over_a"] > 0
+
+
+def test_scaling_repeats_settle_on_medians(tmp_path: Path) -> None:
+    """--repeat: each throughput is the median over the rounds; stage times, bytes and the
+    prediction come from the round of median total; every round is kept, and the figure
+    draws them."""
+    def rep(p: float, d: float, t: float, match: bool | None) -> dict:
+        st = {"stage": 0, "prefill_s": 1.0, "decode_s": 2.0, "compute_s": 2.5, "io_wait_s": 0.2, "comm_wait_s": 0.1}
+        return {"wall_s": t, "metrics": {"prefill_throughput": p, "decode_throughput": d, "total_throughput": t,
+                                         "stage_times": [st]},
+                "predicted": {"prefill_throughput": 1.0, "decode_throughput": 1.0, "total_throughput": t},
+                "tokens_match_1_node": match}
+    run: dict = {"command": "x"}
+    reps = [rep(10, 5, 3, True), rep(30, 1, 1, True), rep(20, 3, 2, False)]
+    scaling.settle(run, reps)
+    m = run["metrics"]
+    assert (m["prefill_throughput"], m["decode_throughput"], m["total_throughput"]) == (20, 3, 2)
+    assert run["wall_s"] == 2 and run["predicted"]["total_throughput"] == 2  # the round of median total
+    assert run["tokens_match_1_node"] is False and run["repeats"] == reps and run["command"] == "x"
+    one: dict = {}
+    scaling.settle(one, [rep(10, 5, 3, None)])
+    assert "repeats" not in one and one["tokens_match_1_node"] is None and one["metrics"]["prefill_throughput"] == 10
+    pytest.importorskip("matplotlib")
+    from flexgen_dist.bench.plots import plot_scaling
+
+    png = plot_scaling({"runs": {"1": one, "2": run}, "model": "x"}, tmp_path / "r.png")
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--repeat", "0"])

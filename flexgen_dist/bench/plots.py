@@ -35,8 +35,9 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
 
 
 def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
-    """Two panels: throughput against nodes (measured points, predicted dashed, linear from one
-    node dotted), and each stage's wall time split into compute / I/O wait / comm wait / other."""
+    """Two panels: throughput against nodes (measured points, the medians under --repeat with
+    each repeat faint beside them, predicted dashed, linear from one node dotted), and each
+    stage's wall time split into compute / I/O wait / comm wait / other."""
     plt = _pyplot()
     runs = {int(m): r for m, r in res["runs"].items() if "metrics" in r}
     if not runs:
@@ -45,7 +46,11 @@ def plot_scaling(res: dict[str, Any], path: str | Path) -> Path:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
     for key, label, color in PHASES:
         meas = [runs[m]["metrics"][key] for m in ms]
-        ax.plot(ms, meas, "o-", color=color, label=f"{label} measured")
+        many = any(len(runs[m].get("repeats", [])) > 1 for m in ms)
+        ax.plot(ms, meas, "o-", color=color, label=f"{label} measured" + (" (median)" if many else ""))
+        for m in ms:  # every repeat, faint, beside its median
+            for rep in runs[m].get("repeats", []):
+                ax.plot([m], [rep["metrics"][key]], ".", color=color, alpha=0.35)
         pred = [runs[m].get("predicted", {}).get(key) for m in ms]
         if all(p is not None for p in pred):
             ax.plot(ms, pred, "--", color=color, alpha=0.8, label=f"{label} predicted")

@@ -53,6 +53,7 @@ import contextlib
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -169,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-predict", action="store_true", help="no profile, no predictions")
     ap.add_argument("--quick-profile", action="store_true", help="a ~10 s profile (less accurate; the disk probes stay full under --disk-gbps)")
     ap.add_argument("--workdir", default=None, help="policy files, metrics and offload files go here")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds over the node counts; each throughput is the median of its rounds")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and policies, run nothing")
     ap.add_argument("--json", default="bench_results/scaling.json")
@@ -177,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = len(os.sched_getaffinity(0))
     if args.cores_per_node < 1:
         ap.error("--cores-per-node must be >= 1")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.stages is None:
         args.stages = default_nodes(cores, args.cores_per_node) if not args.shared_cores else [1, 2]
     if any(m < 1 for m in args.stages):
@@ -273,39 +278,57 @@ def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> di
     return plans
 
 
-def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Path, run: dict[str, Any],
-                tokens: dict[int, list], disk: DiskLimit | None = None) -> None:
-    """Run m nodes once (page cache dropped first) and record the metrics, the prediction,
-    the device's bytes read (and each node's, counted by its disk cgroup under --disk-gbps)
-    and whether the tokens equal the 1-node run's."""
+def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Path,
+                tokens: dict[int, list], disk: DiskLimit | None = None) -> dict[str, Any]:
+    """Run m nodes once (page cache dropped first): the metrics, the prediction, the device's
+    bytes read (and each node's, counted by its disk cgroup under --disk-gbps) and whether the
+    tokens equal the 1-node run's."""
     from ..memory.disk import drop_page_cache
     from .offload import device_bytes_read
 
-    run["page_cache_dropped"] = drop_page_cache()
+    rec: dict[str, Any] = {"page_cache_dropped": drop_page_cache()}
     nodes0 = [disk.bytes_read(r) for r in range(m)] if disk else None
     r0, t0 = device_bytes_read(work), time.perf_counter()
     net = Network(m, args.link_gbit) if args.netns else None
     with net or contextlib.nullcontext():
         rcs = launch(args, m, plan["run"], work, net, disk)
-    run["wall_s"] = time.perf_counter() - t0
+    rec["wall_s"] = time.perf_counter() - t0
     r1 = device_bytes_read(work)
-    run["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
+    rec["device_bytes_read"] = None if r0 is None or r1 is None else r1 - r0
     if nodes0 is not None:
-        run["node_bytes_read"] = [disk.bytes_read(r) - b for r, b in enumerate(nodes0)]
+        rec["node_bytes_read"] = [disk.bytes_read(r) - b for r, b in enumerate(nodes0)]
     if any(rcs):
         logs = "\n".join((work / f"m{m}-node{r}.log").read_text()[-2000:] for r in range(len(rcs)))
         raise SystemExit(f"{m} node(s) failed (exit codes {rcs}):\n{logs}")
     met = json.loads((work / f"metrics-{m}.json").read_text())
-    run["metrics"] = summarize(met)
-    run["predicted"] = pred = {k: v for k, v in met.get("predicted", {}).items() if k != "peak_bytes"}
-    tokens[m] = [json.loads(line)["tokens"] for line in (work / f"out-{m}.jsonl").read_text().splitlines()]
-    run["tokens_match_1_node"] = tokens[m] == tokens[min(tokens)] if 1 in tokens else None
+    rec["metrics"] = summarize(met)
+    rec["predicted"] = pred = {k: v for k, v in met.get("predicted", {}).items() if k != "peak_bytes"}
+    out = [json.loads(line)["tokens"] for line in (work / f"out-{m}.jsonl").read_text().splitlines()]
+    tokens.setdefault(m, out)
+    rec["tokens_match_1_node"] = out == tokens[1] if 1 in tokens else None
     line = (f"{m} node(s): prefill {met['prefill_throughput']:.1f} | decode {met['decode_throughput']:.2f} | "
-            f"total {met['total_throughput']:.2f} tok/s ({run['wall_s']:.0f} s wall)")
+            f"total {met['total_throughput']:.2f} tok/s ({rec['wall_s']:.0f} s wall)")
     if "total_throughput" in pred:
         line += (f"; predicted {pred['prefill_throughput']:.1f} | {pred['decode_throughput']:.2f} | "
                  f"{pred['total_throughput']:.2f}")
     print(line, flush=True)
+    return rec
+
+
+_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput")
+
+
+def settle(run: dict[str, Any], reps: list[dict[str, Any]]) -> None:
+    """One node count's record from its repeats: every repeat under ``repeats``; the rest
+    from the repeat of median total throughput (its stage times, bytes, prediction), with
+    each throughput the median over the repeats (one repeat: that run as it is)."""
+    mid = sorted(reps, key=lambda r: r["metrics"]["total_throughput"])[len(reps) // 2]
+    run.update({k: v for k, v in mid.items() if k != "metrics"})
+    run["metrics"] = {**mid["metrics"], **{k: statistics.median(r["metrics"][k] for r in reps) for k in _KEYS}}
+    run["tokens_match_1_node"] = None if mid["tokens_match_1_node"] is None else \
+        all(r["tokens_match_1_node"] for r in reps)
+    if len(reps) > 1:
+        run["repeats"] = reps
 
 
 def bench(args: argparse.Namespace, work: Path, disk: DiskLimit | None) -> dict[str, Any]:
@@ -333,21 +356,27 @@ def bench(args: argparse.Namespace, work: Path, disk: DiskLimit | None) -> dict[
         res["runs"][str(m)] = {k: v for k, v in plan.items() if k != "run"}
     if not args.dry_run:
         tokens: dict[int, list] = {}
-        for m, plan in plans.items():
-            run = res["runs"][str(m)]
-            if hardware is not None and not args.hardware and not args.shared_cores:
-                run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware, disk).read_text())
-            elif hardware is not None and not args.hardware:  # shared cores: one process, the profile as it is
-                (work / f"node-{m}.yaml").write_text(hardware.read_text())
-            measure_run(args, m, plan, work, run, tokens, disk)
-        keys = ("prefill_throughput", "decode_throughput", "total_throughput")
+        reps: dict[int, list[dict[str, Any]]] = {m: [] for m in plans}
+        res["repeat"] = args.repeat
+        for rnd in range(args.repeat):  # rounds interleave the node counts: a machine whose speed drifts
+            if args.repeat > 1:         # moves every count's runs alike
+                print(f"# round {rnd + 1} of {args.repeat}", flush=True)
+            for m, plan in plans.items():
+                run = res["runs"][str(m)]
+                if rnd == 0 and hardware is not None and not args.hardware and not args.shared_cores:
+                    run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware, disk).read_text())
+                elif rnd == 0 and hardware is not None and not args.hardware:  # shared cores: the profile as it is
+                    (work / f"node-{m}.yaml").write_text(hardware.read_text())
+                reps[m].append(measure_run(args, m, plan, work, tokens, disk))
+        for m, r in reps.items():
+            settle(res["runs"][str(m)], r)
         base = res["runs"].get("1", {}).get("metrics")
         if base:
-            res["scaling_vs_1_node"] = {m: {k: r["metrics"][k] / base[k] for k in keys}
+            res["scaling_vs_1_node"] = {m: {k: r["metrics"][k] / base[k] for k in _KEYS}
                                         for m, r in res["runs"].items()}
             print(json.dumps(res["scaling_vs_1_node"]), flush=True)
         res["predicted_over_measured"] = {
-            m: {k: r["predicted"][k] / r["metrics"][k] for k in keys}
+            m: {k: r["predicted"][k] / r["metrics"][k] for k in _KEYS}
             for m, r in res["runs"].items() if "total_throughput" in r.get("predicted", {})}
     return res
 
