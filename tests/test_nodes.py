@@ -81,7 +81,7 @@ def _disk_limit_skip(path: Path) -> str | None:
 
 
 def test_disk_limit_child_joins_its_node_cgroup(tmp_path: Path) -> None:
-    """A child started with preexec(cpus, join(0)) is in node 0's cgroup (its /proc/<pid>/cgroup
+    """A child started with preexec(cpus, disk) is in node 0's cgroup (its /proc/<pid>/cgroup
     says so), on its CPUs, under a limit file naming the workdir's disk and 0.2e9 B/s, and the
     cgroup counts the bytes it reads with O_DIRECT from that disk."""
     why = _disk_limit_skip(tmp_path)
@@ -107,7 +107,7 @@ def test_disk_limit_child_joins_its_node_cgroup(tmp_path: Path) -> None:
                 "while True:\n    k = os.readv(fd, [buf])\n    n += k\n    if k < len(buf): break\n"
                 "print(n)")
         p = subprocess.run([sys.executable, "-c", code, str(data)], capture_output=True, text=True, timeout=120,
-                           preexec_fn=nodes.preexec(cpus, lim.join(0)))
+                           preexec_fn=nodes.preexec(cpus, lim))
         assert p.returncode == 0, p.stderr
         cg_text, affinity, nread = _split(p.stdout)
         name = lim.cgroups[0].name

@@ -225,9 +225,10 @@ class DiskLimit:
                 "files": [str(f) for r in range(len(self.cgroups)) for f in self.files(r)]}
 
 
-def preexec(cpus: list[int], join: Callable[[], None] | None = None) -> Callable[[], None]:
-    """One ``preexec_fn`` for a node's process: pin it to ``cpus`` and, with a ``join`` from
-    :meth:`DiskLimit.join`, put it in the node's disk cgroup (``preexec_fn`` takes one callable)."""
+def preexec(cpus: list[int], disk: DiskLimit | None = None, rank: int = 0) -> Callable[[], None]:
+    """One ``preexec_fn`` for node ``rank``'s process: pin it to ``cpus`` and, under a
+    :class:`DiskLimit`, put it in the node's disk cgroup (``preexec_fn`` takes one callable)."""
+    join = disk.join(rank) if disk is not None else None
 
     def _pre() -> None:
         os.sched_setaffinity(0, cpus)
@@ -264,7 +265,7 @@ def profile_node(args: argparse.Namespace, work: Path, disk: DiskLimit | None = 
     cpus = node_cpus(0, threads)
     print(f"# profiling a node: CPUs {cpus}", flush=True)
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,
-                       timeout=args.timeout, preexec_fn=preexec(cpus, disk.join(0) if disk else None))
+                       timeout=args.timeout, preexec_fn=preexec(cpus, disk))
     if p.returncode != 0:
         raise SystemExit(f"profiling failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     return out
@@ -294,7 +295,7 @@ def disk_share(args: argparse.Namespace, m: int, work: Path, hardware: Path, dis
         probes.append(subprocess.Popen([sys.executable, "-c", _PROBE, str(d), "1" if quick else "0"],
                                        env={**os.environ, "OMP_NUM_THREADS": str(args.cores_per_node)},
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       preexec_fn=preexec(cpus[r], disk.join(r) if disk else None)))
+                                       preexec_fn=preexec(cpus[r], disk, r)))
     got = []
     for p in probes:
         out, err = p.communicate(timeout=args.timeout)

@@ -226,7 +226,7 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
                 cpus = node_cpus(r, args.cores_per_node)
             log = open(logs / f"m{m}-node{r}.log", "w")
             procs.append(subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                                          preexec_fn=preexec(cpus, disk.join(r) if disk else None)))
+                                          preexec_fn=preexec(cpus, disk, r)))
             log.close()
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
@@ -245,11 +245,8 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
 
 def summarize(met: dict[str, Any]) -> dict[str, Any]:
     keep = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s", "decode_time_s",
-            "world_size", "num_micro_batches", "stage_times", "peak_bytes")
-    out = {k: met.get(k) for k in keep}
-    out["prefill_items"] = met.get("prefill_items")
-    out["schedule"] = met.get("schedule")
-    return out
+            "world_size", "num_micro_batches", "prefill_items", "schedule", "stage_times", "peak_bytes")
+    return {k: met.get(k) for k in keep}
 
 
 def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> dict[int, dict[str, Any]]:
