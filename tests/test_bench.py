@@ -151,6 +151,14 @@ def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
     assert "--standalone --nproc-per-node 2" in capsys.readouterr().out
 
 
+def test_scaling_dry_run_keeps_the_default_result(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A dry run without --json leaves bench_results/scaling.json (a measured result) alone."""
+    monkeypatch.chdir(tmp_path)
+    scaling.main(["--dry-run", "--nodes", "1", "--workdir", str(tmp_path / "w")])
+    assert "flexgen_dist.run" in capsys.readouterr().out
+    assert not (tmp_path / "bench_results").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.multinode
 def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:

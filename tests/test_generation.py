@@ -52,6 +52,38 @@ def test_first_step_logits_match(kind: str, tiny_models) -> None:
     eng.close()
 
 
+def test_prefill_head_runs_once_per_block(tiny_models, monkeypatch) -> None:
+    """Prefill pieces of one GPU batch each: the head waits for the block's last batch, runs
+    once over every batch's rows, and the logits equal a whole-block prefill's."""
+    tm = tiny_models["opt-post-proj"]  # the head with its project-out
+    lm = load_model(str(tm.path))
+    pol = Policy(gpu_batch_size=2, num_gpu_batches=2)
+    eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                      policy=pol, device=torch.device("cpu"), dtype=torch.float32)
+    calls: list[int] = []
+    head = eng.family.head
+    monkeypatch.setattr(eng.family, "head", lambda spec, w, x: calls.append(x.shape[0]) or head(spec, w, x))
+    prompts = PROMPTS[:4]
+    blk = plan_blocks([len(p) for p in prompts], pol.block_size)[0]
+    pad = pad_token(lm.spec.pad_token_id, lm.spec.eos_token_ids)
+    ids = left_pad(prompts, blk.prompt_len, pad)
+    whole = eng.new_block(blk.meta(2, 1))
+    ref = eng.run_token(whole, 0, [ids[:2], ids[2:]])
+    assert calls == [4]  # one head over both batches' rows
+    st = eng.new_block(blk.meta(2, 1))
+    first = eng.run_token(st, 0, [ids[:2]], first_batch=0)
+    assert first == [None] and calls == [4]  # batch 0's logits wait for batch 1
+    second = eng.run_token(st, 0, [ids[2:]], first_batch=1)
+    assert calls == [4, 4]
+    got = eng.prefill_logits(st, 1) + second
+    assert not st.logits and not st.head_rows
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    eng.free_block(whole)
+    eng.free_block(st)
+    eng.close()
+
+
 def test_blocks_and_gpu_batches_do_not_change_tokens(tiny_models) -> None:
     tm = tiny_models["llama-gqa"]
     lm = load_model(str(tm.path))

@@ -174,7 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="rounds over the node counts; each throughput is the median of its rounds")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and policies, run nothing")
-    ap.add_argument("--json", default="bench_results/scaling.json")
+    ap.add_argument("--json", default=None,
+                    help="result file (default bench_results/scaling.json; a --dry-run writes one only when named)")
     ap.add_argument("--plot", default=None, help="write the figure here (PNG; needs the bench extra)")
     args = ap.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
@@ -385,9 +386,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     disk = DiskLimit(max(args.stages), args.disk_gbps, work) if args.disk_gbps and not args.dry_run else None
     with disk or contextlib.nullcontext():
         res = bench(args, work, disk)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
-    print("->", args.json)
+    out = args.json or (None if args.dry_run else "bench_results/scaling.json")
+    if out:  # a dry run does not overwrite a measured result unless told to
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        print("->", out)
     if args.plot and not args.dry_run:
         from .plots import plot_scaling
 

@@ -96,7 +96,6 @@ class Pipeline:
         # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
         self._states: dict[int, Any] = {}
         self._tokens: dict[int, list[torch.Tensor]] = {}
-        self._pieces: dict[int, list[torch.Tensor]] = {}  # last stage: a prefill's ids so far
         self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
@@ -248,8 +247,7 @@ class Pipeline:
         rows = [p[m:m + n] for p, m in zip(prompts[blk.first:blk.first + len(blk.lens)], blk.lens)]
         return torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long, device=self.engine.device)
 
-    def _state(self, item: Item, prompts: list[list[int]] | None) -> Any:
-        b = item.block
+    def _state(self, b: int, prompts: list[list[int]] | None) -> Any:
         st = self._states.get(b)
         if st is None:  # the block's first item on this stage
             blk = self.blocks[b]
@@ -310,17 +308,18 @@ class Pipeline:
                 else:
                     self._send(acc.to(self.wire), 0)
             return False
-        r0, r1 = self._rows(item)
-        first = self.blocks[b].first
-        keys = self.keys[first + r0:first + r1].split(self.gbs)
-        trk = self._trackers[b][item.batches[0]:item.batches[1]]
-        parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
-        nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if i == 0 and not (item.last and item.batches[0] == 0):  # a prefill piece: wait for the rest
-            self._pieces.setdefault(b, []).append(nxt)
+        k0, k1 = item.batches
+        if i == 0:  # prefill: the engine runs the head once per block, at its last GPU batch
             if not item.last:
                 return False
-            nxt = torch.cat(self._pieces.pop(b))
+            outs = self.engine.prefill_logits(self._states[b], k0) + outs
+            k0 = 0
+        first = self.blocks[b].first
+        n = len(self.blocks[b].lens)
+        keys = self.keys[first + min(n, k0 * self.gbs):first + min(n, k1 * self.gbs)].split(self.gbs)
+        trk = self._trackers[b][k0:k1]
+        parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
+        nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
         ended = all(t.all_done() for t in self._trackers[b])
         if item.last and (ended or i == self.gen_len - 1):
             del self._trackers[b]
@@ -339,10 +338,10 @@ class Pipeline:
             go = int(self._wait(header).item()) == 0
             x = self._wait(body)
             if go:
-                self._state(item, None)
+                self._state(b, None)
                 return x.to(self.engine.device)
             return None
-        self._state(item, prompts)
+        self._state(b, prompts)
         blk = self.blocks[b]
         if i == 0:
             assert prompts is not None

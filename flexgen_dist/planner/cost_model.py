@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,7 +105,7 @@ def cost_from_terms(terms: StageTerms, x: np.ndarray) -> StageCost:
 
 def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: HardwareSpec,
                      workload: Workload, *, has_embed: bool, has_head: bool,
-                     num_micro_batches: int = 1, num_stages: int = 1) -> StageTerms:
+                     num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageTerms:
     return stage_terms(spec, num_layers, hw, workload, gpu_batch_size=policy.gpu_batch_size,
                        num_gpu_batches=policy.num_gpu_batches, cpu_attention=policy.cpu_attention,
                        has_embed=has_embed, has_head=has_head,
@@ -112,12 +113,12 @@ def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: Hardw
                        compress_cache=policy.compress_cache, comp_bits=policy.comp_bits,
                        comp_group_size=policy.comp_group_size,
                        num_micro_batches=num_micro_batches, num_stages=num_stages,
-                       overlap=policy.overlap)
+                       overlap=policy.overlap, head_share=head_share)
 
 
 def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,
                    workload: Workload, *, has_embed: bool, has_head: bool,
-                   num_micro_batches: int = 1, num_stages: int = 1) -> StageCost:
+                   num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageCost:
     """Predicted block times and per-tier peaks of ``policy`` on one stage.
 
     ``num_micro_batches`` groups share the stage (their KV caches all stay resident);
@@ -128,13 +129,18 @@ def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw
         raise ValueError(f"num_layers_in_stage={num_layers_in_stage}: a stage needs >= 1 layer")
     terms = terms_for_policy(spec, num_layers_in_stage, policy, hw, workload,
                              has_embed=has_embed, has_head=has_head,
-                             num_micro_batches=num_micro_batches, num_stages=num_stages)
+                             num_micro_batches=num_micro_batches, num_stages=num_stages,
+                             head_share=head_share)
     return cost_from_terms(terms, policy_fractions(policy))
 
 
-def piece_policy(policy: Policy) -> Policy:
-    """The policy of one prefill piece (one GPU batch): its cost is the block's with one batch."""
-    return dataclasses.replace(policy, num_gpu_batches=1)
+def piece_cost(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,
+               workload: Workload, **kw: Any) -> StageCost:
+    """The cost of one prefill piece (one GPU batch) under a block policy: the block's with one
+    batch, and 1/num_gpu_batches of the block's one LM head pass (the head waits for the last
+    batch and runs once for all). Keywords as for ``estimate_stage``."""
+    return estimate_stage(spec, num_layers_in_stage, dataclasses.replace(policy, num_gpu_batches=1), hw,
+                          workload, head_share=1.0 / policy.num_gpu_batches, **kw)
 
 
 def _simulate(costs: list[StageCost], pieces: list[StageCost] | None, G: int, num_gb: int,
@@ -287,13 +293,13 @@ def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[P
                          f"and {len(hws)} hardware specs: give one of each per stage")
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches={num_micro_batches}: must be >= 1")
-    def costs(pols: list[Policy]) -> list[StageCost]:
-        return [estimate_stage(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
-                               num_micro_batches=num_micro_batches, num_stages=m)
-                for i, (ls, pol, hw) in enumerate(zip(stage_layers, pols, hws))]
+    def costs(fn: Any) -> list[StageCost]:
+        return [fn(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
+                   num_micro_batches=num_micro_batches, num_stages=m)
+                for i, (ls, pol, hw) in enumerate(zip(stage_layers, policies, hws))]
 
     ngb = policies[0].num_gpu_batches
     same_gbs = len({p.gpu_batch_size for p in policies}) == 1  # pieces are GPU batches
-    pieces = costs([piece_policy(p) for p in policies]) if same_gbs else None
-    return best_pipeline(costs(policies), pieces, num_micro_batches, num_blocks=num_blocks,
+    pieces = costs(piece_cost) if same_gbs else None
+    return best_pipeline(costs(estimate_stage), pieces, num_micro_batches, num_blocks=num_blocks,
                          num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)

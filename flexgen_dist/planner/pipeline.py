@@ -14,7 +14,7 @@ from flexgen_dist.distributed.partition import partition_layers
 from flexgen_dist.engine.budget import predict_peaks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
-from flexgen_dist.planner.cost_model import StageCost, best_pipeline, estimate_stage, piece_policy
+from flexgen_dist.planner.cost_model import StageCost, best_pipeline, piece_cost
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.search import Candidate, PeaksOf, PlanError, diagnose, stage_candidates
 from flexgen_dist.planner.terms import TIERS, Workload
@@ -81,7 +81,7 @@ def _piece_costs(spec: ModelSpec, split: list[int], chosen: list[Candidate], hws
     """Each stage's cost of one GPU batch's prefill with its own weight loads (a prefill
     piece, or a rider of the overlapped schedule), under the stage's chosen policy."""
     m = len(split)
-    return [estimate_stage(spec, n, piece_policy(c.policy()), hws[i], workload, has_embed=i == 0,
+    return [piece_cost(spec, n, c.policy(), hws[i], workload, has_embed=i == 0,
                            has_head=i == m - 1, num_micro_batches=G, num_stages=m)
             for i, (n, c) in enumerate(zip(split, chosen))]
 

@@ -148,6 +148,7 @@ class StageSizes:
     compress_cache: bool
     has_head: bool
     multi_stage: bool
+    head_share: float = 1.0  # of the block's one prefill head pass this item pays (a piece: 1/nb)
 
 
 def _extra_weight_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> tuple[int, int]:
@@ -178,7 +179,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
-                num_micro_batches: int = 1, num_stages: int = 1) -> StageSizes:
+                num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageSizes:
     """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
     gbs, bls, G = gpu_batch_size, gpu_batch_size * num_gpu_batches, num_micro_batches
@@ -234,7 +235,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         net_p=net_p, net_d=net_d,
         slack=0.0 if compress_weight else float(wbytes(largest)),
         cpu_attention=cpu_attention, compress_weight=compress_weight,
-        compress_cache=compress_cache, has_head=has_head, multi_stage=num_stages > 1)
+        compress_cache=compress_cache, has_head=has_head, multi_stage=num_stages > 1,
+        head_share=head_share)
 
 
 def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int) -> float:
@@ -243,7 +245,7 @@ def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int) -> float:
     return max(flops / hw.mm_flops, passes * z.lnum * z.b / z.stream_bw)
 
 
-def _head_time(z: StageSizes, hw: HardwareSpec, passes: int) -> float:
+def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
     """LM head of one block, streamed ``passes`` times: logits of the last position only."""
     if not z.has_head:
         return 0.0
@@ -255,7 +257,9 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
 
     Weights and the block's activations come in from the cpu/disk shares, the prompt's cache
     and the activations go out; disk shares take a second hop through host RAM on a GPU.
-    Compute is the linear layers, the s x s attention, dequantization and the head.
+    Compute is the linear layers, the s x s attention, dequantization and the head (one pass
+    over the vocabulary matrix per block: the engine runs it once, at the block's last GPU
+    batch; a prefill piece pays ``head_share`` of it).
     """
     hop, a_pre = np.array([1.0, z.hop]), z.a_pre
     P = np.zeros((6, 10))
@@ -270,7 +274,7 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
     P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb) + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
-                   + z.deq_w + deq_c_pre + _head_time(z, hw, z.num_gb) / z.l)
+                   + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
     _add_disk_cpu(P, hw)
     return P
@@ -382,14 +386,14 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
                 num_micro_batches: int = 1, num_stages: int = 1,
-                overlap: bool = True) -> StageTerms:
+                overlap: bool = True, head_share: float = 1.0) -> StageTerms:
     """Build the linear coefficient tables (see module docstring) for one stage."""
     z = stage_sizes(spec, num_layers, hw, workload, gpu_batch_size=gpu_batch_size,
                     num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
                     has_embed=has_embed, has_head=has_head, compress_weight=compress_weight,
                     compress_cache=compress_cache, comp_bits=comp_bits,
                     comp_group_size=comp_group_size, num_micro_batches=num_micro_batches,
-                    num_stages=num_stages)
+                    num_stages=num_stages, head_share=head_share)
     return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
                       prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
                       peak_base=peak_terms(z, hw), gpu_slack=z.slack,
