@@ -143,7 +143,9 @@ class StageEngine:
         inputs[k]: token ids (b, t) for a first stage, else hidden states (b, t, hidden).
         Returns per GPU batch: last-position logits (b, vocab) for a last stage, else hidden
         states (b, t, hidden). A prefill run over a part of the block (the pipeline's finer
-        prefill items) loads each off-device weight once for that part.
+        prefill items) loads each off-device weight once for that part; on a last stage its
+        logits come with the block's last GPU batch (None before; ``prefill_logits`` gives the
+        earlier batches' then).
         """
         return self.run_sweep([(st, i, inputs, first_batch)])[0]
 
