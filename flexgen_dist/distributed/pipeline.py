@@ -308,16 +308,15 @@ class Pipeline:
                 else:
                     self._send(acc.to(self.wire), 0)
             return False
-        k0, k1 = item.batches
+        (r0, r1), k0 = self._rows(item), item.batches[0]
         if i == 0:  # prefill: the engine runs the head once per block, at its last GPU batch
             if not item.last:
                 return False
             outs = self.engine.prefill_logits(self._states[b], k0) + outs
-            k0 = 0
+            r0 = k0 = 0
         first = self.blocks[b].first
-        n = len(self.blocks[b].lens)
-        keys = self.keys[first + min(n, k0 * self.gbs):first + min(n, k1 * self.gbs)].split(self.gbs)
-        trk = self._trackers[b][k0:k1]
+        keys = self.keys[first + r0:first + r1].split(self.gbs)
+        trk = self._trackers[b][k0:item.batches[1]]
         parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
         ended = all(t.all_done() for t in self._trackers[b])

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -293,7 +293,7 @@ def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[P
                          f"and {len(hws)} hardware specs: give one of each per stage")
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches={num_micro_batches}: must be >= 1")
-    def costs(fn: Any) -> list[StageCost]:
+    def costs(fn: Callable[..., StageCost]) -> list[StageCost]:
         return [fn(spec, ls, pol, hw, workload, has_embed=i == 0, has_head=i == m - 1,
                    num_micro_batches=num_micro_batches, num_stages=m)
                 for i, (ls, pol, hw) in enumerate(zip(stage_layers, policies, hws))]
