@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlapped: the next block's prefill rides on this block's decode steps (each "
                         "loaded layer serves both; needs the memory of two blocks per group); sequential: "
                         "one block's prefill, then its decode; auto: overlapped where predicted faster "
-                        "(>= 10 %; without a hardware profile: on a GPU whose weights stream from host RAM or disk)")
+                        "(>= 10 %%; without a hardware profile: on a GPU whose weights stream from host RAM or disk)")
     g.add_argument("--stage-layers", nargs="+", type=int, help="layers per stage, e.g. 5 4 3")
     g.add_argument("--partition", choices=["equal", "balanced"])
     g.add_argument("--backend", choices=["gloo", "nccl"])

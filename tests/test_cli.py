@@ -152,3 +152,40 @@ def _touch(p: Path) -> Path:
 def _write(p: Path, text: str) -> Path:
     p.write_text(text)
     return p
+
+
+# every command a user runs as `python -m ...`, with the subcommands that have their own help
+HELP_COMMANDS = [["flexgen_dist.run"], ["flexgen_dist.eval"], ["flexgen_dist.eval", "ppl"],
+                 ["flexgen_dist.planner"], ["flexgen_dist.planner", "plan"],
+                 ["flexgen_dist.planner", "profile"], ["flexgen_dist.distributed.check"],
+                 ["flexgen_dist.bench.single"], ["flexgen_dist.bench.offload"],
+                 ["flexgen_dist.bench.scaling"], ["flexgen_dist.bench.accuracy"],
+                 ["flexgen_dist.bench.planner_accuracy"]]
+
+
+def test_every_command_prints_its_help() -> None:
+    """`--help` of every entry point exits 0 with a usage line. argparse expands each help
+    string with %-formatting, so a bare '%' in one (e.g. "10 %;") crashes only at --help."""
+    script = (
+        "import contextlib, io, json, runpy, sys\n"
+        f"cmds = {HELP_COMMANDS!r}\n"
+        "res = {}\n"
+        "for cmd in cmds:\n"
+        "    sys.argv = [cmd[0]] + cmd[1:] + ['--help']\n"
+        "    out = io.StringIO()\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(out):\n"
+        "            runpy.run_module(cmd[0], run_name='__main__', alter_sys=True)\n"
+        "        code = 'no exit'\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        "    except Exception as e:\n"
+        "        code = repr(e)\n"
+        "    res[' '.join(cmd)] = [code, out.getvalue()[:200]]\n"
+        "print(json.dumps(res))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(res) == len(HELP_COMMANDS)
+    for cmd, (code, text) in res.items():
+        assert code in (0, None) and text.startswith("usage:"), (cmd, code, text)
