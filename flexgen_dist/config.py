@@ -73,6 +73,7 @@ class RunConfig:
     log_dir: str | None = None
     print_outputs: int = 8
     progress: bool = True
+    warmup: bool = False
     stages: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # per-stage policy dicts
 
     def __post_init__(self) -> None:
@@ -257,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
+                   "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "
+                   "stay out of the measured throughput (benchmarks)")
     g = p.add_argument_group("policy")
     g.add_argument("--policy", help="policy YAML file, or 'auto' to plan one")
     g.add_argument("--percent", nargs=6, type=float, metavar=("WG", "WC", "CG", "CC", "HG", "HC"),

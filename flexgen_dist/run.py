@@ -57,6 +57,8 @@ def run(cfg: RunConfig) -> int:
         try:
             if left:
                 todo = prompts[done:] if prompts is not None else None
+                if cfg.warmup:
+                    llm.warmup(todo)
                 # each prompt keeps its job index as its sampling key: a resumed job draws the same
                 for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts))):
                     if writer is not None:

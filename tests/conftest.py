@@ -56,6 +56,27 @@ def _build(kind: str) -> torch.nn.Module:
 MODEL_KINDS = ["opt-pre", "opt-post-proj", "opt-pre-proj", "llama-gqa", "llama-tied"]
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests not marked ``gpu`` run as on a machine without CUDA, also where one is visible:
+    they compare against float32 transformers on the CPU, and ``--device auto`` would
+    otherwise pick cuda + float16. Subprocesses they start see no GPU either."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def gpu_device() -> torch.device:
+    """The CUDA device for tests marked ``gpu`` (skipped without one).
+    ``FLEXGEN_GPU_TESTS_ON_CPU=1`` runs them on the CPU, to check their own logic."""
+    if os.environ.get("FLEXGEN_GPU_TESTS_ON_CPU") == "1":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (FLEXGEN_GPU_TESTS_ON_CPU=1 runs this test's logic on the CPU)")
+    return torch.device("cuda")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     out = {}

@@ -55,6 +55,45 @@ def test_stream_yields_blocks_in_order_and_calls_reuse_the_engine(tiny_models) -
     assert [c.token_ids for c in again] == [r[:2] for r in ref[:3]]
 
 
+def test_warmup_places_for_the_job_and_leaves_its_tokens_and_metrics(tiny_models, prompts_file: Path,
+                                                                      tmp_path: Path, monkeypatch) -> None:
+    """warmup() plans and places for the job's workload, runs one untimed token of one GPU
+    batch, and changes neither the job's tokens nor its report; --warmup does it in the CLI."""
+    tm = tiny_models["llama-gqa"]
+    calls: list[tuple[int, int]] = []  # (prompts, gen_len) of each call that runs the engine
+    from flexgen_dist import api
+
+    start = api.LLM._start
+
+    def recording_start(self, prompts, gen_len, sampling, **kw):
+        work = start(self, prompts, gen_len, sampling, **kw)
+        calls.append((len(work["lens"]), work["gen_len"]))
+        return work
+
+    monkeypatch.setattr(api.LLM, "_start", recording_start)
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False,
+             gen_len=GEN) as llm:
+        llm.warmup(PROMPTS)
+        plan = llm._plan
+        assert llm.engine is not None and llm.metrics == {}
+        outs = llm.generate(PROMPTS)
+        assert llm._plan is plan  # the job's plan, made at the warm-up
+        metrics = llm.metrics
+    # the plan saw the job's workload; the untimed pass was one GPU batch for one token
+    assert calls == [(len(PROMPTS), GEN), (2, 1), (len(PROMPTS), GEN)]
+    assert [c.token_ids for c in outs] == reference_generate(tm, PROMPTS, GEN)
+    assert metrics["num_prompts"] == len(PROMPTS) and metrics["generated_tokens"] == GEN * len(PROMPTS)
+    out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
+    calls.clear()
+    assert main(["--model", str(tm.path), "--prompts", str(prompts_file), "--gen-len", str(GEN), "--ignore-eos",
+                 "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--output", str(out), "--metrics", str(met),
+                 "--no-progress", "--warmup"]) == 0
+    assert calls == [(len(PROMPTS), GEN), (2, 1), (len(PROMPTS), GEN)]
+    assert [r["tokens"] for r in read_jsonl(out)] == [c.token_ids for c in outs]
+    m = json.loads(met.read_text())
+    assert m["num_prompts"] == len(PROMPTS) and m["generated_tokens"] == GEN * len(PROMPTS)
+
+
 def test_sampling_argument_and_defaults(tiny_models) -> None:
     tm = tiny_models["opt-pre"]
     with LLM(str(tm.path), gpu_batch_size=3, ignore_eos=True, progress=False) as llm:

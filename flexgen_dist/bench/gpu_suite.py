@@ -1,0 +1,390 @@
+"""Everything the GPU results need, in one command on a CUDA machine.
+
+    python -m flexgen_dist.bench.gpu_suite --out bench_results/gpu              # every phase
+    python -m flexgen_dist.bench.gpu_suite --phases tests                       # one phase
+    python -m flexgen_dist.bench.gpu_suite --phases compare --cases opt-6.7b-gpu opt-30b-split
+    python -m flexgen_dist.bench.gpu_suite --dry-run                            # print the commands
+
+Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.json``):
+
+- ``env``: the GPU, driver, torch, CPU cores, RAM and the offload disk's free space.
+- ``tests``: the GPU-marked tests (``pytest -m gpu``), then the rest of the suite with CUDA
+  visible (``-m "not slow"``; ``--all-tests`` adds the slow multi-process ones).
+- ``profile``: ``planner profile --device cuda`` into ``configs/hardware/<gpu>.yaml``.
+- ``compare``: for each case (``--cases``; ``--list-cases`` shows them) the FlexGen package
+  (``python -m flexgen.flex_opt``, dummy weights) and this engine with the same model,
+  policy, prompt length, new tokens and number of prompts; then this engine with
+  ``--policy auto`` within the machine's memory (``--gpu-mem``/``--cpu-mem``) and the profile
+  of the ``profile`` phase, each with the planner's prediction beside the measurement.
+  Both sides are warmed up first (FlexGen: its own one-token warm-up; here ``--warmup``) and
+  report prefill, decode and total throughput as defined in docs/benchmarks.md.
+
+FlexGen needs a tokenizer for ``facebook/opt-30b`` from the model hub at start; with no
+network, the suite builds an OPT-compatible stand-in (byte-level BPE with OPT's special
+tokens, made with the ``tokenizers`` package) into an offline Hugging Face cache under
+``OUT`` (dummy weights make the text irrelevant). FlexGen itself is installed from the
+``flexgen`` wheel where pip works (``flexgen_dist/bench/fetch_gpu_wheels.sh`` gets it and the
+other wheels such a machine lacks); without it the FlexGen runs are recorded as skipped,
+saying why.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PHASES = ("env", "tests", "profile", "compare")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: a model and one policy, run by both systems."""
+
+    name: str
+    model: str  # registry shape; FlexGen's name is facebook/<model>
+    percent: tuple[int, int, int, int, int, int]
+    gpu_batch_size: int
+    num_gpu_batches: int
+    cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
+    compress_weight: bool = False
+    compress_cache: bool = False
+    prompt_len: int = 512
+    gen_len: int = 32
+    pin_weight: bool = True  # FlexGen's --pin-weight (its 175B policies turn it off)
+    note: str = ""
+    budgets: dict[str, str] = field(default_factory=dict)  # --gpu-mem/--cpu-mem for --policy auto
+
+    @property
+    def num_prompts(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+
+# The FlexGen paper's setting (prompt 512, 32 new tokens, float16) on one 80 GB GPU with 128 GB
+# of RAM and 64 GB of disk. FlexGen's own benchmark scripts tuned their policies for a 16 GB T4
+# with 208 GB of RAM; the percentages are theirs where the sizes allow, the batch sizes are cut
+# to what this machine's RAM holds (the KV cache of OPT-30B is 0.75 GB per prompt at 544
+# positions, OPT-66B's 1.28 GB).
+CASES = [
+    Case("opt-6.7b-gpu", "opt-6.7b", (100, 0, 100, 0, 100, 0), 32, 4,
+         note="everything on the GPU (FlexGen's suite_6b7_1x1 placement, larger batch)"),
+    Case("opt-6.7b-gpu-compressed", "opt-6.7b", (100, 0, 100, 0, 100, 0), 32, 4,
+         compress_weight=True, compress_cache=True, note="the same with 4-bit weights and cache"),
+    Case("opt-30b-split", "opt-30b", (20, 80, 0, 100, 0, 100), 16, 3, cpu_attention=True,
+         note="weights 20/80 GPU/CPU, cache on the CPU with CPU attention (suite_30b_1x1's policy, "
+              "batch 48 -> 16 for 128 GB of RAM)"),
+    Case("opt-30b-cpu-compressed-cache", "opt-30b", (0, 100, 0, 100, 0, 100), 32, 4,
+         compress_cache=True, note="suite_30b_1x1_comp's placement (batch 64 x 8 -> 32 x 4)"),
+    Case("opt-66b-cpu-disk", "opt-66b", (0, 60, 0, 100, 0, 100), 8, 2, cpu_attention=True, gen_len=8,
+         pin_weight=False, note="weights 60 % CPU, 40 % disk (53 GB), cache on the CPU; 8 new tokens "
+                                "so that both runs fit a 10-minute call"),
+]
+DEFAULT_BUDGETS = {"gpu_mem": "76GiB", "cpu_mem": "110GiB"}
+
+
+def case_by_name(names: list[str] | None) -> list[Case]:
+    if not names:
+        return list(CASES)
+    known = {c.name: c for c in CASES}
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"unknown case {bad[0]!r}: choose from {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+# --- the commands ---------------------------------------------------------------------------
+def flexgen_command(case: Case, offload: Path, log: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "flexgen.flex_opt", "--model", f"facebook/{case.model}", "--path", "_DUMMY_",
+           "--offload-dir", str(offload), "--prompt-len", str(case.prompt_len), "--gen-len", str(case.gen_len),
+           "--gpu-batch-size", str(case.gpu_batch_size), "--num-gpu-batches", str(case.num_gpu_batches),
+           "--percent", *map(str, case.percent), "--pin-weight", str(case.pin_weight),
+           "--log-file", str(log)]
+    if case.cpu_attention:
+        cmd.append("--cpu-cache-compute")
+    if case.compress_weight:
+        cmd.append("--compress-weight")
+    if case.compress_cache:
+        cmd.append("--compress-cache")
+    return cmd
+
+
+def ours_command(case: Case, offload: Path, metrics: Path, device: str = "cuda", dtype: str = "float16",
+                 auto: bool = False, hardware: Path | None = None, budgets: dict[str, str] | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "flexgen_dist.run", "--model", case.model, "--dummy-weights",
+           "--num-prompts", str(case.num_prompts), "--prompt-len", str(case.prompt_len),
+           "--gen-len", str(case.gen_len), "--ignore-eos", "--device", device, "--dtype", dtype,
+           "--offload-dir", str(offload), "--metrics", str(metrics), "--warmup", "--no-progress",
+           "--print-outputs", "0"]
+    if auto:
+        cmd += ["--policy", "auto"]
+        for k, v in (budgets or {}).items():
+            cmd += [f"--{k.replace('_', '-')}", v]
+    else:
+        cmd += ["--percent", *map(str, case.percent), "--gpu-batch-size", str(case.gpu_batch_size),
+                "--num-gpu-batches", str(case.num_gpu_batches),
+                "--cpu-attention" if case.cpu_attention else "--no-cpu-attention"]
+    if case.compress_weight:
+        cmd.append("--compress-weight")
+    if case.compress_cache:
+        cmd.append("--compress-cache")
+    if hardware is not None:
+        cmd += ["--hardware", str(hardware)]
+    return cmd
+
+
+FLEXGEN_KEYS = {"prefill throughput": "prefill_throughput", "decode throughput": "decode_throughput",
+                "total throughput": "total_throughput", "prefill latency": "prefill_time_s",
+                "decode latency": "decode_time_s", "peak gpu mem": "peak_gpu_gb"}
+
+
+def parse_flexgen_log(text: str) -> dict[str, float]:
+    """The figures of FlexGen's benchmark log (``write_benchmark_log``); the last run's."""
+    out: dict[str, float] = {}
+    for key, name in FLEXGEN_KEYS.items():
+        found = re.findall(rf"{key}: ([0-9.eE+-]+)", text)
+        if found:
+            out[name] = float(found[-1])
+    if "projected: True" in text:
+        out["projected"] = 1.0
+    return out
+
+
+# --- the tokenizer FlexGen asks the hub for -------------------------------------------------
+def opt_tokenizer_standin(hf_home: Path, repo: str = "facebook/opt-30b") -> Path:
+    """An OPT-compatible tokenizer in an offline Hugging Face cache under ``hf_home``, so that
+    ``AutoTokenizer.from_pretrained(repo)`` works with ``HF_HOME=hf_home HF_HUB_OFFLINE=1``:
+    byte-level BPE over the 256 byte symbols, OPT's special tokens at OPT's ids (<s> 0,
+    <pad> 1, </s> 2, <unk> 3), </s> as BOS as OPT has it. Returns the snapshot directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    commit = "0" * 40
+    base = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(snap))
+    (snap / "config.json").write_text(json.dumps({"model_type": "opt", "vocab_size": 50272}) + "\n")
+    (base / "refs").mkdir(exist_ok=True)
+    (base / "refs" / "main").write_text(commit)
+    return snap
+
+
+# --- running --------------------------------------------------------------------------------
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``cmd``, its output into ``log``; rc, wall time and the output's tail."""
+    t0 = time.perf_counter()
+    print("$ " + shlex.join(cmd), flush=True)
+    try:
+        with open(log, "w") as f:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=REPO)
+        rc: int | str = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "tail": text[-1500:], "command": shlex.join(cmd)}
+
+
+def phase_env(out: Path) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                            "cuda": torch.version.cuda, "cpu": platform.processor() or platform.machine(),
+                            "cores": os.cpu_count(), "gpu": None}
+    if torch.cuda.is_available():
+        prop = torch.cuda.get_device_properties(0)
+        info.update(gpu=prop.name, gpu_mem_bytes=prop.total_memory, sms=prop.multi_processor_count)
+    try:
+        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    info["offload_free_bytes"] = shutil.disk_usage(out).free
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        info["nvidia_smi"] = q.stdout.strip()
+    return info
+
+
+def phase_tests(out: Path, all_tests: bool, timeout: float) -> dict[str, Any]:
+    res = {}
+    for name, marker in (("gpu", "gpu"), ("rest", None if all_tests else "not slow")):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        if name == "gpu":
+            cmd += ["-m", "gpu"]
+        elif marker:
+            cmd += ["-m", marker]
+        r = run_logged(cmd, out / f"pytest-{name}.log", timeout)
+        summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+        r["summary"] = summary[-1] if summary else None
+        res[name] = r
+    return res
+
+
+def gpu_slug(gpu: str | None) -> str:
+    name = (gpu or "gpu").lower().replace("nvidia", "")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def phase_profile(out: Path, gpu: str | None, device: str, timeout: float, quick: bool) -> dict[str, Any]:
+    dest = REPO / "configs" / "hardware" / f"{gpu_slug(gpu)}.yaml"
+    cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", device, "--out", str(dest),
+           "--offload-dir", str(out)]
+    if quick:
+        cmd.append("--quick")
+    r = run_logged(cmd, out / "profile.log", timeout)
+    r["hardware"] = str(dest) if r["rc"] == 0 else None
+    return r
+
+
+def _ours(cmd: list[str], out: Path, tag: str, timeout: float) -> dict[str, Any]:
+    metrics = Path(cmd[cmd.index("--metrics") + 1])
+    r = run_logged(cmd, out / f"{tag}.log", timeout)
+    if r["rc"] == 0 and metrics.exists():
+        m = json.loads(metrics.read_text())
+        r["metrics"] = {k: m.get(k) for k in ("prefill_throughput", "decode_throughput", "total_throughput",
+                                              "prefill_time_s", "decode_time_s", "peak_bytes", "policy",
+                                              "predicted", "num_micro_batches", "schedule", "prefill_items")}
+    return r
+
+
+def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardware: Path | None) -> dict[str, Any]:
+    hf_home = out / "hf-home"
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    have_flexgen = _importable("flexgen.flex_opt")
+    if have_flexgen and not args.dry_run:
+        opt_tokenizer_standin(hf_home)
+    res: dict[str, Any] = {}
+    for case in cases:
+        rec: dict[str, Any] = {"case": asdict(case), "num_prompts": case.num_prompts}
+        off = out / f"offload-{case.name}"
+        fg_cmd = flexgen_command(case, off / "flexgen", out / f"{case.name}-flexgen.bench.log")
+        ours_cmd = ours_command(case, off / "ours", out / f"{case.name}-ours.json", args.device, args.dtype,
+                                hardware=hardware)
+        auto_cmd = ours_command(case, off / "auto", out / f"{case.name}-auto.json", args.device, args.dtype,
+                                auto=True, hardware=hardware, budgets=case.budgets or DEFAULT_BUDGETS)
+        runs = {"flexgen": fg_cmd, "ours": ours_cmd}
+        if not args.skip_auto:
+            runs["ours_auto"] = auto_cmd
+        for tag, cmd in runs.items():
+            if args.dry_run:
+                print(shlex.join(cmd))
+                rec[tag] = {"command": shlex.join(cmd), "dry_run": True}
+                continue
+            if tag == "flexgen" and (args.skip_flexgen or not have_flexgen):
+                rec[tag] = {"skipped": "--skip-flexgen" if args.skip_flexgen else
+                            "the flexgen package is not installed (pip install flexgen==0.1.8; "
+                            "flexgen_dist/bench/fetch_gpu_wheels.sh for a machine without network)"}
+                continue
+            off.mkdir(parents=True, exist_ok=True)
+            if tag == "flexgen":
+                log = Path(cmd[cmd.index("--log-file") + 1])
+                log.unlink(missing_ok=True)
+                r = run_logged(cmd, out / f"{case.name}-flexgen.log", args.timeout, env=env)
+                r["metrics"] = parse_flexgen_log(log.read_text()) if log.exists() else {}
+            else:
+                r = _ours(cmd, out, f"{case.name}-{tag}", args.timeout)
+            shutil.rmtree(off, ignore_errors=True)  # the next run gets the whole disk
+            rec[tag] = r
+            m = r.get("metrics") or {}
+            print(f"# {case.name} {tag}: prefill {m.get('prefill_throughput')} | decode "
+                  f"{m.get('decode_throughput')} | total {m.get('total_throughput')} tok/s", flush=True)
+        rec["ratios"] = ratios(rec)
+        res[case.name] = rec
+    return res
+
+
+def ratios(rec: dict[str, Any]) -> dict[str, float]:
+    """ours / FlexGen and auto / FlexGen for each throughput, where both were measured."""
+    out: dict[str, float] = {}
+    fg = (rec.get("flexgen") or {}).get("metrics") or {}
+    for tag in ("ours", "ours_auto"):
+        m = (rec.get(tag) or {}).get("metrics") or {}
+        for k in ("prefill_throughput", "decode_throughput", "total_throughput"):
+            if fg.get(k) and m.get(k):
+                out[f"{tag}_over_flexgen_{k.split('_')[0]}"] = round(m[k] / fg[k], 3)
+    return out
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_results/gpu", help="where the logs and JSON go")
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--cases", nargs="+", help="compare only these cases (default: all; --list-cases)")
+    ap.add_argument("--list-cases", action="store_true", help="print the cases and exit")
+    ap.add_argument("--device", default="cuda", help="device of this engine's runs (cpu: a smoke run)")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--skip-flexgen", action="store_true")
+    ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
+    ap.add_argument("--all-tests", action="store_true", help="the tests phase also runs the slow tests")
+    ap.add_argument("--quick-profile", action="store_true", help="planner profile --quick")
+    ap.add_argument("--hardware", help="a profile to plan with instead of the profile phase's")
+    ap.add_argument("--timeout", type=float, default=540, help="seconds per command (default 540)")
+    ap.add_argument("--dry-run", action="store_true", help="print the compare phase's commands only")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.list_cases:
+        for c in CASES:
+            print(f"{c.name:32s} {c.model:9s} percent {' '.join(map(str, c.percent))}  "
+                  f"{c.gpu_batch_size} x {c.num_gpu_batches}  {c.note}")
+        return {}
+    cases = case_by_name(args.cases)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"benchmark": "gpu_suite", "phases": args.phases, "dry_run": args.dry_run}
+    result["env"] = phase_env(out)
+    if args.device == "cuda" and result["env"]["gpu"] is None and not args.dry_run:
+        raise SystemExit("no CUDA device is visible: run this on a GPU machine (or --device cpu for a smoke "
+                         "run, --dry-run to print the commands)")
+    hardware = Path(args.hardware) if args.hardware else None
+    for phase in args.phases:
+        if phase == "env" or (args.dry_run and phase != "compare"):
+            continue
+        print(f"# phase {phase}", flush=True)
+        if phase == "tests":
+            result["tests"] = phase_tests(out, args.all_tests, args.timeout)
+        elif phase == "profile":
+            result["profile"] = phase_profile(out, result["env"]["gpu"], args.device, args.timeout, args.quick_profile)
+            if hardware is None and result["profile"]["hardware"]:
+                hardware = Path(result["profile"]["hardware"])
+        elif phase == "compare":
+            result["compare"] = phase_compare(out, cases, args, hardware)
+        (out / f"{phase}.json").write_text(json.dumps(result.get(phase), indent=2, default=str) + "\n")
+    (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"# wrote {out / 'gpu_suite.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
