@@ -23,8 +23,8 @@ FlexGen needs a tokenizer for ``facebook/opt-30b`` from the model hub at start; 
 network, the suite builds an OPT-compatible stand-in (byte-level BPE with OPT's special
 tokens, made with the ``tokenizers`` package) into an offline Hugging Face cache under
 ``OUT`` (dummy weights make the text irrelevant). FlexGen itself is installed from the
-``flexgen`` wheel where pip works (``flexgen_dist/bench/fetch_gpu_wheels.sh`` gets it and the
-other wheels such a machine lacks); without it the FlexGen runs are recorded as skipped,
+``flexgen`` wheel where pip works (``flexgen_dist/bench/fetch_gpu_wheels.sh`` gets it and gguf,
+which such a machine lacks); without it the FlexGen runs are recorded as skipped,
 saying why.
 """
 from __future__ import annotations
