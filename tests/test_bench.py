@@ -401,6 +401,10 @@ def test_gpu_suite_dry_run_lists_every_case(tmp_path: Path, capsys) -> None:
         assert f"facebook/{c.model}" in printed
         assert res["compare"][c.name]["ours"]["dry_run"]
     assert json.loads((tmp_path / "gpu_suite.json").read_text())["dry_run"] is True
+    gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--archive", str(tmp_path / "a" / "gpu.tar.gz")])
+    import tarfile
+    with tarfile.open(tmp_path / "a" / "gpu.tar.gz") as tar:
+        assert f"{tmp_path.name}/gpu_suite.json" in tar.getnames()
     with pytest.raises(SystemExit, match="unknown case"):
         gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--cases", "opt-7b"])
 

@@ -325,6 +325,17 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def pack(out: Path, archive: Path) -> None:
+    """The logs and JSON under ``out`` (not offload files or the tokenizer cache) in one .tar.gz."""
+    import tarfile
+
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        for f in sorted(out.iterdir()):
+            if f.is_file() and f.suffix in (".json", ".log") and f.resolve() != archive.resolve():
+                tar.add(f, arcname=f"{out.name}/{f.name}")
+
+
 def _importable(module: str) -> bool:
     import importlib.util
 
@@ -349,6 +360,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hardware", help="a profile to plan with instead of the profile phase's")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per command (default 540)")
     ap.add_argument("--dry-run", action="store_true", help="print the compare phase's commands only")
+    ap.add_argument("--archive", help="also pack OUT's logs and JSON into this .tar.gz (one file to fetch)")
     return ap.parse_args(argv)
 
 
@@ -383,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (out / f"{phase}.json").write_text(json.dumps(result.get(phase), indent=2, default=str) + "\n")
     (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"# wrote {out / 'gpu_suite.json'}")
+    if args.archive:
+        pack(out, Path(args.archive))
+        print(f"# packed {args.archive}")
     return result
 
 
