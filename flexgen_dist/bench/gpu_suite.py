@@ -14,7 +14,7 @@ Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.jso
 - ``compare``: for each case (``--cases``; ``--list-cases`` shows them) the FlexGen package
   (``python -m flexgen.flex_opt``, dummy weights) and this engine with the same model,
   policy, prompt length, new tokens and number of prompts; then this engine with
-  ``--policy auto`` within the machine's memory (``--gpu-mem``/``--cpu-mem``) and the profile
+  ``--policy auto`` within 95 % of the GPU's memory and 85 % of the RAM and the profile
   of the ``profile`` phase, each with the planner's prediction beside the measurement.
   Both sides are warmed up first (FlexGen: its own one-token warm-up; here ``--warmup``) and
   report prefill, decode and total throughput as defined in docs/benchmarks.md.
@@ -89,7 +89,23 @@ CASES = [
          pin_weight=False, note="weights 60 % CPU, 40 % disk (53 GB), cache on the CPU; 8 new tokens "
                                 "so that both runs fit a 10-minute call"),
 ]
-DEFAULT_BUDGETS = {"gpu_mem": "76GiB", "cpu_mem": "110GiB"}
+
+
+def machine_budgets() -> dict[str, str]:
+    """``--policy auto``'s budgets where a case names none: 95 % of the GPU's memory and 85 %
+    of the RAM (the rest for the CUDA context, pinned staging and the OS); 76 GiB and 110 GiB
+    (an 80 GB GPU, 128 GB of RAM) where they cannot be read."""
+    import torch
+
+    gib = 2**30
+    gpu = 76 * gib
+    if torch.cuda.is_available():
+        gpu = int(0.95 * torch.cuda.get_device_properties(0).total_memory)
+    try:
+        ram = int(0.85 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        ram = 110 * gib
+    return {"gpu_mem": f"{gpu / gib:.1f}GiB", "cpu_mem": f"{ram / gib:.1f}GiB"}
 
 
 def case_by_name(names: list[str] | None) -> list[Case]:
@@ -281,7 +297,7 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
         ours_cmd = ours_command(case, off / "ours", out / f"{case.name}-ours.json", args.device, args.dtype,
                                 hardware=hardware)
         auto_cmd = ours_command(case, off / "auto", out / f"{case.name}-auto.json", args.device, args.dtype,
-                                auto=True, hardware=hardware, budgets=case.budgets or DEFAULT_BUDGETS)
+                                auto=True, hardware=hardware, budgets=case.budgets or machine_budgets())
         runs = {"flexgen": fg_cmd, "ours": ours_cmd}
         if not args.skip_auto:
             runs["ours_auto"] = auto_cmd
