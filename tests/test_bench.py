@@ -429,17 +429,20 @@ def test_gpu_suite_tokenizer_standin_loads_offline(tmp_path: Path) -> None:
 
 def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
     """The compare phase end to end on the CPU with a tiny case: this engine with the fixed
-    policy and with --policy auto, metrics read back, FlexGen recorded as skipped."""
+    policy and with --policy auto, and the accelerate baseline, metrics read back, FlexGen
+    recorded as skipped."""
     case = gpu_suite.Case("tiny", "opt-125m", (100, 0, 100, 0, 100, 0), 2, 1, prompt_len=8, gen_len=2,
                           budgets={"cpu_mem": "4GiB", "gpu_mem": "4GiB"})
     args = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--out", str(tmp_path)])
     hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
     res = gpu_suite.phase_compare(tmp_path, [case], args, hw)["tiny"]
     assert "skip-flexgen" in res["flexgen"]["skipped"]
-    for tag in ("ours", "ours_auto"):
+    for tag in ("ours", "ours_auto", "accelerate"):
         assert res[tag]["rc"] == 0, res[tag]["tail"]
         m = res[tag]["metrics"]
-        assert m["prefill_throughput"] > 0 and m["decode_throughput"] > 0 and m["predicted"]
+        assert m["prefill_throughput"] > 0 and m["decode_throughput"] > 0
+    assert res["ours"]["metrics"]["predicted"] and res["ours_auto"]["metrics"]["predicted"]
     assert res["ours"]["metrics"]["policy"][0]["gpu_batch_size"] == 2
+    assert res["accelerate"]["metrics"]["weight_bytes"] > 0
     assert res["ratios"] == {}
     assert not (tmp_path / "offload-tiny").exists()

@@ -16,7 +16,8 @@ Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.jso
   policy, prompt length, new tokens and number of prompts; then this engine with
   ``--policy auto`` within 95 % of the GPU's memory and 85 % of the RAM and the profile
   of the ``profile`` phase, each with the planner's prediction beside the measurement.
-  Both sides are warmed up first (FlexGen: its own one-token warm-up; here ``--warmup``) and
+  Hugging Face accelerate runs the GPU/CPU cases at the same weight share on the GPU
+  (``--skip-accelerate`` leaves it out). Every side is warmed up first (FlexGen: its own one-token warm-up; here ``--warmup``) and
   report prefill, decode and total throughput as defined in docs/benchmarks.md.
 
 FlexGen needs a tokenizer for ``facebook/opt-30b`` from the model hub at start; with no
@@ -277,9 +278,10 @@ def _ours(cmd: list[str], out: Path, tag: str, timeout: float) -> dict[str, Any]
     r = run_logged(cmd, out / f"{tag}.log", timeout)
     if r["rc"] == 0 and metrics.exists():
         m = json.loads(metrics.read_text())
-        r["metrics"] = {k: m.get(k) for k in ("prefill_throughput", "decode_throughput", "total_throughput",
-                                              "prefill_time_s", "decode_time_s", "peak_bytes", "policy",
-                                              "predicted", "num_micro_batches", "schedule", "prefill_items")}
+        r["metrics"] = m if tag.endswith("accelerate") else {
+            k: m.get(k) for k in ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
+                                  "decode_time_s", "peak_bytes", "policy", "predicted", "num_micro_batches",
+                                  "schedule", "prefill_items")}
     return r
 
 
@@ -301,6 +303,8 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
         runs = {"flexgen": fg_cmd, "ours": ours_cmd}
         if not args.skip_auto:
             runs["ours_auto"] = auto_cmd
+        if not args.skip_accelerate and case.percent[0] + case.percent[1] >= 100:
+            runs["accelerate"] = accelerate_command(case, out / f"{case.name}-accelerate.json", args.device, args.dtype)
         for tag, cmd in runs.items():
             if args.dry_run:
                 print(shlex.join(cmd))
@@ -333,12 +337,84 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     """ours / FlexGen and auto / FlexGen for each throughput, where both were measured."""
     out: dict[str, float] = {}
     fg = (rec.get("flexgen") or {}).get("metrics") or {}
-    for tag in ("ours", "ours_auto"):
+    for tag in ("ours", "ours_auto", "accelerate"):
         m = (rec.get(tag) or {}).get("metrics") or {}
         for k in ("prefill_throughput", "decode_throughput", "total_throughput"):
             if fg.get(k) and m.get(k):
                 out[f"{tag}_over_flexgen_{k.split('_')[0]}"] = round(m[k] / fg[k], 3)
     return out
+
+
+def accelerate_command(case: Case, metrics: Path, device: str = "cuda", dtype: str = "float16") -> list[str]:
+    return [sys.executable, "-m", "flexgen_dist.bench.gpu_suite", "--accelerate-worker", json.dumps(asdict(case)),
+            "--metrics", str(metrics), "--device", device, "--dtype", dtype]
+
+
+def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, Any]:
+    """Hugging Face accelerate at the case's budget: the case's share of the weight bytes on
+    the device (``percent[0]``), the rest in RAM behind accelerate's offload hooks (moved to
+    the device for each forward), ``generate`` over the prompts in batches of the case's GPU
+    batch size. Zero weights (dummy, as both other systems run; the time does not depend on
+    the values). Prefill is timed as a one-token ``generate`` of each batch, decode as the
+    rest of the batch's full ``generate``. Cases with weights on disk are not run."""
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from accelerate.utils import compute_module_sizes
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from ..models.registry import get_spec
+
+    if case.percent[0] + case.percent[1] < 100:
+        raise SystemExit(f"{case.name}: weights on disk; the accelerate baseline runs GPU/CPU placements only")
+    spec = get_spec(case.model)
+    dtype = getattr(torch, dtype_name)
+    cfg = OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_dim=spec.ffn_size,
+                    num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                    max_position_embeddings=spec.max_positions, do_layer_norm_before=spec.pre_layer_norm,
+                    word_embed_proj_dim=spec.embed_dim, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    with init_empty_weights():
+        model = OPTForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device="cpu").eval()
+    model.tie_weights()  # to_empty gives the tied head a tensor of its own
+    for p in model.parameters():
+        p.data.zero_()
+    total = compute_module_sizes(model, dtype=dtype)[""]
+    if device == "cuda" and case.percent[0] > 0:
+        gpu = int(total * case.percent[0] / 100) + 2**30  # the share plus room for the largest module
+        dmap = infer_auto_device_map(model, max_memory={0: gpu, "cpu": 2 * total},
+                                     no_split_module_classes=["OPTDecoderLayer"], dtype=dtype)
+    else:
+        dmap = {"": "cpu"}
+    main = 0 if device == "cuda" else "cpu"
+    model = dispatch_model(model, device_map=dmap, main_device=main)
+    on_gpu = sum(v == 0 for v in dmap.values())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, spec.vocab_size, (case.num_prompts, case.prompt_len), generator=g)
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+
+    def gen(x: torch.Tensor, n: int) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=1)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    b = case.gpu_batch_size
+    gen(ids[:b, :32].to(dev), 1)  # warm-up
+    prefill = decode = 0.0
+    for a in range(0, case.num_prompts, b):
+        x = ids[a:a + b].to(dev)
+        t1 = gen(x, 1)
+        prefill += t1
+        decode += max(gen(x, case.gen_len) - t1, 0.0)
+    n = case.num_prompts
+    return {"prefill_throughput": n * case.prompt_len / prefill, "decode_throughput": n * (case.gen_len - 1) / decode,
+            "total_throughput": n * case.gen_len / (prefill + decode), "prefill_time_s": prefill,
+            "decode_time_s": decode, "modules_on_gpu": on_gpu, "modules": len(dmap), "weight_bytes": total}
 
 
 def pack(out: Path, archive: Path) -> None:
@@ -371,6 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--skip-flexgen", action="store_true")
     ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
+    ap.add_argument("--skip-accelerate", action="store_true", help="leave out the accelerate baseline")
+    ap.add_argument("--accelerate-worker", metavar="CASE_JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--metrics", help=argparse.SUPPRESS)
     ap.add_argument("--all-tests", action="store_true", help="the tests phase also runs the slow tests")
     ap.add_argument("--quick-profile", action="store_true", help="planner profile --quick")
     ap.add_argument("--hardware", help="a profile to plan with instead of the profile phase's")
@@ -382,6 +461,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.accelerate_worker:  # one baseline run in its own process (the compare phase starts it)
+        spec = json.loads(args.accelerate_worker)
+        m = accelerate_baseline(Case(**{**spec, "percent": tuple(spec["percent"])}), args.device, args.dtype)
+        Path(args.metrics).write_text(json.dumps(m, indent=2) + "\n")
+        return m
     if args.list_cases:
         for c in CASES:
             print(f"{c.name:32s} {c.model:9s} percent {' '.join(map(str, c.percent))}  "
