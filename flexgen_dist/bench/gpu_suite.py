@@ -275,6 +275,7 @@ def phase_profile(out: Path, gpu: str | None, device: str, timeout: float, quick
 
 def _ours(cmd: list[str], out: Path, tag: str, timeout: float) -> dict[str, Any]:
     metrics = Path(cmd[cmd.index("--metrics") + 1])
+    metrics.unlink(missing_ok=True)  # a failed run must not report an earlier run's figures
     r = run_logged(cmd, out / f"{tag}.log", timeout)
     if r["rc"] == 0 and metrics.exists():
         m = json.loads(metrics.read_text())
@@ -334,7 +335,8 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
 
 
 def ratios(rec: dict[str, Any]) -> dict[str, float]:
-    """ours / FlexGen and auto / FlexGen for each throughput, where both were measured."""
+    """This engine's (fixed policy, auto) and accelerate's throughputs over FlexGen's, where
+    both were measured."""
     out: dict[str, float] = {}
     fg = (rec.get("flexgen") or {}).get("metrics") or {}
     for tag in ("ours", "ours_auto", "accelerate"):
