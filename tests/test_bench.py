@@ -446,3 +446,19 @@ def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
     assert res["accelerate"]["metrics"]["weight_bytes"] > 0
     assert res["ratios"] == {}
     assert not (tmp_path / "offload-tiny").exists()
+
+
+def test_gpu_suite_tests_phase_runs_gpu_tests_then_the_rest(tmp_path: Path, monkeypatch) -> None:
+    seen: list[list[str]] = []
+
+    def fake_run(cmd, log, timeout, env=None):
+        seen.append(cmd)
+        return {"rc": 0, "tail": "...\n12 passed, 3 skipped in 4.2s\n", "command": " ".join(cmd)}
+
+    monkeypatch.setattr(gpu_suite, "run_logged", fake_run)
+    res = gpu_suite.phase_tests(tmp_path, all_tests=False, timeout=60)
+    assert [c[c.index("-m", 3) + 1] for c in seen] == ["gpu", "not gpu and not slow"]  # no test twice
+    assert res["gpu"]["summary"] == "12 passed, 3 skipped in 4.2s"
+    seen.clear()
+    gpu_suite.phase_tests(tmp_path, all_tests=True, timeout=60)
+    assert seen[1][seen[1].index("-m", 3) + 1] == "not gpu"

@@ -9,7 +9,7 @@ Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.jso
 
 - ``env``: the GPU, driver, torch, CPU cores, RAM and the offload disk's free space.
 - ``tests``: the GPU-marked tests (``pytest -m gpu``), then the rest of the suite with CUDA
-  visible (``-m "not slow"``; ``--all-tests`` adds the slow multi-process ones).
+  visible (``-m "not gpu and not slow"``; ``--all-tests`` adds the slow multi-process ones).
 - ``profile``: ``planner profile --device cuda`` into ``configs/hardware/<gpu>.yaml``.
 - ``compare``: for each case (``--cases``; ``--list-cases`` shows them) the FlexGen package
   (``python -m flexgen.flex_opt``, dummy weights) and this engine with the same model,
@@ -244,12 +244,8 @@ def phase_env(out: Path) -> dict[str, Any]:
 
 def phase_tests(out: Path, all_tests: bool, timeout: float) -> dict[str, Any]:
     res = {}
-    for name, marker in (("gpu", "gpu"), ("rest", None if all_tests else "not slow")):
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-        if name == "gpu":
-            cmd += ["-m", "gpu"]
-        elif marker:
-            cmd += ["-m", marker]
+    for name, marker in (("gpu", "gpu"), ("rest", "not gpu" if all_tests else "not gpu and not slow")):
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker]
         r = run_logged(cmd, out / f"pytest-{name}.log", timeout)
         summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
         r["summary"] = summary[-1] if summary else None
