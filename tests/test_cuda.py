@@ -8,6 +8,7 @@ checks that only hold on CUDA, such as pinned memory, then check the CPU's behav
 their own logic can be exercised on a machine without a GPU."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import subprocess
@@ -42,19 +43,22 @@ PLACEMENTS = {
 
 def reference_on(tm: TinyModel, device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
                  gen_len: int) -> tuple[list[list[int]], torch.Tensor]:
-    """transformers' greedy tokens and first-step logits on ``device`` in ``dtype`` (the
-    shared float32 CPU model is moved there and back)."""
+    """transformers' greedy tokens and first-step logits on ``device`` in ``dtype``. In float32
+    the shared CPU model is moved there and back (lossless); a half type converts a copy, so
+    the shared model's float32 weights are never rounded."""
     s = max(map(len, prompts))
     ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in prompts], device=device)
     mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in prompts])[:, None]).long().to(device)
-    model = tm.model.to(device=device, dtype=dtype)
+    shared = dtype == torch.float32
+    model = (tm.model if shared else copy.deepcopy(tm.model)).to(device=device, dtype=dtype)
     try:
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits[:, -1].float().cpu()
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len,
                                  min_new_tokens=gen_len, do_sample=False, pad_token_id=tm.pad_id)
     finally:
-        tm.model.to(device="cpu", dtype=torch.float32)
+        if shared:
+            tm.model.to(device="cpu")
     return out[:, s:].tolist(), logits
 
 
@@ -113,6 +117,8 @@ def test_half_types_on_the_gpu_track_transformers(kind: str, dtype: torch.dtype,
         pytest.skip("float16 is a GPU type here (the CPU runs bfloat16)")
     tm = tiny_models[kind]
     _, ref_logits = reference_on(tm, gpu_device, dtype, PROMPTS, GEN)
+    w = next(tm.model.parameters())
+    assert w.dtype == torch.float32 and w.device.type == "cpu"  # the shared model is left as it was
     eps = torch.finfo(dtype).eps
     for name in ("all-gpu", "mixed"):
         lg = first_logits(tm, PLACEMENTS[name], gpu_device, dtype, tmp_path / "off")
