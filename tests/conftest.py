@@ -88,11 +88,19 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
     return out
 
 
+def left_padded(tm: TinyModel, prompts: list[list[int]], device: str | torch.device = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the prompts left-padded with the model's pad id."""
+    s = max(map(len, prompts))
+    ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in prompts], device=device)
+    mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in prompts])[:, None]).long().to(device)
+    return ids, mask
+
+
 def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
     """Greedy tokens from transformers' generate() on a left-padded batch (float32)."""
-    s = max(map(len, prompts))
-    ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in prompts])
-    mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in prompts])[:, None]).long()
+    ids, mask = left_padded(tm, prompts)
+    s = ids.shape[1]
     with torch.no_grad():
         out = tm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len,
                                 min_new_tokens=gen_len, do_sample=False, pad_token_id=tm.pad_id)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, read_jsonl, reference_generate
+from conftest import PROMPTS, free_port, left_padded, read_jsonl, reference_generate
 from flexgen_dist import LLM, Completion, ConfigError, Policy, SamplingConfig
 from flexgen_dist.run import main
 
@@ -217,9 +217,8 @@ def test_api_on_cuda_float32_matches_transformers_on_cuda(percent: tuple, tiny_m
     import torch
 
     tm = tiny_models["llama-gqa"]
-    s = max(map(len, PROMPTS))
-    ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in PROMPTS]).cuda()
-    mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in PROMPTS])[:, None]).long().cuda()
+    ids, mask = left_padded(tm, PROMPTS, "cuda")
+    s = ids.shape[1]
     model = tm.model.to("cuda")
     try:
         with torch.no_grad():

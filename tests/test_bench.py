@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_dist.bench import gpu_suite, offload, planner_accuracy, scaling, single
+from flexgen_dist.bench import gpu_baselines, gpu_suite, offload, planner_accuracy, scaling, single
 
 
 def test_modules_import_without_side_effects(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    for mod in (gpu_suite, offload, planner_accuracy, scaling, single):
+    for mod in (gpu_baselines, gpu_suite, offload, planner_accuracy, scaling, single):
         importlib.reload(mod)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
 
@@ -369,11 +369,11 @@ FLEXGEN_LOG = ("model size: 12.386 GB\tcache size: 4.250 GB\thidden size (p): 0.
 
 
 def test_gpu_suite_reads_flexgen_logs_and_builds_matching_commands(tmp_path: Path) -> None:
-    m = gpu_suite.parse_flexgen_log("older run\n" + FLEXGEN_LOG.replace("137.450", "1.0") + FLEXGEN_LOG)
+    m = gpu_baselines.parse_flexgen_log("older run\n" + FLEXGEN_LOG.replace("137.450", "1.0") + FLEXGEN_LOG)
     assert m == {"prefill_throughput": 1638.4, "decode_throughput": 160.0, "total_throughput": 137.45,
                  "prefill_time_s": 1.25, "decode_time_s": 6.2, "peak_gpu_gb": 17.812}  # the last run's
     case = next(c for c in gpu_suite.CASES if c.cpu_attention)
-    fg = gpu_suite.flexgen_command(case, tmp_path / "off", tmp_path / "l.log")
+    fg = gpu_baselines.flexgen_command(case, tmp_path / "off", tmp_path / "l.log")
     ours = gpu_suite.ours_command(case, tmp_path / "off2", tmp_path / "m.json")
     auto = gpu_suite.ours_command(case, tmp_path / "off3", tmp_path / "a.json", auto=True,
                                   budgets={"gpu_mem": "70GiB", "cpu_mem": "100GiB"})
@@ -412,7 +412,7 @@ def test_gpu_suite_dry_run_lists_every_case(tmp_path: Path, capsys) -> None:
 def test_gpu_suite_tokenizer_standin_loads_offline(tmp_path: Path) -> None:
     """FlexGen's first call, AutoTokenizer.from_pretrained("facebook/opt-30b"), answered from
     the stand-in with the hub offline, and the way FlexGen uses it (left padding to a length)."""
-    gpu_suite.opt_tokenizer_standin(tmp_path / "hf")
+    gpu_baselines.opt_tokenizer_standin(tmp_path / "hf")
     code = ("import json\nfrom transformers import AutoTokenizer\n"
             "t = AutoTokenizer.from_pretrained('facebook/opt-30b', padding_side='left')\n"
             "ids = t(['Paris is the capital city of'] * 2, padding='max_length', max_length=32).input_ids\n"
@@ -431,7 +431,7 @@ def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
     """The compare phase end to end on the CPU with a tiny case: this engine with the fixed
     policy and with --policy auto, and the accelerate baseline, metrics read back, FlexGen
     recorded as skipped."""
-    case = gpu_suite.Case("tiny", "opt-125m", (100, 0, 100, 0, 100, 0), 2, 1, prompt_len=8, gen_len=2,
+    case = gpu_baselines.Case("tiny", "opt-125m", (100, 0, 100, 0, 100, 0), 2, 1, prompt_len=8, gen_len=2,
                           budgets={"cpu_mem": "4GiB", "gpu_mem": "4GiB"})
     args = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--out", str(tmp_path)])
     hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"

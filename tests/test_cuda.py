@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODEL_KINDS, PROMPTS, TinyModel, free_port, read_jsonl, write_jsonl
+from conftest import MODEL_KINDS, PROMPTS, TinyModel, free_port, left_padded, read_jsonl, write_jsonl
 from flexgen_dist.distributed.pipeline import generate
 from flexgen_dist.engine import kvcache
 from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
@@ -46,9 +46,8 @@ def reference_on(tm: TinyModel, device: torch.device, dtype: torch.dtype, prompt
     """transformers' greedy tokens and first-step logits on ``device`` in ``dtype``. In float32
     the shared CPU model is moved there and back (lossless); a half type converts a copy, so
     the shared model's float32 weights are never rounded."""
-    s = max(map(len, prompts))
-    ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in prompts], device=device)
-    mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in prompts])[:, None]).long().to(device)
+    ids, mask = left_padded(tm, prompts, device)
+    s = ids.shape[1]
     shared = dtype == torch.float32
     model = (tm.model if shared else copy.deepcopy(tm.model)).to(device=device, dtype=dtype)
     try:

@@ -40,35 +40,14 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .gpu_baselines import Case, accelerate_command, flexgen_command, opt_tokenizer_standin, parse_flexgen_log
+
 REPO = Path(__file__).resolve().parents[2]
 PHASES = ("env", "tests", "profile", "compare")
-
-
-@dataclass(frozen=True)
-class Case:
-    """One comparison: a model and one policy, run by both systems."""
-
-    name: str
-    model: str  # registry shape; FlexGen's name is facebook/<model>
-    percent: tuple[int, int, int, int, int, int]
-    gpu_batch_size: int
-    num_gpu_batches: int
-    cpu_attention: bool = False  # FlexGen's --cpu-cache-compute
-    compress_weight: bool = False
-    compress_cache: bool = False
-    prompt_len: int = 512
-    gen_len: int = 32
-    pin_weight: bool = True  # FlexGen's --pin-weight (its 175B policies turn it off)
-    note: str = ""
-    budgets: dict[str, str] = field(default_factory=dict)  # --gpu-mem/--cpu-mem for --policy auto
-
-    @property
-    def num_prompts(self) -> int:
-        return self.gpu_batch_size * self.num_gpu_batches
 
 
 # The FlexGen paper's setting (prompt 512, 32 new tokens, float16) on one 80 GB GPU with 128 GB
@@ -120,21 +99,6 @@ def case_by_name(names: list[str] | None) -> list[Case]:
 
 
 # --- the commands ---------------------------------------------------------------------------
-def flexgen_command(case: Case, offload: Path, log: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "flexgen.flex_opt", "--model", f"facebook/{case.model}", "--path", "_DUMMY_",
-           "--offload-dir", str(offload), "--prompt-len", str(case.prompt_len), "--gen-len", str(case.gen_len),
-           "--gpu-batch-size", str(case.gpu_batch_size), "--num-gpu-batches", str(case.num_gpu_batches),
-           "--percent", *map(str, case.percent), "--pin-weight", str(case.pin_weight),
-           "--log-file", str(log)]
-    if case.cpu_attention:
-        cmd.append("--cpu-cache-compute")
-    if case.compress_weight:
-        cmd.append("--compress-weight")
-    if case.compress_cache:
-        cmd.append("--compress-cache")
-    return cmd
-
-
 def ours_command(case: Case, offload: Path, metrics: Path, device: str = "cuda", dtype: str = "float16",
                  auto: bool = False, hardware: Path | None = None, budgets: dict[str, str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "flexgen_dist.run", "--model", case.model, "--dummy-weights",
@@ -157,52 +121,6 @@ def ours_command(case: Case, offload: Path, metrics: Path, device: str = "cuda",
     if hardware is not None:
         cmd += ["--hardware", str(hardware)]
     return cmd
-
-
-FLEXGEN_KEYS = {"prefill throughput": "prefill_throughput", "decode throughput": "decode_throughput",
-                "total throughput": "total_throughput", "prefill latency": "prefill_time_s",
-                "decode latency": "decode_time_s", "peak gpu mem": "peak_gpu_gb"}
-
-
-def parse_flexgen_log(text: str) -> dict[str, float]:
-    """The figures of FlexGen's benchmark log (``write_benchmark_log``); the last run's."""
-    out: dict[str, float] = {}
-    for key, name in FLEXGEN_KEYS.items():
-        found = re.findall(rf"{key}: ([0-9.eE+-]+)", text)
-        if found:
-            out[name] = float(found[-1])
-    if "projected: True" in text:
-        out["projected"] = 1.0
-    return out
-
-
-# --- the tokenizer FlexGen asks the hub for -------------------------------------------------
-def opt_tokenizer_standin(hf_home: Path, repo: str = "facebook/opt-30b") -> Path:
-    """An OPT-compatible tokenizer in an offline Hugging Face cache under ``hf_home``, so that
-    ``AutoTokenizer.from_pretrained(repo)`` works with ``HF_HOME=hf_home HF_HUB_OFFLINE=1``:
-    byte-level BPE over the 256 byte symbols, OPT's special tokens at OPT's ids (<s> 0,
-    <pad> 1, </s> 2, <unk> 3), </s> as BOS as OPT has it. Returns the snapshot directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
-    for ch in sorted(alphabet):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    commit = "0" * 40
-    base = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
-    snap = base / "snapshots" / commit
-    snap.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(snap))
-    (snap / "config.json").write_text(json.dumps({"model_type": "opt", "vocab_size": 50272}) + "\n")
-    (base / "refs").mkdir(exist_ok=True)
-    (base / "refs" / "main").write_text(commit)
-    return snap
 
 
 # --- running --------------------------------------------------------------------------------
@@ -269,16 +187,23 @@ def phase_profile(out: Path, gpu: str | None, device: str, timeout: float, quick
     return r
 
 
-def _ours(cmd: list[str], out: Path, tag: str, timeout: float) -> dict[str, Any]:
-    metrics = Path(cmd[cmd.index("--metrics") + 1])
-    metrics.unlink(missing_ok=True)  # a failed run must not report an earlier run's figures
-    r = run_logged(cmd, out / f"{tag}.log", timeout)
-    if r["rc"] == 0 and metrics.exists():
-        m = json.loads(metrics.read_text())
-        r["metrics"] = m if tag.endswith("accelerate") else {
-            k: m.get(k) for k in ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
-                                  "decode_time_s", "peak_bytes", "policy", "predicted", "num_micro_batches",
-                                  "schedule", "prefill_items")}
+OURS_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s", "decode_time_s",
+             "peak_bytes", "policy", "predicted", "num_micro_batches", "schedule", "prefill_items")
+
+
+def measure(tag: str, cmd: list[str], result: Path, log: Path, timeout: float,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one system's command and read the figures it wrote to ``result``: FlexGen's
+    benchmark log, or a metrics JSON (this engine's, of which the suite keeps ``OURS_KEYS``;
+    accelerate's, whole). A run that wrote nothing reports no figures, never an earlier run's."""
+    result.unlink(missing_ok=True)
+    r = run_logged(cmd, log, timeout, env=env)
+    if r["rc"] == 0 and result.exists():
+        if tag == "flexgen":
+            r["metrics"] = parse_flexgen_log(result.read_text())
+        else:
+            m = json.loads(result.read_text())
+            r["metrics"] = m if tag == "accelerate" else {k: m.get(k) for k in OURS_KEYS}
     return r
 
 
@@ -292,16 +217,15 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
     for case in cases:
         rec: dict[str, Any] = {"case": asdict(case), "num_prompts": case.num_prompts}
         off = out / f"offload-{case.name}"
-        fg_cmd = flexgen_command(case, off / "flexgen", out / f"{case.name}-flexgen.bench.log")
-        ours_cmd = ours_command(case, off / "ours", out / f"{case.name}-ours.json", args.device, args.dtype,
-                                hardware=hardware)
-        auto_cmd = ours_command(case, off / "auto", out / f"{case.name}-auto.json", args.device, args.dtype,
-                                auto=True, hardware=hardware, budgets=case.budgets or machine_budgets())
-        runs = {"flexgen": fg_cmd, "ours": ours_cmd}
+        result = {tag: out / f"{case.name}-{tag}.{'bench.log' if tag == 'flexgen' else 'json'}"
+                  for tag in ("flexgen", "ours", "ours_auto", "accelerate")}
+        runs = {"flexgen": flexgen_command(case, off / "flexgen", result["flexgen"]),
+                "ours": ours_command(case, off / "ours", result["ours"], args.device, args.dtype, hardware=hardware)}
         if not args.skip_auto:
-            runs["ours_auto"] = auto_cmd
+            runs["ours_auto"] = ours_command(case, off / "auto", result["ours_auto"], args.device, args.dtype,
+                                             auto=True, hardware=hardware, budgets=case.budgets or machine_budgets())
         if not args.skip_accelerate and case.percent[0] + case.percent[1] >= 100:
-            runs["accelerate"] = accelerate_command(case, out / f"{case.name}-accelerate.json", args.device, args.dtype)
+            runs["accelerate"] = accelerate_command(case, result["accelerate"], args.device, args.dtype)
         for tag, cmd in runs.items():
             if args.dry_run:
                 print(shlex.join(cmd))
@@ -313,15 +237,9 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
                             "flexgen_dist/bench/fetch_gpu_wheels.sh for a machine without network)"}
                 continue
             off.mkdir(parents=True, exist_ok=True)
-            if tag == "flexgen":
-                log = Path(cmd[cmd.index("--log-file") + 1])
-                log.unlink(missing_ok=True)
-                r = run_logged(cmd, out / f"{case.name}-flexgen.log", args.timeout, env=env)
-                r["metrics"] = parse_flexgen_log(log.read_text()) if log.exists() else {}
-            else:
-                r = _ours(cmd, out, f"{case.name}-{tag}", args.timeout)
+            rec[tag] = r = measure(tag, cmd, result[tag], out / f"{case.name}-{tag}.log", args.timeout,
+                                   env=env if tag == "flexgen" else None)
             shutil.rmtree(off, ignore_errors=True)  # the next run gets the whole disk
-            rec[tag] = r
             m = r.get("metrics") or {}
             print(f"# {case.name} {tag}: prefill {m.get('prefill_throughput')} | decode "
                   f"{m.get('decode_throughput')} | total {m.get('total_throughput')} tok/s", flush=True)
@@ -341,78 +259,6 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
             if fg.get(k) and m.get(k):
                 out[f"{tag}_over_flexgen_{k.split('_')[0]}"] = round(m[k] / fg[k], 3)
     return out
-
-
-def accelerate_command(case: Case, metrics: Path, device: str = "cuda", dtype: str = "float16") -> list[str]:
-    return [sys.executable, "-m", "flexgen_dist.bench.gpu_suite", "--accelerate-worker", json.dumps(asdict(case)),
-            "--metrics", str(metrics), "--device", device, "--dtype", dtype]
-
-
-def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, Any]:
-    """Hugging Face accelerate at the case's budget: the case's share of the weight bytes on
-    the device (``percent[0]``), the rest in RAM behind accelerate's offload hooks (moved to
-    the device for each forward), ``generate`` over the prompts in batches of the case's GPU
-    batch size. Zero weights (dummy, as both other systems run; the time does not depend on
-    the values). Prefill is timed as a one-token ``generate`` of each batch, decode as the
-    rest of the batch's full ``generate``. Cases with weights on disk are not run."""
-    import torch
-    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-    from accelerate.utils import compute_module_sizes
-    from transformers import OPTConfig, OPTForCausalLM
-
-    from ..models.registry import get_spec
-
-    if case.percent[0] + case.percent[1] < 100:
-        raise SystemExit(f"{case.name}: weights on disk; the accelerate baseline runs GPU/CPU placements only")
-    spec = get_spec(case.model)
-    dtype = getattr(torch, dtype_name)
-    cfg = OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_dim=spec.ffn_size,
-                    num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                    max_position_embeddings=spec.max_positions, do_layer_norm_before=spec.pre_layer_norm,
-                    word_embed_proj_dim=spec.embed_dim, pad_token_id=1, bos_token_id=2, eos_token_id=2)
-    with init_empty_weights():
-        model = OPTForCausalLM(cfg)
-    model = model.to(dtype).to_empty(device="cpu").eval()
-    model.tie_weights()  # to_empty gives the tied head a tensor of its own
-    for p in model.parameters():
-        p.data.zero_()
-    total = compute_module_sizes(model, dtype=dtype)[""]
-    if device == "cuda" and case.percent[0] > 0:
-        gpu = int(total * case.percent[0] / 100) + 2**30  # the share plus room for the largest module
-        dmap = infer_auto_device_map(model, max_memory={0: gpu, "cpu": 2 * total},
-                                     no_split_module_classes=["OPTDecoderLayer"], dtype=dtype)
-    else:
-        dmap = {"": "cpu"}
-    main = 0 if device == "cuda" else "cpu"
-    model = dispatch_model(model, device_map=dmap, main_device=main)
-    on_gpu = sum(v == 0 for v in dmap.values())
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, spec.vocab_size, (case.num_prompts, case.prompt_len), generator=g)
-    dev = torch.device("cuda" if device == "cuda" else "cpu")
-
-    def gen(x: torch.Tensor, n: int) -> float:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=1)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    b = case.gpu_batch_size
-    gen(ids[:b, :32].to(dev), 1)  # warm-up
-    prefill = decode = 0.0
-    for a in range(0, case.num_prompts, b):
-        x = ids[a:a + b].to(dev)
-        t1 = gen(x, 1)
-        prefill += t1
-        decode += max(gen(x, case.gen_len) - t1, 0.0)
-    n = case.num_prompts
-    return {"prefill_throughput": n * case.prompt_len / prefill, "decode_throughput": n * (case.gen_len - 1) / decode,
-            "total_throughput": n * case.gen_len / (prefill + decode), "prefill_time_s": prefill,
-            "decode_time_s": decode, "modules_on_gpu": on_gpu, "modules": len(dmap), "weight_bytes": total}
 
 
 def pack(out: Path, archive: Path) -> None:
@@ -446,8 +292,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-flexgen", action="store_true")
     ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
     ap.add_argument("--skip-accelerate", action="store_true", help="leave out the accelerate baseline")
-    ap.add_argument("--accelerate-worker", metavar="CASE_JSON", help=argparse.SUPPRESS)
-    ap.add_argument("--metrics", help=argparse.SUPPRESS)
     ap.add_argument("--all-tests", action="store_true", help="the tests phase also runs the slow tests")
     ap.add_argument("--quick-profile", action="store_true", help="planner profile --quick")
     ap.add_argument("--hardware", help="a profile to plan with instead of the profile phase's")
@@ -459,11 +303,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.accelerate_worker:  # one baseline run in its own process (the compare phase starts it)
-        spec = json.loads(args.accelerate_worker)
-        m = accelerate_baseline(Case(**{**spec, "percent": tuple(spec["percent"])}), args.device, args.dtype)
-        Path(args.metrics).write_text(json.dumps(m, indent=2) + "\n")
-        return m
     if args.list_cases:
         for c in CASES:
             print(f"{c.name:32s} {c.model:9s} percent {' '.join(map(str, c.percent))}  "
