@@ -8,10 +8,14 @@
 
 See ``flexgen_dist.api`` for the options and the SPMD rule under torchrun, mpirun and Slurm.
 """
-from .api import LLM, Completion
-from .scoring import Score
-from .config import ConfigError, RunConfig
-from .engine.policy import Policy
-from .engine.sampling import SamplingConfig
+from . import hugepages as _hugepages
+
+_hugepages.request()  # before torch is imported: huge pages for large host tensors (see there)
+
+from .api import LLM, Completion  # noqa: E402
+from .scoring import Score  # noqa: E402
+from .config import ConfigError, RunConfig  # noqa: E402
+from .engine.policy import Policy  # noqa: E402
+from .engine.sampling import SamplingConfig  # noqa: E402
 
 __all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig"]

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from . import hugepages
 from .config import ConfigError, RunConfig
 from .distributed.comm import FailureMonitor, PeerFailure, StageComm
 from .distributed.pipeline import Pipeline
@@ -355,6 +356,7 @@ class LLM:
             "disk_bytes_read": (self._disk.bytes_read - read0) if self._disk is not None else 0,
             "direct_io": None if self._disk is None else self._disk.direct,
             "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums
+            "huge_pages": hugepages.status(),  # large host tensors on huge pages (hugepages.py)
         }
         if not self.is_driver:
             self._comm.send_obj(self.stage_metrics, 0)  # type: ignore[union-attr]

@@ -58,6 +58,7 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
         "predicted": {**predicted, "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},
         "direct_io": all(disks) if disks else None,  # None: no stage used the disk tier
         "kernel_policy": [s.get("kernel_policy") for s in stages],
+        "huge_pages": [s.get("huge_pages") for s in stages],  # per stage: on / off / unavailable
     }
 
 

@@ -1,0 +1,79 @@
+"""Transparent huge pages for large host tensors (Linux), on by default.
+
+A CPU compute device, CPU attention and the offloaded tiers all stream through large host
+tensors (weights, activations, read buffers). With 4 KiB pages every 4 KiB read can cost a
+TLB miss, and under a hypervisor each miss is a two-level page walk. On the 2-core VM of
+docs/benchmarks.md, two one-core jobs running side by side each lost 7.5 % of their prefill
+compute to the other with 4 KiB pages and 0.5-2.7 % with huge pages; alone, a job ran equally
+fast either way (docs/architecture.md, speed notes).
+
+PyTorch's CPU allocator asks the kernel for huge pages (``madvise(MADV_HUGEPAGE)``) on every
+allocation of 2 MiB or more when ``THP_MEM_ALLOC_ENABLE=1`` is in the environment at its
+first such allocation. :func:`request` puts it there; the package calls it on import, before
+it imports torch. ``FLEXGEN_HUGE_PAGES=0`` opts out, and a value the user gave
+``THP_MEM_ALLOC_ENABLE`` is left as it is. Where the kernel's THP mode is ``never`` nothing
+changes. :func:`status` says what a process actually got (it is in every stage's metrics).
+
+This module imports no torch at module level, so it lives outside ``memory`` (whose package
+imports torch): its request must come before torch is imported.
+"""
+from __future__ import annotations
+
+import os
+
+OPT_OUT = "FLEXGEN_HUGE_PAGES"  # "0": leave torch's allocator as it is
+TORCH_ENV = "THP_MEM_ALLOC_ENABLE"
+_SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def request() -> None:
+    """Ask torch's CPU allocator for huge pages, unless opted out or set by the user."""
+    if os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    os.environ.setdefault(TORCH_ENV, "1")
+
+
+def kernel_mode(path: str = _SYSFS) -> str | None:
+    """The kernel's THP mode ("always", "madvise", "never"), or None where there is none."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
+def _eligible(addr: int, smaps: str = "/proc/self/smaps") -> bool | None:
+    """Whether the mapping holding ``addr`` may get huge pages (its ``THPeligible`` flag)."""
+    try:
+        with open(smaps) as f:
+            inside = False
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head == "THPeligible:":
+                    return line.split()[1] == "1"
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def status() -> str:
+    """What this process gets for large CPU tensors: "on" (huge pages), "off" (4 KiB pages:
+    opted out, or torch's allocator had decided before the request), or "unavailable" (no
+    THP in this kernel, or its mode is "never")."""
+    mode = kernel_mode()
+    if mode is None or mode == "never":
+        return "unavailable"
+    if mode == "always":
+        return "on"
+    import torch  # noqa: PLC0415 - the module itself must not import torch
+
+    probe = torch.empty(4 << 20, dtype=torch.uint8)
+    got = _eligible(probe.data_ptr())
+    return "on" if got else "off"
