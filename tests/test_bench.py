@@ -178,6 +178,7 @@ def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
         run = data["runs"][m]
         met = run["metrics"]
         assert met["world_size"] == int(m) and len(met["stage_times"]) == int(m)
+        assert len(met["huge_pages"]) == int(m) and set(met["huge_pages"]) <= {"on", "off", "unavailable"}
         assert met["total_throughput"] > 0 and run["predicted"]["total_throughput"] > 0
         for st in met["stage_times"]:
             assert st["compute_s"] > 0 and st["prefill_s"] + st["decode_s"] >= st["compute_s"]

@@ -246,7 +246,8 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
 
 def summarize(met: dict[str, Any]) -> dict[str, Any]:
     keep = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s", "decode_time_s",
-            "world_size", "num_micro_batches", "prefill_items", "schedule", "stage_times", "peak_bytes")
+            "world_size", "num_micro_batches", "prefill_items", "schedule", "stage_times", "peak_bytes",
+            "huge_pages")
     return {k: met.get(k) for k in keep}
 
 
