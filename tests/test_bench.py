@@ -394,6 +394,16 @@ def test_gpu_suite_reads_flexgen_logs_and_builds_matching_commands(tmp_path: Pat
     assert after(auto, "--policy") == ["auto"] and after(auto, "--gpu-mem") == ["70GiB"] and "--percent" not in auto
 
 
+def test_gpu_suite_env_phase_describes_the_machine(tmp_path: Path) -> None:
+    from flexgen_dist import hugepages
+
+    info = gpu_suite.phase_env(tmp_path)
+    assert info["cores"] == os.cpu_count() and info["offload_free_bytes"] > 0
+    assert info["gpu"] is None  # CUDA is hidden from tests not marked gpu
+    assert info["thp_mode"] == hugepages.kernel_mode()
+    json.dumps(info)  # goes into gpu_suite.json as it is
+
+
 def test_gpu_suite_dry_run_lists_every_case(tmp_path: Path, capsys) -> None:
     res = gpu_suite.main(["--dry-run", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

@@ -152,6 +152,9 @@ def phase_env(out: Path) -> dict[str, Any]:
     except (ValueError, OSError):
         pass
     info["offload_free_bytes"] = shutil.disk_usage(out).free
+    from flexgen_dist import hugepages
+
+    info["thp_mode"] = hugepages.kernel_mode()  # the kernel's transparent huge page mode
     smi = shutil.which("nvidia-smi")
     if smi:
         q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
