@@ -19,6 +19,7 @@ imports torch): its request must come before torch is imported.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 OPT_OUT = "FLEXGEN_HUGE_PAGES"  # "0": leave torch's allocator as it is
@@ -63,6 +64,7 @@ def _eligible(addr: int, smaps: str = "/proc/self/smaps") -> bool | None:
     return None
 
 
+@functools.cache  # fixed for the process: torch decides once, and so does the kernel's mode
 def status() -> str:
     """What this process gets for large CPU tensors: "on" (huge pages), "off" (4 KiB pages:
     opted out, or torch's allocator had decided before the request), or "unavailable" (no

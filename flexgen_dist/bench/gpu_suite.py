@@ -44,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .. import hugepages
 from .gpu_baselines import Case, accelerate_command, flexgen_command, opt_tokenizer_standin, parse_flexgen_log
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,8 +153,6 @@ def phase_env(out: Path) -> dict[str, Any]:
     except (ValueError, OSError):
         pass
     info["offload_free_bytes"] = shutil.disk_usage(out).free
-    from flexgen_dist import hugepages
-
     info["thp_mode"] = hugepages.kernel_mode()  # the kernel's transparent huge page mode
     smi = shutil.which("nvidia-smi")
     if smi:
