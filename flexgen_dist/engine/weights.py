@@ -74,6 +74,28 @@ class WeightStore:
         # is a dict of references, not worth a trip through the I/O thread
         self.resident = {slot for slot, ws in self.placed.items()
                          if all(isinstance(p.data, torch.Tensor) and p.data.device == device for p in ws.values())}
+        self._make_buffers()
+
+    def _make_buffers(self) -> None:
+        """Make the read buffers now, while the model loads, with their pages touched (or
+        pinned): made on first use, their fresh pages were faulted in by the I/O thread during
+        the first sweeps, which on a CPU device shares the compute threads' cores, and on the
+        critical path of a pipeline's first piece. Loads take the two sets in turn, one per
+        off-device slot, so two sweeps' turns give each set exactly the buffers a run would
+        make in it (with an even number of such slots a slot always gets the same set)."""
+        order = [slot for slot in self.placed if slot not in self.resident]
+        for n, slot in enumerate(order + order):
+            bufs = self._bufsets[n % 2]
+            for name, p in self.placed[slot].items():
+                if isinstance(p.data, QTensor):
+                    if isinstance(p.data.data, DiskTensor):
+                        for k in ("data", "mins", "scales"):
+                            dt = getattr(p.data, k)
+                            self._buffer(bufs, f"{name}.{k}", tuple(dt.shape), dt.dtype)
+                    if self.device.type == "cpu":
+                        self._buffer(bufs, name, p.shape)
+                elif isinstance(p.data, DiskTensor):
+                    self._buffer(bufs, name, p.shape)
 
     def _tied_head(self, slot: Slot, ws: dict[str, torch.Tensor]) -> Placed | None:
         """The embedding's placement, when ``slot`` is a head tied to an embedding of this store.
@@ -146,6 +168,7 @@ class WeightStore:
         if key not in bufs:
             cuda = self.device.type == "cuda"
             bufs[key] = aligned_empty(shape, dtype or self.dtype, pin=cuda)
+            bufs[key].view(-1).view(torch.uint8).zero_()  # its pages, now (see _make_buffers)
             self.tracker.add(Tier.CPU if cuda else Tier.GPU, bufs[key].nbytes)
         return bufs[key]
 
