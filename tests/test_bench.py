@@ -147,8 +147,13 @@ def test_scaling_dry_run(tmp_path: Path, capsys) -> None:
         assert (tmp_path / "w" / f"policy-{m}.yaml").is_file()
         assert f"--nnodes {m}" in data["runs"][m]["command"]
         assert "--schedule sequential" in data["runs"][m]["command"]
-    scaling.main(["--dry-run", "--shared-cores", "--nodes", "2", "--workdir", str(tmp_path / "w"), "--json", str(out)])
+        assert data["runs"][m]["command"].count("--warmup") == int(m)  # every node warms up, by default
+    assert data["warmup"] is True
+    scaling.main(["--dry-run", "--shared-cores", "--nodes", "2", "--workdir", str(tmp_path / "w"), "--json", str(out),
+                  "--no-warmup"])
     assert "--standalone --nproc-per-node 2" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["warmup"] is False and "--warmup" not in data["runs"]["2"]["command"]
 
 
 def test_scaling_dry_run_keeps_the_default_result(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -303,3 +303,31 @@ def test_overlapped_schedule_stops_at_eos(tiny_models, tmp_path: Path) -> None:
         outs, _ = generate(eng, PROMPTS, gen, SamplingConfig(), schedule="overlapped")
         eng.close()
         assert outs == [x[:x.index(eos) + 1] if eos in x else x for x in ref], eos
+
+
+@pytest.mark.parametrize("kind,pct,compress", [("opt-pre", "all-disk", False), ("llama-gqa", "mixed", False),
+                                                ("opt-pre", "mixed", True)])
+def test_read_buffers_are_made_at_load(kind: str, pct: str, compress: bool, tiny_models, tmp_path: Path) -> None:
+    """The host buffers that disk reads (and CPU dequantization) fill exist, their pages
+    touched, once the engine is built; a whole run makes no more and the tokens are unchanged."""
+    tm = tiny_models[kind]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    with DiskStore(tmp_path / "off") as disk:
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(2, 2, *PLACEMENTS[pct], compress_weight=compress),
+                          device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+        sets = eng.weights._bufsets
+        made = [{k: b.data_ptr() for k, b in bufs.items()} for bufs in sets]
+        off_device = [s for s in eng.weights.placed if s not in eng.weights.resident]
+        assert off_device and all(made), made  # both sets hold buffers before any load
+        outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+        assert [{k: b.data_ptr() for k, b in bufs.items()} for bufs in sets] == made
+        eng.close()
+    if compress:  # compressed weights are not the reference's: the same codes held on the compute tier
+        ref = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(2, 2, *PLACEMENTS["all-compute"], compress_weight=True),
+                          device=torch.device("cpu"), dtype=torch.float32)
+        assert outs == generate(ref, PROMPTS, GEN, SamplingConfig(ignore_eos=True))[0]
+        ref.close()
+    else:
+        assert outs == reference_generate(tm, PROMPTS, GEN)
