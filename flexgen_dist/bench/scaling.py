@@ -293,7 +293,9 @@ def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Pa
                 tokens: dict[int, list], disk: DiskLimit | None = None) -> dict[str, Any]:
     """Run m nodes once (page cache dropped first): the metrics, the prediction, the device's
     bytes read (and each node's, counted by its disk cgroup under --disk-gbps) and whether the
-    tokens equal the 1-node run's."""
+    tokens equal the 1-node run's. The device's and the nodes' bytes cover the whole processes
+    (start, loading, the warm-up, the run); each stage's ``disk_bytes_read`` in the metrics
+    covers its timed run only."""
     from ..memory.disk import drop_page_cache
     from .offload import device_bytes_read
 
