@@ -19,6 +19,7 @@ from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
 from ..models.packed import PackedWeight
 
+_PARTS = ("data", "mins", "scales")  # a compressed weight's parts, each a file on disk
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
 TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it
 
@@ -85,17 +86,8 @@ class WeightStore:
         make in it (with an even number of such slots a slot always gets the same set)."""
         order = [slot for slot in self.placed if slot not in self.resident]
         for n, slot in enumerate(order + order):
-            bufs = self._bufsets[n % 2]
             for name, p in self.placed[slot].items():
-                if isinstance(p.data, QTensor):
-                    if isinstance(p.data.data, DiskTensor):
-                        for k in ("data", "mins", "scales"):
-                            dt = getattr(p.data, k)
-                            self._buffer(bufs, f"{name}.{k}", tuple(dt.shape), dt.dtype)
-                    if self.device.type == "cpu":
-                        self._buffer(bufs, name, p.shape)
-                elif isinstance(p.data, DiskTensor):
-                    self._buffer(bufs, name, p.shape)
+                self._buffers_of(self._bufsets[n % 2], name, p)
 
     def _tied_head(self, slot: Slot, ws: dict[str, torch.Tensor]) -> Placed | None:
         """The embedding's placement, when ``slot`` is a head tied to an embedding of this store.
@@ -162,6 +154,19 @@ class WeightStore:
         self._turn ^= 1
         return bufs
 
+    def _buffers_of(self, bufs: dict[tuple, torch.Tensor], name: str, p: Placed) -> dict[str, torch.Tensor]:
+        """The host buffers in ``bufs`` that loading tensor ``name`` uses (made on first use):
+        a compressed weight on disk is read part by part into "data", "mins" and "scales"; a
+        dense one on disk into "dense", and on a CPU device a compressed one expands there."""
+        out = {}
+        if isinstance(p.data, QTensor) and isinstance(p.data.data, DiskTensor):
+            for k in _PARTS:
+                dt = getattr(p.data, k)
+                out[k] = self._buffer(bufs, f"{name}.{k}", tuple(dt.shape), dt.dtype)
+        if isinstance(p.data, DiskTensor) or (isinstance(p.data, QTensor) and self.device.type == "cpu"):
+            out["dense"] = self._buffer(bufs, name, p.shape)
+        return out
+
     def _buffer(self, bufs: dict[tuple, torch.Tensor], name: str, shape: tuple[int, ...],
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         key = (name, tuple(shape), dtype)
@@ -181,18 +186,20 @@ class WeightStore:
             bufs = self.next_buffers()
         out = {}
         for name, p in self.placed[slot].items():
+            b = self._buffers_of(bufs, name, p)
             if isinstance(p.data, QTensor):
                 q = p.data
                 if isinstance(q.data, DiskTensor):  # read the parts, expand on the compute device
-                    q = replace(q, **{k: self._read_part(bufs, f"{name}.{k}", getattr(q, k))
-                                      for k in ("data", "mins", "scales")})
+                    for k in _PARTS:
+                        getattr(q, k).read(out=b[k])
+                    q = replace(q, **{k: b[k] for k in _PARTS})
                 if self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
-                    out[name] = dequantize(q, self.device, out=self._buffer(bufs, name, p.shape))
+                    out[name] = dequantize(q, self.device, out=b["dense"])
                 else:
                     out[name] = dequantize(q, self.device)
                     self.tracker.add(Tier.GPU, out[name].nbytes)
             elif isinstance(p.data, DiskTensor):
-                host = self._buffer(bufs, name, p.shape)
+                host = b["dense"]
                 p.data.read(out=host)
                 if self.device.type == "cpu":
                     out[name] = host
@@ -207,11 +214,6 @@ class WeightStore:
                 out[name] = buf
                 self.tracker.add(Tier.GPU, buf.nbytes)
         return out
-
-    def _read_part(self, bufs: dict[tuple, torch.Tensor], key: str, dt: DiskTensor) -> torch.Tensor:
-        host = self._buffer(bufs, key, tuple(dt.shape), dt.dtype)
-        dt.read(out=host)
-        return host
 
     def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
