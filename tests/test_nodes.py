@@ -150,3 +150,55 @@ def test_scaling_dry_run_shows_the_disk_limit(tmp_path: Path, capsys) -> None:
     scaling.main(["--dry-run", "--nodes", "1", "--workdir", str(tmp_path / "w"), "--json", str(out)])
     assert json.loads(out.read_text())["disk_gbps"] is None
     assert "disk cgroup" not in capsys.readouterr().out
+
+
+def _fake_reporting(tmp_path: Path, order: str = "9") -> Path:
+    params = tmp_path / "page_reporting" / "parameters"
+    params.mkdir(parents=True)
+    (params / "page_reporting_order").write_text(order + "\n")
+    (params / "reported_kib").write_text("1000\n")
+    return params
+
+
+def test_node_memory_turns_reporting_off_and_restores_it(tmp_path: Path) -> None:
+    """A fake sysfs directory: the order goes above the largest page order while inside and
+    back after, even when the runs fail; the touch really writes the pages it is given."""
+    params = _fake_reporting(tmp_path)
+    mem = nodes.NodeMemory(params, touch_bytes=8 << 20)
+    with mem:
+        assert (params / "page_reporting_order").read_text() == "11"
+        (params / "reported_kib").write_text("1000\n")
+    assert (params / "page_reporting_order").read_text() == "9"
+    assert mem.info["page_reporting_order"] == [9, 11] and mem.info["backed_bytes"] == 8 << 20
+    assert mem.info["reported_kib_during_runs"] == 0
+    with pytest.raises(RuntimeError, match="run failed"):
+        with nodes.NodeMemory(params, touch_bytes=0):
+            raise RuntimeError("run failed")
+    assert (params / "page_reporting_order").read_text() == "9"
+
+
+def test_node_memory_without_reporting_or_refused(tmp_path: Path, monkeypatch, capsys) -> None:
+    with nodes.NodeMemory(tmp_path / "absent") as mem:
+        pass
+    assert "absent" in str(mem.info["page_reporting"]) and "nothing to turn off" in capsys.readouterr().out
+    params = _fake_reporting(tmp_path)
+    real_write = Path.write_text
+
+    def refuse(self: Path, text: str, *a, **k):  # a stock kernel: orders above 10 are EINVAL
+        if self.name == "page_reporting_order" and text.strip() == "11":
+            raise OSError(22, "Invalid argument")
+        return real_write(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    with pytest.raises(SystemExit, match="cannot turn free page reporting off .*Invalid argument.*leave the flag out"):
+        with nodes.NodeMemory(params, touch_bytes=0):
+            pass
+    assert (params / "page_reporting_order").read_text() == "9\n"  # left as it was
+
+
+def test_scaling_physical_memory_dry_run(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s.json"
+    scaling.main(["--dry-run", "--nodes", "1", "--physical-memory", "--workdir", str(tmp_path / "w"),
+                  "--json", str(out)])
+    assert json.loads(out.read_text())["physical_memory"] is None  # a dry run changes nothing
+    assert "free page reporting goes off" in capsys.readouterr().out

@@ -9,6 +9,8 @@ node CPUs of its own; the helpers below give it the rest of what a separate mach
   share the VM's one disk, whose rate also moves between runs, so without a limit a 2-node
   run gets a different disk than a 1-node run. Under a limit below the disk's share, every
   node gets the same rate whatever the others do.
+* :class:`NodeMemory` (``--physical-memory``): memory that behaves as a physical machine's,
+  on a VM that hands freed guest memory back to its host.
 * :func:`preexec`: one ``preexec_fn`` that pins a child to its CPUs and joins its cgroup.
 * :func:`profile_node` and :func:`disk_share`: what a node measures of its hardware (once,
   alone) and of its disk (while every node of a run reads at once), for the predictions.
@@ -28,6 +30,90 @@ from typing import Callable
 import yaml
 
 _ROOT_ERROR = "--disk-gbps needs root and a cgroup blkio/io controller; run without it"
+PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
+_REPORTING_OFF = 11  # above the largest page order (10): no free block is ever reported
+
+
+class NodeMemory:
+    """Free page reporting off, and the free memory backed, for the runs.
+
+    A VM with free page reporting (virtio-balloon) hands the memory its guest frees back to the
+    host, and the next process to touch those pages waits while the host backs them anew: 1.0-1.4 s
+    per GB on this project's VM, against 0.2 s per GB for memory the guest holds (what a physical
+    machine's fresh pages cost). One node writes its KV cache into memory its own loader freed a
+    moment before; a pipeline stage writes most of its cache into pages the host took back. That
+    is a cost of emulating nodes in one VM, not of the work (docs/benchmarks.md, runs P-R).
+
+    Entering raises ``page_reporting_order`` above the largest order (root; a kernel that
+    refuses is an error naming the fix), then touches ``touch_bytes`` (default: the free memory
+    less ``margin``) once and frees it, so every free page is backed. Leaving restores the order.
+    """
+
+    def __init__(self, params: Path = PAGE_REPORTING, touch_bytes: int | None = None,
+                 margin: int = 2 << 30) -> None:
+        self.params, self.touch_bytes, self.margin = Path(params), touch_bytes, margin
+        self.old: str | None = None
+        self.info: dict[str, object] = {}
+
+    def __enter__(self) -> NodeMemory:
+        order = self.params / "page_reporting_order"
+        if not order.exists():
+            self.info = {"page_reporting": "absent: memory already stays with this machine"}
+            print(f"# {order} absent: no free page reporting here, nothing to turn off", flush=True)
+            return self
+        old = order.read_text().strip()
+        try:
+            order.write_text(str(_REPORTING_OFF))
+        except OSError as e:
+            raise SystemExit(f"error: --physical-memory: cannot turn free page reporting off ({order}: "
+                             f"{e.strerror or e}): run as root on a kernel that takes page_reporting_order "
+                             f"{_REPORTING_OFF}, or leave the flag out") from None
+        self.old = old
+        n = self.touch_bytes if self.touch_bytes is not None else max(0, _mem_free() - self.margin)
+        print(f"# free page reporting off (page_reporting_order {old} -> {_REPORTING_OFF}); "
+              f"backing {n / 1e9:.1f} GB of free memory", flush=True)
+        t = time.perf_counter()
+        _touch(n)
+        self.info = {"page_reporting_order": [int(old), _REPORTING_OFF], "backed_bytes": n,
+                     "back_s": round(time.perf_counter() - t, 2)}
+        self._reported0 = self._reported()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.old is None:
+            return
+        r = self._reported()
+        if r is not None and self._reported0 is not None:
+            self.info["reported_kib_during_runs"] = r - self._reported0  # 0: reporting stayed off
+        (self.params / "page_reporting_order").write_text(self.old)
+        self.old = None
+
+    def _reported(self) -> int | None:
+        f = self.params / "reported_kib"  # not in every kernel
+        return int(f.read_text()) if f.exists() else None
+
+
+def _mem_free(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemFree:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no MemFree in {meminfo}")
+
+
+def _touch(n: int, chunk: int = 1 << 28) -> None:
+    """Write one byte per page of n bytes of fresh memory, all held at once, then free it."""
+    import mmap
+
+    maps = []
+    try:
+        for off in range(0, n, chunk):
+            size = min(chunk, n - off)
+            m = mmap.mmap(-1, size)
+            m[::mmap.PAGESIZE] = b"\1" * (-(-size // mmap.PAGESIZE))
+            maps.append(m)
+    finally:
+        for m in maps:
+            m.close()
 
 
 class Network:

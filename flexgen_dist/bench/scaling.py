@@ -3,6 +3,7 @@
     python -m flexgen_dist.bench.scaling --plot bench_results/scaling.png
     python -m flexgen_dist.bench.scaling --netns --link-gbit 10       # shaped links between nodes
     python -m flexgen_dist.bench.scaling --disk-gbps 0.2              # a 0.2 GB/s disk per node
+    python -m flexgen_dist.bench.scaling --physical-memory            # a VM's memory as a machine's
     python -m flexgen_dist.bench.scaling --shared-cores               # the old mode (see below)
     python -m flexgen_dist.bench.scaling --dry-run                    # print the commands, run nothing
 
@@ -49,6 +50,14 @@ start pages the libraries' code back in from the node's throttled disk, behind i
 reads, at the first call of each kernel; in a pipeline every stage's cold start then lies on
 the critical path, one after another.
 
+Memory (``--physical-memory``, root): on a VM that hands freed guest memory back to its host
+(free page reporting), a node that touches memory the host took back waits while the host
+backs it again, 5-6 times what a fresh page costs a physical machine here, and a pipeline stage
+writes most of its KV cache into such memory, where one node reuses what its loader freed.
+The flag turns reporting off and backs the free memory once before the runs (restored after;
+``nodes.NodeMemory``), so the nodes' memory behaves as separate machines' would. The JSON
+records what was done under ``physical_memory``.
+
 Shared cores (``--shared-cores``): all ranks on the machine's cores with cores/m threads
 each (``torchrun --standalone``). Compute does not grow with m there; only the bytes read
 from disk shrink, so its figures say nothing about separate machines.
@@ -70,7 +79,7 @@ from typing import Any
 
 import yaml
 
-from .nodes import DiskLimit, Network, disk_share, node_cpus, preexec, profile_node
+from .nodes import DiskLimit, Network, NodeMemory, disk_share, node_cpus, preexec, profile_node
 from .single import machine
 
 
@@ -180,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hardware", default=None,
                     help="a node's hardware profile YAML (default: profile node 0 once, in the workdir)")
     ap.add_argument("--no-predict", action="store_true", help="no profile, no predictions")
+    ap.add_argument("--physical-memory", action="store_true",
+                    help="turn a VM's free page reporting off and back its free memory for the runs "
+                         "(root; restored after), so fresh pages cost what they cost a physical machine")
     ap.add_argument("--quick-profile", action="store_true", help="a ~10 s profile (less accurate; the disk probes stay full under --disk-gbps)")
     ap.add_argument("--workdir", default=None, help="policy files, metrics and offload files go here")
     ap.add_argument("--repeat", type=int, default=1,
@@ -210,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--disk-gbps must be > 0 GB/s, got {args.disk_gbps}")
     if args.netns and not args.dry_run and os.geteuid() != 0:
         ap.error("--netns needs root (network namespaces)")
+    if args.physical_memory and not args.dry_run and os.geteuid() != 0:
+        ap.error("--physical-memory needs root (it sets /sys/module/page_reporting); run without it")
     return args
 
 
@@ -400,8 +414,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fg-scaling-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     disk = DiskLimit(max(args.stages), args.disk_gbps, work) if args.disk_gbps and not args.dry_run else None
-    with disk or contextlib.nullcontext():
+    if args.physical_memory and args.dry_run:
+        print("# --physical-memory: free page reporting goes off, and the free memory is backed, before the runs")
+    mem = NodeMemory() if args.physical_memory and not args.dry_run else None
+    with disk or contextlib.nullcontext(), mem or contextlib.nullcontext():
         res = bench(args, work, disk)
+    res["physical_memory"] = None if mem is None else mem.info
     out = args.json or (None if args.dry_run else "bench_results/scaling.json")
     if out:  # a dry run does not overwrite a measured result unless told to
         Path(out).parent.mkdir(parents=True, exist_ok=True)
