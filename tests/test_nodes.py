@@ -177,6 +177,19 @@ def test_node_memory_turns_reporting_off_and_restores_it(tmp_path: Path) -> None
     assert (params / "page_reporting_order").read_text() == "9"
 
 
+def test_node_memory_restores_the_order_when_backing_fails(tmp_path: Path, monkeypatch) -> None:
+    params = _fake_reporting(tmp_path)
+
+    def no_memory(n: int) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(nodes, "_touch", no_memory)
+    with pytest.raises(MemoryError):
+        with nodes.NodeMemory(params, touch_bytes=1 << 20):
+            pass
+    assert (params / "page_reporting_order").read_text() == "9"
+
+
 def test_node_memory_without_reporting_or_refused(tmp_path: Path, monkeypatch, capsys) -> None:
     with nodes.NodeMemory(tmp_path / "absent") as mem:
         pass

@@ -53,6 +53,7 @@ class NodeMemory:
                  margin: int = 2 << 30) -> None:
         self.params, self.touch_bytes, self.margin = Path(params), touch_bytes, margin
         self.old: str | None = None
+        self._reported0: int | None = None
         self.info: dict[str, object] = {}
 
     def __enter__(self) -> NodeMemory:
@@ -69,11 +70,16 @@ class NodeMemory:
                              f"{e.strerror or e}): run as root on a kernel that takes page_reporting_order "
                              f"{_REPORTING_OFF}, or leave the flag out") from None
         self.old = old
-        n = self.touch_bytes if self.touch_bytes is not None else max(0, _mem_free() - self.margin)
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # MemFree
+        n = self.touch_bytes if self.touch_bytes is not None else max(0, free - self.margin)
         print(f"# free page reporting off (page_reporting_order {old} -> {_REPORTING_OFF}); "
               f"backing {n / 1e9:.1f} GB of free memory", flush=True)
         t = time.perf_counter()
-        _touch(n)
+        try:
+            _touch(n)
+        except BaseException:  # __exit__ does not run when __enter__ fails: restore here
+            self.__exit__()
+            raise
         self.info = {"page_reporting_order": [int(old), _REPORTING_OFF], "backed_bytes": n,
                      "back_s": round(time.perf_counter() - t, 2)}
         self._reported0 = self._reported()
@@ -91,13 +97,6 @@ class NodeMemory:
     def _reported(self) -> int | None:
         f = self.params / "reported_kib"  # not in every kernel
         return int(f.read_text()) if f.exists() else None
-
-
-def _mem_free(meminfo: Path = Path("/proc/meminfo")) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemFree:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no MemFree in {meminfo}")
 
 
 def _touch(n: int, chunk: int = 1 << 28) -> None:
