@@ -74,6 +74,7 @@ class RunConfig:
     print_outputs: int = 8
     progress: bool = True
     warmup: bool = False
+    explain: bool = False
     stages: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # per-stage policy dicts
 
     def __post_init__(self) -> None:
@@ -119,14 +120,6 @@ class RunConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
-
-    @property
-    def budgets(self) -> dict[str, int | None]:
-        """--gpu-mem/--cpu-mem/--disk-mem in bytes (None where not given)."""
-        from .memory.tiers import parse_size
-
-        return {t: parse_size(v) if v is not None else None
-                for t, v in (("gpu", self.gpu_mem), ("cpu", self.cpu_mem), ("disk", self.disk_mem))}
 
     @property
     def auto_policy(self) -> bool:
@@ -261,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
                    "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "
                    "stay out of the measured throughput (benchmarks)")
+    g.add_argument("--explain", action="store_true", help="print the run's plan (each stage's layers, policy "
+                   "and predicted peaks, and why each choice was made) and whether it fits the memory budgets, "
+                   "then exit without placing or generating anything")
     g = p.add_argument_group("policy")
     g.add_argument("--policy", help="policy YAML file, or 'auto' to plan one")
     g.add_argument("--percent", nargs=6, type=float, metavar=("WG", "WC", "CG", "CC", "HG", "HC"),

@@ -17,6 +17,7 @@ from typing import Any
 from .api import LLM
 from .config import ConfigError, RunConfig, parse_config
 from .errors import exit_code_of
+from .memory.tiers import MemoryBudgetError
 from .metrics import summary
 from .output import OutputWriter, check_writable
 from .prompts import Prompt, read_prompts
@@ -51,6 +52,9 @@ def run(cfg: RunConfig) -> int:
                 print(f"resuming: {done} of {len(prompts)} prompts already in {cfg.output}", file=sys.stderr)
             return len(prompts) - done
 
+        if cfg.explain:  # the plan only: no output is touched, nothing is placed
+            return _explain(llm, read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
+                                              llm.model.spec.vocab_size, cfg.seed) if llm.is_driver else None)
         left = llm.on_driver(prepare)  # every rank learns what rank 0 found
         done = writer.done if writer is not None else 0
         records: list[dict[str, Any]] = []
@@ -77,6 +81,22 @@ def run(cfg: RunConfig) -> int:
         if llm.is_driver:
             assert prompts is not None
             _report(cfg, records, {**llm.metrics, "job_prompts": len(prompts), "resumed_prompts": done})
+    return 0
+
+
+def _explain(llm: LLM, prompts: list[Prompt] | None) -> int:
+    """--explain: rank 0 prints the plan and each stage's budget verdict; nothing is placed."""
+    if not llm.is_driver or not prompts:
+        return 0
+    plan = llm.explain(prompts)
+    assert plan is not None
+    print(plan.explain())
+    try:
+        llm.check_plan(plan, prompts)
+    except MemoryBudgetError as e:
+        print(f"does not fit: {e}")
+        return 1
+    print("fits the memory budgets")
     return 0
 
 

@@ -1,11 +1,18 @@
-"""The run's plan, made by rank 0 at the first call: layer ranges, one policy per stage
-(policy files, flags or the planner), G, prefill items and schedule, all checked against the
-memory budgets with the one peak model every rank checks its own stage with.
+"""The one place that decides what a run will do: ``RunPlanner.plan(workload) -> RunPlan``.
 
-Split from the API object because it is one decision with one input (the config, the model's
-shape, the workload) and one output (a plan every rank receives), and because both the
-planner (``policy="auto"``) and runs with a fixed policy ask the same question of it: does a
-candidate fit the budgets?
+Rank 0 calls it once, at the first call, with the config, the model's shape, the workload,
+the number of ranks and the memory budgets; every other module receives the ``RunPlan``.
+Each choice is recorded with its reason (``RunPlan.choices``; ``--explain`` prints them):
+
+- **layer ranges**: ``--stage-layers``, else equal (``--policy auto`` may rebalance them);
+- **policies**: ``--policy auto`` (the planner's LP over a hardware profile), else the policy
+  file or flags, one per stage;
+- **micro-batch groups G**: ``--num-micro-batches``, else the cost model's best of m and 2m
+  where there is a profile, else m (every stage busy);
+- **prefill items** and **schedule**: the flags, else the cost model's choice where there is
+  a profile, else the rules below that need none;
+- **peaks**: each stage's predicted bytes per tier (``engine/budget.py``), checked against
+  the budgets before anything is allocated.
 """
 from __future__ import annotations
 
@@ -14,84 +21,169 @@ from typing import Any
 
 import torch
 
+from .budgets import Budgets, check_budgets, fits
 from .config import ConfigError, RunConfig
-from .distributed.items import default_prefill_items, default_schedule
 from .distributed.partition import partition_layers
-from .engine.budget import check_budgets, predict_peaks
+from .engine.budget import predict_peaks
 from .engine.policy import Policy
-from .memory.tiers import MemoryBudgetError
 from .models.loader import LoadedModel
+from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
+
+Ranges = list[tuple[int, int]]
 
 
 class RunPlanner:
-    """Plans a run of ``model`` on ``world_size`` stages under ``config``'s budgets."""
+    """Plans a run of ``model`` on ``world_size`` stages within ``budgets``."""
 
     def __init__(self, config: RunConfig, model: LoadedModel, world_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, budgets: Budgets) -> None:
         self.config, self.model, self.world_size, self.device = config, model, world_size, device
+        self.budgets = budgets
         self.dtype_bytes = torch.finfo(dtype).bits // 8
 
-    def plan(self, work: dict[str, Any]) -> dict[str, Any]:
-        """Layer ranges, one policy per stage, G, prefill items and schedule for ``work``
-        (prompt lengths ``lens`` and ``gen_len``)."""
-        cfg, spec, m = self.config, self.model.spec, self.world_size
-        ranges = partition_layers(spec.num_layers, m, cfg.stage_layers)
-        run_cfg = dataclasses.replace(cfg, gen_len=work["gen_len"])
-        prompt_len, gen_len, n = max(work["lens"]), work["gen_len"], len(work["lens"])
+    def plan(self, work: Workload) -> RunPlan:
+        """Every stage's layers, policy and peaks, G, prefill items and schedule for ``work``."""
+        cfg, m = self.config, self.world_size
+        ranges = partition_layers(self.model.spec.num_layers, m, cfg.stage_layers)
+        why: list[Choice] = [Choice("layers", str([list(r) for r in ranges]),
+                                    "--stage-layers" if cfg.stage_layers else "equal split (--partition equal)")]
         if cfg.auto_policy:
-            from .planner.auto import auto_policies
-
-            policies, predicted, ranges = auto_policies(
-                run_cfg, spec, ranges, prompt_len, self.dtype_bytes, self.device, n,
-                lambda pols, rngs, G, schedule: self.fits(pols, rngs, prompt_len, gen_len, G, schedule))
+            policies, predicted, ranges = self._auto(work, ranges)
+            why = [Choice("layers", str([list(r) for r in ranges]), f"--partition {cfg.partition} "
+                          "(balanced: moved by the planner's stage times)"),
+                   Choice("policies", "planned", "--policy auto: the planner's LP for each stage on "
+                          f"{', '.join(predicted['hardware'])}")]
         else:
             policies = cfg.stage_policies(m)
-        sizes = {p.block_size for p in policies}
-        if len(sizes) != 1:
-            raise ConfigError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
-                              "num_gpu_batches): every stage must use the same block size")
-        if not cfg.auto_policy and (not cfg.hardware or cfg.hardware == "auto"):  # no profile: no planner
-            predicted = self._without_profile(policies, ranges, prompt_len, gen_len, n)
-        elif not cfg.auto_policy:
-            from .planner.auto import fixed_policy_choice
+            why.append(Choice("policies", "given", f"--policy {cfg.policy}" if cfg.policy else
+                              "the flags (--percent, --gpu-batch-size, ...) or their defaults"))
+            if len({p.block_size for p in policies}) != 1:
+                raise ConfigError(f"stage policies have block sizes {sorted({p.block_size for p in policies})} "
+                                  "(gpu_batch_size x num_gpu_batches): every stage must use the same block size")
+            if cfg.hardware and cfg.hardware != "auto":
+                predicted = self._fixed(work, ranges, policies)
+            else:
+                predicted = self._without_profile(work, ranges, policies)
+        return self._record(work, ranges, policies, predicted, why)
 
-            predicted = fixed_policy_choice(
-                run_cfg, spec, ranges, policies, prompt_len, self.dtype_bytes, self.device, n,
-                lambda G, schedule="sequential": self.fits(policies, ranges, prompt_len, gen_len, G, schedule))
-        G, items = predicted.pop("num_micro_batches"), predicted.pop("prefill_items")
-        return {"policies": [p.to_dict() for p in policies], "ranges": [list(r) for r in ranges],
-                "G": G, "prefill": items, "schedule": predicted.pop("schedule", "sequential"),
-                "predicted": predicted}
+    def _record(self, work: Workload, ranges: Ranges, policies: list[Policy], predicted: dict[str, Any],
+                why: list[Choice]) -> RunPlan:
+        G, items, schedule = predicted["num_micro_batches"], predicted["prefill_items"], predicted["schedule"]
+        why += predicted["why"]
+        inflight = G * (2 if schedule == "overlapped" else 1)
+        stages = tuple(StagePlan(s, tuple(r), p, self.peaks(p, tuple(r), s, work, inflight))  # type: ignore[arg-type]
+                       for s, (p, r) in enumerate(zip(policies, ranges)))
+        pred = Prediction.of(predicted) if "total_throughput" in predicted else None
+        nblocks = -(-work.num_prompts // policies[0].block_size)
+        return RunPlan(stages, G, items, schedule, nblocks, pred, tuple(why))
 
-    def _without_profile(self, policies: list[Policy], ranges: list[tuple[int, int]], prompt_len: int,
-                         gen_len: int, n: int) -> dict[str, Any]:
+    # --- the three ways to G, prefill items and schedule ------------------------------------
+    def _auto(self, work: Workload, ranges: Ranges) -> tuple[list[Policy], dict[str, Any], Ranges]:
+        from .planner.auto import auto_policies
+
+        cfg = dataclasses.replace(self.config, gen_len=work.gen_len)
+        policies, predicted, ranges = auto_policies(
+            cfg, self.model.spec, ranges, work.prompt_len, self.dtype_bytes, self.device, work.num_prompts,
+            lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets)
+        predicted["why"] = _model_reasons(cfg, predicted)
+        return policies, predicted, ranges
+
+    def _fixed(self, work: Workload, ranges: Ranges, policies: list[Policy]) -> dict[str, Any]:
+        from .planner.auto import fixed_policy_choice
+
+        cfg = dataclasses.replace(self.config, gen_len=work.gen_len)
+        predicted = fixed_policy_choice(
+            cfg, self.model.spec, ranges, policies, work.prompt_len, self.dtype_bytes, self.device,
+            work.num_prompts, lambda G, schedule="sequential": self.fits(policies, ranges, work, G, schedule),
+            self.budgets)
+        predicted["why"] = _model_reasons(cfg, predicted)
+        return predicted
+
+    def _without_profile(self, work: Workload, ranges: Ranges, policies: list[Policy]) -> dict[str, Any]:
         """G, prefill items and schedule by the rules that need no hardware profile."""
-        cfg = self.config
-        G = cfg.num_micro_batches or self.world_size
-        items = cfg.prefill_items if cfg.prefill_items != "auto" else default_prefill_items(policies, self.device)
-        schedule = cfg.schedule
-        if schedule == "auto":
-            schedule = default_schedule(policies, self.device, -(-n // policies[0].block_size), G, gen_len)
-            if not self.fits(policies, ranges, prompt_len, gen_len, G, schedule):
-                schedule = "sequential"
-        return {"num_micro_batches": G, "prefill_items": items, "schedule": schedule}
+        cfg, m = self.config, self.world_size
+        G = cfg.num_micro_batches or m
+        why = [Choice("num_micro_batches", str(G), "--num-micro-batches" if cfg.num_micro_batches else
+                      "no hardware profile: one group per stage keeps every stage busy")]
+        if cfg.prefill_items != "auto":
+            items, reason = cfg.prefill_items, "--prefill-items"
+        else:
+            items, reason = default_prefill_items(policies, self.device)
+        why.append(Choice("prefill_items", items, reason))
+        if cfg.schedule != "auto":
+            schedule, reason = cfg.schedule, "--schedule"
+        else:
+            nblocks = -(-work.num_prompts // policies[0].block_size)
+            schedule, reason = default_schedule(policies, self.device, nblocks, G, work.gen_len)
+            if schedule == "overlapped" and not self.fits(policies, ranges, work, G, schedule):
+                schedule, reason = "sequential", "two blocks per group would not fit the memory budgets"
+        why.append(Choice("schedule", schedule, reason))
+        return {"num_micro_batches": G, "prefill_items": items, "schedule": schedule, "why": why}
 
-    def fits(self, policies: list[Policy], ranges: list[tuple[int, int]], prompt_len: int, gen_len: int,
-             G: int, schedule: str) -> bool:
+    # --- memory ------------------------------------------------------------------------------
+    def fits(self, policies: list[Policy], ranges: Ranges, work: Workload, G: int, schedule: str) -> bool:
         """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
-        try:
-            for s, (p, r) in enumerate(zip(policies, ranges)):
-                check_budgets(self.peaks(p, tuple(r), s, prompt_len, gen_len, G, schedule), self.config.budgets, s)
-        except MemoryBudgetError:
-            return False
-        return True
+        inflight = G * (2 if schedule == "overlapped" else 1)
+        return all(fits(self.peaks(p, (r[0], r[1]), s, work, inflight), self.budgets)
+                   for s, (p, r) in enumerate(zip(policies, ranges)))
 
-    def peaks(self, policy: Policy, layers: tuple[int, int], stage: int, prompt_len: int, gen_len: int,
-              G: int, schedule: str = "sequential") -> dict[str, int]:
-        """The budget check's peak model (``engine/budget.py``) for one stage: G blocks in
-        flight, two per group when the next block's prefill rides on the current's decode."""
-        return predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
-                             has_head=stage == self.world_size - 1, prompt_len=prompt_len, gen_len=gen_len,
-                             dtype_bytes=self.dtype_bytes,
-                             num_blocks_in_flight=G * (2 if schedule == "overlapped" else 1),
-                             packed=self.model.source.packed_formats)
+    def peaks(self, policy: Policy, layers: tuple[int, int], stage: int, work: Workload,
+              blocks_in_flight: int) -> Peaks:
+        """The peak model (``engine/budget.py``) for one stage and ``work``."""
+        return Peaks.of(predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
+                                      has_head=stage == self.world_size - 1, prompt_len=work.prompt_len,
+                                      gen_len=work.gen_len, dtype_bytes=self.dtype_bytes,
+                                      num_blocks_in_flight=blocks_in_flight,
+                                      packed=self.model.source.packed_formats))
+
+    def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
+        """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""
+        st = plan.stage(rank)
+        peaks = self.peaks(st.policy, st.layers, rank, work, plan.blocks_in_flight)
+        check_budgets(peaks, self.budgets, stage=rank)
+        return peaks
+
+
+def _model_reasons(cfg: RunConfig, predicted: dict[str, Any]) -> list[Choice]:
+    """Why G, prefill items and schedule are what the cost model's prediction says."""
+    total = predicted.get("total_throughput", 0.0)
+    by_model = f"the cost model's best (predicted total {total:.1f} tok/s)"
+    given = {"num_micro_batches": cfg.num_micro_batches is not None, "prefill_items": cfg.prefill_items != "auto",
+             "schedule": cfg.schedule != "auto"}
+    flags = {"num_micro_batches": "--num-micro-batches", "prefill_items": "--prefill-items",
+             "schedule": "--schedule"}
+    return [Choice(k, str(predicted[k]), flags[k] if given[k] else by_model) for k in flags]
+
+
+def default_prefill_items(policies: list[Policy], device: torch.device) -> tuple[str, str]:
+    """Without a hardware profile: one prefill item per GPU batch where that costs no extra
+    weight traffic (every stage's weights at rest on the compute device, uncompressed) and
+    the stages share one GPU batch size; else one per block. Returns (choice, reason)."""
+    if len(policies) == 1:
+        return "block", "one stage: nothing to overlap a block's prefill with"
+    if len({p.gpu_batch_size for p in policies}) > 1:
+        return "block", "the stages' GPU batch sizes differ (pieces are GPU batches)"
+    for p in policies:
+        wg, wc, wd = p.fractions("w")
+        resident = wd < 1e-9 if device.type == "cpu" else wg > 1 - 1e-9
+        if p.num_gpu_batches == 1 or p.compress_weight or not resident:
+            return "block", "no hardware profile, and pieces would re-read off-device weights per GPU batch"
+    return "batch", "no hardware profile; weights at rest on the compute device, so pieces cost no reads"
+
+
+def default_schedule(policies: list[Policy], device: torch.device, num_blocks: int, num_groups: int,
+                     gen_len: int) -> tuple[str, str]:
+    """Without a hardware profile: overlapped on a GPU whose decode steps stream weights from
+    host RAM or disk (the GPU idles while they come, and a rider's prefill fills that time)
+    and where some group has a next block to ride; else sequential. On a CPU device the
+    reads take CPU time from the same cores, and whether a rider gains depends on how
+    disk-bound decode is (measured +23 % to -2 %): only the cost model, with a profile,
+    takes it there. Returns (choice, reason)."""
+    if device.type != "cuda":
+        return "sequential", "no hardware profile on a CPU device (a rider's gain depends on the disk)"
+    if gen_len < 2 or num_blocks <= num_groups:
+        return "sequential", "no group has a next block to ride on its decode steps"
+    if any(p.fractions("w")[0] < 1 - 1e-9 for p in policies):
+        return "overlapped", "the GPU waits for streamed weights in decode: a rider's prefill fills it"
+    return "sequential", "every weight on the GPU: decode does not wait for reads"
+

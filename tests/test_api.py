@@ -65,19 +65,19 @@ def test_warmup_places_for_the_job_and_leaves_its_tokens_and_metrics(tiny_models
 
     start = api.LLM._start
 
-    def recording_start(self, prompts, gen_len, sampling, **kw):
-        work = start(self, prompts, gen_len, sampling, **kw)
-        calls.append((len(work["lens"]), work["gen_len"]))
-        return work
+    def recording_start(self, workload):
+        work, peaks = start(self, workload)
+        calls.append((work.num_prompts, work.gen_len))
+        return work, peaks
 
     monkeypatch.setattr(api.LLM, "_start", recording_start)
     with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False,
              gen_len=GEN) as llm:
         llm.warmup(PROMPTS)
-        plan = llm._plan
+        plan = llm.plan
         assert llm.engine is not None and llm.metrics == {}
         outs = llm.generate(PROMPTS)
-        assert llm._plan is plan  # the job's plan, made at the warm-up
+        assert llm.plan is plan  # the job's plan, made at the warm-up
         metrics = llm.metrics
     # the plan saw the job's workload; the untimed pass was one GPU batch for one token
     assert calls == [(len(PROMPTS), GEN), (2, 1), (len(PROMPTS), GEN)]

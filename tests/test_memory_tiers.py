@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgen_dist.engine.budget import check_budgets
+from flexgen_dist.budgets import Budgets, available_ram, check_budgets, machine_budgets, user_caps
+from flexgen_dist.config import ConfigError
+from flexgen_dist.plan import Peaks
 from flexgen_dist.memory.disk import DiskStore
 from flexgen_dist.memory.quant import dequantize, quantize
 from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
@@ -113,15 +115,44 @@ def test_tracker_is_thread_safe() -> None:
 
 
 def test_budget_check_names_tier_peak_cap_and_stage() -> None:
-    """The run's budget check (on predicted peaks, before anything is allocated)."""
-    check_budgets({"gpu": 2 * 2**30, "cpu": 10**15, "disk": 0}, {"gpu": 2 * 2**30, "cpu": None, "disk": 0})
+    """The run's budget check (on predicted peaks, before anything is allocated): a GPU
+    machine checks each tier against its cap, naming the flag the user gave."""
+    gpu = dict(pooled=False, given=("gpu", "disk"))
+    check_budgets(Peaks(2 * 2**30, 10**15, 0), Budgets(gpu=2 * 2**30, cpu=None, disk=0, **gpu))
     with pytest.raises(MemoryBudgetError) as info:
-        check_budgets({"gpu": int(3.2 * 2**30), "cpu": 0, "disk": 0}, {"gpu": 2 * 2**30}, stage=1)
+        check_budgets(Peaks(int(3.2 * 2**30), 0, 0), Budgets(gpu=2 * 2**30, **gpu), stage=1)
     msg = str(info.value)
-    assert msg.startswith("predicted gpu peak 3.20 GiB on stage 1 exceeds --gpu-mem 2.00 GiB: lower ")
+    assert msg.startswith("predicted GPU memory peak 3.20 GiB on stage 1 exceeds --gpu-mem 2.00 GiB: lower ")
     assert "--percent" in msg
     with pytest.raises(MemoryBudgetError, match="exceeds --disk-mem 10 B"):
-        check_budgets({"gpu": 0, "cpu": 0, "disk": 11}, {"disk": 10})
+        check_budgets(Peaks(0, 0, 11), Budgets(disk=10, **gpu))
+
+
+def test_budget_check_pools_ram_without_a_gpu() -> None:
+    """Without a GPU the compute tier is RAM too: both tiers are checked together, and a
+    budget that came from the machine says so."""
+    machine = Budgets(gpu=None, cpu=10 * 2**30, disk=None, pooled=True, source="available memory")
+    check_budgets(Peaks(6 * 2**30, 4 * 2**30, 0), machine)  # exactly the pool
+    with pytest.raises(MemoryBudgetError) as info:
+        check_budgets(Peaks(6 * 2**30, 5 * 2**30, 0), machine)
+    msg = str(info.value)
+    assert msg.startswith("predicted RAM peak 11.00 GiB (compute tier 6.00 GiB + host tier 5.00 GiB) exceeds "
+                          "the 10.00 GiB of RAM this process may use (available memory): ")
+    assert "--policy auto" in msg
+    given = Budgets(gpu=None, cpu=8 * 2**30, pooled=True, given=("cpu",))
+    with pytest.raises(MemoryBudgetError, match=r"exceeds --cpu-mem 8.00 GiB"):
+        check_budgets(Peaks(9 * 2**30, 0, 0), given)
+
+
+def test_machine_budgets_fill_what_the_user_left_out(tmp_path) -> None:
+    caps = user_caps(None, "3GiB", None)
+    b = machine_budgets(caps, torch.device("cpu"), str(tmp_path / "not-yet" / "offload"))
+    assert b.pooled and b.given == ("cpu",) and b.cpu == 3 * 2**30 and b.gpu is None
+    assert b.disk is not None and b.disk > 0  # the free space of the nearest existing parent
+    free = machine_budgets(user_caps(None, None, None), torch.device("cpu"), str(tmp_path))
+    assert free.given == () and 0 < free.cpu <= available_ram()[0] * 1.5
+    with pytest.raises(ConfigError, match="--gpu-mem 'lots'"):
+        user_caps("lots", None, None)
 
 
 def test_tensor_nbytes(store: DiskStore) -> None:

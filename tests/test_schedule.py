@@ -175,14 +175,14 @@ def test_default_schedule_without_a_profile() -> None:
     same cores' time: the cost model decides there, with a profile)."""
     import torch
 
-    from flexgen_dist.distributed.items import default_schedule
+    from flexgen_dist.run_plan import default_schedule
     from flexgen_dist.engine.policy import Policy
 
     streamed, resident = [Policy(2, 2, 20, 80, 100, 0, 100, 0)], [Policy(2, 2, 100, 0, 100, 0, 100, 0)]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=8) == "overlapped"
-    assert default_schedule(resident, cuda, num_blocks=3, num_groups=1, gen_len=8) == "sequential"
-    assert default_schedule(streamed, cuda, num_blocks=2, num_groups=2, gen_len=8) == "sequential"
-    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=1) == "sequential"
+    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=8)[0] == "overlapped"
+    assert default_schedule(resident, cuda, num_blocks=3, num_groups=1, gen_len=8)[0] == "sequential"
+    assert default_schedule(streamed, cuda, num_blocks=2, num_groups=2, gen_len=8)[0] == "sequential"
+    assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=1)[0] == "sequential"
     assert default_schedule([Policy(2, 2, 0, 20, 100, 0, 100, 0)], cpu, num_blocks=3, num_groups=1,
-                            gen_len=8) == "sequential"
+                            gen_len=8)[0] == "sequential"

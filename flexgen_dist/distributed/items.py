@@ -25,10 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ..engine.policy import Policy
-
 PREFILL, DECODE, COLLECT = "prefill", "decode", "collect"
 
 
@@ -194,29 +190,3 @@ class ItemStream:
             out.append(it)
         return out
 
-
-def default_prefill_items(policies: list[Policy], device: torch.device) -> str:
-    """Without a hardware profile: one prefill item per GPU batch where that costs no extra
-    weight traffic (every stage's weights at rest on the compute device, uncompressed) and
-    the stages share one GPU batch size; else one per block."""
-    if len(policies) == 1 or len({p.gpu_batch_size for p in policies}) > 1:
-        return "block"
-    for p in policies:
-        wg, wc, wd = p.fractions("w")
-        resident = wd < 1e-9 if device.type == "cpu" else wg > 1 - 1e-9
-        if p.num_gpu_batches == 1 or p.compress_weight or not resident:
-            return "block"
-    return "batch"
-
-
-def default_schedule(policies: list[Policy], device: torch.device, num_blocks: int, num_groups: int,
-                     gen_len: int) -> str:
-    """Without a hardware profile: overlapped on a GPU whose decode steps stream weights from
-    host RAM or disk (the GPU idles while they come, and a rider's prefill fills that time)
-    and where some group has a next block to ride; else sequential. On a CPU device the
-    reads take CPU time from the same cores, and whether a rider gains depends on how
-    disk-bound decode is (measured +23 % to -2 %): only the cost model, with a profile,
-    takes it there."""
-    if device.type != "cuda" or gen_len < 2 or num_blocks <= num_groups:
-        return "sequential"
-    return "overlapped" if any(p.fractions("w")[0] < 1 - 1e-9 for p in policies) else "sequential"

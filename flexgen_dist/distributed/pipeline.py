@@ -37,7 +37,7 @@ stage's split, where tokens come out: the pipeline's fill counts as prefill.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -59,8 +59,9 @@ class Pipeline:
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
-                 prefill: str = "block", ride: bool = False) -> None:
+                 prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
+        self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         # each prompt's key for its random draws (its index in the job; default: in this call)
         n = sum(len(b.lens) for b in blocks)
         self.keys = torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=engine.device)
@@ -279,6 +280,9 @@ class Pipeline:
             return tokens[0].tolist()
         seqs = torch.stack(tokens, 1).tolist()
         outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
+        if self.limits is not None:
+            first = self.blocks[b].first
+            outs = [o[:self.limits[first + n]] for n, o in enumerate(outs)]
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
         return outs

@@ -1,4 +1,5 @@
-"""Predicted peak bytes per tier of a stage under a policy, checked before anything is allocated.
+"""Predicted peak bytes per tier of a stage under a policy (``budgets.check_budgets`` checks them
+against the run's budgets before anything is allocated).
 
 The prediction mirrors what the engine allocates: weights by ``choose_tiers``, the KV cache of
 one block by ``split_rows`` (packed codes plus group metadata per position when
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..memory.tiers import MemoryBudgetError, Tier, format_bytes
+from ..memory.tiers import Tier
 from ..models.common import family_module
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
@@ -67,20 +68,6 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
         work += b * spec.vocab_size * 4
     peak[Tier.GPU.value] += work
     return peak
-
-
-def check_budgets(peak: dict[str, int], budgets: dict[str, int | None], stage: int = 0) -> None:
-    """Refuse a policy whose predicted peak exceeds a cap, naming the tier, peak and cap."""
-    flags = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}
-    hints = {"gpu": "lower the GPU percents (--percent) or --gpu-batch-size",
-             "cpu": "move weights or cache to disk (--percent) or lower the batch size",
-             "disk": "raise --disk-mem, free space, or lower the batch size"}
-    for tier, cap in budgets.items():
-        if cap is not None and peak[tier] > cap:
-            where = f" on stage {stage}" if stage else ""
-            raise MemoryBudgetError(
-                f"predicted {tier} peak {format_bytes(peak[tier])}{where} exceeds {flags[tier]} "
-                f"{format_bytes(cap)}: {hints[tier]}, or use --policy auto")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

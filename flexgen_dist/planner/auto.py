@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..budgets import Budgets
 from ..config import RunConfig
 from ..distributed.partition import partition_layers
 from ..engine.policy import Policy
@@ -23,15 +24,37 @@ from .pipeline import plan_pipeline
 from .search import PlanError
 
 
-def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int) -> list[HardwareSpec]:
-    """Each stage's machine: --hardware FILE (one, or ``stages:`` one per stage) or this host's."""
+def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int,
+                 budgets: Budgets | None = None) -> list[HardwareSpec]:
+    """Each stage's machine: --hardware FILE (one, or ``stages:`` one per stage) or this host's,
+    its capacities cut to the run's ``budgets``: the user's caps replace them, and what this
+    machine has bounds them (a profile may be another machine's)."""
     if cfg.hardware and cfg.hardware != "auto":
         hws = hardware_for_stages(load_hardware_stages(cfg.hardware), num_stages)
     else:
         print("planner: using the cached hardware profile of this host (profiling it if absent)",
               file=sys.stderr)
         hws = [load_or_profile(None, device.type, cfg.offload_dir)] * num_stages
-    return [hw.with_budgets(gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem, disk_mem=cfg.disk_mem) for hw in hws]
+    if budgets is None:
+        return [hw.with_budgets(gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem, disk_mem=cfg.disk_mem) for hw in hws]
+    return [_within(hw, budgets) for hw in hws]
+
+
+def _within(hw: HardwareSpec, b: Budgets) -> HardwareSpec:
+    """``hw`` with the run's budgets: a user's cap replaces the profile's capacity, a machine
+    figure bounds it. On a CPU-only machine the compute and host tiers share one pool of RAM,
+    which the LP sees as two halves unless the user capped the compute tier."""
+    caps = {"gpu_mem": b.gpu, "cpu_mem": b.cpu, "disk_mem": b.disk}
+    if b.pooled and b.cpu is not None:
+        gpu = b.gpu if "gpu" in b.given and b.gpu is not None else b.cpu // 2
+        caps["gpu_mem"], caps["cpu_mem"] = gpu, max(0, b.cpu - gpu)
+    given = {"gpu_mem": "gpu" in b.given, "cpu_mem": "cpu" in b.given and not b.pooled,
+             "disk_mem": "disk" in b.given}
+    out = {}
+    for field, cap in caps.items():
+        if cap is not None:
+            out[field] = cap if given[field] else min(cap, getattr(hw, field))
+    return hw.with_budgets(**out)
 
 
 PREDICTED_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
@@ -59,14 +82,14 @@ def _schedule_that_fits(cfg: RunConfig, estimate: Callable[[str], dict[str, Any]
 
 def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], prompt_len: int,
                   dtype_bytes: int, device: torch.device, num_prompts: int | None = None,
-                  fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None
-                  ) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
+                  fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None,
+                  budgets: Budgets | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
     """Policies (one per stage), the planner's prediction (with its choice of G, prefill
     items and schedule), and the (possibly rebalanced) layer ranges. The policies are planned
     for G blocks in flight; the overlapped schedule (two per group) is then chosen where it
     is predicted faster and ``fits(policies, ranges, G, schedule)``."""
     m = len(ranges)
-    hws = hardware_for(cfg, device, m)
+    hws = hardware_for(cfg, device, m, budgets)
     n = num_prompts if num_prompts is not None else (cfg.num_prompts or 1)
     plan = None
     for G in group_options(cfg, m):
@@ -105,12 +128,12 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
 
 def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], policies: list[Policy],
                         prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
-                        fits: Any) -> dict[str, Any]:
+                        fits: Any, budgets: Budgets | None = None) -> dict[str, Any]:
     """For policies given by the user with ``--hardware FILE``: the prediction, choosing G
     among ``group_options`` where ``fits(G)``, and the prefill items and schedule by the cost
     model (overlapped where ``fits(G, "overlapped")``)."""
     m = len(ranges)
-    hws = hardware_for(cfg, device, m)
+    hws = hardware_for(cfg, device, m, budgets)
     wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
     best: dict[str, Any] | None = None
     options = group_options(cfg, m)

@@ -1,0 +1,204 @@
+"""The typed records of a run: what is asked (``Workload``) and what will be done (``RunPlan``,
+one ``StagePlan`` per stage), with the reason for each choice.
+
+These are the values that cross module and rank boundaries: rank 0 builds the workload and
+the plan once and sends both to every rank (``Workload.header()`` leaves the prompts' text
+behind), the engine and the pipeline loop read their fields, and ``--metrics`` and
+``--explain`` report them. Only ``to_dict`` sees them as dicts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from .engine.policy import Policy
+from .engine.sampling import SamplingConfig
+from .prompts import Prompt
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One call's requests: prompt lengths, generation limits, sampling, scoring targets.
+
+    ``gen_len`` is the call's number of token steps; ``max_new_tokens`` (one per request,
+    each in [1, gen_len]) cuts a request's completion shorter. ``keys`` are the requests'
+    sampling keys (default: their index in the call). ``targets`` (scoring) are, per
+    sequence, the id that follows each position, -1 where it is not scored. ``prompts``
+    (rank 0 only) keep each request's ids and text; ``header()`` drops them for the wire."""
+
+    lens: tuple[int, ...]
+    gen_len: int
+    sampling: SamplingConfig = SamplingConfig()
+    keys: tuple[int, ...] | None = None
+    max_new_tokens: tuple[int, ...] | None = None
+    targets: tuple[tuple[int, ...], ...] | None = None
+    prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.lens)
+        if n == 0 or min(self.lens) < 1:
+            raise ValueError("a workload needs at least one request, each of >= 1 token")
+        if self.gen_len < 1:
+            raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
+        for name in ("keys", "max_new_tokens", "targets"):
+            v = getattr(self, name)
+            if v is not None and len(v) != n:
+                raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")
+        if self.max_new_tokens is not None:
+            bad = [m for m in self.max_new_tokens if not 1 <= m <= self.gen_len]
+            if bad:
+                raise ValueError(f"max_new_tokens {bad[0]}: each must be in [1, gen_len={self.gen_len}]")
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.lens)
+
+    @property
+    def prompt_len(self) -> int:
+        """The longest prompt: a block's padded length at most."""
+        return max(self.lens)
+
+    @property
+    def scoring(self) -> bool:
+        return self.targets is not None
+
+    def header(self) -> Workload:
+        """What the other ranks need: everything but the prompts' ids and text."""
+        return replace(self, prompts=())
+
+    def limit(self, n: int) -> int:
+        """Request ``n``'s own number of new tokens at most."""
+        return self.gen_len if self.max_new_tokens is None else self.max_new_tokens[n]
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Predicted peak bytes per tier: gpu is the compute device (host RAM on a CPU-only
+    machine), cpu is host RAM, disk the offload directory."""
+
+    gpu: int
+    cpu: int
+    disk: int
+
+    @classmethod
+    def of(cls, d: dict[str, int]) -> Peaks:
+        return cls(*(int(d[t]) for t in TIERS))
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One decision of the plan: what was chosen, and why (for ``--explain`` and metrics)."""
+
+    name: str
+    value: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's figures for the planned workload (absent without a hardware profile)."""
+
+    prefill_throughput: float
+    decode_throughput: float
+    total_throughput: float
+    prefill_time_s: float
+    decode_time_s: float
+    hardware: tuple[str, ...]
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Prediction:
+        return cls(float(d["prefill_throughput"]), float(d["decode_throughput"]), float(d["total_throughput"]),
+                   float(d["prefill_time_s"]), float(d["decode_time_s"]), tuple(d.get("hardware", ())))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage: its layers [lo, hi), its policy, and its predicted peak bytes per tier."""
+
+    index: int
+    layers: tuple[int, int]
+    policy: Policy
+    peaks: Peaks
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do: one ``StagePlan`` per stage (rank), the micro-batch groups in
+    flight, how a block's prefill crosses the stages, the pipeline schedule, the blocks of the
+    planned workload, the planner's prediction, and the reason for each choice."""
+
+    stages: tuple[StagePlan, ...]
+    num_micro_batches: int
+    prefill_items: str  # "block" or "batch"
+    schedule: str  # "sequential" or "overlapped"
+    num_blocks: int
+    prediction: Prediction | None = None
+    choices: tuple[Choice, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a plan needs at least one stage")
+        sizes = {s.policy.block_size for s in self.stages}
+        if len(sizes) != 1:
+            raise ValueError(f"stage policies have block sizes {sorted(sizes)} (gpu_batch_size x "
+                             "num_gpu_batches): every stage must use the same block size")
+        if self.prefill_items not in ("block", "batch") or self.schedule not in ("sequential", "overlapped"):
+            raise ValueError(f"plan prefill_items={self.prefill_items!r}, schedule={self.schedule!r}")
+        if self.num_micro_batches < 1:
+            raise ValueError(f"plan num_micro_batches={self.num_micro_batches}: must be >= 1")
+
+    @property
+    def block_size(self) -> int:
+        return self.stages[0].policy.block_size
+
+    @property
+    def blocks_in_flight(self) -> int:
+        """Blocks whose cache a stage holds at once: G, two per group when prefill rides."""
+        return self.num_micro_batches * (2 if self.schedule == "overlapped" else 1)
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        return tuple(s.policy for s in self.stages)
+
+    def stage(self, rank: int) -> StagePlan:
+        return self.stages[rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as the metrics report it (JSON-able)."""
+        return {"stages": [{"stage": s.index, "layers": list(s.layers), "policy": s.policy.to_dict(),
+                            "predicted_peak_bytes": s.peaks.as_dict()} for s in self.stages],
+                "num_micro_batches": self.num_micro_batches, "prefill_items": self.prefill_items,
+                "schedule": self.schedule, "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "prediction": None if self.prediction is None else asdict(self.prediction),
+                "choices": [asdict(c) for c in self.choices]}
+
+    def explain(self) -> str:
+        """The plan in words: each stage, then each choice with its reason."""
+        lines = []
+        for s in self.stages:
+            p, pk = s.policy, s.peaks
+            lines.append(f"stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) gbs={p.gpu_batch_size} "
+                         f"num_gb={p.num_gpu_batches} percent={' '.join(f'{x:g}' for x in p.percent())} "
+                         f"cpu_attention={p.cpu_attention} compress_weight={p.compress_weight} "
+                         f"compress_cache={p.compress_cache}; predicted peaks: "
+                         + ", ".join(f"{t} {_gib(getattr(pk, t))}" for t in TIERS))
+        lines += [f"{c.name} = {c.value}: {c.why}" for c in self.choices]
+        if self.prediction is not None:
+            pr = self.prediction
+            lines.append(f"predicted: prefill {pr.prefill_throughput:.1f} tok/s, decode "
+                         f"{pr.decode_throughput:.1f} tok/s, total {pr.total_throughput:.1f} tok/s "
+                         f"(hardware: {', '.join(pr.hardware)})")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

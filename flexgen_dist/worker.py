@@ -1,0 +1,101 @@
+"""One rank's side of a run: its stage engine (built once, for the first plan), the pipeline
+loop over a call's blocks, and the stage's record of what it measured.
+
+The API (``api.LLM``) owns the rank group and the plan; a ``StageWorker`` receives both as
+values and never decides anything about the run.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from . import hugepages
+from .config import RunConfig
+from .distributed.group import RankGroup
+from .distributed.pipeline import Pipeline
+from .engine.blocks import plan_blocks
+from .engine.budget import needs_disk
+from .engine.stage import StageEngine
+from .kernels import gemm
+from .memory.disk import DiskStore
+from .metrics import progress_bar
+from .models.loader import LoadedModel
+from .plan import Peaks, RunPlan, Workload
+
+log = logging.getLogger("flexgen_dist")
+
+
+class StageWorker:
+    """The stage of ``group.rank`` under a plan: its engine, offload files and records."""
+
+    def __init__(self, config: RunConfig, model: LoadedModel, group: RankGroup, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config, self.model, self.group, self.device, self.dtype = config, model, group, device, dtype
+        self.engine: StageEngine | None = None
+        self.disk: DiskStore | None = None
+        self.record: dict[str, Any] = {}  # the last call's stage record
+
+    def build(self, plan: RunPlan, peaks: Peaks) -> bool:
+        """Place this stage's weights for ``plan`` (once); whether it was built now."""
+        if self.engine is not None:
+            return False
+        st, rank = plan.stage(self.group.rank), self.group.rank
+        try:
+            if needs_disk([st.policy]):
+                self.disk = DiskStore(Path(self.config.offload_dir).expanduser(), rank=rank,
+                                      direct_io=self.config.direct_io)
+                self.group.add_cleanup(self.disk.close)
+                self.disk.check_space(peaks.disk)
+            self.engine = StageEngine(self.model.spec, self.model.source, st.layers, has_embed=rank == 0,
+                                      has_head=rank == self.group.size - 1, policy=st.policy, device=self.device,
+                                      dtype=self.dtype, disk=self.disk)
+        except BaseException:
+            if self.disk is not None:  # no half-built stage keeps files
+                self.disk.close()
+                self.disk = None
+            raise
+        log.info("stage %d: layers [%d, %d) weights %s", rank, *st.layers, self.engine.describe())
+        return True
+
+    def run(self, plan: RunPlan, work: Workload, peaks: Peaks) -> Iterator[tuple[int, list[Any]]]:
+        """The one loop over this call's blocks: rank 0 gets (first index, per-sequence results)
+        of each block; at the end ``record`` holds this stage's figures."""
+        engine = self.engine
+        assert engine is not None, "build() first"
+        blocks = plan_blocks(list(work.lens), engine.policy.block_size)
+        pipe = Pipeline(engine, blocks, gen_len=work.gen_len, sampling=work.sampling,
+                        num_groups=plan.num_micro_batches, ctx=self.group.ctx,
+                        targets=None if work.targets is None else [list(t) for t in work.targets],
+                        keys=None if work.keys is None else list(work.keys), prefill=plan.prefill_items,
+                        ride=plan.schedule == "overlapped", limits=work.max_new_tokens)
+        times0 = engine.times.as_dict()
+        read0 = self.disk.bytes_read if self.disk is not None else 0
+        bar = progress_bar(len(blocks) * work.gen_len, self.config.progress and self.group.is_driver)
+        try:
+            yield from pipe.run([p.ids for p in work.prompts] if work.prompts else None,
+                                bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        times = {k: v - times0[k] for k, v in engine.times.as_dict().items()}
+        self.timings = pipe.timings
+        self.record = {
+            "stage": self.group.rank, "layers": list(plan.stage(self.group.rank).layers),
+            "policy": engine.policy.to_dict(), "peak_bytes": engine.peak_bytes(),
+            "predicted_peak_bytes": peaks.as_dict(), **times,
+            "comm_wait_s": pipe.comm_wait_s, "token_steps": pipe.timings.token_steps,
+            "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
+            **{f"prefill_{k}": v for k, v in pipe.prefill_split.items()},
+            "disk_bytes_read": (self.disk.bytes_read - read0) if self.disk is not None else 0,
+            "direct_io": None if self.disk is None else self.disk.direct,
+            "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums
+            "huge_pages": hugepages.status(),  # large host tensors on huge pages (hugepages.py)
+        }
+
+    def close(self) -> None:
+        for thing in (self.engine, self.disk):
+            if thing is not None:
+                thing.close()
