@@ -1,0 +1,142 @@
+"""The typed records of a run (plan.py), the planner's choices (run_plan.py), ``--explain``,
+per-request generation limits, and the property that every plan the planner returns fits the
+budgets it was made for."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS, reference_generate
+from flexgen_dist import LLM, Policy
+from flexgen_dist.budgets import Budgets, fits
+from flexgen_dist.engine.budget import predict_peaks
+from flexgen_dist.models.registry import get_spec
+from flexgen_dist.plan import Choice, Peaks, RunPlan, StagePlan, Workload
+from flexgen_dist.planner.cost_model import Workload as Shape
+from flexgen_dist.planner.hardware import HardwareSpec
+from flexgen_dist.planner.pipeline import plan_pipeline
+from flexgen_dist.planner.search import PlanError
+from flexgen_dist.run import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = 5
+
+
+def _plan(*, schedule: str = "sequential", G: int = 1) -> RunPlan:
+    pol = Policy(2, 2, 0, 100, 100, 0, 100, 0)
+    stages = (StagePlan(0, (0, 2), pol, Peaks(1, 2, 3)), StagePlan(1, (2, 4), pol, Peaks(4, 5, 6)))
+    return RunPlan(stages, G, "block", schedule, num_blocks=3,
+                   choices=(Choice("schedule", schedule, "--schedule"),))
+
+
+def test_records_are_frozen_and_validated() -> None:
+    plan = _plan()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.schedule = "overlapped"  # type: ignore[misc]
+    assert plan.block_size == 4 and plan.blocks_in_flight == 1
+    assert _plan(schedule="overlapped", G=2).blocks_in_flight == 4
+    other = StagePlan(1, (2, 4), Policy(1, 2, 0, 100, 100, 0, 100, 0), Peaks(0, 0, 0))
+    with pytest.raises(ValueError, match="same block size"):
+        RunPlan((plan.stages[0], other), 1, "block", "sequential", num_blocks=1)
+    with pytest.raises(ValueError, match="prefill_items"):
+        RunPlan(plan.stages, 1, "rows", "sequential", num_blocks=1)
+    with pytest.raises(ValueError, match="max_new_tokens 9"):
+        Workload(lens=(3, 4), gen_len=8, max_new_tokens=(2, 9))
+    with pytest.raises(ValueError, match="keys has 1 entries for 2 requests"):
+        Workload(lens=(3, 4), gen_len=8, keys=(0,))
+
+
+def test_plan_reports_as_json_and_in_words() -> None:
+    plan = _plan()
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert [s["layers"] for s in d["stages"]] == [[0, 2], [2, 4]]
+    assert d["stages"][1]["predicted_peak_bytes"] == {"gpu": 4, "cpu": 5, "disk": 6}
+    assert d["choices"] == [{"name": "schedule", "value": "sequential", "why": "--schedule"}]
+    text = plan.explain()
+    assert "stage 1: layers [2, 4)" in text and "schedule = sequential: --schedule" in text
+
+
+def test_workload_header_leaves_the_prompts_behind() -> None:
+    from flexgen_dist.prompts import Prompt
+    w = Workload(lens=(2, 3), gen_len=4, max_new_tokens=(4, 2), prompts=(Prompt(0, "a", [1, 2]), Prompt(1, "b", [1, 2, 3])))
+    h = w.header()
+    assert h.prompts == () and h == w  # the prompts do not take part in equality
+    assert (w.limit(0), w.limit(1), w.prompt_len, w.num_prompts) == (4, 2, 3, 2)
+
+
+def test_per_request_limits_cut_completions(tiny_models) -> None:
+    tm = tiny_models["opt-pre"]
+    ref = reference_generate(tm, PROMPTS, GEN)
+    limits = [1 + n % GEN for n in range(len(PROMPTS))]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        outs = llm.generate(PROMPTS, gen_len=GEN, max_new_tokens=limits)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            llm.generate(PROMPTS[:2], gen_len=GEN, max_new_tokens=[GEN + 1, 1])
+    assert [c.token_ids for c in outs] == [r[:k] for r, k in zip(ref, limits)]
+
+
+def test_metrics_report_the_plan_and_its_reasons(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        llm.generate(PROMPTS, gen_len=2)
+        plan, metrics = llm.plan, llm.metrics
+    assert plan is not None and metrics["plan"] == plan.to_dict()
+    names = [c["name"] for c in metrics["plan"]["choices"]]
+    assert {"layers", "policies", "num_micro_batches", "prefill_items", "schedule"} <= set(names)
+    assert all(c["why"] for c in metrics["plan"]["choices"])
+
+
+def test_explain_prints_the_plan_without_running(tiny_models, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "never.jsonl"
+    args = ["--model", str(tiny_models["opt-pre"].path), "--num-prompts", "4", "--prompt-len", "8",
+            "--gen-len", "4", "--gpu-batch-size", "2", "--output", str(out), "--no-progress", "--explain"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "stage 0: layers [0, " in text and "schedule = " in text and "fits the memory budgets" in text
+    assert not out.exists()
+    assert main(args + ["--cpu-mem", "1KiB"]) == 1
+    text = capsys.readouterr().out
+    assert "does not fit" in text and "--cpu-mem" in text
+
+
+# Every plan the planner returns fits the budgets the run checks ----------------------------
+SHAPES = ["opt-125m", "opt-1.3b", "opt-6.7b", "llama-2-7b", "opt-30b"]
+
+
+def _random_case(rng: random.Random) -> tuple:
+    spec = get_spec(rng.choice(SHAPES))
+    m = rng.choice([1, 2, 3, 4])
+    wbytes = spec.total_numel() * 2
+    gpu = int(wbytes * rng.uniform(0.02, 1.5) / m)
+    cpu = int(wbytes * rng.uniform(0.05, 2.0) / m)
+    disk = int(wbytes * rng.uniform(0.5, 3.0))
+    shape = Shape(prompt_len=rng.choice([32, 128, 512]), gen_len=rng.choice([8, 32]), dtype_bytes=2)
+    return spec, m, (gpu, cpu, disk), shape, rng.random() < 0.3
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_planned_stage_fits_its_budgets(seed: int) -> None:
+    spec, m, (gpu, cpu, disk), shape, compress = _random_case(random.Random(seed))
+    hw = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "t4.yaml")
+    hw = dataclasses.replace(hw, gpu_mem=gpu, cpu_mem=cpu, disk_mem=disk)
+    try:
+        plan = plan_pipeline(spec, m, hw, shape, max_gpu_batch_size=16, max_num_gpu_batches=4,
+                             compress=compress)
+    except PlanError as e:
+        assert str(e)  # an infeasible case is refused with a reason, never planned over budget
+        return
+    budgets = Budgets(gpu=gpu, cpu=cpu, disk=disk)
+    G = plan.num_micro_batches
+    for i, st in enumerate(plan.stages):
+        peaks = Peaks.of(predict_peaks(spec, st.policy, (st.layers.start, st.layers.stop), has_embed=i == 0,
+                                       has_head=i == m - 1, prompt_len=shape.prompt_len, gen_len=shape.gen_len,
+                                       dtype_bytes=2, num_blocks_in_flight=G))
+        assert fits(peaks, budgets), (spec.name, m, i, st.policy, peaks, budgets)
+        for phase in ("prefill", "decode"):  # and the LP's own peaks, with its rounding reserve
+            lp = np.array([st.cost.peak[phase][t] for t in ("gpu", "cpu", "disk")], dtype=float)
+            assert np.all(lp <= np.array([gpu, cpu, disk]) * (1 + 1e-9)), (phase, lp)
