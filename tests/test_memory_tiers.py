@@ -155,6 +155,22 @@ def test_machine_budgets_fill_what_the_user_left_out(tmp_path) -> None:
         user_caps("lots", None, None)
 
 
+def test_planner_sees_the_pooled_ram_split_between_its_two_tiers() -> None:
+    """On a CPU-only machine the LP's compute and host tiers share the RAM budget: halves,
+    or the user's compute-tier cap and the rest where that cap is below the pool."""
+    from flexgen_dist.planner.auto import _within
+    from flexgen_dist.planner.hardware import HardwareSpec
+
+    hw = HardwareSpec.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml")
+    gib = 2**30
+    halves = _within(hw, Budgets(cpu=8 * gib, pooled=True, given=("cpu",)))
+    assert (halves.gpu_mem, halves.cpu_mem) == (4 * gib, 4 * gib)
+    capped = _within(hw, Budgets(gpu=3 * gib, cpu=8 * gib, pooled=True, given=("gpu", "cpu")))
+    assert (capped.gpu_mem, capped.cpu_mem) == (3 * gib, 5 * gib)
+    above = _within(hw, Budgets(gpu=8 * gib, cpu=8 * gib, pooled=True, given=("gpu", "cpu")))
+    assert above.gpu_mem + above.cpu_mem == 8 * gib and above.cpu_mem > 0
+
+
 def test_tensor_nbytes(store: DiskStore) -> None:
     x = torch.zeros(10, 3, dtype=torch.float16)
     assert tensor_nbytes(x) == 60

@@ -43,10 +43,11 @@ def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int,
 def _within(hw: HardwareSpec, b: Budgets) -> HardwareSpec:
     """``hw`` with the run's budgets: a user's cap replaces the profile's capacity, a machine
     figure bounds it. On a CPU-only machine the compute and host tiers share one pool of RAM,
-    which the LP sees as two halves unless the user capped the compute tier."""
+    which the LP sees as two halves unless the user capped the compute tier below the pool."""
     caps = {"gpu_mem": b.gpu, "cpu_mem": b.cpu, "disk_mem": b.disk}
     if b.pooled and b.cpu is not None:
-        gpu = b.gpu if "gpu" in b.given and b.gpu is not None else b.cpu // 2
+        capped = "gpu" in b.given and b.gpu is not None and b.gpu < b.cpu
+        gpu = b.gpu if capped and b.gpu is not None else b.cpu // 2
         caps["gpu_mem"], caps["cpu_mem"] = gpu, max(0, b.cpu - gpu)
     given = {"gpu_mem": "gpu" in b.given, "cpu_mem": "cpu" in b.given and not b.pooled,
              "disk_mem": "disk" in b.given}
