@@ -11,7 +11,7 @@ Each choice is recorded with its reason (``RunPlan.choices``; ``--explain`` prin
   where there is a profile, else m (every stage busy);
 - **prefill items** and **schedule**: the flags, else the cost model's choice where there is
   a profile, else the rules below that need none;
-- **peaks**: each stage's predicted bytes per tier (``engine/budget.py``), checked against
+- **peaks**: each stage's predicted bytes per tier (``engine/footprint.py``), checked against
   the budgets before anything is allocated.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from .budgets import Budgets, check_budgets, fits
 from .config import ConfigError, RunConfig
 from .distributed.partition import partition_layers
-from .engine.budget import predict_peaks
+from .engine.footprint import predict_peaks
 from .engine.policy import Policy
 from .models.loader import LoadedModel
 from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
@@ -71,7 +71,7 @@ class RunPlanner:
         G, items, schedule = predicted["num_micro_batches"], predicted["prefill_items"], predicted["schedule"]
         why += predicted["why"]
         inflight = G * (2 if schedule == "overlapped" else 1)
-        stages = tuple(StagePlan(s, tuple(r), p, self.peaks(p, tuple(r), s, work, inflight))  # type: ignore[arg-type]
+        stages = tuple(StagePlan(s, (r[0], r[1]), p, self.peaks(p, (r[0], r[1]), s, work, inflight))
                        for s, (p, r) in enumerate(zip(policies, ranges)))
         pred = Prediction.of(predicted) if "total_throughput" in predicted else None
         nblocks = -(-work.num_prompts // policies[0].block_size)
@@ -84,7 +84,8 @@ class RunPlanner:
         cfg = dataclasses.replace(self.config, gen_len=work.gen_len)
         policies, predicted, ranges = auto_policies(
             cfg, self.model.spec, ranges, work.prompt_len, self.dtype_bytes, self.device, work.num_prompts,
-            lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets)
+            lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets,
+            packed=self.model.source.packed_formats)
         predicted["why"] = _model_reasons(cfg, predicted)
         return policies, predicted, ranges
 
@@ -129,12 +130,13 @@ class RunPlanner:
 
     def peaks(self, policy: Policy, layers: tuple[int, int], stage: int, work: Workload,
               blocks_in_flight: int) -> Peaks:
-        """The peak model (``engine/budget.py``) for one stage and ``work``."""
+        """The peak model (``engine/footprint.py``, the planner's too) for one stage and ``work``."""
         return Peaks.of(predict_peaks(self.model.spec, policy, layers, has_embed=stage == 0,
                                       has_head=stage == self.world_size - 1, prompt_len=work.prompt_len,
                                       gen_len=work.gen_len, dtype_bytes=self.dtype_bytes,
                                       num_blocks_in_flight=blocks_in_flight,
-                                      packed=self.model.source.packed_formats))
+                                      packed=self.model.source.packed_formats, num_stages=self.world_size,
+                                      cuda=self.device.type == "cuda"))
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""

@@ -17,7 +17,7 @@ from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
 from .engine.blocks import plan_blocks
-from .engine.budget import needs_disk
+from .engine.footprint import needs_disk
 from .engine.stage import StageEngine
 from .kernels import gemm
 from .memory.disk import DiskStore

@@ -57,7 +57,7 @@ def test_native_compressed_weights_answer_paris_and_keep_perplexity() -> None:
 def test_budget_predicts_the_packed_bytes_exactly(native: bool) -> None:
     """The budget check sizes each weight as it will be stored: the file's own 32-element
     blocks (Q4_1 layers, a Q8_0 embedding) on the native path, the policy's groups otherwise."""
-    from flexgen_dist.engine.budget import predict_peaks
+    from flexgen_dist.engine.footprint import predict_peaks
     from flexgen_dist.engine.policy import Policy
     from flexgen_dist.engine.stage import StageEngine
     from flexgen_dist.models.loader import load_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
-from flexgen_dist.engine.budget import predict_peaks
+from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.distributed.pipeline import generate
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig

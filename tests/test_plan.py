@@ -14,7 +14,7 @@ import pytest
 from conftest import PROMPTS, reference_generate
 from flexgen_dist import LLM, Policy
 from flexgen_dist.budgets import Budgets, fits
-from flexgen_dist.engine.budget import predict_peaks
+from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.plan import Choice, Peaks, RunPlan, StagePlan, Workload
 from flexgen_dist.planner.cost_model import Workload as Shape
@@ -140,3 +140,44 @@ def test_every_planned_stage_fits_its_budgets(seed: int) -> None:
         for phase in ("prefill", "decode"):  # and the LP's own peaks, with its rounding reserve
             lp = np.array([st.cost.peak[phase][t] for t in ("gpu", "cpu", "disk")], dtype=float)
             assert np.all(lp <= np.array([gpu, cpu, disk]) * (1 + 1e-9)), (phase, lp)
+
+
+# One peak model ------------------------------------------------------------------------
+def test_tier_placer_stays_within_one_tensor_of_each_fraction() -> None:
+    """Error diffusion: over a whole stage, whole tensors put at most one tensor (the largest)
+    more on a tier than its fraction of the bytes, which is what the planner's LP reserves."""
+    from flexgen_dist.engine.weights import TierPlacer
+    from flexgen_dist.memory.tiers import Tier
+
+    rng = random.Random(0)
+    for _ in range(200):
+        slot = [rng.choice([1, 1, 1, 1, 4, 4]) * rng.randint(1, 3) for _ in range(rng.randint(1, 8))]
+        slots = [slot] * rng.randint(1, 40)  # a stage's layers have the same tensors
+        g = rng.randint(0, 100) / 100
+        c = rng.randint(0, 100 - int(g * 100)) / 100
+        placer = TierPlacer((g, c, 1 - g - c))
+        on = {t: 0 for t in Tier}
+        for sizes in slots:
+            for size, tier in zip(sizes, placer.place(sizes)):
+                on[tier] += size
+        total, largest = sum(map(sum, slots)), max(slot)
+        for tier, frac in zip(Tier, (g, c, 1 - g - c)):
+            assert on[tier] <= frac * total + largest + 1e-9, (tier, on, g, c, slots[0])
+
+
+def test_planner_and_check_read_one_footprint() -> None:
+    """The LP's linear rows are the exact footprint without rounding: at fractions where every
+    tier holds whole slots (0 or 100 %), the two agree to the byte."""
+    from flexgen_dist.engine.footprint import StageShape, stage_footprint
+
+    spec = get_spec("llama-2-7b")
+    for cpu_att, cuda in ((True, False), (False, True)):
+        fp = stage_footprint(spec, StageShape(num_layers=4, has_embed=True, has_head=False, prompt_len=64,
+                                              gen_len=8, dtype_bytes=2, gpu_batch_size=4, num_gpu_batches=2,
+                                              cpu_attention=cpu_att, cuda=cuda))
+        base, gpu_step, cpu_step, _ = fp.linear()
+        x = np.array([0, 0, 1, 0, 1, 0, 0, 1, 0], dtype=float)  # weights on disk, cache and acts on the host
+        lin = base @ np.append(x, 1.0)
+        lin[:, 0] += gpu_step
+        lin[:, 1] += cpu_step
+        assert np.allclose(fp.peaks(x), lin)

@@ -24,16 +24,31 @@ Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) 
 TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it
 
 
-def choose_tiers(sizes: list[int], fractions: tuple[float, float, float]) -> list[Tier]:
-    """Tier of each tensor so that cumulative bytes follow (gpu, cpu, disk) fractions."""
-    total = float(sum(sizes)) or 1.0
-    g, c, _ = fractions
-    out, cum = [], 0
-    for s in sizes:
-        mid = (cum + s / 2) / total
-        cum += s
-        out.append(Tier.GPU if mid < g else Tier.CPU if mid < g + c else Tier.DISK)
-    return out
+class TierPlacer:
+    """The tier of each weight tensor of a stage, slot by slot, by the (gpu, cpu, disk)
+    fractions: each slot's tensors go to the tiers in order, a tensor where its middle byte
+    falls, and each slot's split carries the rounding of the slots before it (error
+    diffusion). So every slot is within about one tensor of its share, and the stage's bytes
+    on each tier are within one tensor (the largest) of their fraction of the total: the
+    bound the planner reserves for whole tensors."""
+
+    def __init__(self, fractions: tuple[float, float, float]) -> None:
+        self.g, self.gc = fractions[0], fractions[0] + fractions[1]
+        self.total = self.on_gpu = self.on_gpu_or_cpu = 0
+
+    def place(self, sizes: list[int]) -> list[Tier]:
+        end = self.total + sum(sizes)
+        to_gpu = self.g * end - self.on_gpu  # what this slot should add to each running total
+        to_gc = self.gc * end - self.on_gpu_or_cpu
+        out, cum = [], 0
+        for s in sizes:
+            mid = cum + s / 2
+            cum += s
+            out.append(Tier.GPU if mid < to_gpu else Tier.CPU if mid < to_gc else Tier.DISK)
+        self.total = end
+        self.on_gpu += sum(s for s, t in zip(sizes, out) if t == Tier.GPU)
+        self.on_gpu_or_cpu += sum(s for s, t in zip(sizes, out) if t != Tier.DISK)
+        return out
 
 
 @dataclass
@@ -62,11 +77,12 @@ class WeightStore:
         # on a CPU device would steal cycles from the compute threads.
         self._bufsets: list[dict[tuple, torch.Tensor]] = [{}, {}]
         self._turn = 0
+        placer = TierPlacer(fractions)
         for slot in slots:
             ws = read(*slot)
             tied = self._tied_head(slot, ws)
             names = [n for n in ws if tied is None or n != TIED]
-            tiers = choose_tiers([self._stored_nbytes(ws[n]) for n in names], fractions)
+            tiers = placer.place([self._stored_nbytes(ws[n]) for n in names])
             self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
             if tied is not None:
                 self.placed[slot][TIED] = tied

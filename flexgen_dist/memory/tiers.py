@@ -83,7 +83,7 @@ class MemoryTracker:
     Callers ``add`` when they allocate on a tier and ``sub`` when they free (the compute
     thread and the I/O threads both do); this is the one place bytes per tier are counted,
     and ``peak_bytes()`` is what the metrics report. Budgets are checked before the run, on
-    predicted peaks (``engine/budget.py``), not here.
+    predicted peaks (``engine/footprint.py``), not here.
     """
 
     def __init__(self) -> None:

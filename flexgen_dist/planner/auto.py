@@ -15,6 +15,7 @@ import torch
 from ..budgets import Budgets
 from ..config import RunConfig
 from ..distributed.partition import partition_layers
+from ..engine.footprint import Packed
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
 from .cost_model import Workload, estimate_pipeline
@@ -84,7 +85,8 @@ def _schedule_that_fits(cfg: RunConfig, estimate: Callable[[str], dict[str, Any]
 def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], prompt_len: int,
                   dtype_bytes: int, device: torch.device, num_prompts: int | None = None,
                   fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None,
-                  budgets: Budgets | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
+                  budgets: Budgets | None = None,
+                  packed: Packed | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
     """Policies (one per stage), the planner's prediction (with its choice of G, prefill
     items and schedule), and the (possibly rebalanced) layer ranges. The policies are planned
     for G blocks in flight; the overlapped schedule (two per group) is then chosen where it
@@ -102,7 +104,8 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
                               num_micro_batches=G, compress=bool(cfg.compress_weight),
                               max_block_size=max(1, -(-n // G)), num_prompts=n,
                               prefill_items=cfg.prefill_items,
-                              schedule="sequential" if cfg.schedule == "auto" else cfg.schedule)
+                              schedule="sequential" if cfg.schedule == "auto" else cfg.schedule,
+                              packed=packed)
         except PlanError:
             if plan is None and G == group_options(cfg, m)[-1]:
                 raise

@@ -11,13 +11,13 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from flexgen_dist.distributed.partition import partition_layers
-from flexgen_dist.engine.budget import predict_peaks
+from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, best_pipeline, piece_cost
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.search import Candidate, PeaksOf, PlanError, diagnose, stage_candidates
-from flexgen_dist.planner.terms import TIERS, Workload
+from flexgen_dist.planner.search import Candidate, PlanError, diagnose, stage_candidates
+from flexgen_dist.planner.terms import Workload
 
 
 class StagePlan(NamedTuple):
@@ -92,7 +92,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                   compress: bool = False, max_gpu_batch_size: int = 64,
                   max_num_gpu_batches: int = 16, max_block_size: int | None = None,
                   num_prompts: int | None = None, prefill_items: str = "auto",
-                  schedule: str = "auto") -> PipelinePlan:
+                  schedule: str = "auto", packed: Packed | None = None) -> PipelinePlan:
     """Plan every stage of an m-stage pipeline; all stages share one block size.
 
     Each stage's search gives its best placement per block size; the block size with the
@@ -102,7 +102,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     ``num_micro_batches`` defaults to the number of stages (every stage busy).
     ``num_prompts`` (default: one block per group) sets how many blocks the prediction runs;
     ``prefill_items`` (auto, block, batch) how a block's prefill crosses the stages;
-    ``schedule`` (auto, sequential, overlapped) whether next blocks' prefill rides on decode.
+    ``schedule`` (auto, sequential, overlapped) whether next blocks' prefill rides on decode;
+    ``packed`` (a source's ``packed_formats``) sizes weights kept in their checkpoint's blocks.
     """
     m = num_stages
     hw_list = list(hws) if isinstance(hws, (list, tuple)) else [hws] * m
@@ -114,22 +115,15 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     layers = [b - a for a, b in partition_layers(spec.num_layers, m, stage_layers)]
     memo: dict[tuple, dict[int, Candidate]] = {}
 
-    def runtime_peaks(i: int, n_layers: int) -> PeaksOf:
-        def peaks(policy: Policy) -> np.ndarray:
-            pk = predict_peaks(spec, policy, (0, n_layers), has_embed=i == 0, has_head=i == m - 1,
-                               prompt_len=workload.prompt_len, gen_len=workload.gen_len,
-                               dtype_bytes=workload.dtype_bytes, num_blocks_in_flight=G)
-            return np.array([pk[t] for t in TIERS], dtype=float)
-        return peaks
-
-    def candidates(i: int, n_layers: int) -> dict[int, Candidate]:
-        key = (n_layers, i == 0, i == m - 1, hw_list[i])
+    def candidates(i: int, first: int, n_layers: int) -> dict[int, Candidate]:
+        # a packed checkpoint's layers may differ in size; otherwise only the count matters
+        key = (n_layers, i == 0, i == m - 1, hw_list[i], first if packed is not None else 0)
         if key not in memo:
             memo[key] = stage_candidates(
                 spec, n_layers, hw_list[i], workload, has_embed=i == 0, has_head=i == m - 1,
                 max_gpu_batch_size=max_gpu_batch_size, max_num_gpu_batches=max_num_gpu_batches,
                 compress=compress, num_micro_batches=G, num_stages=m, max_block_size=max_block_size,
-                peaks_of=runtime_peaks(i, n_layers))
+                first_layer=first, packed=packed)
             if not memo[key]:
                 where = f"stage {i} of {m}: " if m > 1 else ""
                 raise PlanError(where + diagnose(
@@ -138,7 +132,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
         return memo[key]
 
     def best_for(split: list[int]) -> tuple[float, list[Candidate], dict]:
-        per_stage = [candidates(i, n) for i, n in enumerate(split)]
+        per_stage = [candidates(i, sum(split[:i]), n) for i, n in enumerate(split)]
         common = set.intersection(*(set(c) for c in per_stage))
         if not common:
             raise PlanError(f"the {m} stages of {spec.name} share no feasible block size: "

@@ -4,17 +4,18 @@ For a fixed GPU batch size, number of GPU batches and attention mode every cost 
 linear in the fractions (``cost_model.stage_terms``), and each phase's time is a max over
 channels; with one auxiliary variable per phase (Tpre >= every prefill channel, Tgen >= every
 decode channel) the whole problem is an LP that HiGHS solves in milliseconds. The LP answer
-is rounded to whole percents, re-checked against the budgets, nudged toward lower tiers when
-rounding overshot, and pushed toward higher tiers where that costs nothing (ties).
+is rounded to whole percents, checked against the engine's exact peaks (the footprint the run
+itself checks), nudged toward lower tiers when rounding overshot, and pushed toward higher
+tiers where that costs nothing (ties).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from scipy.optimize import linprog
 
+from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
@@ -171,12 +172,13 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                      cpu_attention_options: tuple[bool, ...] = (True, False),
                      compress: bool = False, num_micro_batches: int = 1,
                      num_stages: int = 1, max_block_size: int | None = None,
-                     peaks_of: PeaksOf | None = None) -> dict[int, Candidate]:
+                     first_layer: int = 0, packed: Packed | None = None) -> dict[int, Candidate]:
     """The best candidate per block size (a pipeline needs one block size on every stage).
 
     Larger batches only need more memory, so once (gbs, num_gb) has no feasible placement
     every larger num_gb is skipped, and once (gbs, 1) has none every larger gbs is.
-    ``peaks_of(policy)``: the runtime's budget check, per tier (see ``_solve_candidate``).
+    ``first_layer`` and ``packed`` (a source's ``packed_formats``) size weights kept in their
+    checkpoint's own blocks, as the engine will store them.
     """
     if num_layers_in_stage < 1:
         raise ValueError(f"num_layers_in_stage={num_layers_in_stage}: a stage needs >= 1 layer")
@@ -193,9 +195,10 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                                     num_gpu_batches=ngb, cpu_attention=cpu_att,
                                     has_embed=has_embed, has_head=has_head,
                                     compress_weight=compress, compress_cache=compress,
-                                    num_micro_batches=num_micro_batches, num_stages=num_stages)
+                                    num_micro_batches=num_micro_batches, num_stages=num_stages,
+                                    first_layer=first_layer, packed=packed)
                 bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
-                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar, peaks_of)
+                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar)
                 if cand is None:
                     break
                 if cand.objective < bar:
@@ -207,35 +210,11 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     return best
 
 
-PeaksOf = Callable[[Policy], np.ndarray]
-
-
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
-                     cpu_att: bool, compress: bool, bar: float = float("inf"),
-                     peaks_of: PeaksOf | None = None) -> Candidate | None:
+                     cpu_att: bool, compress: bool, bar: float = float("inf")) -> Candidate | None:
     """Solve, round and repair one (gbs, num_gb, cpu_attention); ``bar``: best so far for
     this block size (the tie-breaking push toward higher tiers is skipped for clear losers).
-
-    ``peaks_of`` is the runtime's own budget check (``engine/budget.py``: what the engine
-    will allocate, tensor by tensor). The LP's linear peaks approximate it; where the check
-    finds a tier over its budget, that tier's budget is lowered by the excess and the
-    candidate solved again, so a plan is never refused by the run it was made for."""
-    limit = budgets.copy()
-    for _ in range(6):
-        cand = _solve_once(terms, limit, gbs, ngb, cpu_att, compress, bar)
-        if cand is None or peaks_of is None:
-            return cand
-        over = peaks_of(cand.policy()) - budgets
-        if np.all(over <= 0):
-            return cand
-        limit = limit - np.maximum(over, 0) - (over > 0) * 0.01 * budgets
-        if np.any(limit <= 0):
-            return None
-    return None
-
-
-def _solve_once(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
-                cpu_att: bool, compress: bool, bar: float) -> Candidate | None:
+    The repair checks the engine's exact peaks, so a candidate fits the run's own check."""
     found: list[np.ndarray] = []
     x = solve_lp(terms, budgets, weights_all_gpu=False, no_disk_weights=compress)
     if x is not None:

@@ -1,10 +1,12 @@
-"""The linear coefficient tables of one stage: what each channel costs per layer, and what
-each tier holds at peak, as linear functions of the nine placement fractions.
+"""The linear coefficient tables of one stage: what each channel costs per layer as linear
+functions of the nine placement fractions, beside the stage's memory footprint.
 
 ``stage_sizes`` derives a stage's bytes, FLOPs and rates for one batch shape; the builders
-``prefill_terms``, ``decode_terms`` and ``peak_terms`` turn them into the tables of a
-``StageTerms``, which ``cost_model`` evaluates at a policy and ``search`` optimises over.
-Notation and units: see ``cost_model``.
+``prefill_terms`` and ``decode_terms`` turn them into the time tables of a ``StageTerms``,
+which ``cost_model`` evaluates at a policy and ``search`` optimises over. Memory is not
+modelled here: ``StageTerms`` carries the engine's own footprint (``engine.footprint``), read
+linearly by the LP and exactly by the repair and the run's budget check. Notation and units:
+see ``cost_model``.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexgen_dist.engine.footprint import Footprint, Packed, StageShape, stage_footprint
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
 
@@ -46,9 +49,9 @@ class StageTerms:
     """Coefficient tables of one stage for one (gbs, num_gb, cpu_attention, compression).
 
     ``prefill``/``decode``: (6 channels, 10) seconds per layer per block, columns = the nine
-    fractions + constant. ``peak_base``: (2 phases, 3 tiers, 10) bytes. ``gpu_slack`` /
-    ``cpu_slack``: bytes added to the gpu (cpu) rows when weights are split off the gpu (onto
-    disk) at all: whole tensors overshoot a fraction by up to one tensor.
+    fractions + constant. Memory is the engine's own model (``engine.footprint``): ``peaks``
+    reads it exactly, ``peak_rows`` linearly for the LP, with its steps and the rounding
+    reserve of whole tensors switched on by which splits the LP allows.
     """
 
     num_layers: int
@@ -57,25 +60,35 @@ class StageTerms:
     gen_len: int
     prefill: np.ndarray
     decode: np.ndarray
-    peak_base: np.ndarray
-    gpu_slack: float
-    cpu_slack: float
+    footprint: Footprint
     prefill_net_s: float
     decode_net_s: float
     overlap: bool = True  # False: channels run one after another (sum instead of max)
 
+    @property
+    def peak_base(self) -> np.ndarray:
+        """(2 phases, 3 tiers, 10) linear peak bytes, without steps and rounding."""
+        return self.footprint.linear()[0]
+
+    @property
+    def gpu_slack(self) -> float:
+        """What the compute tier adds once weights leave it: read buffers and rounding."""
+        _, gpu_step, _, rounding = self.footprint.linear()
+        return gpu_step + rounding
+
     def peak_rows(self, gpu_split: bool, disk_split: bool) -> np.ndarray:
-        rows = self.peak_base.copy()
-        rows[:, 0, CONST] += self.gpu_slack * gpu_split
-        rows[:, 1, CONST] += self.cpu_slack * disk_split
+        """The LP's rows: linear bytes plus, where weights may split off the gpu (onto disk),
+        the read buffers (host staging) and one whole tensor of rounding on each tier."""
+        base, gpu_step, cpu_step, rounding = self.footprint.linear()
+        rows = base.copy()
+        rows[:, 0, CONST] += (gpu_step + rounding) * gpu_split + gpu_step * self.footprint.compress_weight * (not gpu_split)
+        rows[:, 1, CONST] += rounding * (gpu_split or disk_split) + cpu_step * disk_split
+        rows[:, 2, CONST] += rounding * disk_split
         return rows
 
     def peaks(self, x: np.ndarray) -> np.ndarray:
-        """(2, 3) peak bytes at fractions ``x`` (length 9)."""
-        out = self.peak_base @ np.append(x, 1.0)
-        out[:, 0] += self.gpu_slack * (x[WG] < 1 - 1e-9)
-        out[:, 1] += self.cpu_slack * (x[WD] > 1e-9)
-        return out
+        """(2, 3) peak bytes at fractions ``x`` (length 9), as the run's budget check counts."""
+        return self.footprint.peaks(x)
 
     def layer_times(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-channel seconds per layer per block: (prefill[6], decode[6])."""
@@ -130,19 +143,16 @@ class StageSizes:
     kv_tok: int
     c_seq_pre: float
     c_seq_full: float
-    C: float
     c_pre: float
     c_avg: float
     c_new: float
     a_pre: int
     a_dec: int
     hop: float
-    disk_staging: float
     streams: int
     deq_w: float
     net_p: float
     net_d: float
-    slack: float
     cpu_attention: bool
     compress_weight: bool
     compress_cache: bool
@@ -182,7 +192,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageSizes:
     """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
-    gbs, bls, G = gpu_batch_size, gpu_batch_size * num_gpu_batches, num_micro_batches
+    gbs, bls = gpu_batch_size, gpu_batch_size * num_gpu_batches
     # Decode attention reads 2*kv*b cache bytes per 4*q FLOPs; the profiler measures it with
     # MHA, so bmm_flops * b / 2 is the device's memory bandwidth (dequantization traffic).
     mem_bw = hw.bmm_flops * b / 2
@@ -195,8 +205,6 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
 
     lnum = spec.layer_numel()
     wl = wbytes(lnum)
-    # the largest single tensor of a layer
-    largest = max(spec.hidden_size * spec.q_dim, spec.hidden_size * spec.ffn_size)
     extra_numel, io_numel = _extra_weight_numel(spec, has_embed, has_head)
     kv_tok = 2 * spec.kv_dim  # K and V elements per token per sequence per layer
     c_seq_pre, c_seq_full = cbytes(s * kv_tok), cbytes((s + n) * kv_tok)
@@ -219,13 +227,10 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         W=l * wl + extra_numel * b,  # embedding and head stay uncompressed
         wl_io=wl + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
         kv_tok=kv_tok, c_seq_pre=c_seq_pre, c_seq_full=c_seq_full,
-        C=G * l * bls * c_seq_full,  # preallocated for s+n tokens, G groups
         c_pre=bls * c_seq_pre,  # cache written by a block's prefill, per layer
         c_avg=bls * cbytes((s + n / 2) * kv_tok),  # cache read per decode step, per layer
         c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
         a_pre=a_pre, a_dec=a_dec, hop=hop,
-        # Host staging for disk traffic exists only on the way to a GPU (see peak_terms).
-        disk_staging=1.0 if hw.compute_device == "cuda" else 0.0,
         # How often a decode step streams each weight matrix through the compute units: once
         # per GPU batch on a GPU; once per block on a CPU device, where the engine runs the GPU
         # batches of a block as one GEMM (merged decode: activations on the device, the cache
@@ -233,7 +238,6 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         streams=1 if hw.compute_device == "cpu" else num_gpu_batches,
         deq_w=(lnum * b + wl) / mem_bw if compress_weight else 0.0,
         net_p=net_p, net_d=net_d,
-        slack=0.0 if compress_weight else float(wbytes(largest)),
         cpu_attention=cpu_attention, compress_weight=compress_weight,
         compress_cache=compress_cache, has_head=has_head, multi_stage=num_stages > 1,
         head_share=head_share)
@@ -323,70 +327,13 @@ def _add_disk_cpu(T: np.ndarray, hw: HardwareSpec) -> None:
         T[4] += hw.disk_cpu * (T[2] * hw.dtoc_bw + T[3] * hw.ctod_bw)
 
 
-def peak_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
-    """(2 phases, 3 tiers, 10) peak bytes, without the whole-tensor slack.
-
-    Each tier stores its share of the weights, the G groups' caches and a block's hidden
-    states; the compute tier adds its working set and the host its disk staging.
-    """
-    M = np.zeros((2, 3, 10))
-    for ph, act in ((0, z.a_pre), (1, z.a_dec)):
-        for t, cols in enumerate(((WG, CG, HG), (WC, CC, HC), (WD, CD, HD))):
-            M[ph, t, cols[0]] = z.W
-            M[ph, t, cols[1]] = z.C
-            M[ph, t, cols[2]] = act
-        if z.multi_stage:  # a send and a receive buffer of one block's hidden states
-            M[ph, 0, HG] += 2 * act
-            M[ph, 1, [HC, HD]] += 2 * act
-    _add_device_working_set(M, z)
-    _add_host_working_set(M, z)
-    return M
-
-
-def _add_device_working_set(M: np.ndarray, z: StageSizes) -> None:
-    """Compute-device working set: one layer's weights double-buffered (the off-gpu share;
-    dequantized in full when compressed), one GPU batch of activations / scores."""
-    gbs, b, s, n, h1, q, kv, nh = z.gbs, z.b, z.s, z.n, z.h1, z.q, z.kv, z.nh
-    for ph in (0, 1):
-        if z.compress_weight:
-            M[ph, 0, CONST] += 2 * z.lnum * b
-        else:
-            M[ph, 0, [WC, WD]] += 2 * z.wl
-        M[ph, 0, [WC, WD]] += z.extra_numel * b  # an offloaded embedding/head loads whole
-        if z.has_head:
-            M[ph, 0, CONST] += gbs * z.V * 4  # fp32 logits
-    pre_tok = gbs * s
-    M[0, 0, CONST] += pre_tok * b * (2 * h1 + max(q + 2 * kv + nh * s, z.mlp_width))
-    M[0, 0, [HC, HD]] += 2 * pre_tok * h1 * b  # load next / store previous GPU batch
-    M[0, 0, [CC, CD]] += 2 * gbs * z.c_seq_pre
-    M[1, 0, CONST] += gbs * b * (2 * h1 + max(q + 2 * kv + nh * (s + n), z.mlp_width))
-    M[1, 0, [HC, HD]] += 2 * gbs * h1 * b
-    if z.cpu_attention:
-        M[1, 0, [CC, CD]] += 2 * gbs * (q + z.kv_tok) * b
-        M[1, 1, CONST] += gbs * nh * (s + n) * 4 + 2 * gbs * q * 4  # fp32 scores on the host
-    else:
-        M[1, 0, [CC, CD]] += 2 * gbs * z.c_seq_full
-
-
-def _add_host_working_set(M: np.ndarray, z: StageSizes) -> None:
-    """Host working set: staging for disk traffic (disk -> host -> GPU); on a CPU device
-    reads land in the compute tier's buffers counted above. CPU attention reads the disk
-    share of the cache into host buffers either way."""
-    gbs, b, h1, disk_staging = z.gbs, z.b, z.h1, z.disk_staging
-    M[0, 1, HD] += 2 * gbs * z.s * h1 * b * disk_staging
-    M[0, 1, CD] += 2 * gbs * z.c_seq_pre * disk_staging
-    M[1, 1, HD] += 2 * gbs * h1 * b * disk_staging
-    M[1, 1, CD] += 2 * gbs * z.c_seq_full * max(disk_staging, float(z.cpu_attention))
-    for ph in (0, 1):
-        M[ph, 1, WD] += 2 * z.wl * disk_staging
-
-
 def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
                 num_micro_batches: int = 1, num_stages: int = 1,
-                overlap: bool = True, head_share: float = 1.0) -> StageTerms:
+                overlap: bool = True, head_share: float = 1.0, first_layer: int = 0,
+                packed: Packed | None = None) -> StageTerms:
     """Build the linear coefficient tables (see module docstring) for one stage."""
     z = stage_sizes(spec, num_layers, hw, workload, gpu_batch_size=gpu_batch_size,
                     num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
@@ -396,6 +343,13 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                     num_stages=num_stages, head_share=head_share)
     return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
                       prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
-                      peak_base=peak_terms(z, hw), gpu_slack=z.slack,
-                      cpu_slack=z.slack * z.disk_staging,
+                      footprint=stage_footprint(spec, StageShape(
+                          num_layers=num_layers, has_embed=has_embed, has_head=has_head,
+                          prompt_len=workload.prompt_len, gen_len=workload.gen_len,
+                          dtype_bytes=workload.dtype_bytes, gpu_batch_size=gpu_batch_size,
+                          num_gpu_batches=num_gpu_batches, blocks_in_flight=num_micro_batches,
+                          cpu_attention=cpu_attention, compress_weight=compress_weight,
+                          compress_cache=compress_cache, comp_bits=comp_bits,
+                          comp_group_size=comp_group_size, num_stages=num_stages,
+                          cuda=hw.compute_device == "cuda", first_layer=first_layer), packed),
                       prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)

@@ -1,0 +1,249 @@
+"""The one peak-memory model of a stage: what the engine allocates, per phase and tier.
+
+``stage_footprint`` describes a stage's memory once, from its shape and policy knobs:
+
+- **placed** bytes, split over the tiers by the policy's fractions: the weights (whole
+  tensors per part, by ``choose_tiers``), the KV cache of the blocks in flight (rows of
+  ``split_rows``; packed codes plus group metadata when ``compress_cache``) and their
+  activations (rows of ``split_rows``);
+- **working sets**, linear in the fractions plus a constant: one GPU batch's activations, MLP
+  intermediate and attention scores on the compute device, the next/previous GPU batch's
+  hidden states and cache in transit, CPU attention's scratch, disk staging on a GPU host,
+  the hidden states a pipeline stage sends and receives, the expanded compressed cache, the
+  logits;
+- **steps**: the read buffers of the weights that live off the compute device (two slots in
+  flight), present as soon as any weight does (always when compressed: they are expanded).
+
+It has two readings, which is what keeps the planner and the run's budget check in step:
+
+- ``Footprint.peaks(x)``: exact bytes (2 phases x 3 tiers) at the nine fractions ``x`` with the
+  engine's own rounding; ``predict_peaks`` (the larger phase) is what a run checks;
+- ``Footprint.linear()``: the same terms as linear functions of the fractions (rounding left
+  out), the steps as constants the LP switches on, and the largest rounding error of the
+  weights, which the LP reserves. The planner rounds its answer to whole percents and repairs
+  it against ``peaks``, so every plan it returns passes the run's check.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..memory.tiers import Tier
+from ..models.common import family_module
+from ..models.spec import ModelSpec
+from .kvcache import cache_bytes_per_position, split_rows
+from .policy import Policy
+from .weights import TIED, TierPlacer, stored_nbytes
+
+TIERS = tuple(t.value for t in Tier)  # gpu (the compute device), cpu (host RAM), disk
+KINDS = ("w", "cache", "act")
+Packed = Callable[[str, int | None], dict[str, tuple[int, int]]]
+
+
+@dataclass(frozen=True, eq=False)
+class Footprint:
+    """One stage's allocations (see the module docstring). Column ``3 * kind + tier`` of the
+    linear tables is the fraction of kind (w, cache, act) on tier (gpu, cpu, disk), column 9
+    the constant.
+
+    ``parts``: each slot's weights in the engine's order, as (stored bytes per tensor, dense
+    bytes).
+    ``cache``/``acts``: (rows, bytes per row, copies): a GPU batch's rows split by the policy,
+    repeated over layers and blocks in flight. ``work``: working sets, (2, 3, 10).
+    ``staging``: True on a GPU host, where disk weights pass through host read buffers."""
+
+    parts: tuple[tuple[tuple[int, ...], int], ...]
+    cache: tuple[int, int, int]
+    acts: tuple[int, int, int]
+    work: np.ndarray
+    staging: bool
+    compress_weight: bool
+    _placed: dict = field(default_factory=dict, repr=False)
+
+    def weights_at(self, g: float, c: float) -> tuple[np.ndarray, int, int]:
+        """Weight bytes per tier at fractions (g, c, 1-g-c), as ``TierPlacer`` places them,
+        with the dense size of the largest slot with a tensor off the compute device and the
+        largest slot's bytes on disk (what the read buffers hold)."""
+        key = (round(g, 9), round(c, 9))
+        if key not in self._placed:
+            placed, off, disk = np.zeros(3), 0, 0
+            placer = TierPlacer((g, c, max(0.0, 1.0 - g - c)))
+            for sizes, dense in self.parts:
+                tiers = placer.place(list(sizes))
+                for size, tier in zip(sizes, tiers):
+                    placed[TIERS.index(tier.value)] += size
+                if self.compress_weight or any(t != Tier.GPU for t in tiers):
+                    off = max(off, dense)
+                disk = max(disk, sum(sz for sz, t in zip(sizes, tiers) if t == Tier.DISK))
+            self._placed[key] = (placed, off, disk)
+        return self._placed[key]
+
+    def peaks(self, x: np.ndarray) -> np.ndarray:
+        """(2 phases, 3 tiers) bytes at fractions ``x`` (length 9), rounded as the engine rounds."""
+        out = self.work @ np.append(np.asarray(x, dtype=float), 1.0)
+        w, off, disk = self.weights_at(float(x[0]), float(x[1]))
+        placed = w.copy()
+        for k, (rows, per_row, copies) in ((1, self.cache), (2, self.acts)):
+            for tier, r0, r1 in split_rows(rows, _triple(x, k)):
+                placed[TIERS.index(tier.value)] += (r1 - r0) * per_row * copies
+        out += placed
+        out[:, 0] += 2 * off
+        out[:, 1] += 2 * disk * self.staging
+        return out
+
+    def linear(self) -> tuple[np.ndarray, float, float, float]:
+        """``(base, gpu_step, cpu_step, rounding)``: ``base`` (2, 3, 10) linear bytes;
+        ``gpu_step`` to add to the compute tier when weights leave it (or are compressed),
+        ``cpu_step`` to the host when weights are on disk (a GPU host's staging); ``rounding``
+        the most whole tensors can put on a tier beyond its fraction of the weights."""
+        if "linear" not in self._placed:
+            self._placed["linear"] = self._linear()
+        return self._placed["linear"]
+
+    def _linear(self) -> tuple[np.ndarray, float, float, float]:
+        base = self.work.copy()
+        total = sum(sum(sizes) for sizes, _ in self.parts)
+        for t in range(3):
+            base[:, t, t] += total
+            base[:, t, 3 + t] += self.cache[0] * self.cache[1] * self.cache[2]
+            base[:, t, 6 + t] += self.acts[0] * self.acts[1] * self.acts[2]
+        dense = max((d for _, d in self.parts), default=0)
+        stored = max((sum(s) for s, _ in self.parts), default=0)
+        largest = max((max(s) for s, _ in self.parts if s), default=0)
+        return base, 2.0 * dense, 2.0 * stored * self.staging, float(largest)
+
+
+def _triple(x: np.ndarray, kind: int) -> tuple[float, float, float]:
+    g, c = float(x[3 * kind]), float(x[3 * kind + 1])
+    return g, c, max(0.0, 1.0 - g - c)
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What a stage's footprint depends on besides the model: its layers and ends, the
+    workload's lengths and element size, and the policy's batch and compression knobs."""
+
+    num_layers: int
+    has_embed: bool
+    has_head: bool
+    prompt_len: int
+    gen_len: int
+    dtype_bytes: int
+    gpu_batch_size: int
+    num_gpu_batches: int
+    blocks_in_flight: int = 1
+    cpu_attention: bool = True
+    compress_weight: bool = False
+    compress_cache: bool = False
+    comp_bits: int = 4
+    comp_group_size: int = 64
+    num_stages: int = 1
+    cuda: bool = False
+    first_layer: int = 0
+
+
+def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
+    """The footprint of one stage; ``packed`` (a source's ``packed_formats``) gives the
+    (bits, group size) of weights kept in their checkpoint's own blocks when compressed."""
+    return Footprint(parts=_weight_parts(spec, z, packed), cache=_cache_rows(spec, z),
+                     acts=(z.gpu_batch_size, z.prompt_len * spec.hidden_size * z.dtype_bytes,
+                           z.num_gpu_batches * z.blocks_in_flight),
+                     work=_working_sets(spec, z), staging=z.cuda, compress_weight=z.compress_weight)
+
+
+def _weight_parts(spec: ModelSpec, z: StageShape, packed: Packed | None) -> tuple:
+    fmt = (z.comp_bits, z.comp_group_size) if z.compress_weight else None
+    return _slots(spec, z.first_layer, z.num_layers, z.has_embed, z.has_head, z.dtype_bytes, fmt,
+                  packed if z.compress_weight else None)
+
+
+@functools.lru_cache(maxsize=512)
+def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_head: bool,
+           dtype_bytes: int, default: tuple[int, int] | None, packed: Packed | None) -> tuple:
+    """(stored bytes per tensor, dense bytes) of each slot, in the engine's order (the planner
+    asks for the same stage's slots for every batch shape it weighs: cached)."""
+    fam = family_module(spec)
+    names = ([("embed", None)] if has_embed else []) + \
+        [("layer", j) for j in range(first, first + num_layers)] + ([("head", None)] if has_head else [])
+    parts = []
+    for part, j in names:
+        shapes = getattr(fam, f"{part}_shapes")(spec)
+        if part == "head" and has_embed:
+            shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
+        fmt = packed(part, j) if packed is not None else {}
+        sizes = tuple(stored_nbytes(sh, dtype_bytes, fmt.get(k, default)) for k, sh in shapes.items())
+        dense = sum(_numel(sh) for sh in shapes.values()) * dtype_bytes
+        parts.append((sizes, dense))
+    return tuple(parts)
+
+
+def _cache_rows(spec: ModelSpec, z: StageShape) -> tuple[int, int, int]:
+    per_pos = cache_bytes_per_position(spec.head_dim, z.dtype_bytes, z.compress_cache, z.comp_bits,
+                                       z.comp_group_size)
+    total = z.prompt_len + z.gen_len
+    return (z.gpu_batch_size * spec.num_kv_heads, 2 * total * per_pos,
+            z.num_layers * z.num_gpu_batches * z.blocks_in_flight)
+
+
+def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
+    """(2 phases, 3 tiers, 10) working sets: one GPU batch at a time on the compute device."""
+    W = np.zeros((2, 3, 10))
+    b, s, n, e = z.gpu_batch_size, z.prompt_len, z.gen_len, z.dtype_bytes
+    h, q, kv, nh = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_heads
+    mlp = spec.ffn_size * (2 if spec.family == "llama" else 1)  # gate and up for SwiGLU
+    seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
+    host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
+    for ph, toks, ctx in ((0, s, s), (1, 1, s + n)):
+        W[ph, 0, 9] += b * toks * e * (2 * h + max(q + 2 * kv, mlp)) + b * nh * toks * ctx * 4
+        W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
+        if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
+            W[ph, 0, 9] += b * (s + n) * seq_cache
+        if z.has_head:
+            W[ph, 0, 9] += b * spec.vocab_size * 4  # fp32 logits
+        if z.num_stages > 1:  # a send and a receive buffer of one block's hidden states
+            W[ph, 0, 9] += 2 * z.gpu_batch_size * z.num_gpu_batches * toks * h * e
+        if z.cuda:  # disk traffic of hidden states and cache passes through host buffers
+            W[ph, 1, 8] += 2 * b * toks * h * e
+            W[ph, 1, 5] += 2 * b * ctx * seq_cache
+    W[0, 0, [4, 5]] += 2 * b * s * seq_cache  # the prompt's cache of one GPU batch, going out
+    if z.cpu_attention:  # q goes to the cache and the output comes back; scores on the host
+        W[1, 0, [4, 5]] += 2 * b * (q + 2 * kv) * e
+        W[1, host, 9] += b * nh * (s + n) * 4 + 2 * b * q * 4
+        if not z.cuda:  # the disk share of the cache is read into host buffers
+            W[1, 0, 5] += 2 * b * (s + n) * seq_cache
+    else:  # the off-device cache of one GPU batch comes to the compute device
+        W[1, 0, [4, 5]] += 2 * b * (s + n) * seq_cache
+    return W
+
+
+def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
+                  has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
+                  num_blocks_in_flight: int = 1, packed: Packed | None = None, num_stages: int = 1,
+                  cuda: bool = False) -> dict[str, int]:
+    """Peak bytes per tier of a stage under ``policy`` (the larger of prefill and decode),
+    which a run checks against its budgets before anything is allocated."""
+    z = StageShape(num_layers=layers[1] - layers[0], has_embed=has_embed, has_head=has_head,
+                   prompt_len=prompt_len, gen_len=gen_len, dtype_bytes=dtype_bytes,
+                   gpu_batch_size=policy.gpu_batch_size, num_gpu_batches=policy.num_gpu_batches,
+                   blocks_in_flight=num_blocks_in_flight, cpu_attention=policy.cpu_attention,
+                   compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
+                   comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
+                   num_stages=num_stages, cuda=cuda, first_layer=layers[0])
+    x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
+    pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
+    return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def needs_disk(policies: list[Policy]) -> bool:
+    """Whether any of ``policies`` puts weights, cache or activations on the disk tier."""
+    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in ("w", "cache", "act"))
