@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_dist.bench import gpu_baselines, gpu_suite, offload, planner_accuracy, scaling, single
+from bench import scaling
+from flexgen_dist.bench import gpu_baselines, gpu_suite, offload, planner_accuracy, single
+
+ROOT = Path(__file__).resolve().parents[1]  # `python -m bench.scaling` runs from the repository root
 
 
 def test_modules_import_without_side_effects(tmp_path: Path, monkeypatch) -> None:
@@ -195,7 +198,7 @@ def test_scaling_runs_nodes_end_to_end(tmp_path: Path) -> None:
         scaling.main(common + ["--nodes", "2", "--netns", "--link-gbit", "1", "--json", str(out)])
         data = json.loads(out.read_text())
         assert data["mode"] == "nodes+netns" and data["runs"]["2"]["metrics"]["total_throughput"] > 0
-    from flexgen_dist.bench.nodes import cgroup_hierarchy
+    from bench.nodes import cgroup_hierarchy
 
     if os.geteuid() == 0 and cgroup_hierarchy() is not None and os.major(os.stat(tmp_path).st_dev) != 0:
         scaling.main(common + ["--nodes", "2", "--disk-gbps", "1", "--json", str(out)])
@@ -242,7 +245,7 @@ def test_scaling_rejects_bad_stages() -> None:
 
 
 def test_scaling_cli_help() -> None:
-    p = subprocess.run([sys.executable, "-m", "flexgen_dist.bench.scaling", "--help"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "bench.scaling", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0 and "--dry-run" in p.stdout
 
 

@@ -159,7 +159,7 @@ HELP_COMMANDS = [["flexgen_dist.run"], ["flexgen_dist.eval"], ["flexgen_dist.eva
                  ["flexgen_dist.planner"], ["flexgen_dist.planner", "plan"],
                  ["flexgen_dist.planner", "profile"], ["flexgen_dist.distributed.check"],
                  ["flexgen_dist.bench.single"], ["flexgen_dist.bench.offload"],
-                 ["flexgen_dist.bench.scaling"], ["flexgen_dist.bench.accuracy"],
+                 ["bench.scaling"], ["flexgen_dist.bench.accuracy"],
                  ["flexgen_dist.bench.planner_accuracy"], ["flexgen_dist.bench.gpu_suite"], ["flexgen_dist.bench.gpu_baselines"]]
 
 
@@ -183,7 +183,8 @@ def test_every_command_prints_its_help() -> None:
         "        code = repr(e)\n"
         "    res[' '.join(cmd)] = [code, out.getvalue()[:200]]\n"
         "print(json.dumps(res))\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])  # bench/ is found from the repository root
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(res) == len(HELP_COMMANDS)

@@ -1,4 +1,4 @@
-"""Node isolation helpers (bench.nodes): the disk device lookup, the per-node disk cgroup a
+"""Node isolation helpers (bench/nodes.py): the disk device lookup, the per-node disk cgroup a
 child really joins, and the scaling benchmark's --disk-gbps arguments. Nothing times anything:
 the cgroup's own configuration and byte count are what is checked."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_dist.bench import nodes, scaling
+from bench import nodes, scaling
 
 
 def test_block_device_of_a_disk_path(tmp_path: Path) -> None:

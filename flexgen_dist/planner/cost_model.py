@@ -7,7 +7,7 @@ so one table of coefficients (built in ``terms.py``) serves both :func:`estimate
 rounding slack of placing whole tensors when weights are split at all — and enter as
 constants switched on by ``StageTerms.peaks`` from the fractions, or conservatively by the LP.
 
-Notation (DESIGN.md): l layers in the stage, s prompt length, n generated tokens, h1 hidden,
+Notation: l layers in the stage, s prompt length, n generated tokens, h1 hidden,
 h2 FFN width, bls = gbs * num_gb sequences per block, G micro-batch groups in flight, b bytes
 per element. Times are per layer for the whole block; a block's prefill takes l * Tpre and its
 decode (n-1) * l * Tgen, each the max over the overlapped channels.
@@ -268,7 +268,8 @@ def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G
                                        num_gpu_batches=num_gpu_batches, split=split, ride=ride)
             # auto takes the overlapped schedule only for a clear predicted gain: it costs the
             # memory of a second block per group, and measured on a 2-core CPU node it lost
-            # 2-6 % where the model gave it a few percent (the reads' CPU time, docs/benchmarks.md)
+            # 2-6 % where the model gave it a few percent (the reads' CPU time: docs/benchmarks.md (vi),
+            # and run D in docs/benchmarks-log.md)
             bar = RIDE_MARGIN if ride and best is not None and best["schedule"] == "sequential" else 1.0
             if best is None or pred["total_throughput"] > bar * best["total_throughput"]:
                 best = pred

@@ -1,13 +1,16 @@
 """Pipeline scaling benchmark: the real CLI on 1, 2, ... nodes under a fixed per-node RAM budget.
 
-    python -m flexgen_dist.bench.scaling --plot bench_results/scaling.png
-    python -m flexgen_dist.bench.scaling --netns --link-gbit 10       # shaped links between nodes
-    python -m flexgen_dist.bench.scaling --disk-gbps 0.2              # a 0.2 GB/s disk per node
-    python -m flexgen_dist.bench.scaling --physical-memory            # a VM's memory as a machine's
-    python -m flexgen_dist.bench.scaling --shared-cores               # the old mode (see below)
-    python -m flexgen_dist.bench.scaling --dry-run                    # print the commands, run nothing
+    python -m bench.scaling --plot bench_results/scaling.png
+    python -m bench.scaling --netns --link-gbit 10       # shaped links between nodes
+    python -m bench.scaling --disk-gbps 0.2              # a 0.2 GB/s disk per node
+    python -m bench.scaling --physical-memory            # a VM's memory as a machine's
+    python -m bench.scaling --shared-cores               # the old mode (see below)
+    python -m bench.scaling --dry-run                    # print the commands, run nothing
 
-The claim under test (DESIGN.md): each stage holds 1/m of the weights, so under the same
+Run from the repository root: ``bench`` is not part of the installed package. Every run is
+the CLI (``python -m flexgen_dist.run`` under torchrun) in a process of its own.
+
+The claim under test: each stage holds 1/m of the weights, so under the same
 per-node RAM budget it offloads less to disk, and decode throughput can grow faster than m.
 
 Nodes (default): every rank is a node of its own. It gets ``--cores-per-node`` CPUs of its
@@ -79,8 +82,8 @@ from typing import Any
 
 import yaml
 
-from .nodes import DiskLimit, Network, NodeMemory, disk_share, node_cpus, preexec, profile_node
-from .single import machine
+from bench.nodes import DiskLimit, Network, NodeMemory, disk_share, node_cpus, preexec, profile_node
+from flexgen_dist.bench.single import machine
 
 
 def stage_weight_bytes(model: str, num_stages: int, dtype_bytes: int = 4) -> list[int]:
@@ -89,9 +92,9 @@ def stage_weight_bytes(model: str, num_stages: int, dtype_bytes: int = 4) -> lis
 
     import torch
 
-    from ..distributed.partition import partition_layers
-    from ..models.loader import DummySource
-    from ..models.registry import get_spec
+    from flexgen_dist.distributed.partition import partition_layers
+    from flexgen_dist.models.loader import DummySource
+    from flexgen_dist.models.registry import get_spec
 
     spec = get_spec(model)
     src = DummySource(spec, torch.float32)
@@ -156,7 +159,7 @@ def node_command(m: int, rank: int, master: str, port: int, run: list[str]) -> l
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ..memory.tiers import parse_size
+    from flexgen_dist.memory.tiers import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-350m", help="registry shape (dummy weights)")
@@ -310,8 +313,8 @@ def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Pa
     tokens equal the 1-node run's. The device's and the nodes' bytes cover the whole processes
     (start, loading, the warm-up, the run); each stage's ``disk_bytes_read`` in the metrics
     covers its timed run only."""
-    from ..memory.disk import drop_page_cache
-    from .offload import device_bytes_read
+    from flexgen_dist.memory.disk import drop_page_cache
+    from flexgen_dist.bench.offload import device_bytes_read
 
     rec: dict[str, Any] = {"page_cache_dropped": drop_page_cache()}
     nodes0 = [disk.bytes_read(r) for r in range(m)] if disk else None
@@ -426,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(out).write_text(json.dumps(res, indent=2, default=str) + "\n")
         print("->", out)
     if args.plot and not args.dry_run:
-        from .plots import plot_scaling
+        from flexgen_dist.bench.plots import plot_scaling
 
         print("->", plot_scaling(res, args.plot))
     return res

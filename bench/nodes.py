@@ -42,7 +42,7 @@ class NodeMemory:
     per GB on this project's VM, against 0.2 s per GB for memory the guest holds (what a physical
     machine's fresh pages cost). One node writes its KV cache into memory its own loader freed a
     moment before; a pipeline stage writes most of its cache into pages the host took back. That
-    is a cost of emulating nodes in one VM, not of the work (docs/benchmarks.md, runs P-R).
+    is a cost of emulating nodes in one VM, not of the work (docs/benchmarks-log.md, runs P-R).
 
     Entering raises ``page_reporting_order`` above the largest order (root; a kernel that
     refuses is an error naming the fix), then touches ``touch_bytes`` (default: the free memory
