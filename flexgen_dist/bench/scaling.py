@@ -7,7 +7,7 @@
     python -m flexgen_dist.bench.scaling --shared-cores               # the old mode (see below)
     python -m flexgen_dist.bench.scaling --dry-run                    # print the commands, run nothing
 
-The claim under test (DESIGN.md): each stage holds 1/m of the weights, so under the same
+The claim under test: each stage holds 1/m of the weights, so under the same
 per-node RAM budget it offloads less to disk, and decode throughput can grow faster than m.
 
 Nodes (default): every rank is a node of its own. It gets ``--cores-per-node`` CPUs of its
