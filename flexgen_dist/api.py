@@ -14,8 +14,8 @@ policy files and the generation settings: it sends the others what they need.
 
 The engine is built at the first ``generate`` call, when the workload (prompt lengths,
 gen-len, number of prompts) is known: the budget check and ``policy="auto"`` need it. Later
-calls reuse the placed weights (and, with "auto", the plan of the first call) and check the
-budgets for their own workload.
+calls reuse the placed weights and the first call's plan, and check the budgets for their
+own workload.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Choosing a policy per stage: hardware specs, the cost model, and the LP search.
 
-See docs/planner.md. Imports only models/, engine/ (policy, peaks), memory/ and the layer split
-of distributed/partition.py (never the stage, the pipeline or the communicator).
+See docs/planner.md. Imports models/, engine/ (policy, peaks), memory/, the run's config and
+budgets, and of distributed/ only the layer split (partition.py) and the item stream it
+replays (items.py): never the stage engine, the pipeline loop or the communicator.
 """
 from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
                                              estimate_stage)

@@ -7,7 +7,7 @@ so one table of coefficients (built in ``terms.py``) serves both :func:`estimate
 rounding slack of placing whole tensors when weights are split at all — and enter as
 constants switched on by ``StageTerms.peaks`` from the fractions, or conservatively by the LP.
 
-Notation: l layers in the stage, s prompt length, n generated tokens, h1 hidden,
+Notation (as in docs/planner.md): l layers in the stage, s prompt length, n generated tokens, h1 hidden,
 h2 FFN width, bls = gbs * num_gb sequences per block, G micro-batch groups in flight, b bytes
 per element. Times are per layer for the whole block; a block's prefill takes l * Tpre and its
 decode (n-1) * l * Tgen, each the max over the overlapped channels.

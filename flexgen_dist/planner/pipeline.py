@@ -21,6 +21,8 @@ from flexgen_dist.planner.terms import Workload
 
 
 class StagePlan(NamedTuple):
+    """The planner's answer for one stage (the run's record of a stage is ``plan.StagePlan``)."""
+
     layers: range  # model layer indices this stage owns
     policy: Policy
     cost: StageCost

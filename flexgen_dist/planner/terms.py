@@ -29,7 +29,8 @@ TOKEN_ID_BYTES = 8  # int64 token ids the last stage sends back to the first
 
 @dataclass(frozen=True)
 class Workload:
-    """What is generated: padded prompt length, tokens per sequence, bytes per element."""
+    """What is generated, as the cost model sees it: padded prompt length, tokens per
+    sequence, bytes per element (the run's full workload is ``plan.Workload``)."""
 
     prompt_len: int
     gen_len: int
