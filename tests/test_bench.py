@@ -260,7 +260,7 @@ def test_cost_model_counts_the_bytes_the_engine_places(tmp_path: Path) -> None:
     from flexgen_dist.memory.disk import DiskStore
     from flexgen_dist.models.loader import DummySource
     from flexgen_dist.models.spec import ModelSpec
-    from flexgen_dist.planner.cost_model import Workload, estimate_stage
+    from flexgen_dist.planner.cost_model import WorkShape, estimate_stage
     from flexgen_dist.planner.hardware import HardwareSpec
 
     hw = HardwareSpec.from_yaml(Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml")
@@ -273,7 +273,7 @@ def test_cost_model_counts_the_bytes_the_engine_places(tmp_path: Path) -> None:
                               policy=pol, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
             placed = eng.weights.bytes_per_tier()
             eng.close()
-        cost = estimate_stage(spec, 2, pol, hw, Workload(8, 2, dtype_bytes=4), has_embed=True, has_head=True)
+        cost = estimate_stage(spec, 2, pol, hw, WorkShape(8, 2, dtype_bytes=4), has_embed=True, has_head=True)
         assert cost.peak["decode"]["disk"] == placed["disk"] == sum(placed.values()), tied
         real = planner_accuracy.realised_policy(Policy(1, 1, 0, 50, 100, 0, 100, 0), placed)
         assert real.w_disk_percent == pytest.approx(100.0)

@@ -17,7 +17,7 @@ from flexgen_dist.budgets import Budgets, fits
 from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.plan import Choice, Peaks, RunPlan, StagePlan, Workload
-from flexgen_dist.planner.cost_model import Workload as Shape
+from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.pipeline import plan_pipeline
 from flexgen_dist.planner.search import PlanError
@@ -115,7 +115,7 @@ def _random_case(rng: random.Random) -> tuple:
     gpu = int(wbytes * rng.uniform(0.02, 1.5) / m)
     cpu = int(wbytes * rng.uniform(0.05, 2.0) / m)
     disk = int(wbytes * rng.uniform(0.5, 3.0))
-    shape = Shape(prompt_len=rng.choice([32, 128, 512]), gen_len=rng.choice([8, 32]), dtype_bytes=2)
+    shape = WorkShape(prompt_len=rng.choice([32, 128, 512]), gen_len=rng.choice([8, 32]), dtype_bytes=2)
     return spec, m, (gpu, cpu, disk), shape, rng.random() < 0.3
 
 

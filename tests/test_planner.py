@@ -15,7 +15,7 @@ from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cli import main as cli_main
-from flexgen_dist.planner.cost_model import Workload, estimate_pipeline, estimate_stage
+from flexgen_dist.planner.cost_model import WorkShape, estimate_pipeline, estimate_stage
 from flexgen_dist.planner.terms import stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import profile_hardware
@@ -24,7 +24,7 @@ from flexgen_dist.planner.search import PlanError, plan_stage, round_percents, s
 
 ROOT = Path(__file__).resolve().parents[1]
 T4 = ROOT / "configs" / "hardware" / "t4.yaml"
-WL = Workload(prompt_len=512, gen_len=32)
+WL = WorkShape(prompt_len=512, gen_len=32)
 FAST = dict(max_gpu_batch_size=16, max_num_gpu_batches=4)  # a smaller grid for property tests
 
 
@@ -165,7 +165,7 @@ def test_cpu_device_plan_uses_its_own_hardware():
     hw = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "cpu-2core.yaml")
     assert hw.compute_device == "cpu" and hw.source == "measured"
     spec = get_spec("smollm2-135m")
-    pol, cost = plan_stage(spec, spec.num_layers, hw, Workload(64, 8, dtype_bytes=4),
+    pol, cost = plan_stage(spec, spec.num_layers, hw, WorkShape(64, 8, dtype_bytes=4),
                            has_embed=True, has_head=True, **FAST)
     _assert_fits(cost.peak, hw)
     assert cost.decode_throughput > 0 and cost.prefill_throughput > 0
@@ -298,7 +298,7 @@ def test_per_stage_hardware_list(tmp_path) -> None:
     assert len(load_hardware_stages(hw_dir / "t4.yaml")) == 1
     with pytest.raises(ValueError, match="lists 2 stages but the pipeline has 3"):
         hardware_for_stages(hws, 3)
-    plan = plan_pipeline(get_spec("opt-1.3b"), 2, hardware_for_stages(hws, 2), Workload(128, 16))
+    plan = plan_pipeline(get_spec("opt-1.3b"), 2, hardware_for_stages(hws, 2), WorkShape(128, 16))
     # the CPU stage is the slower one: its policy is planned for its own memory and rates
     assert plan.stages[1].cost.decode_time_s > plan.stages[0].cost.decode_time_s
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from ..engine.policy import Policy
     from ..models.loader import load_model
-    from ..planner.cost_model import Workload, estimate_stage
+    from ..planner.cost_model import WorkShape, estimate_stage
     from ..planner.hardware import HardwareSpec
     from ..planner.profiler import profile_hardware
     from .single import machine
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bls = args.gpu_batch_size * args.num_gpu_batches
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, spec.vocab_size, (bls, args.prompt_len), generator=g).tolist()
-    wl = Workload(args.prompt_len, args.gen_len, dtype_bytes=4)
+    wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes=4)
     results: dict[str, Any] = {}
     for name in args.policies:
         pol = Policy(args.gpu_batch_size, args.num_gpu_batches, *DEFAULT_POLICIES[name])

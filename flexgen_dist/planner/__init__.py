@@ -4,13 +4,13 @@ See docs/planner.md. Imports models/, engine/ (policy, peaks), memory/, the run'
 budgets, and of distributed/ only the layer split (partition.py) and the item stream it
 replays (items.py): never the stage engine, the pipeline loop or the communicator.
 """
-from flexgen_dist.planner.cost_model import (StageCost, Workload, estimate_pipeline,
+from flexgen_dist.planner.cost_model import (StageCost, WorkShape, estimate_pipeline,
                                              estimate_stage)
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import load_or_profile, profile_hardware
-from flexgen_dist.planner.pipeline import PipelinePlan, StagePlan, plan_pipeline
+from flexgen_dist.planner.pipeline import PipelinePlan, PlannedStage, plan_pipeline
 from flexgen_dist.planner.search import PlanError, plan_stage
 
-__all__ = ["HardwareSpec", "PipelinePlan", "PlanError", "StageCost", "StagePlan", "Workload",
+__all__ = ["HardwareSpec", "PipelinePlan", "PlanError", "StageCost", "PlannedStage", "WorkShape",
            "estimate_pipeline", "estimate_stage", "load_or_profile",
            "plan_pipeline", "plan_stage", "profile_hardware"]

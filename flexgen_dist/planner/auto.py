@@ -18,7 +18,7 @@ from ..distributed.partition import partition_layers
 from ..engine.footprint import Packed
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
-from .cost_model import Workload, estimate_pipeline
+from .cost_model import WorkShape, estimate_pipeline
 from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages
 from .profiler import load_or_profile
 from .pipeline import plan_pipeline
@@ -99,7 +99,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
         if G > m and G > n:  # a group without prompts
             continue
         try:
-            p = plan_pipeline(spec, m, hws, Workload(prompt_len, cfg.gen_len, dtype_bytes),
+            p = plan_pipeline(spec, m, hws, WorkShape(prompt_len, cfg.gen_len, dtype_bytes),
                               stage_layers=[b - a for a, b in ranges], partition=cfg.partition,
                               num_micro_batches=G, compress=bool(cfg.compress_weight),
                               max_block_size=max(1, -(-n // G)), num_prompts=n,
@@ -119,7 +119,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
     pred = plan.predicted
     if cfg.schedule == "auto":
         G = pred["num_micro_batches"]
-        wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
+        wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes)
         either = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
                                    num_blocks=-(-n // policies[0].block_size),
                                    prefill_items=pred["prefill_items"], schedule="auto")
@@ -138,7 +138,7 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
     model (overlapped where ``fits(G, "overlapped")``)."""
     m = len(ranges)
     hws = hardware_for(cfg, device, m, budgets)
-    wl = Workload(prompt_len, cfg.gen_len, dtype_bytes)
+    wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes)
     best: dict[str, Any] | None = None
     options = group_options(cfg, m)
     for G in options:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flexgen_dist.models.registry import get_spec, registry_names
-from flexgen_dist.planner.cost_model import Workload
+from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
 from flexgen_dist.config import ArgParser, ConfigError
 from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware
@@ -108,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hws = _hardware(args)
     hw = hws[0]
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
-    wl = Workload(args.prompt_len, args.gen_len, dtype_bytes)
+    wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes)
     kw = dict(partition=args.partition, compress=args.compress,
               max_gpu_batch_size=args.max_gpu_batch_size,
               max_num_gpu_batches=args.max_num_gpu_batches)

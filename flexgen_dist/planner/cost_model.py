@@ -1,11 +1,10 @@
 """Latency and peak-memory model of one pipeline stage (FlexGen's cost model, per stage).
 
-Every time and memory term is *linear* in the nine placement fractions
+Every time term is *linear* in the nine placement fractions
 ``x = (wg, wc, wd, cg, cc, cd, hg, hc, hd)`` (weights, KV cache, activations on gpu/cpu/disk),
 so one table of coefficients (built in ``terms.py``) serves both :func:`estimate_stage`
-(evaluate it at a policy) and the LP in ``search.py`` (optimise over it). Two working-set terms are not linear — the
-rounding slack of placing whole tensors when weights are split at all — and enter as
-constants switched on by ``StageTerms.peaks`` from the fractions, or conservatively by the LP.
+(evaluate it at a policy) and the LP in ``search.py`` (optimise over it). Peaks come from the
+engine's own footprint (``engine/footprint.py``): exact here, linear in the LP.
 
 Notation (as in docs/planner.md): l layers in the stage, s prompt length, n generated tokens, h1 hidden,
 h2 FFN width, bls = gbs * num_gb sequences per block, G micro-batch groups in flight, b bytes
@@ -25,7 +24,7 @@ from flexgen_dist.distributed.items import PREFILL, Item, ItemStream
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
+from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ def cost_from_terms(terms: StageTerms, x: np.ndarray) -> StageCost:
 
 
 def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: HardwareSpec,
-                     workload: Workload, *, has_embed: bool, has_head: bool,
+                     workload: WorkShape, *, has_embed: bool, has_head: bool,
                      num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageTerms:
     return stage_terms(spec, num_layers, hw, workload, gpu_batch_size=policy.gpu_batch_size,
                        num_gpu_batches=policy.num_gpu_batches, cpu_attention=policy.cpu_attention,
@@ -117,7 +116,7 @@ def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: Hardw
 
 
 def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,
-                   workload: Workload, *, has_embed: bool, has_head: bool,
+                   workload: WorkShape, *, has_embed: bool, has_head: bool,
                    num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageCost:
     """Predicted block times and per-tier peaks of ``policy`` on one stage.
 
@@ -135,7 +134,7 @@ def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw
 
 
 def piece_cost(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,
-               workload: Workload, **kw: Any) -> StageCost:
+               workload: WorkShape, **kw: Any) -> StageCost:
     """The cost of one prefill piece (one GPU batch) under a block policy: the block's with one
     batch, and 1/num_gpu_batches of the block's one LM head pass (the head waits for the last
     batch and runs once for all). Keywords as for ``estimate_stage``."""
@@ -278,7 +277,7 @@ def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G
 
 
 def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[Policy],
-                      hws: list[HardwareSpec], workload: Workload,
+                      hws: list[HardwareSpec], workload: WorkShape,
                       num_micro_batches: int, *, num_blocks: int | None = None,
                       prefill_items: str = "auto", schedule: str = "auto") -> dict:
     """Predicted prefill/decode/total throughput (tokens/s) of the whole pipeline.

@@ -17,10 +17,10 @@ from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, best_pipeline, piece_cost
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.search import Candidate, PlanError, diagnose, stage_candidates
-from flexgen_dist.planner.terms import Workload
+from flexgen_dist.planner.terms import WorkShape
 
 
-class StagePlan(NamedTuple):
+class PlannedStage(NamedTuple):
     """The planner's answer for one stage (the run's record of a stage is ``plan.StagePlan``)."""
 
     layers: range  # model layer indices this stage owns
@@ -33,9 +33,9 @@ class PipelinePlan:
     """Per-stage policies for one pipeline and the planner's predicted throughput."""
 
     model: str
-    workload: Workload
+    workload: WorkShape
     num_micro_batches: int
-    stages: list[StagePlan]
+    stages: list[PlannedStage]
     predicted: dict
 
     @property
@@ -79,7 +79,7 @@ def _balance(best_for: Callable[[list[int]], tuple[float, list[Candidate], dict]
 
 
 def _piece_costs(spec: ModelSpec, split: list[int], chosen: list[Candidate], hws: list[HardwareSpec],
-                 workload: Workload, G: int) -> list:
+                 workload: WorkShape, G: int) -> list:
     """Each stage's cost of one GPU batch's prefill with its own weight loads (a prefill
     piece, or a rider of the overlapped schedule), under the stage's chosen policy."""
     m = len(split)
@@ -89,7 +89,7 @@ def _piece_costs(spec: ModelSpec, split: list[int], chosen: list[Candidate], hws
 
 
 def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | HardwareSpec,
-                  workload: Workload, *, stage_layers: list[int] | None = None,
+                  workload: WorkShape, *, stage_layers: list[int] | None = None,
                   partition: str = "equal", num_micro_batches: int | None = None,
                   compress: bool = False, max_gpu_batch_size: int = 64,
                   max_num_gpu_batches: int = 16, max_block_size: int | None = None,
@@ -158,7 +158,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     if partition == "balanced" and m > 1:
         best, layers = _balance(best_for, best, layers, workload.gen_len)
     _, chosen, pred = best
-    stages = [StagePlan(range(a, b), c.policy(), c.cost())
+    stages = [PlannedStage(range(a, b), c.policy(), c.cost())
               for (a, b), c in zip(partition_layers(spec.num_layers, m, layers), chosen)]
     return PipelinePlan(model=spec.name, workload=workload, num_micro_batches=G,
                         stages=stages, predicted=pred)

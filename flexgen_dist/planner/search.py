@@ -19,7 +19,7 @@ from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
-from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, Workload, stage_terms
+from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 
 GIB = 2**30
@@ -167,7 +167,7 @@ def _push_up(terms: StageTerms, p: np.ndarray, budgets: np.ndarray) -> np.ndarra
 
 
 def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec,
-                     workload: Workload, *, has_embed: bool, has_head: bool,
+                     workload: WorkShape, *, has_embed: bool, has_head: bool,
                      max_gpu_batch_size: int = 64, max_num_gpu_batches: int = 16,
                      cpu_attention_options: tuple[bool, ...] = (True, False),
                      compress: bool = False, num_micro_batches: int = 1,
@@ -242,7 +242,7 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
     return best
 
 
-def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, workload: Workload,
+def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, workload: WorkShape,
              *, has_embed: bool, has_head: bool, cpu_attention: bool = True,
              compress: bool = False, num_micro_batches: int = 1,
              num_stages: int = 1) -> str:
@@ -281,7 +281,7 @@ def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, worklo
     return f"{what} for {spec.name}{stage} at block size 1: raise {flags} or add stages"
 
 
-def plan_stage(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, workload: Workload,
+def plan_stage(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, workload: WorkShape,
                *, has_embed: bool, has_head: bool, max_gpu_batch_size: int = 64,
                max_num_gpu_batches: int = 16,
                cpu_attention_options: tuple[bool, ...] = (True, False), compress: bool = False,

@@ -28,7 +28,7 @@ TOKEN_ID_BYTES = 8  # int64 token ids the last stage sends back to the first
 
 
 @dataclass(frozen=True)
-class Workload:
+class WorkShape:
     """What is generated, as the cost model sees it: padded prompt length, tokens per
     sequence, bytes per element (the run's full workload is ``plan.Workload``)."""
 
@@ -38,10 +38,10 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
-            raise ValueError(f"Workload prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
+            raise ValueError(f"WorkShape prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
                              "both must be >= 1")
         if self.dtype_bytes not in (2, 4):
-            raise ValueError(f"Workload.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
+            raise ValueError(f"WorkShape.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
                              "(fp32)")
 
 
@@ -186,7 +186,7 @@ def _net_times(hw: HardwareSpec, bls: int, a_pre: int, a_dec: int, has_head: boo
     return hw.net_latency + sent_p / hw.net_bw, hw.net_latency + sent_d / hw.net_bw
 
 
-def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
+def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: WorkShape, *,
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
@@ -328,7 +328,7 @@ def _add_disk_cpu(T: np.ndarray, hw: HardwareSpec) -> None:
         T[4] += hw.disk_cpu * (T[2] * hw.dtoc_bw + T[3] * hw.ctod_bw)
 
 
-def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Workload, *,
+def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: WorkShape, *,
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
