@@ -140,7 +140,7 @@ def test_rounds_alternate_and_the_checkout_goes(tmp_path: Path, monkeypatch: pyt
 
 @pytest.mark.slow
 def test_end_to_end_both_sides(tiny_models, tmp_path: Path) -> None:
-    """One real round on a tiny model (~30-40 s here); relative paths in the job mean the caller's directory on both sides."""
+    """One real round on a tiny model (15-40 s here, with the machine's load); relative paths in the job mean the caller's directory on both sides."""
     (tmp_path / "model").symlink_to(tiny_models["opt-pre"].path)
     out = tmp_path / "res" / "c.json"
     r = _bench(["compare", "--rev", "HEAD", "--repeat", "1", "--json", str(out), "--model", "model",
