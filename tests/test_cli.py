@@ -160,7 +160,8 @@ HELP_COMMANDS = [["flexgen_dist.run"], ["flexgen_dist.eval"], ["flexgen_dist.eva
                  ["flexgen_dist.planner", "profile"], ["flexgen_dist.distributed.check"],
                  ["flexgen_dist.bench.single"], ["flexgen_dist.bench.offload"],
                  ["bench.scaling"], ["flexgen_dist.bench.accuracy"],
-                 ["flexgen_dist.bench.planner_accuracy"], ["flexgen_dist.bench.gpu_suite"], ["flexgen_dist.bench.gpu_baselines"]]
+                 ["flexgen_dist.bench.planner_accuracy"], ["flexgen_dist.bench.gpu_suite"], ["flexgen_dist.bench.gpu_baselines"],
+                 ["flexgen_dist.bench"], ["flexgen_dist.bench", "compare"]]
 
 
 def test_every_command_prints_its_help() -> None:
