@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..memory.tiers import Tier
-from ..models.common import family_module
+from ..models.families import get_family
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
@@ -25,7 +25,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                   packed: Callable[[str, int | None], dict[str, tuple[int, int]]] | None = None) -> dict[str, int]:
     """``packed`` (a source's ``packed_formats``) gives the (bits, group size) of the weights
     kept in their checkpoint's own blocks under ``compress_weight``."""
-    fam = family_module(spec)
+    fam = get_family(spec.family)
     peak = {t.value: 0 for t in Tier}
     parts = ([("embed", None)] if has_embed else []) + [("layer", j) for j in range(*layers)] + \
         ([("head", None)] if has_head else [])
