@@ -159,7 +159,7 @@ def node_command(m: int, rank: int, master: str, port: int, run: list[str]) -> l
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from flexgen_dist.memory.tiers import parse_size
+    from flexgen_dist.memory.units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="opt-350m", help="registry shape (dummy weights)")

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
-from .memory.tiers import MemoryBudgetError, format_bytes, parse_size
+from .memory.tiers import MemoryBudgetError
+from .memory.units import format_bytes, parse_size
 from .plan import Peaks
 
 FLAGS = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}

@@ -14,7 +14,8 @@ from flexgen_dist.plan import Peaks
 from flexgen_dist.memory.disk import DiskStore
 from flexgen_dist.memory.quant import dequantize, quantize
 from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
-                                       format_bytes, parse_size, pin_if_cuda, tensor_nbytes)
+                                       pin_if_cuda, tensor_nbytes)
+from flexgen_dist.memory.units import format_bytes, parse_size
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.uint8]
 

@@ -47,7 +47,7 @@ from ..engine.policy import Policy
 from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine
 from ..memory.disk import DiskStore, can_drop_page_cache, drop_page_cache
-from ..models.common import family_module
+from ..models.families import get_family
 from ..models.loader import load_model
 from ..models.registry import get_spec, registry_names
 from .single import machine
@@ -115,7 +115,7 @@ def write_hf_checkpoint(lm: Any, out: Path, dtype: torch.dtype = torch.float32) 
     spec = lm.spec
     if spec.family != "opt":
         raise SystemExit("the accelerate baseline is built for OPT shapes (use an opt-* model)")
-    fam = family_module(spec)
+    fam = get_family(spec.family)
     cfg = OPTConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, ffn_dim=spec.ffn_size,
                     num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
                     max_position_embeddings=spec.max_positions, do_layer_norm_before=spec.pre_layer_norm,

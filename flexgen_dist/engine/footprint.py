@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..memory.tiers import Tier
-from ..models.common import family_module
+from ..models.families import get_family
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
@@ -165,7 +165,7 @@ def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_he
            dtype_bytes: int, default: tuple[int, int] | None, packed: Packed | None) -> tuple:
     """(stored bytes per tensor, dense bytes) of each slot, in the engine's order (the planner
     asks for the same stage's slots for every batch shape it weighs: cached)."""
-    fam = family_module(spec)
+    fam = get_family(spec.family)
     names = ([("embed", None)] if has_embed else []) + \
         [("layer", j) for j in range(first, first + num_layers)] + ([("head", None)] if has_head else [])
     parts = []

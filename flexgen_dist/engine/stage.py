@@ -15,8 +15,10 @@ import torch
 
 from .. import kernels
 from ..memory.disk import DiskStore
-from ..memory.tiers import MemoryTracker, Tier, format_bytes
-from ..models.common import Positions, family_module
+from ..memory.tiers import MemoryTracker, Tier
+from ..memory.units import format_bytes
+from ..models.common import Positions
+from ..models.families import get_family
 from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
@@ -78,7 +80,7 @@ class StageEngine:
                  dtype: torch.dtype, disk: DiskStore | None = None,
                  tracker: MemoryTracker | None = None) -> None:
         self.spec, self.policy, self.device, self.dtype = spec, policy, device, dtype
-        self.family = family_module(spec)
+        self.family = get_family(spec.family)
         self.layers = list(range(*layers))
         self.slots: list[Slot] = ([("embed", None)] if has_embed else []) + \
             [("layer", j) for j in self.layers] + ([("head", None)] if has_head else [])

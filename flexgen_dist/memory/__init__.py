@@ -6,7 +6,8 @@ from flexgen_dist.memory.disk import DiskStore, DiskStoreError, DiskTensor, alig
 from flexgen_dist.memory.quant import (QTensor, dequantize, empty_qtensor, qtensor_layout,
                                        quantize)
 from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
-                                       format_bytes, parse_size, pin_if_cuda, tensor_nbytes)
+                                       pin_if_cuda, tensor_nbytes)
+from flexgen_dist.memory.units import format_bytes, parse_size
 
 __all__ = [
     "DiskStore", "DiskStoreError", "DiskTensor", "MemoryBudgetError", "MemoryTracker",

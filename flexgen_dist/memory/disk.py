@@ -34,7 +34,7 @@ import torch
 
 from flexgen_dist.memory.owners import reclaim_stale_dirs, remove_at_exit, write_owner
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
-from flexgen_dist.memory.tiers import format_bytes
+from flexgen_dist.memory.units import format_bytes
 
 log = logging.getLogger("flexgen_dist")
 

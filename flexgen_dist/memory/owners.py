@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from flexgen_dist.memory.tiers import format_bytes
+from flexgen_dist.memory.units import format_bytes
 
 log = logging.getLogger("flexgen_dist")
 

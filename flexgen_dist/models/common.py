@@ -1,44 +1,16 @@
-"""Shared pieces of model math and the protocol every family module follows.
+"""The model math the families share: linear layers, norms, SwiGLU, rotary positions.
 
-A family module (``opt.py``, ``llama.py``) provides pure functions over weight dicts with
-canonical names. The engine never sees family-specific names; the loader maps checkpoint
-names to canonical ones through the family's ``hf_names``/``gguf_names``.
-
-The attention itself is not model math here: ``layer_forward`` receives an ``attend``
-callable ``(q, k, v) -> out`` where q is (b, t, num_heads, head_dim), k and v are
-(b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim). The engine's
-``attend`` writes k and v into its preallocated cache (wherever that lives) and attends over
-it, on the compute device or on the CPU. Rows of x are independent outside ``attend``, so
-the engine may pass the rows of several GPU batches at once with an ``attend`` that splits
-them again (merged decode, see ``engine/stage.py``).
+Family modules (``opt.py``, ``llama.py``) build their layers from these and register
+themselves in ``families.py``; this module imports none of them. On the CPU the hot pieces
+go to the native kernels (``flexgen_dist.kernels``).
 """
 from __future__ import annotations
-
-from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import gemm
-from .spec import ModelSpec
-
-Weights = dict[str, torch.Tensor]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class Family(Protocol):
-    """What a model family module exposes. The ``*_shapes`` dicts also fix each part's
-    canonical weight names and their order (which placement walks)."""
-
-    def layer_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]: ...
-    def embed_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]: ...
-    def head_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]: ...
-    def hf_names(self, spec: ModelSpec, part: str, layer: int | None) -> dict[str, list[str]]: ...
-    def embed(self, spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
-    def layer_forward(self, spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor,
-                      attend: Attend) -> torch.Tensor: ...
-    def head(self, spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -134,9 +106,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     out[..., half:].addcmul_(x1, s)
     return out
 
-
-def family_module(spec: ModelSpec) -> Family:
-    """The module implementing ``spec.family``."""
-    from . import llama, opt  # local import: both import this module
-
-    return {"opt": opt, "llama": llama}[spec.family]  # type: ignore[return-value]

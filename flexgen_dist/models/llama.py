@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import Attend, Positions, Weights, apply_rope, as_positions, linear, rms_norm, silu_mul
+from .common import Positions, apply_rope, as_positions, linear, rms_norm, silu_mul
+from .families import Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -116,3 +117,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     x = rms_norm(x, w["norm.w"], spec.norm_eps)
     return linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+
+
+register(Family("llama", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .common import family_module
+from .families import get_family
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .registry import get_spec
 from .spec import ModelSpec
@@ -117,7 +117,7 @@ class WeightSource(abc.ABC):
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         self.spec, self.dtype = spec, dtype
-        self.family = family_module(spec)
+        self.family = get_family(spec.family)
 
     def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
         return getattr(self.family, f"{part}_shapes")(self.spec)

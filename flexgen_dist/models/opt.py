@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import Attend, Positions, Weights, as_positions, layer_norm, linear
+from .common import Positions, as_positions, layer_norm, linear
+from .families import Attend, Family, Weights, register
 from .spec import ModelSpec
 
 POS_OFFSET = 2
@@ -107,3 +108,7 @@ def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     if spec.has_projection:
         x = linear(x, w["proj_out.w"])
     return linear(x, w["tok.w"])
+
+
+register(Family("opt", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from flexgen_dist.memory.tiers import parse_size
+from flexgen_dist.memory.units import parse_size
 
 SOURCES = ("measured", "from specifications")
 DEVICES = ("cuda", "cpu")

@@ -1,0 +1,75 @@
+"""The table of model families: what each family (OPT, LLaMA) does differently, by name.
+
+A family module (``opt.py``, ``llama.py``) provides pure functions over weight dicts with
+canonical names and registers them here when it is imported (``register(Family(...))``);
+``models/__init__.py`` imports every family module, so the table is full as soon as anything
+under ``flexgen_dist.models`` is. The engine, the loader and the benchmarks look a family up
+by ``spec.family`` (``get_family``). This module imports no family module and ``common.py``
+(the math the families share) neither, so the imports run one way: family -> common, family
+-> here. The engine never sees family-specific names; the loader maps checkpoint names to
+canonical ones through the family's ``hf_names``.
+
+The attention itself is not family math: ``layer_forward`` receives an ``attend`` callable
+``(q, k, v) -> out`` where q is (b, t, num_heads, head_dim), k and v are
+(b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim). The engine's
+``attend`` writes k and v into its preallocated cache (wherever that lives) and attends over
+it, on the compute device or on the CPU. Rows of x are independent outside ``attend``, so
+the engine may pass the rows of several GPU batches at once with an ``attend`` that splits
+them again (merged decode, see ``engine/stage.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .spec import ModelSpec
+
+Weights = dict[str, torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Shapes = Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+
+
+@dataclass
+class Family:
+    """The functions of one family. The ``*_shapes`` dicts also fix each part's canonical
+    weight names and their order (which placement walks). ``pos`` is a (b, t) tensor of
+    position ids or a ``common.Positions``.
+
+    Not frozen: a test may monkeypatch one function for the length of the test.
+    """
+
+    name: str
+    layer_shapes: Shapes
+    embed_shapes: Shapes
+    head_shapes: Shapes
+    hf_names: Callable[[ModelSpec, str, int | None], dict[str, list[str]]]
+    embed: Callable[[ModelSpec, Weights, torch.Tensor, Any], torch.Tensor]
+    layer_forward: Callable[[ModelSpec, Weights, torch.Tensor, Any, Attend], torch.Tensor]
+    head: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor]
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` to the table (a family module calls this once, at import)."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is registered twice: "
+                         "give the new family module another name")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    """The registered family called ``name`` (``spec.family``)."""
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown model family {name!r}: known families are "
+                         f"{', '.join(family_names()) or 'none'} (a family module registers "
+                         "itself when models/__init__.py imports it)")
+    return _FAMILIES[name]
