@@ -71,13 +71,16 @@ def machine_budgets(caps: dict[str, int | None], device: torch.device, offload_d
 
 def available_ram() -> tuple[int, str]:
     """Bytes of RAM this process may still allocate, and which limit set it."""
-    found = [(_meminfo_available(), "available memory")]
+    avail = _proc_kib("/proc/meminfo", "MemAvailable")
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    found = [(avail, "available memory")]
     cg = _cgroup_room()
     if cg is not None:
         found.append((cg, "the cgroup's memory limit"))
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        found.append((max(0, soft - _mapped_bytes()), "ulimit -v"))
+        found.append((max(0, soft - (_proc_kib("/proc/self/status", "VmSize") or 0)), "ulimit -v"))
     return min(found)
 
 
@@ -89,14 +92,15 @@ def free_disk(path: str) -> int:
     return int(shutil.disk_usage(p).free)
 
 
-def _meminfo_available() -> int:
+def _proc_kib(path: str, key: str) -> int | None:
+    """Bytes of a ``key: N kB`` line of a /proc file (None where absent or unreadable)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
 
 
 def _cgroup_room() -> int | None:
@@ -112,15 +116,6 @@ def _cgroup_room() -> int | None:
     except (OSError, StopIteration, ValueError):
         return None
 
-
-def _mapped_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def check_budgets(peaks: Peaks, budgets: Budgets, stage: int = 0) -> None:
