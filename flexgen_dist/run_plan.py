@@ -49,8 +49,9 @@ class RunPlanner:
                                     "--stage-layers" if cfg.stage_layers else "equal split (--partition equal)")]
         if cfg.auto_policy:
             policies, predicted, ranges = self._auto(work, ranges)
-            why = [Choice("layers", str([list(r) for r in ranges]), f"--partition {cfg.partition} "
-                          "(balanced: moved by the planner's stage times)"),
+            why = [Choice("layers", str([list(r) for r in ranges]),
+                          "--partition balanced: moved by the planner's stage times" if cfg.partition == "balanced"
+                          else "--stage-layers" if cfg.stage_layers else "equal split (--partition equal)"),
                    Choice("policies", "planned", "--policy auto: the planner's LP for each stage on "
                           f"{', '.join(predicted['hardware'])}")]
         else:
