@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env, free_port, kill_tree
-from flexgen_dist.distributed.comm import FailureMonitor, StageComm
+from flexgen_dist.distributed.comm import StageComm
+from flexgen_dist.distributed.monitor import FailureMonitor
 from flexgen_dist.distributed.topology import DistContext, detect_topology
 
 TIMEOUT = 10.0  # --timeout given to the ranks in failure tests

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from flexgen_dist.distributed.comm import FailureMonitor, StageComm
+from flexgen_dist.distributed.comm import StageComm
+from flexgen_dist.distributed.monitor import FailureMonitor
 from flexgen_dist.distributed.topology import DistContext, detect_topology, print0, setup_rank_logging
 
 log = logging.getLogger("flexgen_dist.check")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .comm import FailureMonitor, PeerFailure, StageComm
+from .comm import PeerFailure, StageComm
+from .monitor import FailureMonitor
 from .topology import DistContext
 
 

@@ -10,7 +10,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .stage import BlockMeta
+
+@dataclass
+class BlockMeta:
+    """What every stage must know about one block: its GPU batches and their prompt lengths."""
+
+    prompt_lens: list[list[int]]  # per GPU batch, the true length of each (left-padded) prompt
+    prompt_len: int  # s: padded prompt length of the block
+    gen_len: int  # n
+    # Scoring mode: per GPU batch, (b, s + gen_len) ids of the token that follows each cache
+    # position (-1 where it is not scored); decode steps are teacher-forced, so step i's input
+    # sits at position s + i - 1. The head then returns per sequence (b, 3) float64 [sum of
+    # -log p(target), positions scored, top-1 hits] over the step's positions instead of
+    # last-position logits.
+    targets: list[torch.Tensor] | None = None
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [len(p) for p in self.prompt_lens]
 
 
 @dataclass

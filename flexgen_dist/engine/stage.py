@@ -23,29 +23,11 @@ from ..models.loader import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
 from .attention import mask_to_rows, prefill_attention, q_to_rows, rows_to_out, to_rows
+from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy
 from .schedule import Step, token_schedule
 from .weights import Slot, WeightStore
-
-
-@dataclass
-class BlockMeta:
-    """What every stage must know about one block: its GPU batches and their prompt lengths."""
-
-    prompt_lens: list[list[int]]  # per GPU batch, the true length of each (left-padded) prompt
-    prompt_len: int  # s: padded prompt length of the block
-    gen_len: int  # n
-    # Scoring mode: per GPU batch, (b, s + gen_len) ids of the token that follows each cache
-    # position (-1 where it is not scored); decode steps are teacher-forced, so step i's input
-    # sits at position s + i - 1. The head then returns per sequence (b, 3) float64 [sum of
-    # -log p(target), positions scored, top-1 hits] over the step's positions instead of
-    # last-position logits.
-    targets: list[torch.Tensor] | None = None
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return [len(p) for p in self.prompt_lens]
 
 
 @dataclass
