@@ -118,12 +118,15 @@ class Prediction:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage: its layers [lo, hi), its policy, and its predicted peak bytes per tier."""
+    """One stage: its layers [lo, hi), its policy, its predicted peak bytes per tier, and (with
+    a hardware profile) the cost model's seconds for one block's prefill and one decode step."""
 
     index: int
     layers: tuple[int, int]
     policy: Policy
     peaks: Peaks
+    prefill_s: float | None = None
+    decode_step_s: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -175,7 +178,8 @@ class RunPlan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as the metrics report it (JSON-able)."""
         return {"stages": [{"stage": s.index, "layers": list(s.layers), "policy": s.policy.to_dict(),
-                            "predicted_peak_bytes": s.peaks.as_dict()} for s in self.stages],
+                            "predicted_peak_bytes": s.peaks.as_dict(), "predicted_prefill_s": s.prefill_s,
+                            "predicted_decode_step_s": s.decode_step_s} for s in self.stages],
                 "num_micro_batches": self.num_micro_batches, "prefill_items": self.prefill_items,
                 "schedule": self.schedule, "block_size": self.block_size, "num_blocks": self.num_blocks,
                 "prediction": None if self.prediction is None else asdict(self.prediction),
@@ -190,7 +194,10 @@ class RunPlan:
                          f"num_gb={p.num_gpu_batches} percent={' '.join(f'{x:g}' for x in p.percent())} "
                          f"cpu_attention={p.cpu_attention} compress_weight={p.compress_weight} "
                          f"compress_cache={p.compress_cache}; predicted peaks: "
-                         + ", ".join(f"{t} {_gib(getattr(pk, t))}" for t in TIERS))
+                         + ", ".join(f"{t} {_gib(getattr(pk, t))}" for t in TIERS)
+                         + (f"; predicted times: prefill {s.prefill_s:.2f} s per block, decode "
+                            f"{s.decode_step_s:.3f} s per step" if s.prefill_s is not None
+                            and s.decode_step_s is not None else ""))
         lines += [f"{c.name} = {c.value}: {c.why}" for c in self.choices]
         if self.prediction is not None:
             pr = self.prediction

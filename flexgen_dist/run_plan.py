@@ -72,8 +72,10 @@ class RunPlanner:
         G, items, schedule = predicted["num_micro_batches"], predicted["prefill_items"], predicted["schedule"]
         why += predicted["why"]
         inflight = G * (2 if schedule == "overlapped" else 1)
-        stages = tuple(StagePlan(s, (r[0], r[1]), p, self.peaks(p, (r[0], r[1]), s, work, inflight))
-                       for s, (p, r) in enumerate(zip(policies, ranges)))
+        times = predicted.get("stage_times") or [{}] * len(policies)
+        stages = tuple(StagePlan(s, (r[0], r[1]), p, self.peaks(p, (r[0], r[1]), s, work, inflight),
+                                 t.get("prefill_s"), t.get("decode_step_s"))
+                       for s, (p, r, t) in enumerate(zip(policies, ranges, times)))
         pred = Prediction.of(predicted) if "total_throughput" in predicted else None
         nblocks = -(-work.num_prompts // policies[0].block_size)
         return RunPlan(stages, G, items, schedule, nblocks, pred, tuple(why))

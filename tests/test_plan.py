@@ -181,3 +181,15 @@ def test_planner_and_check_read_one_footprint() -> None:
         lin[:, 0] += gpu_step
         lin[:, 1] += cpu_step
         assert np.allclose(fp.peaks(x), lin)
+
+
+def test_a_profile_adds_each_stages_predicted_times(tiny_models) -> None:
+    hw = ROOT / "configs" / "hardware" / "cpu-2core.yaml"
+    with LLM(str(tiny_models["opt-pre"].path), gpu_batch_size=2, num_gpu_batches=2, hardware=str(hw),
+             progress=False) as llm:
+        plan = llm.explain(PROMPTS, gen_len=3)
+    assert plan is not None and plan.prediction is not None
+    st = plan.stages[0]
+    assert st.prefill_s is not None and st.prefill_s > 0 and st.decode_step_s is not None and st.decode_step_s > 0
+    assert "predicted times: prefill" in plan.explain()
+    assert plan.to_dict()["stages"][0]["predicted_prefill_s"] == st.prefill_s

@@ -60,7 +60,7 @@ def _within(hw: HardwareSpec, b: Budgets) -> HardwareSpec:
 
 
 PREDICTED_KEYS = ("prefill_throughput", "decode_throughput", "total_throughput", "prefill_time_s",
-                  "decode_time_s", "num_micro_batches", "prefill_items", "schedule")
+                  "decode_time_s", "num_micro_batches", "prefill_items", "schedule", "stage_times")
 
 
 def group_options(cfg: RunConfig, num_stages: int) -> list[int]:
