@@ -272,7 +272,7 @@ class LLM:
                                         None if isinstance(p, str) else list(p), self.tokenizer, spec.vocab_size)
                             for n, p in enumerate(prompts)]
         # a scored sequence generates nothing: it may fill every position
-        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
+        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions, spec.sliding_window)
         try:
             return Workload(tuple(len(p.ids) for p in ps), gen_len, sampling or cfg.sampling,
                             keys=None if keys is None else tuple(int(k) for k in keys),

@@ -96,6 +96,10 @@ class StageEngine:
         if total > self.spec.max_positions:
             raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds "
                              f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
+        if self.spec.sliding_window and total > self.spec.sliding_window:
+            raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds the "
+                             f"model's sliding_window of {self.spec.sliding_window}, and sliding-window "
+                             "attention is not supported yet: shorten prompts or --gen-len")
         cache = None
         if self.layers:
             cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,

@@ -6,11 +6,14 @@ go to the native kernels (``flexgen_dist.kernels``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import gemm
+from .spec import RopeScaling
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -66,12 +69,13 @@ class Positions:
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
-        self._rope: dict[tuple[int, float, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (head_dim, theta, dtype)
+    def rope(self, head_dim: int, theta: float, dtype: torch.dtype,
+             scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (head_dim, theta, dtype, scaling)
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.ids, head_dim, theta, dtype)
+            self._rope[key] = rope_cos_sin(self.ids, head_dim, theta, dtype, scaling)
         return self._rope[key]
 
 
@@ -79,11 +83,31 @@ def as_positions(pos: "torch.Tensor | Positions") -> Positions:
     return pos if isinstance(pos, Positions) else Positions(pos)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device,
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies (head_dim / 2,), scaled as ``scaling`` says, computed
+    as the reference implementation computes them (float32, the same operations in order)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
                                              dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: low frequencies divided by factor, high kept, medium interpolated
+    factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, pos.device)
     freqs = pos.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -102,7 +102,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
     k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
     v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
-    cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype)
+    cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype, spec.rope_scaling)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
     # in-place adds and activations: these temporaries are the size of the whole batch, and

@@ -21,7 +21,7 @@ import torch
 from .families import get_family
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .registry import get_spec
-from .spec import ModelSpec
+from .spec import ROPE_TYPES, ModelSpec, RopeScaling
 
 log = logging.getLogger("flexgen_dist")
 DEFAULT_MODEL = "smollm2-135m-instruct (bundled GGUF)"
@@ -65,9 +65,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
     if mt in ("llama", "mistral"):
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported yet")
+        scaling = _rope_scaling(rope, name)
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or 0
         if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
@@ -75,11 +73,34 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
                          num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                          head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                         rope_theta=float(theta),
+                         rope_theta=float(theta), rope_scaling=scaling,
+                         sliding_window=int(cfg.get("sliding_window") or 0),
                          tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                          attention_bias=cfg.get("attention_bias", False),
                          mlp_bias=cfg.get("mlp_bias", False), **common)
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (use OPT or LLaMA-family models)")
+
+
+def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:
+    """A config's ``rope_scaling``/``rope_parameters`` as a ``RopeScaling`` (None: plain RoPE);
+    a type or field this engine does not compute is refused in one line naming it."""
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
+                             f"(supported: default, {', '.join(ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError(f"{name}: rope partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    need = keys if rope_type == "llama3" else keys[:1]
+    missing = [k for k in need if rope.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"{name}: rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
+    try:
+        return RopeScaling(rope_type, **{k: rope[k] for k in need})
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
 
 
 def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
@@ -91,6 +112,11 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if arch != "llama":
         raise ModelLoadError(f"{name}: GGUF architecture {arch!r} is not supported (llama only)")
     names = {t.name for t in reader.tensors}
+    scaling = field("llama.rope.scaling.type")
+    if "rope_freqs.weight" in names or scaling not in (None, "none"):
+        what = f"rope scaling {scaling!r}" if scaling not in (None, "none") else "per-dimension rope_freqs"
+        raise ModelLoadError(f"{name}: GGUF {what} (a Llama 3.1+ file) is not supported yet: use the "
+                             "Hugging Face directory, whose rope_scaling is")
     vocab = field("llama.vocab_size") or len(field("tokenizer.ggml.tokens", []))
     eos = field("tokenizer.ggml.eos_token_id")
     return ModelSpec(

@@ -5,7 +5,7 @@ shape matters here.
 """
 from __future__ import annotations
 
-from .spec import ModelSpec
+from .spec import ModelSpec, RopeScaling
 
 _OPT = dict(family="opt", vocab_size=50272, max_positions=2048, bos_token_id=2,
             eos_token_ids=(2,), pad_token_id=1)
@@ -14,6 +14,10 @@ _LLAMA2 = dict(family="llama", vocab_size=32000, max_positions=4096, bos_token_i
 _LLAMA3 = dict(family="llama", vocab_size=128256, max_positions=8192, bos_token_id=128000,
                eos_token_ids=(128001,), pad_token_id=None, tie_word_embeddings=False,
                norm_eps=1e-5, rope_theta=500000.0)
+# Llama 3.1 / 3.2: 128k positions by the llama3 frequency scaling of the 8k original
+_LLAMA31 = dict(_LLAMA3, max_positions=131072, eos_token_ids=(128001, 128008, 128009),
+                rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+_LLAMA32 = dict(_LLAMA31, tie_word_embeddings=True, rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192))
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -37,6 +41,16 @@ _SHAPES: dict[str, dict] = {
                        num_kv_heads=8),
     "llama-3-70b": dict(_LLAMA3, num_layers=80, hidden_size=8192, ffn_size=28672, num_heads=64,
                         num_kv_heads=8),
+    "llama-3.1-8b": dict(_LLAMA31, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
+                         num_kv_heads=8),
+    "llama-3.1-70b": dict(_LLAMA31, num_layers=80, hidden_size=8192, ffn_size=28672, num_heads=64,
+                          num_kv_heads=8),
+    "llama-3.1-405b": dict(_LLAMA31, num_layers=126, hidden_size=16384, ffn_size=53248, num_heads=128,
+                           num_kv_heads=8),
+    "llama-3.2-1b": dict(_LLAMA32, num_layers=16, hidden_size=2048, ffn_size=8192, num_heads=32,
+                         num_kv_heads=8),
+    "llama-3.2-3b": dict(_LLAMA32, num_layers=28, hidden_size=3072, ffn_size=8192, num_heads=24,
+                         num_kv_heads=8),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,

@@ -11,6 +11,32 @@ FAMILIES = ("opt", "llama")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A rotary embedding's frequency scaling, as a checkpoint's ``rope_scaling`` (or
+    ``rope_parameters``) gives it: ``linear`` divides every frequency by ``factor``; ``llama3``
+    (Llama 3.1 and later) divides the low frequencies by ``factor``, keeps the high ones and
+    interpolates between, by the wavelength against ``original_max_position_embeddings``."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope scaling type {self.rope_type!r}: supported are {', '.join(ROPE_TYPES)}")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor {self.factor}: must be > 0")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must exceed "
+                             f"low_freq_factor {self.low_freq_factor}")
+
+
+ROPE_TYPES = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer of the OPT or LLaMA family.
 
@@ -34,6 +60,8 @@ class ModelSpec:
     word_embed_proj_dim: int = 0  # 0: hidden_size (no project_in/out)
     # LLaMA conventions
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int = 0  # > 0: attention sees only the last this many positions (Mistral)
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     mlp_bias: bool = False

@@ -1,0 +1,111 @@
+"""Llama-family variants. RoPE frequency scaling (Llama 3.1+ ``llama3``, ``linear``): the same
+frequencies as transformers, greedy tokens identical to it in float32 with an offloading
+policy, every other scaling type refused in one line. Mistral's sliding window: exact within
+the window, refused in one line beyond it (never silently ignored)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TinyModel, reference_generate
+from flexgen_dist import LLM
+from flexgen_dist.errors import ModelLoadError
+from flexgen_dist.models.common import rope_inv_freq
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.registry import get_spec
+from flexgen_dist.models.spec import RopeScaling
+
+# a small original context, so that every band of llama3's rule (kept, interpolated, divided)
+# has frequencies at this head size
+SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+}
+
+
+def _model(tmp_path: Path, scaling: dict, tied: bool = False) -> TinyModel:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rope_theta=5000.0, rope_scaling=dict(scaling), tie_word_embeddings=tied,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path)
+    return TinyModel(scaling["rope_type"], tmp_path, m, 0)
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_inverse_frequencies_match_transformers(kind: str, tmp_path: Path) -> None:
+    tm = _model(tmp_path, SCALINGS[kind])
+    ref = tm.model.model.rotary_emb.inv_freq
+    spec = load_model(str(tmp_path), load_tokenizer=False).spec
+    assert spec.rope_scaling is not None and spec.rope_scaling.rope_type == kind
+    ours = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+    assert torch.equal(ours, ref)
+    assert not torch.equal(ours, rope_inv_freq(spec.head_dim, spec.rope_theta))  # it does scale
+
+
+@pytest.mark.parametrize("kind,tied", [("llama3", False), ("llama3", True), ("linear", False)])
+def test_greedy_tokens_match_transformers_offloaded(kind: str, tied: bool, tmp_path: Path) -> None:
+    tm = _model(tmp_path / "m", SCALINGS[kind], tied)
+    prompts = [p * 3 for p in PROMPTS]  # past the original context of 16
+    gen = 6
+    ref = reference_generate(tm, prompts, gen)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        outs = llm.generate(prompts, gen_len=gen)
+    assert [c.token_ids for c in outs] == ref
+
+
+@pytest.mark.parametrize("rope,match", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope scaling type 'yarn' is not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
+    ({"rope_type": "linear", "factor": 0.0}, "factor 0.0: must be > 0"),
+])
+def test_other_scalings_are_refused_in_one_line(rope: dict, match: str, tmp_path: Path) -> None:
+    tm = _model(tmp_path / "m", SCALINGS["linear"])
+    cfg = json.loads((tm.path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = rope
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(tm.path), load_tokenizer=False)
+    assert "\n" not in str(info.value)
+
+
+def test_registry_has_the_llama_3_1_and_3_2_shapes() -> None:
+    s = get_spec("llama-3.1-8b")
+    assert s.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192) and not s.tie_word_embeddings
+    assert s.total_numel() == pytest.approx(8.03e9, rel=0.01)
+    small = get_spec("llama-3.2-1b")
+    assert small.tie_word_embeddings and small.rope_scaling is not None and small.rope_scaling.factor == 32.0
+    assert small.total_numel() == pytest.approx(1.24e9, rel=0.01)
+    assert get_spec("llama-3.1-70b").total_numel() == pytest.approx(70.6e9, rel=0.01)
+    assert get_spec("llama-3.2-3b").total_numel() == pytest.approx(3.21e9, rel=0.01)
+
+
+def test_mistral_sliding_window_is_exact_within_it_and_refused_beyond(tmp_path: Path) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from flexgen_dist import ConfigError
+
+    torch.manual_seed(9)
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = MistralForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path)
+    tm = TinyModel("mistral", tmp_path, m, 0)
+    prompts = [p[:10] for p in PROMPTS]
+    ref = reference_generate(tm, prompts, 6)  # 16 positions at most: the window changes nothing
+    with LLM(str(tmp_path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        assert llm.model.spec.sliding_window == 16
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == ref
+        with pytest.raises(ConfigError, match="exceeds the model's sliding_window of 16"):
+            llm.generate([p * 3 for p in PROMPTS], gen_len=6)
