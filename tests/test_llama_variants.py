@@ -109,3 +109,28 @@ def test_mistral_sliding_window_is_exact_within_it_and_refused_beyond(tmp_path: 
         assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == ref
         with pytest.raises(ConfigError, match="exceeds the model's sliding_window of 16"):
             llm.generate([p * 3 for p in PROMPTS], gen_len=6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen2_with_qkv_biases_matches_transformers(tied: bool, tmp_path: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(11)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rope_theta=10000.0, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # random biases, so that a missing one would show
+        for layer in m.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel("qwen2", tmp_path / "m", m, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert spec.qkv_bias and not spec.attention_bias
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    assert spec.total_numel() == sum(p.numel() for p in m.parameters())  # the biases are counted

@@ -33,8 +33,10 @@ def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),
         "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f),
     }
+    if spec.attention_bias or spec.qkv_bias:
+        shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
     if spec.attention_bias:
-        shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
+        shapes["o.b"] = (h,)
     if spec.mlp_bias:
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
     return shapes

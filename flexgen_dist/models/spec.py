@@ -63,7 +63,8 @@ class ModelSpec:
     rope_scaling: RopeScaling | None = None
     sliding_window: int = 0  # > 0: attention sees only the last this many positions (Mistral)
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     mlp_bias: bool = False
     # token ids
     bos_token_id: int | None = None
@@ -137,7 +138,8 @@ class ModelSpec:
             norms = 4 * h
             return attn + mlp + biases + norms
         mlp = 3 * h * f
-        biases = (self.q_dim + 2 * self.kv_dim + h) * self.attention_bias + (2 * f + h) * self.mlp_bias
+        biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
+                  + (2 * f + h) * self.mlp_bias)
         return attn + mlp + biases + 2 * h
 
     def embed_numel(self) -> int:
