@@ -134,3 +134,35 @@ def test_qwen2_with_qkv_biases_matches_transformers(tied: bool, tmp_path: Path) 
         assert spec.qkv_bias and not spec.attention_bias
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
     assert spec.total_numel() == sum(p.numel() for p in m.parameters())  # the biases are counted
+
+
+def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(12)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # not 64 / 4
+                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=True,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so that a skipped one would show
+        for layer in m.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel("qwen3", tmp_path / "m", m, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert spec.qk_norm and spec.head_dim == 32
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
+                                           ("qwen3-32b", 32.8), ("mistral-7b", 7.25)])
+def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
+    spec = get_spec(name)
+    assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
+    assert spec.qkv_bias == name.startswith("qwen2") and spec.qk_norm == name.startswith("qwen3")

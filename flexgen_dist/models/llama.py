@@ -14,6 +14,7 @@ _LAYER_HF = {
     "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
     "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
     "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
+    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
     "mlp_norm.w": "post_attention_layernorm.weight",
     "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
     "gate.b": "mlp.gate_proj.bias", "up.b": "mlp.up_proj.bias", "down.b": "mlp.down_proj.bias",
@@ -22,6 +23,7 @@ _LAYER_GGUF = {
     "attn_norm.w": "attn_norm.weight", "q.w": "attn_q.weight", "k.w": "attn_k.weight",
     "v.w": "attn_v.weight", "o.w": "attn_output.weight", "q.b": "attn_q.bias",
     "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
+    "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
     "mlp_norm.w": "ffn_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
     "down.w": "ffn_down.weight",
 }
@@ -37,6 +39,8 @@ def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
     if spec.attention_bias:
         shapes["o.b"] = (h,)
+    if spec.qk_norm:
+        shapes.update({"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
     if spec.mlp_bias:
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
     return shapes
@@ -104,6 +108,8 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
     k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
     v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
+    if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
+        q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype, spec.rope_scaling)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)

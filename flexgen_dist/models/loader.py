@@ -63,9 +63,9 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
-    if mt == "qwen2" and cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"{name}: Qwen2 with use_sliding_window is not supported yet")
-    if mt in ("llama", "mistral", "qwen2"):
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{name}: {mt} with use_sliding_window is not supported yet")
+    if mt in ("llama", "mistral", "qwen2", "qwen3"):
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         scaling = _rope_scaling(rope, name)
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
@@ -77,11 +77,11 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                          head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                          rope_theta=float(theta), rope_scaling=scaling,
                          sliding_window=int(cfg.get("sliding_window") or 0) if mt == "mistral" else 0,
-                         qkv_bias=mt == "qwen2",
+                         qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
                          tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                          attention_bias=cfg.get("attention_bias", False),
                          mlp_bias=cfg.get("mlp_bias", False), **common)
-    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2)")
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3)")
 
 
 def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:

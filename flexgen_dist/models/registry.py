@@ -18,6 +18,13 @@ _LLAMA3 = dict(family="llama", vocab_size=128256, max_positions=8192, bos_token_
 _LLAMA31 = dict(_LLAMA3, max_positions=131072, eos_token_ids=(128001, 128008, 128009),
                 rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
 _LLAMA32 = dict(_LLAMA31, tie_word_embeddings=True, rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192))
+_QWEN25 = dict(family="llama", vocab_size=152064, max_positions=32768, bos_token_id=151643,
+               eos_token_ids=(151645, 151643), pad_token_id=151643, tie_word_embeddings=False,
+               norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True)
+_QWEN3 = dict(_QWEN25, vocab_size=151936, max_positions=40960, qkv_bias=False, qk_norm=True,
+              head_dim_override=128)
+_MISTRAL = dict(family="llama", vocab_size=32768, max_positions=32768, bos_token_id=1, eos_token_ids=(2,),
+                pad_token_id=None, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=1000000.0)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -51,6 +58,18 @@ _SHAPES: dict[str, dict] = {
                          num_kv_heads=8),
     "llama-3.2-3b": dict(_LLAMA32, num_layers=28, hidden_size=3072, ffn_size=8192, num_heads=24,
                          num_kv_heads=8),
+    "qwen2.5-7b": dict(_QWEN25, num_layers=28, hidden_size=3584, ffn_size=18944, num_heads=28,
+                       num_kv_heads=4),
+    "qwen2.5-14b": dict(_QWEN25, num_layers=48, hidden_size=5120, ffn_size=13824, num_heads=40,
+                        num_kv_heads=8),
+    "qwen2.5-32b": dict(_QWEN25, num_layers=64, hidden_size=5120, ffn_size=27648, num_heads=40,
+                        num_kv_heads=8),
+    "qwen2.5-72b": dict(_QWEN25, num_layers=80, hidden_size=8192, ffn_size=29568, num_heads=64,
+                        num_kv_heads=8),
+    "qwen3-8b": dict(_QWEN3, num_layers=36, hidden_size=4096, ffn_size=12288, num_heads=32, num_kv_heads=8),
+    "qwen3-32b": dict(_QWEN3, num_layers=64, hidden_size=5120, ffn_size=25600, num_heads=64, num_kv_heads=8),
+    "mistral-7b": dict(_MISTRAL, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
+                       num_kv_heads=8),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,

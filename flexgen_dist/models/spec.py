@@ -65,6 +65,7 @@ class ModelSpec:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
     mlp_bias: bool = False
     # token ids
     bos_token_id: int | None = None
@@ -140,7 +141,7 @@ class ModelSpec:
         mlp = 3 * h * f
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias)
-        return attn + mlp + biases + 2 * h
+        return attn + mlp + biases + 2 * h + 2 * self.head_dim * self.qk_norm
 
     def embed_numel(self) -> int:
         n = self.vocab_size * self.embed_dim
