@@ -166,3 +166,36 @@ def test_registry_shapes_have_the_published_sizes(name: str, billions: float) ->
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
     assert spec.qkv_bias == name.startswith("qwen2") and spec.qk_norm == name.startswith("qwen3")
+
+
+def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from flexgen_dist import ConfigError
+
+    torch.manual_seed(13)
+    cfg = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     original_max_position_embeddings=128, rope_theta=10000.0, sliding_window=40,
+                     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = Phi3ForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel("phi3", tmp_path / "m", m, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert spec.fused_proj and spec.sliding_window == 40
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+        with pytest.raises(ConfigError, match="sliding_window of 40"):
+            llm.generate([p * 5 for p in PROMPTS], gen_len=6)
+    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+
+
+def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
+    tm = _model(tmp_path / "m", SCALINGS["linear"])
+    cfg = json.loads((tm.path / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.75
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75 is not supported"):
+        load_model(str(tm.path), load_tokenizer=False)

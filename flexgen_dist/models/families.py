@@ -31,6 +31,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Shapes = Callable[[ModelSpec], dict[str, tuple[int, ...]]]
 
 
+ROWS = "#rows="  # in ``hf_names``, "name#rows=a:b" is rows [a, b) of a fused checkpoint tensor
+
 @dataclass
 class Family:
     """The functions of one family. The ``*_shapes`` dicts also fix each part's canonical

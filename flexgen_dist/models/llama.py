@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .common import Positions, apply_rope, as_positions, linear, rms_norm, silu_mul
-from .families import Attend, Family, Weights, register
+from .families import ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -60,7 +60,16 @@ def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
-        return {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_shapes(spec)}
+        out = {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_shapes(spec)}
+        if spec.fused_proj:  # Phi-3 stores q|k|v and gate|up as one matrix each: their rows
+            qd, kvd, f, at = spec.q_dim, spec.kv_dim, spec.ffn_size, f"model.layers.{layer}"
+            for k, (name, r0, r1) in {"q.w": ("self_attn.qkv_proj", 0, qd),
+                                      "k.w": ("self_attn.qkv_proj", qd, qd + kvd),
+                                      "v.w": ("self_attn.qkv_proj", qd + kvd, qd + 2 * kvd),
+                                      "gate.w": ("mlp.gate_up_proj", 0, f),
+                                      "up.w": ("mlp.gate_up_proj", f, 2 * f)}.items():
+                out[k] = [f"{at}.{name}.weight{ROWS}{r0}:{r1}"]
+        return out
     if part == "embed":
         return {"tok.w": ["model.embed_tokens.weight"]}
     out = {"norm.w": ["model.norm.weight"]}

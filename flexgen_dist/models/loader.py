@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .families import get_family
+from .families import ROWS, get_family
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .registry import get_spec
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling
@@ -65,8 +65,11 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
     if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
         raise ModelLoadError(f"{name}: {mt} with use_sliding_window is not supported yet")
-    if mt in ("llama", "mistral", "qwen2", "qwen3"):
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported yet")
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         scaling = _rope_scaling(rope, name)
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or 0
@@ -76,12 +79,12 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                          num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                          head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                          rope_theta=float(theta), rope_scaling=scaling,
-                         sliding_window=int(cfg.get("sliding_window") or 0) if mt == "mistral" else 0,
-                         qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
+                         sliding_window=int(cfg.get("sliding_window") or 0) if mt in ("mistral", "phi3") else 0,
+                         qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", fused_proj=mt == "phi3",
                          tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                          attention_bias=cfg.get("attention_bias", False),
                          mlp_bias=cfg.get("mlp_bias", False), **common)
-    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3)")
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3)")
 
 
 def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:
@@ -93,8 +96,6 @@ def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:
     if rope_type not in ROPE_TYPES:
         raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
                              f"(supported: default, {', '.join(ROPE_TYPES)})")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError(f"{name}: rope partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     need = keys if rope_type == "llama3" else keys[:1]
     missing = [k for k in need if rope.get(k) is None]
@@ -216,11 +217,18 @@ class HFDirSource(WeightSource):
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
         for k, candidates in self.family.hf_names(self.spec, part, layer).items():
-            name = next((c for c in candidates if c in self.index), None)
+            name = next((c for c in candidates if c.split(ROWS)[0] in self.index), None)
             if name is None:
-                raise ModelLoadError(f"{self.path}: tensor {candidates[0]} missing from the checkpoint")
+                raise ModelLoadError(f"{self.path}: tensor {candidates[0].split(ROWS)[0]} missing from the checkpoint")
+            name, _, rows = name.partition(ROWS)
             h = self._open(self.index[name])
-            out[k] = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+            t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+            if rows:  # rows of a fused tensor (a view; ``get`` converts and copies it)
+                r0, r1 = (int(r) for r in rows.split(":"))
+                if t.shape[0] < r1:
+                    raise ModelLoadError(f"{self.path}: tensor {name} has {t.shape[0]} rows, expected >= {r1}")
+                t = t[r0:r1]
+            out[k] = t
         return out
 
     def close(self) -> None:

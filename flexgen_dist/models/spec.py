@@ -66,6 +66,7 @@ class ModelSpec:
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
     # token ids
     bos_token_id: int | None = None
