@@ -161,7 +161,8 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
-                                           ("qwen3-32b", 32.8), ("mistral-7b", 7.25)])
+                                           ("qwen3-32b", 32.8), ("mistral-7b", 7.25),
+                                           ("phi-3-mini", 3.82), ("phi-3-medium", 13.96)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)

@@ -25,6 +25,9 @@ _QWEN3 = dict(_QWEN25, vocab_size=151936, max_positions=40960, qkv_bias=False, q
               head_dim_override=128)
 _MISTRAL = dict(family="llama", vocab_size=32768, max_positions=32768, bos_token_id=1, eos_token_ids=(2,),
                 pad_token_id=None, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=1000000.0)
+_PHI3 = dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=1, eos_token_ids=(32000,),
+             pad_token_id=32000, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=10000.0,
+             fused_proj=True, sliding_window=2047)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -70,6 +73,9 @@ _SHAPES: dict[str, dict] = {
     "qwen3-32b": dict(_QWEN3, num_layers=64, hidden_size=5120, ffn_size=25600, num_heads=64, num_kv_heads=8),
     "mistral-7b": dict(_MISTRAL, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
                        num_kv_heads=8),
+    "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
+    "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
+                         num_kv_heads=10),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,
