@@ -200,3 +200,28 @@ def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
     (tm.path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75 is not supported"):
         load_model(str(tm.path), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
+    """transformers' config class of each supported model type has no field this engine has
+    not accounted for: a new field that changes the output cannot slip through unnoticed."""
+    from transformers import AutoConfig
+
+    from flexgen_dist.models.config_fields import known_fields
+
+    fields = set(AutoConfig.for_model(model_type).to_dict())
+    assert fields - known_fields(model_type) == set()
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"hidden_act": "gelu"}, "llama with hidden_act='gelu' is not supported"),
+    ({"quantization_config": {"quant_method": "awq"}}, "'awq'-quantized checkpoint is not supported"),
+])
+def test_a_pinned_field_with_another_value_is_refused(change: dict, match: str, tmp_path: Path) -> None:
+    tm = _model(tmp_path / "m", SCALINGS["linear"])
+    cfg = json.loads((tm.path / "config.json").read_text())
+    cfg.update(change)
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(tm.path), load_tokenizer=False)

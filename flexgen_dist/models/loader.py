@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .config_fields import USED, field_problem
 from .families import ROWS, get_family
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .registry import get_spec
@@ -49,6 +50,9 @@ def bundled_model_path() -> Path:
 # configs -> ModelSpec
 def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     mt = cfg.get("model_type", "")
+    problem = field_problem(cfg, mt) if mt in USED else None
+    if problem:
+        raise ModelLoadError(f"{name}: {problem}")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],

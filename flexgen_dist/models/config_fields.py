@@ -1,0 +1,62 @@
+"""Every field of a supported Hugging Face config, accounted for: nothing that changes the
+output is ignored.
+
+Each field a family's config class has is either **used** (the loader turns it into the
+``ModelSpec``), **inert** (it cannot change greedy output in inference: dropout, initialisation,
+caching flags, bookkeeping), or **pinned**: the engine computes one value of it, and a config
+with another is refused in one line naming the field, the value and the model type.
+``tests/test_llama_variants.py`` walks the config classes of transformers and checks that this
+table covers every field they have.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# bookkeeping every config has (transformers' PretrainedConfig)
+_BASE = {"_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
+         "is_encoder_decoder", "label2id", "model_type", "output_attentions", "output_hidden_states",
+         "problem_type", "return_dict", "transformers_version"}
+_INERT = {"attention_dropout", "dropout", "embd_pdrop", "resid_pdrop", "layerdrop", "initializer_range",
+          "init_std", "use_cache", "pretraining_tp"}
+_TOKENS = {"bos_token_id", "eos_token_id", "pad_token_id", "vocab_size"}
+_LLAMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
+                         "attention_bias", "mlp_bias", "partial_rotary_factor"}
+
+USED: dict[str, set[str]] = {
+    "opt": _TOKENS | {"hidden_size", "ffn_dim", "num_hidden_layers", "num_attention_heads",
+                      "max_position_embeddings", "do_layer_norm_before", "word_embed_proj_dim",
+                      "_remove_final_layer_norm", "tie_word_embeddings"},
+    "llama": _LLAMA_USED,
+    "mistral": _LLAMA_USED | {"sliding_window"},
+    "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+}
+# field -> the one value computed (a config without the field means that value too)
+PINNED: dict[str, dict[str, Any]] = {
+    "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3")},
+}
+
+
+def known_fields(model_type: str) -> set[str]:
+    """The fields of ``model_type`` this table accounts for."""
+    return _BASE | _INERT | USED[model_type] | set(PINNED[model_type])
+
+
+def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
+    """What in ``cfg`` the engine does not compute (a pinned field with another value, a
+    quantized checkpoint it would misread, sliding-window layers), in words; None: nothing."""
+    for field, value in PINNED[model_type].items():
+        if field in cfg and cfg[field] != value:
+            return f"{model_type} with {field}={cfg[field]!r} is not supported (only {value!r})"
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        return (f"a {method!r}-quantized checkpoint is not supported: use the full-precision weights "
+                "(--compress-weight quantizes them) or a .gguf file")
+    types = cfg.get("layer_types")
+    if types and any(t != "full_attention" for t in types):
+        return f"{model_type} with sliding-window layers (layer_types) is not supported yet"
+    return None
