@@ -16,7 +16,7 @@ from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.common import rope_inv_freq
 from flexgen_dist.models.loader import load_model
 from flexgen_dist.models.registry import get_spec
-from flexgen_dist.models.spec import RopeScaling
+from flexgen_dist.models.spec import ModelSpec, RopeScaling
 
 # a small original context, so that every band of llama3's rule (kept, interpolated, divided)
 # has frequencies at this head size
@@ -38,6 +38,20 @@ def _model(tmp_path: Path, scaling: dict, tied: bool = False) -> TinyModel:
     m = LlamaForCausalLM(cfg).eval()
     m.save_pretrained(tmp_path)
     return TinyModel(scaling["rope_type"], tmp_path, m, 0)
+
+
+def _matches_transformers_offloaded(m: torch.nn.Module, tmp_path: Path) -> ModelSpec:
+    """Save ``m`` and generate greedily with half the weights on disk and the cache in RAM:
+    the tokens must equal transformers', and the loaded spec count m's parameters."""
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel(m.config.model_type, tmp_path / "m", m, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+    return spec
 
 
 @pytest.mark.parametrize("kind", sorted(SCALINGS))
@@ -125,15 +139,8 @@ def test_qwen2_with_qkv_biases_matches_transformers(tied: bool, tmp_path: Path) 
         for layer in m.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
-    m.save_pretrained(tmp_path / "m")
-    tm = TinyModel("qwen2", tmp_path / "m", m, 0)
-    ref = reference_generate(tm, PROMPTS, 6)
-    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
-             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
-        spec = llm.model.spec
-        assert spec.qkv_bias and not spec.attention_bias
-        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
-    assert spec.total_numel() == sum(p.numel() for p in m.parameters())  # the biases are counted
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.qkv_bias and not spec.attention_bias
 
 
 def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path: Path) -> None:
@@ -149,15 +156,8 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
         for layer in m.model.layers:
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
-    m.save_pretrained(tmp_path / "m")
-    tm = TinyModel("qwen3", tmp_path / "m", m, 0)
-    ref = reference_generate(tm, PROMPTS, 6)
-    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
-             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
-        spec = llm.model.spec
-        assert spec.qk_norm and spec.head_dim == 32
-        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
-    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.qk_norm and spec.head_dim == 32
 
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
@@ -180,17 +180,11 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
                      original_max_position_embeddings=128, rope_theta=10000.0, sliding_window=40,
                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     m = Phi3ForCausalLM(cfg).eval()
-    m.save_pretrained(tmp_path / "m")
-    tm = TinyModel("phi3", tmp_path / "m", m, 0)
-    ref = reference_generate(tm, PROMPTS, 6)
-    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
-             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
-        spec = llm.model.spec
-        assert spec.fused_proj and spec.sliding_window == 40
-        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.fused_proj and spec.sliding_window == 40
+    with LLM(str(tmp_path / "m"), progress=False) as llm:
         with pytest.raises(ConfigError, match="sliding_window of 40"):
             llm.generate([p * 5 for p in PROMPTS], gen_len=6)
-    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
 
 
 def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
