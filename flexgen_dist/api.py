@@ -24,7 +24,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 
@@ -38,12 +38,12 @@ from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .plan import Peaks, RunPlan, Workload
-from .prompts import Prompt, check_prompt_lengths, make_prompt
+from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
 from .run_plan import RunPlanner
 from .scoring import Score, score_split, score_targets
 from .worker import StageWorker
 
-PromptLike = str | Sequence[int] | Prompt  # a Prompt keeps its id and text (the CLI passes them)
+PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
 
 
 @dataclass
@@ -177,6 +177,14 @@ class LLM:
         return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens)
                 for c in block]
 
+    def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
+             sampling: SamplingConfig | None = None, *, max_new_tokens: Sequence[int] | None = None
+             ) -> list[Completion]:
+        """Replies to ``conversations`` (each a list of ``{"role": ..., "content": ...}``
+        messages), each rendered through the model's own chat template with the assistant's
+        turn opened, exactly as transformers renders it; as ``generate`` otherwise."""
+        return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens)
+
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | None = None, *, keys: Sequence[int] | None = None,
                max_new_tokens: Sequence[int] | None = None) -> Iterator[list[Completion]]:
@@ -267,10 +275,7 @@ class LLM:
         gen_len = cfg.gen_len if gen_len is None else int(gen_len)
         if gen_len < 1:
             raise ConfigError(f"gen_len {gen_len}: must be >= 1")
-        ps: list[Prompt] = [p if isinstance(p, Prompt) else
-                            make_prompt(n, p if isinstance(p, str) else None,
-                                        None if isinstance(p, str) else list(p), self.tokenizer, spec.vocab_size)
-                            for n, p in enumerate(prompts)]
+        ps: list[Prompt] = [p if isinstance(p, Prompt) else self._prompt(n, p) for n, p in enumerate(prompts)]
         # a scored sequence generates nothing: it may fill every position
         check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions, spec.sliding_window)
         try:
@@ -280,6 +285,16 @@ class LLM:
                             prompts=tuple(ps))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def _prompt(self, n: int, p: PromptLike) -> Prompt:
+        """Prompt ``n`` of a call: text, token ids, or a conversation (a list of messages)."""
+        vocab = self.model.spec.vocab_size
+        if isinstance(p, str):
+            return make_prompt(n, p, None, self.tokenizer, vocab)
+        items = list(p)
+        if items and all(isinstance(m, dict) for m in items):
+            return make_prompt(n, None, None, self.tokenizer, vocab, cast(Messages, items))
+        return make_prompt(n, None, cast(list[int], items), self.tokenizer, vocab)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                 decode_tokens: int) -> Workload:

@@ -120,6 +120,8 @@ class OutputWriter:
     def record(self, p: Prompt, tokens: list[int], text: str | None = None) -> dict[str, Any]:
         """The output line of prompt ``p``; ``text`` is the decoded completion if known already."""
         rec: dict[str, Any] = {"id": p.id}
+        if p.messages is not None:
+            rec["messages"] = p.messages
         if p.text is not None:
             rec["prompt"] = p.text
         if text is not None:

@@ -16,13 +16,25 @@ DEFAULT_PROMPTS = [
     "The three primary colors are",
     "To make a cup of tea, first",
 ]
+# the default job's questions where the model has a chat template (an instruct model)
+DEFAULT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "What are the three primary colors?",
+    "How do I make a cup of tea?",
+]
+Messages = list[dict[str, str]]
 
 
 @dataclass
 class Prompt:
+    """One request: its id, its text (for a chat, the rendered template) and token ids, and
+    the conversation it was rendered from, if any."""
+
     id: Any
     text: str | None
     ids: list[int]
+    messages: Messages | None = None
 
 
 def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tokenizer: Any | None,
@@ -33,20 +45,48 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
         ids = torch.randint(low=min(10, vocab_size - 1), high=vocab_size, size=(num_prompts, prompt_len),
                             generator=g)
         return [Prompt(i, None, row) for i, row in enumerate(ids.tolist())]
-    if path is None:
-        raw: list[tuple[Any, str | None, list[int] | None]] = [(i, t, None) for i, t in enumerate(DEFAULT_PROMPTS)]
+    if path is None and has_chat_template(tokenizer):
+        raw: list[Raw] = [(i, None, None, [{"role": "user", "content": q}]) for i, q in enumerate(DEFAULT_QUESTIONS)]
+    elif path is None:
+        raw = [(i, t, None, None) for i, t in enumerate(DEFAULT_PROMPTS)]
     else:
         raw = _read_file(path)
     if not raw:
         raise ConfigError(f"{path}: no prompts in the file")
     if num_prompts is not None:
         raw = raw[:num_prompts]
-    return [make_prompt(pid, text, ids, tokenizer, vocab_size) for pid, text, ids in raw]
+    return [make_prompt(pid, text, ids, tokenizer, vocab_size, messages) for pid, text, ids, messages in raw]
+
+
+Raw = tuple[Any, "str | None", "list[int] | None", "Messages | None"]  # id, text, ids, messages
+
+
+def has_chat_template(tokenizer: Any | None) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(pid: Any, messages: Any, tokenizer: Any | None) -> tuple[str, list[int]]:
+    """The conversation through the model's own chat template, as transformers renders it
+    (with the assistant's turn opened), and its token ids (the template writes the special
+    tokens itself, so none are added)."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ConfigError(f"prompt {pid!r}: 'messages' must be a non-empty list of "
+                          "{\"role\": ..., \"content\": ...} objects with string values")
+    if not has_chat_template(tokenizer):
+        raise ConfigError(f"prompt {pid!r} is a chat but this model has no chat template: give "
+                          "'prompt' text or 'input_ids' instead")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
-                vocab_size: int) -> Prompt:
-    """A checked prompt: text is tokenized; ids must be non-empty and inside the vocabulary."""
+                vocab_size: int, messages: Messages | None = None) -> Prompt:
+    """A checked prompt: a chat is rendered by the model's template, text is tokenized; ids
+    must be non-empty and inside the vocabulary."""
+    if messages is not None:
+        text, ids = render_chat(pid, messages, tokenizer)
     if ids is None:
         if tokenizer is None:
             raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
@@ -57,7 +97,7 @@ def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: An
     bad = [t for t in ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise ConfigError(f"prompt {pid!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
-    return Prompt(pid, text, [int(t) for t in ids])
+    return Prompt(pid, text, [int(t) for t in ids], messages)
 
 
 def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int,
@@ -90,7 +130,7 @@ def jsonl_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]
         yield n, rec
 
 
-def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
+def _read_file(path: str) -> list[Raw]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"--prompts {path}: no such file")
@@ -98,15 +138,17 @@ def _read_file(path: str) -> list[tuple[Any, str | None, list[int] | None]]:
     if p.suffix == ".jsonl" or p.suffix == ".json":
         out = []
         for n, rec in jsonl_records(p, "\n".join(lines)):
-            if "prompt" not in rec and "input_ids" not in rec:
-                raise ConfigError(f"{path}:{n + 1}: each line needs a 'prompt' or 'input_ids' field")
+            if "prompt" not in rec and "input_ids" not in rec and "messages" not in rec:
+                raise ConfigError(f"{path}:{n + 1}: each line needs a 'prompt', 'messages' or 'input_ids' field")
             pid = rec.get("id", n)
             if "input_ids" in rec:
                 ids = rec["input_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise ConfigError(f"{path}:{n + 1}: 'input_ids' must be a list of integers")
-                out.append((pid, rec.get("prompt"), ids))
+                out.append((pid, rec.get("prompt"), ids, None))
+            elif "messages" in rec:
+                out.append((pid, None, None, rec["messages"]))
             else:
-                out.append((pid, str(rec["prompt"]), None))
+                out.append((pid, str(rec["prompt"]), None, None))
         return out
-    return [(n, line, None) for n, line in enumerate(lines) if line.strip()]
+    return [(n, line, None, None) for n, line in enumerate(lines) if line.strip()]

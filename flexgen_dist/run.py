@@ -123,7 +123,7 @@ def _write_json(path: str | Path, data: dict[str, Any]) -> None:
 
 def _report(cfg: RunConfig, records: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
     for r in records[: cfg.print_outputs]:
-        head = r.get("prompt")
+        head = r["messages"][-1]["content"] if r.get("messages") else r.get("prompt")
         body = r.get("text") if "text" in r else str(r["tokens"])
         print(f"[{r['id']}] {head!r} -> {body!r}" if head is not None else f"[{r['id']}] -> {body}")
     if len(records) > cfg.print_outputs:
