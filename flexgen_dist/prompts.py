@@ -24,6 +24,7 @@ DEFAULT_QUESTIONS = [
     "How do I make a cup of tea?",
 ]
 Messages = list[dict[str, str]]
+Raw = tuple[Any, "str | None", "list[int] | None", "Messages | None"]  # id, text, ids, messages
 
 
 @dataclass
@@ -56,9 +57,6 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
     if num_prompts is not None:
         raw = raw[:num_prompts]
     return [make_prompt(pid, text, ids, tokenizer, vocab_size, messages) for pid, text, ids, messages in raw]
-
-
-Raw = tuple[Any, "str | None", "list[int] | None", "Messages | None"]  # id, text, ids, messages
 
 
 def has_chat_template(tokenizer: Any | None) -> bool:

@@ -37,6 +37,7 @@ class StageWorker:
         self.engine: StageEngine | None = None
         self.disk: DiskStore | None = None
         self.record: dict[str, Any] = {}  # the last call's stage record
+        self.timings: Any = None  # the last call's pipeline timings
 
     def build(self, plan: RunPlan, peaks: Peaks) -> bool:
         """Place this stage's weights for ``plan`` (once); whether it was built now."""

@@ -99,10 +99,9 @@ class Footprint:
         ``gpu_step`` to add to the compute tier when weights leave it (or are compressed),
         ``cpu_step`` to the host when weights are on disk (a GPU host's staging); ``rounding``
         the most whole tensors can put on a tier beyond its fraction of the weights."""
-        if "linear" not in self._placed:
-            self._placed["linear"] = self._linear()
-        return self._placed["linear"]
+        return self._linear
 
+    @functools.cached_property
     def _linear(self) -> tuple[np.ndarray, float, float, float]:
         base = self.work.copy()
         total = sum(sum(sizes) for sizes, _ in self.parts)
@@ -156,15 +155,23 @@ def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None
 
 def _weight_parts(spec: ModelSpec, z: StageShape, packed: Packed | None) -> tuple:
     fmt = (z.comp_bits, z.comp_group_size) if z.compress_weight else None
-    return _slots(spec, z.first_layer, z.num_layers, z.has_embed, z.has_head, z.dtype_bytes, fmt,
-                  packed if z.compress_weight else None)
+    args = (spec, z.first_layer, z.num_layers, z.has_embed, z.has_head, z.dtype_bytes, fmt)
+    if packed is not None and z.compress_weight:  # a source's formats: not cached (it would keep the source alive)
+        return _slots(*args, packed)
+    return _cached_slots(*args)
 
 
 @functools.lru_cache(maxsize=512)
+def _cached_slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_head: bool,
+                  dtype_bytes: int, default: tuple[int, int] | None) -> tuple:
+    """``_slots`` of a stage without checkpoint formats: the planner asks for the same stage's
+    slots for every batch shape it weighs."""
+    return _slots(spec, first, num_layers, has_embed, has_head, dtype_bytes, default, None)
+
+
 def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_head: bool,
            dtype_bytes: int, default: tuple[int, int] | None, packed: Packed | None) -> tuple:
-    """(stored bytes per tensor, dense bytes) of each slot, in the engine's order (the planner
-    asks for the same stage's slots for every batch shape it weighs: cached)."""
+    """(stored bytes per tensor, dense bytes) of each slot, in the engine's order."""
     fam = get_family(spec.family)
     names = ([("embed", None)] if has_embed else []) + \
         [("layer", j) for j in range(first, first + num_layers)] + ([("head", None)] if has_head else [])

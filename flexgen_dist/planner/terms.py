@@ -82,7 +82,7 @@ class StageTerms:
         the read buffers (host staging) and one whole tensor of rounding on each tier."""
         base, gpu_step, cpu_step, rounding = self.footprint.linear()
         rows = base.copy()
-        rows[:, 0, CONST] += (gpu_step + rounding) * gpu_split + gpu_step * self.footprint.compress_weight * (not gpu_split)
+        rows[:, 0, CONST] += gpu_step * (gpu_split or self.footprint.compress_weight) + rounding * gpu_split
         rows[:, 1, CONST] += rounding * (gpu_split or disk_split) + cpu_step * disk_split
         rows[:, 2, CONST] += rounding * disk_split
         return rows
@@ -113,37 +113,25 @@ def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) 
 
 @dataclass(frozen=True)
 class StageSizes:
-    """Derived sizes and rates that one stage's time and peak terms share.
+    """Derived sizes and rates that one stage's time terms share.
 
-    Notation as in the module docstring. Byte counts are per layer per block unless noted;
-    ``c_seq_pre``/``c_seq_full`` are one sequence's cache of the prompt / of s+n tokens per
-    layer (compressed when the cache is), which the per-GPU-batch working sets scale.
+    Notation as in the module docstring. Byte counts are per layer per block unless noted.
     """
 
     l: int
     s: int
     n: int
     b: int
-    gbs: int
     num_gb: int
     bls: int
-    h1: int
     q: int
-    kv: int
-    nh: int
     V: int
     e: int
-    mlp_width: int
     mem_bw: float
     stream_bw: float
     lnum: int
-    wl: float
-    extra_numel: int
-    W: float
     wl_io: float
     kv_tok: int
-    c_seq_pre: float
-    c_seq_full: float
     c_pre: float
     c_avg: float
     c_new: float
@@ -155,25 +143,18 @@ class StageSizes:
     net_p: float
     net_d: float
     cpu_attention: bool
-    compress_weight: bool
     compress_cache: bool
     has_head: bool
-    multi_stage: bool
     head_share: float = 1.0  # of the block's one prefill head pass this item pays (a piece: 1/nb)
 
 
-def _extra_weight_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> tuple[int, int]:
-    """(stored, loaded per token) elements of the stage's embedding and head."""
-    extra_numel = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
-    io_numel = extra_numel
+def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
+    """Elements of the stage's embedding and head loaded per token: a tied head reads the
+    embedding matrix, so a stage with both loads it twice (they are separate slots)."""
+    io = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
     if has_head and spec.tie_word_embeddings:
-        # A tied head reads the embedding matrix: a stage with both stores it once but loads
-        # it twice per token (embedding and head are separate slots); a last stage without
-        # the embedding stores its own copy.
-        io_numel += spec.vocab_size * spec.embed_dim
-        if not has_embed:
-            extra_numel += spec.vocab_size * spec.embed_dim
-    return extra_numel, io_numel
+        io += spec.vocab_size * spec.embed_dim
+    return io
 
 
 def _net_times(hw: HardwareSpec, bls: int, a_pre: int, a_dec: int, has_head: bool,
@@ -190,10 +171,10 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
-                num_micro_batches: int = 1, num_stages: int = 1, head_share: float = 1.0) -> StageSizes:
+                num_stages: int = 1, head_share: float = 1.0) -> StageSizes:
     """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
-    gbs, bls = gpu_batch_size, gpu_batch_size * num_gpu_batches
+    bls = gpu_batch_size * num_gpu_batches
     # Decode attention reads 2*kv*b cache bytes per 4*q FLOPs; the profiler measures it with
     # MHA, so bmm_flops * b / 2 is the device's memory bandwidth (dequantization traffic).
     mem_bw = hw.bmm_flops * b / 2
@@ -206,29 +187,25 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
 
     lnum = spec.layer_numel()
     wl = wbytes(lnum)
-    extra_numel, io_numel = _extra_weight_numel(spec, has_embed, has_head)
+    io_numel = _extra_io_numel(spec, has_embed, has_head)
     kv_tok = 2 * spec.kv_dim  # K and V elements per token per sequence per layer
-    c_seq_pre, c_seq_full = cbytes(s * kv_tok), cbytes((s + n) * kv_tok)
     a_pre, a_dec = bls * s * spec.hidden_size * b, bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
     hop = 1.0 if hw.compute_device == "cuda" else 0.0
     net_p, net_d = _net_times(hw, bls, a_pre, a_dec, has_head, num_stages)
     return StageSizes(
-        l=l, s=s, n=n, b=b, gbs=gbs, num_gb=num_gpu_batches, bls=bls, h1=spec.hidden_size,
-        q=spec.q_dim, kv=spec.kv_dim, nh=spec.num_heads, V=spec.vocab_size,
+        l=l, s=s, n=n, b=b, num_gb=num_gpu_batches, bls=bls, q=spec.q_dim, V=spec.vocab_size,
         e=spec.embed_dim,  # the LM head is (vocab, embed_dim)
-        mlp_width=spec.ffn_size * (2 if spec.family == "llama" else 1),  # gate+up for SwiGLU
         mem_bw=mem_bw,
         # Small-batch linear layers stream their weights at the skinny-GEMM rate the profiler
         # measures (gemm_bw); on a CPU that is ~2x below mem_bw. Spec-sheet files without it
         # fall back to mem_bw.
         stream_bw=hw.gemm_bw or mem_bw,
-        lnum=lnum, wl=wl, extra_numel=extra_numel,
-        W=l * wl + extra_numel * b,  # embedding and head stay uncompressed
+        lnum=lnum,
         wl_io=wl + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
-        kv_tok=kv_tok, c_seq_pre=c_seq_pre, c_seq_full=c_seq_full,
-        c_pre=bls * c_seq_pre,  # cache written by a block's prefill, per layer
+        kv_tok=kv_tok,
+        c_pre=bls * cbytes(s * kv_tok),  # cache written by a block's prefill, per layer
         c_avg=bls * cbytes((s + n / 2) * kv_tok),  # cache read per decode step, per layer
         c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
         a_pre=a_pre, a_dec=a_dec, hop=hop,
@@ -239,8 +216,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         streams=1 if hw.compute_device == "cpu" else num_gpu_batches,
         deq_w=(lnum * b + wl) / mem_bw if compress_weight else 0.0,
         net_p=net_p, net_d=net_d,
-        cpu_attention=cpu_attention, compress_weight=compress_weight,
-        compress_cache=compress_cache, has_head=has_head, multi_stage=num_stages > 1,
+        cpu_attention=cpu_attention, compress_cache=compress_cache, has_head=has_head,
         head_share=head_share)
 
 
@@ -340,8 +316,7 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                     num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
                     has_embed=has_embed, has_head=has_head, compress_weight=compress_weight,
                     compress_cache=compress_cache, comp_bits=comp_bits,
-                    comp_group_size=comp_group_size, num_micro_batches=num_micro_batches,
-                    num_stages=num_stages, head_share=head_share)
+                    comp_group_size=comp_group_size, num_stages=num_stages, head_share=head_share)
     return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
                       prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
                       footprint=stage_footprint(spec, StageShape(
