@@ -277,7 +277,7 @@ class LLM:
             raise ConfigError(f"gen_len {gen_len}: must be >= 1")
         ps: list[Prompt] = [p if isinstance(p, Prompt) else self._prompt(n, p) for n, p in enumerate(prompts)]
         # a scored sequence generates nothing: it may fill every position
-        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions, spec.sliding_window)
+        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
         try:
             return Workload(tuple(len(p.ids) for p in ps), gen_len, sampling or cfg.sampling,
                             keys=None if keys is None else tuple(int(k) for k in keys),

@@ -98,19 +98,12 @@ def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: An
     return Prompt(pid, text, [int(t) for t in ids], messages)
 
 
-def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int,
-                         sliding_window: int = 0) -> None:
-    """Refuse a prompt that, with ``gen_len`` new tokens, needs more positions than the model
-    has, or (``sliding_window`` > 0) more than its attention window: sliding-window attention
-    is not computed yet, and within the window it equals full attention."""
+def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int) -> None:
+    """Refuse a prompt that, with ``gen_len`` new tokens, needs more positions than the model has."""
     for p in prompts:
         if len(p.ids) + gen_len > max_positions:
             raise ConfigError(f"prompt {p.id!r} has {len(p.ids)} tokens; with --gen-len {gen_len} that "
                               f"exceeds the model's {max_positions} positions: shorten it or lower --gen-len")
-        if sliding_window and len(p.ids) + gen_len > sliding_window:
-            raise ConfigError(f"prompt {p.id!r} has {len(p.ids)} tokens; with --gen-len {gen_len} that "
-                              f"exceeds the model's sliding_window of {sliding_window}, and sliding-window "
-                              "attention is not supported yet: shorten it or lower --gen-len")
 
 
 def jsonl_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -41,60 +41,91 @@ def mask_to_rows(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return mask[:, None, None].expand(b, kv_heads, 1, t, L).reshape(b * kv_heads, 1, t, L)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Prompt attention on the compute device over the fresh k, v (no cache read).
 
     q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d). A fused
     kernel with grouped-query support; nothing of size (t, t) per head is materialised.
+    ``scale``: of q.k (None: d ** -0.5). ``softcap`` > 0 caps the scores (cap * tanh(s / cap),
+    Gemma 2), which no fused kernel does: those scores are materialised, one sequence at a time.
     """
     b, t, nh, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    if softcap > 0:
+        kvh = k.shape[2]
+        out = torch.empty((b, t, nh * d), dtype=q.dtype, device=q.device)
+        for i in range(b):  # per sequence: the (heads, t, t) scores of one at a time
+            o = attend_rows(q_to_rows(q[i:i + 1], kvh), to_rows(k[i:i + 1]), to_rows(v[i:i + 1]),
+                            mask[i:i + 1].expand(1, kvh, t, t).reshape(kvh, 1, t, t),
+                            scale=scale, softcap=softcap)
+            out[i:i + 1] = rows_to_out(o, 1)
+        return out
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, enable_gqa=k.shape[2] != nh)
+                                       attn_mask=mask, enable_gqa=k.shape[2] != nh, scale=scale)
     return o.transpose(1, 2).reshape(b, t, nh * d)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                sparsity: float = 1.0) -> torch.Tensor:
+                sparsity: float = 1.0, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Attention for rows: q (R, G, t, d), k/v (R, L, d), mask (R, 1, t, L) -> (R, G, t, d).
 
     Every query row must have at least one visible key (the engine guarantees it: padding
     queries see themselves). With ``sparsity`` < 1, each query keeps only its top-k keys
-    (k = ceil(sparsity * L)) and reads only those V rows.
+    (k = ceil(sparsity * L)) and reads only those V rows. ``scale`` and ``softcap`` as for
+    ``prefill_attention``. The keys may come in any order (a ring-buffer cache holds a sliding
+    window's positions rotated): attention over a set does not depend on it.
     """
-    if sparsity < 1.0:
-        return _sparse_attend(q, k, v, mask, sparsity)
     r, g, t, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    if sparsity < 1.0:
+        return _sparse_attend(q, k, v, mask, sparsity, scale, softcap)
     L = k.shape[1]
+    if softcap > 0:
+        return _bmm_attend(q, k, v, mask, scale, softcap)
     if t == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         # Decode in a half type on the CPU: bmm would first copy the strided cache rows
         # (measured 2.1 ms vs 0.4 ms for SDPA's fused kernel on 128 rows x 264 positions x 64
         # in bfloat16; 13 ms vs 0.7 ms over a position-major staged disk chunk). SDPA reads
         # them in place; the G query heads of a row become G queries over one kv head.
         o = F.scaled_dot_product_attention(q.view(r, 1, g, d), k.unsqueeze(1), v.unsqueeze(1),
-                                           attn_mask=mask.view(r, 1, 1, L))
+                                           attn_mask=mask.view(r, 1, 1, L), scale=scale)
         return o.view(r, g, 1, d)
     if t == 1:
         # Decode in float32 on the CPU: the native kernel reads each cache row once for the G
         # query heads (None where it does not apply)
-        o = kernels.attention_f32(q, k, v, mask, 1.0 / math.sqrt(d))
+        o = kernels.attention_f32(q, k, v, mask, scale)
         if o is not None:
             return o
-    # Two batched matmuls over rows. k and v may be strided views of a preallocated cache
-    # (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
-    # heads would first copy the whole cache.
-    scores = torch.bmm(q.reshape(r, g * t, d), k.transpose(1, 2)).view(r, g, t, L)
-    scores.mul_(1.0 / math.sqrt(d)).masked_fill_(~mask, float("-inf"))
+    return _bmm_attend(q, k, v, mask, scale, softcap)
+
+
+def _bmm_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float, softcap: float) -> torch.Tensor:
+    """Two batched matmuls over rows. k and v may be strided views of a preallocated cache
+    (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
+    heads would first copy the whole cache."""
+    r, g, t, d = q.shape
+    L = k.shape[1]
+    scores = _scores(q, k, scale, softcap).masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.bmm(probs.view(r, g * t, L), v).view(r, g, t, d)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """(R, G, t, L) scaled (and capped) q.k, in the reference's order of operations."""
+    r, g, t, d = q.shape
+    scores = torch.bmm(q.reshape(r, g * t, d), k.transpose(1, 2)).view(r, g, t, k.shape[1]).mul_(scale)
+    if softcap > 0:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
 def _sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sparsity: float) -> torch.Tensor:
+                   sparsity: float, scale: float, softcap: float) -> torch.Tensor:
     r, g, t, d = q.shape
     L = k.shape[1]
-    scores = torch.matmul(q.reshape(r, g * t, d), k.transpose(1, 2)).view(r, g, t, L)
-    scores = scores * (1.0 / math.sqrt(d))
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _scores(q, k, scale, softcap).masked_fill_(~mask, float("-inf"))
     top = max(1, math.ceil(sparsity * L))
     vals, idx = scores.topk(min(top, L), dim=-1)
     probs = torch.softmax(vals.float(), dim=-1).to(v.dtype)  # (r, g, t, top)

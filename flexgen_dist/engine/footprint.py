@@ -187,12 +187,20 @@ def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_he
     return tuple(parts)
 
 
+def cache_positions(spec: ModelSpec, first_layer: int, num_layers: int, total: int) -> list[int]:
+    """Positions each of the layers keeps in its cache for a sequence of ``total``: all of
+    them, or a sliding layer's window (a ring)."""
+    return [min(total, spec.window(j) or total) for j in range(first_layer, first_layer + num_layers)]
+
+
 def _cache_rows(spec: ModelSpec, z: StageShape) -> tuple[int, int, int]:
+    """(rows, bytes per row over every layer of the stage, copies): a row of a layer holds K and
+    V of what ``cache_positions`` says."""
     per_pos = cache_bytes_per_position(spec.head_dim, z.dtype_bytes, z.compress_cache, z.comp_bits,
                                        z.comp_group_size)
-    total = z.prompt_len + z.gen_len
-    return (z.gpu_batch_size * spec.num_kv_heads, 2 * total * per_pos,
-            z.num_layers * z.num_gpu_batches * z.blocks_in_flight)
+    held = sum(cache_positions(spec, z.first_layer, z.num_layers, z.prompt_len + z.gen_len))
+    return (z.gpu_batch_size * spec.num_kv_heads, 2 * held * per_pos,
+            z.num_gpu_batches * z.blocks_in_flight)
 
 
 def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
@@ -203,11 +211,13 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     mlp = spec.ffn_size * (2 if spec.family == "llama" else 1)  # gate and up for SwiGLU
     seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
-    for ph, toks, ctx in ((0, s, s), (1, 1, s + n)):
+    # the most positions one layer's attention reads (a sliding layer: its window)
+    held = max(cache_positions(spec, z.first_layer, z.num_layers, s + n), default=s + n)
+    for ph, toks, ctx in ((0, s, s), (1, 1, held)):
         W[ph, 0, 9] += b * toks * e * (2 * h + max(q + 2 * kv, mlp)) + b * nh * toks * ctx * 4
         W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
         if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
-            W[ph, 0, 9] += b * (s + n) * seq_cache
+            W[ph, 0, 9] += b * held * seq_cache
         if z.has_head:
             W[ph, 0, 9] += b * spec.vocab_size * 4  # fp32 logits
         if z.num_stages > 1:  # a send and a receive buffer of one block's hidden states
@@ -218,11 +228,11 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     W[0, 0, [4, 5]] += 2 * b * s * seq_cache  # the prompt's cache of one GPU batch, going out
     if z.cpu_attention:  # q goes to the cache and the output comes back; scores on the host
         W[1, 0, [4, 5]] += 2 * b * (q + 2 * kv) * e
-        W[1, host, 9] += b * nh * (s + n) * 4 + 2 * b * q * 4
+        W[1, host, 9] += b * nh * held * 4 + 2 * b * q * 4
         if not z.cuda:  # the disk share of the cache is read into host buffers
-            W[1, 0, 5] += 2 * b * (s + n) * seq_cache
+            W[1, 0, 5] += 2 * b * held * seq_cache
     else:  # the off-device cache of one GPU batch comes to the compute device
-        W[1, 0, [4, 5]] += 2 * b * (s + n) * seq_cache
+        W[1, 0, [4, 5]] += 2 * b * held * seq_cache
     return W
 
 

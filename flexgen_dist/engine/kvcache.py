@@ -64,21 +64,44 @@ class Chunk:
     tier: Tier
     r0: int
     r1: int
-    k: Stored  # (rows, L, d) in RAM / on device, (L, rows, d) on disk; QTensor when compressed
+    k: Stored  # (rows, cap, d) in RAM / on device, (cap, rows, d) on disk; QTensor when compressed
     v: Stored
-    staged: tuple[Stored, Stored] | None = None  # disk: positions [0, p] in RAM
-    pending: tuple[int, Stored, Stored] | None = None  # disk: (pos0, k, v) to write
+    cap: int  # positions held: the block's length, or a sliding layer's window (a ring)
+    staged: tuple[Stored, Stored] | None = None  # disk: slots [0, p] in RAM
+    pending: list[tuple[int, Stored, Stored]] = field(default_factory=list)  # disk: (slot0, k, v) to write
     futures: list[Future] = field(default_factory=list)
+
+    def slot(self, pos: int) -> int:
+        """Where position ``pos`` lives: itself, or its place in the ring of a sliding layer."""
+        return pos % self.cap
+
+    def held(self, length: int) -> int:
+        """How many slots hold positions once [0, length) were written."""
+        return min(length, self.cap)
+
+
+def ring_pieces(s: int, cap: int) -> list[tuple[int, int, int]]:
+    """Where a prompt of s positions goes in a cache of ``cap`` slots: [(first position, first
+    slot, count)]. All of it when it fits; else its last ``cap`` positions, each at its ring
+    slot (position % cap), in at most two contiguous pieces."""
+    if s <= cap:
+        return [(0, 0, s)]
+    r = s % cap
+    return [(p, slot, n) for p, slot, n in ((s - cap, r, cap - r), (s - r, 0, r)) if n]
 
 
 class BlockCache:
-    """KV cache of every (layer, GPU batch) of one block on one stage."""
+    """KV cache of every (layer, GPU batch) of one block on one stage.
+
+    ``windows`` (layer -> positions it attends to, 0: all): a sliding layer whose window is
+    shorter than the block keeps only the window, as a ring (``Chunk.slot``), so its memory
+    and its disk reads stop growing with the sequence."""
 
     def __init__(self, layers: list[int], batch_sizes: list[int], kv_heads: int, max_len: int,
                  head_dim: int, fractions: tuple[float, float, float], device: torch.device,
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
                  cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
-                 group_size: int = 64) -> None:
+                 group_size: int = 64, windows: dict[int, int] | None = None) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
         self.cpu_attention = cpu_attention
@@ -91,28 +114,29 @@ class BlockCache:
         # fresh ones each step cost more in page faults than the dequantization itself
         self._scratch: dict[str, torch.Tensor] = {}
         for j in layers:
+            cap = min(max_len, (windows or {}).get(j) or max_len)
             for kb, b in enumerate(batch_sizes):
                 parts = []
                 for tier, r0, r1 in split_rows(b * kv_heads, fractions):
-                    parts.append(self._alloc(tier, r0, r1, f"kv{tag}-l{j}-b{kb}"))
+                    parts.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
                 self.chunks[(j, kb)] = parts
         self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
 
-    def _alloc(self, tier: Tier, r0: int, r1: int, name: str) -> Chunk:
+    def _alloc(self, tier: Tier, r0: int, r1: int, cap: int, name: str) -> Chunk:
         n = r1 - r0
         if tier == Tier.DISK:
-            shape = (self.max_len, n, self.head_dim)
+            shape = (cap, n, self.head_dim)
             k, v = self._disk(name + "-k", shape), self._disk(name + "-v", shape)
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
             # never read before written: prefill fills [0, s), each decode step its position
-            k, v = (self._empty((n, self.max_len, self.head_dim), dev) for _ in range(2))
+            k, v = (self._empty((n, cap, self.head_dim), dev) for _ in range(2))
             if tier == Tier.CPU:
                 k, v = _pin(k, self.device), _pin(v, self.device)
         nbytes = int(k.nbytes + v.nbytes)
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
-        return Chunk(tier, r0, r1, k, v)
+        return Chunk(tier, r0, r1, k, v, cap)
 
     def _empty(self, shape: tuple[int, ...], device: torch.device) -> Stored:
         if self.compress:
@@ -160,11 +184,12 @@ class BlockCache:
         for ch in self.chunks.get((j, kb), []):
             if ch.tier != Tier.DISK or length == 0:
                 continue
-            shape = (length + 1, ch.r1 - ch.r0, self.head_dim)
+            shape = (ch.held(length + 1), ch.r1 - ch.r0, self.head_dim)
             kbuf, vbuf = self._empty(shape, torch.device("cpu")), self._empty(shape, torch.device("cpu"))
             self.tracker.add(Tier.CPU, kbuf.nbytes + vbuf.nbytes)
             ch.staged = (kbuf, vbuf)
-            ch.futures = [p.store.submit_read(p, out=b[:length], rows=(0, length))
+            n = ch.held(length)
+            ch.futures = [p.store.submit_read(p, out=b[:n], rows=(0, n))
                           for src, buf in ((ch.k, kbuf), (ch.v, vbuf))
                           for p, b in zip(_parts(src), _parts(buf))]
 
@@ -172,14 +197,12 @@ class BlockCache:
         """Write what compute produced for disk chunks (async); returns the futures."""
         futs: list[Future] = []
         for ch in self.chunks.get((j, kb), []):
-            if ch.pending is None:
-                continue
-            pos0, kk, vv = ch.pending
-            ch.pending = None
-            rows = (pos0, pos0 + kk.shape[0])
-            for dst, src in ((ch.k, kk), (ch.v, vv)):
-                futs += [p.store.submit_write(p, s, rows=rows)
-                         for p, s in zip(_parts(dst), _parts(src))]
+            for slot0, kk, vv in ch.pending:
+                rows = (slot0, slot0 + kk.shape[0])
+                for dst, src in ((ch.k, kk), (ch.v, vv)):
+                    futs += [p.store.submit_write(p, s, rows=rows)
+                             for p, s in zip(_parts(dst), _parts(src))]
+            ch.pending = []
             if ch.staged is not None:
                 self.tracker.sub(Tier.CPU, ch.staged[0].nbytes + ch.staged[1].nbytes)
                 ch.staged = None
@@ -192,7 +215,7 @@ class BlockCache:
 
     def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store the prompt's k/v, (b, s, kv_heads, d) as the projection made them, into each
-        chunk at positions [0, s).
+        chunk at positions [0, s) (a ring: the last ``cap`` of them, at their slots).
 
         Uncompressed, each chunk's rows are gathered straight from that layout into the cache
         (one copy, not a row-major copy first and then the cache write)."""
@@ -200,29 +223,35 @@ class BlockCache:
         if self.compress:  # quantization works on rows
             k_rows, v_rows = to_rows(k_new), to_rows(v_new)
         for ch in self.chunks[(j, kb)]:
-            if self.compress:
-                kn, vn = k_rows[ch.r0:ch.r1], v_rows[ch.r0:ch.r1]
-                if ch.tier == Tier.DISK:
-                    ch.pending = (0, _host(self._encode(kn.transpose(0, 1))),
-                                  _host(self._encode(vn.transpose(0, 1))))
+            for p0, slot0, n in ring_pieces(s, ch.cap):
+                if self.compress:
+                    kn, vn = (x[ch.r0:ch.r1, p0:p0 + n] for x in (k_rows, v_rows))
+                    if ch.tier == Tier.DISK:
+                        ch.pending.append((slot0, _host(self._encode(kn.transpose(0, 1))),
+                                           _host(self._encode(vn.transpose(0, 1)))))
+                    else:
+                        for dst, src in ((ch.k, kn), (ch.v, vn)):
+                            copy_between(_positions(dst, slot0, slot0 + n, 1), self._encode(src),
+                                         non_blocking=self._non_blocking(ch))
+                elif ch.tier == Tier.DISK:
+                    # position-major host buffers an async disk write can own
+                    bufs = [torch.empty((n, ch.r1 - ch.r0, self.head_dim), dtype=self.dtype) for _ in range(2)]
+                    for buf, src in zip(bufs, (k_new, v_new)):
+                        copy_rows(buf.transpose(0, 1), src[:, p0:p0 + n], ch.r0, ch.r1)
+                    ch.pending.append((slot0, bufs[0], bufs[1]))
                 else:
-                    for dst, src in ((ch.k, kn), (ch.v, vn)):
-                        copy_between(_positions(dst, 0, s, 1), self._encode(src), non_blocking=self._non_blocking(ch))
-            elif ch.tier == Tier.DISK:
-                # position-major host buffers an async disk write can own
-                bufs = [torch.empty((s, ch.r1 - ch.r0, self.head_dim), dtype=self.dtype) for _ in range(2)]
-                for buf, src in zip(bufs, (k_new, v_new)):
-                    copy_rows(buf.transpose(0, 1), src, ch.r0, ch.r1)
-                ch.pending = (0, bufs[0], bufs[1])
-            else:
-                for dst, src in ((ch.k, k_new), (ch.v, v_new)):
-                    copy_rows(dst.narrow(1, 0, s), src, ch.r0, ch.r1, non_blocking=self._non_blocking(ch))
+                    for dst, src in ((ch.k, k_new), (ch.v, v_new)):
+                        copy_rows(dst.narrow(1, slot0, n), src[:, p0:p0 + n], ch.r0, ch.r1,
+                                  non_blocking=self._non_blocking(ch))
 
     def attend(self, j: int, kb: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               mask: torch.Tensor, pos0: int, sparsity: float = 1.0) -> torch.Tensor:
-        """Decode: write k_new/v_new (rows, 1, d) at pos0 and attend over [0, pos0].
+               mask: torch.Tensor, pos0: int, sparsity: float = 1.0, scale: float | None = None,
+               softcap: float = 0.0) -> torch.Tensor:
+        """Decode: write k_new/v_new (rows, 1, d) at pos0 and attend over [0, pos0] (a ring:
+        over the slots it holds, in slot order).
 
-        q (rows, G, 1, d), mask (rows, 1, 1, L). Each chunk is attended where it lives.
+        q (rows, G, 1, d), mask (rows, 1, 1, L) over what the chunks hold (L = ``held``). Each
+        chunk is attended where it lives. ``scale``, ``softcap``: see ``attend_rows``.
         """
         length = pos0 + k_new.shape[1]
         outs = []
@@ -235,7 +264,7 @@ class BlockCache:
                 dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
                 qr, m = qr.to(dev), m.to(dev)
             kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
-            outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity)))
+            outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity, scale, softcap)))
         return merge_partial(outs, q.shape[0], self.device)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
@@ -255,21 +284,23 @@ class BlockCache:
 
     def _append(self, ch: Chunk, kn: torch.Tensor, vn: torch.Tensor, pos0: int,
                 length: int) -> tuple[Stored, Stored, bool]:
-        """Write positions [pos0, length); return K, V over [0, length) as stored, in memory,
-        and whether they are position-major (a staged disk chunk)."""
+        """Write positions [pos0, length) (one decode step: one position, at its slot); return
+        K, V over the slots held, as stored, in memory, and whether they are position-major (a
+        staged disk chunk)."""
+        a, b, n = ch.slot(pos0), ch.slot(pos0) + length - pos0, ch.held(length)
         if ch.tier == Tier.DISK:
             for f in ch.futures:
                 f.result()
             ch.futures = []
             kbuf, vbuf = ch.staged  # type: ignore[misc]
-            copy_between(_positions(kbuf, pos0, length, 0), self._encode(kn.transpose(0, 1)))
-            copy_between(_positions(vbuf, pos0, length, 0), self._encode(vn.transpose(0, 1)))
-            ch.pending = (pos0, _positions(kbuf, pos0, length, 0), _positions(vbuf, pos0, length, 0))
-            return _positions(kbuf, 0, length, 0), _positions(vbuf, 0, length, 0), True
+            copy_between(_positions(kbuf, a, b, 0), self._encode(kn.transpose(0, 1)))
+            copy_between(_positions(vbuf, a, b, 0), self._encode(vn.transpose(0, 1)))
+            ch.pending.append((a, _positions(kbuf, a, b, 0), _positions(vbuf, a, b, 0)))
+            return _positions(kbuf, 0, n, 0), _positions(vbuf, 0, n, 0), True
         nb = self._non_blocking(ch)
-        copy_between(_positions(ch.k, pos0, length, 1), self._encode(kn), non_blocking=nb)
-        copy_between(_positions(ch.v, pos0, length, 1), self._encode(vn), non_blocking=nb)
-        return _positions(ch.k, 0, length, 1), _positions(ch.v, 0, length, 1), False
+        copy_between(_positions(ch.k, a, b, 1), self._encode(kn), non_blocking=nb)
+        copy_between(_positions(ch.v, a, b, 1), self._encode(vn), non_blocking=nb)
+        return _positions(ch.k, 0, n, 1), _positions(ch.v, 0, n, 1), False
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocking: bool = False) -> None:

@@ -46,7 +46,8 @@ class BlockState:
     acts: ActStore
     valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
     outputs: list[Any] = field(default_factory=list)
-    step_inputs: dict[int, tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
+    # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
+    step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
     out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
     # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
@@ -96,17 +97,14 @@ class StageEngine:
         if total > self.spec.max_positions:
             raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds "
                              f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
-        if self.spec.sliding_window and total > self.spec.sliding_window:
-            raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds the "
-                             f"model's sliding_window of {self.spec.sliding_window}, and sliding-window "
-                             "attention is not supported yet: shorten prompts or --gen-len")
         cache = None
         if self.layers:
             cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,
                                self.spec.head_dim, self.policy.fractions("cache"), self.device,
                                self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
                                compress=self.policy.compress_cache, bits=self.policy.comp_bits,
-                               group_size=self.policy.comp_group_size)
+                               group_size=self.policy.comp_group_size,
+                               windows={j: self.spec.window(j) for j in self.layers})
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []
@@ -268,7 +266,7 @@ class StageEngine:
         else:
             fns = []
             for kk in range(num_gb):
-                _, mrows, pos0 = self._step_inputs(st, i, kk)
+                _, mrows, pos0 = self._step_inputs(st, i, kk, spec.window(slot[1]))  # type: ignore[arg-type]
                 fns.append(self._attend_fn(st, slot[1], kk, mrows, pos0))  # type: ignore[arg-type]
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -297,7 +295,7 @@ class StageEngine:
             return
         x = st.acts.get(k)
         spec = self.spec
-        pos, mrows, pos0 = self._step_inputs(st, i, k)
+        pos, mrows, pos0 = self._step_inputs(st, i, k, spec.window(slot[1]) if slot[0] == "layer" else 0)  # type: ignore[arg-type]
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head" and i == 0 and st.meta.targets is None:
@@ -373,9 +371,10 @@ class StageEngine:
             out[:, 2].index_add_(0, r, hit.double())
         return out
 
-    def _step_inputs(self, st: BlockState, i: int, k: int) -> tuple[Positions, torch.Tensor, int]:
-        """Positions, attention mask rows and cache offset of (token i, batch k), shared by all layers."""
-        cached = st.step_inputs.get(k)
+    def _step_inputs(self, st: BlockState, i: int, k: int, window: int = 0) -> tuple[Positions, torch.Tensor, int]:
+        """Positions, attention mask rows and cache offset of (token i, batch k), shared by all
+        layers that attend to ``window`` positions (0: all)."""
+        cached = st.step_inputs.get((k, window))
         if cached is not None and cached[0] == i:
             return cached[1], cached[2], cached[3]
         s = st.meta.prompt_len
@@ -383,35 +382,42 @@ class StageEngine:
         if i == 0:
             pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
             causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
+            if window and window < s:  # a key more than window - 1 positions back is out of sight
+                causal.triu_(1 - window)
             mask = causal[None] & valid[:, None, :s]
             mask |= torch.eye(s, dtype=torch.bool, device=self.device)[None]  # padding sees itself
             out = (Positions(pos), mask[:, None], 0)
-            st.step_inputs[k] = (i, *out)
+            st.step_inputs[(k, window)] = (i, *out)
             return out
+        pos0 = s + i - 1
+        pos = valid[:, : s + i].sum(-1, keepdim=True) - 1
+        cap = st.meta.prompt_len + st.meta.gen_len
+        if window and window < cap:  # a ring of ``window`` slots: slot c holds the latest position
+            # p <= pos0 with p % window == c (none yet where that is negative)
+            held = pos0 - torch.remainder(pos0 - torch.arange(window, device=self.device), window)
+            mask = valid[:, held.clamp(min=0)] & (held >= 0)[None]
         else:
-            pos = valid[:, : s + i].sum(-1, keepdim=True) - 1
-            mask = valid[:, None, : s + i]
-            pos0 = s + i - 1
-        out = (Positions(pos), mask_to_rows(mask, self.spec.num_kv_heads), pos0)
-        st.step_inputs[k] = (i, *out)
+            mask = valid[:, : s + i]
+        out = (Positions(pos), mask_to_rows(mask[:, None], self.spec.num_kv_heads), pos0)
+        st.step_inputs[(k, window)] = (i, *out)
         return out
 
     def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor, pos0: int):  # noqa: ANN202
         """The ``attend`` callable the model layer calls: cache write + attention."""
-        kvh = self.spec.num_kv_heads
+        kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
         cache = st.cache
         assert cache is not None
 
         if pos0 == 0:
             def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
                 cache.write_prefill(layer, k, kk, vv)
-                return prefill_attention(q, kk, vv, mask)
+                return prefill_attention(q, kk, vv, mask, scale, softcap)
 
             return prefill
 
         def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
             o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
-                             self.policy.attn_sparsity)
+                             self.policy.attn_sparsity, scale, softcap)
             return rows_to_out(o, q.shape[0])
 
         return attend

@@ -48,7 +48,7 @@ def known_fields(model_type: str) -> set[str]:
 
 def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
     """What in ``cfg`` the engine does not compute (a pinned field with another value, a
-    quantized checkpoint it would misread, sliding-window layers), in words; None: nothing."""
+    quantized checkpoint it would misread), in words; None: nothing."""
     for field, value in PINNED[model_type].items():
         if field in cfg and cfg[field] != value:
             return f"{model_type} with {field}={cfg[field]!r} is not supported (only {value!r})"
@@ -56,7 +56,4 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
         method = cfg["quantization_config"].get("quant_method", "?")
         return (f"a {method!r}-quantized checkpoint is not supported: use the full-precision weights "
                 "(--compress-weight quantizes them) or a .gguf file")
-    types = cfg.get("layer_types")
-    if types and any(t != "full_attention" for t in types):
-        return f"{model_type} with sliding-window layers (layer_types) is not supported yet"
     return None

@@ -67,8 +67,6 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
-    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-        raise ModelLoadError(f"{name}: {mt} with use_sliding_window is not supported yet")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0:
@@ -79,16 +77,38 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         head_dim = cfg.get("head_dim") or 0
         if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
             head_dim = 0
-        return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
-                         num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                         head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                         rope_theta=float(theta), rope_scaling=scaling,
-                         sliding_window=int(cfg.get("sliding_window") or 0) if mt in ("mistral", "phi3") else 0,
-                         qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", fused_proj=mt == "phi3",
-                         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                         attention_bias=cfg.get("attention_bias", False),
-                         mlp_bias=cfg.get("mlp_bias", False), **common)
+        try:
+            return _llama_spec(cfg, mt, head_dim, theta, scaling, common)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3)")
+
+
+def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
+                common: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                     rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
+                     qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", fused_proj=mt == "phi3",
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                     attention_bias=cfg.get("attention_bias", False),
+                     mlp_bias=cfg.get("mlp_bias", False), **common)
+
+
+def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as the family's config means them: Mistral and
+    Phi-3 slide on every layer; Qwen2/3 only with ``use_sliding_window``, on the layers its
+    ``layer_types`` name (by default those from ``max_window_layers`` on)."""
+    window = int(cfg.get("sliding_window") or 0)
+    if mt in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window") or not window:
+            return {"sliding_window": 0}
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", n)
+                                           else "full_attention" for i in range(n)]
+        return {"sliding_window": window, "layer_types": tuple(types)}
+    return {"sliding_window": window if mt in ("mistral", "phi3") else 0}
 
 
 def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:

@@ -34,6 +34,7 @@ class RopeScaling:
 
 
 ROPE_TYPES = ("linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,13 @@ class ModelSpec:
     # LLaMA conventions
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    sliding_window: int = 0  # > 0: attention sees only the last this many positions (Mistral)
+    sliding_window: int = 0  # > 0: a sliding layer attends to the last this many positions only
+    # per layer, "sliding_attention" or "full_attention" (Gemma's alternation, Qwen2's
+    # max_window_layers); empty: every layer slides when sliding_window > 0 (Mistral, Phi-3)
+    layer_types: tuple[str, ...] = ()
+    attn_scale: float = 0.0  # the softmax scale of q.k; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_softcap: float = 0.0  # > 0: scores become cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float = 0.0  # > 0: the same on the final logits (Gemma 2)
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
@@ -90,6 +97,17 @@ class ModelSpec:
                 f"ModelSpec.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
         if self.family == "opt" and self.num_kv_heads != self.num_heads:
             raise ValueError("ModelSpec: OPT models have no grouped-query attention; set num_kv_heads=0")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"ModelSpec.layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_layers} layers: give one per layer")
+            bad = set(self.layer_types) - set(LAYER_TYPES)
+            if bad:
+                raise ValueError(f"ModelSpec.layer_types: {', '.join(sorted(bad))} not supported "
+                                 f"(use {' or '.join(LAYER_TYPES)})")
+            if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+                raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
         if isinstance(self.eos_token_ids, int):
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         else:
@@ -107,6 +125,19 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """The scale of q.k before the softmax."""
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int:
+        """How many positions (the query's own included) layer ``layer`` attends to; 0: all."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @property
     def embed_dim(self) -> int:

@@ -135,6 +135,7 @@ class StageSizes:
     c_pre: float
     c_avg: float
     c_new: float
+    ctx: float  # positions a decode step's attention reads per layer, on average
     a_pre: int
     a_dec: int
     hop: float
@@ -205,8 +206,10 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         lnum=lnum,
         wl_io=wl + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
         kv_tok=kv_tok,
-        c_pre=bls * cbytes(s * kv_tok),  # cache written by a block's prefill, per layer
-        c_avg=bls * cbytes((s + n / 2) * kv_tok),  # cache read per decode step, per layer
+        # a sliding layer keeps (and reads) at most its window: these are means over the layers
+        c_pre=bls * cbytes(_held(spec, s) * kv_tok),  # cache written by a block's prefill, per layer
+        c_avg=bls * cbytes(_held(spec, s + n / 2) * kv_tok),  # cache read per decode step, per layer
+        ctx=_held(spec, s + n / 2),
         c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
         a_pre=a_pre, a_dec=a_dec, hop=hop,
         # How often a decode step streams each weight matrix through the compute units: once
@@ -218,6 +221,12 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         net_p=net_p, net_d=net_d,
         cpu_attention=cpu_attention, compress_cache=compress_cache, has_head=has_head,
         head_share=head_share)
+
+
+def _held(spec: ModelSpec, length: float) -> float:
+    """Cache positions a layer holds at ``length``, averaged over the model's layers (a sliding
+    layer holds at most its window)."""
+    return sum(min(length, spec.window(j) or length) for j in range(spec.num_layers)) / spec.num_layers
 
 
 def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int) -> float:
@@ -284,8 +293,8 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     D[2, CD] += z.c_avg / hw.dtoc_bw
     D[3, HD] = a_dec / hw.ctod_bw
     D[3, CD] += z.c_new / hw.ctod_bw
-    att_flops = 4.0 * bls * (z.s + z.n / 2) * z.q
-    deq_c = bls * (z.s + z.n / 2) * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
+    att_flops = 4.0 * bls * z.ctx * z.q
+    deq_c = bls * z.ctx * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
     D[4, CONST] = _gemm(z, hw, bls, z.streams) + z.deq_w + _head_time(z, hw, z.streams) / z.l
     D[4, CG] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
     if z.cpu_attention:  # fp32 on the host: 4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops
