@@ -272,7 +272,7 @@ class StageEngine:
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
 
-            y = self.family.layer_forward(spec, w, x, self._merged_positions(st, i, num_gb), attend)
+            y = self.family.layer_forward(spec, w, x, self._merged_positions(st, i, num_gb), attend, slot[1])
         for kk, (a, b) in enumerate(spans):
             if j == len(self.slots) - 1:
                 st.outputs[kk] = y[a:b]
@@ -306,7 +306,7 @@ class StageEngine:
                 self._score(w, x, self._step_targets(st, i, k))
             st.outputs[k - st.out_base] = y
         else:
-            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0))
+            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)

@@ -11,7 +11,8 @@ canonical ones through the family's ``hf_names``.
 
 The attention itself is not family math: ``layer_forward`` receives an ``attend`` callable
 ``(q, k, v) -> out`` where q is (b, t, num_heads, head_dim), k and v are
-(b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim). The engine's
+(b, t, num_kv_heads, head_dim) and out is (b, t, num_heads * head_dim), and the layer's
+index (for what differs by layer, such as a local layer's RoPE base). The engine's
 ``attend`` writes k and v into its preallocated cache (wherever that lives) and attends over
 it, on the compute device or on the CPU. Rows of x are independent outside ``attend``, so
 the engine may pass the rows of several GPU batches at once with an ``attend`` that splits
@@ -48,7 +49,7 @@ class Family:
     head_shapes: Shapes
     hf_names: Callable[[ModelSpec, str, int | None], dict[str, list[str]]]
     embed: Callable[[ModelSpec, Weights, torch.Tensor, Any], torch.Tensor]
-    layer_forward: Callable[[ModelSpec, Weights, torch.Tensor, Any, Attend], torch.Tensor]
+    layer_forward: Callable[[ModelSpec, Weights, torch.Tensor, Any, Attend, int], torch.Tensor]
     head: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor]
 
 

@@ -108,7 +108,7 @@ def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Po
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
-                  attend: Attend) -> torch.Tensor:
+                  attend: Attend, layer: int = 0) -> torch.Tensor:
     """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
     b, t, _ = x.shape
     d, eps = spec.head_dim, spec.norm_eps
