@@ -24,6 +24,9 @@ SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16},
     "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
 }
 
 
@@ -38,6 +41,17 @@ def _model(tmp_path: Path, scaling: dict, tied: bool = False) -> TinyModel:
     m = LlamaForCausalLM(cfg).eval()
     m.save_pretrained(tmp_path)
     return TinyModel(scaling["rope_type"], tmp_path, m, 0)
+
+
+def test_dynamic_ntk_is_plain_rope_within_the_context(tmp_path: Path) -> None:
+    """Dynamic NTK raises the base only past max_position_embeddings, which no run reaches
+    (longer prompts are refused): the reference gives the plain frequencies, and so do we."""
+    tm = _model(tmp_path / "m", {"rope_type": "dynamic", "factor": 2.0})
+    prompts = [p * 3 for p in PROMPTS]
+    ref = reference_generate(tm, prompts, 6)
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        assert llm.model.spec.rope_scaling.rope_type == "dynamic"
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == ref
 
 
 def _matches_transformers_offloaded(m: torch.nn.Module, tmp_path: Path) -> ModelSpec:
@@ -59,13 +73,15 @@ def test_inverse_frequencies_match_transformers(kind: str, tmp_path: Path) -> No
     tm = _model(tmp_path, SCALINGS[kind])
     ref = tm.model.model.rotary_emb.inv_freq
     spec = load_model(str(tmp_path), load_tokenizer=False).spec
-    assert spec.rope_scaling is not None and spec.rope_scaling.rope_type == kind
+    assert spec.rope_scaling is not None and spec.rope_scaling.rope_type == kind.split("-")[0]
     ours = rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
     assert torch.equal(ours, ref)
+    assert spec.rope_scaling.attention_factor == tm.model.model.rotary_emb.attention_scaling
     assert not torch.equal(ours, rope_inv_freq(spec.head_dim, spec.rope_theta))  # it does scale
 
 
-@pytest.mark.parametrize("kind,tied", [("llama3", False), ("llama3", True), ("linear", False)])
+@pytest.mark.parametrize("kind,tied", [("llama3", False), ("llama3", True), ("linear", False), ("yarn", False),
+                                       ("yarn-mscale", True)])
 def test_greedy_tokens_match_transformers_offloaded(kind: str, tied: bool, tmp_path: Path) -> None:
     tm = _model(tmp_path / "m", SCALINGS[kind], tied)
     prompts = [p * 3 for p in PROMPTS]  # past the original context of 16
@@ -78,7 +94,8 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, tied: bool, tmp_p
 
 
 @pytest.mark.parametrize("rope,match", [
-    ({"rope_type": "yarn", "factor": 4.0}, "rope scaling type 'yarn' is not supported"),
+    ({"rope_type": "longrope", "factor": 4.0}, "rope scaling type 'longrope' is not supported"),
+    ({"rope_type": "yarn", "factor": 4.0}, "'yarn' needs original_max_position_embeddings"),
     ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
     ({"rope_type": "linear", "factor": 0.0}, "factor 0.0: must be > 0"),
 ])

@@ -89,10 +89,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     as the reference implementation computes them (float32, the same operations in order)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
                                              dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+    if scaling is None or scaling.rope_type == "dynamic":  # dynamic: plain within max positions
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, device)
     # llama3: low frequencies divided by factor, high kept, medium interpolated
     factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     old_len = scaling.original_max_position_embeddings
@@ -104,13 +106,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(dim: int, base: float, sc: RopeScaling, device: torch.device | None) -> torch.Tensor:
+    """YaRN's frequencies, with the reference's operations in order."""
+    def correction_dim(rotations: float) -> float:  # the dimension that turns this often
+        return (dim * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (sc.factor * pos_freqs)
+    keep = 1 - ramp  # the share of the original frequency
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, pos.device)
     freqs = pos.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling is not None and scaling.attention_factor != 1.0:  # yarn, in float32 as the reference
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +73,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if partial != 1.0:
         raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported yet")
     if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
-        scaling = _rope_scaling(rope, name)
+        scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0))
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or 0
         if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
@@ -111,9 +112,11 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     return {"sliding_window": window if mt in ("mistral", "phi3") else 0}
 
 
-def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0) -> RopeScaling | None:
     """A config's ``rope_scaling``/``rope_parameters`` as a ``RopeScaling`` (None: plain RoPE);
-    a type or field this engine does not compute is refused in one line naming it."""
+    a type or field this engine does not compute is refused in one line naming it.
+    ``max_positions``: the config's max_position_embeddings (yarn derives a missing factor
+    from it, as the reference does)."""
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type == "default":
         return None
@@ -121,14 +124,32 @@ def _rope_scaling(rope: dict[str, Any], name: str) -> RopeScaling | None:
         raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
                              f"(supported: default, {', '.join(ROPE_TYPES)})")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    need = keys if rope_type == "llama3" else keys[:1]
+    need = {"llama3": keys, "yarn": keys[3:]}.get(rope_type, keys[:1])
     missing = [k for k in need if rope.get(k) is None]
     if missing:
         raise ModelLoadError(f"{name}: rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
+    args = {k: rope[k] for k in need}
+    if rope_type == "yarn":
+        args.update(_yarn_args(rope, max_positions))
     try:
-        return RopeScaling(rope_type, **{k: rope[k] for k in need})
+        return RopeScaling(rope_type, **args)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
+
+
+def _yarn_args(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """YaRN's factor and attention factor resolved as the reference resolves them."""
+    factor = rope.get("factor") or max_positions / rope["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = rope.get("attention_factor")
+    if att is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        att = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    return {"factor": factor, "attention_factor": att, "beta_fast": rope.get("beta_fast") or 32,
+            "beta_slow": rope.get("beta_slow") or 1, "truncate": rope.get("truncate", True)}
 
 
 def spec_from_gguf(reader: Any, name: str) -> ModelSpec:

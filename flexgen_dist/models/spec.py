@@ -15,13 +15,22 @@ class RopeScaling:
     """A rotary embedding's frequency scaling, as a checkpoint's ``rope_scaling`` (or
     ``rope_parameters``) gives it: ``linear`` divides every frequency by ``factor``; ``llama3``
     (Llama 3.1 and later) divides the low frequencies by ``factor``, keeps the high ones and
-    interpolates between, by the wavelength against ``original_max_position_embeddings``."""
+    interpolates between, by the wavelength against ``original_max_position_embeddings``;
+    ``yarn`` blends interpolated and original frequencies over a ramp between the dimensions
+    that turn ``beta_fast`` and ``beta_slow`` times in the original context, and multiplies cos
+    and sin by ``attention_factor``; ``dynamic`` (NTK) raises the base only for positions past
+    the model's ``max_position_embeddings``, which the engine never runs, so within them it is
+    plain RoPE, as in the reference."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -33,7 +42,7 @@ class RopeScaling:
                              f"low_freq_factor {self.low_freq_factor}")
 
 
-ROPE_TYPES = ("linear", "llama3")
+ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
