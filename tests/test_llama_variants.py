@@ -210,3 +210,22 @@ def test_a_pinned_field_with_another_value_is_refused(change: dict, match: str, 
     (tm.path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match):
         load_model(str(tm.path), load_tokenizer=False)
+
+
+def test_a_sharded_checkpoint_loads_whole(tmp_path: Path) -> None:
+    """A checkpoint saved in several safetensors shards (as the large models are) reads every
+    tensor from the shard that holds it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(14)
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    m = Qwen2ForCausalLM(cfg).eval()
+    m.save_pretrained(tmp_path / "m", max_shard_size="60KB")
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) > 3
+    tm = TinyModel("qwen2", tmp_path / "m", m, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), offload_dir=str(tmp_path / "off"),
+             ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
