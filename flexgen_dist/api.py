@@ -38,7 +38,7 @@ from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .plan import Peaks, RunPlan, Workload
-from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
+from .prompts import Messages, Prompt, StopStrings, check_prompt_lengths, make_prompt
 from .run_plan import RunPlanner
 from .scoring import Score, score_split, score_targets
 from .worker import StageWorker
@@ -52,9 +52,11 @@ class Completion:
 
     index: int  # position of the prompt in the generate call's input
     prompt_ids: list[int]
-    token_ids: list[int]  # generated ids, up to and including the first EOS
-    text: str | None  # the decoded completion (None for a model without a tokenizer)
+    token_ids: list[int]  # generated ids, up to and including the first EOS (or a stop string's)
+    text: str | None  # the decoded completion, cut before a stop string (None: no tokenizer)
     prompt: str | None = None  # the prompt's text, when it was given as text
+    # "stop": at EOS or a stop string; "length": at the request's limit of new tokens
+    finish_reason: str = "length"
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -164,17 +166,23 @@ class LLM:
 
     # --- generation ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
-                 sampling: SamplingConfig | None = None, *, keys: Sequence[int] | None = None,
-                 max_new_tokens: Sequence[int] | None = None) -> list[Completion]:
+                 sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
+                 keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
+                 stop: Sequence[Sequence[str]] | None = None) -> list[Completion]:
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
         ``gen_len`` and ``sampling`` default to the options the LLM was built with;
-        ``max_new_tokens`` (one per prompt, each <= gen_len) cuts a completion shorter. A
-        sampled completion depends on the seed and on its prompt's key alone (default: the
+        ``sampling`` may also be one ``SamplingConfig`` per prompt (its temperature, top-p and
+        seed; ``ignore_eos`` is the first one's). ``max_new_tokens`` (one per prompt, each <=
+        gen_len) cuts a completion shorter; ``stop`` (one list of strings per prompt) ends it
+        before the first of its stop strings. A finished completion costs no more steps once
+        its whole block is done, and blocks group prompts of similar length (``sort_window``).
+        A sampled completion depends on its seed and on its prompt's key alone (default: the
         prompt's index in this call): a job split over several calls passes ``keys`` (e.g. the
         prompts' indices in the whole job) to draw what one call would. On ranks other than
         0 the arguments are ignored and the result is empty."""
-        return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens)
+        return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens,
+                                           stop=stop)
                 for c in block]
 
     def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
@@ -186,16 +194,35 @@ class LLM:
         return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens)
 
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
-               sampling: SamplingConfig | None = None, *, keys: Sequence[int] | None = None,
-               max_new_tokens: Sequence[int] | None = None) -> Iterator[list[Completion]]:
-        """Like ``generate``, yielding each block's completions as soon as the block finishes.
-        Exhaust it (a stream abandoned midway on several ranks fails the other ranks)."""
+               sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
+               keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
+               stop: Sequence[Sequence[str]] | None = None) -> Iterator[list[Completion]]:
+        """Like ``generate``, yielding completions as soon as they are final, in input order: a
+        window of consecutive prompts at a time (the prompts one length-grouping window sorted
+        into blocks; with ``sort_window=0``, one block). Exhaust it (a stream abandoned midway
+        on several ranks fails the other ranks)."""
         self._check_open()
         with self._guard():
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,
-                                                             max_new_tokens=max_new_tokens))
-            for first, outs in self._run(work, peaks):
-                yield [self._completion(first + n, work.prompts[first + n], toks) for n, toks in enumerate(outs)]
+                                                             max_new_tokens=max_new_tokens, stop=stop))
+            stops = None if work.stops is None else StopStrings(work.stops, self.tokenizer)
+            for window in self._windows(self._run(work, peaks)):
+                yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
+                       for n, toks in window]
+
+    def _windows(self, blocks: Iterator[tuple[Any, list[Any]]]) -> Iterator[list[tuple[int, Any]]]:
+        """(index, result) of each prompt of the call, a whole window of them at a time, in input
+        order, as the blocks of ``_run`` (rank 0: in block order) complete them."""
+        pending: dict[int, list[tuple[int, Any]]] = {}
+        left: dict[int, int] = {}
+        for blk, outs in blocks:
+            if not left:  # the call's blocks are planned once its run has started
+                for b in self._worker.blocks:
+                    left[b.window] = left.get(b.window, 0) + 1
+            pending.setdefault(blk.window, []).extend(zip(blk.members, outs))
+            left[blk.window] -= 1
+            if left[blk.window] == 0:
+                yield sorted(pending.pop(blk.window), key=lambda r: r[0])
 
     def warmup(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | None = None) -> None:
@@ -244,9 +271,9 @@ class LLM:
         with self._guard():
             work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens))
             out: list[Score] = []
-            for first, rows in self._run(work, peaks):
-                out += [Score(first + n, float(r[0]), int(r[1]), int(r[2])) for n, r in enumerate(rows)]
-            return out
+            for blk, rows in self._run(work, peaks):
+                out += [Score(m, float(r[0]), int(r[1]), int(r[2])) for m, r in zip(blk.members, rows)]
+            return sorted(out, key=lambda sc: sc.index)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -266,8 +293,9 @@ class LLM:
         return work, peaks
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
-                  sampling: SamplingConfig | None, *, keys: Sequence[int] | None = None,
-                  max_new_tokens: Sequence[int] | None = None, scoring: bool = False) -> Workload:
+                  sampling: SamplingConfig | Sequence[SamplingConfig] | None, *,
+                  keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
+                  stop: Sequence[Sequence[str]] | None = None, scoring: bool = False) -> Workload:
         cfg, spec = self.config, self.model.spec
         what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
         if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
@@ -278,10 +306,15 @@ class LLM:
         ps: list[Prompt] = [p if isinstance(p, Prompt) else self._prompt(n, p) for n, p in enumerate(prompts)]
         # a scored sequence generates nothing: it may fill every position
         check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
+        each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
+        if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
+            raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
         try:
-            return Workload(tuple(len(p.ids) for p in ps), gen_len, sampling or cfg.sampling,
+            return Workload(tuple(len(p.ids) for p in ps), gen_len,
+                            (each[0] if each else sampling) or cfg.sampling,  # type: ignore[arg-type]
                             keys=None if keys is None else tuple(int(k) for k in keys),
                             max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
+                            samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                             prompts=tuple(ps))
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -334,9 +367,14 @@ class LLM:
         predicted = {} if plan.prediction is None else dataclasses.asdict(plan.prediction)
         self.metrics = {**merge_metrics(run, self._worker.timings, stages, predicted), "plan": plan.to_dict()}
 
-    def _completion(self, index: int, p: Prompt, toks: list[int]) -> Completion:
+    def _completion(self, index: int, p: Prompt, toks: list[int], stops: StopStrings | None = None,
+                    ignore_eos: bool = False) -> Completion:
         text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
-        return Completion(index, p.ids, toks, text, p.text)
+        stopped = bool(toks) and toks[-1] in self.model.spec.eos_token_ids and not ignore_eos
+        if stops is not None and text is not None and stops.has(index):
+            text, hit = stops.cut(index, text)
+            stopped = stopped or hit
+        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length")
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""

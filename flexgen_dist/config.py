@@ -72,6 +72,7 @@ class RunConfig:
     master_port: int | None = None
     log_dir: str | None = None
     print_outputs: int = 8
+    sort_window: int = 16  # blocks' worth of requests grouped by length at a time (0: input order)
     progress: bool = True
     warmup: bool = False
     explain: bool = False
@@ -103,6 +104,8 @@ class RunConfig:
             raise ConfigError(f"--schedule {self.schedule!r}: use auto, sequential or overlapped")
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout {self.dist_timeout}: must be > 0 seconds")
+        if self.sort_window < 0:
+            raise ConfigError(f"--sort-window {self.sort_window}: must be >= 0 (0 keeps the input order)")
         if self.print_outputs < 0:
             raise ConfigError(f"--print-outputs {self.print_outputs}: must be >= 0")
         if self.resume and self.overwrite:
@@ -250,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="start the job in --output over")
     g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
+    g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "
+                   "many blocks' worth at a time; outputs still go out in input order, a window at a "
+                   "time (default 16; 0: blocks in input order)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
                    "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "

@@ -23,10 +23,13 @@ class Workload:
     """One call's requests: prompt lengths, generation limits, sampling, scoring targets.
 
     ``gen_len`` is the call's number of token steps; ``max_new_tokens`` (one per request,
-    each in [1, gen_len]) cuts a request's completion shorter. ``keys`` are the requests'
-    sampling keys (default: their index in the call). ``targets`` (scoring) are, per
-    sequence, the id that follows each position, -1 where it is not scored. ``prompts``
-    (rank 0 only) keep each request's ids and text; ``header()`` drops them for the wire."""
+    each in [1, gen_len]) cuts a request's completion shorter. ``samplings`` (one per request)
+    give requests their own temperature, top-p and seed (default: ``sampling`` for all;
+    ``ignore_eos`` is the call's). ``stops`` (one tuple of strings per request) end a
+    completion at the first of its stop strings. ``keys`` are the requests' sampling keys
+    (default: their index in the call). ``targets`` (scoring) are, per sequence, the id that
+    follows each position, -1 where it is not scored. ``prompts`` (rank 0 only) keep each
+    request's ids and text; ``header()`` drops them for the wire."""
 
     lens: tuple[int, ...]
     gen_len: int
@@ -34,6 +37,8 @@ class Workload:
     keys: tuple[int, ...] | None = None
     max_new_tokens: tuple[int, ...] | None = None
     targets: tuple[tuple[int, ...], ...] | None = None
+    samplings: tuple[SamplingConfig, ...] | None = None
+    stops: tuple[tuple[str, ...], ...] | None = None
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -42,7 +47,7 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

@@ -143,3 +143,30 @@ def _read_file(path: str) -> list[Raw]:
                 out.append((pid, str(rec["prompt"]), None, None))
         return out
     return [(n, line, None, None) for n, line in enumerate(lines) if line.strip()]
+
+
+class StopStrings:
+    """Each request's stop strings, checked on its newest ids as they come (stage 0 of the loop)
+    and cut from its text at the end (``cut``): the completion ends before the first of them.
+
+    A stop string of c characters is spread over at most 4c byte-level tokens, so decoding
+    that many of the newest ids finds it the step it completes."""
+
+    def __init__(self, stops: tuple[tuple[str, ...], ...], tokenizer: Any | None) -> None:
+        if tokenizer is None and any(stops):
+            raise ConfigError("stop strings need the model's tokenizer (this model has none): drop 'stop'")
+        self.stops, self.tokenizer = stops, tokenizer
+        self._tail = [4 * max((len(s) for s in st), default=0) + 2 for st in stops]
+
+    def has(self, n: int) -> bool:
+        return bool(self.stops[n])
+
+    def hit(self, n: int, ids: list[int]) -> bool:
+        """Whether request n's completion so far (``ids``) holds one of its stop strings."""
+        text = self.tokenizer.decode(ids[-self._tail[n]:], skip_special_tokens=True)
+        return any(s in text for s in self.stops[n])
+
+    def cut(self, n: int, text: str) -> tuple[str, bool]:
+        """Request n's text up to its first stop string, and whether one was found."""
+        at = min((i for i in (text.find(s) for s in self.stops[n]) if i >= 0), default=-1)
+        return (text, False) if at < 0 else (text[:at], True)

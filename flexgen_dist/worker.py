@@ -16,7 +16,7 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import plan_blocks
+from .engine.blocks import BlockPlan, plan_blocks
 from .engine.footprint import needs_disk
 from .engine.stage import StageEngine
 from .kernels import gemm
@@ -24,6 +24,7 @@ from .memory.disk import DiskStore
 from .metrics import progress_bar
 from .models.loader import LoadedModel
 from .plan import Peaks, RunPlan, Workload
+from .prompts import StopStrings
 
 log = logging.getLogger("flexgen_dist")
 
@@ -38,6 +39,7 @@ class StageWorker:
         self.disk: DiskStore | None = None
         self.record: dict[str, Any] = {}  # the last call's stage record
         self.timings: Any = None  # the last call's pipeline timings
+        self.blocks: list[BlockPlan] = []  # the current call's blocks
 
     def build(self, plan: RunPlan, peaks: Peaks) -> bool:
         """Place this stage's weights for ``plan`` (once); whether it was built now."""
@@ -61,17 +63,24 @@ class StageWorker:
         log.info("stage %d: layers [%d, %d) weights %s", rank, *st.layers, self.engine.describe())
         return True
 
-    def run(self, plan: RunPlan, work: Workload, peaks: Peaks) -> Iterator[tuple[int, list[Any]]]:
-        """The one loop over this call's blocks: rank 0 gets (first index, per-sequence results)
-        of each block; at the end ``record`` holds this stage's figures."""
+    def run(self, plan: RunPlan, work: Workload, peaks: Peaks) -> Iterator[tuple[BlockPlan, list[Any]]]:
+        """The one loop over this call's blocks: rank 0 gets (block, per-row results) of each
+        block; ``blocks`` are the call's blocks (grouped by length, ``engine/blocks.py``); at the
+        end ``record`` holds this stage's figures."""
         engine = self.engine
         assert engine is not None, "build() first"
-        blocks = plan_blocks(list(work.lens), engine.policy.block_size)
+        limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
+        blocks = self.blocks = plan_blocks(list(work.lens), engine.policy.block_size, limits,
+                                           self.config.sort_window if work.targets is None else 0)
+        stops = None
+        if work.stops is not None and any(work.stops) and self.group.is_driver:
+            stops = StopStrings(work.stops, self.model.tokenizer)
         pipe = Pipeline(engine, blocks, gen_len=work.gen_len, sampling=work.sampling,
                         num_groups=plan.num_micro_batches, ctx=self.group.ctx,
                         targets=None if work.targets is None else [list(t) for t in work.targets],
                         keys=None if work.keys is None else list(work.keys), prefill=plan.prefill_items,
-                        ride=plan.schedule == "overlapped", limits=work.max_new_tokens)
+                        ride=plan.schedule == "overlapped", limits=work.max_new_tokens,
+                        samplings=work.samplings, stops=stops)
         times0 = engine.times.as_dict()
         read0 = self.disk.bytes_read if self.disk is not None else 0
         bar = progress_bar(len(blocks) * work.gen_len, self.config.progress and self.group.is_driver)

@@ -43,7 +43,7 @@ def test_stream_yields_blocks_in_order_and_calls_reuse_the_engine(tiny_models) -
     tm = tiny_models["llama-tied"]
     ref = reference_generate(tm, PROMPTS, GEN)
     with LLM(str(tm.path), policy=Policy(gpu_batch_size=1, num_gpu_batches=2), ignore_eos=True,
-             progress=False) as llm:
+             progress=False, sort_window=0) as llm:  # blocks in input order: each is its own window
         blocks = list(llm.stream(PROMPTS, gen_len=GEN))
         engine = llm.engine
         again = llm.generate(PROMPTS[:3], gen_len=2)  # a different workload on the same engine

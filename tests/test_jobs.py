@@ -93,13 +93,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_stop_signal_keeps_outputs_and_resume_finishes(sig: str, tiny_models, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("sig,window", [("SIGTERM", "1"), ("SIGUSR1", "2")])
+def test_stop_signal_keeps_outputs_and_resume_finishes(sig: str, window: str, tiny_models, tmp_path: Path,
+                                                       capsys) -> None:
     """A stop signal after two blocks: one error line, exit 128 + signum, the two blocks'
-    lines on disk, no offload files; --resume then completes the uninterrupted file."""
+    lines on disk (a window of one block each, or one window of both, grouped by length), no
+    offload files; --resume then completes the uninterrupted file."""
     tm = tiny_models["opt-pre"]
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    policy = ["--gpu-batch-size", "2", "--percent", "0", "0", "100", "0", "100", "0"]  # weights on disk
+    policy = ["--gpu-batch-size", "2", "--percent", "0", "0", "100", "0", "100", "0",  # weights on disk
+              "--sort-window", window]
     assert _run(_job(tm, tmp_path, ref, *policy), capsys)[0] == 0
     env = {**os.environ, "STOP_AFTER": "1", "STOP_SIG": sig}
     r = subprocess.run([sys.executable, "-c", _STOPPER, *_job(tm, tmp_path, out, *policy), "--no-progress"],

@@ -24,10 +24,13 @@ With one stage (the single process) the same loop runs with no communicator: sta
 also the last, samples itself, and keeps the sampled ids on the compute device (no wire
 copies, no per-step host sync beyond the EOS check).
 
-Early stop: when every sequence of a block has reached EOS, the last stage flags it in the
-token message it sends stage 0 (one extra element). Stage 0 then skips the block's
-remaining steps and passes a "skip" header down the chain in place of the block's next
-hidden states, so each stage drops the block at the same item and no receive is left
+Early stop: a sequence finishes at EOS, at its own limit of new tokens, or (stage 0 checks
+these, with the tokenizer) when its text contains one of its stop strings. When every
+sequence of a block has reached EOS or its limit, the last stage flags it in the token
+message it sends stage 0 (one extra element); stage 0 ends the block on that flag or when
+its own view (stop strings included) says every sequence is done. Stage 0 then skips the
+block's remaining steps and passes a "skip" header down the chain in place of the block's
+next hidden states, so each stage drops the block at the same item and no receive is left
 waiting. Every hidden-state message is preceded by that one-element header.
 
 Clock: each stage splits its wall time by the item it is on, waiting for the item's input
@@ -42,7 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.sampling import EosTracker, SamplingConfig, sample
+from ..engine.sampling import EosTracker, RowSampling, SamplingConfig
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .comm import StageComm
@@ -59,9 +62,14 @@ class Pipeline:
     def __init__(self, engine: StageEngine, blocks: list[BlockPlan], *, gen_len: int,
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
-                 prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None) -> None:
+                 prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
+                 samplings: Sequence[SamplingConfig] | None = None, stops: Any = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
+        self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
+        # stage 0: ``stops.hit(sequence, its new ids) -> bool`` for sequences with stop strings
+        # (``stops.has(sequence)``); None: no sequence has any
+        self.stops = stops
         # each prompt's key for its random draws (its index in the job; default: in this call)
         n = sum(len(b.lens) for b in blocks)
         self.keys = torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=engine.device)
@@ -100,6 +108,12 @@ class Pipeline:
         self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
+        self._samplers: dict[int, list[RowSampling]] = {}  # last stage: per GPU batch
+        # stage 0: each block's own view of which sequences are done (EOS, limits, stop
+        # strings), the new ids of its sequences with stop strings, and where those stopped
+        self._watch: dict[int, EosTracker] = {}
+        self._hist: dict[int, dict[int, list[int]]] = {}
+        self._stopped: dict[int, dict[int, int]] = {}
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
@@ -111,8 +125,8 @@ class Pipeline:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self, prompts: list[list[int]] | None,
-            progress: Progress | None = None) -> Iterator[tuple[int, list[list[int]]]]:
-        """Run every block. Stage 0 yields ``(first prompt index, token lists)`` per block, in
+            progress: Progress | None = None) -> Iterator[tuple[BlockPlan, list[list[int]]]]:
+        """Run every block. Stage 0 yields ``(block, token lists of its rows)`` per block, in
         block order, as blocks finish; the other stages yield nothing. Exhaust the iterator:
         the last sends are awaited after the last block.
 
@@ -150,7 +164,7 @@ class Pipeline:
                 if progress is not None and units:
                     progress(units)
                 while next_out in finished:
-                    yield self.blocks[next_out].first, finished.pop(next_out)
+                    yield self.blocks[next_out], finished.pop(next_out)
                     next_out += 1
                     clock = time.perf_counter()  # the caller's time is not the loop's
                 item = items.next()
@@ -225,6 +239,8 @@ class Pipeline:
         return {p: o for (p, _), o in zip(live, outs)}
 
     def _free(self, b: int) -> None:
+        self._trackers.pop(b, None)
+        self._samplers.pop(b, None)
         st = self._states.pop(b, None)
         if st is not None:
             self.engine.free_block(st)
@@ -237,7 +253,7 @@ class Pipeline:
         # scoring feeds gen_len - 1 known ids after the prefill and samples none after them
         meta = blk.meta(self.gbs, self.gen_len if self.targets is None else self.gen_len - 1)
         if self.targets is not None and self.last:
-            mine = self.targets[blk.first:blk.first + len(blk.lens)]
+            mine = [self.targets[m] for m in blk.members]
             rows = score_rows(mine, blk.lens, blk.prompt_len, blk.prompt_len + meta.gen_len)
             meta.targets = list(rows.to(self.engine.device).split(self.gbs))
         return meta
@@ -245,7 +261,7 @@ class Pipeline:
     def _forced_inputs(self, blk: BlockPlan, prompts: list[list[int]]) -> torch.Tensor:
         """Scoring, stage 0: (b, gen_len - 1) ids fed at decode steps 1.. (padding past a sequence's end)."""
         n = self.gen_len - 1
-        rows = [p[m:m + n] for p, m in zip(prompts[blk.first:blk.first + len(blk.lens)], blk.lens)]
+        rows = [prompts[q][m:m + n] for q, m in zip(blk.members, blk.lens)]
         return torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long, device=self.engine.device)
 
     def _state(self, b: int, prompts: list[list[int]] | None) -> Any:
@@ -258,11 +274,43 @@ class Pipeline:
             if self.first and self.targets is not None:
                 assert prompts is not None
                 self._forced[b] = self._forced_inputs(blk, prompts)
-            if self.last and self.targets is None:
+            if self.targets is None and (self.last or self.first):
                 spec, dev = self.engine.spec, self.engine.device
-                self._trackers[b] = [EosTracker(len(lens), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev)
-                                     for lens in st.meta.prompt_lens]
+                limits = None if self.limits is None else [self.limits[m] for m in blk.members]
+                rows = [blk.members[a:a + self.gbs] for a in range(0, len(blk.members), self.gbs)]
+                if self.last:
+                    self._trackers[b] = [
+                        EosTracker(len(r), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev,
+                                   None if limits is None else limits[a * self.gbs:a * self.gbs + len(r)])
+                        for a, r in enumerate(rows)]
+                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev) for r in rows]
+                if self.first:
+                    self._watch[b] = EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
+                                                self.sampling.ignore_eos, dev, limits)
+                    if self.stops is not None:
+                        self._hist[b] = {n: [] for n, m in enumerate(blk.members) if self.stops.has(m)}
+                        self._stopped[b] = {}
         return st
+
+    def _sampling(self, m: int) -> SamplingConfig:
+        return self.sampling if self.samplings is None else self.samplings[m]
+
+    def _watch_step(self, b: int, ids: torch.Tensor, i: int) -> bool:
+        """Stage 0: token i of block b's sequences is ``ids``; whether all are now done."""
+        watch = self._watch.get(b)
+        if watch is None:
+            return False
+        watch.update(ids, i)
+        hist = self._hist.get(b)
+        if hist:
+            vals, blk = ids.tolist(), self.blocks[b]
+            for n in list(hist):
+                hist[n].append(vals[n])
+                if self.stops.hit(blk.members[n], hist[n]):  # type: ignore[union-attr]
+                    self._stopped[b][n] = i + 1
+                    watch.done[n] = True
+                    del hist[n]
+        return bool(watch.done.all())
 
     def _collect(self, item: Item, handle: Any) -> None:
         """Stage 0 of several: the block's last tokens (or its scores) from the last stage."""
@@ -276,13 +324,17 @@ class Pipeline:
         """Stage 0: block b's token lists, cut after EOS (scoring: its (b, 3) score rows)."""
         tokens = self._tokens.pop(b)
         self._forced.pop(b, None)
+        self._watch.pop(b, None)
+        self._hist.pop(b, None)
         if self.targets is not None:
             return tokens[0].tolist()
         seqs = torch.stack(tokens, 1).tolist()
         outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
+        members = self.blocks[b].members
         if self.limits is not None:
-            first = self.blocks[b].first
-            outs = [o[:self.limits[first + n]] for n, o in enumerate(outs)]
+            outs = [o[:self.limits[m]] for m, o in zip(members, outs)]
+        for n, kept in self._stopped.pop(b, {}).items():  # the step whose text held a stop string
+            outs[n] = outs[n][:kept]
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
         return outs
@@ -318,17 +370,19 @@ class Pipeline:
                 return False
             outs = self.engine.prefill_logits(self._states[b], k0) + outs
             r0 = k0 = 0
-        first = self.blocks[b].first
-        keys = self.keys[first + r0:first + r1].split(self.gbs)
+        members = self.blocks[b].members
+        keys = self.keys[members[r0:r1]].split(self.gbs)
         trk = self._trackers[b][k0:item.batches[1]]
-        parts = [t.update(sample(lg.float(), self.sampling, k, i)) for t, lg, k in zip(trk, outs, keys)]
+        rs = self._samplers[b][k0:item.batches[1]]
+        parts = [t.update(r.sample(lg.float(), k, i), i) for t, r, lg, k in zip(trk, rs, outs, keys)]
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
         ended = all(t.all_done() for t in self._trackers[b])
         if item.last and (ended or i == self.gen_len - 1):
             del self._trackers[b]
+            del self._samplers[b]
         if self.first:
             self._tokens[b].append(nxt)  # stays on the device: fed back in at i + 1
-            return ended  # nobody else to tell
+            return self._watch_step(b, nxt, i) or ended  # nobody else to tell
         flag = self._skip if ended else self._go
         self._send(torch.cat([nxt.to(self.wire), flag]), 0)
         return False
@@ -349,7 +403,7 @@ class Pipeline:
         if i == 0:
             assert prompts is not None
             r0, r1 = self._rows(item)
-            mine = prompts[blk.first + r0:blk.first + r1]
+            mine = [prompts[m] for m in blk.members[r0:r1]]
             return left_pad([p[:m] for p, m in zip(mine, blk.lens[r0:r1])], blk.prompt_len, self.pad)
         if self.targets is not None:
             return self._forced[b][:, i - 1:i]
@@ -358,6 +412,7 @@ class Pipeline:
         msg = self._wait(handle).cpu()
         ids, ended = msg[:-1], bool(msg[-1])
         self._tokens[b].append(ids)
+        ended = self._watch_step(b, ids, i - 1) or ended
         return None if ended else ids[:, None]
 
     # --- messages -----------------------------------------------------------------------

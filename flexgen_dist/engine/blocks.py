@@ -1,8 +1,14 @@
-"""Blocks of prompts: how the input is cut, padded and trimmed, the same on every stage.
+"""Blocks of prompts: how the input is cut, grouped, padded and trimmed, the same on every stage.
 
-A block is ``num_gpu_batches`` GPU batches of ``gpu_batch_size`` prompts, in input order; it
-shares each loaded layer across its batches (the zig-zag schedule). Every stage of a
-pipeline plans the same blocks from the prompt lengths alone, so only lengths travel.
+A block is ``num_gpu_batches`` GPU batches of ``gpu_batch_size`` prompts; it shares each
+loaded layer across its batches (the zig-zag schedule), and every prompt of a block is
+left-padded to its longest. So that little of a block is padding, requests are grouped by
+length: the input is cut into *windows* of ``window_blocks`` blocks' worth of requests, and
+within a window the requests are sorted by prompt length and then by their own limit of new
+tokens (longest first) before being cut into blocks. Outputs still go out in input order, a
+window at a time: a window is what a run writes at once, and a resumed run starts at a window
+boundary, so it forms the same blocks. Every stage of a pipeline plans the same blocks from
+the lengths and limits alone, so only those travel.
 """
 from __future__ import annotations
 
@@ -32,23 +38,40 @@ class BlockMeta:
 
 @dataclass
 class BlockPlan:
-    """One block as every rank sees it: its index, first prompt, and prompt lengths."""
+    """One block as every rank sees it: its index, its prompts (their indices in the call's
+    input order, one per row) and their lengths, and the window it belongs to."""
 
     index: int
-    first: int  # index of the block's first prompt in the input order
+    members: list[int]
     lens: list[int]
     prompt_len: int  # s: the longest prompt of the block; the others are left-padded to it
+    window: int = 0
 
     def meta(self, gbs: int, gen_len: int) -> BlockMeta:
         return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len)
 
+    @property
+    def padding(self) -> int:
+        """Prompt positions of the block that are padding."""
+        return self.prompt_len * len(self.lens) - sum(self.lens)
 
-def plan_blocks(lens: list[int], block_size: int) -> list[BlockPlan]:
-    """Cut prompts (given by their lengths), in input order, into blocks of ``block_size``."""
-    out = []
-    for bi, a in enumerate(range(0, len(lens), block_size)):
-        chunk = lens[a:a + block_size]
-        out.append(BlockPlan(bi, a, chunk, max(chunk)))
+
+def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = None,
+                window_blocks: int = 0) -> list[BlockPlan]:
+    """Cut prompts (given by their lengths) into blocks of ``block_size``: in input order with
+    ``window_blocks`` 0, else grouped by length within windows of that many blocks (module
+    doc; ``limits``: each request's own most new tokens, the second sort key)."""
+    n = len(lens)
+    span = n if window_blocks <= 0 else window_blocks * block_size
+    out: list[BlockPlan] = []
+    for w, a in enumerate(range(0, n, span if window_blocks > 0 else max(n, 1))):
+        idx = list(range(a, min(n, a + span)))
+        if window_blocks > 0:
+            idx.sort(key=lambda m: (-lens[m], -(limits[m] if limits else 0), m))
+        for b in range(0, len(idx), block_size):
+            members = idx[b:b + block_size]
+            ls = [lens[m] for m in members]
+            out.append(BlockPlan(len(out), members, ls, max(ls), w if window_blocks > 0 else len(out)))
     return out
 
 

@@ -43,9 +43,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seed: int, keys: torch.Tensor, step: int) -> torch.Tensor:
-    """(b,) float64 in [0, 1): a counter-based draw for each key at ``step`` (48 random bits)."""
-    x = _mix32(torch.full_like(keys, seed & _M32)) ^ ((seed >> 32) & _M32)
+def uniforms(seed: int | torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
+    """(b,) float64 in [0, 1): a counter-based draw for each key at ``step`` (48 random bits).
+    ``seed``: one for every row, or (b,) int64, one per row."""
+    seeds = seed if isinstance(seed, torch.Tensor) else torch.full_like(keys, seed)
+    x = _mix32(seeds & _M32) ^ ((seeds >> 32) & _M32)
     x = _mix32(x ^ (keys & _M32))
     x = _mix32(x ^ (step & _M32))
     hi, lo = _mix32(x ^ 0x68E31DA4), _mix32(x ^ 0xB5297A4D)
@@ -75,22 +77,69 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | None 
     return (choice if order is None else order.gather(-1, choice)).squeeze(-1)
 
 
+class RowSampling:
+    """The sampling settings of each row of a GPU batch (requests may differ), as tensors.
+
+    A row's draw depends on its own settings, key and step only: rows with top-p < 1 are
+    sorted apart from the others, so a row samples what it would alone."""
+
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
+        self.greedy = all(c.greedy for c in cfgs)
+        self.hot = torch.tensor([not c.greedy for c in cfgs], device=device)
+        self.temperature = torch.tensor([c.temperature if not c.greedy else 1.0 for c in cfgs],
+                                        dtype=torch.float32, device=device)
+        self.top_p = torch.tensor([c.top_p for c in cfgs], dtype=torch.float32, device=device)
+        self.nucleus = [n for n, c in enumerate(cfgs) if c.top_p < 1.0 and not c.greedy]
+        self.seed = torch.tensor([c.seed for c in cfgs], dtype=torch.long, device=device)
+        self.uniform = cfgs[0] if all(c == cfgs[0] for c in cfgs) else None
+
+    def sample(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
+        """Token ids (b,) from last-position logits (b, vocab), each row by its own settings."""
+        if self.uniform is not None:  # one setting for all: the whole-batch path
+            return sample(logits, self.uniform, keys, step)
+        greedy = logits.max(dim=-1).indices
+        if self.greedy:
+            return greedy
+        probs = torch.softmax(logits.float() / self.temperature[:, None], dim=-1)
+        u = uniforms(self.seed, keys.to(probs.device), step)
+        out = _invert(probs, u)
+        if self.nucleus:
+            rows = torch.tensor(self.nucleus, device=probs.device)
+            sp, order = probs[rows].sort(dim=-1, descending=True)
+            sp = sp.masked_fill(sp.cumsum(dim=-1) - sp > self.top_p[rows, None], 0.0)
+            out[rows] = order.gather(-1, _invert(sp, u[rows])[:, None]).squeeze(-1)
+        return torch.where(self.hot, out, greedy)
+
+
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index where each row's cumulative distribution passes u (b,) (scaled to its mass)."""
+    cdf = probs.double().cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True)
+    return choice.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
 class EosTracker:
-    """Which sequences of a block have finished, and the ids to feed once they have."""
+    """Which sequences of a block have finished (at EOS, or at their own limit of new tokens),
+    and the ids to feed once they have."""
 
     def __init__(self, batch: int, eos_ids: tuple[int, ...], pad_id: int, ignore_eos: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, limits: list[int] | None = None) -> None:
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)
         self.eos = torch.tensor(list(eos_ids) or [-1], device=device)
         self.pad_id, self.ignore = pad_id, ignore_eos or not eos_ids
+        self.limits = None if limits is None else torch.tensor(limits, dtype=torch.long, device=device)
 
-    def update(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Replace tokens of finished sequences by padding; mark new EOS. Returns the tokens."""
-        if self.ignore:
+    def update(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """Replace tokens of finished sequences by padding; mark new EOS and the rows whose
+        token ``step`` was their last. Returns the tokens."""
+        if self.ignore and self.limits is None:
             return tokens
         tokens = torch.where(self.done, torch.full_like(tokens, self.pad_id), tokens)
-        self.done |= torch.isin(tokens, self.eos)
+        if not self.ignore:
+            self.done |= torch.isin(tokens, self.eos)
+        if self.limits is not None:
+            self.done |= self.limits <= step + 1
         return tokens
 
     def all_done(self) -> bool:
-        return (not self.ignore) and bool(self.done.all())
+        return (not self.ignore or self.limits is not None) and bool(self.done.all())
