@@ -187,7 +187,8 @@ def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
         load_model(str(tm.path), load_tokenizer=False)
 
 
-@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+                                        "gemma3"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""

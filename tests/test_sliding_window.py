@@ -159,3 +159,14 @@ def test_the_footprint_counts_the_cache_the_engine_allocates(types: tuple) -> No
     cache.free()
     full = stage_footprint(replace(spec, sliding_window=0, layer_types=()), z).cache
     assert rows * per_row * copies < full[0] * full[1] * full[2]
+
+
+def test_short_prompts_in_a_long_block_fill_the_ring_as_they_go(mistral: tuple[TinyModel, dict],
+                                                                 tmp_path: Path) -> None:
+    """A block whose prompts are shorter than the window but whose generation crosses it: decode
+    steps before the ring is full attend to the slots written so far only."""
+    tm, _ = mistral
+    short = [p[:3] for p in PROMPTS]
+    ref = reference_generate(tm, short, GEN)
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(short, gen_len=GEN)] == ref

@@ -208,7 +208,7 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     W = np.zeros((2, 3, 10))
     b, s, n, e = z.gpu_batch_size, z.prompt_len, z.gen_len, z.dtype_bytes
     h, q, kv, nh = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_heads
-    mlp = spec.ffn_size * (2 if spec.family == "llama" else 1)  # gate and up for SwiGLU
+    mlp = spec.ffn_size * (1 if spec.family == "opt" else 2)  # gate and up (SwiGLU, GeGLU)
     seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)

@@ -394,7 +394,8 @@ class StageEngine:
         cap = st.meta.prompt_len + st.meta.gen_len
         if window and window < cap:  # a ring of ``window`` slots: slot c holds the latest position
             # p <= pos0 with p % window == c (none yet where that is negative)
-            held = pos0 - torch.remainder(pos0 - torch.arange(window, device=self.device), window)
+            slots = torch.arange(min(pos0 + 1, window), device=self.device)  # those written so far
+            held = pos0 - torch.remainder(pos0 - slots, window)
             mask = valid[:, held.clamp(min=0)] & (held >= 0)[None]
         else:
             mask = valid[:, : s + i]

@@ -24,6 +24,12 @@ _LLAMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers"
                          "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
                          "attention_bias", "mlp_bias", "partial_rotary_factor"}
 
+_GEMMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
+                         "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
+                         "final_logit_softcapping"}
+
 USED: dict[str, set[str]] = {
     "opt": _TOKENS | {"hidden_size", "ffn_dim", "num_hidden_layers", "num_attention_heads",
                       "max_position_embeddings", "do_layer_norm_before", "word_embed_proj_dim",
@@ -33,24 +39,45 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+    "gemma2": _GEMMA_USED | {"attn_logit_softcapping"},
+    "gemma3_text": _GEMMA_USED | {"rope_local_base_freq", "sliding_window_pattern"},
+    # the image-text model: its text_config is read as a gemma3_text config (models/gemma_config.py)
+    "gemma3": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
 }
-# field -> the one value computed (a config without the field means that value too)
+# inert for one model type only (field -> why, in the comments)
+INERT: dict[str, set[str]] = {
+    # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
+    # configs carry it beside hidden_activation, which is the one transformers 5 reads
+    "gemma2": {"cache_implementation", "hidden_act"},
+    # _sliding_window_pattern: written by transformers beside the layer_types it computed, never
+    # read back to compute them
+    "gemma3_text": {"cache_implementation", "hidden_act", "_sliding_window_pattern"},
+    # the vision tower and the image tokens' ids: unused by prompts of token ids
+    "gemma3": {"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
+               "cache_implementation"},
+}
+# field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
     **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3")},
+    "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
+    # Gemma 3's attention never soft-caps in transformers, whatever this field says
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,
+                    "attn_logit_softcapping": None},
+    "gemma3": {},
 }
 
 
 def known_fields(model_type: str) -> set[str]:
     """The fields of ``model_type`` this table accounts for."""
-    return _BASE | _INERT | USED[model_type] | set(PINNED[model_type])
+    return _BASE | _INERT | INERT.get(model_type, set()) | USED[model_type] | set(PINNED[model_type])
 
 
 def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
     """What in ``cfg`` the engine does not compute (a pinned field with another value, a
     quantized checkpoint it would misread), in words; None: nothing."""
     for field, value in PINNED[model_type].items():
-        if field in cfg and cfg[field] != value:
+        if cfg.get(field) is not None and cfg[field] != value:
             return f"{model_type} with {field}={cfg[field]!r} is not supported (only {value!r})"
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")

@@ -21,6 +21,7 @@ import torch
 
 from .config_fields import USED, field_problem
 from .families import ROWS, get_family
+from .gemma_config import GEMMA_TYPES, gemma_spec
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .registry import get_spec
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling
@@ -54,6 +55,11 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     problem = field_problem(cfg, mt) if mt in USED else None
     if problem:
         raise ModelLoadError(f"{name}: {problem}")
+    if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
+        try:
+            return gemma_spec(cfg, name, _rope_scaling)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
@@ -82,7 +88,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
             return _llama_spec(cfg, mt, head_dim, theta, scaling, common)
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
-    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3)")
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
+                         f"{', '.join(GEMMA_TYPES)})")
 
 
 def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,

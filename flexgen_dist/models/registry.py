@@ -31,6 +31,23 @@ _PHI3 = dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
+# Gemma 2: global and 4096-sliding layers alternating (even layers slide), soft-capped
+# attention scores (50) and logits (30); Gemma 3 (text): five 1024-sliding layers per global
+# one, RoPE base 10000 locally, 1e6 with linear scaling x8 globally, q/k norms
+_GEMMA2 = dict(family="gemma", vocab_size=256000, max_positions=8192, bos_token_id=2, eos_token_ids=(1,),
+               pad_token_id=0, tie_word_embeddings=True, norm_eps=1e-6, rope_theta=10000.0,
+               sliding_window=4096, attn_softcap=50.0, final_softcap=30.0)
+_GEMMA3 = dict(family="gemma", vocab_size=262208, max_positions=131072, bos_token_id=2, eos_token_ids=(1, 106),
+               pad_token_id=0, tie_word_embeddings=True, norm_eps=1e-6, rope_theta=1_000_000.0,
+               rope_scaling=RopeScaling("linear", 8.0), local_rope_theta=10000.0, sliding_window=1024,
+               qk_norm=True)
+
+
+def _alternating(num_layers: int, every: int) -> tuple[str, ...]:
+    """Every ``every``-th layer global, the others sliding (the Gemma configs' default)."""
+    return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers))
+
+
 _SHAPES: dict[str, dict] = {
     # name: (layers, hidden, ffn, heads) + extras
     "opt-125m": dict(_OPT, num_layers=12, hidden_size=768, ffn_size=3072, num_heads=12),
@@ -76,6 +93,14 @@ _SHAPES: dict[str, dict] = {
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),
+    "gemma-2-9b": dict(_GEMMA2, num_layers=42, hidden_size=3584, ffn_size=14336, num_heads=16, num_kv_heads=8,
+                       head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(42, 2)),
+    "gemma-2-27b": dict(_GEMMA2, num_layers=46, hidden_size=4608, ffn_size=36864, num_heads=32, num_kv_heads=16,
+                        head_dim_override=128, attn_scale=144 ** -0.5, layer_types=_alternating(46, 2)),
+    "gemma-3-12b": dict(_GEMMA3, num_layers=48, hidden_size=3840, ffn_size=15360, num_heads=16, num_kv_heads=8,
+                        head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(48, 6)),
+    "gemma-3-27b": dict(_GEMMA3, num_layers=62, hidden_size=5376, ffn_size=21504, num_heads=32, num_kv_heads=16,
+                        head_dim_override=128, attn_scale=168 ** -0.5, layer_types=_alternating(62, 6)),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("opt", "llama")
+FAMILIES = ("opt", "llama", "gemma")
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a decoder-only transformer of the OPT or LLaMA family.
+    """Shape of a decoder-only transformer of the OPT, LLaMA or Gemma family.
 
     ``ffn_size`` is the MLP's inner width (OPT ``ffn_dim``, LLaMA ``intermediate_size``).
-    ``num_kv_heads`` < ``num_heads`` means grouped-query attention (LLaMA family only).
+    ``num_kv_heads`` < ``num_heads`` means grouped-query attention (LLaMA and Gemma families).
     """
 
     name: str
@@ -71,6 +71,10 @@ class ModelSpec:
     # LLaMA conventions
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # the sliding layers' own RoPE (Gemma 3: base 10000 locally, 1e6 and scaled globally);
+    # 0: they rotate as the global layers do
+    local_rope_theta: float = 0.0
+    local_rope_scaling: RopeScaling | None = None
     sliding_window: int = 0  # > 0: a sliding layer attends to the last this many positions only
     # per layer, "sliding_attention" or "full_attention" (Gemma's alternation, Qwen2's
     # max_window_layers); empty: every layer slides when sliding_window > 0 (Mistral, Phi-3)
@@ -81,7 +85,7 @@ class ModelSpec:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
     # token ids
@@ -140,6 +144,12 @@ class ModelSpec:
         """The scale of q.k before the softmax."""
         return self.attn_scale or self.head_dim ** -0.5
 
+    def rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(theta, scaling) of layer ``layer``'s rotary embedding."""
+        if self.local_rope_theta and self.window(layer):
+            return self.local_rope_theta, self.local_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     def window(self, layer: int) -> int:
         """How many positions (the query's own included) layer ``layer`` attends to; 0: all."""
         if not self.sliding_window:
@@ -163,7 +173,7 @@ class ModelSpec:
 
     @property
     def activation(self) -> str:
-        return "relu" if self.family == "opt" else "silu"
+        return {"opt": "relu", "gemma": "gelu_tanh"}.get(self.family, "silu")
 
     @property
     def positions(self) -> str:
@@ -182,7 +192,8 @@ class ModelSpec:
         mlp = 3 * h * f
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias)
-        return attn + mlp + biases + 2 * h + 2 * self.head_dim * self.qk_norm
+        norms = (4 if self.family == "gemma" else 2) * h  # Gemma: a norm before and after each block
+        return attn + mlp + biases + norms + 2 * self.head_dim * self.qk_norm
 
     def embed_numel(self) -> int:
         n = self.vocab_size * self.embed_dim
@@ -195,7 +206,7 @@ class ModelSpec:
     def head_numel(self) -> int:
         """Final norm + LM head (0 extra for a tied head)."""
         n = 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
-        if self.family == "llama" and not self.tie_word_embeddings:
+        if self.family != "opt" and not self.tie_word_embeddings:
             n += self.vocab_size * self.hidden_size
         return n
 

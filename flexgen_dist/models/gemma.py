@@ -1,0 +1,128 @@
+"""Gemma 2 and Gemma 3 (text): the token embedding scaled by sqrt(hidden), RMSNorm with
+(1 + w), a norm before and after both attention and MLP ("sandwich" norms), GeGLU with the
+tanh GELU, grouped-query attention scaled by ``query_pre_attn_scalar``, sliding and global
+layers alternating, a tied LM head.
+
+Gemma 2 soft-caps the attention scores and the final logits; Gemma 3 instead normalises each
+head of q and k (``spec.qk_norm``) and gives its sliding layers their own RoPE base
+(``spec.rope(layer)``). Every operation follows transformers' ``modeling_gemma2.py`` and
+``modeling_gemma3.py`` in order and dtype; how a config becomes a ``ModelSpec`` is
+``gemma_config.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import Positions, apply_rope, as_positions, linear, rms_norm
+from .families import Attend, Family, Weights, register
+from .spec import ModelSpec
+
+_LAYER_HF = {
+    "attn_norm.w": "input_layernorm.weight", "post_attn_norm.w": "post_attention_layernorm.weight",
+    "mlp_norm.w": "pre_feedforward_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
+    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
+    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
+    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
+    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
+    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
+    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
+}
+# Where the decoder lives: a causal-LM checkpoint's ``model.``; a Gemma 3 image-text one's
+# ``language_model.model.`` (as published and as transformers 5 saves it) or
+# ``model.language_model.`` (its in-memory module names)
+_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),
+        "post_attn_norm.w": (h,), "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h),
+        "down.w": (h, f), "post_mlp_norm.w": (h,),
+    }
+    if spec.attention_bias:
+        shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
+    if spec.qk_norm:
+        shapes.update({"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
+    return shapes
+
+
+def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
+
+
+def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
+    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
+    """Canonical name -> candidate checkpoint names (first found wins)."""
+    if part == "layer":
+        return {k: [f"{p}layers.{layer}.{_LAYER_HF[k]}" for p in _PREFIXES] for k in layer_shapes(spec)}
+    embed = [f"{p}embed_tokens.weight" for p in _PREFIXES]
+    if part == "embed":
+        return {"tok.w": embed}
+    out = {"norm.w": [f"{p}norm.weight" for p in _PREFIXES]}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = embed + list(_LM_HEADS)
+    else:
+        out["lm_head.w"] = list(_LM_HEADS)
+    return out
+
+
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` all in float32, then cast to
+    x's dtype (Llama's casts before the weight; this one after it)."""
+    scale = 1.0 + w.float()  # (1 + w) in float32 always: in a half type it would round first
+    if x.dtype == torch.float32:
+        return rms_norm(x, scale, eps)  # (x * r) * scale, the reference's order
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * scale).to(x.dtype)
+
+
+def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
+    # sqrt(hidden) as a float32 scalar tensor cast to the weights' dtype, as the reference
+    # does (in bfloat16, sqrt(3072) = 55.43 becomes 55.5: the checkpoints were trained so)
+    tok = w["tok.w"]
+    scale = torch.tensor(spec.hidden_size ** 0.5, dtype=torch.float32, device=tok.device).to(tok.dtype)
+    return F.embedding(ids, tok).mul_(scale)
+
+
+def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                  attend: Attend, layer: int = 0) -> torch.Tensor:
+    """One decoder layer; ``attend`` writes k/v into the engine's cache and attends (with the
+    layer's window, ``spec.softmax_scale`` and Gemma 2's ``spec.attn_softcap``)."""
+    b, t, _ = x.shape
+    d, eps = spec.head_dim, spec.norm_eps
+    residual = x
+    x = norm(x, w["attn_norm.w"], eps)
+    q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
+    k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
+    v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
+    if spec.qk_norm:  # Gemma 3: RMSNorm (1 + w) over each head's q and k, before the rotation
+        q, k = norm(q, w["q_norm.w"], eps), norm(k, w["k_norm.w"], eps)
+    theta, scaling = spec.rope(layer)
+    cos, sin = as_positions(pos).rope(d, theta, x.dtype, scaling)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    a = attend(q, k, v)
+    # residual + norm(out): the same sum as norm(out) + residual, so the add may be in place
+    x = norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(residual)
+    residual = x
+    h = norm(x, w["mlp_norm.w"], eps)
+    g = F.gelu(linear(h, w["gate.w"]), approximate="tanh").mul_(linear(h, w["up.w"]))
+    return norm(linear(g, w["down.w"]), w["post_mlp_norm.w"], eps).add_(residual)
+
+
+def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    x = norm(x, w["norm.w"], spec.norm_eps)
+    logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+    if spec.final_softcap > 0:  # logits / cap, tanh, * cap: the reference's three steps, in place
+        logits.div_(spec.final_softcap).tanh_().mul_(spec.final_softcap)
+    return logits
+
+
+register(Family("gemma", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
