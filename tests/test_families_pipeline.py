@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, TinyModel, read_jsonl, reference_generate, write_jsonl
+from test_gemma import _gemma2, _gemma3
 from test_pipeline import torchrun
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -64,6 +65,7 @@ def _phi3() -> torch.nn.Module:
 
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama3.1": _llama31, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
+    "gemma2": _gemma2, "gemma3": _gemma3,
 }
 
 
