@@ -224,9 +224,9 @@ def _yaml_value(key: str, v: Any) -> Any:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentParser:
     S = argparse.SUPPRESS
-    p = ArgParser(prog="python -m flexgen_dist.run", argument_default=S,
+    p = ArgParser(prog=prog, argument_default=S,
                                 description="High-throughput generation with offloading, on one "
                                 "device or a pipeline of ranks.")
     a = p.add_argument
@@ -309,7 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
-    ns = vars(build_parser().parse_args(argv))
+    return parse_config_with(argv, build_parser(), ())[0]
+
+
+def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
+                      extra: tuple[str, ...]) -> tuple[RunConfig, dict[str, Any]]:
+    """``parse_config`` with another entry point's parser (``build_parser()`` plus its own
+    options): the run options as a ``RunConfig``, and the ``extra`` options' values."""
+    ns = vars(parser.parse_args(argv))
+    own = {k: ns.pop(k) for k in extra if k in ns}
     values: dict[str, Any] = {}
     if "config" in ns:
         data = _read_yaml(ns.pop("config"))
@@ -331,6 +339,6 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
             raise ConfigError("'stages' in the config file must be a list of policy mappings")
         values["stages"] = tuple(st)
     try:
-        return RunConfig(**values)
+        return RunConfig(**values), own
     except TypeError as e:
         raise ConfigError(str(e)) from None

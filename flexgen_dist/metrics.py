@@ -7,6 +7,7 @@ time, and generated tokens / (prefill + decode time).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,10 +23,23 @@ class Timings:
     generated_tokens: int = 0
     decode_tokens: int = 0  # generated tokens after the first of each sequence
     token_steps: int = 0  # (token, block) items this stage computed (fewer than all after EOS)
+    # what the blocks computed: prompt positions (padding included), the padding, and
+    # (sequence, step) rows of generation (a finished sequence's rows included until its block ends)
+    prompt_positions: int = 0
+    prompt_padding: int = 0
+    generated_rows: int = 0
 
     def metrics(self) -> dict[str, float]:
         tot = self.prefill_s + self.decode_s
+        computed = self.prompt_positions + self.generated_rows
+        wasted = self.prompt_padding + self.generated_rows - self.generated_tokens
         return {
+            # generated tokens users asked for and got, per second (= total_throughput), beside
+            # all the rows the blocks computed, and the share of computed positions that was
+            # padding or rows of finished sequences
+            "useful_throughput": self.generated_tokens / tot if tot else 0.0,
+            "computed_throughput": self.generated_rows / tot if tot else 0.0,
+            "padding_fraction": wasted / computed if computed else 0.0,
             "prefill_time_s": self.prefill_s, "decode_time_s": self.decode_s,
             "prefill_throughput": self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0,
             "decode_throughput": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
@@ -67,6 +81,8 @@ def summary(metrics: dict[str, Any]) -> str:
     line = (f"prefill {metrics['prefill_throughput']:.1f} tok/s | decode {metrics['decode_throughput']:.1f} "
             f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({metrics['num_prompts']} prompts, "
             f"gen-len {metrics['gen_len']}, {metrics['prefill_time_s'] + metrics['decode_time_s']:.2f} s)")
+    if metrics.get("padding_fraction"):
+        line += f"; {100 * metrics['padding_fraction']:.1f} % of the computed positions were padding"
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "
@@ -75,10 +91,39 @@ def summary(metrics: dict[str, Any]) -> str:
 
 
 def progress_bar(total_steps: int, enabled: bool) -> Any:
-    """A tqdm bar on stderr counting token steps, or None."""
+    """Progress on stderr counting token steps (the caller adds requests done and useful tok/s
+    with ``set_postfix_str``), or None. On a terminal a tqdm bar redrawn in place; otherwise
+    (a log file, a pipe shared with stdout) a whole line now and then, so redraws never run
+    into the results printed on stdout."""
     if not enabled:
         return None
+    if not sys.stderr.isatty():
+        return LineProgress(total_steps)
     from tqdm import tqdm
 
     return tqdm(total=total_steps, desc="generating", unit="step", file=sys.stderr,
                 mininterval=1.0, leave=False, dynamic_ncols=True)
+
+
+class LineProgress:
+    """Progress as whole lines on stderr, at most one per ``every`` seconds (``progress_bar``)."""
+
+    def __init__(self, total: int, every: float = 30.0) -> None:
+        self.total, self.every, self.n, self.note = total, every, 0, ""
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self.last >= self.every and self.n < self.total:
+            self.last = now
+            spent = now - self.t0
+            eta = spent * (self.total - self.n) / self.n if self.n else float("nan")
+            print(f"generating: {self.n}/{self.total} steps ({100 * self.n / self.total:.0f} %), "
+                  f"{spent:.0f} s, ETA {eta:.0f} s{'; ' + self.note if self.note else ''}", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, note: str) -> None:
+        self.note = note
+
+    def close(self) -> None:
+        pass

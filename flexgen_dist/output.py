@@ -57,8 +57,9 @@ class OutputWriter:
     first write, so a run that fails before its first block leaves the file as it was."""
 
     def __init__(self, path: str | None, tokenizer: Any | None, *, resume: bool = False,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, id_field: str = "id") -> None:
         self.tokenizer = tokenizer
+        self.id_field = id_field  # the field of a line that names its prompt (a batch: custom_id)
         self.path = Path(path).expanduser() if path else None
         self.resume, self.overwrite = resume, overwrite
         self.f: IO[str] | None = None
@@ -110,7 +111,7 @@ class OutputWriter:
                     break  # a torn last line that happened to end in a newline byte
                 raise ConfigError(f"--resume: line {n + 1} of {self.path} is not JSON; the file is damaged, "
                                   "use --overwrite to start over") from None
-            if n >= len(prompts) or not isinstance(rec, dict) or rec.get("id") != prompts[n].id:
+            if n >= len(prompts) or not isinstance(rec, dict) or rec.get(self.id_field) != prompts[n].id:
                 raise ConfigError(f"--resume: line {n + 1} of {self.path} is not the output of prompt "
                                   f"{prompts[n].id if n < len(prompts) else '(none)'!r}; use --overwrite "
                                   "to start over")

@@ -7,6 +7,7 @@ values and never decides anything about the run.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -84,9 +85,15 @@ class StageWorker:
         times0 = engine.times.as_dict()
         read0 = self.disk.bytes_read if self.disk is not None else 0
         bar = progress_bar(len(blocks) * work.gen_len, self.config.progress and self.group.is_driver)
+        t0, requests = time.perf_counter(), 0
         try:
-            yield from pipe.run([p.ids for p in work.prompts] if work.prompts else None,
-                                bar.update if bar is not None else None)
+            for blk, outs in pipe.run([p.ids for p in work.prompts] if work.prompts else None,
+                                      bar.update if bar is not None else None):
+                if bar is not None and work.targets is None:
+                    requests += len(blk.members)
+                    rate = pipe.timings.generated_tokens / max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{requests}/{work.num_prompts} requests, {rate:.1f} useful tok/s")
+                yield blk, outs
         finally:
             if bar is not None:
                 bar.close()

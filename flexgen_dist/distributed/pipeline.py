@@ -335,6 +335,10 @@ class Pipeline:
             outs = [o[:self.limits[m]] for m, o in zip(members, outs)]
         for n, kept in self._stopped.pop(b, {}).items():  # the step whose text held a stop string
             outs[n] = outs[n][:kept]
+        blk = self.blocks[b]
+        self.timings.prompt_positions += blk.prompt_len * len(members)
+        self.timings.prompt_padding += blk.padding
+        self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
         return outs
