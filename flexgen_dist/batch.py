@@ -110,7 +110,7 @@ def _fingerprint(cfg: RunConfig, llm: LLM, input_path: Path) -> dict[str, Any]:
 def _report(cfg: RunConfig, llm: LLM, counts: dict[str, int], seconds: float, done: int) -> None:
     ok = counts["requests"] - counts["errors"]
     print(f"{counts['requests']} requests written to {cfg.output} ({ok} answered, {counts['errors']} "
-          f"with an error{f'; {done} were already there' if done else ''}); "
+          f"with an error{f'; {done} already there before' if done else ''}); "
           f"{counts['completion_tokens']} completion tokens in {seconds:.1f} s "
           f"({counts['completion_tokens'] / max(seconds, 1e-9):.1f} useful tok/s)")
     if llm.metrics:
