@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,17 @@ def _hf_model(kind: str) -> torch.nn.Module:
                 a.q_proj.weight *= 12
                 a.k_proj.weight *= 12
     return m.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizer_cache_kept_clean():
+    """The loader caches each GGUF's converted tokenizer (keyed by path and mtime); the
+    files here are temporary, so their entries go with them."""
+    cache = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "tokenizers"
+    before = set(cache.iterdir()) if cache.is_dir() else set()
+    yield
+    for d in (set(cache.iterdir()) if cache.is_dir() else set()) - before:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
