@@ -25,7 +25,7 @@ _LAYER_GGUF = {
     "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
     "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
     "mlp_norm.w": "ffn_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
-    "down.w": "ffn_down.weight",
+    "down.w": "ffn_down.weight", "gate.b": "ffn_gate.bias", "up.b": "ffn_up.bias", "down.b": "ffn_down.bias",
 }
 
 
@@ -81,9 +81,17 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
 
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
-    """Canonical name -> GGUF tensor name (llama.cpp convention)."""
+    """Canonical name -> GGUF tensor name (llama.cpp convention; ``name#rows=a:b`` as in
+    ``hf_names`` for the rows of a fused tensor)."""
     if part == "layer":
-        return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
+        out = {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
+        if spec.fused_proj:  # Phi-3: llama.cpp keeps HF's qkv_proj as attn_qkv, gate_up_proj as ffn_up
+            qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
+            for k, (name, r0, r1) in {"q.w": ("attn_qkv", 0, qd), "k.w": ("attn_qkv", qd, qd + kvd),
+                                      "v.w": ("attn_qkv", qd + kvd, qd + 2 * kvd),
+                                      "gate.w": ("ffn_up", 0, f), "up.w": ("ffn_up", f, 2 * f)}.items():
+                out[k] = f"blk.{layer}.{name}.weight{ROWS}{r0}:{r1}"
+        return out
     if part == "embed":
         return {"tok.w": "token_embd.weight"}
     out = {"norm.w": "output_norm.weight"}
@@ -95,7 +103,8 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
 
 
 def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """Undo llama.cpp's rotary row interleaving of the q and k projections."""
+    """Undo llama.cpp's rotary row interleaving of the q and k projections (its ``llama``
+    architecture only: the others rotate halves, as here, and are written unpermuted)."""
     if name not in ("q.w", "k.w", "q.b", "k.b"):
         return w
     n = spec.num_heads if name.startswith("q") else spec.num_kv_heads

@@ -1,4 +1,5 @@
-"""Where weights come from: a Hugging Face directory, a .gguf file, or dummy weights.
+"""Where weights come from: a Hugging Face directory, a .gguf file (``gguf.py``), or dummy
+weights.
 
 A ``WeightSource`` hands out one part at a time (the embedding, one decoder layer, the head)
 as CPU tensors in the requested dtype, so a stage only ever reads its own layers and a large
@@ -22,7 +23,7 @@ import torch
 from .config_fields import USED, field_problem
 from .families import ROWS, get_family
 from .gemma_config import GEMMA_TYPES, gemma_spec
-from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
+from .packed import PackedWeight
 from .registry import get_spec
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling
 
@@ -159,37 +160,6 @@ def _yarn_args(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
             "beta_slow": rope.get("beta_slow") or 1, "truncate": rope.get("truncate", True)}
 
 
-def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
-    def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{name}: GGUF architecture {arch!r} is not supported (llama only)")
-    names = {t.name for t in reader.tensors}
-    scaling = field("llama.rope.scaling.type")
-    if "rope_freqs.weight" in names or scaling not in (None, "none"):
-        what = f"rope scaling {scaling!r}" if scaling not in (None, "none") else "per-dimension rope_freqs"
-        raise ModelLoadError(f"{name}: GGUF {what} (a Llama 3.1+ file) is not supported yet: use the "
-                             "Hugging Face directory, whose rope_scaling is")
-    vocab = field("llama.vocab_size") or len(field("tokenizer.ggml.tokens", []))
-    eos = field("tokenizer.ggml.eos_token_id")
-    return ModelSpec(
-        name=name, family="llama", num_layers=field("llama.block_count"),
-        hidden_size=field("llama.embedding_length"), ffn_size=field("llama.feed_forward_length"),
-        num_heads=field("llama.attention.head_count"),
-        num_kv_heads=field("llama.attention.head_count_kv", 0), vocab_size=vocab,
-        max_positions=field("llama.context_length", 2048),
-        norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
-        pad_token_id=field("tokenizer.ggml.padding_token_id"))
-
-
 # --------------------------------------------------------------------------------------
 # weight sources
 class WeightSource(abc.ABC):
@@ -289,65 +259,6 @@ class HFDirSource(WeightSource):
         self._handles.clear()
 
 
-class GGUFSource(WeightSource):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, reader: Any, path: Path) -> None:
-        super().__init__(spec, dtype)
-        self.reader, self.path = reader, path
-        self.tensors = {t.name: t for t in reader.tensors}
-        self._said: set[str] = set()  # tensor types already reported as not native
-
-    def _tensor(self, name: str) -> Any:
-        t = self.tensors.get(name)
-        if t is None:
-            raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
-        return t
-
-    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
-        from .llama import gguf_names
-
-        return {k: self._expanded(k, self._tensor(name)) for k, name in gguf_names(self.spec, part, layer).items()}
-
-    def _expanded(self, k: str, t: Any) -> torch.Tensor:
-        from gguf import dequantize
-
-        from .llama import unpermute_gguf
-
-        return unpermute_gguf(k, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float(), self.spec)
-
-    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
-        from .llama import gguf_names
-
-        if not self.keep_packed:
-            return {}
-        shapes = self.shapes(part)
-        kinds = {k: self._tensor(name).tensor_type.name for k, name in gguf_names(self.spec, part, layer).items()}
-        return {k: (8 if kind == "Q8_0" else 4, 32) for k, kind in kinds.items()
-                if kind in GGUF_NATIVE and len(shapes[k]) == 2}
-
-    def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
-        from .llama import gguf_names, unpermute_gguf
-
-        packed: dict[str, PackedWeight] = {}
-        dense: dict[str, torch.Tensor] = {}
-        shapes = self.shapes(part)
-        for k, name in gguf_names(self.spec, part, layer).items():
-            t = self._tensor(name)
-            kind = t.tensor_type.name
-            if self.keep_packed and kind in GGUF_NATIVE and len(shapes[k]) == 2:
-                if tuple(t.shape[::-1]) != tuple(shapes[k]):
-                    raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape[::-1])}, "
-                                         f"expected {shapes[k]}: corrupt checkpoint?")
-                pw = gguf_packed(t.data, kind, shapes[k], self.dtype)
-                packed[k] = pw.rows(lambda x, k=k: unpermute_gguf(k, x, self.spec))
-                continue
-            if len(shapes[k]) == 2 and kind not in self._said:
-                self._said.add(kind)
-                log.info("%s: GGUF %s tensors have no native compressed form here; they are "
-                         "re-quantized group-wise from their dequantized values", self.path.name, kind)
-            dense[k] = self._expanded(k, t)
-        return {**self._checked(part, layer, dense), **packed}
-
-
 class DummySource(WeightSource):
     """Deterministic random weights, generated per part so nothing big is ever whole."""
 
@@ -392,7 +303,10 @@ def _load_tokenizer(path: Path, gguf_file: str | None = None) -> Any | None:
                                                    "vocab.json", "tokenizer.model")):
             return None
         return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # noqa: BLE001 - a model without a usable tokenizer still runs on ids
+    except Exception as e:  # noqa: BLE001 - a model without a usable tokenizer still runs on ids
+        if gguf_file:  # a GGUF file carries its tokenizer: say why it is not used
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            log.warning("%s: its tokenizer cannot be built (%s); prompts must be token ids", gguf_file, why)
         return None
 
 
@@ -408,7 +322,16 @@ def _gguf_tokenizer(gguf: Path) -> Any:
             return AutoTokenizer.from_pretrained(str(cache))
         except Exception:  # noqa: BLE001 - a broken cache entry is rebuilt below
             pass
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except ValueError as e:
+        if "architecture" not in str(e):
+            raise
+        # transformers rebuilds a model config from the file first, and knows fewer GGUF
+        # architectures than tokenizers: build the tokenizer alone from the file's tokenizer.*
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     try:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
@@ -471,6 +394,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: cannot read GGUF ({type(e).__name__}: {e}); the file is corrupt "
                              "or not GGUF") from e
+    from .gguf import GGUFSource, spec_from_gguf  # it subclasses WeightSource: imported once this is
+
     spec = spec_from_gguf(reader, path.stem)
     tok = _load_tokenizer(path.parent, path.name) if load_tokenizer else None
     return LoadedModel(spec, GGUFSource(spec, dtype, reader, path), tok, origin)
@@ -483,4 +408,4 @@ def describe(loaded: LoadedModel) -> str:
 
 
 __all__ = ["ModelLoadError", "LoadedModel", "WeightSource", "load_model", "bundled_model_path",
-           "spec_from_hf_config", "spec_from_gguf", "describe"]
+           "spec_from_hf_config", "describe"]

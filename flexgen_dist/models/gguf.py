@@ -1,0 +1,311 @@
+"""GGUF files (llama.cpp's format): which of its architectures the engine computes, the
+``ModelSpec`` a file's metadata gives, and the ``WeightSource`` that reads its tensors.
+
+llama.cpp's converter writes each Hugging Face family under an architecture name of its own
+(``general.architecture``): Llama 2/3, SmolLM2 and Mistral as ``llama``, Qwen2/2.5 as
+``qwen2``, Qwen3 as ``qwen3``, Phi-3 as ``phi3``. A file of one of these maps to the
+``ModelSpec`` the HF directory it was written from gives. Whatever in a file the engine would
+not compute is refused in one line before anything is generated: another architecture, a
+metadata key of the architecture not accounted for below, a tensor the engine would not read,
+a missing tensor, a RoPE scaling it does not compute.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import rope_inv_freq
+from .families import ROWS
+from .llama import gguf_names, unpermute_gguf
+from .loader import ModelLoadError, WeightSource
+from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
+from .spec import ModelSpec, RopeScaling
+
+log = logging.getLogger("flexgen_dist")
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """What differs between the architectures llama.cpp writes the LLaMA family under.
+
+    ``permuted``: the converter interleaved the rows of q and k for llama.cpp's own rotary
+    convention (its ``llama`` architecture); they are put back on read. The others use the
+    rotate-half convention the engine uses, and are written as the HF checkpoint has them.
+    ``keys``: metadata keys (after ``{arch}.``) the architecture adds to the shared ones.
+    """
+
+    permuted: bool
+    keys: frozenset[str] = frozenset()
+
+
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch(permuted=True),
+    "qwen2": GGUFArch(permuted=False),
+    "qwen3": GGUFArch(permuted=False),
+    "phi3": GGUFArch(permuted=False, keys=frozenset({"attention.sliding_window"})),
+}
+# the metadata keys (after "{arch}.") read below; the inert ones cannot change the output
+# once the scaling type is known (a type that would use them is refused)
+_USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                   "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+                   "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "expert_count",
+                   "expert_used_count"})
+_INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
+_MISSING = object()
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
+    """The ``ModelSpec`` of a GGUF file, with every tensor it holds checked to be one the
+    engine reads and every tensor the engine reads checked to be there."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ModelLoadError(f"{name}: GGUF architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(sorted(ARCHS))}; Mistral is written as llama): use a file of "
+                             "one of these, or the model's Hugging Face directory")
+    a = ARCHS[arch]
+    tensors = {t.name: t for t in reader.tensors}
+    if gguf_field(reader, "split.count", 1) > 1:
+        raise ModelLoadError(f"{name}: one part of a GGUF split into {gguf_field(reader, 'split.count')} "
+                             "files: merge them into one (llama-gguf-split --merge) and pass that")
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors):
+        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (Phi-3's long-context 'longrope' "
+                             "scaling) are not supported yet: use a 4k-context model")
+    unknown = sorted(k for k in reader.fields if k.startswith(f"{arch}.")
+                     and k[len(arch) + 1:] not in _USED | _INERT | a.keys)
+    if unknown:
+        raise ModelLoadError(f"{name}: GGUF key {unknown[0]} is not computed by this engine: a {arch} "
+                             "file with it is not supported")
+
+    def key(k: str, default: Any = _MISSING) -> Any:
+        v = gguf_field(reader, f"{arch}.{k}", default)
+        if v is _MISSING:
+            raise ModelLoadError(f"{name}: GGUF key {arch}.{k} is missing: the file is incomplete; "
+                                 "convert the model again")
+        if isinstance(v, list):
+            raise ModelLoadError(f"{name}: GGUF key {arch}.{k} varies per layer: not supported")
+        return v
+
+    if key("expert_count", 0) or key("expert_used_count", 0):
+        raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported")
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{name}: tensor token_embd.weight missing from the GGUF file: the file is "
+                             "incomplete; convert the model again")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    vocab = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes run innermost first
+    if key("vocab_size", vocab) != vocab:
+        raise ModelLoadError(f"{name}: {arch}.vocab_size {key('vocab_size')} but token_embd.weight has "
+                             f"{vocab} rows: corrupt file?")
+    head_dim = key("attention.key_length", hidden // heads if heads else 0)
+    for k in ("attention.value_length", "rope.dimension_count"):
+        if key(k, head_dim) != head_dim:
+            what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
+            raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
+                                 f"({what}): not supported")
+    theta = _decimal(key("rope.freq_base", 10000.0))
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    try:
+        spec = ModelSpec(
+            name=name, family="llama", num_layers=key("block_count"), hidden_size=hidden,
+            ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
+            head_dim_override=head_dim if head_dim * heads != hidden else 0, vocab_size=vocab,
+            max_positions=key("context_length", 2048),
+            norm_eps=_decimal(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+            rope_scaling=_rope_scaling(key, tensors, head_dim, theta, name),
+            sliding_window=int(key("attention.sliding_window", 0)),
+            tie_word_embeddings="output.weight" not in tensors,
+            # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
+            qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
+            qk_norm=arch == "qwen3", fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+            mlp_bias="blk.0.ffn_up.bias" in tensors,
+            bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(eos,) if eos is not None else (),
+            pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"))
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
+    _check_tensors(spec, set(tensors), name)
+    return spec
+
+
+def _decimal(x: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it: the value the
+    config held (1e-6, not 9.99999997e-07)."""
+    return float(str(np.float32(x)))
+
+
+def _check_tensors(spec: ModelSpec, present: set[str], name: str) -> None:
+    """Every tensor the engine reads is in the file, and the file holds no other."""
+    wanted = {"rope_freqs.weight"} & present  # read into the spec's RoPE scaling
+    for part, layers in (("embed", [None]), ("layer", range(spec.num_layers)), ("head", [None])):
+        for layer in layers:
+            wanted.update(n.split(ROWS)[0] for n in gguf_names(spec, part, layer).values())
+    missing = sorted(wanted - present, key=_tensor_order)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{name}: tensor {missing[0]}{more} missing from the GGUF file: the file is "
+                             "incomplete or corrupt; convert or download it again")
+    extra = sorted(present - wanted, key=_tensor_order)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ModelLoadError(f"{name}: GGUF tensor {extra[0]}{more} is not read by this engine: a model "
+                             "with it is not supported")
+
+
+def _tensor_order(n: str) -> tuple[int, str]:
+    parts = n.split(".")
+    return (int(parts[1]) if n.startswith("blk.") and parts[1].isdigit() else -1, n)
+
+
+def _rope_scaling(key: Any, tensors: dict[str, Any], head_dim: int, theta: float,
+                  name: str) -> RopeScaling | None:
+    """The RoPE scaling a file describes: ``rope.scaling.type`` linear, or Llama 3.1's
+    per-frequency divisors (``rope_freqs``); any other is refused in one line (Phi-3's
+    ``rope_factors_long/short`` before this)."""
+    kind = key("rope.scaling.type", "none")
+    if kind not in ("none", "linear"):
+        raise ModelLoadError(f"{name}: GGUF rope scaling type {kind!r} is not supported (supported: none, "
+                             "linear, and Llama 3.1's rope_freqs)")
+    freqs = tensors.get("rope_freqs.weight")
+    if kind == "linear":
+        if freqs is not None:
+            raise ModelLoadError(f"{name}: GGUF with both linear rope scaling and rope_freqs: not supported")
+        try:
+            return RopeScaling("linear", float(key("rope.scaling.factor")))
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    if freqs is None:
+        return None
+    from gguf import dequantize
+
+    divisors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
+    return llama3_from_divisors(divisors, head_dim, theta, name)
+
+
+def llama3_divisors(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs`` for Llama
+    3.1's rule (its loop over frequencies, as tensor operations, float32)."""
+    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta)
+    lo, hi, old = s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = 1 / ((1 - smooth) / s.factor + smooth)
+    return torch.where(wavelen < old / hi, torch.ones_like(mid),
+                       torch.where(wavelen > old / lo, torch.full_like(mid, s.factor), mid))
+
+
+def llama3_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, name: str) -> RopeScaling | None:
+    """The ``llama3`` scaling whose divisors are ``divisors``, or a one-line refusal.
+
+    The file keeps the divisors, not the rule's parameters, and the engine computes the
+    frequencies from the parameters, as transformers does from the HF config (bit for bit).
+    So they are recovered: ``factor`` is the divisor of the low band, low/high_freq_factor
+    are 1 and 4 (every Llama 3.1+ model's), and the original context length is solved from
+    the interpolated divisors (with none, 8192 or any length giving the same bands). The rule
+    with them must give back every divisor of the file, or the file is refused.
+    """
+    if divisors.shape != (head_dim // 2,):
+        raise ModelLoadError(f"{name}: GGUF rope_freqs has {divisors.size} values, expected {head_dim // 2} "
+                             "(one per rotary frequency): corrupt file?")
+    if np.all(divisors == 1):
+        return None
+    factor = _decimal(divisors.max())
+    lo, hi = 1.0, 4.0
+    wavelen = (2 * math.pi / rope_inv_freq(head_dim, theta)).double().numpy()
+    mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if mid.any():  # 1/d = (1 - s)/factor + s, s = (old/wavelen - lo)/(hi - lo): solve for old
+        smooth = (1 / divisors[mid].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+        candidates = [round(float(np.median(wavelen[mid] * (smooth * (hi - lo) + lo))))]
+    else:  # any length putting each frequency in the same band gives the same frequencies
+        high = divisors <= 1 + 1e-6
+        low_end = hi * wavelen[high].max() if high.any() else 0.0
+        high_end = lo * wavelen[~high].min()
+        candidates = [8192, round((low_end + high_end) / 2)]
+    for old in candidates:
+        try:
+            s = RopeScaling("llama3", factor, lo, hi, max(int(old), 1))
+        except ValueError:
+            continue
+        if np.allclose(llama3_divisors(head_dim, theta, s).numpy(), divisors, rtol=1e-5, atol=0):
+            return s
+    raise ModelLoadError(f"{name}: GGUF rope_freqs do not follow Llama 3.1's rule (low_freq_factor 1, "
+                         "high_freq_factor 4): not supported; use the Hugging Face directory")
+
+
+class GGUFSource(WeightSource):
+    """The tensors of a GGUF file, dequantized per tensor (``get``) or kept in the file's own
+    Q4_0/Q4_1/Q8_0 blocks (``get_packed``). A fused tensor's rows are cut whole rows of blocks
+    (blocks run along a row), so a slice of a packed tensor stays packed."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, reader: Any, path: Path) -> None:
+        super().__init__(spec, dtype)
+        self.reader, self.path = reader, path
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.permuted = ARCHS[gguf_field(reader, "general.architecture")].permuted
+        self._said: set[str] = set()  # tensor types already reported as not native
+
+    def _names(self, part: str, layer: int | None) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:
+        """Canonical name -> (tensor, its data or rows of it, the shape of that data)."""
+        out = {}
+        for k, full in gguf_names(self.spec, part, layer).items():
+            name, _, rows = full.partition(ROWS)
+            t = self.tensors.get(name)
+            if t is None:
+                raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
+            shape = tuple(int(n) for n in t.shape[::-1])  # GGUF shapes run innermost first
+            data = t.data
+            if rows:
+                r0, r1 = (int(r) for r in rows.split(":"))
+                if shape[0] < r1:
+                    raise ModelLoadError(f"{self.path}: tensor {name} has {shape[0]} rows, expected >= {r1}")
+                data, shape = data[r0:r1], (r1 - r0, *shape[1:])
+            out[k] = (t, data, shape)
+        return out
+
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        return {k: self._expanded(k, t, data) for k, (t, data, _) in self._names(part, layer).items()}
+
+    def _unpermute(self, k: str, w: Any) -> Any:
+        return unpermute_gguf(k, w, self.spec) if self.permuted else w
+
+    def _expanded(self, k: str, t: Any, data: Any) -> torch.Tensor:
+        from gguf import dequantize
+
+        return self._unpermute(k, torch.from_numpy(dequantize(data, t.tensor_type).copy()).float())
+
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        if not self.keep_packed:
+            return {}
+        shapes = self.shapes(part)
+        kinds = {k: t.tensor_type.name for k, (t, _, _) in self._names(part, layer).items()}
+        return {k: (8 if kind == "Q8_0" else 4, 32) for k, kind in kinds.items()
+                if kind in GGUF_NATIVE and len(shapes[k]) == 2}
+
+    def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
+        packed: dict[str, PackedWeight] = {}
+        dense: dict[str, torch.Tensor] = {}
+        shapes = self.shapes(part)
+        for k, (t, data, shape) in self._names(part, layer).items():
+            kind = t.tensor_type.name
+            if self.keep_packed and kind in GGUF_NATIVE and len(shapes[k]) == 2:
+                if shape != tuple(shapes[k]):
+                    raise ModelLoadError(f"{self.path}: tensor {t.name} has shape {shape}, "
+                                         f"expected {shapes[k]}: corrupt checkpoint?")
+                pw = gguf_packed(data, kind, shapes[k], self.dtype)
+                packed[k] = pw.rows(lambda x, k=k: self._unpermute(k, x))
+                continue
+            if len(shapes[k]) == 2 and kind not in self._said:
+                self._said.add(kind)
+                log.info("%s: GGUF %s tensors have no native compressed form here; they are "
+                         "re-quantized group-wise from their dequantized values", self.path.name, kind)
+            dense[k] = self._expanded(k, t, data)
+        return {**self._checked(part, layer, dense), **packed}

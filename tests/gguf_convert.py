@@ -1,0 +1,210 @@
+"""A small Hugging Face -> GGUF writer for the tests, written as llama.cpp's converter writes
+the families the engine reads from GGUF: its architecture names, metadata keys and tensor
+names; q/k rows interleaved for its ``llama`` architecture only (the others rotate halves);
+Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``); Llama 3.1's
+RoPE scaling as the per-frequency divisors ``rope_freqs``. Tensors are float32, or Q8_0 /
+Q4_0 for the matrices whose rows split into 32-element blocks (1-D tensors stay float32, as
+llama.cpp keeps them). The tokenizer is the bundled SmolLM2 file's (its ``tokenizer.*``
+metadata, copied), so a model written here needs its vocabulary of 49152.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str | None:
+    """llama.cpp's name for an HF tensor name (None: not written)."""
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")
+    if parts[:2] == ["model", "layers"]:
+        module, suffix = ".".join(parts[3:-1]), parts[-1]
+        return f"blk.{parts[2]}.{_LAYER[module]}.{suffix}"
+    raise KeyError(f"no GGUF name for {hf}")
+
+
+def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: each head's rotary halves interleaved row by row."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantizable(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.shape[1] % 32 == 0
+
+
+def roundtrip_(model: torch.nn.Module, qtype: str) -> None:
+    """Replace every matrix the writer quantizes by its quantized values, so that transformers
+    on ``model`` computes with exactly the weights of the file (quantizing is idempotent)."""
+    import gguf
+    import gguf.quants as gq
+
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if quantizable(p):
+                p.copy_(torch.from_numpy(gq.dequantize(gq.quantize(p.float().numpy(), t), t)))
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def llama3_rope_freqs(cfg: dict[str, Any]) -> torch.Tensor:
+    """The converter's ``rope_freqs`` of a ``llama3``-scaled config (its per-frequency loop).
+    It takes the original context from the scaling's own parameters, as Llama 3.1+ configs
+    give it (the converter reads 8192, the value of every such published model)."""
+    rope, dim = _rope(cfg), cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_fields() -> tuple[tuple[str, Any, Any, Any], ...]:
+    from gguf import GGUFReader, GGUFValueType
+
+    from flexgen_dist.models.loader import bundled_model_path
+
+    reader = GGUFReader(str(bundled_model_path()))
+    return tuple((key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+                 for key, f in reader.fields.items() if key.startswith("tokenizer."))
+
+
+def copy_tokenizer(writer: Any) -> None:
+    """The bundled SmolLM2 file's ``tokenizer.*`` metadata, copied into ``writer``."""
+    for key, value, vtype, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> Path:
+    """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would."""
+    import gguf
+    import gguf.quants as gq
+
+    cfg = model.config.to_dict()
+    mt = cfg["model_type"]
+    arch = ARCH[mt]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{mt}")
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    rope = _rope(cfg)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "phi3":  # Phi3MiniModel writes its own set, with no key/value length
+        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        w.add_rope_dimension_count(head_dim)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+    elif cfg.get("head_dim") is not None:  # TextModel: written when the config has head_dim
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "llama":
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    copy_tokenizer(w)
+
+    tensors: dict[str, torch.Tensor] = {}
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
+    sd = model.state_dict()
+    for hf, t in sd.items():
+        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        t = t.detach().float()
+        if arch == "llama" and ".self_attn.q_proj." in hf:
+            t = permute(t, n_head)
+        elif arch == "llama" and ".self_attn.k_proj." in hf:
+            t = permute(t, n_kv)
+        tensors[gguf_name(hf)] = t
+    for name, t in tensors.items():
+        a = t.contiguous().numpy()
+        if qtype and quantizable(t):
+            qt = getattr(gguf.GGMLQuantizationType, qtype)
+            w.add_tensor(name, gq.quantize(a, qt), raw_dtype=qt)  # its shape: rows of bytes
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def rewrite(src: Path, dst: Path, changes: dict[str, Any] | None = None, arch: str | None = None,
+            drop: tuple[str, ...] = (), tensors: dict[str, np.ndarray] | None = None,
+            tokenizer: bool = False) -> Path:
+    """A copy of the GGUF ``src`` with metadata keys changed (a value of None removes the key),
+    the architecture renamed (its keys with it), tensors dropped, or float32 tensors added or
+    replaced; without its tokenizer unless ``tokenizer`` (copying it takes seconds)."""
+    import gguf
+    from gguf import GGUFReader, GGUFValueType
+
+    changes, tensors = changes or {}, tensors or {}
+    reader = GGUFReader(str(src))
+    old = reader.fields["general.architecture"].contents()
+    new = arch or old
+    w = gguf.GGUFWriter(str(dst), new)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or (
+                key.startswith("tokenizer.") and not tokenizer):
+            continue
+        if key.startswith(f"{old}."):
+            key = f"{new}." + key[len(old) + 1:]
+        if key in changes:
+            continue
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, value in changes.items():
+        if value is None:
+            continue
+        vtype = (GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.FLOAT32
+                 if isinstance(value, float) else GGUFValueType.UINT32)
+        w.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if t.name not in drop and t.name not in tensors:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # rows of bytes if packed
+    for name, a in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
