@@ -31,15 +31,14 @@ class Timings:
 
     def metrics(self) -> dict[str, float]:
         tot = self.prefill_s + self.decode_s
-        computed = self.prompt_positions + self.generated_rows
-        wasted = self.prompt_padding + self.generated_rows - self.generated_tokens
         return {
             # generated tokens users asked for and got, per second (= total_throughput), beside
-            # all the rows the blocks computed, and the share of computed positions that was
-            # padding or rows of finished sequences
+            # all the rows the blocks computed; the share of the prompt positions computed that
+            # was padding, and of the generated rows that belonged to finished sequences
             "useful_throughput": self.generated_tokens / tot if tot else 0.0,
             "computed_throughput": self.generated_rows / tot if tot else 0.0,
-            "padding_fraction": wasted / computed if computed else 0.0,
+            "padding_fraction": self.prompt_padding / self.prompt_positions if self.prompt_positions else 0.0,
+            "finished_rows_fraction": (1 - self.generated_tokens / self.generated_rows) if self.generated_rows else 0.0,
             "prefill_time_s": self.prefill_s, "decode_time_s": self.decode_s,
             "prefill_throughput": self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0,
             "decode_throughput": self.decode_tokens / self.decode_s if self.decode_s else 0.0,
@@ -82,7 +81,8 @@ def summary(metrics: dict[str, Any]) -> str:
             f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({metrics['num_prompts']} prompts, "
             f"gen-len {metrics['gen_len']}, {metrics['prefill_time_s'] + metrics['decode_time_s']:.2f} s)")
     if metrics.get("padding_fraction"):
-        line += f"; {100 * metrics['padding_fraction']:.1f} % of the computed positions were padding"
+        line += (f"; {100 * metrics['padding_fraction']:.1f} % of the prompt positions were padding, "
+                 f"{100 * metrics.get('finished_rows_fraction', 0):.1f} % of the generated rows were of finished sequences")
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "

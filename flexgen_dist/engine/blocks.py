@@ -4,14 +4,15 @@ A block is ``num_gpu_batches`` GPU batches of ``gpu_batch_size`` prompts; it sha
 loaded layer across its batches (the zig-zag schedule), and every prompt of a block is
 left-padded to its longest. So that little of a block is padding, requests are grouped by
 length: the input is cut into *windows* of ``window_blocks`` blocks' worth of requests, and
-within a window the requests are sorted by prompt length and then by their own limit of new
-tokens (longest first) before being cut into blocks. Outputs still go out in input order, a
+within a window the requests are sorted by length band (lengths within 12.5 % of each
+other) and then by their own limit of new tokens, longest first, before being cut into blocks. Outputs still go out in input order, a
 window at a time: a window is what a run writes at once, and a resumed run starts at a window
 boundary, so it forms the same blocks. Every stage of a pipeline plans the same blocks from
 the lengths and limits alone, so only those travel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +68,25 @@ def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = Non
     for w, a in enumerate(range(0, n, span if window_blocks > 0 else max(n, 1))):
         idx = list(range(a, min(n, a + span)))
         if window_blocks > 0:
-            idx.sort(key=lambda m: (-lens[m], -(limits[m] if limits else 0), m))
+            idx.sort(key=lambda m: _order_key(lens[m], limits[m] if limits else 0, m))
         for b in range(0, len(idx), block_size):
             members = idx[b:b + block_size]
             ls = [lens[m] for m in members]
             out.append(BlockPlan(len(out), members, ls, max(ls), w if window_blocks > 0 else len(out)))
     return out
+
+
+LENGTH_BAND = 1.125  # prompts whose lengths differ by less than this factor share a band
+
+
+def _order_key(length: int, limit: int, index: int) -> tuple[int, int, int, int]:
+    """Where a request goes in its window: longest band first, then largest limit, then
+    longest prompt. A band spans lengths within 12.5 % of each other, so a block cut from
+    one band pads little, while sorting by limit inside a band lets its requests finish
+    together (a decode step costs about as much for one live row as for all of them when the
+    weights stream from RAM or disk)."""
+    band = int(math.log(max(length, 1)) / math.log(LENGTH_BAND))
+    return (-band, -limit, -length, index)
 
 
 def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
