@@ -21,6 +21,7 @@ class ConfigError(ValueError):
     """Bad configuration; the message names the key and what to change."""
 
 
+DEFAULT_SORT_WINDOW = 16
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
                 "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
 
@@ -72,7 +73,7 @@ class RunConfig:
     master_port: int | None = None
     log_dir: str | None = None
     print_outputs: int = 8
-    sort_window: int = 16  # blocks' worth of requests grouped by length at a time (0: input order)
+    sort_window: int = DEFAULT_SORT_WINDOW  # blocks' worth of requests grouped by length at a time (0: input order)
     progress: bool = True
     warmup: bool = False
     explain: bool = False

@@ -151,6 +151,7 @@ class RunPlan:
     num_blocks: int
     prediction: Prediction | None = None
     choices: tuple[Choice, ...] = ()
+    sort_window: int = 0  # blocks' worth of requests grouped by length at a time (0: input order)
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -187,6 +188,7 @@ class RunPlan:
                             "predicted_decode_step_s": s.decode_step_s} for s in self.stages],
                 "num_micro_batches": self.num_micro_batches, "prefill_items": self.prefill_items,
                 "schedule": self.schedule, "block_size": self.block_size, "num_blocks": self.num_blocks,
+                "sort_window": self.sort_window,
                 "prediction": None if self.prediction is None else asdict(self.prediction),
                 "choices": [asdict(c) for c in self.choices]}
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .budgets import Budgets, check_budgets, fits
-from .config import ConfigError, RunConfig
+from .config import DEFAULT_SORT_WINDOW, ConfigError, RunConfig
 from .distributed.partition import partition_layers
 from .engine.footprint import predict_peaks
 from .engine.policy import Policy
@@ -78,7 +78,11 @@ class RunPlanner:
                        for s, (p, r, t) in enumerate(zip(policies, ranges, times)))
         pred = Prediction.of(predicted) if "total_throughput" in predicted else None
         nblocks = -(-work.num_prompts // policies[0].block_size)
-        return RunPlan(stages, G, items, schedule, nblocks, pred, tuple(why))
+        w = self.config.sort_window
+        why.append(Choice("blocks", f"grouped by length, {w} blocks' worth of requests at a time" if w else
+                          "in input order", ("--sort-window" if w != DEFAULT_SORT_WINDOW else f"the default (--sort-window {w})")
+                          + ": outputs go out in input order, a window at a time"))
+        return RunPlan(stages, G, items, schedule, nblocks, pred, tuple(why), w)
 
     # --- the three ways to G, prefill items and schedule ------------------------------------
     def _auto(self, work: Workload, ranges: Ranges) -> tuple[list[Policy], dict[str, Any], Ranges]:

@@ -72,7 +72,7 @@ class StageWorker:
         assert engine is not None, "build() first"
         limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
         blocks = self.blocks = plan_blocks(list(work.lens), engine.policy.block_size, limits,
-                                           self.config.sort_window if work.targets is None else 0)
+                                           plan.sort_window if work.targets is None else 0)
         stops = None
         if work.stops is not None and any(work.stops) and self.group.is_driver:
             stops = StopStrings(work.stops, self.model.tokenizer)
