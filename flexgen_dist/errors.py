@@ -11,7 +11,7 @@ from .config import ConfigError
 from .distributed.comm import PeerFailure
 from .memory.disk import DiskStoreError
 from .memory.tiers import MemoryBudgetError
-from .models.loader import ModelLoadError
+from .models.source import ModelLoadError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ModelLoadError, DiskStoreError, MemoryBudgetError,
                                                 ValueError, FileNotFoundError, PermissionError,

@@ -35,7 +35,8 @@ from ..engine.policy import Policy
 from ..engine.stage import StageEngine
 from ..eval import evaluate
 from ..memory.quant import dequantize, quantize
-from ..models.loader import WeightSource, load_model
+from ..models.loader import load_model
+from ..models.source import WeightSource
 from .single import machine
 
 WEIGHT_MODES: list[tuple[str, dict[str, Any]]] = [

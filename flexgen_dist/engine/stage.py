@@ -19,7 +19,7 @@ from ..memory.tiers import MemoryTracker, Tier
 from ..memory.units import format_bytes
 from ..models.common import Positions
 from ..models.families import get_family
-from ..models.loader import WeightSource
+from ..models.source import WeightSource
 from ..models.spec import ModelSpec
 from .activations import ActStore
 from .attention import mask_to_rows, prefill_attention, q_to_rows, rows_to_out, to_rows

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .common import Positions, apply_rope, as_positions, linear, rms_norm
 from .families import Attend, Family, Weights, register
+from .llama import embed_shapes, head_shapes  # the same token embedding and RMSNorm head
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -46,16 +47,6 @@ def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
     if spec.qk_norm:
         shapes.update({"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
-    return shapes
-
-
-def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
-
-
-def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
-    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
     return shapes
 
 

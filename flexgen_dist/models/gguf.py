@@ -23,7 +23,7 @@ import torch
 from .common import rope_inv_freq
 from .families import ROWS
 from .llama import gguf_names, unpermute_gguf
-from .loader import ModelLoadError, WeightSource
+from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .spec import ModelSpec, RopeScaling
 
