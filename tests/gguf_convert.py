@@ -2,7 +2,9 @@
 the families the engine reads from GGUF: its architecture names, metadata keys and tensor
 names; q/k rows interleaved for its ``llama`` architecture only (the others rotate halves);
 Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``); Llama 3.1's
-RoPE scaling as the per-frequency divisors ``rope_freqs``. Tensors are float32, or Q8_0 /
+RoPE scaling as the per-frequency divisors ``rope_freqs``; Gemma's norm weights as 1 + w, with
+Gemma 2's and Gemma 3's own keys (and none for what they do not carry: the attention scale,
+the sliding pattern, Gemma 2's RoPE base). Tensors are float32, or Q8_0 /
 Q4_0 for the matrices whose rows split into 32-element blocks (1-D tensors stay float32, as
 llama.cpp keeps them). The tokenizer is the bundled SmolLM2 file's (its ``tokenizer.*``
 metadata, copied), so a model written here needs its vocabulary of 49152.
@@ -17,16 +19,20 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+        "gemma2": "gemma2", "gemma3_text": "gemma3"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
           "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Gemma's four norms a layer: the one after attention is post_attention_norm there
+_GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def gguf_name(hf: str) -> str | None:
-    """llama.cpp's name for an HF tensor name (None: not written)."""
+def gguf_name(hf: str, arch: str = "llama") -> str | None:
+    """llama.cpp's name for an HF tensor name of architecture ``arch``."""
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -36,7 +42,8 @@ def gguf_name(hf: str) -> str | None:
     parts = hf.split(".")
     if parts[:2] == ["model", "layers"]:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
-        return f"blk.{parts[2]}.{_LAYER[module]}.{suffix}"
+        table = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+        return f"blk.{parts[2]}.{table[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
 
 
@@ -105,17 +112,10 @@ def copy_tokenizer(writer: Any) -> None:
         writer.add_key_value(key, value, vtype, sub_type=sub)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> Path:
-    """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would."""
+def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) -> None:
+    """The metadata llama.cpp's LlamaModel, Qwen2Model, Qwen3Model and Phi3MiniModel write."""
     import gguf
-    import gguf.quants as gq
 
-    cfg = model.config.to_dict()
-    mt = cfg["model_type"]
-    arch = ARCH[mt]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{mt}")
-    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = _rope(cfg)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -139,21 +139,76 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
+
+
+def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
+    """The metadata llama.cpp's Gemma2Model and Gemma3Model write. Gemma2Model writes its own
+    short set (no RoPE base: llama.cpp's 10000 is Gemma 2's); Gemma3Model the shared set (the
+    global layers' RoPE base and linear scaling, the sliding layers' base) and its own keys.
+    Neither writes query_pre_attn_scalar nor the layer pattern: llama.cpp derives them."""
+    import gguf
+
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        return
+    rope = cfg["rope_parameters"]
+    glob = rope.get("full_attention", rope)
+    if glob.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(glob["factor"])
+    w.add_rope_freq_base(glob["rope_theta"])
+    if "rope_theta" in rope.get("sliding_attention", {}):
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(cfg["sliding_window"])
+
+
+def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> Path:
+    """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would."""
+    import gguf
+    import gguf.quants as gq
+
+    cfg = model.config.to_dict()
+    mt = cfg["model_type"]
+    arch = ARCH[mt]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{mt}")
+    n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if arch.startswith("gemma"):
+        _gemma_keys(w, cfg, arch)
+    else:
+        _llama_keys(w, cfg, arch, n_head, n_kv)
     copy_tokenizer(w)
 
     tensors: dict[str, torch.Tensor] = {}
-    if arch == "llama" and rope.get("rope_type") == "llama3":
+    if arch == "llama" and _rope(cfg).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
     sd = model.state_dict()
     for hf, t in sd.items():
-        if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+        # Gemma2Model never writes lm_head (llama.cpp's gemma2 reads token_embd)
+        if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):
             continue
         t = t.detach().float()
+        if arch.startswith("gemma") and hf.endswith("norm.weight"):
+            t = t + 1  # Gemma's RMSNorm multiplies by (1 + w): the converter stores 1 + w
         if arch == "llama" and ".self_attn.q_proj." in hf:
             t = permute(t, n_head)
         elif arch == "llama" and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
-        tensors[gguf_name(hf)] = t
+        tensors[gguf_name(hf, arch)] = t
     for name, t in tensors.items():
         a = t.contiguous().numpy()
         if qtype and quantizable(t):
@@ -171,9 +226,10 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
 def rewrite(src: Path, dst: Path, changes: dict[str, Any] | None = None, arch: str | None = None,
             drop: tuple[str, ...] = (), tensors: dict[str, np.ndarray] | None = None,
             tokenizer: bool = False) -> Path:
-    """A copy of the GGUF ``src`` with metadata keys changed (a value of None removes the key),
-    the architecture renamed (its keys with it), tensors dropped, or float32 tensors added or
-    replaced; without its tokenizer unless ``tokenizer`` (copying it takes seconds)."""
+    """A copy of the GGUF ``src`` with metadata keys changed (a value of None removes the key,
+    a list is written as an array), the architecture renamed (its keys with it), tensors
+    dropped, or float32 tensors added or replaced; without its tokenizer unless ``tokenizer``
+    (copying it takes seconds)."""
     import gguf
     from gguf import GGUFReader, GGUFValueType
 
@@ -194,6 +250,9 @@ def rewrite(src: Path, dst: Path, changes: dict[str, Any] | None = None, arch: s
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
     for key, value in changes.items():
         if value is None:
+            continue
+        if isinstance(value, list):
+            w.add_array(key, value)
             continue
         vtype = (GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.FLOAT32
                  if isinstance(value, float) else GGUFValueType.UINT32)

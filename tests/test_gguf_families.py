@@ -1,8 +1,9 @@
 """GGUF files of every architecture the engine reads from GGUF (llama with Llama 3.1's
-``rope_freqs``, qwen2, qwen3, phi3): small random transformers models, written as llama.cpp's
-converter writes them (``gguf_convert.py``), load to the spec their HF directory gives and
-generate transformers' greedy tokens in float32 with half the weights on disk; Q8_0 / Q4_0
-files too, kept in their own blocks. What the engine does not compute is refused in one line."""
+``rope_freqs``, qwen2, qwen3, phi3, gemma2, gemma3): small random transformers models, written
+as llama.cpp's converter writes them (``gguf_convert.py``), load to the spec their HF directory
+gives and generate transformers' greedy tokens in float32 with half the weights on disk; Q8_0 /
+Q4_0 files too, kept in their own blocks. What the engine does not compute is refused in one
+line."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,21 +21,52 @@ from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.common import rope_inv_freq
 from flexgen_dist.models.gguf import llama3_from_divisors
+from flexgen_dist.models.gguf_arch import gemma_fields
 from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
 from gguf_convert import llama3_rope_freqs, rewrite, roundtrip_, write_gguf
 
-KINDS = ["llama3", "qwen2", "qwen3", "phi3"]
+KINDS = ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 # a small original context, so that this head size has frequencies in each band of the rule
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
 HELLO = [19556, 905]  # "Hello world" in the bundled SmolLM2 tokenizer
+# Gemma as tests/test_gemma.py builds it (every matrix in whole 32-element blocks, so that a
+# quantized file keeps them all), with what a GGUF file carries: the attention scaled by
+# the head size (llama.cpp derives it), Gemma 3 sliding on all but every sixth layer (its
+# default pattern; the file has none), its sliding layers with their own RoPE base
+WINDOW = 8
+LONG = [p * 4 for p in PROMPTS]  # 8 to 36 tokens: most prompts exceed the window on their own
+GEMMA = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=128,
+             sliding_window=WINDOW, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+G3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+           "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}}
+
+
+def _gemma(kind: str) -> torch.nn.Module:
+    import transformers as tf
+
+    if kind == "gemma2":
+        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=3.0,
+                                                 final_logit_softcapping=2.0, **GEMMA))
+    else:
+        m = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(num_hidden_layers=7, final_logit_softcapping=2.0,
+                                                     rope_parameters=G3_ROPE, **GEMMA))
+    with torch.no_grad():  # norm weights away from 0 (the (1 + w) form's identity), so that a
+        for name, p in m.named_parameters():  # norm read without taking the converter's 1 off would show
+            if "norm" in name:
+                p.uniform_(-0.6, 0.6)
+    return m.eval()
 
 
 def _hf_model(kind: str) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(KINDS.index(kind) + 21)
+    if kind.startswith("gemma"):
+        return _gemma(kind)
     # SmolLM2's vocabulary, so the tokenizer copied into the file is the model's own
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -103,7 +135,8 @@ def test_spec_is_the_one_of_the_hf_directory(kind: str, built) -> None:
     ours = load_model(str(path), load_tokenizer=False).spec
     ref = load_model(str(hf), load_tokenizer=False).spec
     assert dataclasses.replace(ours, name=ref.name) == ref
-    assert (ours.qkv_bias, ours.qk_norm, ours.fused_proj) == (kind == "qwen2", kind == "qwen3", kind == "phi3")
+    assert (ours.qkv_bias, ours.qk_norm, ours.fused_proj) == (kind == "qwen2", kind in ("qwen3", "gemma3"),
+                                                              kind == "phi3")
 
 
 @pytest.mark.parametrize("kind,qtype,compress", [
@@ -126,6 +159,100 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None
         if compress:
             q = llm.engine.weights.placed[("layer", 0)]["q.w"].data
             assert isinstance(q, QTensor) and (q.group_size, q.bits) == (32, 8 if qtype == "Q8_0" else 4)
+
+
+@pytest.mark.parametrize("kind,qtype,compress", [
+    ("gemma2", None, False), ("gemma3", None, False),
+    ("gemma3", "Q8_0", True),  # matrices in the file's own blocks, the norms float32 beside them
+])
+def test_gemma_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None, compress: bool,
+                                                          built, tmp_path: Path) -> None:
+    """Prompts longer than the window, the norms read back from the file's 1 + w, the soft-caps,
+    and Gemma 3's RoPE per layer type: transformers' tokens with half the weights on disk."""
+    m, path, _ = built(kind, qtype)
+    ref = reference_generate(TinyModel(kind, path, m, 0), LONG, 10)
+    with LLM(str(path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             compress_weight=compress, offload_dir=str(tmp_path / "off"), ignore_eos=True,
+             progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=10)] == ref
+        spec = llm.model.spec
+        if compress:
+            from flexgen_dist.memory.quant import QTensor
+
+            q = llm.engine.weights.placed[("layer", 0)]["q.w"].data
+            assert isinstance(q, QTensor) and (q.group_size, q.bits) == (32, 8)
+    full = {"gemma2": (1, 3), "gemma3": (5,)}[kind]
+    assert [spec.window(j) for j in range(spec.num_layers)] == [0 if j in full else WINDOW
+                                                               for j in range(spec.num_layers)]
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_norms_are_the_checkpoints(kind: str, built) -> None:
+    """The file's 1 + w with the 1 taken off gives the family the scale transformers computes
+    (1 + w in float32), bit for bit, for every norm."""
+    m, path, _ = built(kind)
+    loaded = load_model(str(path), load_tokenizer=False)
+    hf = dict(m.named_parameters())
+    ours = {**loaded.source.get("head"), **{f"{j}.{k}": v for j in range(loaded.spec.num_layers)
+                                           for k, v in loaded.source.get("layer", j).items()}}
+    names = {"attn_norm.w": "input_layernorm", "post_attn_norm.w": "post_attention_layernorm",
+             "mlp_norm.w": "pre_feedforward_layernorm", "post_mlp_norm.w": "post_feedforward_layernorm",
+             "q_norm.w": "self_attn.q_norm", "k_norm.w": "self_attn.k_norm"}
+    pairs = [(ours["norm.w"], hf["model.norm.weight"])] + [
+        (ours[f"{j}.{k}"], hf[f"model.layers.{j}.{n}.weight"]) for j in range(loaded.spec.num_layers)
+        for k, n in names.items() if f"{j}.{k}" in ours]
+    assert len(pairs) == 1 + loaded.spec.num_layers * (6 if kind == "gemma3" else 4)
+    for w, ref in pairs:
+        assert torch.equal(1 + w, 1 + ref.detach())
+
+
+@pytest.mark.parametrize("name", ["gemma-2-9b", "gemma-2-27b", "gemma-3-12b", "gemma-3-27b"])
+def test_published_gemmas_read_from_their_gguf_keys(name: str) -> None:
+    """What a converted file of a published Gemma says (its window, soft-caps) read as llama.cpp
+    reads it, with what the file leaves out derived as llama.cpp derives it (the attention
+    scale, by the layer count for the 27B models; the layer pattern; Gemma 3's local RoPE),
+    gives the published config's spec, which the registry holds."""
+    s = get_spec(name)
+    arch = "gemma2" if name.startswith("gemma-2") else "gemma3"
+    keys = {"attention.sliding_window": s.sliding_window, "attn_logit_softcapping": s.attn_softcap,
+            "final_logit_softcapping": s.final_softcap}
+    fields = gemma_fields(arch, lambda k, d=None: keys.get(k, d), None, s.num_layers, s.hidden_size,
+                          s.num_heads, s.head_dim, s.rope_theta, s.rope_scaling, False)
+    assert {k: getattr(s, k) for k in fields} == fields
+
+
+def test_gemma3_metadata_read_as_llama_cpp_reads_it(built, tmp_path: Path) -> None:
+    """Without ``rope.freq_base_swa`` (older converters) the sliding layers' base is 10000;
+    ``attention.sliding_window_pattern`` as a period or one flag per layer; no window: no
+    sliding layers."""
+    _, path, _ = built("gemma3")
+
+    def spec(change: dict, name: str):
+        return load_model(str(rewrite(path, tmp_path / name, change)), load_tokenizer=False).spec
+
+    s = spec({"gemma3.rope.freq_base_swa": None}, "a.gguf")
+    assert s.rope(0) == (10000.0, None) and s.rope(5) == (100000.0, RopeScaling("linear", 4.0))
+    flags = [True, False, True, True, False, True, True]
+    assert spec({"gemma3.attention.sliding_window_pattern": 2}, "b.gguf").layer_types == tuple(
+        "full_attention" if j % 2 else "sliding_attention" for j in range(7))
+    assert spec({"gemma3.attention.sliding_window_pattern": flags}, "c.gguf").layer_types == tuple(
+        "sliding_attention" if f else "full_attention" for f in flags)
+    s = spec({"gemma3.attention.sliding_window": None}, "d.gguf")
+    assert s.sliding_window == 0 and s.rope(0) == s.rope(5) == (100000.0, RopeScaling("linear", 4.0))
+
+
+@pytest.mark.parametrize("kind,change,drop,extra,match", [
+    ("gemma3", {"gemma3.attn_logit_softcapping": 50.0}, (), {}, "key gemma3.attn_logit_softcapping is not computed"),
+    ("gemma3", {"gemma3.attention.sliding_window_pattern": [True, False]}, (), {}, "2 flags for 7 layers"),
+    ("gemma2", {"gemma2.attention.sliding_window": 0}, (), {}, "sliding_window 0 is not supported"),
+    ("gemma2", {}, (), {"output.weight": np.zeros((49152, 64), np.float32)}, r"tensor output\.weight is not read"),
+    ("gemma3", {}, (), {"rope_freqs.weight": np.ones(16, np.float32)}, r"tensor rope_freqs\.weight is not read"),
+    ("gemma3", {}, ("blk.6.attn_k_norm.weight",), {}, r"tensor blk\.6\.attn_k_norm\.weight missing"),
+])
+def test_what_a_gemma_file_says_that_is_not_computed_is_refused(kind: str, change: dict, drop: tuple, extra: dict,
+                                                                 match: str, built, tmp_path: Path) -> None:
+    _, path, _ = built(kind)
+    _one_line(rewrite(path, tmp_path / "g.gguf", change, drop=drop, tensors=extra), match)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -202,7 +329,7 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: llama, phi3, qwen2, qwen3"),
+    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),

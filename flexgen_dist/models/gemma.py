@@ -29,6 +29,16 @@ _LAYER_HF = {
     "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
     "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
 }
+# llama.cpp's names (its gemma2 / gemma3 architectures): the norm after attention is
+# ``post_attention_norm``, the one before the MLP ``ffn_norm``
+_LAYER_GGUF = {
+    "attn_norm.w": "attn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
+    "mlp_norm.w": "ffn_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
+    "q.w": "attn_q.weight", "k.w": "attn_k.weight", "v.w": "attn_v.weight", "o.w": "attn_output.weight",
+    "q.b": "attn_q.bias", "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
+    "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
+    "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight", "down.w": "ffn_down.weight",
+}
 # Where the decoder lives: a causal-LM checkpoint's ``model.``; a Gemma 3 image-text one's
 # ``language_model.model.`` (as published and as transformers 5 saves it) or
 # ``model.language_model.`` (its in-memory module names)
@@ -63,6 +73,18 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     else:
         out["lm_head.w"] = list(_LM_HEADS)
     return out
+
+
+def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """Canonical name -> GGUF tensor name (llama.cpp convention). llama.cpp's converter stores
+    every Gemma norm weight as (1 + w); ``models/gguf.py`` takes the 1 back off on read."""
+    if part == "layer":
+        return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
+    if part == "embed":
+        return {"tok.w": "token_embd.weight"}
+    if spec.tie_word_embeddings:
+        return {"norm.w": "output_norm.weight", "tok.w": "token_embd.weight"}
+    return {"norm.w": "output_norm.weight", "lm_head.w": "output.weight"}
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,17 +3,17 @@
 
 llama.cpp's converter writes each Hugging Face family under an architecture name of its own
 (``general.architecture``): Llama 2/3, SmolLM2 and Mistral as ``llama``, Qwen2/2.5 as
-``qwen2``, Qwen3 as ``qwen3``, Phi-3 as ``phi3``. A file of one of these maps to the
-``ModelSpec`` the HF directory it was written from gives. Whatever in a file the engine would
-not compute is refused in one line before anything is generated: another architecture, a
-metadata key of the architecture not accounted for below, a tensor the engine would not read,
-a missing tensor, a RoPE scaling it does not compute.
+``qwen2``, Qwen3 as ``qwen3``, Phi-3 as ``phi3``, Gemma 2 as ``gemma2``, Gemma 3 (text) as
+``gemma3``; ``gguf_arch.py`` holds what differs between them. A file of one of these maps to
+the ``ModelSpec`` the HF directory it was written from gives. Whatever in a file the engine
+would not compute is refused in one line before anything is generated: another architecture,
+a metadata key of the architecture not accounted for (``gguf_arch.py``), a tensor the engine
+would not read, a missing tensor, a RoPE scaling it does not compute.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ import torch
 
 from .common import rope_inv_freq
 from .families import ROWS
-from .llama import gguf_names, unpermute_gguf
+from .gguf_arch import ARCHS, INERT, USED, GGUFArch, decimal32, gemma_fields
+from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .spec import ModelSpec, RopeScaling
@@ -30,34 +31,6 @@ from .spec import ModelSpec, RopeScaling
 log = logging.getLogger("flexgen_dist")
 
 
-@dataclass(frozen=True)
-class GGUFArch:
-    """What differs between the architectures llama.cpp writes the LLaMA family under.
-
-    ``permuted``: the converter interleaved the rows of q and k for llama.cpp's own rotary
-    convention (its ``llama`` architecture); they are put back on read. The others use the
-    rotate-half convention the engine uses, and are written as the HF checkpoint has them.
-    ``keys``: metadata keys (after ``{arch}.``) the architecture adds to the shared ones.
-    """
-
-    permuted: bool
-    keys: frozenset[str] = frozenset()
-
-
-ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch(permuted=True),
-    "qwen2": GGUFArch(permuted=False),
-    "qwen3": GGUFArch(permuted=False),
-    "phi3": GGUFArch(permuted=False, keys=frozenset({"attention.sliding_window"})),
-}
-# the metadata keys (after "{arch}.") read below; the inert ones cannot change the output
-# once the scaling type is known (a type that would use them is refused)
-_USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
-                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
-                   "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
-                   "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "expert_count",
-                   "expert_used_count"})
-_INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
 _MISSING = object()
 
 
@@ -83,7 +56,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (Phi-3's long-context 'longrope' "
                              "scaling) are not supported yet: use a 4k-context model")
     unknown = sorted(k for k in reader.fields if k.startswith(f"{arch}.")
-                     and k[len(arch) + 1:] not in _USED | _INERT | a.keys)
+                     and k[len(arch) + 1:] not in USED | INERT | a.keys)
     if unknown:
         raise ModelLoadError(f"{name}: GGUF key {unknown[0]} is not computed by this engine: a {arch} "
                              "file with it is not supported")
@@ -113,43 +86,46 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
             raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
                                  f"({what}): not supported")
-    theta = _decimal(key("rope.freq_base", 10000.0))
+    theta = decimal32(key("rope.freq_base", 10000.0))
+    llama_family = a.family == "llama"
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
+        # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
+        scaling = _rope_scaling(key, tensors if llama_family else {}, head_dim, theta, name)
+        if llama_family:
+            fields = dict(
+                head_dim_override=head_dim if head_dim * heads != hidden else 0,
+                sliding_window=int(key("attention.sliding_window", 0)),
+                tie_word_embeddings="output.weight" not in tensors,
+                # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
+                qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
+                qk_norm=arch == "qwen3", fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+                mlp_bias="blk.0.ffn_up.bias" in tensors)
+        else:
+            fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
+                                  key("block_count"), hidden, heads, head_dim, theta, scaling,
+                                  "output.weight" in tensors)
         spec = ModelSpec(
-            name=name, family="llama", num_layers=key("block_count"), hidden_size=hidden,
+            name=name, family=a.family, num_layers=key("block_count"), hidden_size=hidden,
             ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
-            head_dim_override=head_dim if head_dim * heads != hidden else 0, vocab_size=vocab,
-            max_positions=key("context_length", 2048),
-            norm_eps=_decimal(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
-            rope_scaling=_rope_scaling(key, tensors, head_dim, theta, name),
-            sliding_window=int(key("attention.sliding_window", 0)),
-            tie_word_embeddings="output.weight" not in tensors,
-            # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
-            qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
-            qk_norm=arch == "qwen3", fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-            mlp_bias="blk.0.ffn_up.bias" in tensors,
-            bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            vocab_size=vocab, max_positions=key("context_length", 2048),
+            norm_eps=decimal32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+            rope_scaling=scaling, bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(eos,) if eos is not None else (),
-            pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"))
+            pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
-    _check_tensors(spec, set(tensors), name)
+    _check_tensors(spec, a, set(tensors), name)
     return spec
 
 
-def _decimal(x: float) -> float:
-    """A float32 metadata value as the shortest decimal that rounds to it: the value the
-    config held (1e-6, not 9.99999997e-07)."""
-    return float(str(np.float32(x)))
-
-
-def _check_tensors(spec: ModelSpec, present: set[str], name: str) -> None:
+def _check_tensors(spec: ModelSpec, a: GGUFArch, present: set[str], name: str) -> None:
     """Every tensor the engine reads is in the file, and the file holds no other."""
-    wanted = {"rope_freqs.weight"} & present  # read into the spec's RoPE scaling
+    # rope_freqs: read into a llama file's RoPE scaling
+    wanted = {"rope_freqs.weight"} & present if a.family == "llama" else set()
     for part, layers in (("embed", [None]), ("layer", range(spec.num_layers)), ("head", [None])):
         for layer in layers:
-            wanted.update(n.split(ROWS)[0] for n in gguf_names(spec, part, layer).values())
+            wanted.update(n.split(ROWS)[0] for n in a.names(spec, part, layer).values())
     missing = sorted(wanted - present, key=_tensor_order)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -218,7 +194,7 @@ def llama3_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, name
                              "(one per rotary frequency): corrupt file?")
     if np.all(divisors == 1):
         return None
-    factor = _decimal(divisors.max())
+    factor = decimal32(divisors.max())
     lo, hi = 1.0, 4.0
     wavelen = (2 * math.pi / rope_inv_freq(head_dim, theta)).double().numpy()
     mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
@@ -250,13 +226,13 @@ class GGUFSource(WeightSource):
         super().__init__(spec, dtype)
         self.reader, self.path = reader, path
         self.tensors = {t.name: t for t in reader.tensors}
-        self.permuted = ARCHS[gguf_field(reader, "general.architecture")].permuted
+        self.arch = ARCHS[gguf_field(reader, "general.architecture")]
         self._said: set[str] = set()  # tensor types already reported as not native
 
     def _names(self, part: str, layer: int | None) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:
         """Canonical name -> (tensor, its data or rows of it, the shape of that data)."""
         out = {}
-        for k, full in gguf_names(self.spec, part, layer).items():
+        for k, full in self.arch.names(self.spec, part, layer).items():
             name, _, rows = full.partition(ROWS)
             t = self.tensors.get(name)
             if t is None:
@@ -275,12 +251,17 @@ class GGUFSource(WeightSource):
         return {k: self._expanded(k, t, data) for k, (t, data, _) in self._names(part, layer).items()}
 
     def _unpermute(self, k: str, w: Any) -> Any:
-        return unpermute_gguf(k, w, self.spec) if self.permuted else w
+        return unpermute_gguf(k, w, self.spec) if self.arch.permuted else w
 
     def _expanded(self, k: str, t: Any, data: Any) -> torch.Tensor:
         from gguf import dequantize
 
-        return self._unpermute(k, torch.from_numpy(dequantize(data, t.tensor_type).copy()).float())
+        w = torch.from_numpy(dequantize(data, t.tensor_type).copy()).float()
+        if self.arch.norm_shift and k.endswith("norm.w"):
+            # the file holds Gemma's 1 + w, rounded once by the converter; in float32 taking 1
+            # off is exact for any such value, so the family's 1 + w is the file's bit for bit
+            w -= self.arch.norm_shift
+        return self._unpermute(k, w)
 
     def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
         if not self.keep_packed:

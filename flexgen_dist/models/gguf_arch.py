@@ -1,0 +1,128 @@
+"""The GGUF architectures the engine reads (llama.cpp's ``general.architecture`` names): which
+family each computes as, which metadata keys it may carry, and, for Gemma 2 and Gemma 3,
+what their files say beyond the shared keys, read as llama.cpp's loader reads it.
+
+``models/gguf.py`` reads what every architecture shares and the tensors; this module is the
+per-architecture table it consults.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import gemma, llama
+from .spec import RopeScaling
+
+Names = Callable[..., dict[str, str]]
+Key = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """What differs between the architectures llama.cpp writes.
+
+    ``family``: the engine's family a file computes as; ``names``: that family's canonical
+    name -> GGUF tensor name map.
+    ``permuted``: the converter interleaved the rows of q and k for llama.cpp's own rotary
+    convention (its ``llama`` architecture); they are put back on read. The others use the
+    rotate-half convention the engine uses, and are written as the HF checkpoint has them.
+    ``keys``: metadata keys (after ``{arch}.``) the architecture adds to the shared ones.
+    ``norm_shift``: what the converter added to every norm weight. Gemma's RMSNorm multiplies
+    by (1 + w); llama.cpp's multiplies by its weight, so the converter stores 1 + w, and the
+    reader takes the 1 back off for the family's (1 + w) form.
+    """
+
+    family: str
+    names: Names
+    permuted: bool = False
+    keys: frozenset[str] = frozenset()
+    norm_shift: float = 0.0
+
+
+_GEMMA_KEYS = frozenset({"final_logit_softcapping", "attention.sliding_window",
+                         "attention.sliding_window_pattern", "rope.freq_base_swa"})
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", llama.gguf_names, permuted=True),
+    "qwen2": GGUFArch("llama", llama.gguf_names),
+    "qwen3": GGUFArch("llama", llama.gguf_names),
+    "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window"})),
+    "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
+    "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
+}
+# the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
+# change the output once the scaling type is known (a type that would use them is refused)
+USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+                  "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                  "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+                  "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "expert_count",
+                  "expert_used_count"})
+INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
+
+# llama.cpp's loader tells the 27B models by their layer count; their attention is scaled by
+# hidden // heads, every other size's by the head size
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # every n-th layer global, where the file gives no pattern
+
+
+def decimal32(x: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it: the value the
+    config held (1e-6, not 9.99999997e-07)."""
+    return float(str(np.float32(x)))
+
+
+def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, heads: int, head_dim: int,
+                 theta: float, scaling: RopeScaling | None, has_output: bool) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a gemma2 / gemma3 file beyond the shared ones, as llama.cpp
+    reads the file (a ValueError names what is not computed). ``key`` reads ``{arch}.*``
+    keys; ``pattern``: the raw ``attention.sliding_window_pattern`` value (None: absent);
+    ``theta`` and ``scaling``: the global layers' RoPE; ``has_output``: an ``output.weight``
+    tensor is in the file."""
+    # the file has no query_pre_attn_scalar; llama.cpp's rule gives what every published
+    # config holds (256 = head_dim; the 27B models' 144 and 168 = hidden // heads)
+    scalar = hidden // heads if layers == _LAYERS_27B[arch] else head_dim
+    out: dict[str, Any] = dict(head_dim_override=head_dim, attn_scale=float(scalar) ** -0.5,
+                               qk_norm=arch == "gemma3",
+                               # llama.cpp's gemma2 always reads its head from token_embd (an
+                               # output.weight is then refused as unread); gemma3 takes output.weight
+                               tie_word_embeddings=arch == "gemma2" or not has_output)
+    if arch == "gemma2":  # llama.cpp's defaults where a key is missing (its converter writes both)
+        out["attn_softcap"] = decimal32(key("attn_logit_softcapping", 50.0))
+        out["final_softcap"] = decimal32(key("final_logit_softcapping", 30.0))
+        if min(out["attn_softcap"], out["final_softcap"]) <= 0:
+            raise ValueError("gemma2 soft-caps must be > 0: the file is corrupt; convert the model again")
+    else:
+        out["final_softcap"] = decimal32(key("final_logit_softcapping", 0.0))
+    # gemma2 slides 4096 positions where the file says nothing (llama.cpp); gemma3 without a
+    # window has no sliding layers and one RoPE for every layer (llama.cpp)
+    window = int(key("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    if window <= 0:
+        if arch == "gemma2":
+            raise ValueError("gemma2.attention.sliding_window 0 is not supported: every other Gemma 2 layer slides")
+        return out
+    out.update(sliding_window=window, layer_types=_layer_types(arch, pattern, layers))
+    swa_base = key("rope.freq_base_swa", None)
+    if arch == "gemma2":  # its sliding layers rotate as the global ones unless the file gives them a base
+        if swa_base is not None and decimal32(swa_base) != theta:
+            out.update(local_rope_theta=decimal32(swa_base), local_rope_scaling=scaling)
+    else:  # Gemma 3's sliding layers are never scaled; base 10000 where the file gives none (older
+        # converters write none; llama.cpp's value, and every published rope_local_base_freq)
+        out["local_rope_theta"] = decimal32(swa_base) if swa_base is not None else 10000.0
+    return out
+
+
+def _layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]:
+    """llama.cpp's sliding layers: ``pattern`` a period n (layer i slides unless i % n == n - 1;
+    n = 0: every layer slides) or one flag per layer (true: sliding); absent, the
+    architecture's own period (Gemma 2's 2, Gemma 3's 6, as their configs' defaults)."""
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags for {layers} "
+                             "layers: corrupt file?")
+        slides = [bool(p) for p in pattern]
+    else:
+        n = _SWA_PERIOD[arch] if pattern is None else int(pattern)
+        slides = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return tuple("sliding_attention" if s else "full_attention" for s in slides)
