@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     """Bad configuration; the message names the key and what to change."""
 
 
-DEFAULT_SORT_WINDOW = 16
+DEFAULT_SORT_WINDOW = 32
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
                 "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
 
@@ -256,7 +256,7 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
     g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "
                    "many blocks' worth at a time; outputs still go out in input order, a window at a "
-                   "time (default 16; 0: blocks in input order)")
+                   "time (default 32; 0: blocks in input order)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
                    "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "

@@ -175,16 +175,17 @@ def test_the_command_on_two_ranks_writes_what_one_rank_writes(tmp_path: Path) ->
     assert outs[0][2][1]["code"] == "unsupported_field"
 
 
-def test_blocks_group_by_length_band_then_limit_within_windows() -> None:
+def test_blocks_group_by_length_then_limit_within_windows() -> None:
     from flexgen_dist.engine.blocks import plan_blocks
 
-    lens = [100, 5, 900, 104, 7, 880, 30, 31]
-    limits = [4, 50, 9, 60, 5, 8, 16, 2]
-    blocks = plan_blocks(lens, 2, limits, window_blocks=2)  # windows of 4 requests
-    assert [b.window for b in blocks] == [0, 0, 1, 1]
-    assert sorted(m for b in blocks[:2] for m in b.members) == [0, 1, 2, 3]  # a window keeps its requests
-    # 100 and 104 share a band (powers of 1.125): the larger limit (60) first; 30 and 31 fall
-    # on the two sides of a band's edge, so the longer goes first
-    assert [b.members for b in blocks] == [[2, 3], [0, 1], [5, 7], [6, 4]]
-    assert blocks[0].padding == 900 - 104 and blocks[3].padding == 30 - 7
-    assert [b.members for b in plan_blocks(lens, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]  # input order
+    lens = [100, 5, 900, 104, 7, 880, 30, 31, 60, 61, 62, 63]
+    limits = [4, 50, 9, 60, 5, 8, 16, 2, 1, 9, 3, 7]
+    blocks = plan_blocks(lens, 2, limits, window_blocks=4)  # windows of 8 requests
+    assert [b.window for b in blocks] == [0, 0, 0, 0, 1, 1]
+    assert sorted(m for b in blocks[:4] for m in b.members) == list(range(8))  # a window keeps its requests
+    # by length: 2 5 3 0 | 7 6 4 1; then each 2 blocks' worth (4 requests) by limit
+    assert [b.members for b in blocks[:4]] == [[3, 2], [5, 0], [1, 6], [4, 7]]
+    assert [b.members for b in blocks[4:]] == [[9, 11], [10, 8]]
+    assert blocks[0].padding == 900 - 104
+    assert [b.members for b in plan_blocks(lens, 5)] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]  # input order
+    assert [b.members for b in plan_blocks(lens[:4], 2, None, window_blocks=2)] == [[2, 3], [0, 1]]  # no limits

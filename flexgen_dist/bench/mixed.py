@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flexgen_dist.config import DEFAULT_SORT_WINDOW
+
 
 def build_model(path: Path, hidden: int, layers: int, vocab: int, max_len: int) -> None:
     import torch
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--percent", *a.percent, "--dtype", a.dtype, "--ignore-eos", "--offload-dir", str(d / "off")]
         sides: dict[str, list[dict[str, Any]]] = {"input order": [], "length-grouped": []}
         for r in range(a.repeat):
-            for name, window in (("input order", 0), ("length-grouped", 16)):
+            for name, window in (("input order", 0), ("length-grouped", DEFAULT_SORT_WINDOW)):
                 print(f"round {r + 1}: {name} ...", file=sys.stderr, flush=True)
                 sides[name].append(run_side(d / "model", d / "requests.jsonl", d / f"out-{window}.jsonl", window, opts))
     same = [x["choices"] == y["choices"] for x, y in zip(sides["input order"], sides["length-grouped"])]
