@@ -276,6 +276,10 @@ def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, worklo
                 "raise --gpu-mem/--cpu-mem/--disk-mem or add stages")
     what = "; ".join(f"{t} too small by {s:.1f} GiB" for t, s in short)
     flags = " / ".join(f"--{t}-mem" for t, _ in short)
+    if hw.compute_device == "cpu" and any(t != "disk" for t, _ in short):
+        # one pool of RAM: --cpu-mem caps it, --gpu-mem only says how much of it computes
+        flags = "--cpu-mem (the RAM pool of a CPU-only machine; --gpu-mem is its compute share)" + \
+            "".join(" / --disk-mem" for t, _ in short if t == "disk")
     stage = (f" ({num_layers_in_stage} of {spec.num_layers} layers in this stage)"
              if num_layers_in_stage != spec.num_layers else "")
     return f"{what} for {spec.name}{stage} at block size 1: raise {flags} or add stages"
