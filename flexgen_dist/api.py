@@ -20,7 +20,6 @@ own workload.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .plan import Peaks, RunPlan, Workload
-from .openai_batch import Request, output_line, parse_requests, sampling_key
+from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings, check_prompt_lengths, make_prompt
 from .run_plan import RunPlanner
 from .scoring import Score, score_split, score_targets
@@ -226,51 +225,7 @@ class LLM:
         """Like ``batch``, yielding output lines as soon as they are final, in input order;
         ``skip``: the first requests are done already (a resumed job) and are not run."""
         self._check_open()
-        default = self.config.gen_len if max_tokens is None else int(max_tokens)
-
-        reqs: list[Request] | None = None
-
-        def parse() -> bool:  # rank 0: the requests; every rank: whether any will run
-            nonlocal reqs
-            if requests is None or isinstance(requests, (str, bytes)):
-                raise ConfigError("batch() takes a list of requests (dicts or JSON lines)")
-            lines = [r if isinstance(r, str) else json.dumps(r) for r in requests]
-            reqs = parse_requests(lines, self.tokenizer, self.model.spec.vocab_size, self.model.spec.max_positions,
-                                  default, self.config.seed)[skip:]
-            return any(r.ok for r in reqs)
-
-        runs = bool(self.on_driver(parse))
-        if not self.is_driver:
-            if runs:
-                for _ in self.stream():
-                    pass
-            return
-        assert reqs is not None
-        rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok for j in range(r.n)]
-        out = 0  # the next request to write
-
-        def ready() -> list[dict[str, Any]]:
-            nonlocal out
-            lines = []
-            while out < len(reqs) and (not reqs[out].ok or len(reqs[out].choices) == reqs[out].n):
-                lines.append(output_line(reqs[out], self.model.spec.name))
-                out += 1
-            return lines
-
-        if runs:
-            for window in self.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
-                                      max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
-                                      keys=[sampling_key(r, j) for r, j in rows],
-                                      max_new_tokens=[r.max_tokens for r, _ in rows],
-                                      stop=[r.stop for r, _ in rows]):
-                for c in window:
-                    rows[c.index][0].choices.append(c)
-                lines = ready()
-                if lines:
-                    yield lines
-        lines = ready()
-        if lines:
-            yield lines
+        yield from run_batch(self, requests, self.config.gen_len if max_tokens is None else int(max_tokens), skip)
 
     def _windows(self, blocks: Iterator[tuple[Any, list[Any]]]) -> Iterator[list[tuple[int, Any]]]:
         """(index, result) of each prompt of the call, a whole window of them at a time, in input

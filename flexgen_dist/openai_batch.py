@@ -18,7 +18,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 from .config import ConfigError
 from .engine.sampling import SamplingConfig
@@ -251,3 +251,55 @@ def output_line(req: Request, model: str, created: int | None = None) -> dict[st
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+# --- running a batch ----------------------------------------------------------------------
+def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default_max_tokens: int,
+              skip: int = 0) -> Iterator[list[dict[str, Any]]]:
+    """``LLM.stream_batch``: on every rank (SPMD), rank 0 parses the requests and writes their
+    output lines in input order, as the windows of ``llm.stream`` complete their rows (a
+    request's n choices are n rows); the other ranks serve their stages."""
+    default = default_max_tokens
+    reqs: list[Request] | None = None
+
+    def parse() -> bool:  # rank 0: the requests; every rank: whether any will run
+        nonlocal reqs
+        if requests is None or isinstance(requests, (str, bytes)):
+            raise ConfigError("batch() takes a list of requests (dicts or JSON lines)")
+        lines = [r if isinstance(r, str) else json.dumps(r) for r in requests]
+        reqs = parse_requests(lines, llm.tokenizer, llm.model.spec.vocab_size, llm.model.spec.max_positions,
+                              default, llm.config.seed)[skip:]
+        return any(r.ok for r in reqs)
+
+    runs = bool(llm.on_driver(parse))
+    if not llm.is_driver:
+        if runs:
+            for _ in llm.stream():
+                pass
+        return
+    assert reqs is not None
+    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok for j in range(r.n)]
+    out = 0  # the next request to write
+
+    def ready() -> list[dict[str, Any]]:
+        nonlocal out
+        lines = []
+        while out < len(reqs) and (not reqs[out].ok or len(reqs[out].choices) == reqs[out].n):
+            lines.append(output_line(reqs[out], llm.model.spec.name))
+            out += 1
+        return lines
+
+    if runs:
+        for window in llm.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
+                                  max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
+                                  keys=[sampling_key(r, j) for r, j in rows],
+                                  max_new_tokens=[r.max_tokens for r, _ in rows],
+                                  stop=[r.stop for r, _ in rows]):
+            for c in window:
+                rows[c.index][0].choices.append(c)
+            lines = ready()
+            if lines:
+                yield lines
+    lines = ready()
+    if lines:
+        yield lines

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.sampling import EosTracker, RowSampling, SamplingConfig
+from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .comm import StageComm
@@ -111,9 +111,7 @@ class Pipeline:
         self._samplers: dict[int, list[RowSampling]] = {}  # last stage: per GPU batch
         # stage 0: each block's own view of which sequences are done (EOS, limits, stop
         # strings), the new ids of its sequences with stop strings, and where those stopped
-        self._watch: dict[int, EosTracker] = {}
-        self._hist: dict[int, dict[int, list[int]]] = {}
-        self._stopped: dict[int, dict[int, int]] = {}
+        self._watch: dict[int, BlockWatch] = {}
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
         # the header before each hidden-state message: go on, or skip the group from here
         self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
@@ -285,11 +283,9 @@ class Pipeline:
                         for a, r in enumerate(rows)]
                     self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev) for r in rows]
                 if self.first:
-                    self._watch[b] = EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
-                                                self.sampling.ignore_eos, dev, limits)
-                    if self.stops is not None:
-                        self._hist[b] = {n: [] for n, m in enumerate(blk.members) if self.stops.has(m)}
-                        self._stopped[b] = {}
+                    self._watch[b] = BlockWatch(EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
+                                                           self.sampling.ignore_eos, dev, limits),
+                                                blk.members, self.stops)
         return st
 
     def _sampling(self, m: int) -> SamplingConfig:
@@ -298,19 +294,7 @@ class Pipeline:
     def _watch_step(self, b: int, ids: torch.Tensor, i: int) -> bool:
         """Stage 0: token i of block b's sequences is ``ids``; whether all are now done."""
         watch = self._watch.get(b)
-        if watch is None:
-            return False
-        watch.update(ids, i)
-        hist = self._hist.get(b)
-        if hist:
-            vals, blk = ids.tolist(), self.blocks[b]
-            for n in list(hist):
-                hist[n].append(vals[n])
-                if self.stops.hit(blk.members[n], hist[n]):  # type: ignore[union-attr]
-                    self._stopped[b][n] = i + 1
-                    watch.done[n] = True
-                    del hist[n]
-        return bool(watch.done.all())
+        return watch is not None and watch.step(ids, i)
 
     def _collect(self, item: Item, handle: Any) -> None:
         """Stage 0 of several: the block's last tokens (or its scores) from the last stage."""
@@ -324,8 +308,7 @@ class Pipeline:
         """Stage 0: block b's token lists, cut after EOS (scoring: its (b, 3) score rows)."""
         tokens = self._tokens.pop(b)
         self._forced.pop(b, None)
-        self._watch.pop(b, None)
-        self._hist.pop(b, None)
+        watch = self._watch.pop(b, None)
         if self.targets is not None:
             return tokens[0].tolist()
         seqs = torch.stack(tokens, 1).tolist()
@@ -333,7 +316,7 @@ class Pipeline:
         members = self.blocks[b].members
         if self.limits is not None:
             outs = [o[:self.limits[m]] for m, o in zip(members, outs)]
-        for n, kept in self._stopped.pop(b, {}).items():  # the step whose text held a stop string
+        for n, kept in (watch.stopped if watch is not None else {}).items():  # cut where a stop string was
             outs[n] = outs[n][:kept]
         blk = self.blocks[b]
         self.timings.prompt_positions += blk.prompt_len * len(members)

@@ -9,6 +9,7 @@ on another number of ranks, draws the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -143,3 +144,28 @@ class EosTracker:
 
     def all_done(self) -> bool:
         return (not self.ignore or self.limits is not None) and bool(self.done.all())
+
+
+class BlockWatch:
+    """Stage 0's view of which sequences of one block are done: EOS and limits (``tracker``),
+    and stop strings (``stops.hit(sequence, its new ids)``, for the sequences that have any).
+    ``stopped``: row -> the number of tokens it keeps, where its stop string completed."""
+
+    def __init__(self, tracker: EosTracker, members: list[int], stops: Any | None) -> None:
+        self.tracker, self.members, self.stops = tracker, members, stops
+        self.hist: dict[int, list[int]] = {} if stops is None else \
+            {n: [] for n, m in enumerate(members) if stops.has(m)}
+        self.stopped: dict[int, int] = {}
+
+    def step(self, ids: torch.Tensor, i: int) -> bool:
+        """Token i of every row is ``ids`` (b,); whether every row is now done."""
+        self.tracker.update(ids, i)
+        if self.hist:
+            vals = ids.tolist()  # one host copy per step, only for blocks with stop strings
+            for n in list(self.hist):
+                self.hist[n].append(vals[n])
+                if self.stops.hit(self.members[n], self.hist[n]):  # type: ignore[union-attr]
+                    self.stopped[n] = i + 1
+                    self.tracker.done[n] = True
+                    del self.hist[n]
+        return bool(self.tracker.done.all())
