@@ -206,7 +206,7 @@ class LLM:
         with self._guard():
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,
                                                              max_new_tokens=max_new_tokens, stop=stop))
-            stops = None if work.stops is None else StopStrings(work.stops, self.tokenizer)
+            stops = StopStrings(work.stops, self.tokenizer) if work.stops is not None and self.is_driver else None
             for window in self._windows(self._run(work, peaks)):
                 yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
                        for n, toks in window]
