@@ -105,6 +105,7 @@ def test_slurm_requeue_finishes_the_job_exactly_once(slurm: tuple[Path, dict[str
     p = tmp_path / "p.jsonl"
     p.write_text("".join(_json.dumps({"input_ids": [5 + i % 40, 6, 7 + i % 5]}) + "\n" for i in range(40)))
     args = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", "110", "--ignore-eos", "--gpu-batch-size", "2",
+            "--sort-window", "2",  # lines go out every 4 prompts, so the requeue lands mid-job
             "--no-progress", "--offload-dir", str(tmp_path / "off")]
     ref = tmp_path / "ref.jsonl"
     r = subprocess.run([sys.executable, "-m", "flexgen_dist.run", *args, "--output", str(ref)], env=clean_env(),
