@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import gemm
-from .spec import RopeScaling
+from .spec import ModelSpec, RopeScaling
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -37,6 +37,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return y if residual is None else y.add_(residual)
+
+
+def project_qkv(spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (b, t, heads, head_dim), k and v (b, t, kv_heads, head_dim) of x (b, t, hidden), with
+    their biases where the checkpoint has them (the LLaMA and Gemma families)."""
+    b, t, _ = x.shape
+    d = spec.head_dim
+    return (linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d),
+            linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d),
+            linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d))
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

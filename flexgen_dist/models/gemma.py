@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import Positions, apply_rope, as_positions, linear, rms_norm
+from .common import Positions, apply_rope, as_positions, linear, project_qkv, rms_norm
 from .families import Attend, Family, Weights, register
 from .llama import embed_shapes, head_shapes  # the same token embedding and RMSNorm head
 from .spec import ModelSpec
@@ -112,9 +112,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     d, eps = spec.head_dim, spec.norm_eps
     residual = x
     x = norm(x, w["attn_norm.w"], eps)
-    q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
-    k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
-    v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
+    q, k, v = project_qkv(spec, w, x)
     if spec.qk_norm:  # Gemma 3: RMSNorm (1 + w) over each head's q and k, before the rotation
         q, k = norm(q, w["q_norm.w"], eps), norm(k, w["k_norm.w"], eps)
     theta, scaling = spec.rope(layer)

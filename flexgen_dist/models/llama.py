@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Positions, apply_rope, as_positions, linear, rms_norm, silu_mul
+from .common import Positions, apply_rope, as_positions, linear, project_qkv, rms_norm, silu_mul
 from .families import ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
@@ -123,9 +123,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     d, eps = spec.head_dim, spec.norm_eps
     residual = x
     x = rms_norm(x, w["attn_norm.w"], eps)
-    q = linear(x, w["q.w"], w.get("q.b")).view(b, t, spec.num_heads, d)
-    k = linear(x, w["k.w"], w.get("k.b")).view(b, t, spec.num_kv_heads, d)
-    v = linear(x, w["v.w"], w.get("v.b")).view(b, t, spec.num_kv_heads, d)
+    q, k, v = project_qkv(spec, w, x)
     if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
         q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     cos, sin = as_positions(pos).rope(d, spec.rope_theta, x.dtype, spec.rope_scaling)
