@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import subprocess
 import sys
@@ -122,7 +123,7 @@ def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
                              "--num-prompts", "4", "--prompt-len", "16", "--gen-len", "400", "--ignore-eos",
                              "--gpu-batch-size", "1", "--percent", "100", "0", "0", "0", "100", "0",
                              "--offload-dir", str(off), "--output", str(out), "--no-progress"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (off.is_dir() and any(off.rglob("*-kv-*"))):
@@ -130,7 +131,12 @@ def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
         assert any(off.rglob("*-kv-*")), "the run never wrote its KV cache to disk"
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:  # where every thread is stuck (faulthandler), then fail
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no exit within 150 s of Ctrl-C:\n{err[-6000:]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
