@@ -82,34 +82,47 @@ def test_kernels_can_be_switched_off(monkeypatch) -> None:
     assert kernels.library() is None
 
 
+ATT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["row-major", "position-major"])
 @pytest.mark.parametrize("g,d,L", [(1, 64, 1), (3, 64, 37), (4, 128, 200), (2, 32, 9)])
-def test_native_attention_matches_softmax_reference(g: int, d: int, L: int) -> None:
-    """Rows read in place from a preallocated (rows, max_len, d) cache, some positions masked."""
+def test_native_attention_matches_softmax_reference(dtype: torch.dtype, layout: str, g: int, d: int,
+                                                    L: int) -> None:
+    """Rows read in place from a preallocated (rows, max_len, d) cache, or from a staged disk
+    chunk (max_len, rows, d), some positions masked; float32 arithmetic in every dtype, so the
+    result is the float32 reference rounded once (plus the inputs' own rounding)."""
     _native_library()
     gen = torch.Generator().manual_seed(g * 100 + L)
     r, max_len = 6, L + 5
-    cache_k, cache_v = torch.randn(2, r, max_len, d, generator=gen)
+    if layout == "row-major":
+        cache_k, cache_v = torch.randn(2, r, max_len, d, generator=gen).to(dtype)
+    else:
+        cache_k, cache_v = torch.randn(2, max_len, r, d, generator=gen).to(dtype).transpose(1, 2)
     k, v = cache_k[:, :L], cache_v[:, :L]
-    q = torch.randn(r, g, 1, d, generator=gen)
+    q = torch.randn(r, g, 1, d, generator=gen).to(dtype)
     mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
     mask[..., -1] = True  # every row sees at least one position
-    out = kernels.attention_f32(q, k, v, mask, 1.0 / d ** 0.5)
-    assert out is not None and out.shape == (r, g, 1, d)
-    scores = torch.einsum("rgtd,rld->rgtl", q, k) / d ** 0.5
-    ref = torch.einsum("rgtl,rld->rgtd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5)
+    assert out is not None and out.shape == (r, g, 1, d) and out.dtype == dtype
+    qf, kf, vf = q.float(), k.float(), v.float()
+    scores = torch.einsum("rgtd,rld->rgtl", qf, kf) / d ** 0.5
+    ref = torch.einsum("rgtl,rld->rgtd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vf)
+    torch.testing.assert_close(out.float(), ref, rtol=ATT_TOL[dtype], atol=ATT_TOL[dtype])
 
 
 def test_native_attention_declines_other_layouts() -> None:
     _native_library()
     q, k, v = torch.randn(4, 2, 1, 64), torch.randn(4, 10, 64), torch.randn(4, 10, 64)
     mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
-    assert kernels.attention_f32(q, k, v, mask, 0.125) is not None
-    pos_major = torch.randn(10, 4, 64)
-    assert kernels.attention_f32(q, pos_major.transpose(0, 1), v, mask, 0.125) is None  # a staged disk chunk
-    assert kernels.attention_f32(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125) is None
-    assert kernels.attention_f32(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
-    assert kernels.attention_f32(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None
+    assert kernels.attention(q, k, v, mask, 0.125) is not None
+    assert kernels.attention(q, k[..., ::2].repeat(1, 1, 2), v, mask, 0.125) is not None
+    assert kernels.attention(q, torch.randn(4, 64, 10).transpose(1, 2), v, mask, 0.125) is None  # d strided
+    assert kernels.attention(q.bfloat16(), k, v, mask, 0.125) is None  # dtypes mixed
+    assert kernels.attention(q.double(), k.double(), v.double(), mask, 0.125) is None  # float64
+    assert kernels.attention(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
+    assert kernels.attention(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 1, 576), (2, 7, 33), (4096, 24)])
@@ -165,31 +178,35 @@ def test_native_rope_equals_rotate_half_formula(d: int) -> None:
     assert kernels.rope_f32(x.transpose(1, 2), cos, sin) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape,group", [((64, 256), 64), ((7, 100), 32), ((33, 50), 24), ((3, 5, 64), 16),
                                          ((4, 9, 128), 64),
                                          ((9, 40), 64)])
-def test_native_dequant_equals_the_torch_path(monkeypatch, bits: int, shape: tuple[int, ...], group: int) -> None:
-    """Bit for bit: every group size (vectorised runs of 16 and scalar tails), a last group
-    cut short, leading dims, and strided rows (a cache chunk's slice of positions)."""
+def test_native_dequant_equals_the_torch_path(monkeypatch, dtype: torch.dtype, bits: int, shape: tuple[int, ...],
+                                              group: int) -> None:
+    """Bit for bit, in every compute dtype (code * scale + min in float32, then rounded to the
+    dtype): every group size (vectorised runs of 16 and scalar tails), a last group cut
+    short, leading dims, and strided rows (a cache chunk's slice of positions)."""
     from flexgen_dist.memory.quant import dequantize, quantize
 
     _native_library()
     g = torch.Generator().manual_seed(bits * 100 + group)
-    x = torch.randn(*shape, generator=g) * 3
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
     q = quantize(x, bits, group, dim=-1)
-    fast = kernels.dequant_f32(q.data, q.mins, q.scales, shape[-1], group, bits)
-    assert fast is not None
+    fast = kernels.dequant(q.data, q.mins, q.scales, shape[-1], group, bits, dtype)
+    assert fast is not None and fast.dtype == dtype
     with monkeypatch.context() as m:
         m.setattr(kernels, "_state", {"lib": None})  # the torch path
         ref = dequantize(q)
     assert torch.equal(fast, ref) and torch.equal(dequantize(q), ref)
     part = slice(1, shape[0] - 1)  # rows of a bigger tensor: evenly strided, each contiguous
-    sub = kernels.dequant_f32(q.data[part], q.mins[part], q.scales[part], shape[-1], group, bits)
+    sub = kernels.dequant(q.data[part], q.mins[part], q.scales[part], shape[-1], group, bits, dtype)
     assert sub is not None and torch.equal(sub, ref[part])
     if len(shape) == 3:  # positions [1, 4) of each row of a cache chunk: two strides per part
         pos = (slice(None), slice(1, 4))
-        sub = kernels.dequant_f32(q.data[pos], q.mins[pos], q.scales[pos], shape[-1], group, bits)
+        sub = kernels.dequant(q.data[pos], q.mins[pos], q.scales[pos], shape[-1], group, bits, dtype)
         assert sub is not None and sub.is_contiguous() and torch.equal(sub, ref[pos])
-    assert kernels.dequant_f32(q.data, q.mins, q.scales, shape[-1], group, 2) is None  # 2-bit: torch's
-    assert kernels.dequant_f32(q.data, q.mins.bfloat16(), q.scales.bfloat16(), shape[-1], group, bits) is None
+    assert kernels.dequant(q.data, q.mins, q.scales, shape[-1], group, 2, dtype) is None  # 2-bit: torch's
+    assert kernels.dequant(q.data, q.mins, q.scales.float().to(torch.float64), shape[-1], group, bits,
+                           dtype) is None  # mins and scales of two dtypes

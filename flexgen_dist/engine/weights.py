@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
@@ -193,8 +194,10 @@ class WeightStore:
             self.tracker.add(Tier.CPU if cuda else Tier.GPU, bufs[key].nbytes)
         return bufs[key]
 
-    def load(self, slot: Slot, bufs: dict[tuple, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The slot's weights as compute-device tensors (views where already there).
+    def load(self, slot: Slot, bufs: dict[tuple, torch.Tensor] | None = None) -> dict[str, torch.Tensor | QWeight]:
+        """The slot's weights as compute-device tensors (views where already there); on a CPU
+        device a compressed matrix comes as a ``QWeight``, still packed (in the read buffers
+        when it was on disk), which the model math multiplies as it is.
 
         ``bufs`` (from ``next_buffers``) receives what is read from disk.
         """
@@ -209,7 +212,12 @@ class WeightStore:
                     for k in _PARTS:
                         getattr(q, k).read(out=b[k])
                     q = replace(q, **{k: b[k] for k in _PARTS})
-                if self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
+                if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2:
+                    # packed: the product reads the codes (decode), or expands them into the
+                    # reused buffer (prefill); nothing is expanded here, on the I/O thread
+                    out[name] = QWeight(q.data, q.mins, q.scales, (int(q.shape[0]), int(q.shape[1])),
+                                        q.group_size, q.bits, q.dtype, b["dense"])
+                elif self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
                     out[name] = dequantize(q, self.device, out=b["dense"])
                 else:
                     out[name] = dequantize(q, self.device)
@@ -231,7 +239,7 @@ class WeightStore:
                 self.tracker.add(Tier.GPU, buf.nbytes)
         return out
 
-    def release(self, slot: Slot, loaded: dict[str, torch.Tensor]) -> None:
+    def release(self, slot: Slot, loaded: dict[str, torch.Tensor | QWeight]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
         for name, p in self.placed[slot].items():
             if isinstance(p.data, (DiskTensor, QTensor)) and self.device.type == "cpu":

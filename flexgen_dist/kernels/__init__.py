@@ -1,7 +1,9 @@
-"""Native float32 CPU kernels (decode GEMM and attention, RMSNorm, rotary, SwiGLU's
-``silu(g) * u``, dequantization of 4/8-bit groups), compiled on first use for the machine that runs them.
+"""Native CPU kernels, compiled on first use for the machine that runs them: float32 decode
+GEMM and attention, RMSNorm, rotary, SwiGLU's ``silu(g) * u`` (``cpu_kernels.cpp``), and
+group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
+product of few rows with the packed codes (``cpu_qlinear.cpp``).
 
-``cpu_kernels.cpp`` is built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
+The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
 into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``$FLEXGEN_CACHE/kernels``, default
 ``~/.cache/flexgen_dist/kernels``), once per source, compiler and CPU feature set, so nodes
 that share a home directory never load a build for another CPU. The build takes ~2 s. The
@@ -27,12 +29,16 @@ import torch
 
 log = logging.getLogger("flexgen_dist.kernels")
 
-_SRC = Path(__file__).with_name("cpu_kernels.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "cpu_kernels.cpp", _HERE / "cpu_qlinear.cpp"]
+_HEADERS = [_HERE / "cpu_simd.h"]
 # -ffp-contract=off: a product and a sum stay two roundings where the reference rounds twice
 # (FMAs are written out where they are meant)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
+# dtype codes of the kernels that take several dtypes (DT_* in cpu_simd.h)
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def enabled() -> bool:
@@ -63,7 +69,7 @@ def _build(cxx: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *_FLAGS, str(_SRC), "-o", tmp], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError((r.stderr.strip().splitlines() or ["compiler failed"])[-1])
         os.replace(tmp, out)
@@ -81,7 +87,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-        key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+        key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + " ".join(_FLAGS).encode() + version.encode()
                              + cpu_info("flags").encode()).hexdigest()[:16]
         so = kernel_dir() / f"cpu_kernels-{key}.so"
         if not so.exists():
@@ -93,20 +99,25 @@ def _load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_f32.restype = None
-    lib.fg_attention_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, ptr, i64, ctypes.c_float,
-                                     ptr, ctypes.c_int]
-    lib.fg_attention_f32.restype = None
+    lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_float,
+                                 ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_attention.restype = None
     lib.fg_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.fg_rms_norm_f32.restype = None
     lib.fg_silu_mul_f32.argtypes = [ptr, ptr, i64, ctypes.c_int]
     lib.fg_silu_mul_f32.restype = None
     lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.fg_rope_f32.restype = None
-    lib.fg_dequant_f32.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr,
-                                   ctypes.c_int]
-    lib.fg_dequant_f32.restype = None
+    lib.fg_dequant.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int,
+                               ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_dequant.restype = None
+    lib.fg_qlinear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ctypes.c_int,
+                               ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_qlinear.restype = None
+    lib.fg_has_dpbf16.restype = ctypes.c_int
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
+    _state["dpbf16"] = bool(lib.fg_has_dpbf16())
     _state["key"] = key
     return lib
 
@@ -167,25 +178,29 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return y.view(*x.shape[:-1], n)
 
 
-def attention_f32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> torch.Tensor | None:
-    """Decode attention over cache rows: q (R, G, 1, d), k/v (R, L, d) with each row's
-    positions contiguous (strided views of a preallocated cache are read in place), mask
-    (R, 1, 1, L) bool -> (R, G, 1, d); or None where the kernel does not apply (no library,
-    not float32 on the CPU, another layout, head_dim not a multiple of the vector width).
-    """
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              scale: float) -> torch.Tensor | None:
+    """Decode attention over cache rows, in float32, bfloat16 or float16 (float32 arithmetic,
+    the output rounded once): q (R, G, 1, d) contiguous, k/v (R, L, d) with each position's d
+    elements contiguous and rows and positions evenly strided (strided views of a
+    preallocated cache, row-major or position-major, are read in place), mask (R, 1, 1, L)
+    bool -> (R, G, 1, d); or None where the kernel does not apply (no library, another dtype,
+    device or layout, head_dim not a multiple of the vector width)."""
     lib = library()
     if lib is None:
         return None
     r, g, t, d = q.shape
     L = k.shape[1]
-    if (t != 1 or not _f32_cpu(q, k, v) or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
+    dt = q.dtype
+    if (t != 1 or dt not in _DT or any(x.dtype != dt or x.device.type != "cpu" for x in (q, k, v))
+            or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
             or mask.shape != (r, 1, 1, L) or mask.stride(-1) != 1 or k.shape != v.shape
-            or k.shape[0] != r or any(x.stride(2) != 1 or x.stride(1) != d for x in (k, v))):
+            or k.shape[0] != r or any(x.stride(2) != 1 for x in (k, v))):
         return None
-    out = torch.empty((r, g, 1, d), dtype=torch.float32)
-    lib.fg_attention_f32(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), L,
-                         mask.data_ptr(), mask.stride(0), scale, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty((r, g, 1, d), dtype=dt)
+    lib.fg_attention(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+                     v.stride(1), L, mask.data_ptr(), mask.stride(0), scale, out.data_ptr(), _DT[dt],
+                     torch.get_num_threads())
     return out
 
 
@@ -226,18 +241,34 @@ def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return out
 
 
-def dequant_f32(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
-                bits: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Rows of group-wise quantized codes back to float32 in one pass: codes (..., packed) uint8,
-    mins/scales (..., groups) float32, each row contiguous -> (..., cols), contiguous (written
-    into ``out`` when given: a reused buffer spares the page faults of a fresh allocation); or
-    None where the kernel does not apply (no library, bits other than 4 and 8, another dtype
-    or device, rows that are neither one strided run nor two, as a slice of a cache chunk is)."""
+
+
+def native_bf16_product() -> bool:
+    """Whether the fused kernel multiplies bfloat16 natively here (AVX512_BF16), rather than
+    widening to float32."""
+    return library() is not None and bool(_state.get("dpbf16"))
+
+
+def _qparts_ok(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
+               bits: int) -> bool:
+    return (bits in (4, 8) and codes.dtype == torch.uint8 and codes.device.type == "cpu"
+            and mins.dtype in _DT and scales.dtype == mins.dtype and mins.device.type == "cpu"
+            and mins.shape == scales.shape and mins.stride() == scales.stride()
+            and codes.shape[:-1] == mins.shape[:-1] and mins.shape[-1] == -(-cols // group)
+            and codes.shape[-1] * 8 // bits >= cols and codes.stride(-1) == 1 and mins.stride(-1) == 1)
+
+
+def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
+            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows of group-wise quantized codes expanded into ``dtype`` (float32, bfloat16 or
+    float16) in one pass: codes (..., packed) uint8, mins/scales (..., groups) of any of those
+    dtypes, each row contiguous -> (..., cols), contiguous (written into ``out`` when given: a
+    reused buffer spares the page faults of a fresh allocation). Each value is
+    ``code * scale + min`` in float32, rounded to ``dtype``: the reference expansion's value.
+    None where the kernel does not apply (no library, bits other than 4 and 8, another dtype or
+    device, rows that are neither one strided run nor two, as a slice of a cache chunk is)."""
     lib = library()
-    if (lib is None or bits not in (4, 8) or codes.dtype != torch.uint8 or codes.device.type != "cpu"
-            or not _f32_cpu(mins, scales) or mins.shape != scales.shape or mins.stride() != scales.stride()
-            or codes.shape[:-1] != mins.shape[:-1] or mins.shape[-1] != -(-cols // group)
-            or codes.shape[-1] * 8 // bits < cols or codes.stride(-1) != 1 or mins.stride(-1) != 1):
+    if lib is None or dtype not in _DT or not _qparts_ok(codes, mins, scales, cols, group, bits):
         return None
     lead = tuple(mins.shape[:-1])
     c2, m2 = _rows(codes), _rows(mins)
@@ -248,10 +279,49 @@ def dequant_f32(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, c
     else:
         return None
     if out is None:
-        out = torch.empty((*lead, cols), dtype=torch.float32)
-    elif out.shape != (*lead, cols) or not out.is_contiguous() or not _f32_cpu(out):
+        out = torch.empty((*lead, cols), dtype=dtype)
+    elif out.shape != (*lead, cols) or not out.is_contiguous() or out.dtype != dtype or out.device.type != "cpu":
         return None
-    lib.fg_dequant_f32(codes.data_ptr(), n0, n1, cols, *cs, mins.data_ptr(), scales.data_ptr(), *ms, group, bits,
-                       out.data_ptr(), torch.get_num_threads())
+    lib.fg_dequant(codes.data_ptr(), n0, n1, cols, *cs, mins.data_ptr(), scales.data_ptr(), *ms, _DT[mins.dtype],
+                   group, bits, out.data_ptr(), _DT[dtype], torch.get_num_threads())
     return out
 
+
+def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,
+            group: int, bits: int, b: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, native_bf16: bool = True) -> torch.Tensor | None:
+    """``F.linear(x, W, b)`` (+ ``residual``) with W (out, in) given by its group-wise quantized
+    codes (out, packed) and mins/scales (out, groups), grouped along the input dim, expanded a
+    panel at a time inside the product (never as a whole). x (..., in) in float32, bfloat16 or
+    float16 on the CPU, its last dim contiguous; the output and b and residual in x's dtype.
+    Rounds as the reference does (module doc of ``cpu_qlinear.cpp``). None where the kernel does
+    not apply (no library, another dtype or layout). ``native_bf16=False`` widens bfloat16 to
+    float32 even where the CPU multiplies bfloat16 natively (the path of other CPUs, for tests)."""
+    lib = library()
+    k = x.shape[-1]
+    dt = x.dtype
+    if (lib is None or dt not in _DT or x.device.type != "cpu" or codes.dim() != 2 or mins.dim() != 2
+            or codes.shape[0] != out_features or codes.stride(-1) != 1
+            or not _qparts_ok(codes, mins, scales, k, group, bits)
+            or (b is not None and not (b.dtype == dt and b.device.type == "cpu" and b.is_contiguous()
+                                       and b.shape == (out_features,)))
+            or (residual is not None and not (residual.dtype == dt and residual.device.type == "cpu"
+                                              and residual.is_contiguous()
+                                              and residual.shape == (*x.shape[:-1], out_features)))):
+        return None
+    x2 = _rows(x)
+    if x2 is None:
+        return None
+    m = x2.shape[0]
+    y = torch.empty((m, out_features), dtype=dt)
+    native = dt == torch.bfloat16 and native_bf16 and bool(_state.get("dpbf16"))
+    if native:  # x in the kernel's column order, padded
+        xf: torch.Tensor | None = torch.empty((m, -(-k // 32) * 32), dtype=torch.bfloat16)
+    else:  # x widened to float32 (none needed in float32)
+        xf = torch.empty((m, k), dtype=torch.float32) if dt != torch.float32 else None
+    lib.fg_qlinear(x2.data_ptr(), m, k, x2.stride(0), codes.data_ptr(), codes.stride(0), mins.data_ptr(),
+                   scales.data_ptr(), mins.stride(0), _DT[mins.dtype], out_features, group, bits,
+                   b.data_ptr() if b is not None else None,
+                   residual.data_ptr() if residual is not None else None, y.data_ptr(), out_features, _DT[dt],
+                   xf.data_ptr() if xf is not None else None, int(native), torch.get_num_threads())
+    return y.view(*x.shape[:-1], out_features)

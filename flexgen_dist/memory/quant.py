@@ -152,10 +152,10 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     if device is not None:
         data, mins, scales = (p.to(device) for p in (data, mins, scales))
     n = q.shape[q.dim]
-    if q.dim == len(q.shape) - 1 and q.dtype == torch.float32 and data.device.type == "cpu":
+    if q.dim == len(q.shape) - 1 and data.device.type == "cpu":
         from .. import kernels  # the same values in one pass (a leaf package: no import cycle)
 
-        fast = kernels.dequant_f32(data, mins, scales, n, q.group_size, q.bits, out)
+        fast = kernels.dequant(data, mins, scales, n, q.group_size, q.bits, q.dtype, out)
         if fast is not None:
             return fast
     num_groups = mins.shape[-1]

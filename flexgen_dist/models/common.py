@@ -13,10 +13,14 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import gemm
+from ..kernels.qweight import QWeight
 from .spec import ModelSpec, RopeScaling
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+Weight = torch.Tensor | QWeight  # a dense matrix, or one still packed in 4/8-bit groups
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + b`` with w of shape (out, in), as ``F.linear``, plus ``residual`` when given
     (rounded as ``F.linear(x, w, b).add_(residual)``; the native kernel adds it as it writes).
@@ -25,7 +29,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     shape (``kernels/gemm.py``: ``F.linear``, ``w @ x.T`` or the native kernel, chosen once
     per machine, never by timing this call), so every run computes the same sums in the same
     order. ``FLEXGEN_GEMM_TUNE=0`` runs ``F.linear`` always.
+
+    A packed weight (``QWeight``, from ``--compress-weight``) is multiplied as it is stored
+    where the fused kernel applies (few rows on the CPU), else expanded and multiplied as a
+    dense one.
     """
+    if isinstance(w, QWeight):
+        y = w.linear(x, b, residual)
+        if y is not None:
+            return y
+        w = w.dense()
     if x.device.type != "cpu":
         return _add(F.linear(x, w, b), residual)
     if b is not None and x.dtype != torch.float32:
@@ -37,6 +50,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return y if residual is None else y.add_(residual)
+
+
+def embedding(ids: torch.Tensor, w: Weight) -> torch.Tensor:
+    """``F.embedding(ids, w)``; a packed table expands only the rows it gathers."""
+    return w.rows(ids) if isinstance(w, QWeight) else F.embedding(ids, w)
 
 
 def project_qkv(spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor

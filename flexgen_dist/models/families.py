@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import torch
 
+from ..kernels.qweight import QWeight
 from .spec import ModelSpec
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, torch.Tensor | QWeight]  # a compressed matrix stays packed on a CPU device
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Shapes = Callable[[ModelSpec], dict[str, tuple[int, ...]]]
 

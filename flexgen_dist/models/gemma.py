@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import Positions, apply_rope, as_positions, linear, project_qkv, rms_norm
+from .common import Positions, apply_rope, as_positions, embedding, linear, project_qkv, rms_norm
 from .families import Attend, Family, Weights, register
 from .llama import embed_shapes, head_shapes  # the same token embedding and RMSNorm head
 from .spec import ModelSpec
@@ -101,7 +101,7 @@ def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Po
     # does (in bfloat16, sqrt(3072) = 55.43 becomes 55.5: the checkpoints were trained so)
     tok = w["tok.w"]
     scale = torch.tensor(spec.hidden_size ** 0.5, dtype=torch.float32, device=tok.device).to(tok.dtype)
-    return F.embedding(ids, tok).mul_(scale)
+    return embedding(ids, tok).mul_(scale)
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,

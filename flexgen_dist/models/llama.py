@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Positions, apply_rope, as_positions, linear, project_qkv, rms_norm, silu_mul
+from .common import Positions, apply_rope, as_positions, embedding, linear, project_qkv, rms_norm, silu_mul
 from .families import ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
@@ -113,7 +113,7 @@ def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 
 def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
-    return torch.nn.functional.embedding(ids, w["tok.w"])
+    return embedding(ids, w["tok.w"])
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,

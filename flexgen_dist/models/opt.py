@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Positions, as_positions, layer_norm, linear
+from .common import Positions, as_positions, embedding, layer_norm, linear
 from .families import Attend, Family, Weights, register
 from .spec import ModelSpec
 
@@ -71,10 +71,10 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
 
 
 def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
-    x = torch.nn.functional.embedding(ids, w["tok.w"])
+    x = embedding(ids, w["tok.w"])
     if spec.has_projection:
         x = linear(x, w["proj_in.w"])
-    return x + torch.nn.functional.embedding(as_positions(pos).ids + POS_OFFSET, w["pos.w"])
+    return x + embedding(as_positions(pos).ids + POS_OFFSET, w["pos.w"])
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,

@@ -1,0 +1,103 @@
+"""A 2-D weight handed to the model math still packed: group-wise 4/8-bit codes with a min
+and a scale per group along the input dim (the engine's compressed weights and GGUF's Q4_0,
+Q4_1 and Q8_0 blocks share that layout).
+
+On the CPU a linear layer of few rows multiplies the codes directly (``kernels.qlinear``: a
+panel of rows is expanded inside the product, in the compute dtype), so a decode step reads a
+quarter of the bytes and writes no dense copy. A product of many rows (a prefill) expands the
+weight once into a reused dense buffer (``dense``) and runs the BLAS, where the BLAS is faster.
+An embedding lookup expands only the rows it gathers (``rows``).
+
+Every expansion gives the reference's values: ``code * scale + min`` in float32, rounded to the
+compute dtype (``expand_reference`` is that formula in torch; the native kernels equal it).
+
+This module belongs to the kernels package, a leaf: it imports nothing else from flexgen_dist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import dequant, qlinear
+
+# Rows of x up to which the fused product runs; beyond, the weight is expanded and the BLAS
+# multiplies it. Measured per opt-1.3b layer (2 cores, AVX512_BF16, bfloat16): the fused
+# product is 1.5x faster than the dense BLAS at 1 row and even at 64; expand-then-BLAS wins
+# from 128 rows on (docs/benchmarks.md, "4-bit weights").
+FUSED_MAX_ROWS = 64
+
+
+@dataclass
+class QWeight:
+    """A packed (out, in) weight: ``codes`` (out, packed) uint8, ``mins``/``scales`` (out,
+    groups), groups of ``group_size`` along the input dim, ``bits`` 4 or 8 per code; values in
+    ``dtype``. ``buffer``: a reused (out, in) tensor of that dtype that ``dense`` fills (a
+    fresh one each call without it)."""
+
+    codes: torch.Tensor
+    mins: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple[int, int]
+    group_size: int
+    bits: int
+    dtype: torch.dtype
+    buffer: torch.Tensor | None = None
+    _expanded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dense(self) -> torch.Tensor:
+        """The whole weight expanded in ``dtype`` (into ``buffer`` when there is one), once: the
+        GPU batches of a block that each multiply many rows share one expansion."""
+        if self._expanded is None:
+            self._expanded = self._expand()
+        return self._expanded
+
+    def _expand(self) -> torch.Tensor:
+        out = self.buffer
+        if self.device.type == "cpu":
+            y = dequant(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits,
+                        self.dtype, out)
+            if y is not None:
+                return y
+        y = expand_reference(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits,
+                             self.dtype)
+        return y if out is None else out.copy_(y)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``F.embedding(ids, self.dense())`` expanding only the gathered rows."""
+        flat = ids.reshape(-1)
+        codes, mins, scales = self.codes[flat], self.mins[flat], self.scales[flat]
+        y = dequant(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype) \
+            if self.device.type == "cpu" else None
+        if y is None:
+            y = expand_reference(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype)
+        return y.view(*ids.shape, self.shape[1])
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``F.linear(x, self.dense(), b)`` (+ ``residual``) by the fused product, for few rows
+        on the CPU; None where it does not apply (the caller expands and multiplies)."""
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        if self.device.type != "cpu" or x.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS:
+            return None
+        return qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b,
+                       residual)
+
+
+def expand_reference(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
+                     bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The reference expansion of rows grouped along the last dim, in torch on the codes'
+    device: ``code * scale + min`` in float32, rounded to ``dtype`` -> (..., cols)."""
+    per = 8 // bits
+    if per > 1:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+        codes = ((codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*codes.shape[:-1], -1)
+    lead, groups = mins.shape[:-1], mins.shape[-1]
+    x = codes[..., : groups * group].reshape(*lead, groups, group).float()
+    x = x * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
+    return x.reshape(*lead, groups * group)[..., :cols].to(dtype).contiguous()
