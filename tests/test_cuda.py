@@ -136,8 +136,8 @@ def test_cpu_attention_reads_the_cache_in_pinned_ram(tiny_models, gpu_device, tm
     chunks: list = []
     alloc = kvcache.BlockCache._alloc
 
-    def recording_alloc(self, tier, r0, r1, name):
-        ch = alloc(self, tier, r0, r1, name)
+    def recording_alloc(self, tier, r0, r1, cap, name):
+        ch = alloc(self, tier, r0, r1, cap, name)
         chunks.append(ch)
         return ch
 
@@ -208,3 +208,27 @@ def test_two_ranks_share_one_gpu(tiny_models, gpu_device, tmp_path: Path) -> Non
     assert [x["tokens"] for x in read_jsonl(out)] == ref
     m = json.loads(met.read_text())
     assert m["world_size"] == 2 and m["device"].startswith(gpu_device.type)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype: torch.dtype) -> None:
+    """A packed weight on the compute device expands (torch's ops there) to exactly the values
+    the CPU's native kernel gives, in every compute dtype; the fused product is a CPU kernel,
+    so a device weight goes through the expansion, and the product equals the dense one."""
+    from flexgen_dist.kernels.qweight import QWeight
+    from flexgen_dist.memory.quant import dequantize, quantize
+    from flexgen_dist.models import common
+
+    if dtype == torch.float16 and gpu_device.type == "cpu":
+        pytest.skip("float16 is a GPU type here (the CPU runs bfloat16)")
+    w = (torch.randn(96, 200) * 0.3).to(dtype)
+    q = quantize(w, 4, 32, dim=1)
+    cpu_values = dequantize(q)
+    dev = QWeight(q.data.to(gpu_device), q.mins.to(gpu_device), q.scales.to(gpu_device), (96, 200), 32, 4, dtype)
+    assert torch.equal(dev.dense().cpu(), cpu_values)
+    x = torch.randn(3, 200).to(dtype).to(gpu_device)
+    y, ref = common.linear(x, dev), common.linear(x, cpu_values.to(gpu_device))
+    if gpu_device.type == "cuda":  # expanded, then the same GEMM
+        assert torch.equal(y, ref)
+    else:  # the CPU's fused product: the same values, summed in another order
+        torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)

@@ -173,8 +173,10 @@ static inline void bf_block(const uint16_t* x, int64_t ldx, const uint16_t* w, i
     }
 }
 
+#ifndef BF_NB
 #define BF_NB 4
 #define BF_MB 6
+#endif
 
 template <int nb, int mb>
 struct BfTailM {
@@ -273,8 +275,10 @@ static void bf_split_x(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int
 #define HAVE_DPBF16 0
 #endif
 
+#ifndef QP_ROWS
 #define QP_ROWS 32   // weight rows per panel (bfloat16 path)
 #define QP_COLS 2048 // columns per panel pass (bfloat16 path): 32 x 2048 x 2 B = 128 KiB, in L2
+#endif
 
 extern "C" {
 

@@ -15,6 +15,7 @@ This module belongs to the kernels package, a leaf: it imports nothing else from
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,12 @@ from . import dequant, qlinear
 # product is 1.5x faster than the dense BLAS at 1 row and even at 64; expand-then-BLAS wins
 # from 128 rows on (docs/benchmarks.md, "4-bit weights").
 FUSED_MAX_ROWS = 64
+
+
+def fused_enabled() -> bool:
+    """``FLEXGEN_FUSED_QLINEAR=0`` turns the fused product off: every packed weight is expanded,
+    then multiplied (to compare the two, or to rule the kernel out)."""
+    return os.environ.get("FLEXGEN_FUSED_QLINEAR", "1").lower() not in ("0", "false", "no", "off")
 
 
 @dataclass
@@ -83,7 +90,8 @@ class QWeight:
         on the CPU; None where it does not apply (the caller expands and multiplies)."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        if self.device.type != "cpu" or x.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS:
+        if (self.device.type != "cpu" or x.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS
+                or not fused_enabled()):
             return None
         return qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b,
                        residual)
