@@ -42,6 +42,7 @@ from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings, check_prompt_lengths, make_prompt
 from .run_plan import RunPlanner
 from .scoring import Score, score_split, score_targets
+from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker
 
 PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
@@ -119,6 +120,9 @@ class LLM:
         self.metrics: dict[str, Any] = {}  # rank 0: the merged report of the last generate call
         self.stage_metrics: dict[str, Any] = {}  # every rank: its own stage's record
         self.plan: RunPlan | None = None  # made at the first call (rank 0), the same on every rank
+        # compute threads from the CPUs this rank may use, before anything computes (threads.py)
+        self.threads = choose_threads(cfg.threads)
+        apply_threads(self.threads)
         self._group = RankGroup(DistContext.init(self.topology, self.device.type, cfg.backend, cfg.dist_timeout))
         self._closed = False
         with self._guard(close=True):
@@ -130,7 +134,7 @@ class LLM:
             budgets = machine_budgets(user_caps(cfg.gpu_mem, cfg.cpu_mem, cfg.disk_mem), self.device,
                                       cfg.offload_dir)
             self._planner = RunPlanner(cfg, self.model, self.world_size, self.device, self.dtype, budgets)
-            self._worker = StageWorker(cfg, self.model, self._group, self.device, self.dtype)
+            self._worker = StageWorker(cfg, self.model, self._group, self.device, self.dtype, self.threads)
             # every run reclaims what killed runs left under its offload dir, disk tier or not
             reclaim_stale_dirs(Path(cfg.offload_dir).expanduser())
 
@@ -307,6 +311,11 @@ class LLM:
         peaks = self._planner.check(self.plan, work, self.rank)
         if self._worker.build(self.plan, peaks) and self.is_driver:
             self._say_plan()
+        cost = self._worker.prepare(self.plan, work)
+        if self.is_driver and cost["kernel_build_s"] + cost["gemm_tune_s"] >= 0.5:  # first use on a machine
+            print(f"one-time: native kernels ready in {cost['kernel_build_s']:.1f} s, GEMM forms of "
+                  f"{cost['gemm_shapes_tuned']} shapes timed in {cost['gemm_tune_s']:.1f} s (kept for later "
+                  "runs; not part of the throughputs)", file=sys.stderr)
         return work, peaks
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
@@ -367,6 +376,8 @@ class LLM:
             print(f"{who}policy: gbs={p.gpu_batch_size} num_gb={p.num_gpu_batches} percent="
                   f"{' '.join(f'{x:g}' for x in p.percent())} cpu_attention={p.cpu_attention} "
                   f"overlap={p.overlap}", file=sys.stderr)
+        if self.device.type == "cpu":
+            print(f"threads: {self.threads.threads} ({self.threads.why})", file=sys.stderr)
 
     def _run(self, work: Workload, peaks: Peaks) -> Iterator[tuple[int, list[Any]]]:
         """This rank's stage over the call's blocks; at the end rank 0 merges every stage's record."""

@@ -72,6 +72,7 @@ class RunConfig:
     master_addr: str | None = None
     master_port: int | None = None
     log_dir: str | None = None
+    threads: int | None = None  # compute threads per rank (None: from the CPUs this rank may use)
     print_outputs: int = 8
     sort_window: int = DEFAULT_SORT_WINDOW  # blocks' worth of requests grouped by length at a time (0: input order)
     progress: bool = True
@@ -114,6 +115,8 @@ class RunConfig:
                               "starts it over")
         if (self.resume or self.overwrite) and not self.output:
             raise ConfigError(f"--{'resume' if self.resume else 'overwrite'} needs --output FILE (the job's output)")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads {self.threads}: must be >= 1")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
         try:
@@ -238,6 +241,9 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--threads", type=int, help="compute threads per rank (default: the CPUs this rank may use: "
+                   "its affinity, cgroup quota and share of the node, less the CPUs other processes keep busy "
+                   "at start, at most OMP_NUM_THREADS); the metrics say what was chosen and why")
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", help=".jsonl with {id, prompt|input_ids} per line, or .txt one per line")
     g.add_argument("--num-prompts", type=int, help="synthetic prompts (random ids) instead of a file")

@@ -26,6 +26,7 @@ from .metrics import progress_bar
 from .models.loader import LoadedModel
 from .plan import Peaks, RunPlan, Workload
 from .prompts import StopStrings
+from .threads import ThreadChoice
 
 log = logging.getLogger("flexgen_dist")
 
@@ -34,8 +35,10 @@ class StageWorker:
     """The stage of ``group.rank`` under a plan: its engine, offload files and records."""
 
     def __init__(self, config: RunConfig, model: LoadedModel, group: RankGroup, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, threads: ThreadChoice | None = None) -> None:
         self.config, self.model, self.group, self.device, self.dtype = config, model, group, device, dtype
+        self.threads = threads  # the rank's compute threads, already applied (threads.py)
+        self.one_time: dict[str, float] = {}  # what preparing the stage cost, outside the clock
         self.engine: StageEngine | None = None
         self.disk: DiskStore | None = None
         self.record: dict[str, Any] = {}  # the last call's stage record
@@ -64,15 +67,27 @@ class StageWorker:
         log.info("stage %d: layers [%d, %d) weights %s", rank, *st.layers, self.engine.describe())
         return True
 
+    def prepare(self, plan: RunPlan, work: Workload) -> dict[str, float]:
+        """Cut this call's blocks and pay the stage's one-time costs for them before any clock
+        starts (``StageEngine.prepare``: the kernels' build, the GEMM forms of the row counts
+        the blocks' steps will have); returns those costs, also kept in the stage record."""
+        engine = self.engine
+        assert engine is not None, "build() first"
+        limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
+        self.blocks = plan_blocks(list(work.lens), engine.policy.block_size, limits,
+                                  plan.sort_window if work.targets is None else 0)
+        gbs = engine.policy.gpu_batch_size
+        rows = {r for b in self.blocks for r in (len(b.members), *b.meta(gbs, 1).batch_sizes)}
+        self.one_time = engine.prepare(rows)
+        return self.one_time
+
     def run(self, plan: RunPlan, work: Workload, peaks: Peaks) -> Iterator[tuple[BlockPlan, list[Any]]]:
         """The one loop over this call's blocks: rank 0 gets (block, per-row results) of each
         block; ``blocks`` are the call's blocks (grouped by length, ``engine/blocks.py``); at the
         end ``record`` holds this stage's figures."""
         engine = self.engine
         assert engine is not None, "build() first"
-        limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
-        blocks = self.blocks = plan_blocks(list(work.lens), engine.policy.block_size, limits,
-                                           plan.sort_window if work.targets is None else 0)
+        blocks = self.blocks  # cut by prepare()
         stops = None
         if work.stops is not None and any(work.stops) and self.group.is_driver:
             stops = StopStrings(work.stops, self.model.tokenizer)
@@ -110,6 +125,8 @@ class StageWorker:
             "direct_io": None if self.disk is None else self.disk.direct,
             "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums
             "huge_pages": hugepages.status(),  # large host tensors on huge pages (hugepages.py)
+            "threads": self.threads.as_dict() if self.threads is not None else None,
+            "one_time_s": dict(self.one_time),  # kernel build, GEMM tuning: not in the clock
         }
 
     def close(self) -> None:

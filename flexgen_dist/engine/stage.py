@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from .. import kernels
+from ..kernels import gemm
 from ..memory.disk import DiskStore
+from ..memory.quant import QTensor
 from ..memory.tiers import MemoryTracker, Tier
 from ..memory.units import format_bytes
 from ..models.common import Positions
@@ -79,8 +81,6 @@ class StageEngine:
         # Every weight is placed now: release the checkpoint's handles, so memory maps that no
         # placed tensor uses are unmapped (mapped pages would also pin the page cache).
         source.close()
-        if dtype == torch.float32 and (device.type == "cpu" or policy.cpu_attention):
-            kernels.library()  # built now (first use on this machine: ~2 s), not inside a timed step
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
         self._wbuf: dict[int, Any] = {}
         # The next sweep's first slot, loading during this sweep's last one (``run_sweep(more=)``)
@@ -90,6 +90,32 @@ class StageEngine:
         self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
         self._compute_of: dict[int, float] = {}
         self.sweep_compute: list[float] = []  # compute seconds of each part of the last sweep
+
+    def prepare(self, rows: set[int]) -> dict[str, float]:
+        """One-time costs, paid now rather than inside the first timed step: the native CPU
+        kernels' build (first use on a machine) and the GEMM form of every few-row CPU product
+        this stage will run with ``rows`` rows (each shape timed once per machine and stored,
+        ``kernels/gemm.py``). Returns the seconds each took and the shapes timed now."""
+        out = {"kernel_build_s": 0.0, "gemm_tune_s": 0.0, "gemm_shapes_tuned": 0}
+        if self.device.type != "cpu" and not self.policy.cpu_attention:
+            return out
+        t0 = time.perf_counter()
+        kernels.library()
+        out["kernel_build_s"] = time.perf_counter() - t0
+        if self.device.type != "cpu" or not gemm.tuning_enabled():
+            return out
+        shapes = {tuple(p.shape) for slot in self.slots for name, p in self.weights.placed[slot].items()
+                  if len(p.shape) == 2 and not isinstance(p.data, QTensor)
+                  and not (slot[0] == "embed" and name in ("tok.w", "pos.w"))}  # lookups, not products
+        policy = gemm.policy()
+        before = policy.tuned
+        t0 = time.perf_counter()
+        for m in sorted(r for r in rows if 0 < r <= gemm.MAX_ROWS):
+            for n, k in sorted(shapes):
+                policy.form(m, n, k, self.dtype)
+        out["gemm_tune_s"] = time.perf_counter() - t0
+        out["gemm_shapes_tuned"] = policy.tuned - before
+        return out
 
     # --- blocks -------------------------------------------------------------------------
     def new_block(self, meta: BlockMeta, tag: str = "") -> BlockState:

@@ -64,18 +64,30 @@ def cpu_info(field: str) -> str:
 
 
 def _build(cxx: str, out: Path) -> None:
+    """Compile every source at once (one compiler per source, in parallel), then link."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    # build under a unique name, then rename: ranks on one node may build at the same time
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    # build under unique names, then rename: ranks on one node may build at the same time
+    work = Path(tempfile.mkdtemp(prefix="build-", dir=out.parent))
     try:
-        r = subprocess.run([cxx, *_FLAGS, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True, timeout=300)
+        compile_flags = [f for f in _FLAGS if f != "-shared"]
+        objs = [work / f"{src.stem}.o" for src in _SOURCES]
+        procs = [subprocess.Popen([cxx, *compile_flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(_SOURCES, objs)]
+        errors = []
+        for p in procs:
+            _, err = p.communicate(timeout=300)
+            if p.returncode != 0:
+                errors.append((err.strip().splitlines() or ["compiler failed"])[-1])
+        if errors:
+            raise RuntimeError(errors[0])
+        lib = work / "lib.so"
+        r = subprocess.run([cxx, *_FLAGS, *map(str, objs), "-o", str(lib)], capture_output=True, text=True,
+                           timeout=300)
         if r.returncode != 0:
-            raise RuntimeError((r.stderr.strip().splitlines() or ["compiler failed"])[-1])
-        os.replace(tmp, out)
+            raise RuntimeError((r.stderr.strip().splitlines() or ["linker failed"])[-1])
+        os.replace(lib, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _load() -> ctypes.CDLL | None:

@@ -63,6 +63,15 @@ static inline vf vload_as_f32(const void* p) {
 #endif
 }
 
+// nr (<= NB) weight rows w (row stride ldw) against M rows of x: linear_f32's register blocks,
+// for the fused quantized product's float32 panels (cpu_qlinear.cpp), so their template
+// instances are compiled once, here.
+extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw,
+                             int64_t K, const float* bias, const float* res, float* y, int64_t ldy) {
+    Prefetch pf{nullptr, nullptr, 0};
+    TailN<NB>::run(nr, x, M, ldx, w, ldw, K, bias, res, y, ldy, pf);
+}
+
 // out (R, G, d) = softmax(q k^T * scale, masked) v for each row r, elements of dtype DT
 // (float32, bfloat16, float16) with float32 arithmetic throughout and one rounding of the
 // output: q (R, G, d) contiguous; position l of row r of k at k + r * ldk + l * ldl (v alike:

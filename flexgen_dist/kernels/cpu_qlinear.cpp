@@ -275,6 +275,9 @@ static void bf_split_x(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, int
 #define HAVE_DPBF16 0
 #endif
 
+extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx, const float* w, int64_t ldw,
+                             int64_t K, const float* bias, const float* res, float* y, int64_t ldy);
+
 #ifndef QP_ROWS
 #define QP_ROWS 32   // weight rows per panel (bfloat16 path)
 #define QP_COLS 2048 // columns per panel pass (bfloat16 path): 32 x 2048 x 2 B = 128 KiB, in L2
@@ -401,13 +404,12 @@ void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
             for (int64_t r = 0; r < nr; r++)
                 dq_cols(codes + (n0 + r) * ldc, (const char*)mins + (n0 + r) * ldm * esz,
                         (const char*)scales + (n0 + r) * ldm * esz, mt, 0, K, group, bits, dt, panel + r * K);
-            Prefetch pf{nullptr, nullptr, 0};
             if (dt == DT_F32) {
-                TailN<NB>::run(nr, xs, M, ldxs, panel, K, K, bias ? (const float*)bias + n0 : nullptr,
-                               res ? (const float*)res + n0 : nullptr, (float*)y + n0, ldy, pf);
+                fg_panel_f32(nr, xs, M, ldxs, panel, K, K, bias ? (const float*)bias + n0 : nullptr,
+                             res ? (const float*)res + n0 : nullptr, (float*)y + n0, ldy);
                 continue;
             }
-            TailN<NB>::run(nr, xs, M, ldxs, panel, K, K, nullptr, nullptr, yt, NB, pf);
+            fg_panel_f32(nr, xs, M, ldxs, panel, K, K, nullptr, nullptr, yt, NB);
             for (int64_t m = 0; m < M; m++)
                 for (int64_t r = 0; r < nr; r++)
                     store_from_f32(y, m * ldy + n0 + r, finish(yt[m * NB + r], bias, res, n0 + r, m * ldy + n0 + r, dt), dt);
