@@ -8,7 +8,8 @@ Each choice is recorded with its reason (``RunPlan.choices``; ``--explain`` prin
 - **policies**: ``--policy auto`` (the planner's LP over a hardware profile), else the policy
   file or flags, one per stage;
 - **micro-batch groups G**: ``--num-micro-batches``, else the cost model's best of m and 2m
-  where there is a profile, else m (every stage busy);
+  where there is a profile (``--hardware FILE``, or this host's cached one, which the first
+  ``--policy auto`` run measures), else m (every stage busy);
 - **prefill items** and **schedule**: the flags, else the cost model's choice where there is
   a profile, else the rules below that need none;
 - **peaks**: each stage's predicted bytes per tier (``engine/footprint.py``), checked against
@@ -28,6 +29,7 @@ from .engine.footprint import predict_peaks
 from .engine.policy import Policy
 from .models.loader import LoadedModel
 from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
+from .planner.profiler import cached_profile
 
 Ranges = list[tuple[int, int]]
 
@@ -39,6 +41,7 @@ class RunPlanner:
                  dtype: torch.dtype, budgets: Budgets) -> None:
         self.config, self.model, self.world_size, self.device = config, model, world_size, device
         self.budgets = budgets
+        self.dtype = dtype
         self.dtype_bytes = torch.finfo(dtype).bits // 8
 
     def plan(self, work: Workload) -> RunPlan:
@@ -63,6 +66,12 @@ class RunPlanner:
                                   "(gpu_batch_size x num_gpu_batches): every stage must use the same block size")
             if cfg.hardware and cfg.hardware != "auto":
                 predicted = self._fixed(work, ranges, policies)
+            elif cfg.hardware == "auto" or cached_profile(self.device.type) is not None:
+                # this host's profile, measured by an earlier --policy auto run (or `planner
+                # profile`): the cost model chooses what the flags leave open
+                predicted = self._fixed(work, ranges, policies)
+                predicted["why"].insert(0, Choice("hardware", predicted["hardware"][0],
+                                                  "this host's cached profile (--hardware FILE for another)"))
             else:
                 predicted = self._without_profile(work, ranges, policies)
         return self._record(work, ranges, policies, predicted, why)
@@ -92,7 +101,7 @@ class RunPlanner:
         policies, predicted, ranges = auto_policies(
             cfg, self.model.spec, ranges, work.prompt_len, self.dtype_bytes, self.device, work.num_prompts,
             lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets,
-            packed=self.model.source.packed_formats)
+            packed=self.model.source.packed_formats, dtype=self.dtype)
         predicted["why"] = _model_reasons(cfg, predicted)
         return policies, predicted, ranges
 
@@ -103,7 +112,7 @@ class RunPlanner:
         predicted = fixed_policy_choice(
             cfg, self.model.spec, ranges, policies, work.prompt_len, self.dtype_bytes, self.device,
             work.num_prompts, lambda G, schedule="sequential": self.fits(policies, ranges, work, G, schedule),
-            self.budgets)
+            self.budgets, dtype=self.dtype)
         predicted["why"] = _model_reasons(cfg, predicted)
         return predicted
 

@@ -56,6 +56,20 @@ def _build(kind: str) -> torch.nn.Module:
 MODEL_KINDS = ["opt-pre", "opt-post-proj", "opt-pre-proj", "llama-gqa", "llama-tied"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_hardware_cache(tmp_path_factory: pytest.TempPathFactory):
+    """No test sees this machine's cached hardware profile (a plain run would plan with it):
+    the profiles measured during the session go to a directory of its own, which the runs
+    the tests start inherit. Tests that want a profile make one there or pass --hardware."""
+    old = os.environ.get("FLEXGEN_HARDWARE_CACHE")
+    os.environ["FLEXGEN_HARDWARE_CACHE"] = str(tmp_path_factory.mktemp("hardware-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FLEXGEN_HARDWARE_CACHE", None)
+    else:
+        os.environ["FLEXGEN_HARDWARE_CACHE"] = old
+
+
 @pytest.fixture(autouse=True)
 def _cpu_unless_marked_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests not marked ``gpu`` run as on a machine without CUDA, also where one is visible:

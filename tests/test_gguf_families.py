@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -104,7 +103,9 @@ def _hf_model(kind: str) -> torch.nn.Module:
 def _tokenizer_cache_kept_clean():
     """The loader caches each GGUF's converted tokenizer (keyed by path and mtime); the
     files here are temporary, so their entries go with them."""
-    cache = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "tokenizers"
+    from flexgen_dist.kernels import cache_root
+
+    cache = cache_root() / "tokenizers"
     before = set(cache.iterdir()) if cache.is_dir() else set()
     yield
     for d in (set(cache.iterdir()) if cache.is_dir() else set()) - before:

@@ -110,6 +110,8 @@ class StageEngine:
         policy = gemm.policy()
         before = policy.tuned
         t0 = time.perf_counter()
+        if self.dtype != torch.float32:  # a prefill's products: the dtype's GEMM or float32's
+            policy.prefill(self.dtype)
         for m in sorted(r for r in rows if 0 < r <= gemm.MAX_ROWS):
             for n, k in sorted(shapes):
                 policy.form(m, n, k, self.dtype)

@@ -4,8 +4,8 @@ group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and
 product of few rows with the packed codes (``cpu_qlinear.cpp``).
 
 The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
-into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``$FLEXGEN_CACHE/kernels``, default
-``~/.cache/flexgen_dist/kernels``), once per source, compiler and CPU feature set, so nodes
+into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``kernels/`` under ``cache_root()``:
+``$FLEXGEN_CACHE``, ``$XDG_CACHE_HOME/flexgen_dist`` or ``~/.cache/flexgen_dist``), once per source, compiler and CPU feature set, so nodes
 that share a home directory never load a build for another CPU. The build takes ~2 s. The
 GEMM form policy (``gemm.py``) is stored in the same directory.
 Without a compiler, on a CPU without AVX2+FMA, or with ``FLEXGEN_CPU_KERNELS=0``, ``library()``
@@ -45,12 +45,22 @@ def enabled() -> bool:
     return os.environ.get("FLEXGEN_CPU_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def cache_root() -> Path:
+    """Where flexgen_dist keeps what it measures or builds once per machine: ``$FLEXGEN_CACHE``,
+    else ``$XDG_CACHE_HOME/flexgen_dist``, else ``~/.cache/flexgen_dist``."""
+    d = os.environ.get("FLEXGEN_CACHE")
+    if d:
+        return Path(d).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path("~/.cache").expanduser()) / "flexgen_dist"
+
+
 def kernel_dir() -> Path:
     """Where the compiled kernels and the GEMM form policy live."""
     d = os.environ.get("FLEXGEN_KERNEL_DIR")
     if d:
         return Path(d).expanduser()
-    return Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_info(field: str) -> str:

@@ -17,6 +17,16 @@ pool of weights bigger than twice the last-level cache: a weight timed in a loop
 cache, as it never does in a real pass over the layers, and would favour the wrong form.
 Processes that tune at once (ranks of one node) take a lock on the file, so a node stores
 one choice per key. ``FLEXGEN_GEMM_TUNE=0`` turns the policy off: ``F.linear`` always.
+
+Products of many rows (a prefill) in a half dtype have one more choice, per dtype and thread
+count: the dtype's own GEMM, or widening both operands to float32 and rounding the output
+once (``prefill_form``). Which is faster depends on the CPU: on one 2-core Xeon (AVX512_BF16
+and AVX512_FP16, no AMX) torch's bfloat16 GEMM ran at 0.155 TFLOP/s and float32 at 0.277; on
+an AMD EPYC with AVX512_BF16 bfloat16 ran at twice float32's rate and float16 at a quarter.
+Both accumulate in float32 and round once, so the results agree to the dtype's rounding.
+The rates are measured once per machine at a prefill-sized product (``_PREFILL_SHAPE``) and
+stored with the choice; the planner's hardware profile reads the same figures
+(``prefill_rate``).
 """
 from __future__ import annotations
 
@@ -46,6 +56,9 @@ FORMS = ("plain", "t", "native")
 _ROUNDS = 5  # timed passes over the pool per form; the median is kept
 _MAX_COPIES = 256  # weights in the pool, at most (tiny shapes: bounds the tuning time)
 _MARGIN = 0.95  # another form must be at least 5 % faster than F.linear to be chosen
+PREFILL_FORMS = ("plain", "f32")
+_PREFILL_SHAPE = (512, 2048, 2048)  # (rows, out, in) of the product timed per dtype
+_PREFILL_ROUNDS = 3
 
 Opt = torch.Tensor | None
 
@@ -119,6 +132,33 @@ def time_forms(m: int, n: int, k: int, dtype: torch.dtype, forms: tuple[int, ...
     return {f: statistics.median(t) for f, t in times.items()}
 
 
+def time_prefill(dtype: torch.dtype) -> dict[str, float]:
+    """FLOP/s of a prefill-sized product (``_PREFILL_SHAPE``) in ``dtype``: its own GEMM
+    ("plain") and, for a half dtype, widened to float32 with one rounding back ("f32"); the
+    best of ``_PREFILL_ROUNDS`` after a warm-up, the forms alternating."""
+    m, n, k = _PREFILL_SHAPE
+    g = torch.Generator().manual_seed(7)
+    x = torch.empty(m, k).uniform_(-1, 1, generator=g).to(dtype)
+    w = torch.empty(n, k).uniform_(-1, 1, generator=g).to(dtype)
+    fns = {"plain": lambda: F.linear(x, w)}
+    if dtype != torch.float32:
+        fns["f32"] = lambda: _widened(x, w, None)
+    best = {f: float("inf") for f in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(_PREFILL_ROUNDS):
+        for f, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[f] = min(best[f], time.perf_counter() - t0)
+    return {f: 2.0 * m * n * k / max(t, 1e-9) for f, t in best.items()}
+
+
+def _widened(x: torch.Tensor, w: torch.Tensor, b: Opt) -> torch.Tensor:
+    """``F.linear`` of half operands in float32, the output rounded once to their dtype."""
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
 def choose(med: dict[int, float]) -> int:
     """The fastest form, or the plain one unless another beats it by the margin."""
     best = min(med, key=med.__getitem__)
@@ -146,10 +186,12 @@ class GemmPolicy:
         self.path = path
         self.tune = tune
         self.stored: dict[str, str] = {}  # the file's choices, as last read (and added to)
+        self.rates: dict[str, dict[str, float]] = {}  # measured FLOP/s of each prefill form, per key
         self.tuned = 0  # keys this process timed
         self.tune_s = 0.0
         self.error: str | None = None
         self._used: dict[Key, int] = {}
+        self._used_prefill: dict[str, tuple[str, dict[str, float]]] = {}
         self._read_done = False
         self._lock = threading.Lock()
 
@@ -171,6 +213,27 @@ class GemmPolicy:
                     self._write()
             self._used[key] = f = FORMS.index(self.stored[name])
         return f
+
+    def prefill(self, dtype: torch.dtype) -> tuple[str, dict[str, float]]:
+        """The form of a many-row product in ``dtype`` at this thread count ("plain": the
+        dtype's own GEMM, "f32": widened to float32) and the measured rate of each form."""
+        name = f"prefill:{str(dtype).replace('torch.', '')}:t{torch.get_num_threads()}"
+        hit = self._used_prefill.get(name)
+        if hit is not None:
+            return hit
+        with self._lock:
+            with self._file_lock():
+                self._read()
+                if self.stored.get(name) not in PREFILL_FORMS or name not in self.rates:
+                    t0 = time.perf_counter()
+                    self.rates[name] = time_prefill(dtype)
+                    self.tune_s += time.perf_counter() - t0
+                    self.tuned += 1
+                    plain, wide = self.rates[name]["plain"], self.rates[name].get("f32", 0.0)
+                    self.stored[name] = "f32" if wide * _MARGIN > plain else "plain"
+                    self._write()
+            self._used_prefill[name] = out = (self.stored[name], dict(self.rates[name]))
+        return out
 
     @staticmethod
     def _forms(dtype: torch.dtype) -> tuple[str, ...]:
@@ -210,7 +273,12 @@ class GemmPolicy:
         try:
             data = json.loads(self.path.read_text())
             choices = data["choices"]
-            self.stored.update({k: v for k, v in choices.items() if v in FORMS})
+            self.stored.update({k: v for k, v in choices.items()
+                                if v in (PREFILL_FORMS if k.startswith("prefill:") else FORMS)})
+            for k, r in (data.get("rates") or {}).items():
+                if isinstance(r, dict) and all(isinstance(v, (int, float)) and v > 0 for v in r.values()) \
+                        and "plain" in r:
+                    self.rates[k] = {f: float(v) for f, v in r.items()}
         except FileNotFoundError:
             pass
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -219,7 +287,8 @@ class GemmPolicy:
     def _write(self) -> None:
         if self.path is None:
             return
-        text = json.dumps({"identity": identity(), "choices": dict(sorted(self.stored.items()))}, indent=1)
+        text = json.dumps({"identity": identity(), "choices": dict(sorted(self.stored.items())),
+                           "rates": dict(sorted(self.rates.items()))}, indent=1)
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.path.parent)
@@ -242,6 +311,7 @@ class GemmPolicy:
             with self._lock:
                 self._read()
         used = sorted((_name(k), FORMS[f]) for k, f in self._used.items())
+        used += sorted((k, f) for k, (f, _) in self._used_prefill.items())
         return {"gemm_tune": self.tune, "file": str(self.path) if self.path else None, "error": self.error,
                 "stored": len(self.stored), "used": len(used),
                 "digest": hashlib.sha256(json.dumps(used).encode()).hexdigest()[:12],
@@ -279,10 +349,22 @@ def summary() -> dict[str, Any]:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Opt = None, residual: Opt = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` (+ ``residual``) on the CPU, through the form the policy stores
-    for its shape; more than ``MAX_ROWS`` rows, or the policy off, run ``F.linear``."""
+    for its shape; more than ``MAX_ROWS`` rows run ``F.linear``, in float32 for a half dtype
+    where that is faster on this machine (``prefill_form``); the policy off: ``F.linear``."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     p = policy()
-    if not p.tune or x.dim() < 2 or not 0 < m <= MAX_ROWS:
+    if not p.tune or x.dim() < 2 or m <= 0:
+        return _plain(x, w, b, m, residual)
+    if m > MAX_ROWS:
+        if x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and p.prefill(x.dtype)[0] == "f32":
+            return _add(_widened(x, w, b), residual)
         return _plain(x, w, b, m, residual)
     return _FNS[p.form(m, w.shape[0], k, x.dtype)](x, w, b, m, residual)
+
+
+def prefill_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of a prefill-sized product in ``dtype`` by the form ``linear`` runs for it (the
+    faster of the dtype's own GEMM and float32), measured once per machine and stored."""
+    form, rates = policy().prefill(dtype)
+    return rates[form]

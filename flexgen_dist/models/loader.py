@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import cache_root
 from .config_fields import USED, field_problem
 from .families import ROWS
 from .gemma_config import GEMMA_TYPES, gemma_spec
@@ -268,7 +269,7 @@ def _gguf_tokenizer(gguf: Path) -> Any:
 
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("FLEXGEN_CACHE", "~/.cache/flexgen_dist")).expanduser() / "tokenizers" / key
+    cache = cache_root() / "tokenizers" / key
     if (cache / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cache))

@@ -1,7 +1,7 @@
 """``--policy auto``: plan every stage's policy for this run from a hardware profile.
 
 The profile comes from ``--hardware FILE`` or the per-host cache (measured on first use, under
-a minute). Budgets given with --gpu-mem/--cpu-mem/--disk-mem replace the profile's
+a minute, and again when it is unreadable, stale or of another machine; ``profiler.py``). Budgets given with --gpu-mem/--cpu-mem/--disk-mem replace the profile's
 capacities. The plan's block size never exceeds what the prompts can fill across the
 micro-batch groups.
 """
@@ -26,16 +26,18 @@ from .search import PlanError
 
 
 def hardware_for(cfg: RunConfig, device: torch.device, num_stages: int,
-                 budgets: Budgets | None = None) -> list[HardwareSpec]:
-    """Each stage's machine: --hardware FILE (one, or ``stages:`` one per stage) or this host's,
-    its capacities cut to the run's ``budgets``: the user's caps replace them, and what this
-    machine has bounds them (a profile may be another machine's)."""
+                 budgets: Budgets | None = None, dtype: torch.dtype | None = None) -> list[HardwareSpec]:
+    """Each stage's machine: --hardware FILE (one, or ``stages:`` one per stage) or this host's
+    cached profile (measured now where there is none, or it cannot be used), with the rates of
+    the run's compute ``dtype`` where the profile has them, its capacities cut to the run's
+    ``budgets``: the user's caps replace them, and what this machine has bounds them (a
+    profile may be another machine's)."""
     if cfg.hardware and cfg.hardware != "auto":
         hws = hardware_for_stages(load_hardware_stages(cfg.hardware), num_stages)
     else:
-        print("planner: using the cached hardware profile of this host (profiling it if absent)",
-              file=sys.stderr)
         hws = [load_or_profile(None, device.type, cfg.offload_dir)] * num_stages
+    if dtype is not None:
+        hws = [hw.for_dtype(str(dtype).replace("torch.", "")) for hw in hws]
     if budgets is None:
         return [hw.with_budgets(gpu_mem=cfg.gpu_mem, cpu_mem=cfg.cpu_mem, disk_mem=cfg.disk_mem) for hw in hws]
     return [_within(hw, budgets) for hw in hws]
@@ -85,14 +87,14 @@ def _schedule_that_fits(cfg: RunConfig, estimate: Callable[[str], dict[str, Any]
 def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], prompt_len: int,
                   dtype_bytes: int, device: torch.device, num_prompts: int | None = None,
                   fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None,
-                  budgets: Budgets | None = None,
-                  packed: Packed | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
+                  budgets: Budgets | None = None, packed: Packed | None = None,
+                  dtype: torch.dtype | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
     """Policies (one per stage), the planner's prediction (with its choice of G, prefill
     items and schedule), and the (possibly rebalanced) layer ranges. The policies are planned
     for G blocks in flight; the overlapped schedule (two per group) is then chosen where it
     is predicted faster and ``fits(policies, ranges, G, schedule)``."""
     m = len(ranges)
-    hws = hardware_for(cfg, device, m, budgets)
+    hws = hardware_for(cfg, device, m, budgets, dtype)
     n = num_prompts if num_prompts is not None else (cfg.num_prompts or 1)
     plan = None
     for G in group_options(cfg, m):
@@ -132,12 +134,13 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
 
 def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]], policies: list[Policy],
                         prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
-                        fits: Any, budgets: Budgets | None = None) -> dict[str, Any]:
+                        fits: Any, budgets: Budgets | None = None,
+                        dtype: torch.dtype | None = None) -> dict[str, Any]:
     """For policies given by the user with ``--hardware FILE``: the prediction, choosing G
     among ``group_options`` where ``fits(G)``, and the prefill items and schedule by the cost
     model (overlapped where ``fits(G, "overlapped")``)."""
     m = len(ranges)
-    hws = hardware_for(cfg, device, m, budgets)
+    hws = hardware_for(cfg, device, m, budgets, dtype)
     wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes)
     best: dict[str, Any] | None = None
     options = group_options(cfg, m)

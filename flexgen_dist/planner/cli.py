@@ -18,7 +18,7 @@ from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
 from flexgen_dist.config import ArgParser, ConfigError
-from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware
+from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware, write_cached
 from flexgen_dist.planner.pipeline import PipelinePlan, plan_pipeline
 from flexgen_dist.planner.search import PlanError
 
@@ -50,7 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the chosen policies and predictions to this file")
     q = sub.add_parser("profile", help="measure this machine and write its hardware YAML")
     q.add_argument("--device", choices=DEVICES, default="cpu")
-    q.add_argument("--out", help=f"YAML to write (default: {default_cache_path('<device>')})")
+    q.add_argument("--out", help="YAML to write (default: this host's cached profile, which runs reuse: "
+                   f"{default_cache_path('<device>', 0).with_name('<host>-<device>-t<threads>.yaml')})")
+    q.add_argument("--threads", type=int, default=None,
+                   help="compute threads to measure with (default: what a run here chooses, threads.py)")
     q.add_argument("--offload-dir", default="/tmp", help="where the disk is measured")
     q.add_argument("--quick", action="store_true", help="smaller sizes, ~10 s (less accurate)")
     q.add_argument("--net-bw", type=float, help="bytes/s to the next stage (default: loopback)")
@@ -150,10 +153,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from flexgen_dist.threads import apply, choose_threads
+
+    apply(choose_threads(args.threads))  # the threads a run on this host would compute with
     hw = profile_hardware(args.device, args.offload_dir, args.quick, net_bw=args.net_bw,
                           net_latency=args.net_latency)
     out = Path(args.out) if args.out else default_cache_path(args.device)
-    hw.to_yaml(out)
+    write_cached(out, hw, args.device)  # with its version and identity: runs on this host reuse it
     print(out.read_text(), end="")
     print(f"# written to {out}", file=sys.stderr)
     return 0

@@ -22,7 +22,10 @@ DEVICES = ("cuda", "cpu")
 MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
-OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu")
+OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype")
+DTYPES = ("float32", "bfloat16", "float16")
+# what a cached, self-measured profile carries beside the spec (profiler.py); not part of it
+META_KEYS = ("profile_version", "identity", "measured_at")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class HardwareSpec:
     compute_device: str = "cuda"
     gemm_bw: float | None = None
     disk_cpu: float | None = None
+    mm_flops_dtype: dict[str, float] | None = None
+    gemm_bw_dtype: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -87,11 +92,31 @@ class HardwareSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"HardwareSpec.gemm_bw={v!r}: must be a positive rate, or absent")
             object.__setattr__(self, "gemm_bw", float(v))
+        for f in ("mm_flops_dtype", "gemm_bw_dtype"):
+            d = getattr(self, f)
+            if d is None:
+                continue
+            if not isinstance(d, dict) or not d or any(k not in DTYPES for k in d) or any(
+                    isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+                    for v in d.values()):
+                raise ValueError(f"HardwareSpec.{f}={d!r}: must map dtypes ({', '.join(DTYPES)}) to "
+                                 "positive rates, or be absent")
+            object.__setattr__(self, f, {k: float(v) for k, v in d.items()})
         if self.disk_cpu is not None:
             v = self.disk_cpu
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"HardwareSpec.disk_cpu={v!r}: must be seconds per byte >= 0, or absent")
             object.__setattr__(self, "disk_cpu", float(v))
+
+    def for_dtype(self, dtype: str) -> HardwareSpec:
+        """This machine as a run computing in ``dtype`` sees it: ``mm_flops`` and ``gemm_bw``
+        from the per-dtype figures where the profile has them."""
+        new: dict[str, float] = {}
+        if self.mm_flops_dtype and dtype in self.mm_flops_dtype:
+            new["mm_flops"] = self.mm_flops_dtype[dtype]
+        if self.gemm_bw_dtype and dtype in self.gemm_bw_dtype:
+            new["gemm_bw"] = self.gemm_bw_dtype[dtype]
+        return replace(self, **new) if new else self
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
                      disk_mem: int | str | None = None) -> HardwareSpec:
@@ -117,6 +142,7 @@ class HardwareSpec:
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a mapping of fields, got {type(d).__name__}")
         known = [f.name for f in fields(cls)]
+        d = {k: v for k, v in d.items() if k not in META_KEYS}
         unknown = sorted(set(d) - set(known))
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; "
@@ -132,6 +158,8 @@ class HardwareSpec:
             convert["gemm_bw"] = _parse_rate
         if vals.get("disk_cpu") is not None:
             convert["disk_cpu"] = float
+        if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):
+            vals["gemm_bw_dtype"] = {k: _parse_rate(v) for k, v in vals["gemm_bw_dtype"].items()}
         for f, conv in convert.items():
             try:
                 vals[f] = conv(vals[f])

@@ -1,9 +1,11 @@
 """The profiler: measures this machine as a :class:`HardwareSpec`, and caches the result.
 
-``profile_hardware`` times, at sizes that look like the engine's work, dense matmuls,
-decode-shaped weight streaming, decode attention, host<->device copies, the engine's own disk
-path and the loopback network; ``load_or_profile`` reads a spec file or profiles once and
-caches it per host.
+``profile_hardware`` times, at sizes that look like the engine's work, dense matmuls and
+decode-shaped weight streaming in each compute dtype (through the engine's own products),
+decode attention (the engine's kernel), host<->device copies, the engine's own disk path and
+the loopback network; ``load_or_profile`` reads a spec file, or this host's cached profile,
+measuring it once when there is none or it cannot be used (``read_cached`` says why), with a
+version and the machine's identity beside it.
 """
 from __future__ import annotations
 
@@ -12,33 +14,113 @@ import os
 import shutil
 import socket
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import yaml
 
+from flexgen_dist.kernels import cache_root, gemm
+from flexgen_dist.kernels.gemm import identity as gemm_identity
 from flexgen_dist.memory.disk import DiskStore, aligned_empty, drop_page_cache
-from flexgen_dist.planner.hardware import DEVICES, HardwareSpec
+from flexgen_dist.planner.hardware import DEVICES, DTYPES, HardwareSpec
 
 
-def default_cache_path(device: str) -> Path:
-    """Where a profile of this host and device is cached between runs."""
-    return Path.home() / ".cache" / "flexgen_dist" / f"hardware-{socket.gethostname()}-{device}.yaml"
+PROFILE_VERSION = 2  # what a cached profile holds and how it is measured; older ones are measured again
+
+
+def default_cache_path(device: str, threads: int | None = None) -> Path:
+    """Where this host's profile for ``device`` and a compute thread count (default: this
+    process's) is cached: ``$FLEXGEN_HARDWARE_CACHE``, else ``hardware/`` under the cache
+    root (``$FLEXGEN_CACHE``, ``$XDG_CACHE_HOME/flexgen_dist`` or ``~/.cache/flexgen_dist``).
+    Rates scale with the threads, so a one-core node and a two-core one keep two profiles."""
+    d = os.environ.get("FLEXGEN_HARDWARE_CACHE")
+    base = Path(d).expanduser() if d else cache_root() / "hardware"
+    t = torch.get_num_threads() if threads is None else threads
+    return base / f"{socket.gethostname()}-{device}-t{t}.yaml"
+
+
+def profile_identity(device: str, threads: int | None = None) -> dict[str, Any]:
+    """What a cached profile is valid for: the CPU, the torch build, the GPU, the compute
+    threads (default: this process's)."""
+    ident: dict[str, Any] = {k: None if v is None else str(v) for k, v in gemm_identity().items()}
+    ident.pop("native", None)  # a rebuilt kernel library does not change the machine
+    ident["gpu"] = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None
+    ident["threads"] = torch.get_num_threads() if threads is None else threads
+    return ident
+
+
+def read_cached(path: Path, device: str) -> tuple[HardwareSpec | None, str]:
+    """The cached profile at ``path`` if it is whole, of this version and of this machine;
+    else None and why it cannot be used (one line)."""
+    if not path.exists():
+        return None, "no profile of this host is cached yet"
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        return None, f"the cached profile {path} is unreadable ({str(e).splitlines()[0]})"
+    if not isinstance(data, dict):
+        return None, f"the cached profile {path} is corrupt (not a mapping)"
+    version = data.get("profile_version")
+    if version != PROFILE_VERSION:
+        return None, (f"the cached profile {path} is stale (profile version {version}; this version of "
+                      f"flexgen_dist measures version {PROFILE_VERSION})")
+    ident, now = data.get("identity"), profile_identity(device)
+    if ident != now:
+        diff = sorted(k for k in now if not isinstance(ident, dict) or ident.get(k) != now[k])
+        return None, f"the cached profile {path} is of another {', '.join(diff)} than this run's"
+    try:
+        return HardwareSpec.from_dict(data, where=str(path)), ""
+    except ValueError as e:
+        return None, f"the cached profile {path} is corrupt ({e})"
+
+
+def write_cached(path: Path, hw: HardwareSpec, device: str, threads: int | None = None) -> None:
+    """Write ``hw`` to ``path`` with its version and identity (for ``threads`` compute threads,
+    default this process's), atomically (a concurrent reader sees the old file or the new one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"profile_version": PROFILE_VERSION, "identity": profile_identity(device, threads),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **hw.to_dict()}
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("# flexgen_dist hardware profile, measured on this host (SI units; fields in "
+                    "configs/hardware/README.md)\n" + yaml.safe_dump(body, sort_keys=False))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def cached_profile(device: str) -> HardwareSpec | None:
+    """This host's cached profile where a usable one exists; never measures (plain runs)."""
+    return read_cached(default_cache_path(device), device)[0]
 
 
 def load_or_profile(path: str | Path | None, device: str = "cpu",
                     offload_dir: str = "/tmp") -> HardwareSpec:
-    """The spec in ``path`` (or the per-host cache file); profile and save it when absent.
-
-    Profiling takes up to a minute, so its result is cached; delete the file to re-measure.
-    """
-    p = Path(path) if path is not None else default_cache_path(device)
-    if p.is_file():
-        return HardwareSpec.from_yaml(p)
+    """The spec in ``path`` (a user's file: its errors are errors), or this host's cached
+    profile, measured and cached when there is none, or when the cached one is unreadable,
+    corrupt, stale or of another machine (one line on stderr says which, and where it goes).
+    Measuring takes up to a minute; ``python -m flexgen_dist.planner profile`` does it ahead."""
+    if path is not None:
+        return HardwareSpec.from_yaml(path)
+    p = default_cache_path(device)
+    hw, why = read_cached(p, device)
+    if hw is not None:
+        return hw
+    print(f"hardware profile: {why}: measuring this machine now (under a minute), kept in {p}",
+          file=sys.stderr, flush=True)
     hw = profile_hardware(device=device, offload_dir=offload_dir)
-    hw.to_yaml(p)
+    try:
+        write_cached(p, hw, device)
+    except OSError as e:
+        print(f"hardware profile: cannot be kept in {p} ({e.strerror or e}): the next run measures again",
+              file=sys.stderr)
     return hw
 
 
@@ -79,34 +161,46 @@ def _sync_of(device: str) -> Callable[[], Any]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def measure_mm_flops(device: str, quick: bool = False) -> float:
-    """Dense matmul FLOP/s at linear-layer sizes (fp16 on cuda, fp32 on cpu)."""
+def measure_mm_flops(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
+    """Dense matmul FLOP/s at linear-layer sizes (default dtype: fp16 on cuda, fp32 on cpu)."""
     m, k, n = _MM_SHAPES[(device, quick)]
-    dtype = torch.float16 if device == "cuda" else torch.float32
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
+    dtype = dtype or (torch.float16 if device == "cuda" else torch.float32)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
     # a shared VM's rate moves from call to call; a median over more calls is steadier
     t = _timeit(lambda: a @ b, 2 if quick else 9, _sync_of(device))
     return 2.0 * m * k * n / t
 
 
-def measure_gemm_bw(device: str, quick: bool = False) -> float:
-    """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows).
+def measure_prefill_flops(device: str, dtype: torch.dtype, quick: bool = False) -> float:
+    """FLOP/s of a prefill's products in ``dtype`` as the engine runs them: on a CPU the form the
+    GEMM policy stores for the dtype (its own GEMM, or float32 where that is faster), whose
+    rates it measured once per machine (``kernels/gemm.py``); on a GPU the dtype's GEMM."""
+    if device == "cpu":
+        return gemm.prefill_rate(dtype)
+    return measure_mm_flops(device, quick, dtype)
+
+
+def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
+    """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows), through
+    the engine's own product (on a CPU, the form its GEMM policy stores for the shape).
 
     Small-batch linear layers are neither compute-bound nor at the memory's copy bandwidth:
     the GEMM library's skinny kernels set the pace. Distinct weight matrices (more bytes than
     any cache holds) are multiplied one after another, as a decode step walks the layers.
     """
+    from flexgen_dist.models.common import linear
+
     k, n = _GEMM_SHAPE[device]
-    dtype = torch.float16 if device == "cuda" else torch.float32
+    dtype = dtype or (torch.float16 if device == "cuda" else torch.float32)
     esize = torch.empty((), dtype=dtype).element_size()
     count = max(2, _GEMM_BYTES[quick] // (k * n * esize))
-    ws = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(count)]
-    x = torch.randn(_GEMM_ROWS, k, dtype=dtype, device=device)
+    ws = [torch.randn(n, k, device=device).to(dtype) for _ in range(count)]
+    x = torch.randn(_GEMM_ROWS, k, device=device).to(dtype)
 
     def walk() -> None:
         for w in ws:
-            torch.nn.functional.linear(x, w)
+            linear(x, w)
 
     t = _timeit(walk, 2 if quick else 5, _sync_of(device))
     return count * k * n * esize / t
@@ -115,18 +209,21 @@ def measure_gemm_bw(device: str, quick: bool = False) -> float:
 def measure_attention_flops(device: str, quick: bool = False) -> float:
     """FLOP/s of decode attention (one query against many cached keys, with a key mask).
 
-    Uses the same call as the engine's attention (``scaled_dot_product_attention`` over rows
-    of (sequence, kv head)), so the rate includes what that kernel really does on this device.
+    Uses the engine's own decode attention over rows of (sequence, kv head) in float32 (on a
+    CPU its native kernel, elsewhere ``scaled_dot_product_attention``), so the rate includes
+    what that kernel really does on this device.
     """
+    from flexgen_dist.engine.attention import attend_rows
+
     bh, keys, hd = _ATTN_SHAPES[quick]
     dtype = torch.float16 if device == "cuda" else torch.float32
     q = torch.randn(bh, 1, 1, hd, dtype=dtype, device=device)
-    k = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
-    v = torch.randn(bh, 1, keys, hd, dtype=dtype, device=device)
+    k = torch.randn(bh, keys, hd, dtype=dtype, device=device)
+    v = torch.randn(bh, keys, hd, dtype=dtype, device=device)
     mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool, device=device)
 
     def attn() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return attend_rows(q, k, v, mask)
 
     t = _timeit(attn, 3 if quick else 5, _sync_of(device))
     return 4.0 * bh * keys * hd / t
@@ -302,6 +399,9 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
         raise ValueError("device='cuda' but CUDA is not available here: profile with --device cpu")
     mm = measure_mm_flops(device, quick)
     gemm_bw = measure_gemm_bw(device, quick)
+    halves = [d for d in DTYPES if d != "float32"]
+    mm_dtype = {d: measure_prefill_flops(device, getattr(torch, d), quick) for d in DTYPES}
+    bw_dtype = {"float32": gemm_bw, **{d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in halves}}
     cpu_att = measure_attention_flops("cpu", quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
@@ -321,4 +421,4 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
-                        gemm_bw=gemm_bw, disk_cpu=disk_cpu)
+                        gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype)
