@@ -29,6 +29,8 @@ from typing import Callable
 
 import yaml
 
+from flexgen_dist.planner.profiler import default_cache_path
+
 _ROOT_ERROR = "--disk-gbps needs root and a cgroup blkio/io controller; run without it"
 PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")
 _REPORTING_OFF = 11  # above the largest page order (10): no free block is ever reported
@@ -336,17 +338,22 @@ def profile_node(args: argparse.Namespace, work: Path, disk: DiskLimit | None = 
         return None
     if args.hardware:
         return Path(args.hardware)
-    # a profile of the unthrottled disk must not stand in for a throttled one, nor the reverse
-    out = work / ("node.yaml" if args.disk_gbps is None else f"node-disk{args.disk_gbps:g}.yaml")
+    threads = args.cores_per_node if not args.shared_cores else len(os.sched_getaffinity(0))
+    if getattr(args, "defaults", False):  # this host's cached profile, where the runs look for it
+        out = default_cache_path("cpu", threads)
+        cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu",
+               "--offload-dir", str(work), "--threads", str(threads)]
+    else:
+        # a profile of the unthrottled disk must not stand in for a throttled one, nor the reverse
+        out = work / ("node.yaml" if args.disk_gbps is None else f"node-disk{args.disk_gbps:g}.yaml")
+        cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
+               "--offload-dir", str(work)]
     if out.exists():
         return out
-    cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", "cpu", "--out", str(out),
-           "--offload-dir", str(work)]
     if args.quick_profile:
         cmd.append("--quick")
     if args.netns:  # the shaped link, not the loopback the profiler would measure
         cmd += ["--net-bw", str(args.link_gbit * 1e9 / 8), "--net-latency", "0.0002"]
-    threads = args.cores_per_node if not args.shared_cores else len(os.sched_getaffinity(0))
     cpus = node_cpus(0, threads)
     print(f"# profiling a node: CPUs {cpus}", flush=True)
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True,

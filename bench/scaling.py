@@ -61,6 +61,14 @@ The flag turns reporting off and backs the free memory once before the runs (res
 ``nodes.NodeMemory``), so the nodes' memory behaves as separate machines' would. The JSON
 records what was done under ``physical_memory``.
 
+Defaults (``--defaults``): every run as a user runs it, with nothing hand-made and nothing that
+needs root: no ``--hardware`` file (each node plans with this host's own cached profile,
+which ``planner profile`` measures once, pinned like a node, into ``<workdir>/hardware-cache``
+as a first ``--policy auto`` run would), no ``--prefill-items`` or ``--schedule`` (the runs'
+cost models choose), the page cache left alone, and the VM's memory as it is. The RAM budget
+per node stays what the user gives (``--weight-budget``). Where a host setting still matters
+(a disk per node: ``--disk-gbps``; the VM's memory: ``--physical-memory``), run both and say so.
+
 Shared cores (``--shared-cores``): all ranks on the machine's cores with cores/m threads
 each (``torchrun --standalone``). Compute does not grow with m there; only the bytes read
 from disk shrink, so its figures say nothing about separate machines.
@@ -137,8 +145,10 @@ def run_args(args: argparse.Namespace, policy_file: Path, metrics: Path, offload
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--ignore-eos",
            "--device", "cpu", "--dtype", "float32", "--policy", str(policy_file), "--offload-dir", str(offload),
            "--metrics", str(metrics), "--output", str(output), "--overwrite", "--print-outputs", "0",
-           "--no-progress", "--prefill-items", args.prefill_items, "--schedule", args.schedule]
-    if hardware is not None:
+           "--no-progress"]
+    if not args.defaults:
+        out += ["--prefill-items", args.prefill_items, "--schedule", args.schedule]
+    if hardware is not None and not args.defaults:
         out += ["--hardware", str(hardware)]
     if args.num_micro_batches:
         out += ["--num-micro-batches", str(args.num_micro_batches)]
@@ -166,6 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nodes", "--stages", dest="stages", type=int, nargs="+", default=None,
                     help="node counts (pipeline sizes) to run (default: 1, 2, 4, ... as the cores allow)")
     ap.add_argument("--cores-per-node", type=int, default=1, help="CPUs (and compute threads) of each node")
+    ap.add_argument("--defaults", action="store_true",
+                    help="run as a user would: no --hardware file (this host's self-measured profile), no "
+                         "--prefill-items/--schedule, no root (see the module doc)")
     ap.add_argument("--shared-cores", action="store_true",
                     help="all ranks on all cores, cores/m threads each (the old mode; no node isolation)")
     ap.add_argument("--netns", action="store_true",
@@ -225,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--disk-gbps must be > 0 GB/s, got {args.disk_gbps}")
     if args.netns and not args.dry_run and os.geteuid() != 0:
         ap.error("--netns needs root (network namespaces)")
+    if args.defaults and (args.hardware or args.no_predict or args.prefill_items != "auto"
+                          or args.schedule != "auto"):
+        ap.error("--defaults runs as a user would: not with --hardware, --no-predict, --prefill-items or --schedule")
     if args.physical_memory and not args.dry_run and os.geteuid() != 0:
         ap.error("--physical-memory needs root (it sets /sys/module/page_reporting); run without it")
     return args
@@ -249,7 +265,8 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
                 cpus = sorted(os.sched_getaffinity(0))
             else:
                 cmd = node_command(m, r, net.master if net else "127.0.0.1", port, run)
-                env = {"OMP_NUM_THREADS": str(args.cores_per_node)}
+                # a node's threads: its CPUs (the runtime counts its affinity), or as the launcher says
+                env = {} if args.defaults else {"OMP_NUM_THREADS": str(args.cores_per_node)}
                 if net is not None:
                     cmd, extra = net.wrap(r, cmd)
                     env.update(extra)
@@ -295,9 +312,9 @@ def plan_runs(args: argparse.Namespace, work: Path, hardware: Path | None) -> di
         if args.shared_cores:
             shown = f"OMP_NUM_THREADS={max(1, cores // m)} " + shlex.join(shared_command(m, run))
         else:
+            omp = "" if args.defaults else f"OMP_NUM_THREADS={args.cores_per_node} "
             lines = [f"taskset -c {','.join(map(str, node_cpus(r, args.cores_per_node)))} "
-                     f"OMP_NUM_THREADS={args.cores_per_node} " + shlex.join(node_command(m, r, "MASTER", 0, run))
-                     for r in range(m)]
+                     f"{omp}" + shlex.join(node_command(m, r, "MASTER", 0, run)) for r in range(m)]
             if args.disk_gbps is not None:
                 lines.insert(0, f"# each node in its own disk cgroup: {args.disk_gbps:g} GB/s read and write "
                                 "on the workdir's device")
@@ -316,7 +333,7 @@ def measure_run(args: argparse.Namespace, m: int, plan: dict[str, Any], work: Pa
     from flexgen_dist.memory.disk import drop_page_cache
     from flexgen_dist.bench.offload import device_bytes_read
 
-    rec: dict[str, Any] = {"page_cache_dropped": drop_page_cache()}
+    rec: dict[str, Any] = {"page_cache_dropped": False if args.defaults else drop_page_cache()}
     nodes0 = [disk.bytes_read(r) for r in range(m)] if disk else None
     r0, t0 = device_bytes_read(work), time.perf_counter()
     net = Network(m, args.link_gbit) if args.netns else None
@@ -364,10 +381,13 @@ def settle(run: dict[str, Any], reps: list[dict[str, Any]]) -> None:
 def bench(args: argparse.Namespace, work: Path, disk: DiskLimit | None) -> dict[str, Any]:
     """Profile, plan and (unless --dry-run) measure every node count; the result JSON's content."""
     mode = "shared-cores" if args.shared_cores else ("nodes+netns" if args.netns else "nodes")
+    if args.defaults:  # the runs find this host's profile where planner profile keeps it
+        os.environ["FLEXGEN_HARDWARE_CACHE"] = str(work / "hardware-cache")
     hardware = None if args.dry_run else profile_node(args, work, disk)
     plans = plan_runs(args, work, hardware)
     res: dict[str, Any] = {
         "benchmark": "scaling", "mode": mode, "model": args.model, "dry_run": args.dry_run,
+        "defaults": args.defaults,
         "cores": len(os.sched_getaffinity(0)), "machine": machine(),
         "cores_per_node": None if args.shared_cores else args.cores_per_node,
         "link_gbit": args.link_gbit if args.netns else None,
@@ -394,7 +414,9 @@ def bench(args: argparse.Namespace, work: Path, disk: DiskLimit | None) -> dict[
                 print(f"# round {rnd + 1} of {args.repeat}", flush=True)
             for m, plan in plans.items():
                 run = res["runs"][str(m)]
-                if rnd == 0 and hardware is not None and not args.hardware and not args.shared_cores:
+                if args.defaults:
+                    pass  # the runs plan with the cached profile as it is
+                elif rnd == 0 and hardware is not None and not args.hardware and not args.shared_cores:
                     run["hardware_profile"] = yaml.safe_load(disk_share(args, m, work, hardware, disk).read_text())
                 elif rnd == 0 and hardware is not None and not args.hardware:  # shared cores: the profile as it is
                     (work / f"node-{m}.yaml").write_text(hardware.read_text())
