@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..memory.tiers import Tier
-from ..models.families import get_family
+from ..models.families import part_shapes
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
@@ -172,12 +172,11 @@ def _cached_slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool,
 def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_head: bool,
            dtype_bytes: int, default: tuple[int, int] | None, packed: Packed | None) -> tuple:
     """(stored bytes per tensor, dense bytes) of each slot, in the engine's order."""
-    fam = get_family(spec.family)
     names = ([("embed", None)] if has_embed else []) + \
         [("layer", j) for j in range(first, first + num_layers)] + ([("head", None)] if has_head else [])
     parts = []
     for part, j in names:
-        shapes = getattr(fam, f"{part}_shapes")(spec)
+        shapes = part_shapes(spec, part, j)
         if part == "head" and has_embed:
             shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
         fmt = packed(part, j) if packed is not None else {}
