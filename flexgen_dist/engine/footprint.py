@@ -208,6 +208,9 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     b, s, n, e = z.gpu_batch_size, z.prompt_len, z.gen_len, z.dtype_bytes
     h, q, kv, nh = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_heads
     mlp = spec.ffn_size * (1 if spec.family == "opt" else 2)  # gate and up (SwiGLU, GeGLU)
+    if spec.num_experts:  # an expert's (or the shared one's) gate and up, the gathered rows, the sums,
+        # the router's float32 probabilities
+        mlp = max(mlp, 2 * max(spec.expert_ffn_size, spec.shared_expert_ffn_size) + 3 * h + 2 * spec.num_experts)
     seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)

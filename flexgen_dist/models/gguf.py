@@ -105,7 +105,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                 # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
                 qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
                 qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-                mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts))
+                mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
             if arch == "qwen2moe":  # its q/k/v biases, as Qwen2's
                 fields["qkv_bias"], fields["attention_bias"] = True, False
         else:
@@ -126,10 +126,12 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     return spec
 
 
-def _moe_fields(arch: str, key: Any, experts: int) -> dict[str, Any]:
+def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:
     """A mixture of experts' ModelSpec fields from a GGUF file, as llama.cpp runs it: Mixtral
     (``llama`` with experts) renormalises the chosen experts' weights and keeps them in float32,
-    Qwen2-MoE does not renormalise and has a shared expert, Qwen3-MoE renormalises."""
+    Qwen2-MoE does not renormalise and has a shared expert, Qwen3-MoE renormalises. A layer is
+    sparse where the file holds its router (a file from a config with dense layers keeps their
+    plain MLP)."""
     if not experts:
         return {}
     fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
@@ -138,6 +140,9 @@ def _moe_fields(arch: str, key: Any, experts: int) -> dict[str, Any]:
                                     else key("feed_forward_length"))
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
+    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(int(key("block_count"))))
+    if not all(sparse):
+        fields["moe_layers"] = sparse
     return fields
 
 

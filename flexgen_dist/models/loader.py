@@ -230,7 +230,7 @@ class HFDirSource(WeightSource):
         for k, candidates in self.family.hf_names(self.spec, part, layer).items():
             name = next((c for c in candidates if c.split("#")[0] in self.index), None)
             if name is None:
-                raise ModelLoadError(f"{self.path}: tensor {candidates[0].split('#')[0]} missing from the checkpoint")
+                raise ModelLoadError(f"{self.path}: tensor {self._likeliest(candidates)} missing from the checkpoint")
             name, _, rows = name.partition(ROWS)
             name, _, index = name.partition(INDEX)
             h = self._open(self.index[name])
@@ -247,6 +247,16 @@ class HFDirSource(WeightSource):
                 t = t[r0:r1]
             out[k] = t
         return out
+
+    def _likeliest(self, candidates: list[str]) -> str:
+        """Of the names a missing tensor may have, the one in this checkpoint's own naming (its
+        siblings are there: Mixtral's or Qwen's experts), to name in the error."""
+        bases = [c.split("#")[0] for c in candidates]
+        for b in bases:
+            stem = b.rsplit(".", 3)[0] + "."
+            if any(n.startswith(stem) for n in self.index):
+                return b
+        return bases[0]
 
     def close(self) -> None:
         """Drop the checkpoint handles (and their memory maps once no tensor uses them); a
