@@ -74,6 +74,7 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
         "huge_pages": [s.get("huge_pages") for s in stages],  # per stage: on / off / unavailable
         "threads": [s.get("threads") for s in stages],  # per stage: the compute threads and why
         "one_time_s": [s.get("one_time_s") for s in stages],  # per stage: costs kept out of the clock
+        **({"experts": [s.get("experts") for s in stages]} if any(s.get("experts") for s in stages) else {}),
     }
 
 

@@ -47,9 +47,12 @@ class RunPlanner:
     def plan(self, work: Workload) -> RunPlan:
         """Every stage's layers, policy and peaks, G, prefill items and schedule for ``work``."""
         cfg, m = self.config, self.world_size
-        ranges = partition_layers(self.model.spec.num_layers, m, cfg.stage_layers)
+        weights = self.model.spec.layer_weights()
+        ranges = partition_layers(self.model.spec.num_layers, m, cfg.stage_layers, weights)
+        split = "equal split (--partition equal)" if weights is None else \
+            "split by the layers' bytes and compute (dense and sparse layers differ)"
         why: list[Choice] = [Choice("layers", str([list(r) for r in ranges]),
-                                    "--stage-layers" if cfg.stage_layers else "equal split (--partition equal)")]
+                                    "--stage-layers" if cfg.stage_layers else split)]
         if cfg.auto_policy:
             policies, predicted, ranges = self._auto(work, ranges)
             why = [Choice("layers", str([list(r) for r in ranges]),

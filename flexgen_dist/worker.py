@@ -98,6 +98,7 @@ class StageWorker:
                         ride=plan.schedule == "overlapped", limits=work.max_new_tokens,
                         samplings=work.samplings, stops=stops)
         times0 = engine.times.as_dict()
+        experts0 = engine.weights.expert_stats.copy()
         read0 = self.disk.bytes_read if self.disk is not None else 0
         bar = progress_bar(len(blocks) * work.gen_len, self.config.progress and self.group.is_driver)
         t0, requests = time.perf_counter(), 0
@@ -128,6 +129,8 @@ class StageWorker:
             "threads": self.threads.as_dict() if self.threads is not None else None,
             "one_time_s": dict(self.one_time),  # kernel build, GEMM tuning: not in the clock
         }
+        if self.model.spec.num_experts:  # what the sparse layers routed and read, beside the cost model's count
+            self.record["experts"] = engine.weights.expert_stats.since(experts0).as_dict()
 
     def close(self) -> None:
         for thing in (self.engine, self.disk):

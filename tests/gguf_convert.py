@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma2": "gemma2", "gemma3_text": "gemma3"}
+        "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+        "qwen3_moe": "qwen3moe"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -29,6 +30,15 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 # Gemma's four norms a layer: the one after attention is post_attention_norm there
 _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+# a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
+# stacked into one 3-D tensor each (experts x rows x cols), as llama.cpp's converter writes them
+_MOE = {"block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERT = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
+           "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str | None:
@@ -42,6 +52,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
     parts = hf.split(".")
     if parts[:2] == ["model", "layers"]:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
+        if module in _MOE:
+            return f"blk.{parts[2]}.{_MOE[module]}.{suffix}"
         table = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
         return f"blk.{parts[2]}.{table[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
@@ -53,7 +65,7 @@ def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def quantizable(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.shape[1] % 32 == 0
+    return w.dim() in (2, 3) and w.shape[-1] % 32 == 0 and not (w.dim() == 2 and w.shape[0] == 1)
 
 
 def roundtrip_(model: torch.nn.Module, qtype: str) -> None:
@@ -133,6 +145,14 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     elif cfg.get("head_dim") is not None:  # TextModel: written when the config has head_dim
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:  # LlamaModel (Mixtral), Qwen2MoeModel, Qwen3MoeModel
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
@@ -196,7 +216,21 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
     tensors: dict[str, torch.Tensor] = {}
     if arch == "llama" and _rope(cfg).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
-    sd = model.state_dict()
+    sd = dict(model.state_dict())
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, GGUF name) -> expert -> matrix
+    for hf in [k for k in sd if ".experts." in k]:
+        parts = hf.split(".")
+        i = parts.index("experts")
+        if parts[i + 1] == "gate_up_proj":  # transformers' fused layout: (experts, 2 x width, hidden)
+            gate, up = sd.pop(hf).chunk(2, dim=1)
+            tensors[f"blk.{parts[2]}.ffn_gate_exps.weight"] = gate.detach().float()
+            tensors[f"blk.{parts[2]}.ffn_up_exps.weight"] = up.detach().float()
+        elif parts[i + 1] == "down_proj":
+            tensors[f"blk.{parts[2]}.ffn_down_exps.weight"] = sd.pop(hf).detach().float()
+        else:  # model.layers.L.<block>.experts.E.<proj>.weight
+            experts.setdefault((parts[2], _EXPERT[parts[i + 2]]), {})[int(parts[i + 1])] = sd.pop(hf)
+    for (layer, name), by_e in experts.items():
+        tensors[f"blk.{layer}.{name}.weight"] = torch.stack([by_e[e].detach().float() for e in sorted(by_e)])
     for hf, t in sd.items():
         # Gemma2Model never writes lm_head (llama.cpp's gemma2 reads token_embd)
         if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):

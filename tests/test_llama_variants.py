@@ -188,7 +188,7 @@ def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
-                                        "gemma3"])
+                                        "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""

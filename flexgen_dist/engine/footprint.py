@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..memory.tiers import Tier
-from ..models.families import get_family
+from ..models.families import part_shapes
 from ..models.spec import ModelSpec
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
@@ -172,12 +172,11 @@ def _cached_slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool,
 def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_head: bool,
            dtype_bytes: int, default: tuple[int, int] | None, packed: Packed | None) -> tuple:
     """(stored bytes per tensor, dense bytes) of each slot, in the engine's order."""
-    fam = get_family(spec.family)
     names = ([("embed", None)] if has_embed else []) + \
         [("layer", j) for j in range(first, first + num_layers)] + ([("head", None)] if has_head else [])
     parts = []
     for part, j in names:
-        shapes = getattr(fam, f"{part}_shapes")(spec)
+        shapes = part_shapes(spec, part, j)
         if part == "head" and has_embed:
             shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
         fmt = packed(part, j) if packed is not None else {}
@@ -209,6 +208,9 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     b, s, n, e = z.gpu_batch_size, z.prompt_len, z.gen_len, z.dtype_bytes
     h, q, kv, nh = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_heads
     mlp = spec.ffn_size * (1 if spec.family == "opt" else 2)  # gate and up (SwiGLU, GeGLU)
+    if spec.num_experts:  # an expert's (or the shared one's) gate and up, the gathered rows, the sums,
+        # the router's float32 probabilities
+        mlp = max(mlp, 2 * max(spec.expert_ffn_size, spec.shared_expert_ffn_size) + 3 * h + 2 * spec.num_experts)
     seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)

@@ -82,6 +82,7 @@ class StageEngine:
         # placed tensor uses are unmapped (mapped pages would also pin the page cache).
         source.close()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
+        self.weights.executor = self._pool  # a sparse layer's chosen experts are read there
         self._wbuf: dict[int, Any] = {}
         # The next sweep's first slot, loading during this sweep's last one (``run_sweep(more=)``)
         self._ahead: Future | None = None

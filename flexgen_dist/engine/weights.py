@@ -9,6 +9,8 @@ every layer loads the same amount from each tier (even overlap from layer to lay
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -18,6 +20,7 @@ from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
+from ..models.common import EXPERTS
 from ..models.packed import PackedWeight
 
 _PARTS = ("data", "mins", "scales")  # a compressed weight's parts, each a file on disk
@@ -78,6 +81,8 @@ class WeightStore:
         # on a CPU device would steal cycles from the compute threads.
         self._bufsets: list[dict[tuple, torch.Tensor]] = [{}, {}]
         self._turn = 0
+        self.executor: Executor | None = None  # where experts' reads run (the engine's I/O threads)
+        self.expert_stats = ExpertStats()
         placer = TierPlacer(fractions)
         for slot in slots:
             ws = read(*slot)
@@ -194,58 +199,182 @@ class WeightStore:
             self.tracker.add(Tier.CPU if cuda else Tier.GPU, bufs[key].nbytes)
         return bufs[key]
 
-    def load(self, slot: Slot, bufs: dict[tuple, torch.Tensor] | None = None) -> dict[str, torch.Tensor | QWeight]:
+    def load(self, slot: Slot, bufs: dict[tuple, torch.Tensor] | None = None) -> dict[str, Any]:
         """The slot's weights as compute-device tensors (views where already there); on a CPU
         device a compressed matrix comes as a ``QWeight``, still packed (in the read buffers
-        when it was on disk), which the model math multiplies as it is.
+        when it was on disk), which the model math multiplies as it is. A sparse layer's
+        routed experts are not read here: they come as one ``SlotExperts`` under ``EXPERTS``,
+        which reads an expert when the tokens choose it.
 
         ``bufs`` (from ``next_buffers``) receives what is read from disk.
         """
         if bufs is None:
             bufs = self.next_buffers()
-        out = {}
+        out: dict[str, Any] = {}
+        experts: dict[int, list[str]] = {}
         for name, p in self.placed[slot].items():
-            b = self._buffers_of(bufs, name, p)
-            if isinstance(p.data, QTensor):
-                q = p.data
-                if isinstance(q.data, DiskTensor):  # read the parts, expand on the compute device
-                    for k in _PARTS:
-                        getattr(q, k).read(out=b[k])
-                    q = replace(q, **{k: b[k] for k in _PARTS})
-                if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2:
-                    # packed: the product reads the codes (decode), or expands them into the
-                    # reused buffer (prefill); nothing is expanded here, on the I/O thread
-                    out[name] = QWeight(q.data, q.mins, q.scales, (int(q.shape[0]), int(q.shape[1])),
-                                        q.group_size, q.bits, q.dtype, b["dense"])
-                elif self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
-                    out[name] = dequantize(q, self.device, out=b["dense"])
-                else:
-                    out[name] = dequantize(q, self.device)
-                    self.tracker.add(Tier.GPU, out[name].nbytes)
-            elif isinstance(p.data, DiskTensor):
-                host = b["dense"]
-                p.data.read(out=host)
-                if self.device.type == "cpu":
-                    out[name] = host
-                else:
-                    out[name] = host.to(self.device, non_blocking=True)
-                    self.tracker.add(Tier.GPU, out[name].nbytes)
-            elif p.data.device == self.device:
-                out[name] = p.data
-            else:
-                buf = torch.empty(p.shape, dtype=self.dtype, device=self.device)
-                copy_between(buf, p.data, non_blocking=True)
-                out[name] = buf
-                self.tracker.add(Tier.GPU, buf.nbytes)
+            e = expert_of(name)
+            if e is not None:
+                experts.setdefault(e, []).append(name)
+                continue
+            out[name] = self._load_one(name, p, bufs)
+        if experts:
+            out[EXPERTS] = SlotExperts(self, slot, bufs, experts)
         return out
 
-    def release(self, slot: Slot, loaded: dict[str, torch.Tensor | QWeight]) -> None:
+    def _load_one(self, name: str, p: Placed, bufs: dict[tuple, torch.Tensor]) -> Any:
+        """One placed tensor on the compute device (``load``)."""
+        b = self._buffers_of(bufs, name, p)
+        if isinstance(p.data, QTensor):
+            q = p.data
+            if isinstance(q.data, DiskTensor):  # read the parts, expand on the compute device
+                for k in _PARTS:
+                    getattr(q, k).read(out=b[k])
+                q = replace(q, **{k: b[k] for k in _PARTS})
+            if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2:
+                # packed: the product reads the codes (decode), or expands them into the
+                # reused buffer (prefill); nothing is expanded here, on the I/O thread
+                return QWeight(q.data, q.mins, q.scales, (int(q.shape[0]), int(q.shape[1])),
+                               q.group_size, q.bits, q.dtype, b["dense"])
+            if self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
+                return dequantize(q, self.device, out=b["dense"])
+            t = dequantize(q, self.device)
+            self.tracker.add(Tier.GPU, t.nbytes)
+            return t
+        if isinstance(p.data, DiskTensor):
+            host = b["dense"]
+            p.data.read(out=host)
+            if self.device.type == "cpu":
+                return host
+            t = host.to(self.device, non_blocking=True)
+            self.tracker.add(Tier.GPU, t.nbytes)
+            return t
+        if p.data.device == self.device:
+            return p.data
+        buf = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+        copy_between(buf, p.data, non_blocking=True)
+        self.tracker.add(Tier.GPU, buf.nbytes)
+        return buf
+
+    def _moves(self, p: Placed) -> bool:
+        """Whether loading ``p`` allocates on the compute device (released with the slot)."""
+        if isinstance(p.data, (DiskTensor, QTensor)) and self.device.type == "cpu":
+            return False  # a reused buffer, counted once when it was made
+        return isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device
+
+    def release(self, slot: Slot, loaded: dict[str, Any]) -> None:
         """Account for dropping a loaded slot (the tensors are freed by reference counting)."""
         for name, p in self.placed[slot].items():
-            if isinstance(p.data, (DiskTensor, QTensor)) and self.device.type == "cpu":
-                continue  # a reused buffer, counted once when it was made
-            if isinstance(p.data, (QTensor, DiskTensor)) or p.data.device != self.device:
+            if expert_of(name) is None and self._moves(p):
                 self.tracker.sub(Tier.GPU, loaded[name].nbytes)
+        experts = loaded.get(EXPERTS)
+        if isinstance(experts, SlotExperts):
+            experts.release()
+
+
+def expert_of(name: str) -> int | None:
+    """The routed expert a canonical weight name belongs to (``experts.{e}.*``), else None."""
+    if not name.startswith("experts."):
+        return None
+    return int(name.split(".", 2)[1])
+
+
+@dataclass
+class ExpertStats:
+    """What a stage's sparse layers routed and read: per (slot load, GPU batch) the tokens and
+    the experts they chose; the expert bytes brought to the compute device (read from disk, or
+    copied from host RAM to a GPU)."""
+
+    routings: int = 0  # (sparse layer, GPU batch) products routed
+    tokens: int = 0  # tokens routed, over them
+    experts_chosen: int = 0  # distinct experts chosen, over them
+    experts_expected: float = 0.0  # the cost model's E (1 - (1 - k/E)^T) for the same routings
+    loads: int = 0  # (sparse layer, sweep) expert sets used
+    experts_loaded: int = 0  # experts brought in, over the loads
+    experts_possible: int = 0  # every expert of every load
+    bytes_moved: int = 0
+    bytes_possible: int = 0  # what moving every expert of every load would have cost
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.__dict__)
+        out["experts_loaded_fraction"] = self.experts_loaded / self.experts_possible if self.experts_possible else 0.0
+        out["chosen_over_expected"] = self.experts_chosen / self.experts_expected if self.experts_expected else None
+        return out
+
+    def since(self, before: ExpertStats) -> ExpertStats:
+        """What was counted after ``before`` (a copy taken then)."""
+        return ExpertStats(**{k: v - getattr(before, k) for k, v in self.__dict__.items()})
+
+    def copy(self) -> ExpertStats:
+        return ExpertStats(**self.__dict__)
+
+
+class SlotExperts:
+    """A loaded sparse layer's routed experts, read from their tiers when first chosen (the
+    model math's ``Experts``): ``prefetch`` starts the reads of the experts a batch chose, all
+    at once, on the I/O threads, so the next expert's bytes arrive while one computes; ``get``
+    waits for one. An expert read for one GPU batch serves every later batch of the sweep."""
+
+    def __init__(self, store: WeightStore, slot: Slot, bufs: dict[tuple, torch.Tensor],
+                 names: dict[int, list[str]]) -> None:
+        self.store, self.slot, self.bufs, self.names = store, slot, bufs, names
+        self.loaded: dict[int, Any] = {}  # expert -> its weights, or a Future of them
+        self._lock = threading.Lock()
+        store.expert_stats.loads += 1
+        store.expert_stats.experts_possible += len(names)
+        store.expert_stats.bytes_possible += sum(self._moved_bytes(e) for e in names)
+
+    def _moved_bytes(self, e: int) -> int:
+        placed = self.store.placed[self.slot]
+        return sum(placed[n].nbytes for n in self.names[e] if _on_disk(placed[n]) or self.store._moves(placed[n]))
+
+    def _read(self, e: int) -> dict[str, Any]:
+        placed = self.store.placed[self.slot]
+        return {n.split(".", 2)[2]: self.store._load_one(n, placed[n], self.bufs) for n in self.names[e]}
+
+    def prefetch(self, ids: list[int]) -> None:
+        pool = self.store.executor
+        with self._lock:
+            for e in ids:
+                if e in self.loaded:
+                    continue
+                st = self.store.expert_stats
+                st.experts_loaded += 1
+                st.bytes_moved += self._moved_bytes(e)
+                self.loaded[e] = pool.submit(self._read, e) if pool is not None and self._moved_bytes(e) else \
+                    self._read(e)
+
+    def note_routing(self, tokens: int, chosen: int, expected: float) -> None:
+        """One product's routing: ``tokens`` routed, ``chosen`` distinct experts, ``expected``
+        by the cost model's formula (for the metrics)."""
+        st = self.store.expert_stats
+        st.routings += 1
+        st.tokens += tokens
+        st.experts_chosen += chosen
+        st.experts_expected += expected
+
+    def get(self, e: int) -> dict[str, Any]:
+        if e not in self.loaded:
+            self.prefetch([e])
+        w = self.loaded[e]
+        if isinstance(w, Future):
+            w = self.loaded[e] = w.result()
+        return w
+
+    def release(self) -> None:
+        """Account for dropping the experts this load brought to a GPU."""
+        placed = self.store.placed[self.slot]
+        for e, w in self.loaded.items():
+            if isinstance(w, Future):
+                w = w.result()
+            for n in self.names[e]:
+                if self.store._moves(placed[n]):
+                    self.store.tracker.sub(Tier.GPU, w[n.split(".", 2)[2]].nbytes)
+        self.loaded.clear()
+
+
+def _on_disk(p: Placed) -> bool:
+    return isinstance(p.data, DiskTensor) or (isinstance(p.data, QTensor) and isinstance(p.data.data, DiskTensor))
 
 
 def stored_nbytes(shape: tuple[int, ...], dtype_bytes: int, packed: tuple[int, int] | None = None) -> int:

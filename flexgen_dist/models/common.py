@@ -7,6 +7,7 @@ go to the native kernels (``flexgen_dist.kernels``).
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,32 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None,
 
 def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     return y if residual is None else y.add_(residual)
+
+
+EXPERTS = "experts"  # the weights key under which a sparse layer's routed experts come, when not in place
+
+
+class Experts(Protocol):
+    """A sparse layer's routed experts, read when the tokens choose them: ``prefetch(ids)``
+    says which will be needed (ascending), ``get(e)`` gives expert e's ``gate.w``, ``up.w`` and
+    ``down.w`` (waiting for its read)."""
+
+    def prefetch(self, ids: list[int]) -> None: ...
+
+    def get(self, e: int) -> dict[str, Weight]: ...
+
+
+class DictExperts:
+    """The experts of a weight dict that holds them all (``experts.{e}.gate.w``, ...)."""
+
+    def __init__(self, w: dict[str, Weight]) -> None:
+        self.w = w
+
+    def prefetch(self, ids: list[int]) -> None:
+        pass
+
+    def get(self, e: int) -> dict[str, Weight]:
+        return {k: self.w[f"experts.{e}.{k}"] for k in ("gate.w", "up.w", "down.w")}
 
 
 def embedding(ids: torch.Tensor, w: Weight) -> torch.Tensor:

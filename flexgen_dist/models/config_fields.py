@@ -39,13 +39,25 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+    "mixtral": _LLAMA_USED | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
+    "qwen2_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+                                "qkv_bias", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                                "mlp_only_layers"},
+    "qwen3_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "num_experts", "num_local_experts",
+                                "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                "decoder_sparse_step", "mlp_only_layers"},
     "gemma2": _GEMMA_USED | {"attn_logit_softcapping"},
     "gemma3_text": _GEMMA_USED | {"rope_local_base_freq", "sliding_window_pattern"},
     # the image-text model: its text_config is read as a gemma3_text config (models/gemma_config.py)
     "gemma3": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
 }
+# the router's training-time terms (auxiliary loss, jitter noise, returning its logits) change
+# nothing in inference
+_ROUTER_TRAINING = {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
 # inert for one model type only (field -> why, in the comments)
 INERT: dict[str, set[str]] = {
+    "mixtral": _ROUTER_TRAINING, "qwen2_moe": _ROUTER_TRAINING, "qwen3_moe": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -59,7 +71,8 @@ INERT: dict[str, set[str]] = {
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3")},
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
+                                             "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says
     "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,

@@ -30,10 +30,11 @@ from .spec import ModelSpec
 
 Weights = dict[str, torch.Tensor | QWeight]  # a compressed matrix stays packed on a CPU device
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-Shapes = Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+Shapes = Callable[..., dict[str, tuple[int, ...]]]  # (spec) for embed/head; (spec, layer) for layer
 
 
 ROWS = "#rows="  # in ``hf_names``, "name#rows=a:b" is rows [a, b) of a fused checkpoint tensor
+INDEX = "#index="  # "name#index=e" is entry e of a 3-D tensor (one expert of all); before any #rows=
 
 @dataclass
 class Family:
@@ -64,6 +65,15 @@ def register(family: Family) -> Family:
                          "give the new family module another name")
     _FAMILIES[family.name] = family
     return family
+
+
+def part_shapes(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of the weights of ``part`` ('embed', 'layer' or 'head'); a
+    layer's depend on which layer it is where some layers are sparse (mixtures of experts)."""
+    fam = get_family(spec.family)
+    if part == "layer":
+        return fam.layer_shapes(spec, layer)
+    return getattr(fam, f"{part}_shapes")(spec)
 
 
 def family_names() -> list[str]:

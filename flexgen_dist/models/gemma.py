@@ -46,7 +46,7 @@ _PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
-def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
     shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .common import rope_inv_freq
-from .families import ROWS
-from .gguf_arch import ARCHS, INERT, USED, GGUFArch, decimal32, gemma_fields
+from .families import INDEX, ROWS
+from .gguf_arch import ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, decimal32, gemma_fields
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
@@ -70,8 +70,13 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             raise ModelLoadError(f"{name}: GGUF key {arch}.{k} varies per layer: not supported")
         return v
 
-    if key("expert_count", 0) or key("expert_used_count", 0):
-        raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported")
+    experts = int(key("expert_count", 0))
+    if experts and arch not in MOE_ARCHS:
+        raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
+                             f"{', '.join(sorted(MOE_ARCHS))})")
+    if arch in ("qwen2moe", "qwen3moe") and not experts:
+        raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
+                             "convert the model again")
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{name}: tensor token_embd.weight missing from the GGUF file: the file is "
                              "incomplete; convert the model again")
@@ -99,8 +104,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                 tie_word_embeddings="output.weight" not in tensors,
                 # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
                 qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
-                qk_norm=arch == "qwen3", fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-                mlp_bias="blk.0.ffn_up.bias" in tensors)
+                qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+                mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
+            if arch == "qwen2moe":  # its q/k/v biases, as Qwen2's
+                fields["qkv_bias"], fields["attention_bias"] = True, False
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -119,13 +126,33 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     return spec
 
 
+def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields from a GGUF file, as llama.cpp runs it: Mixtral
+    (``llama`` with experts) renormalises the chosen experts' weights and keeps them in float32,
+    Qwen2-MoE does not renormalise and has a shared expert, Qwen3-MoE renormalises. A layer is
+    sparse where the file holds its router (a file from a config with dense layers keeps their
+    plain MLP)."""
+    if not experts:
+        return {}
+    fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
+                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch == "llama")
+    fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch != "llama"
+                                    else key("feed_forward_length"))
+    if arch == "qwen2moe":
+        fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
+    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(int(key("block_count"))))
+    if not all(sparse):
+        fields["moe_layers"] = sparse
+    return fields
+
+
 def _check_tensors(spec: ModelSpec, a: GGUFArch, present: set[str], name: str) -> None:
     """Every tensor the engine reads is in the file, and the file holds no other."""
     # rope_freqs: read into a llama file's RoPE scaling
     wanted = {"rope_freqs.weight"} & present if a.family == "llama" else set()
     for part, layers in (("embed", [None]), ("layer", range(spec.num_layers)), ("head", [None])):
         for layer in layers:
-            wanted.update(n.split(ROWS)[0] for n in a.names(spec, part, layer).values())
+            wanted.update(n.split("#")[0] for n in a.names(spec, part, layer).values())
     missing = sorted(wanted - present, key=_tensor_order)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -232,13 +259,23 @@ class GGUFSource(WeightSource):
     def _names(self, part: str, layer: int | None) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:
         """Canonical name -> (tensor, its data or rows of it, the shape of that data)."""
         out = {}
+        shapes = self.shapes(part, layer)
         for k, full in self.arch.names(self.spec, part, layer).items():
             name, _, rows = full.partition(ROWS)
+            name, _, index = name.partition(INDEX)
             t = self.tensors.get(name)
             if t is None:
                 raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
             shape = tuple(int(n) for n in t.shape[::-1])  # GGUF shapes run innermost first
             data = t.data
+            if index:  # one expert of a 3-D tensor of all (experts x rows x cols)
+                e = int(index)
+                if len(shape) != 3 or shape[0] <= e:
+                    raise ModelLoadError(f"{self.path}: tensor {name} has shape {shape}, expected more than "
+                                         f"{e} experts: corrupt file?")
+                data, shape = data[e], shape[1:]
+            if len(shape) == 1 and len(shapes.get(k, ())) == 2 and shapes[k][0] == 1:
+                data, shape = data.reshape(1, -1), (1, shape[0])  # a gate of one row, kept as a vector
             if rows:
                 r0, r1 = (int(r) for r in rows.split(":"))
                 if shape[0] < r1:
@@ -266,7 +303,7 @@ class GGUFSource(WeightSource):
     def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
         if not self.keep_packed:
             return {}
-        shapes = self.shapes(part)
+        shapes = self.shapes(part, layer)
         kinds = {k: t.tensor_type.name for k, (t, _, _) in self._names(part, layer).items()}
         return {k: (8 if kind == "Q8_0" else 4, 32) for k, kind in kinds.items()
                 if kind in GGUF_NATIVE and len(shapes[k]) == 2}
@@ -274,7 +311,7 @@ class GGUFSource(WeightSource):
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         packed: dict[str, PackedWeight] = {}
         dense: dict[str, torch.Tensor] = {}
-        shapes = self.shapes(part)
+        shapes = self.shapes(part, layer)
         for k, (t, data, shape) in self._names(part, layer).items():
             kind = t.tensor_type.name
             if self.keep_packed and kind in GGUF_NATIVE and len(shapes[k]) == 2:

@@ -48,10 +48,15 @@ ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", llama.gguf_names, permuted=True),
     "qwen2": GGUFArch("llama", llama.gguf_names),
     "qwen3": GGUFArch("llama", llama.gguf_names),
+    "qwen2moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
+                                                                    "expert_shared_feed_forward_length"})),
+    "qwen3moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window"})),
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
+# the architectures whose files may hold experts (Mixtral is written as llama with experts)
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe"})
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",

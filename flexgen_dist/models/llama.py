@@ -1,11 +1,18 @@
 """LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense): RMSNorm, rotary positions,
-SwiGLU MLP, grouped-query attention, tied or untied LM head."""
+SwiGLU MLP, grouped-query attention, tied or untied LM head; and its mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers route each token to a few SwiGLU experts.
+
+A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
+``.up.w`` and ``.down.w`` for each routed expert e, and for Qwen2-MoE ``shared.{gate,up,down}.w``
+and ``shared_gate.w``. The math reads the experts through an ``Experts`` (``common.py``): the
+engine passes one that reads only the experts the tokens chose, when they choose them."""
 from __future__ import annotations
 
 import torch
 
-from .common import Positions, apply_rope, as_positions, embedding, linear, project_qkv, rms_norm, silu_mul
-from .families import ROWS, Attend, Family, Weights, register
+from .common import (EXPERTS, DictExperts, Positions, apply_rope, as_positions, embedding, linear, project_qkv,
+                     rms_norm, silu_mul)
+from .families import INDEX, ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -29,19 +36,34 @@ _LAYER_GGUF = {
 }
 
 
-def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+EXPERT_PARTS = ("gate.w", "up.w", "down.w")
+
+
+def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
     shapes: dict[str, tuple[int, ...]] = {
         "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),
         "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f),
     }
+    if spec.is_moe(layer):  # the router, the shared expert, then each routed expert's three matrices
+        for k in ("gate.w", "up.w", "down.w"):
+            del shapes[k]
+        shapes["router.w"] = (spec.num_experts, h)
+        if spec.shared_expert_ffn_size:
+            sf = spec.shared_expert_ffn_size
+            shapes.update({"shared.gate.w": (sf, h), "shared.up.w": (sf, h), "shared.down.w": (h, sf),
+                           "shared_gate.w": (1, h)})
+        ef = spec.expert_ffn_size
+        for e in range(spec.num_experts):
+            shapes.update({f"experts.{e}.gate.w": (ef, h), f"experts.{e}.up.w": (ef, h),
+                           f"experts.{e}.down.w": (h, ef)})
     if spec.attention_bias or spec.qkv_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
     if spec.attention_bias:
         shapes["o.b"] = (h,)
     if spec.qk_norm:
         shapes.update({"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
-    if spec.mlp_bias:
+    if spec.mlp_bias and not spec.is_moe(layer):
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
     return shapes
 
@@ -60,7 +82,9 @@ def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
-        out = {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_shapes(spec)}
+        at = f"model.layers.{layer}"
+        out = {k: [f"{at}.{_LAYER_HF[k]}"] if k in _LAYER_HF else _moe_hf_names(spec, at, k)
+               for k in layer_shapes(spec, layer)}
         if spec.fused_proj:  # Phi-3 stores q|k|v and gate|up as one matrix each: their rows
             qd, kvd, f, at = spec.q_dim, spec.kv_dim, spec.ffn_size, f"model.layers.{layer}"
             for k, (name, r0, r1) in {"q.w": ("self_attn.qkv_proj", 0, qd),
@@ -80,11 +104,49 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     return out
 
 
+# Mixtral names its sparse block block_sparse_moe and its experts' matrices w1 (gate), w3 (up)
+# and w2 (down); Qwen's is mlp, with gate_proj/up_proj/down_proj. Checkpoints written in
+# transformers' fused layout hold all experts in 3-D tensors (experts x rows x cols).
+_MIXTRAL_EXPERT = {"gate.w": "w1", "up.w": "w3", "down.w": "w2"}
+_QWEN_EXPERT = {"gate.w": "gate_proj", "up.w": "up_proj", "down.w": "down_proj"}
+
+
+def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
+    """Candidate checkpoint names of a sparse layer's canonical weight ``k``."""
+    if k == "router.w":
+        return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
+    if k == "shared_gate.w":
+        return [f"{at}.mlp.shared_expert_gate.weight"]
+    if k.startswith("shared."):
+        return [f"{at}.mlp.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight"]
+    _, e, part = k.split(".", 2)
+    f = spec.expert_ffn_size
+    fused = {"gate.w": f"gate_up_proj{INDEX}{e}{ROWS}0:{f}", "up.w": f"gate_up_proj{INDEX}{e}{ROWS}{f}:{2 * f}",
+             "down.w": f"down_proj{INDEX}{e}"}[part]
+    return [f"{at}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[part]}.weight",
+            f"{at}.mlp.experts.{e}.{_QWEN_EXPERT[part]}.weight", f"{at}.mlp.experts.{fused}"]
+
+
+# llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)
+_MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "shared.gate.w": "ffn_gate_shexp.weight",
+             "shared.up.w": "ffn_up_shexp.weight", "shared.down.w": "ffn_down_shexp.weight",
+             "shared_gate.w": "ffn_gate_inp_shexp.weight"}
+_EXPERT_GGUF = {"gate.w": "ffn_gate_exps.weight", "up.w": "ffn_up_exps.weight", "down.w": "ffn_down_exps.weight"}
+
+
+def _moe_gguf_name(k: str) -> str:
+    if k in _MOE_GGUF:
+        return _MOE_GGUF[k]
+    _, e, part = k.split(".", 2)
+    return f"{_EXPERT_GGUF[part]}{INDEX}{e}"
+
+
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
     """Canonical name -> GGUF tensor name (llama.cpp convention; ``name#rows=a:b`` as in
     ``hf_names`` for the rows of a fused tensor)."""
     if part == "layer":
-        out = {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
+        out = {k: f"blk.{layer}.{_LAYER_GGUF[k] if k in _LAYER_GGUF else _moe_gguf_name(k)}"
+               for k in layer_shapes(spec, layer)}
         if spec.fused_proj:  # Phi-3: llama.cpp keeps HF's qkv_proj as attn_qkv, gate_up_proj as ffn_up
             qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
             for k, (name, r0, r1) in {"q.w": ("attn_qkv", 0, qd), "k.w": ("attn_qkv", qd, qd + kvd),
@@ -134,8 +196,48 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     x = linear(a, w["o.w"], w.get("o.b"), residual)
     residual = x
     x = rms_norm(x, w["mlp_norm.w"], eps)
+    if spec.is_moe(layer):
+        return moe_mlp(spec, w, x).add_(residual)
     g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
     return linear(g, w["down.w"], w.get("down.b"), residual)
+
+
+def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights from the router's logits (tokens, experts): the
+    softmax in float32, the top ``experts_per_tok`` kept (renormalised to sum to 1 where the
+    model does), the weights in float32 (Mixtral) or ``dtype`` (Qwen), as the reference."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, spec.experts_per_tok, dim=-1)
+    if spec.norm_topk_prob:
+        top_w /= top_w.sum(dim=-1, keepdim=True)
+    return (top_w if spec.router_weights_fp32 else top_w.to(dtype)), top_i
+
+
+def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """A sparse layer's MLP of normalised hidden states x (..., hidden): route, then each chosen
+    expert once over the tokens that chose it (one product per expert, never per token), its
+    weighted output added into the tokens' rows in ascending expert order (the reference's
+    order of the sums), plus the shared expert's gated output where there is one."""
+    shape, h = x.shape, x.shape[-1]
+    x = x.reshape(-1, h)
+    top_w, top_i = route(spec, linear(x, w["router.w"]), x.dtype)
+    experts = w.get(EXPERTS) or DictExperts(w)
+    chosen = torch.unique(top_i).tolist()  # sorted
+    experts.prefetch(chosen)
+    if hasattr(experts, "note_routing"):  # the engine counts what was routed (metrics)
+        experts.note_routing(x.shape[0], len(chosen), spec.experts_touched(x.shape[0]))
+    out = torch.zeros_like(x)
+    for e in chosen:
+        slot, tok = torch.where(top_i.t() == e)  # the reference's row order: by top-k slot, then token
+        ew = experts.get(e)
+        xe = x[tok]
+        g = silu_mul(linear(xe, ew["gate.w"]), linear(xe, ew["up.w"]))
+        y = linear(g, ew["down.w"]) * top_w[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    if spec.shared_expert_ffn_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), added after the experts
+        s = linear(silu_mul(linear(x, w["shared.gate.w"]), linear(x, w["shared.up.w"])), w["shared.down.w"])
+        out = out + torch.sigmoid(linear(x, w["shared_gate.w"])) * s
+    return out.view(shape)
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

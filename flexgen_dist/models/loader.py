@@ -21,7 +21,7 @@ import torch
 
 from ..kernels import cache_root
 from .config_fields import USED, field_problem
-from .families import ROWS
+from .families import INDEX, ROWS
 from .gemma_config import GEMMA_TYPES, gemma_spec
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -76,7 +76,10 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0:
         raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported yet")
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+    if mt in MOE_REFUSED:
+        raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
+                             f"{', '.join(MOE_TYPES)})")
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_TYPES):
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0))
         theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or 0
@@ -87,34 +90,67 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
-                         f"{', '.join(GEMMA_TYPES)})")
+                         f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
+
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# mixtures of experts whose routing or layers the engine does not compute: refused by name
+MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
+               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "glm4_moe", "ernie4_5_moe", "jetmoe",
+               "minimax", "hunyuan_v1_moe", "llama4", "gpt_oss", "switch_transformers", "nllb_moe")
+
+
+def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields: the experts, the routing, which layers are sparse."""
+    if mt not in MOE_TYPES:
+        return {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if mt == "mixtral":
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(j not in dense and experts > 0 and (j + 1) % step == 0 for j in range(n))
+    return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
+                expert_ffn_size=cfg.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "qwen3_moe")),
+                shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0,
+                moe_layers=() if all(sparse) else sparse)
 
 
 def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
                 common: dict[str, Any]) -> ModelSpec:
-    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
+    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"], **_moe_fields(cfg, mt),
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
-                     qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3", fused_proj=mt == "phi3",
+                     qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True)),
+                     qk_norm=mt in ("qwen3", "qwen3_moe"), fused_proj=mt == "phi3",
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False),
                      mlp_bias=cfg.get("mlp_bias", False), **common)
 
 
 def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
-    """``sliding_window`` and ``layer_types`` as the family's config means them: Mistral and
-    Phi-3 slide on every layer; Qwen2/3 only with ``use_sliding_window``, on the layers its
-    ``layer_types`` name (by default those from ``max_window_layers`` on)."""
+    """``sliding_window`` and ``layer_types`` as the family's config means them: Mistral, Mixtral
+    and Phi-3 slide on every layer; Qwen2/3 and their MoE only with ``use_sliding_window``, on
+    the layers its ``layer_types`` name (by default Qwen2/3's from ``max_window_layers`` on,
+    Qwen2-MoE's odd-numbered ones below it, every Qwen3-MoE layer)."""
     window = int(cfg.get("sliding_window") or 0)
-    if mt in ("qwen2", "qwen3"):
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             return {"sliding_window": 0}
         n = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", n)
-                                           else "full_attention" for i in range(n)]
-        return {"sliding_window": window, "layer_types": tuple(types)}
-    return {"sliding_window": window if mt in ("mistral", "phi3") else 0}
+        if mt == "qwen3_moe":  # every layer slides (its attention reads sliding_window alone)
+            return {"sliding_window": window}
+        if mt == "qwen2_moe":  # the odd-numbered layers below max_window_layers, by default
+            default = ["sliding_attention" if (i + 1) % 2 and i < cfg.get("max_window_layers", n)
+                       else "full_attention" for i in range(n)]
+        else:
+            default = ["sliding_attention" if i >= cfg.get("max_window_layers", n) else "full_attention"
+                       for i in range(n)]
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
+    return {"sliding_window": window if mt in ("mistral", "phi3", "mixtral") else 0}
 
 
 def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0) -> RopeScaling | None:
@@ -192,12 +228,18 @@ class HFDirSource(WeightSource):
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
         for k, candidates in self.family.hf_names(self.spec, part, layer).items():
-            name = next((c for c in candidates if c.split(ROWS)[0] in self.index), None)
+            name = next((c for c in candidates if c.split("#")[0] in self.index), None)
             if name is None:
-                raise ModelLoadError(f"{self.path}: tensor {candidates[0].split(ROWS)[0]} missing from the checkpoint")
+                raise ModelLoadError(f"{self.path}: tensor {self._likeliest(candidates)} missing from the checkpoint")
             name, _, rows = name.partition(ROWS)
+            name, _, index = name.partition(INDEX)
             h = self._open(self.index[name])
             t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+            if index:  # one expert of a 3-D tensor holding all (a view)
+                if t.dim() != 3 or t.shape[0] <= int(index):
+                    raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape)}, expected "
+                                         f"more than {index} experts: corrupt checkpoint?")
+                t = t[int(index)]
             if rows:  # rows of a fused tensor (a view; ``get`` converts and copies it)
                 r0, r1 = (int(r) for r in rows.split(":"))
                 if t.shape[0] < r1:
@@ -205,6 +247,16 @@ class HFDirSource(WeightSource):
                 t = t[r0:r1]
             out[k] = t
         return out
+
+    def _likeliest(self, candidates: list[str]) -> str:
+        """Of the names a missing tensor may have, the one in this checkpoint's own naming (its
+        siblings are there: Mixtral's or Qwen's experts), to name in the error."""
+        bases = [c.split("#")[0] for c in candidates]
+        for b in bases:
+            stem = b.rsplit(".", 3)[0] + "."
+            if any(n.startswith(stem) for n in self.index):
+                return b
+        return bases[0]
 
     def close(self) -> None:
         """Drop the checkpoint handles (and their memory maps once no tensor uses them); a
@@ -221,7 +273,7 @@ class DummySource(WeightSource):
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
-        for k, shape in self.shapes(part).items():
+        for k, shape in self.shapes(part, layer).items():
             # a tied head ("tok.w" in the head) draws the embedding's values, as a checkpoint
             # of a tied model holds one matrix for both
             key = (f"{self.seed}/embed/None/{k}" if k == "tok.w" else f"{self.seed}/{part}/{layer}/{k}").encode()

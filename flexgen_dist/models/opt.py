@@ -22,7 +22,7 @@ _LAYER_HF = {
 }
 
 
-def layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f = spec.hidden_size, spec.ffn_size
     return {
         "attn_norm.w": (h,), "attn_norm.b": (h,),

@@ -28,6 +28,12 @@ _MISTRAL = dict(family="llama", vocab_size=32768, max_positions=32768, bos_token
 _PHI3 = dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=1, eos_token_ids=(32000,),
              pad_token_id=32000, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=10000.0,
              fused_proj=True, sliding_window=2047)
+# Mixtures of experts: Mixtral (8 experts, top 2, routing weights kept in float32), Qwen2-MoE
+# (64 experts, top 8, not renormalised, one shared expert), Qwen3-MoE (128 experts, top 8,
+# renormalised), every layer sparse in the published configs
+_MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
+_QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
+_QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -101,6 +107,18 @@ _SHAPES: dict[str, dict] = {
                         head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(48, 6)),
     "gemma-3-27b": dict(_GEMMA3, num_layers=62, hidden_size=5376, ffn_size=21504, num_heads=32, num_kv_heads=16,
                         head_dim_override=128, attn_scale=168 ** -0.5, layer_types=_alternating(62, 6)),
+    "mixtral-8x7b": dict(_MIXTRAL, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32, num_kv_heads=8,
+                         num_experts=8, experts_per_tok=2, expert_ffn_size=14336),
+    "mixtral-8x22b": dict(_MIXTRAL, vocab_size=32768, max_positions=65536, num_layers=56, hidden_size=6144,
+                          ffn_size=16384, num_heads=48, num_kv_heads=8, num_experts=8, experts_per_tok=2,
+                          expert_ffn_size=16384),
+    "qwen2-57b-a14b": dict(_QWEN2_MOE, max_positions=131072, num_layers=28, hidden_size=3584, ffn_size=18944,
+                           num_heads=28, num_kv_heads=4, num_experts=64, experts_per_tok=8, expert_ffn_size=2560,
+                           shared_expert_ffn_size=20480),
+    "qwen3-30b-a3b": dict(_QWEN3_MOE, num_layers=48, hidden_size=2048, ffn_size=6144, num_heads=32, num_kv_heads=4,
+                          num_experts=128, experts_per_tok=8, expert_ffn_size=768),
+    "qwen3-235b-a22b": dict(_QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_size=12288, num_heads=64,
+                            num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,

@@ -8,7 +8,7 @@ import abc
 
 import torch
 
-from .families import get_family
+from .families import get_family, part_shapes
 from .packed import PackedWeight
 from .spec import ModelSpec
 
@@ -26,8 +26,8 @@ class WeightSource(abc.ABC):
         self.spec, self.dtype = spec, dtype
         self.family = get_family(spec.family)
 
-    def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
-        return getattr(self.family, f"{part}_shapes")(self.spec)
+    def shapes(self, part: str, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+        return part_shapes(self.spec, part, layer)
 
     def get(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor]:
         """Weights of ``part`` ('embed', 'layer' or 'head'); ``layer`` indexes the model."""
@@ -35,7 +35,7 @@ class WeightSource(abc.ABC):
 
     def _checked(self, part: str, layer: int | None, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out`` in this source's dtype, each tensor's shape checked against the spec."""
-        shapes = self.shapes(part)
+        shapes = self.shapes(part, layer)
         for k, v in out.items():
             if tuple(v.shape) != tuple(shapes[k]):
                 raise ModelLoadError(f"{self.spec.name}: tensor {k} of {part} {layer} has shape "

@@ -88,6 +88,19 @@ class ModelSpec:
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
+    # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
+    # (hidden -> num_experts logits, softmax in float32, the top experts_per_tok kept) and
+    # num_experts SwiGLU experts of width expert_ffn_size, each token's output the weighted sum
+    # of its experts'; 0 experts: every layer dense
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    expert_ffn_size: int = 0
+    norm_topk_prob: bool = True  # the kept routing weights renormalised to sum to 1
+    router_weights_fp32: bool = False  # Mixtral: the routing weights stay float32 (Qwen: the model dtype)
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE: one shared SwiGLU expert on every token, gated by a sigmoid
+    # per layer, whether its MLP is sparse (Qwen's mlp_only_layers, decoder_sparse_step); empty:
+    # every layer is, where there are experts
+    moe_layers: tuple[bool, ...] = ()
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -121,6 +134,20 @@ class ModelSpec:
                                  f"(use {' or '.join(LAYER_TYPES)})")
             if "sliding_attention" in self.layer_types and self.sliding_window < 1:
                 raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
+        object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
+        if self.num_experts:
+            if self.family != "llama":
+                raise ValueError(f"ModelSpec: experts are for the llama family, not {self.family}")
+            if not 1 <= self.experts_per_tok <= self.num_experts:
+                raise ValueError(f"ModelSpec.experts_per_tok={self.experts_per_tok}: must be between 1 and "
+                                 f"num_experts={self.num_experts} (num_experts_per_tok > experts?)")
+            if self.expert_ffn_size < 1:
+                raise ValueError(f"ModelSpec.expert_ffn_size={self.expert_ffn_size}: must be >= 1")
+            if self.moe_layers and len(self.moe_layers) != self.num_layers:
+                raise ValueError(f"ModelSpec.moe_layers has {len(self.moe_layers)} entries for "
+                                 f"{self.num_layers} layers: give one per layer")
+        elif self.moe_layers and any(self.moe_layers):
+            raise ValueError("ModelSpec.moe_layers marks sparse layers but num_experts is 0")
         if isinstance(self.eos_token_ids, int):
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         else:
@@ -158,6 +185,27 @@ class ModelSpec:
             return 0
         return self.sliding_window
 
+    def is_moe(self, layer: int | None) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (None: any layer of a model
+        whose layers all are)."""
+        if not self.num_experts:
+            return False
+        if not self.moe_layers:
+            return True
+        return all(self.moe_layers) if layer is None else self.moe_layers[layer]
+
+    def expert_numel(self) -> int:
+        """Elements of one routed expert (gate, up and down)."""
+        return 3 * self.hidden_size * self.expert_ffn_size
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected routed experts a sparse layer uses for ``tokens`` tokens, each choosing
+        experts_per_tok of num_experts uniformly: E (1 - (1 - k/E)^T)."""
+        if not self.num_experts:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** max(tokens, 0.0))
+
     @property
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT's word_embed_proj_dim)."""
@@ -180,8 +228,13 @@ class ModelSpec:
         return "learned" if self.family == "opt" else "rope"
 
     # sizes (element counts; multiply by the dtype's bytes) -------------------------
-    def layer_numel(self) -> int:
-        """Elements of one decoder layer's weights (attention + MLP + norms + biases)."""
+    def layer_numel(self, layer: int | None = None) -> float:
+        """Elements of one decoder layer's weights (attention + MLP + norms + biases); with
+        ``layer`` None, the mean over the layers (they differ where only some are sparse)."""
+        if layer is None:
+            if self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1:
+                return sum(self.layer_numel(j) for j in range(self.num_layers)) / self.num_layers
+            layer = 0
         h, f = self.hidden_size, self.ffn_size
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.family == "opt":
@@ -189,11 +242,38 @@ class ModelSpec:
             biases = self.q_dim + 2 * self.kv_dim + h + f + h
             norms = 4 * h
             return attn + mlp + biases + norms
-        mlp = 3 * h * f
+        mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
-                  + (2 * f + h) * self.mlp_bias)
+                  + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
         norms = (4 if self.family == "gemma" else 2) * h  # Gemma: a norm before and after each block
         return attn + mlp + biases + norms + 2 * self.head_dim * self.qk_norm
+
+    def mlp_numel(self, layer: int | None = None, experts: float | None = None) -> float:
+        """Elements of layer ``layer``'s MLP: a dense SwiGLU, or the router, the shared expert
+        and ``experts`` routed experts (default: all of them)."""
+        h = self.hidden_size
+        if not self.is_moe(layer):
+            return 3 * h * self.ffn_size
+        n = self.num_experts if experts is None else experts
+        shared = 3 * h * self.shared_expert_ffn_size + h if self.shared_expert_ffn_size else 0
+        return self.num_experts * h + shared + n * self.expert_numel()
+
+    def active_layer_numel(self, layer: int | None = None) -> float:
+        """Elements of one layer one token computes with: every weight of a dense layer; a
+        sparse layer's without the routed experts it does not choose."""
+        if not self.is_moe(layer):
+            return self.layer_numel(layer)
+        return self.layer_numel(layer) - self.mlp_numel(layer) + self.mlp_numel(layer, self.experts_per_tok)
+
+    def layer_weights(self) -> list[float] | None:
+        """What each layer weighs for splitting the layers into stages (its bytes and the
+        compute of a token through it, each as a share of the model's), where the layers
+        differ (some dense, some sparse); None where they are all alike."""
+        if not (self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1):
+            return None
+        size = [self.layer_numel(j) for j in range(self.num_layers)]
+        work = [self.active_layer_numel(j) for j in range(self.num_layers)]
+        return [a / sum(size) + b / sum(work) for a, b in zip(size, work)]
 
     def embed_numel(self) -> int:
         n = self.vocab_size * self.embed_dim
@@ -211,7 +291,7 @@ class ModelSpec:
         return n
 
     def total_numel(self) -> int:
-        return self.embed_numel() + self.num_layers * self.layer_numel() + self.head_numel()
+        return int(self.embed_numel() + sum(self.layer_numel(j) for j in range(self.num_layers)) + self.head_numel())
 
     def kv_numel_per_token(self) -> int:
         """K and V elements per token per layer."""

@@ -114,7 +114,7 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
     if partition not in ("equal", "balanced"):
         raise ValueError(f"partition={partition!r}: use 'equal' or 'balanced'")
     G = num_micro_batches or m
-    layers = [b - a for a, b in partition_layers(spec.num_layers, m, stage_layers)]
+    layers = [b - a for a, b in partition_layers(spec.num_layers, m, stage_layers, spec.layer_weights())]
     memo: dict[tuple, dict[int, Candidate]] = {}
 
     def candidates(i: int, first: int, n_layers: int) -> dict[int, Candidate]:

@@ -11,6 +11,7 @@ see ``cost_model``.
 from __future__ import annotations
 
 import math
+from typing import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,8 +130,8 @@ class StageSizes:
     e: int
     mem_bw: float
     stream_bw: float
-    lnum: int
-    wl_io: float
+    lnum: float  # elements of one layer's weights (the mean over the stage's model)
+    wl_io: float  # weight bytes a decode step moves per layer (a mixture of experts: the experts its tokens choose)
     kv_tok: int
     c_pre: float
     c_avg: float
@@ -147,6 +148,13 @@ class StageSizes:
     compress_cache: bool
     has_head: bool
     head_share: float = 1.0  # of the block's one prefill head pass this item pays (a piece: 1/nb)
+    # a mixture of experts reads and computes less than all of a layer: the elements one token
+    # computes with, and the share of a layer's weights a block's prefill reads
+    # (a dense layer: lnum and 1)
+    lnum_active: float = 0.0
+    pre_share: float = 1.0
+    dec_numel: float = 0.0  # elements a decode step streams per layer (dense: lnum)
+    wl_io_pre: float = 0.0  # weight bytes a prefill moves per layer
 
 
 def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
@@ -189,6 +197,10 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     lnum = spec.layer_numel()
     wl = wbytes(lnum)
     io_numel = _extra_io_numel(spec, has_embed, has_head)
+    # a mixture of experts: a decode step reads the experts its block's tokens choose (the
+    # engine reads a sparse layer's experts when chosen, once per sweep for every GPU batch),
+    # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
+    dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
     kv_tok = 2 * spec.kv_dim  # K and V elements per token per sequence per layer
     a_pre, a_dec = bls * s * spec.hidden_size * b, bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
@@ -204,7 +216,9 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         # fall back to mem_bw.
         stream_bw=hw.gemm_bw or mem_bw,
         lnum=lnum,
-        wl_io=wl + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
+        wl_io=wl * dec_share + io_numel * b / l,  # weight traffic per layer, extras spread over the layers
+        wl_io_pre=wl * pre_share + io_numel * b / l,
+        lnum_active=_mean(spec, spec.active_layer_numel), pre_share=pre_share, dec_numel=lnum * dec_share,
         kv_tok=kv_tok,
         # a sliding layer keeps (and reads) at most its window: these are means over the layers
         c_pre=bls * cbytes(_held(spec, s) * kv_tok),  # cache written by a block's prefill, per layer
@@ -229,10 +243,26 @@ def _held(spec: ModelSpec, length: float) -> float:
     return sum(min(length, spec.window(j) or length) for j in range(spec.num_layers)) / spec.num_layers
 
 
-def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int) -> float:
-    """Linear layers of one block: compute-bound, or bound by reading the weights ``passes`` times."""
-    flops = 2.0 * rows * z.lnum
-    return max(flops / hw.mm_flops, passes * z.lnum * z.b / z.stream_bw)
+def _mean(spec: ModelSpec, f: Callable[[int], float]) -> float:
+    return sum(f(j) for j in range(spec.num_layers)) / spec.num_layers
+
+
+def _read_share(spec: ModelSpec, tokens: float) -> float:
+    """Of a layer's weights (mean over the model's layers), the share ``tokens`` tokens read:
+    1 for a dense layer; a sparse one's without the routed experts none of them chose."""
+    if not spec.num_experts:
+        return 1.0
+    touched = spec.experts_touched(tokens)
+    return _mean(spec, lambda j: (spec.layer_numel(j) - spec.mlp_numel(j) + spec.mlp_numel(j, touched))
+                 / spec.layer_numel(j) if spec.is_moe(j) else 1.0)
+
+
+def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int, numel: float | None = None) -> float:
+    """Linear layers of one block: compute-bound (each token computes with ``lnum_active``
+    elements: a mixture of experts' chosen ones), or bound by reading ``numel`` elements (all
+    of a layer's by default) ``passes`` times."""
+    flops = 2.0 * rows * (z.lnum_active or z.lnum)
+    return max(flops / hw.mm_flops, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
 
 
 def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
@@ -253,17 +283,18 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     """
     hop, a_pre = np.array([1.0, z.hop]), z.a_pre
     P = np.zeros((6, 10))
-    P[0, [WC, WD]] = hop * z.wl_io / hw.ctog_bw
+    P[0, [WC, WD]] = hop * z.wl_io_pre / hw.ctog_bw
     P[0, [HC, HD]] += hop * a_pre / hw.ctog_bw
     P[1, [CC, CD]] = hop * z.c_pre / hw.gtoc_bw
     P[1, [HC, HD]] += hop * a_pre / hw.gtoc_bw
-    P[2, WD] = z.wl_io / hw.dtoc_bw
+    P[2, WD] = z.wl_io_pre / hw.dtoc_bw
     P[2, HD] += a_pre / hw.dtoc_bw
     P[3, CD] = z.c_pre / hw.ctod_bw
     P[3, HD] += a_pre / hw.ctod_bw
     deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
-    P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb) + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
+    P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb, z.lnum * z.pre_share)
+                   + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
     _add_disk_cpu(P, hw)
@@ -295,7 +326,7 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     D[3, CD] += z.c_new / hw.ctod_bw
     att_flops = 4.0 * bls * z.ctx * z.q
     deq_c = bls * z.ctx * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
-    D[4, CONST] = _gemm(z, hw, bls, z.streams) + z.deq_w + _head_time(z, hw, z.streams) / z.l
+    D[4, CONST] = _gemm(z, hw, bls, z.streams, z.dec_numel) + z.deq_w + _head_time(z, hw, z.streams) / z.l
     D[4, CG] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
     if z.cpu_attention:  # fp32 on the host: 4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops
         D[4, [CC, CD]] = att_flops / hw.cpu_flops + deq_c / (2 * hw.cpu_flops)

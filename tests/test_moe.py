@@ -1,0 +1,207 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy tokens equal transformers' in
+float32 from Hugging Face directories and GGUF files, at 1 rank and 2, with weights partly on
+disk and the cache in RAM; only the experts a run's tokens choose are read (counted); the cost
+model's expected count beside the measured one; bad configurations refused in one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TinyModel, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.distributed.partition import partition_layers
+from flexgen_dist.errors import ModelLoadError
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.registry import get_spec
+from flexgen_dist.models.spec import ModelSpec
+
+GEN = 6
+OFFLOAD = (0, 40, 0, 100, 100, 0)  # 40 % of the weights in RAM, the rest on disk; the cache in RAM
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+               eos_token_id=255)
+
+
+def _configs() -> dict:
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    return {
+        "mixtral": MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2),
+        "qwen2_moe": Qwen2MoeConfig(**_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=80),
+        # dense MLPs on layer 0 (mlp_only_layers) and layer 2 (decoder_sparse_step 2 keeps 1 and 3)
+        "qwen3_moe": Qwen3MoeConfig(**_COMMON, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0, 2]),
+        "qwen3_moe-step": Qwen3MoeConfig(**_COMMON, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         decoder_sparse_step=2),
+    }
+
+
+def _model(kind: str, path: Path) -> TinyModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    m = AutoModelForCausalLM.from_config(_configs()[kind]).eval()
+    m.save_pretrained(path)
+    return TinyModel(kind, path, m, 0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    return {k: _model(k, tmp_path_factory.mktemp(k)) for k in _configs()}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step"])
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
+    tm = models[kind]
+    ref = reference_generate(tm, PROMPTS, GEN)
+    pct = (100, 0, 100, 0, 100, 0) if placement == "resident" else OFFLOAD
+    with LLM(str(tm.path), percent=pct, gpu_batch_size=2, num_gpu_batches=2, offload_dir=str(tmp_path / "off"),
+             ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
+        spec = llm.model.spec
+        experts = llm.metrics["experts"][0]
+    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+    assert experts["routings"] > 0 and experts["experts_chosen"] > 0
+    if placement == "offloaded":
+        assert experts["bytes_moved"] > 0
+
+
+def test_the_spec_carries_what_the_config_says(models: dict) -> None:
+    mix = load_model(str(models["mixtral"].path), load_tokenizer=False).spec
+    assert (mix.num_experts, mix.experts_per_tok, mix.expert_ffn_size) == (8, 2, 96)
+    assert mix.norm_topk_prob and mix.router_weights_fp32 and not mix.shared_expert_ffn_size
+    q2 = load_model(str(models["qwen2_moe"].path), load_tokenizer=False).spec
+    assert (q2.expert_ffn_size, q2.shared_expert_ffn_size, q2.norm_topk_prob, q2.qkv_bias) == (48, 80, False, True)
+    q3 = load_model(str(models["qwen3_moe"].path), load_tokenizer=False).spec
+    assert q3.moe_layers == (False, True, False, True) and q3.qk_norm and q3.norm_topk_prob
+    step = load_model(str(models["qwen3_moe-step"].path), load_tokenizer=False).spec
+    assert step.moe_layers == (False, True, False, True)
+
+
+def test_a_small_batch_reads_only_the_chosen_experts(models: dict, tmp_path: Path) -> None:
+    """One sequence, every expert on disk: each decode step reads the experts its token chose
+    (2 of 8 per sparse layer), counted in bytes, near the cost model's expectation."""
+    tm = models["mixtral"]
+    ref = reference_generate(tm, PROMPTS[:1], 8)
+    with LLM(str(tm.path), percent=(0, 0, 100, 0, 100, 0), gpu_batch_size=1, num_gpu_batches=1,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS[:1], gen_len=8)] == ref
+        m = llm.metrics
+    ex = m["experts"][0]
+    assert 0 < ex["bytes_moved"] < 0.5 * ex["bytes_possible"], ex
+    assert ex["experts_loaded_fraction"] < 0.5
+    # decode steps route one token: exactly 2 experts each; the prefill routes the prompt's tokens
+    assert ex["experts_chosen"] <= ex["experts_expected"] * 1.15 + 8, ex
+    assert m["stage_times"][0]["disk_bytes_read"] < (8 * 4 + 1) * ex["bytes_possible"] / ex["loads"]
+
+
+def test_cost_model_expected_experts() -> None:
+    s = get_spec("mixtral-8x7b")
+    assert s.experts_touched(1) == pytest.approx(2.0)
+    assert s.experts_touched(0) == 0.0
+    assert s.experts_touched(1000) == pytest.approx(8.0)
+    assert s.experts_touched(4) == pytest.approx(8 * (1 - 0.75 ** 4))
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7, 12.9), ("mixtral-8x22b", 140.6, 39.2),
+                                               ("qwen2-57b-a14b", 57.4, 14.3), ("qwen3-30b-a3b", 30.5, 3.3),
+                                               ("qwen3-235b-a22b", 235.1, 22.2)])
+def test_registry_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
+    s = get_spec(name)
+    assert s.total_numel() / 1e9 == pytest.approx(total, abs=0.1)
+    act = s.embed_numel() + s.head_numel() + sum(s.active_layer_numel(j) for j in range(s.num_layers))
+    assert act / 1e9 == pytest.approx(active, abs=0.1)
+
+
+def test_layers_are_split_by_what_they_weigh() -> None:
+    """Dense and sparse layers weigh differently: the split balances bytes and compute; a model
+    whose layers are alike keeps the equal split."""
+    s = ModelSpec(name="m", family="llama", num_layers=6, hidden_size=64, ffn_size=64, num_heads=4,
+                  vocab_size=100, max_positions=64, num_experts=8, experts_per_tok=2, expert_ffn_size=64,
+                  moe_layers=(False, False, False, True, True, True))
+    w = s.layer_weights()
+    assert w is not None and w[3] > w[0]
+    ranges = partition_layers(6, 2, None, w)
+    assert ranges[0][1] > 3  # the dense layers go together, more of them on the first stage
+    assert get_spec("mixtral-8x7b").layer_weights() is None
+    assert partition_layers(32, 4, None, None) == partition_layers(32, 4)
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"model_type": "deepseek_v3"}, "mixture-of-experts family 'deepseek_v3' is not supported"),
+    ({"model_type": "olmoe"}, "mixture-of-experts family 'olmoe' is not supported"),
+    ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
+    ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
+])
+def test_what_is_not_computed_is_refused_in_one_line(models: dict, edit: dict, match: str, tmp_path: Path) -> None:
+    src = models["mixtral"].path
+    d = tmp_path / "m"
+    d.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(edit)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").symlink_to(src / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(d), load_tokenizer=False)
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = models["qwen2_moe"].path
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    sd = load_file(str(src / "model.safetensors"))
+    del sd["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.experts.5.up_proj.weight missing") as info:
+        with LLM(str(d), progress=False) as llm:
+            llm.generate([[3, 4, 5]], gen_len=1)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
+    """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts),
+    float32 or Q8_0 (kept packed under --compress-weight, transformers run on the same values)."""
+    from gguf_convert import roundtrip_, write_gguf
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    cfg = _configs()[kind]
+    cfg.vocab_size = 49152  # the GGUF's tokenizer is the bundled one
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    if qtype:
+        roundtrip_(m, qtype)
+    path = write_gguf(m, tmp_path / f"{kind}.gguf", qtype)
+    tm = TinyModel(kind, path, m, 0)
+    ref = reference_generate(tm, PROMPTS[:3], 4)
+    with LLM(str(path), percent=OFFLOAD, gpu_batch_size=1, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
+             compress_weight=bool(qtype), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS[:3], gen_len=4)] == ref
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_two_ranks_match_transformers(models: dict, kind: str, tmp_path: Path) -> None:
+    from test_pipeline import torchrun
+
+    tm = models[kind]
+    out = tmp_path / "o.jsonl"
+    r = torchrun(2, ["--model", str(tm.path), "--prompts", str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)),
+                     "--gen-len", str(GEN), "--ignore-eos", "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+                     "--percent", *map(str, OFFLOAD), "--offload-dir", str(tmp_path / "off"), "--output", str(out),
+                     "--metrics", str(tmp_path / "m.json")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, PROMPTS, GEN)
+    experts = json.loads((tmp_path / "m.json").read_text())["experts"]
+    assert len(experts) == 2 and all(e["routings"] > 0 for e in experts)
