@@ -15,17 +15,15 @@ Reports, never asserts; the engine's path should be as fast as the fastest of th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from .single import machine
+from .single import machine, write_json
 
 
 def paths(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
@@ -80,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         for p, r in res["tflops"][name].items():
             print(f"  {p:32} best {r['best']:.3f}  median {r['median']:.3f} TFLOP/s", file=sys.stderr)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json, res)
     return 0
 
 

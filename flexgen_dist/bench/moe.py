@@ -30,7 +30,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 
 from ..memory.disk import can_drop_page_cache
 from .offload import CacheDropper, device_bytes_read
-from .single import machine
+from .single import machine, run_hf, write_json
 
 
 def build_checkpoint(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -88,16 +87,9 @@ def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: in
     dmap, used = accelerate_map(ckpt, budget, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype, device_map=dmap,
                                                  offload_folder=str(work / "acc-offload")).eval()
-    outs: list[list[int]] = []
     with CacheDropper(drop_interval):
-        r0, t0 = device_bytes_read(work), time.perf_counter()
-        with torch.no_grad():
-            for a in range(0, len(prompts), batch):
-                x = torch.tensor(prompts[a:a + batch])
-                o = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
-                                   min_new_tokens=gen_len, do_sample=False, pad_token_id=0)
-                outs += o[:, x.shape[1]:].tolist()
-        gen = time.perf_counter() - t0
+        r0 = device_bytes_read(work)
+        gen, outs = run_hf(model, torch.tensor(prompts), gen_len, batch, pad=0)
         r1 = device_bytes_read(work)
     tokens = len(prompts) * gen_len
     return outs, {"generate_s": gen, "total_throughput": tokens / gen, "device_map_bytes": used,
@@ -194,8 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  expert bytes moved per token {ex['bytes_moved'] / tokens / 2**20:.1f} MiB of {expert_bytes / 2**20:.0f} "
           f"MiB of experts; chosen / expected {ex['chosen_over_expected']:.3f}", file=sys.stderr)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        write_json(args.json, res)
     return res
 
 

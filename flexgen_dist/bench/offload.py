@@ -50,7 +50,7 @@ from ..memory.disk import DiskStore, can_drop_page_cache, drop_page_cache
 from ..models.families import get_family
 from ..models.loader import load_model
 from ..models.registry import get_spec, registry_names
-from .single import machine
+from .single import machine, run_hf
 
 def device_bytes_read(path: Path) -> int | None:
     """Bytes the block device holding ``path`` has read so far (/proc/diskstats), or None.
@@ -221,15 +221,8 @@ def run_accelerate(ckpt: Path, prompts: list[list[int]], gen_len: int, batch: in
             raise RuntimeError(f"accelerate kept every module in RAM ({placed}); the baseline would not offload")
         setup = time.perf_counter() - t0
         drop_page_cache()
-        outs = []
-        r0, t0 = device_bytes_read(ckpt), time.perf_counter()
-        with torch.no_grad():
-            for a in range(0, len(prompts), batch):
-                x = torch.tensor(prompts[a:a + batch])
-                o = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=gen_len,
-                                   min_new_tokens=gen_len, do_sample=False, pad_token_id=1)
-                outs += o[:, x.shape[1]:].tolist()
-        gen = time.perf_counter() - t0
+        r0 = device_bytes_read(ckpt)
+        gen, outs = run_hf(model, torch.tensor(prompts), gen_len, batch, pad=1)
         r1 = device_bytes_read(ckpt)
     info = {"setup_s": setup, "generate_s": gen, "device_bytes_read": _delta(r0, r1), "device_map_bytes": used,
             "modules_on_disk": sum(v == "disk" for v in placed.values()),

@@ -42,7 +42,14 @@ def hf_model(model: str | None, dtype: torch.dtype = torch.float32) -> Any:
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
 
 
+def write_json(path: str | Path, data: Any) -> None:
+    """A benchmark's results to ``path`` (its folder made)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
 def run_hf(model: Any, ids: torch.Tensor, gen_len: int, batch: int, pad: int) -> tuple[float, list[list[int]]]:
+    """transformers' greedy ``generate`` over ``ids`` in batches of ``batch``: (seconds, tokens)."""
     outs = []
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .single import machine
+from .single import machine, write_json
 
 SETTINGS = ("default", "all-cpus", "omp1", "passive")
 _BUSY = {"loop": "while True: pass",
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:10} {out['median_s']['alone'][s]:9.2f} {out['median_s']['beside'][s]:9.2f} "
               f"{out['vs_best']['beside'][s]:13.2f}x")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out)
     return 0
 
 

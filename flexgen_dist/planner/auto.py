@@ -7,7 +7,6 @@ micro-batch groups.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 import torch
