@@ -37,7 +37,8 @@ def stored(p: gemm.GemmPolicy) -> dict[str, str]:
 
 
 def key_name(m: int, n: int, k: int, dtype: torch.dtype = torch.float32) -> str:
-    return gemm._name((m, n, k, dtype, torch.get_num_threads()))
+    """The stored key of a product of m rows: keyed by m's bucket (the next power of two)."""
+    return gemm._name((gemm.rows_bucket(m), n, k, dtype, torch.get_num_threads()))
 
 
 @pytest.mark.parametrize("rows", [1, 6, 32, 100])
@@ -175,3 +176,15 @@ def test_two_runs_in_fresh_processes_use_the_same_forms(tiny_models, tmp_path: P
     assert first["tuned"] > 0 and first["used"] == first["stored"] > 0
     assert second["tuned"] == 0 and second["digest"] == first["digest"] and files[1] == files[0]
     assert tokens[0] == tokens[1] == reference_generate(tm, PROMPTS, 4)
+
+
+def test_row_counts_share_their_bucket(policy) -> None:
+    """Products of 5 to 8 rows use the one form stored for 8 rows (timed once), so a run whose
+    products vary in rows (a mixture's experts) times few shapes."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(32, 16, generator=g)
+    for m in (5, 6, 7, 8):
+        x = torch.randn(m, 16, generator=g)
+        torch.testing.assert_close(common.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert policy.tuned == 1 and list(stored(policy)) == [key_name(8, 32, 16)]
+    assert [gemm.rows_bucket(m) for m in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]

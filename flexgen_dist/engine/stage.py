@@ -29,7 +29,7 @@ from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy
 from .schedule import Step, token_schedule
-from .weights import Slot, WeightStore
+from .weights import Slot, WeightStore, expert_of
 
 
 @dataclass
@@ -95,8 +95,9 @@ class StageEngine:
     def prepare(self, rows: set[int]) -> dict[str, float]:
         """One-time costs, paid now rather than inside the first timed step: the native CPU
         kernels' build (first use on a machine) and the GEMM form of every few-row CPU product
-        this stage will run with ``rows`` rows (each shape timed once per machine and stored,
-        ``kernels/gemm.py``). Returns the seconds each took and the shapes timed now."""
+        this stage will run with ``rows`` rows, and a mixture's experts with any fewer (each shape
+        and row bucket timed once per machine and stored, ``kernels/gemm.py``). Returns the
+        seconds each took and the shapes timed now."""
         out = {"kernel_build_s": 0.0, "gemm_tune_s": 0.0, "gemm_shapes_tuned": 0}
         if self.device.type != "cpu" and not self.policy.cpu_attention:
             return out
@@ -105,17 +106,24 @@ class StageEngine:
         out["kernel_build_s"] = time.perf_counter() - t0
         if self.device.type != "cpu" or not gemm.tuning_enabled():
             return out
-        shapes = {tuple(p.shape) for slot in self.slots for name, p in self.weights.placed[slot].items()
-                  if len(p.shape) == 2 and not isinstance(p.data, QTensor)
-                  and not (slot[0] == "embed" and name in ("tok.w", "pos.w"))}  # lookups, not products
+        dense: set[tuple[int, ...]] = set()
+        routed: set[tuple[int, ...]] = set()  # an expert's products get any row count up to all the rows
+        for slot in self.slots:
+            for name, p in self.weights.placed[slot].items():
+                if len(p.shape) == 2 and not isinstance(p.data, QTensor) and \
+                        not (slot[0] == "embed" and name in ("tok.w", "pos.w")):  # lookups, not products
+                    (routed if expert_of(name) is not None else dense).add(tuple(p.shape))
         policy = gemm.policy()
         before = policy.tuned
         t0 = time.perf_counter()
         if self.dtype != torch.float32:  # a prefill's products: the dtype's GEMM or float32's
             policy.prefill(self.dtype)
-        for m in sorted(r for r in rows if 0 < r <= gemm.MAX_ROWS):
-            for n, k in sorted(shapes):
-                policy.form(m, n, k, self.dtype)
+        buckets = sorted({gemm.rows_bucket(r) for r in rows if 0 < r <= gemm.MAX_ROWS})
+        every = [1 << i for i in range(max(buckets, default=0).bit_length())]  # 1, 2, 4, ... the largest
+        for shapes, ms in ((dense, buckets), (routed, every)):
+            for m in ms:
+                for n, k in sorted(shapes):
+                    policy.form(m, n, k, self.dtype)
         out["gemm_tune_s"] = time.perf_counter() - t0
         out["gemm_shapes_tuned"] = policy.tuned - before
         return out

@@ -9,7 +9,8 @@ their results can differ in the last bit, and a greedy tie can then flip a token
 
 *Why a stored policy:* choosing by timing each process's first real calls let two runs of
 one job pick different forms under different load, and so differ. Here a (rows, out, in,
-dtype, threads) without a stored choice is timed once, on synthetic operands, and the choice
+dtype, threads) without a stored choice (the rows rounded up to a power of two,
+``rows_bucket``) is timed once, on synthetic operands, and the choice
 is written to ``gemm-<identity>.json`` beside the compiled kernels (``kernel_dir()``); every
 later call, in this process or any other on a machine of the same identity (CPU model and
 flags, torch version, native kernel build), uses it and times nothing. The timing walks a
@@ -132,6 +133,14 @@ def time_forms(m: int, n: int, k: int, dtype: torch.dtype, forms: tuple[int, ...
     return {f: statistics.median(t) for f, t in times.items()}
 
 
+def rows_bucket(m: int) -> int:
+    """The row count a product of ``m`` rows is keyed and timed by: the next power of two. The
+    forms' order does not move within a bucket, and a run whose products vary in rows (a
+    block's last GPU batch, the rows each expert of a mixture receives) then needs at most
+    seven row counts per shape timed, not one per count."""
+    return 1 << max(0, m - 1).bit_length()
+
+
 def time_prefill(dtype: torch.dtype) -> dict[str, float]:
     """FLOP/s of a prefill-sized product (``_PREFILL_SHAPE``) in ``dtype``: its own GEMM
     ("plain") and, for a half dtype, widened to float32 with one rounding back ("f32"); the
@@ -196,8 +205,9 @@ class GemmPolicy:
         self._lock = threading.Lock()
 
     def form(self, m: int, n: int, k: int, dtype: torch.dtype) -> int:
-        """The index in ``FORMS`` of the form for an (m, k) input and an (n, k) weight."""
-        key = (m, n, k, dtype, torch.get_num_threads())
+        """The index in ``FORMS`` of the form for an (m, k) input and an (n, k) weight (the
+        form stored for m's bucket, ``rows_bucket``)."""
+        key = (rows_bucket(m), n, k, dtype, torch.get_num_threads())
         f = self._used.get(key)
         return self._resolve(key) if f is None else f
 
