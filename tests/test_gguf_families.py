@@ -330,14 +330,14 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: gemma2, gemma3, llama, phi3, qwen2, qwen3"),
+    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),
     ({"llama.attention.sliding_window": 32}, None, "key llama.attention.sliding_window is not computed"),
     ({"llama.logit_scale": 2.0}, None, "key llama.logit_scale is not computed"),
     ({"llama.block_count": None}, None, "key llama.block_count is missing"),
-    ({"llama.expert_count": 8}, None, "mixture-of-experts llama file is not supported"),
+    ({"llama.expert_count": 8}, None, "key llama.expert_used_count is missing"),
     ({"split.count": 3}, None, "split into 3 files: merge them"),
 ])
 def test_what_the_engine_does_not_compute_is_refused(change: dict, arch: str | None, match: str, built,
