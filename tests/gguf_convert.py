@@ -109,11 +109,12 @@ def llama3_rope_freqs(cfg: dict[str, Any]) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer_fields() -> tuple[tuple[str, Any, Any, Any], ...]:
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
+    from flexgen_dist.models.gguf_file import GGUFFile
     from flexgen_dist.models.loader import bundled_model_path
 
-    reader = GGUFReader(str(bundled_model_path()))
+    reader = GGUFFile(bundled_model_path())
     return tuple((key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
                  for key, f in reader.fields.items() if key.startswith("tokenizer."))
 
@@ -265,10 +266,12 @@ def rewrite(src: Path, dst: Path, changes: dict[str, Any] | None = None, arch: s
     dropped, or float32 tensors added or replaced; without its tokenizer unless ``tokenizer``
     (copying it takes seconds)."""
     import gguf
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
+
+    from flexgen_dist.models.gguf_file import GGUFFile
 
     changes, tensors = changes or {}, tensors or {}
-    reader = GGUFReader(str(src))
+    reader = GGUFFile(src)
     old = reader.fields["general.architecture"].contents()
     new = arch or old
     w = gguf.GGUFWriter(str(dst), new)

@@ -363,3 +363,40 @@ def test_linear_rope_scaling_is_read(built, tmp_path: Path) -> None:
     plain = rewrite(path, tmp_path / "p.gguf", drop=("rope_freqs.weight",))
     spec = load_model(str(plain), load_tokenizer=False).spec
     assert spec.rope_scaling is None and (spec.rope_theta, spec.norm_eps) == (5000.0, 1e-6)
+
+
+@pytest.mark.parametrize("kind,qtype", [("qwen3", "Q4_0"), ("gemma3", "Q8_0"), ("bundled", None)])
+def test_the_header_reader_reads_what_gguf_reads(kind: str, qtype: str | None, built) -> None:
+    """``GGUFFile`` (one struct pass) gives every key, type, value and tensor view that the
+    ``gguf`` package's reader gives, for files with tokenizers, packed and plain tensors."""
+    from gguf import GGUFReader
+
+    from flexgen_dist.models.gguf_file import GGUFFile
+    from flexgen_dist.models.loader import bundled_model_path
+
+    path = bundled_model_path() if kind == "bundled" else built(kind, qtype)[1]
+    ours, theirs = GGUFFile(path), GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, f in theirs.fields.items():
+        got, want = ours.fields[key].contents(), f.contents()
+        assert got == want and type(got) is type(want), key
+        assert ours.fields[key].types == f.types, key
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+               (b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+        assert list(a.shape) == list(b.shape)
+        assert a.data.shape == b.data.shape and a.data.dtype == b.data.dtype, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_a_file_that_is_not_whole_gguf_is_one_line(built, tmp_path: Path) -> None:
+    _, path, _ = built("llama3")
+    data = path.read_bytes()
+    cases = {"empty.gguf": b"", "text.gguf": b"not a model at all, just some text here",
+             "header.gguf": data[:2000], "tensors.gguf": data[:len(data) - 100]}
+    for name, raw in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(ModelLoadError, match="cannot read GGUF .*the file is corrupt or not GGUF") as info:
+            load_model(str(tmp_path / name), load_tokenizer=False)
+        assert "\n" not in str(info.value), name

@@ -392,10 +392,10 @@ def _read_config(p: Path) -> dict[str, Any]:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str) -> LoadedModel:
-    from gguf import GGUFReader
+    from .gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFFile(path)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: cannot read GGUF ({type(e).__name__}: {e}); the file is corrupt "
                              "or not GGUF") from e
