@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy
@@ -102,6 +101,8 @@ def solve_lp(terms: StageTerms, budgets: np.ndarray, *, weights_all_gpu: bool,
         bounds[0:3] = [(1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]
     elif no_disk_weights:
         bounds[2] = (0.0, 0.0)
+    from scipy.optimize import linprog  # 0.36 s to import: only runs that plan pay it
+
     res = linprog(c, A_ub=A, b_ub=b, A_eq=A_eq, b_eq=np.ones(3), bounds=bounds, method="highs")
     return np.clip(res.x[:9], 0.0, 1.0) if res.status == 0 else None
 
@@ -268,6 +269,8 @@ def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, worklo
     bounds = [(0.0, 1.0)] * 9 + [(0.0, None)] * 3
     if compress:
         bounds[WD] = (0.0, 0.0)
+    from scipy.optimize import linprog
+
     res = linprog(np.r_[np.zeros(9), 3.0, 2.0, 1.0], A_ub=A, b_ub=b, A_eq=A_eq,
                   b_eq=np.ones(3), bounds=bounds, method="highs")
     short = [(t, s) for t, s in zip(TIERS, res.x[9:]) if s > 1e-6] if res.status == 0 else []
