@@ -293,7 +293,10 @@ class GGUFSource(WeightSource):
     def _expanded(self, k: str, t: Any, data: Any) -> torch.Tensor:
         from gguf import dequantize
 
-        w = torch.from_numpy(dequantize(data, t.tensor_type).copy()).float()
+        a = dequantize(data, t.tensor_type)
+        if not (a.flags.writeable and a.flags.c_contiguous):  # a plain tensor is a view of the mapped file
+            a = a.copy()
+        w = torch.from_numpy(a).float()
         if self.arch.norm_shift and k.endswith("norm.w"):
             # the file holds Gemma's 1 + w, rounded once by the converter; in float32 taking 1
             # off is exact for any such value, so the family's 1 + w is the file's bit for bit
