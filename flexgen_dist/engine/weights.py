@@ -338,11 +338,12 @@ class SlotExperts:
             for e in ids:
                 if e in self.loaded:
                     continue
+                moved = self._moved_bytes(e)
                 st = self.store.expert_stats
                 st.experts_loaded += 1
-                st.bytes_moved += self._moved_bytes(e)
-                self.loaded[e] = pool.submit(self._read, e) if pool is not None and self._moved_bytes(e) else \
-                    self._read(e)
+                st.bytes_moved += moved
+                # bytes to read go to the I/O threads; an expert already in place is a view
+                self.loaded[e] = pool.submit(self._read, e) if pool is not None and moved else self._read(e)
 
     def note_routing(self, tokens: int, chosen: int, expected: float) -> None:
         """One product's routing: ``tokens`` routed, ``chosen`` distinct experts, ``expected``

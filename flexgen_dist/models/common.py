@@ -54,6 +54,7 @@ def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 
 
 EXPERTS = "experts"  # the weights key under which a sparse layer's routed experts come, when not in place
+EXPERT_PARTS = ("gate.w", "up.w", "down.w")  # a routed expert's matrices (``experts.{e}.<part>``)
 
 
 class Experts(Protocol):
@@ -76,7 +77,7 @@ class DictExperts:
         pass
 
     def get(self, e: int) -> dict[str, Weight]:
-        return {k: self.w[f"experts.{e}.{k}"] for k in ("gate.w", "up.w", "down.w")}
+        return {k: self.w[f"experts.{e}.{k}"] for k in EXPERT_PARTS}
 
 
 def embedding(ids: torch.Tensor, w: Weight) -> torch.Tensor:

@@ -102,12 +102,12 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                 head_dim_override=head_dim if head_dim * heads != hidden else 0,
                 sliding_window=int(key("attention.sliding_window", 0)),
                 tie_word_embeddings="output.weight" not in tensors,
-                # Qwen2's q/k/v biases are part of the architecture; a llama file has biases or not
-                qkv_bias=arch == "qwen2", attention_bias=arch != "qwen2" and "blk.0.attn_q.bias" in tensors,
+                # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file
+                # has biases or not
+                qkv_bias=arch in QWEN2_ARCHS,
+                attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
                 qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
                 mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
-            if arch == "qwen2moe":  # its q/k/v biases, as Qwen2's
-                fields["qkv_bias"], fields["attention_bias"] = True, False
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -124,6 +124,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: {e}") from None
     _check_tensors(spec, a, set(tensors), name)
     return spec
+
+
+QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
 
 
 def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import (EXPERTS, DictExperts, Positions, apply_rope, as_positions, embedding, linear, project_qkv,
-                     rms_norm, silu_mul)
+from .common import (EXPERT_PARTS, EXPERTS, DictExperts, Positions, apply_rope, as_positions, embedding, linear,
+                     project_qkv, rms_norm, silu_mul)
 from .families import INDEX, ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
@@ -36,18 +36,14 @@ _LAYER_GGUF = {
 }
 
 
-EXPERT_PARTS = ("gate.w", "up.w", "down.w")
-
-
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
     shapes: dict[str, tuple[int, ...]] = {
-        "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd),
-        "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h), "down.w": (h, f),
+        "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd), "mlp_norm.w": (h,),
     }
-    if spec.is_moe(layer):  # the router, the shared expert, then each routed expert's three matrices
-        for k in ("gate.w", "up.w", "down.w"):
-            del shapes[k]
+    if not spec.is_moe(layer):
+        shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
+    else:  # the router, the shared expert, then each routed expert's three matrices
         shapes["router.w"] = (spec.num_experts, h)
         if spec.shared_expert_ffn_size:
             sf = spec.shared_expert_ffn_size
@@ -55,8 +51,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
                            "shared_gate.w": (1, h)})
         ef = spec.expert_ffn_size
         for e in range(spec.num_experts):
-            shapes.update({f"experts.{e}.gate.w": (ef, h), f"experts.{e}.up.w": (ef, h),
-                           f"experts.{e}.down.w": (h, ef)})
+            shapes.update({f"experts.{e}.{k}": s for k, s in zip(EXPERT_PARTS, ((ef, h), (ef, h), (h, ef)))})
     if spec.attention_bias or spec.qkv_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
     if spec.attention_bias:
