@@ -1,5 +1,5 @@
 """The CUDA paths: every placement on ``--device cuda`` against transformers on the same GPU,
-half types, the CPU-attention cache in pinned RAM, disk weights with overlap, compression on
+every newer family and the mixtures of experts there, half types, the CPU-attention cache in pinned RAM, disk weights with overlap, compression on
 the GPU, and a two-rank pipeline sharing one GPU.
 
 Every test here is marked ``gpu`` and skipped without a CUDA device. The ``gpu_device``
@@ -28,6 +28,8 @@ from flexgen_dist.engine.stage import StageEngine
 from flexgen_dist.memory.disk import DiskStore
 from flexgen_dist.memory.tiers import Tier
 from flexgen_dist.models.loader import load_model
+from test_families_pipeline import FAMILIES, LONG
+from test_moe import _model as moe_model
 
 pytestmark = pytest.mark.gpu
 GEN = 6
@@ -71,11 +73,12 @@ def engine(tm: TinyModel, pct: tuple, device: torch.device, dtype: torch.dtype, 
                        policy=pol, device=device, dtype=dtype, disk=disk)
 
 
-def run(tm: TinyModel, pct: tuple, device: torch.device, dtype: torch.dtype, off: Path, **kw) -> list[list[int]]:
+def run(tm: TinyModel, pct: tuple, device: torch.device, dtype: torch.dtype, off: Path,
+        prompts: list[list[int]] = PROMPTS, **kw) -> list[list[int]]:
     with DiskStore(off) as disk:
         eng = engine(tm, pct, device, dtype, disk, **kw)
         try:
-            outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            outs, _ = generate(eng, prompts, GEN, SamplingConfig(ignore_eos=True))
         finally:
             eng.close()
     return outs
@@ -176,10 +179,10 @@ def test_disk_weights_stream_with_overlap(tiny_models, gpu_device, tmp_path: Pat
     assert read >= GEN * weight_bytes
 
 
-def test_compression_on_the_gpu_matches_the_cpu(tiny_models, gpu_device, tmp_path: Path) -> None:
+def test_compression_on_the_gpu_matches_the_cpu(tiny_models, gpu_device, tmp_path: Path, monkeypatch) -> None:
     """4-bit weights and cache: quantized on the device, kept compressed on every tier, and
-    dequantized where they are used; the GPU's tokens equal the CPU's for the same policy and
-    its logits are within float32 rounding of them."""
+    dequantized where they are used; the GPU's tokens equal the CPU's for the same policy, and
+    the fused 4-bit product's tokens equal those of expand-then-multiply."""
     tm = tiny_models["llama-gqa"]
     pct = (30, 30, 20, 50, 50, 50)
     cpu = run(tm, pct, torch.device("cpu"), torch.float32, tmp_path / "off-cpu", compress=True)
@@ -187,6 +190,8 @@ def test_compression_on_the_gpu_matches_the_cpu(tiny_models, gpu_device, tmp_pat
     assert dev == cpu
     dense = run(tm, pct, gpu_device, torch.float32, tmp_path / "off-dense")
     assert dense != dev  # compression really changed the numbers
+    monkeypatch.setenv("FLEXGEN_FUSED_QLINEAR", "0")  # expand, then the dense product
+    assert run(tm, pct, gpu_device, torch.float32, tmp_path / "off-unfused", compress=True) == dev
 
 
 def test_two_ranks_share_one_gpu(tiny_models, gpu_device, tmp_path: Path) -> None:
@@ -213,8 +218,8 @@ def test_two_ranks_share_one_gpu(tiny_models, gpu_device, tmp_path: Path) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype: torch.dtype) -> None:
     """A packed weight on the compute device expands (torch's ops there) to exactly the values
-    the CPU's native kernel gives, in every compute dtype; the fused product is a CPU kernel,
-    so a device weight goes through the expansion, and the product equals the dense one."""
+    the CPU's native kernel gives, in every compute dtype, and its fused product equals the
+    dense one up to the order of the sums."""
     from flexgen_dist.kernels.qweight import QWeight
     from flexgen_dist.memory.quant import dequantize, quantize
     from flexgen_dist.models import common
@@ -228,7 +233,22 @@ def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype
     assert torch.equal(dev.dense().cpu(), cpu_values)
     x = torch.randn(3, 200).to(dtype).to(gpu_device)
     y, ref = common.linear(x, dev), common.linear(x, cpu_values.to(gpu_device))
-    if gpu_device.type == "cuda":  # expanded, then the same GEMM
-        assert torch.equal(y, ref)
-    else:  # the CPU's fused product: the same values, summed in another order
-        torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    # the fused product (the native kernel on the CPU, the Triton kernel on a GPU): the same
+    # values, summed in another order
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", [*sorted(FAMILIES), "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_device, tmp_path: Path) -> None:
+    """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the mixtures of experts in float32 on
+    the device: half the weights there and half in RAM, the cache and activations there,
+    prompts past the sliding windows; greedy tokens equal transformers' on the same device."""
+    if name in FAMILIES:
+        torch.manual_seed(31)
+        m = FAMILIES[name]().eval()
+        m.save_pretrained(tmp_path / "m")
+        tm = TinyModel(name, tmp_path / "m", m, 0)
+    else:
+        tm = moe_model(name, tmp_path / "m")
+    ref, _ = reference_on(tm, gpu_device, torch.float32, LONG, GEN)
+    assert run(tm, (50, 50, 100, 0, 100, 0), gpu_device, torch.float32, tmp_path / "off", prompts=LONG) == ref

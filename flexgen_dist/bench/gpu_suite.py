@@ -9,7 +9,11 @@ Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.jso
 
 - ``env``: the GPU, driver, torch, CPU cores, RAM and the offload disk's free space.
 - ``tests``: the GPU-marked tests (``pytest -m gpu``), then the rest of the suite with CUDA
-  visible (``-m "not gpu and not slow"``; ``--all-tests`` adds the slow multi-process ones).
+  visible (``-m "not gpu and not slow"``; ``--all-tests`` adds the slow multi-process ones);
+  ``--tests gpu`` or ``rest`` runs one of the two, ``--workers N`` spreads them over N
+  processes (pytest-xdist).
+- ``kernels``: the fused 4-bit product against expand-then-cuBLAS and the uncompressed weight
+  (``bench.qlinear_paths``) into ``OUT/qlinear-paths.json``.
 - ``profile``: ``planner profile --device cuda`` into ``configs/hardware/<gpu>.yaml``.
 - ``compare``: for each case (``--cases``; ``--list-cases`` shows them) the FlexGen package
   (``python -m flexgen.flex_opt``, dummy weights) and this engine with the same model,
@@ -48,7 +52,7 @@ from .. import hugepages
 from .gpu_baselines import Case, accelerate_command, flexgen_command, opt_tokenizer_standin, parse_flexgen_log
 
 REPO = Path(__file__).resolve().parents[2]
-PHASES = ("env", "tests", "profile", "compare")
+PHASES = ("env", "tests", "kernels", "profile", "compare")
 
 
 # The FlexGen paper's setting (prompt 512, 32 new tokens, float16) on one 80 GB GPU with 128 GB
@@ -63,7 +67,8 @@ CASES = [
          compress_weight=True, compress_cache=True, note="the same with 4-bit weights and cache"),
     Case("opt-30b-split", "opt-30b", (20, 80, 0, 100, 0, 100), 16, 3, cpu_attention=True,
          note="weights 20/80 GPU/CPU, cache on the CPU with CPU attention (suite_30b_1x1's policy, "
-              "batch 48 -> 16 for 128 GB of RAM)"),
+              "batch 48 -> 16 for 128 GB of RAM); --policy auto gets the 16 GB GPU that policy was made for",
+         budgets={"gpu_mem": "16GiB"}),
     Case("opt-30b-cpu-compressed-cache", "opt-30b", (0, 100, 0, 100, 0, 100), 32, 4,
          compress_cache=True, note="suite_30b_1x1_comp's placement (batch 64 x 8 -> 32 x 4)"),
     Case("opt-66b-cpu-disk", "opt-66b", (0, 60, 0, 100, 0, 100), 8, 2, cpu_attention=True, gen_len=8,
@@ -162,10 +167,14 @@ def phase_env(out: Path) -> dict[str, Any]:
     return info
 
 
-def phase_tests(out: Path, all_tests: bool, timeout: float) -> dict[str, Any]:
+def phase_tests(out: Path, all_tests: bool, timeout: float, which: str = "both", workers: int = 0) -> dict[str, Any]:
     res = {}
     for name, marker in (("gpu", "gpu"), ("rest", "not gpu" if all_tests else "not gpu and not slow")):
+        if which not in ("both", name):
+            continue
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker]
+        if workers > 0 and _importable("xdist"):
+            cmd += ["-n", str(workers)]
         r = run_logged(cmd, out / f"pytest-{name}.log", timeout)
         summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
         r["summary"] = summary[-1] if summary else None
@@ -178,6 +187,14 @@ def gpu_slug(gpu: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
 
+def phase_kernels(out: Path, timeout: float) -> dict[str, Any]:
+    dest = out / "qlinear-paths.json"
+    r = run_logged([sys.executable, "-m", "flexgen_dist.bench.qlinear_paths", "--json", str(dest)],
+                   out / "qlinear-paths.log", timeout)
+    r["results"] = str(dest) if dest.exists() else None
+    return r
+
+
 def phase_profile(out: Path, gpu: str | None, device: str, timeout: float, quick: bool) -> dict[str, Any]:
     dest = REPO / "configs" / "hardware" / f"{gpu_slug(gpu)}.yaml"
     cmd = [sys.executable, "-m", "flexgen_dist.planner", "profile", "--device", device, "--out", str(dest),
@@ -186,6 +203,8 @@ def phase_profile(out: Path, gpu: str | None, device: str, timeout: float, quick
         cmd.append("--quick")
     r = run_logged(cmd, out / "profile.log", timeout)
     r["hardware"] = str(dest) if r["rc"] == 0 else None
+    if r["hardware"]:
+        shutil.copy(dest, out / dest.name)  # packed with the logs
     return r
 
 
@@ -223,6 +242,10 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
                   for tag in ("flexgen", "ours", "ours_auto", "accelerate")}
         runs = {"flexgen": flexgen_command(case, off / "flexgen", result["flexgen"]),
                 "ours": ours_command(case, off / "ours", result["ours"], args.device, args.dtype, hardware=hardware)}
+        for dt in args.extra_dtypes:
+            result[f"ours_{dt}"] = out / f"{case.name}-ours_{dt}.json"
+            runs[f"ours_{dt}"] = ours_command(case, off / "ours", result[f"ours_{dt}"], args.device, dt,
+                                              hardware=hardware)
         if not args.skip_auto:
             runs["ours_auto"] = ours_command(case, off / "auto", result["ours_auto"], args.device, args.dtype,
                                              auto=True, hardware=hardware, budgets=case.budgets or machine_budgets())
@@ -247,6 +270,9 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
                   f"{m.get('decode_throughput')} | total {m.get('total_throughput')} tok/s", flush=True)
         rec["ratios"] = ratios(rec)
         res[case.name] = rec
+        if args.archive and not args.dry_run:  # each case's figures leave with the next call
+            (out / "compare.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+            pack(out, Path(args.archive))
     return res
 
 
@@ -255,7 +281,7 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
     both were measured."""
     out: dict[str, float] = {}
     fg = (rec.get("flexgen") or {}).get("metrics") or {}
-    for tag in ("ours", "ours_auto", "accelerate"):
+    for tag in [t for t in rec if t.startswith("ours") or t == "accelerate"]:
         m = (rec.get(tag) or {}).get("metrics") or {}
         for k in ("prefill_throughput", "decode_throughput", "total_throughput"):
             if fg.get(k) and m.get(k):
@@ -264,13 +290,14 @@ def ratios(rec: dict[str, Any]) -> dict[str, float]:
 
 
 def pack(out: Path, archive: Path) -> None:
-    """The logs and JSON under ``out`` (not offload files or the tokenizer cache) in one .tar.gz."""
+    """The logs, JSON and profiles under ``out`` (not offload files or the tokenizer cache) in one
+    .tar.gz."""
     import tarfile
 
     archive.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "w:gz") as tar:
         for f in sorted(out.iterdir()):
-            if f.is_file() and f.suffix in (".json", ".log") and f.resolve() != archive.resolve():
+            if f.is_file() and f.suffix in (".json", ".log", ".yaml") and f.resolve() != archive.resolve():
                 tar.add(f, arcname=f"{out.name}/{f.name}")
 
 
@@ -295,6 +322,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
     ap.add_argument("--skip-accelerate", action="store_true", help="leave out the accelerate baseline")
     ap.add_argument("--all-tests", action="store_true", help="the tests phase also runs the slow tests")
+    ap.add_argument("--tests", choices=["both", "gpu", "rest"], default="both",
+                    help="the tests phase's part: the GPU-marked tests, the rest, or both")
+    ap.add_argument("--workers", type=int, default=0, help="pytest-xdist processes for the tests (0: one)")
+    ap.add_argument("--extra-dtypes", nargs="*", default=[],
+                    help="also run this engine's fixed policy in these dtypes (e.g. bfloat16)")
     ap.add_argument("--quick-profile", action="store_true", help="planner profile --quick")
     ap.add_argument("--hardware", help="a profile to plan with instead of the profile phase's")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per command (default 540)")
@@ -324,7 +356,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         print(f"# phase {phase}", flush=True)
         if phase == "tests":
-            result["tests"] = phase_tests(out, args.all_tests, args.timeout)
+            result["tests"] = phase_tests(out, args.all_tests, args.timeout, args.tests, args.workers)
+        elif phase == "kernels":
+            result["kernels"] = phase_kernels(out, args.timeout)
         elif phase == "profile":
             result["profile"] = phase_profile(out, result["env"]["gpu"], args.device, args.timeout, args.quick_profile)
             if hardware is None and result["profile"]["hardware"]:
@@ -332,10 +366,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elif phase == "compare":
             result["compare"] = phase_compare(out, cases, args, hardware)
         (out / f"{phase}.json").write_text(json.dumps(result.get(phase), indent=2, default=str) + "\n")
-    (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (out / "gpu_suite.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        if args.archive:  # after every phase, so a run cut short still leaves what it measured
+            pack(out, Path(args.archive))
     print(f"# wrote {out / 'gpu_suite.json'}")
     if args.archive:
-        pack(out, Path(args.archive))
         print(f"# packed {args.archive}")
     return result
 

@@ -4,7 +4,8 @@ Q4_1 and Q8_0 blocks share that layout).
 
 On the CPU a linear layer of few rows multiplies the codes directly (``kernels.qlinear``: a
 panel of rows is expanded inside the product, in the compute dtype), so a decode step reads a
-quarter of the bytes and writes no dense copy. A product of many rows (a prefill) expands the
+quarter of the bytes and writes no dense copy; on a GPU a Triton kernel does the same
+(``kernels.qlinear_gpu``, up to its ``MAX_ROWS`` rows). A product of many rows (a prefill) expands the
 weight once into a reused dense buffer (``dense``) and runs the BLAS, where the BLAS is faster.
 An embedding lookup expands only the rows it gathers (``rows``).
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import dequant, qlinear
+from . import dequant, qlinear, qlinear_gpu
 
 # Rows of x up to which the fused product runs; beyond, the weight is expanded and the BLAS
 # multiplies it. Measured per opt-1.3b layer (2 cores, AVX512_BF16, bfloat16): the fused
@@ -87,11 +88,16 @@ class QWeight:
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """``F.linear(x, self.dense(), b)`` (+ ``residual``) by the fused product, for few rows
-        on the CPU; None where it does not apply (the caller expands and multiplies)."""
+        (the native kernel on the CPU, ``qlinear_gpu``'s Triton kernel on a GPU); None where it
+        does not apply (the caller expands and multiplies)."""
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        if (self.device.type != "cpu" or x.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS
-                or not fused_enabled()):
+        if not fused_enabled() or x.device != self.device:
+            return None
+        if self.device.type == "cuda":
+            return qlinear_gpu.qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size,
+                                       self.bits, b, residual)
+        if self.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS:
             return None
         return qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b,
                        residual)

@@ -1,0 +1,158 @@
+"""The fused 4/8-bit product on a GPU: ``F.linear(x, W, b)`` (+ ``residual``) with W given by its
+group-wise codes, expanded tile by tile in registers (a Triton kernel), never as a whole.
+
+A decode step multiplies few rows by every weight, so it is bound by the weight bytes it reads:
+the packed codes are a quarter (4-bit) or half (8-bit) of a float16 weight, and expanding the
+whole weight first (``QWeight.dense``) writes and reads a dense copy besides. Products of many
+rows (a prefill) still expand once and run cuBLAS, which is faster there.
+
+Each program computes a tile of BLOCK_M rows by BLOCK_N output features, walking the input dim
+BLOCK_K at a time (a whole number of groups): it loads the x tile and the packed codes, splits
+each byte into its two codes (low nibble first, the packing of ``memory/quant.py``), applies
+``code * scale + min`` in float32, rounds to x's dtype (the reference expansion's values, up to
+a fused multiply-add) and accumulates ``x @ W.T`` in float32 (IEEE float32 products for a
+float32 x, not TF32). The epilogue adds the bias, rounds to x's dtype, and adds the residual in
+float32 and rounds again, as ``F.linear(x, W, b).add_(residual)`` rounds.
+
+``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors (tests/test_qlinear_gpu.py), so its
+logic is tested on machines without a GPU. The interpreter multiplies bfloat16 tiles wrongly
+(numpy has no bfloat16), so there the tiles are widened to float32 before the product: the same
+products, since a product of two half-type values is exact in float32. This module belongs to the kernels package, a leaf.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Rows up to which the fused kernel runs on a GPU; beyond, expand once and run cuBLAS.
+MAX_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """The jitted kernel, or None where Triton is missing (the product then expands)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr,
+                       M, N, K, PACKED, GROUPS, stride_xm, stride_cn, stride_gn, stride_rm, stride_ym,
+                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                       IEEE: tl.constexpr, WIDEN: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
+                        other=0.0)
+            if BITS == 4:
+                rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                c = tl.load(codes_ptr + rn[:, None] * stride_cn + rb[None, :],
+                            mask=n_ok[:, None] & (rb < PACKED)[None, :], other=0)
+                w = tl.reshape(tl.join(c & 15, c >> 4), (BLOCK_N, BLOCK_K))
+            else:
+                c = tl.load(codes_ptr + rn[:, None] * stride_cn + rk[None, :],
+                            mask=n_ok[:, None] & (rk < PACKED)[None, :], other=0)
+                w = c
+            rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            g_mask = n_ok[:, None] & (rg < GROUPS)[None, :]
+            s = tl.load(scales_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
+            mn = tl.load(mins_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
+            wf = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            wf = wf * s.to(tl.float32)[:, :, None] + mn.to(tl.float32)[:, :, None]
+            wt = tl.trans(tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(x.dtype))
+            if IEEE:
+                acc += tl.dot(x, wt, input_precision="ieee")
+            elif WIDEN:  # the same products (a half type's are exact in float32), widened first
+                acc += tl.dot(x.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, wt)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+        if HAS_RES:
+            r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=out_mask)
+
+    return qlinear_kernel
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _block_m(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def _block_n(n: int, device: torch.device) -> int:
+    """64 output features per program where that still gives every multiprocessor two
+    programs, else 32 (or 16): a decode product has one row block, so the grid is N / BLOCK_N."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    for bn in (64, 32):
+        if -(-n // bn) >= 2 * sms:
+            return bn
+    return 16 if n < 32 * sms else 32
+
+
+def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,
+            group: int, bits: int, b: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x, W, b)`` (+ ``residual``), W (out, in) from its codes (out, packed) and
+    mins/scales (out, groups) grouped along the input dim; x (..., in) on the codes' device in
+    float32, bfloat16 or float16. None where the kernel does not apply (no Triton, more than
+    ``MAX_ROWS`` rows, a group size that is not a power of two of at least 16, 2-bit codes, a
+    layout it does not read), so the caller expands and multiplies."""
+    kern = _kernel()
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if (kern is None or not 0 < m <= MAX_ROWS or bits not in (4, 8) or not _pow2(group) or group < 16
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != codes.device
+            or (x.device.type != "cuda" and not interpret) or codes.dim() != 2 or codes.shape[0] != out_features
+            or mins.shape != scales.shape or mins.shape[0] != out_features or mins.shape[1] * group < k
+            or codes.shape[1] * (8 // bits) < k or codes.stride(-1) != 1 or mins.stride(-1) != 1
+            or scales.stride() != mins.stride()):
+        return None
+    if b is not None and not (b.shape == (out_features,) and b.is_contiguous() and b.device == x.device):
+        return None
+    lead = x.shape[:-1]
+    if residual is not None and not (residual.shape == (*lead, out_features) and residual.device == x.device):
+        return None
+    x2 = x.reshape(m, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(m, out_features)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
+    bm, bn = _block_m(m), _block_n(out_features, x.device)
+    bk = max(group, 128)
+    grid = (-(-out_features // bn), -(-m // bm))
+    # an absent bias or residual points at x2, never at y: the interpreter copies every tensor
+    # argument back after the run, which would overwrite y with its unwritten copy
+    kern[grid](x2, codes, mins, scales, b if b is not None else x2, r2 if r2 is not None else x2, y,
+               m, out_features, k, codes.shape[1], mins.shape[1], x2.stride(0), codes.stride(0), mins.stride(0),
+               r2.stride(0) if r2 is not None else 0, y.stride(0),
+               GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=b is not None,
+               HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret, num_warps=4, num_stages=3)
+    return y.view(*lead, out_features)

@@ -1,0 +1,111 @@
+"""The GPU's fused 4/8-bit product (``kernels/qlinear_gpu.py``, a Triton kernel) against the
+reference: expand the codes (``expand_reference``), then ``F.linear`` (+ residual).
+
+On a machine without a GPU the same kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
+CPU tensors) in a process of its own, so the kernel's indexing, unpacking, masking and epilogue
+are checked everywhere; on a GPU it runs compiled (marked ``gpu``)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+
+# (rows, out, in, group, bits): odd rows and features, a last group cut short, one row, the
+# largest fused row count, the GGUF group of 32 and a group larger than BLOCK_K's 128
+SHAPES = [(1, 40, 96, 32, 4), (3, 100, 200, 64, 4), (17, 64, 130, 32, 8), (64, 33, 256, 128, 4),
+          (5, 48, 512, 256, 4), (8, 80, 64, 16, 8)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, device: torch.device, bias: bool,
+          residual: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from flexgen_dist.kernels import qlinear_gpu
+    from flexgen_dist.kernels.qweight import expand_reference
+    from flexgen_dist.memory.quant import quantize
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.2).to(dtype)
+    q = quantize(w, bits, group, dim=1)
+    x = torch.randn(m, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    r = torch.randn(m, n, generator=g).to(dtype).to(device) if residual else None
+    codes, mins, scales = (t.to(device) for t in (q.data, q.mins, q.scales))
+    y = qlinear_gpu.qlinear(x, codes, mins, scales, n, group, bits, b, r)
+    assert y is not None, "the fused kernel refused a layout it should take"
+    dense = expand_reference(codes, mins, scales, k, group, bits, dtype)
+    ref = torch.nn.functional.linear(x.float(), dense.float(), None if b is None else b.float())
+    if r is not None:
+        ref = (ref.to(dtype).float() + r.float())
+    return y, ref
+
+
+def check_all(device: torch.device) -> int:
+    """Every shape, dtype and epilogue; returns the number of products checked."""
+    n_checked = 0
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    for i, (m, n, k, group, bits) in enumerate(SHAPES):
+        for dtype in dtypes:
+            for bias, residual in ((False, False), (True, False), (True, True)):
+                y, ref = _case(m, n, k, group, bits, dtype, device, bias, residual, seed=100 * i + n_checked)
+                assert y.shape == (m, n) and y.dtype == dtype and y.device.type == device.type
+                assert torch.isfinite(y).all()
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                assert err < TOL[dtype], f"{(m, n, k, group, bits, dtype, bias, residual)}: relative error {err:.2e}"
+                n_checked += 1
+    return n_checked
+
+
+def test_the_kernel_in_the_interpreter_matches_the_reference() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"checked {len(SHAPES) * 2 * 3} products" in r.stdout
+
+
+def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
+    from flexgen_dist.kernels import qlinear_gpu
+    from flexgen_dist.memory.quant import quantize
+
+    q = quantize(torch.randn(32, 96), 4, 32, dim=1)
+    x = torch.randn(2, 96)
+    assert qlinear_gpu.qlinear(x, q.data, q.mins, q.scales, 32, 32, 4) is None  # CPU tensors, compiled mode
+    big = torch.randn(qlinear_gpu.MAX_ROWS + 1, 96)
+    assert qlinear_gpu.qlinear(big, q.data, q.mins, q.scales, 32, 32, 4) is None
+    q2 = quantize(torch.randn(32, 96), 2, 32, dim=1)
+    assert qlinear_gpu.qlinear(x, q2.data, q2.mins, q2.scales, 32, 32, 2) is None
+
+
+@pytest.mark.gpu
+def test_the_compiled_kernel_on_the_gpu_matches_the_reference() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    assert check_all(torch.device("cuda")) == len(SHAPES) * 3 * 3
+
+
+def _interpreter_index_on_new_numpy() -> None:
+    """Triton's interpreter (3.6) turns a loop bound into an int with ``int(array)`` on a
+    one-element array, which numpy 2.4 refuses; take the element instead."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:
+        return
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if __name__ == "__main__":
+    _interpreter_index_on_new_numpy()
+    print(f"checked {check_all(torch.device('cpu'))} products")
