@@ -470,14 +470,26 @@ def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
 def test_gpu_suite_tests_phase_runs_gpu_tests_then_the_rest(tmp_path: Path, monkeypatch) -> None:
     seen: list[list[str]] = []
 
+    envs: list[dict | None] = []
+
     def fake_run(cmd, log, timeout, env=None):
         seen.append(cmd)
+        envs.append(env)
+        log.write_text("[gw0] FAILED tests/test_a.py::test_x[1]\nERROR tests/test_b.py::test_y - boom\n")
         return {"rc": 0, "tail": "...\n12 passed, 3 skipped in 4.2s\n", "command": " ".join(cmd)}
 
     monkeypatch.setattr(gpu_suite, "run_logged", fake_run)
     res = gpu_suite.phase_tests(tmp_path, all_tests=False, timeout=60)
     assert [c[c.index("-m", 3) + 1] for c in seen] == ["gpu", "not gpu and not slow"]  # no test twice
     assert res["gpu"]["summary"] == "12 passed, 3 skipped in 4.2s"
+    assert res["gpu"]["failed"] == ["tests/test_a.py::test_x[1]", "tests/test_b.py::test_y"]
+    assert all("-v" in c for c in seen) and envs == [None, None]
+    if importlib.util.find_spec("xdist") is not None:  # workers share the cores
+        seen.clear()
+        envs.clear()
+        gpu_suite.phase_tests(tmp_path, all_tests=False, timeout=60, which="rest", workers=2)
+        assert len(seen) == 1 and seen[0][seen[0].index("-n") + 1] == "2"
+        assert envs[0]["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     seen.clear()
     gpu_suite.phase_tests(tmp_path, all_tests=True, timeout=60)
     assert seen[1][seen[1].index("-m", 3) + 1] == "not gpu"

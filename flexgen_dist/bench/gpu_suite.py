@@ -172,12 +172,19 @@ def phase_tests(out: Path, all_tests: bool, timeout: float, which: str = "both",
     for name, marker in (("gpu", "gpu"), ("rest", "not gpu" if all_tests else "not gpu and not slow")):
         if which not in ("both", name):
             continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker]
+        # -v names each test as it ends, so a run cut short by its timeout still says which failed
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", marker]
+        env = None
         if workers > 0 and _importable("xdist"):
             cmd += ["-n", str(workers)]
-        r = run_logged(cmd, out / f"pytest-{name}.log", timeout)
+            # each worker's torch would otherwise take every core: N workers x all cores
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)))
+        r = run_logged(cmd, out / f"pytest-{name}.log", timeout, env=env)
         summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
         r["summary"] = summary[-1] if summary else None
+        log_file = out / f"pytest-{name}.log"
+        log = log_file.read_text(errors="replace") if log_file.exists() else r["tail"]
+        r["failed"] = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", log)))
         res[name] = r
     return res
 

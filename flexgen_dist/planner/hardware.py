@@ -108,6 +108,11 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.disk_cpu={v!r}: must be seconds per byte >= 0, or absent")
             object.__setattr__(self, "disk_cpu", float(v))
 
+    def __hash__(self) -> int:
+        # the planner memoizes per stage by spec; the per-dtype rates are dicts, hashed as items
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in fields(self))))
+
     def for_dtype(self, dtype: str) -> HardwareSpec:
         """This machine as a run computing in ``dtype`` sees it: ``mm_flops`` and ``gemm_bw``
         from the per-dtype figures where the profile has them."""
