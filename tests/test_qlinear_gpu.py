@@ -24,7 +24,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, device: torch.device, bias: bool,
-          residual: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+          residual: bool, seed: int, tiles=None) -> tuple[torch.Tensor, torch.Tensor]:
     from flexgen_dist.kernels import qlinear_gpu
     from flexgen_dist.kernels.qweight import expand_reference
     from flexgen_dist.memory.quant import quantize
@@ -36,7 +36,7 @@ def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, dev
     b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
     r = torch.randn(m, n, generator=g).to(dtype).to(device) if residual else None
     codes, mins, scales = (t.to(device) for t in (q.data, q.mins, q.scales))
-    y = qlinear_gpu.qlinear(x, codes, mins, scales, n, group, bits, b, r)
+    y = qlinear_gpu.qlinear(x, codes, mins, scales, n, group, bits, b, r, tiles=tiles)
     assert y is not None, "the fused kernel refused a layout it should take"
     dense = expand_reference(codes, mins, scales, k, group, bits, dtype)
     ref = torch.nn.functional.linear(x.float(), dense.float(), None if b is None else b.float())
@@ -45,9 +45,24 @@ def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, dev
     return y, ref
 
 
+# other tilings, split-K among them (the partial sums finished in torch), on every shape
+TILES = ["32:128:2", "16:64:3:4:2", "64:256:4:8:4"]
+
+
 def check_all(device: torch.device) -> int:
-    """Every shape, dtype and epilogue; returns the number of products checked."""
+    """Every shape, dtype and epilogue with the default tiling, and every shape with the
+    ``TILES`` in one dtype; returns the number of products checked."""
+    from flexgen_dist.kernels.qlinear_gpu import Tiles
+
     n_checked = 0
+    for i, (m, n, k, group, bits) in enumerate(SHAPES):
+        for j, text in enumerate(TILES):
+            bias, residual = j % 2 == 0, j == 1
+            y, ref = _case(m, n, k, group, bits, torch.float32, device, bias, residual, seed=7 + i,
+                           tiles=Tiles.parse(text))
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            assert err < TOL[torch.float32], f"{(m, n, k, group, bits, text)}: relative error {err:.2e}"
+            n_checked += 1
     dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
     for i, (m, n, k, group, bits) in enumerate(SHAPES):
         for dtype in dtypes:
@@ -67,7 +82,7 @@ def test_the_kernel_in_the_interpreter_matches_the_reference() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert f"checked {len(SHAPES) * 2 * 3} products" in r.stdout
+    assert f"checked {len(SHAPES) * (2 * 3 + len(TILES))} products" in r.stdout
 
 
 def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
@@ -81,13 +96,15 @@ def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
     assert qlinear_gpu.qlinear(big, q.data, q.mins, q.scales, 32, 32, 4) is None
     q2 = quantize(torch.randn(32, 96), 2, 32, dim=1)
     assert qlinear_gpu.qlinear(x, q2.data, q2.mins, q2.scales, 32, 32, 2) is None
+    with pytest.raises(ValueError, match="BN:BK:SPLIT"):
+        qlinear_gpu.Tiles.parse("48:128:1")
 
 
 @pytest.mark.gpu
 def test_the_compiled_kernel_on_the_gpu_matches_the_reference() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    assert check_all(torch.device("cuda")) == len(SHAPES) * 3 * 3
+    assert check_all(torch.device("cuda")) == len(SHAPES) * (3 * 3 + len(TILES))
 
 
 def _interpreter_index_on_new_numpy() -> None:

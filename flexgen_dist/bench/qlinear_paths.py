@@ -9,7 +9,9 @@ For each linear layer shape of the ``--models`` (q/k/v/o, fc1, fc2) and each row
 exceed the L2 cache):
 
 - ``dense``: ``F.linear`` on the uncompressed weight (what an uncompressed decode step runs);
-- ``fused``: ``kernels.qlinear_gpu`` on the packed codes (what a compressed one runs now);
+- ``fused``: ``kernels.qlinear_gpu`` on the packed codes with its default tiling (what a
+  compressed one runs now), and ``fused[BN:BK:SPLIT:WARPS:STAGES]`` with each of ``--tiles``
+  (split-K among them), to choose the default from;
 - ``expand+gemm``: ``QWeight.dense`` (the whole weight expanded) then ``F.linear``, the path
   before the fused kernel; the engine shares one expansion among a block's GPU batches, so
   ``--gpu-batches`` divides the expansion's time.
@@ -65,7 +67,7 @@ def time_calls(fn: Callable[[int], Any], n_sets: int, reps: int, dev: torch.devi
 
 
 def one(out_f: int, in_f: int, rows: int, dtype: torch.dtype, group: int, reps: int, gpu_batches: int,
-        l2_bytes: int, dev: torch.device) -> dict[str, Any]:
+        l2_bytes: int, dev: torch.device, tiles: list[str] = ()) -> dict[str, Any]:
     from ..kernels import qlinear_gpu
     from ..kernels.qweight import QWeight
     from ..memory.quant import quantize
@@ -77,9 +79,9 @@ def one(out_f: int, in_f: int, rows: int, dtype: torch.dtype, group: int, reps: 
     packed = [(q.data.clone(), q.mins.clone(), q.scales.clone()) for _ in range(n_sets)]
     x = torch.randn(rows, in_f, device=dev).to(dtype)
 
-    def fused(i: int) -> torch.Tensor:
+    def fused(i: int, t: qlinear_gpu.Tiles | None = None) -> torch.Tensor:
         c, m, s = packed[i]
-        return qlinear_gpu.qlinear(x, c, m, s, out_f, group, 4)
+        return qlinear_gpu.qlinear(x, c, m, s, out_f, group, 4, tiles=t)
 
     def expand(i: int) -> torch.Tensor:
         c, m, s = packed[i]
@@ -87,6 +89,9 @@ def one(out_f: int, in_f: int, rows: int, dtype: torch.dtype, group: int, reps: 
 
     paths: dict[str, Callable[[int], Any]] = {"dense": lambda i: F.linear(x, dense[i]), "fused": fused,
                                               "expand": expand}
+    for text in tiles:
+        t = qlinear_gpu.Tiles.parse(text)
+        paths[f"fused[{text}]"] = lambda i, t=t: fused(i, t)
     res: dict[str, Any] = {"out": out_f, "in": in_f, "rows": rows, "dtype": str(dtype).split(".")[-1]}
     if fused(0) is None:
         res["fused"] = None
@@ -97,6 +102,11 @@ def one(out_f: int, in_f: int, rows: int, dtype: torch.dtype, group: int, reps: 
     ref = F.linear(x.float(), expand(0).float())
     y = fused(0).float()
     res["fused_rel_err"] = float((y - ref).norm() / ref.norm())
+    for text in tiles:
+        yt = fused(0, qlinear_gpu.Tiles.parse(text)).float()
+        res.setdefault("tiles_rel_err", {})[text] = float((yt - ref).norm() / ref.norm())
+    best = min((k for k in ms if k.startswith("fused")), key=ms.get)
+    res["best_fused"] = best
     res["ms"] = {k: round(v, 4) for k, v in ms.items()}
     wbytes = {"dense": w.nbytes, "fused": q.nbytes}
     res["GB/s"] = {k: round(wbytes[k] / (ms[k] * 1e-3) / 1e9, 1) for k in wbytes}
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--group", type=int, default=64, help="quantization group (the engine's default: 64)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--gpu-batches", type=int, default=4, help="GPU batches sharing one expansion")
+    ap.add_argument("--tiles", nargs="*", default=["64:128:1", "64:256:1:4:4", "64:128:4", "64:256:4:4:4",
+                                                   "128:128:2:8:3", "32:256:8:4:4", "128:256:4:8:4"],
+                    help="other tilings of the fused kernel to time, BN:BK:SPLIT[:WARPS[:STAGES]] (none: --tiles)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the logic (TRITON_INTERPRET=1)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
@@ -125,13 +138,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, (o, i) in layer_shapes(model).items():
             for dt in args.dtypes:
                 for m in args.rows:
-                    r = one(o, i, m, getattr(torch, dt), args.group, args.reps, args.gpu_batches, l2, dev)
+                    r = one(o, i, m, getattr(torch, dt), args.group, args.reps, args.gpu_batches, l2, dev,
+                            args.tiles)
                     r.update(model=model, layer=name)
                     rows.append(r)
                     t = r.get("ms", {})
                     print(f"{model:9s} {name:5s} {o:6d}x{i:<6d} {dt:8s} rows {m:3d}  dense {t.get('dense')} ms  "
                           f"fused {t.get('fused')} ms  expand+gemm {t.get('expand+gemm')} ms  "
-                          f"x{r.get('fused_over_dense')} of dense  err {r.get('fused_rel_err', 0):.1e}", flush=True)
+                          f"x{r.get('fused_over_dense')} of dense  err {r.get('fused_rel_err', 0):.1e}  "
+                          f"best {r.get('best_fused')} {t.get(r.get('best_fused'))} ms", flush=True)
     result = {"benchmark": "qlinear_paths", "machine": machine(), "group": args.group,
               "gpu_batches": args.gpu_batches, "results": rows}
     if args.json:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -40,19 +41,21 @@ def _kernel():
         return None
 
     @triton.jit
-    def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr,
-                       M, N, K, PACKED, GROUPS, stride_xm, stride_cn, stride_gn, stride_rm, stride_ym,
+    def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, part_ptr,
+                       M, N, K, PACKED, GROUPS, K_PER, stride_xm, stride_cn, stride_gn, stride_rm, stride_ym,
                        GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                       IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       HAS_RES: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
         n_ok = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = pid_k * K_PER  # this program's share of the input dim (all of it without split-K)
+        for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
                         other=0.0)
@@ -78,9 +81,12 @@ def _kernel():
                 acc += tl.dot(x.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(x, wt)
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K > 1:  # float32 partial sums; the caller adds them up and finishes
+            tl.store(part_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=out_mask)
+            return
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out_mask = m_ok[:, None] & n_ok[None, :]
         y = acc.to(y_ptr.dtype.element_ty)
         if HAS_RES:
             r = tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0)
@@ -112,14 +118,43 @@ def _block_n(n: int, device: torch.device) -> int:
     return 16 if n < 32 * sms else 32
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tiling: ``block_n`` output features and ``block_k`` inputs per step (a whole
+    number of groups, raised to one group where smaller), the input dim cut into ``split_k``
+    parts summed afterwards (more programs for a short output dim), Triton's warps and
+    pipeline stages. ``choose_tiles`` picks the default; ``bench.qlinear_paths --tiles``
+    compares others."""
+
+    block_n: int
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def parse(cls, text: str) -> Tiles:
+        """``BN:BK:SPLIT[:WARPS[:STAGES]]``, e.g. ``64:256:4``."""
+        parts = [int(v) for v in text.split(":")]
+        if not 3 <= len(parts) <= 5 or any(v < 1 for v in parts) or not all(_pow2(v) for v in parts[:2]):
+            raise ValueError(f"tiles {text!r}: give BN:BK:SPLIT[:WARPS[:STAGES]], BN and BK powers of two")
+        return cls(*parts)
+
+
+def choose_tiles(n: int, device: torch.device) -> Tiles:
+    """The default: the tiling measured on an H200 (docs/benchmarks.md, "GPU (H200)")."""
+    return Tiles(_block_n(n, device))
+
+
 def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,
             group: int, bits: int, b: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None) -> torch.Tensor | None:
+            residual: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor | None:
     """``F.linear(x, W, b)`` (+ ``residual``), W (out, in) from its codes (out, packed) and
     mins/scales (out, groups) grouped along the input dim; x (..., in) on the codes' device in
     float32, bfloat16 or float16. None where the kernel does not apply (no Triton, more than
     ``MAX_ROWS`` rows, a group size that is not a power of two of at least 16, 2-bit codes, a
-    layout it does not read), so the caller expands and multiplies."""
+    layout it does not read), so the caller expands and multiplies. ``tiles``: the launch's
+    tiling (default: ``choose_tiles``)."""
     kern = _kernel()
     k = x.shape[-1]
     m = x.numel() // k if k else 0
@@ -144,15 +179,30 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
         r2 = residual.reshape(m, out_features)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
+    t = tiles or choose_tiles(out_features, x.device)
+    bm, bn, bk = _block_m(m), t.block_n, max(group, t.block_k)
+    steps = -(-k // bk)
+    split = max(1, min(t.split_k, steps))
+    k_per = -(-steps // split) * bk  # a whole number of steps per part
+    split = -(-k // k_per)
     y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
-    bm, bn = _block_m(m), _block_n(out_features, x.device)
-    bk = max(group, 128)
-    grid = (-(-out_features // bn), -(-m // bm))
-    # an absent bias or residual points at x2, never at y: the interpreter copies every tensor
-    # argument back after the run, which would overwrite y with its unwritten copy
+    part = torch.empty((split, m, out_features), dtype=torch.float32, device=x.device) if split > 1 else None
+    grid = (-(-out_features // bn), -(-m // bm), split)
+    # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
+    # copies every tensor argument back after the run, which would overwrite y with its
+    # unwritten copy
     kern[grid](x2, codes, mins, scales, b if b is not None else x2, r2 if r2 is not None else x2, y,
-               m, out_features, k, codes.shape[1], mins.shape[1], x2.stride(0), codes.stride(0), mins.stride(0),
-               r2.stride(0) if r2 is not None else 0, y.stride(0),
-               GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=b is not None,
-               HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret, num_warps=4, num_stages=3)
+               part if part is not None else x2,
+               m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
+               mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
+               GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=b is not None,
+               HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret, num_warps=t.num_warps,
+               num_stages=t.num_stages)
+    if part is not None:  # the epilogue of the fused path, in torch: the same roundings
+        acc = part.sum(0)
+        if b is not None:
+            acc += b.float()
+        y = acc.to(x.dtype)
+        if r2 is not None:
+            y = (y.float() + r2.float()).to(x.dtype)
     return y.view(*lead, out_features)
