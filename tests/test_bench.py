@@ -493,3 +493,19 @@ def test_gpu_suite_tests_phase_runs_gpu_tests_then_the_rest(tmp_path: Path, monk
     seen.clear()
     gpu_suite.phase_tests(tmp_path, all_tests=True, timeout=60)
     assert seen[1][seen[1].index("-m", 3) + 1] == "not gpu"
+
+
+def test_trace_profiles_the_job_after_its_warmup(tmp_path: Path) -> None:
+    from flexgen_dist.bench import trace
+
+    out = tmp_path / "trace.json"
+    res = trace.main(["--rows", "5", "--json", str(out), "--", "--model", "opt-125m", "--dummy-weights",
+                      "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "2", "--device", "cpu",
+                      "--gpu-batch-size", "2", "--num-gpu-batches", "1", "--warmup", "--no-progress",
+                      "--print-outputs", "0", "--output", str(tmp_path / "o.jsonl")])
+    assert json.loads(out.read_text())["by_host_time"] == res["by_host_time"]
+    ops = [r["op"] for r in res["by_host_time"]]
+    assert len(ops) == 5 and any(op in ("aten::addmm", "aten::mm", "aten::linear") for op in ops)
+    assert res["device_profiled"] is False
+    with pytest.raises(SystemExit, match="give the job after --"):
+        trace.main(["--rows", "3"])
