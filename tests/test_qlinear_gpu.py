@@ -7,6 +7,7 @@ are checked everywhere; on a GPU it runs compiled (marked ``gpu``)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,36 @@ def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, dev
 TILES = ["32:128:2", "16:64:3:4:2", "64:256:4:8:4"]
 
 
+# (lead shape, cols, group, bits): a weight, a KV cache chunk (rows, positions, head_dim), a
+# last group cut short, 8-bit codes, one row
+DEQUANT = [((40,), 200, 64, 4), ((3, 5), 128, 64, 4), ((7,), 100, 32, 8), ((2, 3, 4), 64, 64, 4), ((1,), 33, 16, 4)]
+
+
+def check_dequant(device: torch.device) -> int:
+    """The one-pass expansion equals the reference bit for bit, in every dtype, with and
+    without ``out``; returns the number of expansions checked."""
+    from flexgen_dist.kernels import qlinear_gpu
+    from flexgen_dist.kernels.qweight import expand_reference
+    from flexgen_dist.memory.quant import quantize
+
+    n_checked = 0
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [torch.float16])
+    for i, (lead, cols, group, bits) in enumerate(DEQUANT):
+        for dtype in dtypes:
+            g = torch.Generator().manual_seed(i)
+            q = quantize((torch.randn(*lead, cols, generator=g) * 3).to(dtype), bits, group, dim=-1)
+            codes, mins, scales = (t.to(device) for t in (q.data, q.mins, q.scales))
+            ref = expand_reference(codes, mins, scales, cols, group, bits, dtype)
+            y = qlinear_gpu.dequant(codes, mins, scales, cols, group, bits, dtype)
+            assert y is not None and y.shape == ref.shape and y.dtype == dtype
+            assert torch.equal(y, ref), f"{(lead, cols, group, bits, dtype)}: differs from the reference"
+            out = torch.full_like(ref, float("nan"))
+            assert qlinear_gpu.dequant(codes, mins, scales, cols, group, bits, dtype, out) is out
+            assert torch.equal(out, ref)
+            n_checked += 1
+    return n_checked
+
+
 def check_all(device: torch.device) -> int:
     """Every shape, dtype and epilogue with the default tiling, and every shape with the
     ``TILES`` in one dtype; returns the number of products checked."""
@@ -83,6 +114,7 @@ def test_the_kernel_in_the_interpreter_matches_the_reference() -> None:
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"checked {len(SHAPES) * (2 * 3 + len(TILES))} products" in r.stdout
+    assert f"checked {len(DEQUANT) * 3} expansions" in r.stdout
 
 
 def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
@@ -100,11 +132,52 @@ def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
         qlinear_gpu.Tiles.parse("48:128:1")
 
 
+def _compile(kernel, args: dict[str, str], const: dict, arch: int, **options):  # noqa: ANN001, ANN202
+    """Triton's ahead-of-time compile for an NVIDIA GPU of compute capability ``arch`` (no GPU
+    needed: Triton brings its own ptxas)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**args, **{n: "constexpr" for n in const}}
+    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_the_kernels_compile_for_hopper_and_ampere(arch: int) -> None:
+    """Both kernels build to GPU code for an H100/H200 (sm_90) and an A100 (sm_80) in every
+    dtype, split-K included; the expansion's products are rounded on their own (mul.rn), never
+    fused with the add, so it equals the reference bit for bit."""
+    from flexgen_dist.kernels import qlinear_gpu
+
+    if "TRITON_INTERPRET" in os.environ:
+        pytest.skip("the interpreter compiles nothing")
+    k = qlinear_gpu._kernel()
+    for dt in ("fp16", "bf16", "fp32"):
+        args = dict(zip(["x_ptr", "codes_ptr", "mins_ptr", "scales_ptr", "b_ptr", "r_ptr", "y_ptr", "part_ptr"],
+                        [f"*{dt}", "*u8", f"*{dt}", f"*{dt}", f"*{dt}", f"*{dt}", f"*{dt}", "*fp32"]))
+        args.update({n: "i32" for n in ("M", "N", "K", "PACKED", "GROUPS", "K_PER", "stride_xm", "stride_cn",
+                                        "stride_gn", "stride_rm", "stride_ym")})
+        for split, bits in ((1, 4), (4, 8)):
+            const = dict(GROUP=64, BITS=bits, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, HAS_BIAS=True,
+                         HAS_RES=True, IEEE=dt == "fp32", WIDEN=False)
+            ptx = _compile(k.qlinear, args, const, arch, num_warps=4, num_stages=3).asm["ptx"]
+            assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx)
+            if dt != "fp32":  # the tiles' product on the tensor cores; float32's IEEE dot is FMAs
+                assert "mma" in ptx and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
+        dq_args = dict(zip(["codes_ptr", "mins_ptr", "scales_ptr", "y_ptr"], ["*u8", f"*{dt}", f"*{dt}", f"*{dt}"]))
+        dq_args.update({n: "i32" for n in ("R", "C", "PACKED", "GROUPS", "stride_cr", "stride_gr", "stride_yr")})
+        ptx = _compile(k.dequant, dq_args, dict(GROUP=64, BITS=4, BLOCK_R=32, BLOCK_C=128, COMPILED=True), arch,
+                       num_warps=4).asm["ptx"]
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx) and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
+
+
 @pytest.mark.gpu
-def test_the_compiled_kernel_on_the_gpu_matches_the_reference() -> None:
+def test_the_compiled_kernels_on_the_gpu_match_the_reference() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     assert check_all(torch.device("cuda")) == len(SHAPES) * (3 * 3 + len(TILES))
+    assert check_dequant(torch.device("cuda")) == len(DEQUANT) * 3
 
 
 def _interpreter_index_on_new_numpy() -> None:
@@ -126,3 +199,4 @@ def _interpreter_index_on_new_numpy() -> None:
 if __name__ == "__main__":
     _interpreter_index_on_new_numpy()
     print(f"checked {check_all(torch.device('cpu'))} products")
+    print(f"checked {check_dequant(torch.device('cpu'))} expansions")

@@ -9,21 +9,29 @@ rows (a prefill) still expand once and run cuBLAS, which is faster there.
 Each program computes a tile of BLOCK_M rows by BLOCK_N output features, walking the input dim
 BLOCK_K at a time (a whole number of groups): it loads the x tile and the packed codes, splits
 each byte into its two codes (low nibble first, the packing of ``memory/quant.py``), applies
-``code * scale + min`` in float32, rounds to x's dtype (the reference expansion's values, up to
-a fused multiply-add) and accumulates ``x @ W.T`` in float32 (IEEE float32 products for a
+``code * scale + min`` in float32, rounds to x's dtype (the reference expansion's values: the
+product is rounded on its own, ``mul_rn``, never fused with the add) and accumulates ``x @ W.T`` in float32 (IEEE float32 products for a
 float32 x, not TF32). The epilogue adds the bias, rounds to x's dtype, and adds the residual in
-float32 and rounds again, as ``F.linear(x, W, b).add_(residual)`` rounds.
+float32 and rounds again, as ``F.linear(x, W, b).add_(residual)`` rounds. With split-K
+(``Tiles.split_k``) each part writes float32 partial sums and torch finishes the same epilogue.
+
+``dequant`` expands codes to a dense tensor in one pass (a compressed KV cache before
+attention, a compressed weight before a prefill's cuBLAS product), bit for bit the reference's
+values: there the product is rounded on its own (``mul_rn``), as torch's two-pass expansion does.
 
 ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors (tests/test_qlinear_gpu.py), so its
 logic is tested on machines without a GPU. The interpreter multiplies bfloat16 tiles wrongly
 (numpy has no bfloat16), so there the tiles are widened to float32 before the product: the same
-products, since a product of two half-type values is exact in float32. This module belongs to the kernels package, a leaf.
+products, since a product of two half-type values is exact in float32. This module belongs to
+the kernels package, a leaf.
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -33,10 +41,12 @@ MAX_ROWS = 64
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    """The jitted kernel, or None where Triton is missing (the product then expands)."""
+    """The jitted kernels (``qlinear``, ``dequant``), or None where Triton is missing (the
+    caller then expands with torch's ops)."""
     try:
         import triton
         import triton.language as tl
+        from triton.language.extra import libdevice
     except ImportError:
         return None
 
@@ -73,7 +83,11 @@ def _kernel():
             s = tl.load(scales_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
             mn = tl.load(mins_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
             wf = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
-            wf = wf * s.to(tl.float32)[:, :, None] + mn.to(tl.float32)[:, :, None]
+            sb = tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            if WIDEN:  # the interpreter (numpy) never fuses a product with the add
+                wf = wf * sb + mn.to(tl.float32)[:, :, None]
+            else:  # the product rounded on its own, as the reference rounds it
+                wf = libdevice.mul_rn(wf, sb) + mn.to(tl.float32)[:, :, None]
             wt = tl.trans(tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(x.dtype))
             if IEEE:
                 acc += tl.dot(x, wt, input_precision="ieee")
@@ -93,7 +107,38 @@ def _kernel():
             y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=out_mask)
 
-    return qlinear_kernel
+    @triton.jit
+    def dequant_kernel(codes_ptr, mins_ptr, scales_ptr, y_ptr, R, C, PACKED, GROUPS, stride_cr, stride_gr, stride_yr,
+                       GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       COMPILED: tl.constexpr):
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        r_ok = rr < R
+        if BITS == 4:
+            rb = pid_c * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
+            c = tl.load(codes_ptr + rr[:, None] * stride_cr + rb[None, :], mask=r_ok[:, None] & (rb < PACKED)[None, :],
+                        other=0)
+            w = tl.reshape(tl.join(c & 15, c >> 4), (BLOCK_R, BLOCK_C))
+        else:
+            w = tl.load(codes_ptr + rr[:, None] * stride_cr + rc[None, :], mask=r_ok[:, None] & (rc < PACKED)[None, :],
+                        other=0)
+        rg = pid_c * (BLOCK_C // GROUP) + tl.arange(0, BLOCK_C // GROUP)
+        g_mask = r_ok[:, None] & (rg < GROUPS)[None, :]
+        sc = tl.load(scales_ptr + rr[:, None] * stride_gr + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        mn = tl.load(mins_ptr + rr[:, None] * stride_gr + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        wf = tl.reshape(w.to(tl.float32), (BLOCK_R, BLOCK_C // GROUP, GROUP))
+        sb = tl.broadcast_to(sc[:, :, None], (BLOCK_R, BLOCK_C // GROUP, GROUP))
+        if COMPILED:  # a product rounded on its own, never fused with the add: the reference's roundings
+            prod = libdevice.mul_rn(wf, sb)
+        else:  # the interpreter (numpy) never fuses
+            prod = wf * sb
+        y = tl.reshape(prod + mn[:, :, None], (BLOCK_R, BLOCK_C))
+        tl.store(y_ptr + rr[:, None] * stride_yr + rc[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & (rc < C)[None, :])
+
+    return SimpleNamespace(qlinear=qlinear_kernel, dequant=dequant_kernel)
 
 
 def available() -> bool:
@@ -191,7 +236,7 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
     # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
     # copies every tensor argument back after the run, which would overwrite y with its
     # unwritten copy
-    kern[grid](x2, codes, mins, scales, b if b is not None else x2, r2 if r2 is not None else x2, y,
+    kern.qlinear[grid](x2, codes, mins, scales, b if b is not None else x2, r2 if r2 is not None else x2, y,
                part if part is not None else x2,
                m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
                mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
@@ -206,3 +251,41 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
         if r2 is not None:
             y = (y.float() + r2.float()).to(x.dtype)
     return y.view(*lead, out_features)
+
+
+def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
+            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Codes (..., packed) grouped along the last dim -> (..., cols) in ``dtype`` on the GPU, in
+    one pass (torch's expansion makes five over float32 intermediates): ``code * scale + min``
+    with the product and the sum each rounded in float32, then rounded to ``dtype``, the
+    reference's values bit for bit (``expand_reference``). Into ``out`` when given (contiguous,
+    that shape and dtype). None where it does not apply (no Triton, 2-bit codes, a group that is
+    not a power of two, a layout it does not read)."""
+    kern = _kernel()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    lead = mins.shape[:-1]
+    if (kern is None or bits not in (4, 8) or not _pow2(group) or dtype not in (torch.float32, torch.bfloat16,
+                                                                             torch.float16)
+            or (codes.device.type != "cuda" and not interpret) or mins.device != codes.device
+            or scales.shape != mins.shape or codes.shape[:-1] != lead or mins.shape[-1] * group < cols
+            or codes.shape[-1] * (8 // bits) < cols or codes.stride(-1) != 1):
+        return None
+    r = math.prod(lead)
+    c2, m2, s2 = codes.reshape(r, codes.shape[-1]), mins.reshape(r, mins.shape[-1]), scales.reshape(r, mins.shape[-1])
+    if m2.stride() != s2.stride() or m2.stride(-1) != 1:
+        m2, s2 = m2.contiguous(), s2.contiguous()
+    if out is not None and not (out.shape == (*lead, cols) and out.dtype == dtype and out.is_contiguous()
+                                and out.device == codes.device):
+        return None
+    y = out if out is not None else torch.empty((*lead, cols), dtype=dtype, device=codes.device)
+    # the interpreter rounds float32 to bfloat16 by truncation, not to nearest even as a GPU
+    # does: there the kernel writes float32 and torch rounds
+    y2 = y.view(r, cols) if not (interpret and dtype == torch.bfloat16) else torch.empty((r, cols))
+    bc = max(group, min(1024, 1 << max(cols - 1, 1).bit_length()))
+    br = max(1, 4096 // bc)
+    grid = (-(-r // br), -(-cols // bc))
+    kern.dequant[grid](c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0), m2.stride(0), y2.stride(0),
+                       GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc, COMPILED=not interpret, num_warps=4)
+    if y2.dtype != dtype:
+        y.view(r, cols).copy_(y2)
+    return y

@@ -66,9 +66,9 @@ class QWeight:
 
     def _expand(self) -> torch.Tensor:
         out = self.buffer
-        if self.device.type == "cpu":
-            y = dequant(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits,
-                        self.dtype, out)
+        one_pass = {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(self.device.type)
+        if one_pass is not None:
+            y = one_pass(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits, self.dtype, out)
             if y is not None:
                 return y
         y = expand_reference(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits,
@@ -79,8 +79,9 @@ class QWeight:
         """``F.embedding(ids, self.dense())`` expanding only the gathered rows."""
         flat = ids.reshape(-1)
         codes, mins, scales = self.codes[flat], self.mins[flat], self.scales[flat]
-        y = dequant(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype) \
-            if self.device.type == "cpu" else None
+        one_pass = {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(self.device.type)
+        y = one_pass(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype) \
+            if one_pass is not None else None
         if y is None:
             y = expand_reference(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype)
         return y.view(*ids.shape, self.shape[1])

@@ -152,10 +152,14 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     if device is not None:
         data, mins, scales = (p.to(device) for p in (data, mins, scales))
     n = q.shape[q.dim]
-    if q.dim == len(q.shape) - 1 and data.device.type == "cpu":
-        from .. import kernels  # the same values in one pass (a leaf package: no import cycle)
+    if q.dim == len(q.shape) - 1 and data.device.type in ("cpu", "cuda"):
+        # the same values in one pass: the native kernel on the CPU, a Triton one on a GPU
+        # (the kernels package is a leaf: no import cycle)
+        from .. import kernels
+        from ..kernels import qlinear_gpu
 
-        fast = kernels.dequant(data, mins, scales, n, q.group_size, q.bits, q.dtype, out)
+        one_pass = kernels.dequant if data.device.type == "cpu" else qlinear_gpu.dequant
+        fast = one_pass(data, mins, scales, n, q.group_size, q.bits, q.dtype, out)
         if fast is not None:
             return fast
     num_groups = mins.shape[-1]
