@@ -38,7 +38,7 @@ def _case(m: int, n: int, k: int, group: int, bits: int, dtype: torch.dtype, dev
     r = torch.randn(m, n, generator=g).to(dtype).to(device) if residual else None
     codes, mins, scales = (t.to(device) for t in (q.data, q.mins, q.scales))
     y = qlinear_gpu.qlinear(x, codes, mins, scales, n, group, bits, b, r, tiles=tiles)
-    assert y is not None, "the fused kernel refused a layout it should take"
+    assert y is not None, f"the fused kernel refused a layout it should take {qlinear_gpu._failed[:1]}"
     dense = expand_reference(codes, mins, scales, k, group, bits, dtype)
     ref = torch.nn.functional.linear(x.float(), dense.float(), None if b is None else b.float())
     if r is not None:
@@ -71,7 +71,8 @@ def check_dequant(device: torch.device) -> int:
             codes, mins, scales = (t.to(device) for t in (q.data, q.mins, q.scales))
             ref = expand_reference(codes, mins, scales, cols, group, bits, dtype)
             y = qlinear_gpu.dequant(codes, mins, scales, cols, group, bits, dtype)
-            assert y is not None and y.shape == ref.shape and y.dtype == dtype
+            assert y is not None, f"the expansion refused a layout it should take {qlinear_gpu._failed[:1]}"
+            assert y.shape == ref.shape and y.dtype == dtype
             assert torch.equal(y, ref), f"{(lead, cols, group, bits, dtype)}: differs from the reference"
             out = torch.full_like(ref, float("nan"))
             assert qlinear_gpu.dequant(codes, mins, scales, cols, group, bits, dtype, out) is out
@@ -130,6 +131,25 @@ def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
     assert qlinear_gpu.qlinear(x, q2.data, q2.mins, q2.scales, 32, 32, 2) is None
     with pytest.raises(ValueError, match="BN:BK:SPLIT"):
         qlinear_gpu.Tiles.parse("48:128:1")
+
+
+def test_a_kernel_that_cannot_run_here_is_left_once_with_a_warning(monkeypatch, caplog) -> None:
+    """A GPU or Triton build a kernel does not compile for: one warning, then torch's path."""
+    from flexgen_dist.kernels import qlinear_gpu
+
+    class Broken:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def run(*args, **kw) -> None:  # noqa: ANN002, ANN003
+                raise RuntimeError("no such instruction on this GPU\n(details)")
+            return run
+
+    monkeypatch.setattr(qlinear_gpu, "_failed", [])
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        assert qlinear_gpu._launch(Broken(), (1,), 0) is False
+        assert qlinear_gpu._launch(Broken(), (1,), 0) is False
+    warned = [r.getMessage() for r in caplog.records if "cannot run here" in r.getMessage()]
+    assert len(warned) == 1 and "no such instruction on this GPU" in warned[0] and "details" not in warned[0]
+    assert not qlinear_gpu.available()
 
 
 def _compile(kernel, args: dict[str, str], const: dict, arch: int, **options):  # noqa: ANN001, ANN202

@@ -10,8 +10,8 @@ Each program computes a tile of BLOCK_M rows by BLOCK_N output features, walking
 BLOCK_K at a time (a whole number of groups): it loads the x tile and the packed codes, splits
 each byte into its two codes (low nibble first, the packing of ``memory/quant.py``), applies
 ``code * scale + min`` in float32, rounds to x's dtype (the reference expansion's values: the
-product is rounded on its own, ``mul_rn``, never fused with the add) and accumulates ``x @ W.T`` in float32 (IEEE float32 products for a
-float32 x, not TF32). The epilogue adds the bias, rounds to x's dtype, and adds the residual in
+product is rounded on its own, ``mul_rn``, never fused with the add) and accumulates
+``x @ W.T`` in float32 (IEEE float32 products for a float32 x, not TF32). The epilogue adds the bias, rounds to x's dtype, and adds the residual in
 float32 and rounds again, as ``F.linear(x, W, b).add_(residual)`` rounds. With split-K
 (``Tiles.split_k``) each part writes float32 partial sums and torch finishes the same epilogue.
 
@@ -28,12 +28,15 @@ the kernels package, a leaf.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+log = logging.getLogger("flexgen_dist")
 
 # Rows up to which the fused kernel runs on a GPU; beyond, expand once and run cuBLAS.
 MAX_ROWS = 64
@@ -141,8 +144,26 @@ def _kernel():
     return SimpleNamespace(qlinear=qlinear_kernel, dequant=dequant_kernel)
 
 
+# Why the kernels stopped being used in this process (a GPU or Triton build they do not
+# compile for): the first failure is logged once, and every later call expands with torch.
+_failed: list[str] = []
+
+
 def available() -> bool:
-    return _kernel() is not None
+    return _kernel() is not None and not _failed
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **kw) -> bool:  # noqa: ANN001
+    """Run a kernel; False (logged once) where it cannot be built or launched here."""
+    try:
+        kernel[grid](*args, **kw)
+        return True
+    except Exception as e:  # a compile or launch failure: the torch path still gives the values
+        if not _failed:
+            log.warning("the GPU's 4-bit kernels cannot run here (%s: %s); expanding with torch instead",
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        _failed.append(f"{type(e).__name__}: {e}")
+        return False
 
 
 def _pow2(n: int) -> bool:
@@ -204,7 +225,7 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if (kern is None or not 0 < m <= MAX_ROWS or bits not in (4, 8) or not _pow2(group) or group < 16
+    if (kern is None or _failed or not 0 < m <= MAX_ROWS or bits not in (4, 8) or not _pow2(group) or group < 16
             or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != codes.device
             or (x.device.type != "cuda" and not interpret) or codes.dim() != 2 or codes.shape[0] != out_features
             or mins.shape != scales.shape or mins.shape[0] != out_features or mins.shape[1] * group < k
@@ -236,13 +257,14 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
     # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
     # copies every tensor argument back after the run, which would overwrite y with its
     # unwritten copy
-    kern.qlinear[grid](x2, codes, mins, scales, b if b is not None else x2, r2 if r2 is not None else x2, y,
-               part if part is not None else x2,
-               m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
-               mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
-               GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=b is not None,
-               HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret, num_warps=t.num_warps,
-               num_stages=t.num_stages)
+    if not _launch(kern.qlinear, grid, x2, codes, mins, scales, b if b is not None else x2,
+                   r2 if r2 is not None else x2, y, part if part is not None else x2,
+                   m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
+                   mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
+                   GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                   HAS_BIAS=b is not None, HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret,
+                   num_warps=t.num_warps, num_stages=t.num_stages):
+        return None
     if part is not None:  # the epilogue of the fused path, in torch: the same roundings
         acc = part.sum(0)
         if b is not None:
@@ -264,8 +286,8 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     kern = _kernel()
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     lead = mins.shape[:-1]
-    if (kern is None or bits not in (4, 8) or not _pow2(group) or dtype not in (torch.float32, torch.bfloat16,
-                                                                             torch.float16)
+    if (kern is None or _failed or bits not in (4, 8) or not _pow2(group)
+            or dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or (codes.device.type != "cuda" and not interpret) or mins.device != codes.device
             or scales.shape != mins.shape or codes.shape[:-1] != lead or mins.shape[-1] * group < cols
             or codes.shape[-1] * (8 // bits) < cols or codes.stride(-1) != 1):
@@ -284,8 +306,10 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     bc = max(group, min(1024, 1 << max(cols - 1, 1).bit_length()))
     br = max(1, 4096 // bc)
     grid = (-(-r // br), -(-cols // bc))
-    kern.dequant[grid](c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0), m2.stride(0), y2.stride(0),
-                       GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc, COMPILED=not interpret, num_warps=4)
+    if not _launch(kern.dequant, grid, c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0),
+                   m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc,
+                   COMPILED=not interpret, num_warps=4):
+        return None
     if y2.dtype != dtype:
         y.view(r, cols).copy_(y2)
     return y
