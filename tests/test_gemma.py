@@ -50,7 +50,14 @@ def _gemma2(**over: object) -> torch.nn.Module:
 
     torch.manual_seed(31)
     cfg = dict(SMALL, attn_logit_softcapping=3.0, final_logit_softcapping=2.0)
-    return _perturbed(Gemma2ForCausalLM(Gemma2Config(**{**cfg, **over})))
+    return _perturbed(eager(Gemma2ForCausalLM(Gemma2Config(**{**cfg, **over}))))
+
+
+def eager(m: torch.nn.Module) -> torch.nn.Module:
+    """Gemma 2's reference with eager attention: transformers before 5.2x runs SDPA by default,
+    which leaves out the attention logit softcap (a warning, and other tokens)."""
+    m.config._attn_implementation = "eager"
+    return m
 
 
 def _gemma3(**over: object) -> torch.nn.Module:

@@ -25,6 +25,7 @@ from flexgen_dist.models.loader import load_model
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
 from gguf_convert import llama3_rope_freqs, rewrite, roundtrip_, write_gguf
+from test_gemma import eager
 
 KINDS = ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 # a small original context, so that this head size has frequencies in each band of the rule
@@ -48,8 +49,8 @@ def _gemma(kind: str) -> torch.nn.Module:
     import transformers as tf
 
     if kind == "gemma2":
-        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=3.0,
-                                                 final_logit_softcapping=2.0, **GEMMA))
+        m = eager(tf.Gemma2ForCausalLM(tf.Gemma2Config(num_hidden_layers=4, attn_logit_softcapping=3.0,
+                                                       final_logit_softcapping=2.0, **GEMMA)))
     else:
         m = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(num_hidden_layers=7, final_logit_softcapping=2.0,
                                                      rope_parameters=G3_ROPE, **GEMMA))
