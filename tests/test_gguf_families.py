@@ -21,7 +21,7 @@ from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.common import rope_inv_freq
 from flexgen_dist.models.gguf import llama3_from_divisors
 from flexgen_dist.models.gguf_arch import gemma_fields
-from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.loader import GGUF_TOKENIZER_SINCE, _transformers_version, load_model
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
 from gguf_convert import llama3_rope_freqs, rewrite, roundtrip_, write_gguf
@@ -157,7 +157,10 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None
              compress_weight=compress, offload_dir=str(tmp_path / "off"), ignore_eos=True,
              progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
-        assert llm.model.tokenizer is not None and llm.model.tokenizer("Hello world").input_ids == HELLO
+        if _transformers_version() >= GGUF_TOKENIZER_SINCE.get(kind, (0, 0)):  # else refused (a test below)
+            assert llm.model.tokenizer is not None and llm.model.tokenizer("Hello world").input_ids == HELLO
+        else:
+            assert llm.model.tokenizer is None
         if compress:
             q = llm.engine.weights.placed[("layer", 0)]["q.w"].data
             assert isinstance(q, QTensor) and (q.group_size, q.bits) == (32, 8 if qtype == "Q8_0" else 4)
@@ -257,10 +260,18 @@ def test_what_a_gemma_file_says_that_is_not_computed_is_refused(kind: str, chang
     _one_line(rewrite(path, tmp_path / "g.gguf", change, drop=drop, tensors=extra), match)
 
 
+def _needs_transformers(arch: str) -> None:
+    need = GGUF_TOKENIZER_SINCE.get(arch, (0, 0))
+    if _transformers_version() < need:
+        pytest.skip(f"transformers {'.'.join(map(str, _transformers_version()))} converts no {arch} GGUF tokenizer "
+                    f"right; the loader refuses it (test_an_old_transformers_is_refused_for_these_tokenizers)")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_transformers_reads_the_tokenizer_of_each_architecture(kind: str, built) -> None:
     from transformers import AutoTokenizer
 
+    _needs_transformers({"llama3": "llama"}.get(kind, kind))
     _, path, _ = built(kind)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert tok("Hello world").input_ids == HELLO
@@ -271,10 +282,26 @@ def test_a_tokenizer_is_built_where_transformers_lacks_the_architecture(built, t
     architecture it has no config for; the loader builds the tokenizer alone then."""
     from flexgen_dist.models.loader import _load_tokenizer
 
+    _needs_transformers("gemma")  # before 5.18 no GGUF tokenizer of an unknown architecture converts
     _, path, _ = built("llama3")
     other = rewrite(path, tmp_path / "other.gguf", arch="gemma", tokenizer=True)
     tok = _load_tokenizer(tmp_path, other.name)
     assert tok is not None and tok("Hello world").input_ids == HELLO
+
+
+@pytest.mark.parametrize("kind", sorted({"phi3", "gemma2", "gemma3"} & set(KINDS)))
+def test_an_old_transformers_is_refused_for_these_tokenizers(kind: str, built, monkeypatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """transformers 5.17 builds Phi-3's GGUF tokenizer with other ids for the same text and has
+    none for Gemma's: below 5.18 the loader runs the model on ids and says which to install."""
+    from flexgen_dist.models import loader
+
+    _, path, _ = built(kind)
+    monkeypatch.setattr(loader, "_transformers_version", lambda: (5, 17))
+    with caplog.at_level(logging.WARNING, logger="flexgen_dist"):
+        assert load_model(str(path)).tokenizer is None
+    [said] = [r.getMessage() for r in caplog.records if "tokenizer cannot be built" in r.getMessage()]
+    assert "pip install 'transformers>=5.18'" in said and "\n" not in said
 
 
 def test_a_tokenizer_that_cannot_be_built_is_one_warning(built, tmp_path: Path,

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -323,14 +324,26 @@ class LoadedModel:
     origin: str  # a human-readable description of where the weights came from
 
 
-def _load_tokenizer(path: Path, gguf_file: str | None = None) -> Any | None:
+# transformers reads these architectures' GGUF tokenizers from 5.18 on: 5.17 has none for the
+# Gemma files and builds Phi-3's with other ids for the same text.
+GGUF_TOKENIZER_SINCE = {"phi3": (5, 18), "gemma": (5, 18), "gemma2": (5, 18), "gemma3": (5, 18)}
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = (re.findall(r"\d+", transformers.__version__) + ["0", "0"])[:2]
+    return int(major), int(minor)
+
+
+def _load_tokenizer(path: Path, gguf_file: str | None = None, arch: str | None = None) -> Any | None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     try:
         if gguf_file:
-            return _gguf_tokenizer(path / gguf_file)
+            return _gguf_tokenizer(path / gguf_file, arch)
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                    "vocab.json", "tokenizer.model")):
             return None
@@ -342,12 +355,19 @@ def _load_tokenizer(path: Path, gguf_file: str | None = None) -> Any | None:
         return None
 
 
-def _gguf_tokenizer(gguf: Path) -> Any:
-    """Tokenizer of a GGUF file; converted once, then read from a cache (seconds -> ms)."""
+def _gguf_tokenizer(gguf: Path, arch: str | None = None) -> Any:
+    """Tokenizer of a GGUF file; converted once per transformers version, then read from a
+    cache (seconds -> ms). Refused where the installed transformers reads ``arch``'s wrongly."""
+    import transformers
     from transformers import AutoTokenizer
 
+    need = GGUF_TOKENIZER_SINCE.get(arch or "")
+    if need and _transformers_version() < need:
+        raise ValueError(f"transformers {transformers.__version__} reads a {arch} GGUF tokenizer wrongly or not "
+                         f"at all: pip install 'transformers>={need[0]}.{need[1]}'")
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()
+                         ).hexdigest()[:16]
     cache = cache_root() / "tokenizers" / key
     if (cache / "tokenizer_config.json").exists():
         try:
@@ -426,10 +446,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: cannot read GGUF ({type(e).__name__}: {e}); the file is corrupt "
                              "or not GGUF") from e
-    from .gguf import GGUFSource, spec_from_gguf  # it subclasses WeightSource: imported once this is
+    from .gguf import GGUFSource, gguf_field, spec_from_gguf  # it subclasses WeightSource: imported once this is
 
     spec = spec_from_gguf(reader, path.stem)
-    tok = _load_tokenizer(path.parent, path.name) if load_tokenizer else None
+    tok = _load_tokenizer(path.parent, path.name, gguf_field(reader, "general.architecture")) \
+        if load_tokenizer else None
     return LoadedModel(spec, GGUFSource(spec, dtype, reader, path), tok, origin)
 
 
