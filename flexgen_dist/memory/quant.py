@@ -155,10 +155,10 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     if q.dim == len(q.shape) - 1 and data.device.type in ("cpu", "cuda"):
         # the same values in one pass: the native kernel on the CPU, a Triton one on a GPU
         # (the kernels package is a leaf: no import cycle)
-        from .. import kernels
-        from ..kernels import qlinear_gpu
-
-        one_pass = kernels.dequant if data.device.type == "cpu" else qlinear_gpu.dequant
+        if data.device.type == "cpu":
+            from ..kernels import dequant as one_pass
+        else:
+            from ..kernels.qlinear_gpu import dequant as one_pass
         fast = one_pass(data, mins, scales, n, q.group_size, q.bits, q.dtype, out)
         if fast is not None:
             return fast
