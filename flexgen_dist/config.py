@@ -229,13 +229,18 @@ def _yaml_value(key: str, v: Any) -> Any:
 
 
 def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentParser:
-    S = argparse.SUPPRESS
-    p = ArgParser(prog=prog, argument_default=S,
-                                description="High-throughput generation with offloading, on one "
-                                "device or a pipeline of ranks.")
-    a = p.add_argument
-    a("--config", help="YAML file with any of these options (flags override it)")
-    g = p.add_argument_group("model")
+    p = ArgParser(prog=prog, argument_default=argparse.SUPPRESS,
+                  description="High-throughput generation with offloading, on one device or a pipeline of ranks.")
+    p.add_argument("--config", help="YAML file with any of these options (flags override it)")
+    _model_args(p.add_argument_group("model"))
+    _workload_args(p.add_argument_group("workload"))
+    _policy_args(p.add_argument_group("policy"))
+    _distributed_args(p.add_argument_group("distributed"))
+    return p
+
+
+def _model_args(g: argparse._ArgumentGroup) -> None:
+    """The model options: what runs, where and in what dtype."""
     g.add_argument("--model", help="registry name, Hugging Face model dir, or .gguf file "
                    "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
@@ -244,7 +249,10 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--threads", type=int, help="compute threads per rank (default: the CPUs this rank may use: "
                    "its affinity, cgroup quota and share of the node, less the CPUs other processes keep busy "
                    "at start, at most OMP_NUM_THREADS); the metrics say what was chosen and why")
-    g = p.add_argument_group("workload")
+
+
+def _workload_args(g: argparse._ArgumentGroup) -> None:
+    """The workload options: the prompts, the sampling and what is written."""
     g.add_argument("--prompts", help=".jsonl with {id, prompt|input_ids} per line, or .txt one per line")
     g.add_argument("--num-prompts", type=int, help="synthetic prompts (random ids) instead of a file")
     g.add_argument("--prompt-len", type=int, help="length of synthetic prompts (default 128)")
@@ -270,7 +278,10 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--explain", action="store_true", help="print the run's plan (each stage's layers, policy "
                    "and predicted peaks, and why each choice was made) and whether it fits the memory budgets, "
                    "then exit without placing or generating anything")
-    g = p.add_argument_group("policy")
+
+
+def _policy_args(g: argparse._ArgumentGroup) -> None:
+    """The policy options: placement, compression, memory budgets."""
     g.add_argument("--policy", help="policy YAML file, or 'auto' to plan one")
     g.add_argument("--percent", nargs=6, type=float, metavar=("WG", "WC", "CG", "CC", "HG", "HC"),
                    help="GPU and CPU percent of weights, cache, activations (disk gets the rest)")
@@ -292,7 +303,10 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--cpu-mem")
     g.add_argument("--disk-mem")
     g.add_argument("--hardware", help="hardware profile YAML for --policy auto")
-    g = p.add_argument_group("distributed")
+
+
+def _distributed_args(g: argparse._ArgumentGroup) -> None:
+    """The distributed options: the pipeline across ranks."""
     g.add_argument("--num-micro-batches", type=int,
                    help="groups of blocks in flight (default: the planner's best with a hardware profile, "
                         "else the number of stages)")
@@ -312,8 +326,6 @@ def build_parser(prog: str = "python -m flexgen_dist.run") -> argparse.ArgumentP
     g.add_argument("--master-addr")
     g.add_argument("--master-port", type=int)
     g.add_argument("--log-dir", help="write each rank's log (rank{r}.log) here (default: no log files)")
-    return p
-
 
 def parse_config(argv: list[str] | None = None) -> RunConfig:
     return parse_config_with(argv, build_parser(), ())[0]

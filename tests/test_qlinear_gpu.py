@@ -187,7 +187,7 @@ def test_the_kernels_compile_for_hopper_and_ampere(arch: int) -> None:
                 assert "mma" in ptx and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
         dq_args = dict(zip(["codes_ptr", "mins_ptr", "scales_ptr", "y_ptr"], ["*u8", f"*{dt}", f"*{dt}", f"*{dt}"]))
         dq_args.update({n: "i32" for n in ("R", "C", "PACKED", "GROUPS", "stride_cr", "stride_gr", "stride_yr")})
-        ptx = _compile(k.dequant, dq_args, dict(GROUP=64, BITS=4, BLOCK_R=32, BLOCK_C=128, COMPILED=True), arch,
+        ptx = _compile(k.dequant, dq_args, dict(GROUP=64, BITS=4, BLOCK_R=32, BLOCK_C=128, INTERPRET=False), arch,
                        num_warps=4).asm["ptx"]
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx) and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
 

@@ -180,10 +180,10 @@ def phase_tests(out: Path, all_tests: bool, timeout: float, which: str = "both",
             cmd += ["-n", str(workers)]
             # each worker's torch would otherwise take every core: N workers x all cores
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)))
-        r = run_logged(cmd, out / f"pytest-{name}.log", timeout, env=env)
+        log_file = out / f"pytest-{name}.log"
+        r = run_logged(cmd, log_file, timeout, env=env)
         summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
         r["summary"] = summary[-1] if summary else None
-        log_file = out / f"pytest-{name}.log"
         log = log_file.read_text(errors="replace") if log_file.exists() else r["tail"]
         r["failed"] = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)", log)))
         res[name] = r

@@ -272,9 +272,12 @@ def native_bf16_product() -> bool:
 
 
 def _qparts_ok(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
-               bits: int) -> bool:
-    return (bits in (4, 8) and codes.dtype == torch.uint8 and codes.device.type == "cpu"
-            and mins.dtype in _DT and scales.dtype == mins.dtype and mins.device.type == "cpu"
+               bits: int, device: str = "cpu") -> bool:
+    """Whether codes, mins and scales are the layout the one-pass kernels read, on ``device``
+    (the native ones here on the CPU, ``qlinear_gpu``'s on a GPU)."""
+    return (bits in (4, 8) and codes.dtype == torch.uint8 and codes.device.type == device
+            and mins.dtype in _DT and scales.dtype == mins.dtype and mins.device == codes.device
+            and scales.device == codes.device
             and mins.shape == scales.shape and mins.stride() == scales.stride()
             and codes.shape[:-1] == mins.shape[:-1] and mins.shape[-1] == -(-cols // group)
             and codes.shape[-1] * 8 // bits >= cols and codes.stride(-1) == 1 and mins.stride(-1) == 1)

@@ -11,8 +11,9 @@ BLOCK_K at a time (a whole number of groups): it loads the x tile and the packed
 each byte into its two codes (low nibble first, the packing of ``memory/quant.py``), applies
 ``code * scale + min`` in float32, rounds to x's dtype (the reference expansion's values: the
 product is rounded on its own, ``mul_rn``, never fused with the add) and accumulates
-``x @ W.T`` in float32 (IEEE float32 products for a float32 x, not TF32). The epilogue adds the bias, rounds to x's dtype, and adds the residual in
-float32 and rounds again, as ``F.linear(x, W, b).add_(residual)`` rounds. With split-K
+``x @ W.T`` in float32 (IEEE float32 products for a float32 x, not TF32). The epilogue adds
+the bias, rounds to x's dtype, and adds the residual in float32 and rounds again, as
+``F.linear(x, W, b).add_(residual)`` rounds. With split-K
 (``Tiles.split_k``) each part writes float32 partial sums and torch finishes the same epilogue.
 
 ``dequant`` expands codes to a dense tensor in one pass (a compressed KV cache before
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from . import _qparts_ok
 
 log = logging.getLogger("flexgen_dist")
 
@@ -79,6 +82,25 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _takes(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
+           dtype: torch.dtype) -> bool:
+    """Whether the kernels take these parts: Triton here and working, a group that is a power of
+    two of at least 16, a compute dtype, and the layout of ``memory/quant.py`` on a GPU (on the
+    CPU under Triton's interpreter)."""
+    return (_kernel() is not None and not _failed and _pow2(group) and group >= 16
+            and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _qparts_ok(codes, mins, scales, cols, group, bits, "cpu" if _interpret() else "cuda"))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _block_m(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
@@ -86,7 +108,7 @@ def _block_m(m: int) -> int:
 def _block_n(n: int, device: torch.device) -> int:
     """64 output features per program where that still gives every multiprocessor two
     programs, else 32 (or 16): a decode product has one row block, so the grid is N / BLOCK_N."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 1
     for bn in (64, 32):
         if -(-n // bn) >= 2 * sms:
             return bn
@@ -130,17 +152,12 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
     ``MAX_ROWS`` rows, a group size that is not a power of two of at least 16, 2-bit codes, a
     layout it does not read), so the caller expands and multiplies. ``tiles``: the launch's
     tiling (default: ``choose_tiles``)."""
-    kern = _kernel()
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if (kern is None or _failed or not 0 < m <= MAX_ROWS or bits not in (4, 8) or not _pow2(group) or group < 16
-            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != codes.device
-            or (x.device.type != "cuda" and not interpret) or codes.dim() != 2 or codes.shape[0] != out_features
-            or mins.shape != scales.shape or mins.shape[0] != out_features or mins.shape[1] * group < k
-            or codes.shape[1] * (8 // bits) < k or codes.stride(-1) != 1 or mins.stride(-1) != 1
-            or scales.stride() != mins.stride()):
+    if (not 0 < m <= MAX_ROWS or x.device != codes.device or codes.dim() != 2 or codes.shape[0] != out_features
+            or not _takes(codes, mins, scales, k, group, bits, x.dtype)):
         return None
+    kern, interpret = _kernel(), _interpret()
     if b is not None and not (b.shape == (out_features,) and b.is_contiguous() and b.device == x.device):
         return None
     lead = x.shape[:-1]
@@ -192,19 +209,12 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     reference's values bit for bit (``expand_reference``). Into ``out`` when given (contiguous,
     that shape and dtype). None where it does not apply (no Triton, 2-bit codes, a group that is
     not a power of two, a layout it does not read)."""
-    kern = _kernel()
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    lead = mins.shape[:-1]
-    if (kern is None or _failed or bits not in (4, 8) or not _pow2(group)
-            or dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or (codes.device.type != "cuda" and not interpret) or mins.device != codes.device
-            or scales.shape != mins.shape or codes.shape[:-1] != lead or mins.shape[-1] * group < cols
-            or codes.shape[-1] * (8 // bits) < cols or codes.stride(-1) != 1):
+    if not _takes(codes, mins, scales, cols, group, bits, dtype):
         return None
+    kern, interpret = _kernel(), _interpret()
+    lead = mins.shape[:-1]
     r = math.prod(lead)
     c2, m2, s2 = codes.reshape(r, codes.shape[-1]), mins.reshape(r, mins.shape[-1]), scales.reshape(r, mins.shape[-1])
-    if m2.stride() != s2.stride() or m2.stride(-1) != 1:
-        m2, s2 = m2.contiguous(), s2.contiguous()
     if out is not None and not (out.shape == (*lead, cols) and out.dtype == dtype and out.is_contiguous()
                                 and out.device == codes.device):
         return None
@@ -217,7 +227,7 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     grid = (-(-r // br), -(-cols // bc))
     if not _launch(kern.dequant, grid, c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0),
                    m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc,
-                   COMPILED=not interpret, num_warps=4):
+                   INTERPRET=interpret, num_warps=4):
         return None
     if y2.dtype != dtype:
         y.view(r, cols).copy_(y2)

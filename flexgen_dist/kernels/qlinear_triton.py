@@ -9,6 +9,35 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
+def _expand_tile(codes_ptr, mins_ptr, scales_ptr, rows, rows_ok, c0, PACKED, GROUPS, stride_c, stride_g,
+                 GROUP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Columns [c0, c0 + COLS) of the given rows, expanded in float32: ``code * scale + min``,
+    the product rounded on its own (``mul_rn``, never fused with the add), as the reference
+    rounds it. Codes, mins and scales past the ends read as 0."""
+    if BITS == 4:
+        rb = c0 // 2 + tl.arange(0, COLS // 2)
+        c = tl.load(codes_ptr + rows[:, None] * stride_c + rb[None, :], mask=rows_ok[:, None] & (rb < PACKED)[None, :],
+                    other=0)
+        w = tl.reshape(tl.join(c & 15, c >> 4), (ROWS, COLS))  # low nibble first
+    else:
+        rc = c0 + tl.arange(0, COLS)
+        w = tl.load(codes_ptr + rows[:, None] * stride_c + rc[None, :], mask=rows_ok[:, None] & (rc < PACKED)[None, :],
+                    other=0)
+    rg = c0 // GROUP + tl.arange(0, COLS // GROUP)
+    g_mask = rows_ok[:, None] & (rg < GROUPS)[None, :]
+    sc = tl.load(scales_ptr + rows[:, None] * stride_g + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
+    mn = tl.load(mins_ptr + rows[:, None] * stride_g + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
+    wf = tl.reshape(w.to(tl.float32), (ROWS, COLS // GROUP, GROUP))
+    sb = tl.broadcast_to(sc[:, :, None], (ROWS, COLS // GROUP, GROUP))
+    if INTERPRET:  # numpy never fuses a product with the add
+        prod = wf * sb
+    else:
+        prod = libdevice.mul_rn(wf, sb)
+    return tl.reshape(prod + mn[:, :, None], (ROWS, COLS))
+
+
+@triton.jit
 def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, part_ptr,
                    M, N, K, PACKED, GROUPS, K_PER, stride_xm, stride_cn, stride_gn, stride_rm, stride_ym,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -27,26 +56,9 @@ def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, 
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
                     other=0.0)
-        if BITS == 4:
-            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            c = tl.load(codes_ptr + rn[:, None] * stride_cn + rb[None, :],
-                        mask=n_ok[:, None] & (rb < PACKED)[None, :], other=0)
-            w = tl.reshape(tl.join(c & 15, c >> 4), (BLOCK_N, BLOCK_K))
-        else:
-            c = tl.load(codes_ptr + rn[:, None] * stride_cn + rk[None, :],
-                        mask=n_ok[:, None] & (rk < PACKED)[None, :], other=0)
-            w = c
-        rg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = n_ok[:, None] & (rg < GROUPS)[None, :]
-        s = tl.load(scales_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
-        mn = tl.load(mins_ptr + rn[:, None] * stride_gn + rg[None, :], mask=g_mask, other=0.0)
-        wf = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP))
-        sb = tl.broadcast_to(s.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP))
-        if WIDEN:  # the interpreter (numpy) never fuses a product with the add
-            wf = wf * sb + mn.to(tl.float32)[:, :, None]
-        else:  # the product rounded on its own, as the reference rounds it
-            wf = libdevice.mul_rn(wf, sb) + mn.to(tl.float32)[:, :, None]
-        wt = tl.trans(tl.reshape(wf, (BLOCK_N, BLOCK_K)).to(x.dtype))
+        wf = _expand_tile(codes_ptr, mins_ptr, scales_ptr, rn, n_ok, k0, PACKED, GROUPS, stride_cn, stride_gn,
+                          GROUP, BITS, BLOCK_N, BLOCK_K, WIDEN)
+        wt = tl.trans(wf.to(x.dtype))
         if IEEE:
             acc += tl.dot(x, wt, input_precision="ieee")
         elif WIDEN:  # the same products (a half type's are exact in float32), widened first
@@ -65,33 +77,17 @@ def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, 
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y, mask=out_mask)
 
+
 @triton.jit
 def dequant_kernel(codes_ptr, mins_ptr, scales_ptr, y_ptr, R, C, PACKED, GROUPS, stride_cr, stride_gr, stride_yr,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                   COMPILED: tl.constexpr):
+                   INTERPRET: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok = rr < R
-    if BITS == 4:
-        rb = pid_c * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
-        c = tl.load(codes_ptr + rr[:, None] * stride_cr + rb[None, :], mask=r_ok[:, None] & (rb < PACKED)[None, :],
-                    other=0)
-        w = tl.reshape(tl.join(c & 15, c >> 4), (BLOCK_R, BLOCK_C))
-    else:
-        w = tl.load(codes_ptr + rr[:, None] * stride_cr + rc[None, :], mask=r_ok[:, None] & (rc < PACKED)[None, :],
-                    other=0)
-    rg = pid_c * (BLOCK_C // GROUP) + tl.arange(0, BLOCK_C // GROUP)
-    g_mask = r_ok[:, None] & (rg < GROUPS)[None, :]
-    sc = tl.load(scales_ptr + rr[:, None] * stride_gr + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
-    mn = tl.load(mins_ptr + rr[:, None] * stride_gr + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
-    wf = tl.reshape(w.to(tl.float32), (BLOCK_R, BLOCK_C // GROUP, GROUP))
-    sb = tl.broadcast_to(sc[:, :, None], (BLOCK_R, BLOCK_C // GROUP, GROUP))
-    if COMPILED:  # a product rounded on its own, never fused with the add: the reference's roundings
-        prod = libdevice.mul_rn(wf, sb)
-    else:  # the interpreter (numpy) never fuses
-        prod = wf * sb
-    y = tl.reshape(prod + mn[:, :, None], (BLOCK_R, BLOCK_C))
+    y = _expand_tile(codes_ptr, mins_ptr, scales_ptr, rr, r_ok, pid_c * BLOCK_C, PACKED, GROUPS, stride_cr, stride_gr,
+                     GROUP, BITS, BLOCK_R, BLOCK_C, INTERPRET)
     tl.store(y_ptr + rr[:, None] * stride_yr + rc[None, :], y.to(y_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (rc < C)[None, :])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,13 @@ from . import dequant, qlinear, qlinear_gpu
 # product is 1.5x faster than the dense BLAS at 1 row and even at 64; expand-then-BLAS wins
 # from 128 rows on (docs/benchmarks.md, "4-bit weights").
 FUSED_MAX_ROWS = 64
+
+
+def one_pass_expansion(device: torch.device) -> Callable[..., torch.Tensor | None] | None:
+    """The one-pass expansion of ``device`` (``(codes, mins, scales, cols, group, bits, dtype,
+    out=None)``, None where it does not take its arguments): the native kernel on the CPU, a
+    Triton one on a GPU; None elsewhere (the caller expands with ``expand_reference``)."""
+    return {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(device.type)
 
 
 def fused_enabled() -> bool:
@@ -66,7 +74,7 @@ class QWeight:
 
     def _expand(self) -> torch.Tensor:
         out = self.buffer
-        one_pass = {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(self.device.type)
+        one_pass = one_pass_expansion(self.device)
         if one_pass is not None:
             y = one_pass(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits, self.dtype, out)
             if y is not None:
@@ -79,7 +87,7 @@ class QWeight:
         """``F.embedding(ids, self.dense())`` expanding only the gathered rows."""
         flat = ids.reshape(-1)
         codes, mins, scales = self.codes[flat], self.mins[flat], self.scales[flat]
-        one_pass = {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(self.device.type)
+        one_pass = one_pass_expansion(self.device)
         y = one_pass(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype) \
             if one_pass is not None else None
         if y is None:

@@ -152,14 +152,12 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     if device is not None:
         data, mins, scales = (p.to(device) for p in (data, mins, scales))
     n = q.shape[q.dim]
-    if q.dim == len(q.shape) - 1 and data.device.type in ("cpu", "cuda"):
-        # the same values in one pass: the native kernel on the CPU, a Triton one on a GPU
-        # (the kernels package is a leaf: no import cycle)
-        if data.device.type == "cpu":
-            from ..kernels import dequant as one_pass
-        else:
-            from ..kernels.qlinear_gpu import dequant as one_pass
-        fast = one_pass(data, mins, scales, n, q.group_size, q.bits, q.dtype, out)
+    if q.dim == len(q.shape) - 1:
+        # the same values in one pass (the kernels package is a leaf: no import cycle)
+        from ..kernels.qweight import one_pass_expansion
+
+        one_pass = one_pass_expansion(data.device)
+        fast = one_pass(data, mins, scales, n, q.group_size, q.bits, q.dtype, out) if one_pass else None
         if fast is not None:
             return fast
     num_groups = mins.shape[-1]

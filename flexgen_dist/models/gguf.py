@@ -49,17 +49,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                              "one of these, or the model's Hugging Face directory")
     a = ARCHS[arch]
     tensors = {t.name: t for t in reader.tensors}
-    if gguf_field(reader, "split.count", 1) > 1:
-        raise ModelLoadError(f"{name}: one part of a GGUF split into {gguf_field(reader, 'split.count')} "
-                             "files: merge them into one (llama-gguf-split --merge) and pass that")
-    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors):
-        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (Phi-3's long-context 'longrope' "
-                             "scaling) are not supported yet: use a 4k-context model")
-    unknown = sorted(k for k in reader.fields if k.startswith(f"{arch}.")
-                     and k[len(arch) + 1:] not in USED | INERT | a.keys)
-    if unknown:
-        raise ModelLoadError(f"{name}: GGUF key {unknown[0]} is not computed by this engine: a {arch} "
-                             "file with it is not supported")
+    _refuse_what_is_not_computed(reader, arch, a, tensors, name)
 
     def key(k: str, default: Any = _MISSING) -> Any:
         v = gguf_field(reader, f"{arch}.{k}", default)
@@ -98,16 +88,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
         scaling = _rope_scaling(key, tensors if llama_family else {}, head_dim, theta, name)
         if llama_family:
-            fields = dict(
-                head_dim_override=head_dim if head_dim * heads != hidden else 0,
-                sliding_window=int(key("attention.sliding_window", 0)),
-                tie_word_embeddings="output.weight" not in tensors,
-                # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file
-                # has biases or not
-                qkv_bias=arch in QWEN2_ARCHS,
-                attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
-                qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-                mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
+            fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -127,6 +108,37 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
 
 
 QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
+
+
+def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[str, Any], name: str) -> None:
+    """One line for a file this engine would read wrongly: a part of a split file, Phi-3's
+    longrope factors, an ``{arch}.*`` key it does not compute."""
+    if gguf_field(reader, "split.count", 1) > 1:
+        raise ModelLoadError(f"{name}: one part of a GGUF split into {gguf_field(reader, 'split.count')} "
+                             "files: merge them into one (llama-gguf-split --merge) and pass that")
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors):
+        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (Phi-3's long-context 'longrope' "
+                             "scaling) are not supported yet: use a 4k-context model")
+    unknown = sorted(k for k in reader.fields if k.startswith(f"{arch}.")
+                     and k[len(arch) + 1:] not in USED | INERT | a.keys)
+    if unknown:
+        raise ModelLoadError(f"{name}: GGUF key {unknown[0]} is not computed by this engine: a {arch} "
+                             "file with it is not supported")
+
+
+def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override: int, experts: int
+                  ) -> dict[str, Any]:
+    """The LLaMA family's ModelSpec fields of a file, beyond the shared ones."""
+    return dict(
+        head_dim_override=head_dim_override,
+        sliding_window=int(key("attention.sliding_window", 0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file has
+        # biases or not
+        qkv_bias=arch in QWEN2_ARCHS,
+        attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
+        qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
 
 
 def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:

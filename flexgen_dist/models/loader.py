@@ -7,7 +7,6 @@ model never materialises whole in RAM.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -23,6 +22,7 @@ import torch
 
 from ..kernels import cache_root
 from .config_fields import USED, field_problem
+from .dummy import DummySource
 from .families import INDEX, ROWS
 from .gemma_config import GEMMA_TYPES, gemma_spec
 from .registry import get_spec
@@ -264,55 +264,6 @@ class HFDirSource(WeightSource):
         """Drop the checkpoint handles (and their memory maps once no tensor uses them); a
         later read reopens the file it needs."""
         self._handles.clear()
-
-
-# Dummy weights are cut from one pool of normal(0, 0.02) values per seed and dtype, each tensor
-# starting at an offset of its own and wrapping around: a copy per tensor instead of drawing
-# every value (drawing ran at ~200 M values/s, 150 s for OPT-30B's weights; copying runs at
-# memory speed). The pool's odd length keeps the wrap from lining up with rows.
-DUMMY_POOL = 16_777_259
-
-
-@functools.lru_cache(maxsize=2)
-def _dummy_pool(seed: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.empty(DUMMY_POOL, dtype=dtype).normal_(0.0, 0.02, generator=g)
-
-
-def _from_pool(pool: torch.Tensor, shape: torch.Size | tuple[int, ...], offset: int) -> torch.Tensor:
-    out = torch.empty(shape, dtype=pool.dtype)
-    flat, n, pos = out.view(-1), out.numel(), 0
-    offset %= pool.numel()
-    while pos < n:
-        take = min(n - pos, pool.numel() - offset)
-        flat[pos:pos + take].copy_(pool[offset:offset + take])
-        pos, offset = pos + take, 0
-    return out
-
-
-class DummySource(WeightSource):
-    """Deterministic random-looking weights, made per part so nothing big is ever whole: norms
-    1, biases 0, every other tensor a slice of the seed's pool (``DUMMY_POOL``) at an offset
-    hashed from its name."""
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, seed: int = 0) -> None:
-        super().__init__(spec, dtype)
-        self.seed = seed
-
-    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, shape in self.shapes(part, layer).items():
-            # a tied head ("tok.w" in the head) takes the embedding's values, as a checkpoint
-            # of a tied model holds one matrix for both
-            key = (f"{self.seed}/embed/None/{k}" if k == "tok.w" else f"{self.seed}/{part}/{layer}/{k}").encode()
-            if k.endswith("norm.w"):
-                out[k] = torch.ones(shape)
-            elif k.endswith(".b"):
-                out[k] = torch.zeros(shape)
-            else:
-                offset = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-                out[k] = _from_pool(_dummy_pool(self.seed, self.dtype), shape, offset)
-        return out
 
 
 # --------------------------------------------------------------------------------------
