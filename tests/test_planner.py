@@ -107,6 +107,33 @@ def test_tiny_gpu_huge_cpu_keeps_weights_and_cache_on_cpu(t4):
     assert pol.cache_cpu_percent >= 95 and pol.cache_disk_percent == 0
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_merged_decode_streams_the_weights_once_per_step(t4, device):
+    """Decode merges a block's GPU batches (``Policy.merges_decode``) where every activation
+    is on the device and the cache is all on it (a GPU) or off disk (a CPU device): the cost
+    model then streams each weight matrix once per step, not once per GPU batch, and the
+    search finds such a placement when memory allows it."""
+    hw = t4.with_budgets(gpu_mem="10TiB") if device == "cuda" else \
+        replace(t4, compute_device="cpu", gemm_bw=t4.gemm_bw or 1e11)
+    spec = get_spec("opt-1.3b")
+    merged = Policy(8, 4, 100, 0, 100, 0, 100, 0)
+    apart = Policy(8, 4, 100, 0, 99 if device == "cuda" else 0, 0, 100, 0)  # 1 % of the cache on cpu / all on disk
+    one_gb = Policy(8, 1, 100, 0, 100, 0, 100, 0)
+    assert merged.merges_decode(device) and not apart.merges_decode(device)
+    assert not one_gb.merges_decode(device) and not replace(merged, act_gpu_percent=99).merges_decode(device)
+    assert replace(merged, cache_gpu_percent=0, cache_cpu_percent=100).merges_decode(device) == (device == "cpu")
+    kw = dict(has_embed=True, has_head=True)
+    step = {p: estimate_stage(spec, spec.num_layers, p, hw, WL, **kw).channels["decode_step"]["comp"]
+            for p in (merged, apart)}
+    terms = {m: stage_terms(spec, spec.num_layers, hw, WL, gpu_batch_size=8, num_gpu_batches=4,
+                            cpu_attention=False, merged=m, **kw) for m in (True, False)}
+    x = np.array([1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=float)
+    t_m, t_u = (float(terms[m].layer_times(x)[1][4]) * spec.num_layers for m in (True, False))
+    assert t_m < t_u and step[merged] == pytest.approx(t_m)
+    pol, cost = _plan("opt-1.3b", hw, max_gpu_batch_size=8, max_num_gpu_batches=4)
+    assert pol.num_gpu_batches > 1 and pol.merges_decode(device)
+
+
 @pytest.mark.parametrize("name,budget,tier", [
     ("opt-175b", {"disk_mem": "10GiB"}, "disk"),
     ("opt-30b", {"gpu_mem": "256MiB"}, "gpu"),

@@ -121,6 +121,7 @@ class BlockCache:
                     parts.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
                 self.chunks[(j, kb)] = parts
         self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
+        self._off_device = {j for (j, _), parts in self.chunks.items() if any(ch.tier != Tier.GPU for ch in parts)}
 
     def _alloc(self, tier: Tier, r0: int, r1: int, cap: int, name: str) -> Chunk:
         n = r1 - r0
@@ -161,6 +162,10 @@ class BlockCache:
     def on_disk(self, j: int) -> bool:
         """Whether any chunk of layer j (any GPU batch) is on disk."""
         return j in self._disk_layers
+
+    def on_device(self, j: int) -> bool:
+        """Whether every chunk of layer j (every GPU batch) is on the compute device."""
+        return j not in self._off_device
 
     def free(self) -> None:
         for buf in self._scratch.values():

@@ -9,6 +9,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+def merge_decode(device: str, cache_on_disk: bool, cache_on_device: bool) -> bool:
+    """Whether a decode step runs a layer once over the rows of every GPU batch of a block
+    (its activations on the compute device), the rule the engine and the cost model share.
+
+    On a CPU device wherever no cache chunk of the layer is on disk (chunks in RAM are attended
+    in place). On a GPU only where the layer's whole cache is on the device: otherwise the
+    schedule overlaps each batch's cache transfer with the previous batch's compute.
+    """
+    return not cache_on_disk if device == "cpu" else cache_on_device
+
+
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
                   "act_gpu_percent", "act_cpu_percent")
 
@@ -70,6 +81,13 @@ class Policy:
     @property
     def act_disk_percent(self) -> float:
         return max(0.0, 100.0 - self.act_gpu_percent - self.act_cpu_percent)
+
+    def merges_decode(self, device: str) -> bool:
+        """``merge_decode`` for every layer of this placement on a ``device`` ("cpu"/"cuda")
+        compute device: more than one GPU batch, every activation on the device."""
+        if self.num_gpu_batches == 1 or self.act_gpu_percent < 100:
+            return False
+        return merge_decode(device, self.cache_disk_percent > 0, self.cache_gpu_percent >= 100)
 
     def fractions(self, kind: str) -> tuple[float, float, float]:
         """(gpu, cpu, disk) fractions in [0, 1] for kind 'w', 'cache' or 'act'."""

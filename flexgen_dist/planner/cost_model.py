@@ -112,7 +112,8 @@ def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: Hardw
                        compress_cache=policy.compress_cache, comp_bits=policy.comp_bits,
                        comp_group_size=policy.comp_group_size,
                        num_micro_batches=num_micro_batches, num_stages=num_stages,
-                       overlap=policy.overlap, head_share=head_share)
+                       overlap=policy.overlap, head_share=head_share,
+                       merged=policy.merges_decode(hw.compute_device))
 
 
 def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,

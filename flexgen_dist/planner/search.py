@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexgen_dist.engine.footprint import Packed
-from flexgen_dist.engine.policy import Policy
+from flexgen_dist.engine.policy import Policy, merge_decode
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
-from flexgen_dist.planner.terms import CONST, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
+from flexgen_dist.planner.terms import CC, CD, CG, CONST, HC, HD, HG, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 
 GIB = 2**30
@@ -73,12 +73,13 @@ def _fits(terms: StageTerms, x: np.ndarray, budgets: np.ndarray) -> bool:
 
 
 def solve_lp(terms: StageTerms, budgets: np.ndarray, *, weights_all_gpu: bool,
-             no_disk_weights: bool) -> np.ndarray | None:
+             no_disk_weights: bool, pinned: dict[int, float] | None = None) -> np.ndarray | None:
     """Optimal fractions (length 9) for one candidate, or None when no placement fits.
 
     Variables: the nine fractions, then Tpre and Tgen (per-layer seconds, in units of the
     decode compute time so HiGHS sees O(1) numbers). Memory rows are in GiB. The whole-tensor
     slack of split weights is charged whenever the bounds allow a split (conservative).
+    ``pinned``: fractions held at a value (index -> value), as merged decode needs.
     """
     n = terms.gen_len
     tau = max(float(terms.decode[4, CONST]), float(terms.prefill[4, CONST]) / 1e3, 1e-12)
@@ -101,6 +102,8 @@ def solve_lp(terms: StageTerms, budgets: np.ndarray, *, weights_all_gpu: bool,
         bounds[0:3] = [(1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]
     elif no_disk_weights:
         bounds[2] = (0.0, 0.0)
+    for i, v in (pinned or {}).items():
+        bounds[i] = (v, v)
     from scipy.optimize import linprog  # 0.36 s to import: only runs that plan pay it
 
     res = linprog(c, A_ub=A, b_ub=b, A_eq=A_eq, b_eq=np.ones(3), bounds=bounds, method="highs")
@@ -199,7 +202,15 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                                     num_micro_batches=num_micro_batches, num_stages=num_stages,
                                     first_layer=first_layer, packed=packed)
                 bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
-                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar)
+                merged = stage_terms(spec, num_layers_in_stage, hw, workload, gpu_batch_size=gbs,
+                                     num_gpu_batches=ngb, cpu_attention=cpu_att,
+                                     has_embed=has_embed, has_head=has_head,
+                                     compress_weight=compress, compress_cache=compress,
+                                     num_micro_batches=num_micro_batches, num_stages=num_stages,
+                                     first_layer=first_layer, packed=packed,
+                                     merged=True) if ngb > 1 else None
+                cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar,
+                                        merged=merged, device=hw.compute_device)
                 if cand is None:
                     break
                 if cand.objective < bar:
@@ -211,35 +222,58 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     return best
 
 
+def merged_pins(device: str) -> dict[int, float]:
+    """The fractions a placement holds for decode to merge its GPU batches on ``device``
+    (``engine.policy.merge_decode``): every activation on the device, and the cache off disk
+    (a CPU device) or all on the device (a GPU)."""
+    cache = {CD: 0.0} if merge_decode(device, False, False) else {CG: 1.0, CC: 0.0, CD: 0.0}
+    return {HG: 1.0, HC: 0.0, HD: 0.0, **cache}
+
+
+def _merges(p: np.ndarray, device: str) -> bool:
+    """Whether whole percents ``p`` merge decode (``Policy.merges_decode``)."""
+    return bool(p[HG] == 100 and merge_decode(device, p[CD] > 0, p[CG] >= 100))
+
+
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
-                     cpu_att: bool, compress: bool, bar: float = float("inf")) -> Candidate | None:
+                     cpu_att: bool, compress: bool, bar: float = float("inf"), *,
+                     merged: StageTerms | None = None, device: str = "cuda") -> Candidate | None:
     """Solve, round and repair one (gbs, num_gb, cpu_attention); ``bar``: best so far for
     this block size (the tie-breaking push toward higher tiers is skipped for clear losers).
-    The repair checks the engine's exact peaks, so a candidate fits the run's own check."""
-    found: list[np.ndarray] = []
-    x = solve_lp(terms, budgets, weights_all_gpu=False, no_disk_weights=compress)
-    if x is not None:
-        found.append(x)
-    # Keeping every weight on the gpu saves the split buffers and the whole-tensor slack;
-    # that can only matter when the general answer already keeps almost all weights there.
+    The repair checks the engine's exact peaks, so a candidate fits the run's own check.
+    ``merged``: the terms of merged decode (several GPU batches), solved a second time with
+    the placement it needs pinned; an answer that the rounding moved off it is costed by
+    ``terms``."""
+    found: list[tuple[np.ndarray, StageTerms]] = []
     W = float(terms.peak_base[0, 0, WG])
     near = 1.0 - (float(terms.peak_base[0, 0, WC]) + terms.gpu_slack) / W
     all_gpu = terms.peak_base[:, 0, WG] + terms.peak_base[:, 0, CONST]
-    if np.all(all_gpu <= budgets[0]) and (x is None or near <= x[WG] < 1 - 1e-9):
-        x = solve_lp(terms, budgets, weights_all_gpu=True, no_disk_weights=True)
+    variants = [(terms, None)] + ([(merged, merged_pins(device))] if merged is not None else [])
+    for t, pins in variants:
+        x = solve_lp(t, budgets, weights_all_gpu=False, no_disk_weights=compress, pinned=pins)
         if x is not None:
-            found.append(x)
+            found.append((x, t))
+        # Keeping every weight on the gpu saves the split buffers and the whole-tensor slack;
+        # that can only matter when the general answer already keeps almost all weights there.
+        if np.all(all_gpu <= budgets[0]) and (x is None or near <= x[WG] < 1 - 1e-9):
+            x = solve_lp(t, budgets, weights_all_gpu=True, no_disk_weights=True, pinned=pins)
+            if x is not None:
+                found.append((x, t))
     best = None
-    for x in found:
-        p = _nudge_down(terms, round_percents(x), budgets, compress)
+    for x, t in found:
+        p = _nudge_down(t, round_percents(x), budgets, compress)
         if p is None:
             continue
-        obj = _objective(terms, p / 100.0)
+        obj = _objective(t, p / 100.0)
         if obj <= bar * 1.001:
-            p = _push_up(terms, p, budgets)
-            obj = _objective(terms, p / 100.0)
+            p = _push_up(t, p, budgets)
+        if t is merged and not _merges(p, device):
+            t = terms  # the repair moved it off the merged placement
+        elif t is terms and merged is not None and _merges(p, device):
+            t = merged  # the general answer merges too
+        obj = _objective(t, p / 100.0)
         if best is None or obj < best.objective:
-            best = Candidate(gbs, ngb, cpu_att, compress, p, terms, obj)
+            best = Candidate(gbs, ngb, cpu_att, compress, p, t, obj)
     return best
 
 

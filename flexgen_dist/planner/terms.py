@@ -66,6 +66,7 @@ class StageTerms:
     prefill_net_s: float
     decode_net_s: float
     overlap: bool = True  # False: channels run one after another (sum instead of max)
+    merged: bool = False  # decode runs each layer once for all GPU batches (stage_terms)
 
     @property
     def peak_base(self) -> np.ndarray:
@@ -180,7 +181,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
-                num_stages: int = 1, head_share: float = 1.0) -> StageSizes:
+                num_stages: int = 1, head_share: float = 1.0, merged: bool = False) -> StageSizes:
     """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
     bls = gpu_batch_size * num_gpu_batches
@@ -227,10 +228,9 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
         a_pre=a_pre, a_dec=a_dec, hop=hop,
         # How often a decode step streams each weight matrix through the compute units: once
-        # per GPU batch on a GPU; once per block on a CPU device, where the engine runs the GPU
-        # batches of a block as one GEMM (merged decode: activations on the device, the cache
-        # off disk, which is where the planner puts them on a CPU).
-        streams=1 if hw.compute_device == "cpu" else num_gpu_batches,
+        # per GPU batch, or once per block where the engine runs the GPU batches of a block
+        # as one GEMM (``merged``: ``engine.policy.merge_decode``)
+        streams=1 if merged else num_gpu_batches,
         deq_w=(lnum * b + wl) / mem_bw if compress_weight else 0.0,
         net_p=net_p, net_d=net_d,
         cpu_attention=cpu_attention, compress_cache=compress_cache, has_head=has_head,
@@ -350,13 +350,17 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
                 num_micro_batches: int = 1, num_stages: int = 1,
                 overlap: bool = True, head_share: float = 1.0, first_layer: int = 0,
-                packed: Packed | None = None) -> StageTerms:
-    """Build the linear coefficient tables (see module docstring) for one stage."""
+                packed: Packed | None = None, merged: bool = False) -> StageTerms:
+    """Build the linear coefficient tables (see module docstring) for one stage.
+
+    ``merged``: decode runs each layer once over the rows of every GPU batch (the placements
+    where ``engine.policy.merge_decode`` holds; the search pins them when it sets this)."""
     z = stage_sizes(spec, num_layers, hw, workload, gpu_batch_size=gpu_batch_size,
                     num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
                     has_embed=has_embed, has_head=has_head, compress_weight=compress_weight,
                     compress_cache=compress_cache, comp_bits=comp_bits,
-                    comp_group_size=comp_group_size, num_stages=num_stages, head_share=head_share)
+                    comp_group_size=comp_group_size, num_stages=num_stages, head_share=head_share,
+                    merged=merged)
     return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
                       prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
                       footprint=stage_footprint(spec, StageShape(
@@ -368,4 +372,4 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
                           cuda=hw.compute_device == "cuda", first_layer=first_layer), packed),
-                      prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
+                      prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap, merged=merged)
