@@ -75,6 +75,18 @@ def test_prefill_sdpa_matches_reference() -> None:
     torch.testing.assert_close(prefill_attention(q, k, v, mask[:, None]), naive(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_prefill_without_a_mask_is_causal(softcap: float) -> None:
+    """No mask (an unpadded GPU batch without a window) is plain causal attention: SDPA's
+    causal kernel, or the capped scores' own causal mask, give what the explicit mask gives."""
+    q, k, v, _ = make(t=7, L=7)
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()[None].expand(3, 7, 7)
+    with_mask = prefill_attention(q, k, v, mask[:, None], softcap=softcap)
+    torch.testing.assert_close(prefill_attention(q, k, v, None, softcap=softcap), with_mask, rtol=1e-6, atol=1e-6)
+    other = prefill_attention(q, k, v, torch.ones_like(mask)[:, None], softcap=softcap)  # not causal
+    assert not torch.allclose(other, with_mask)
+
+
 def test_row_chunks_merge_to_the_whole() -> None:
     q, k, v, mask = make()
     kvh = 2

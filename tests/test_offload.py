@@ -47,6 +47,30 @@ def test_every_placement_matches_transformers(kind: str, tiny_models, tmp_path: 
         assert outs == ref, (name, overlap, cpu_att)
 
 
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_unpadded_prefill_runs_causal_attention_without_a_mask(kind: str, tiny_models, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A GPU batch whose prompts are all of the block's length attends with SDPA's causal
+    kernel (no mask built); a padded one with its mask; the tokens equal transformers'."""
+    from flexgen_dist.engine import stage
+
+    tm = tiny_models[kind]
+    prompts = [[30, 31, 32, 33], [40, 41, 42, 43], [50, 51, 52], [60, 61, 62, 63]]
+    ref = reference_generate(tm, prompts, GEN)
+    masks: list[bool] = []
+    real = stage.prefill_attention
+    monkeypatch.setattr(stage, "prefill_attention",
+                        lambda q, k, v, mask, *a: masks.append(mask is None) or real(q, k, v, mask, *a))
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                      policy=Policy(2, 2), device=torch.device("cpu"), dtype=torch.float32)
+    outs, _ = generate(eng, prompts, GEN, SamplingConfig(ignore_eos=True))
+    eng.close()
+    assert outs == ref
+    layers = lm.spec.num_layers
+    assert sorted(masks) == [False] * layers + [True] * layers  # one padded GPU batch, one not
+
+
 def test_cli_offload_flags_match_and_leave_no_files(tiny_models, tmp_path: Path, capsys) -> None:
     tm = tiny_models["opt-post-proj"]
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)

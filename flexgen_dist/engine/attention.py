@@ -41,17 +41,22 @@ def mask_to_rows(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return mask[:, None, None].expand(b, kv_heads, 1, t, L).reshape(b * kv_heads, 1, t, L)
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Prompt attention on the compute device over the fresh k, v (no cache read).
 
     q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d). A fused
     kernel with grouped-query support; nothing of size (t, t) per head is materialised.
-    ``scale``: of q.k (None: d ** -0.5). ``softcap`` > 0 caps the scores (cap * tanh(s / cap),
-    Gemma 2), which no fused kernel does: those scores are materialised, one sequence at a time.
+    ``mask`` None: plainly causal (no padding, no window), which lets SDPA take its causal
+    kernels (on a GPU flash attention, which skips the masked half; an explicit mask rules
+    it out). ``scale``: of q.k (None: d ** -0.5). ``softcap`` > 0 caps the scores
+    (cap * tanh(s / cap), Gemma 2), which no fused kernel does: those scores are
+    materialised, one sequence at a time.
     """
     b, t, nh, d = q.shape
     scale = d ** -0.5 if scale is None else scale
+    if mask is None and softcap > 0:
+        mask = torch.ones((t, t), dtype=torch.bool, device=q.device).tril_()[None, None].expand(b, 1, t, t)
     if softcap > 0:
         kvh = k.shape[2]
         out = torch.empty((b, t, nh * d), dtype=q.dtype, device=q.device)
@@ -62,7 +67,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
             out[i:i + 1] = rows_to_out(o, 1)
         return out
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, enable_gqa=k.shape[2] != nh, scale=scale)
+                                       attn_mask=mask, is_causal=mask is None,
+                                       enable_gqa=k.shape[2] != nh, scale=scale)
     return o.transpose(1, 2).reshape(b, t, nh * d)
 
 

@@ -409,7 +409,7 @@ class StageEngine:
             out[:, 2].index_add_(0, r, hit.double())
         return out
 
-    def _step_inputs(self, st: BlockState, i: int, k: int, window: int = 0) -> tuple[Positions, torch.Tensor, int]:
+    def _step_inputs(self, st: BlockState, i: int, k: int, window: int = 0) -> tuple[Positions, torch.Tensor | None, int]:
         """Positions, attention mask rows and cache offset of (token i, batch k), shared by all
         layers that attend to ``window`` positions (0: all)."""
         cached = st.step_inputs.get((k, window))
@@ -419,6 +419,12 @@ class StageEngine:
         valid = st.valid[k]
         if i == 0:
             pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
+            if all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s):
+                # no padding, no window: plainly causal (prefill_attention's None), read from
+                # the block's lengths on the host, not from ``valid`` on the device
+                out = (Positions(pos), None, 0)
+                st.step_inputs[(k, window)] = (i, *out)
+                return out
             causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
             if window and window < s:  # a key more than window - 1 positions back is out of sight
                 causal.triu_(1 - window)
@@ -441,7 +447,7 @@ class StageEngine:
         st.step_inputs[(k, window)] = (i, *out)
         return out
 
-    def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor, pos0: int):  # noqa: ANN202
+    def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor | None, pos0: int):  # noqa: ANN202
         """The ``attend`` callable the model layer calls: cache write + attention."""
         kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
         cache = st.cache
