@@ -128,7 +128,8 @@ class LLM:
         with self._guard(close=True):
             self._group.start_monitor()  # several ranks: a failure anywhere ends every rank
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
-                                                 seed=cfg.seed, load_tokenizer=self.is_driver)
+                                                 seed=cfg.seed, load_tokenizer=self.is_driver,
+                                                 dummy_fill=cfg.dummy_fill)
             self.model.source.keep_packed = cfg.gguf_native
             # measured once, before anything is placed: later calls are checked against the same
             budgets = machine_budgets(user_caps(cfg.gpu_mem, cfg.cpu_mem, cfg.disk_mem), self.device,

@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 
 
 DEFAULT_SORT_WINDOW = 32
+DUMMY_FILLS = ("random", "ones")
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
                 "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
 
@@ -30,6 +31,7 @@ POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention",
 class RunConfig:
     model: str | None = None
     dummy_weights: bool = False
+    dummy_fill: str = "random"
     prompts: str | None = None
     num_prompts: int | None = None
     prompt_len: int = 128
@@ -93,6 +95,10 @@ class RunConfig:
             raise ConfigError(f"--device {self.device!r}: use cpu, cuda or auto")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(f"--dtype {self.dtype!r}: use float32, float16, bfloat16 or auto")
+        if self.dummy_fill not in DUMMY_FILLS:
+            raise ConfigError(f"--dummy-fill {self.dummy_fill!r}: use {' or '.join(DUMMY_FILLS)}")
+        if self.dummy_fill != "random" and not self.dummy_weights:
+            raise ConfigError(f"--dummy-fill {self.dummy_fill} sets the values of dummy weights: add --dummy-weights")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"--direct-io {self.direct_io!r}: use auto, on or off")
         if self.partition not in ("equal", "balanced"):
@@ -244,6 +250,9 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", help="registry name, Hugging Face model dir, or .gguf file "
                    "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
+    g.add_argument("--dummy-fill", choices=DUMMY_FILLS, help="values of --dummy-weights: random (the default) "
+                   "or ones (every weight 1, as FlexGen's dummy weights: for side-by-side timings with it, "
+                   "since a GPU multiplies constant data faster than random data)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"])
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--threads", type=int, help="compute threads per rank (default: the CPUs this rank may use: "

@@ -107,7 +107,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
         model = os.path.realpath(Path(model).expanduser())
     return {"model": model, "model_name": llm.model.spec.name, "dummy_weights": cfg.dummy_weights, "dtype": str(llm.dtype),
             "gen_len": cfg.gen_len, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-            "ignore_eos": cfg.ignore_eos}
+            "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {})}
 
 
 def _rank_path(path: str, rank: int) -> Path:

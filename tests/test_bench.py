@@ -399,6 +399,10 @@ def test_gpu_suite_reads_flexgen_logs_and_builds_matching_commands(tmp_path: Pat
     assert after(fg, "--model") == [f"facebook/{case.model}"] and after(fg, "--path") == ["_DUMMY_"]
     assert after(ours, "--num-prompts") == [str(case.gpu_batch_size * case.num_gpu_batches)]
     assert "--warmup" in ours and after(ours, "--dtype") == ["float16"]
+    # FlexGen's dummy weights are all 1: this engine runs the same values unless asked not to
+    assert after(ours, "--dummy-fill") == after(auto, "--dummy-fill") == ["ones"]
+    rnd = gpu_suite.ours_command(case, tmp_path / "off4", tmp_path / "r.json", fill="random")
+    assert after(rnd, "--dummy-fill") == ["random"]
     assert after(auto, "--policy") == ["auto"] and after(auto, "--gpu-mem") == ["70GiB"] and "--percent" not in auto
 
 
@@ -452,11 +456,13 @@ def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
     recorded as skipped."""
     case = gpu_baselines.Case("tiny", "opt-125m", (100, 0, 100, 0, 100, 0), 2, 1, prompt_len=8, gen_len=2,
                           budgets={"cpu_mem": "4GiB", "gpu_mem": "4GiB"})
-    args = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--out", str(tmp_path)])
+    args = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--also-random",
+                                 "--out", str(tmp_path)])
     hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
     res = gpu_suite.phase_compare(tmp_path, [case], args, hw)["tiny"]
     assert "skip-flexgen" in res["flexgen"]["skipped"]
-    for tag in ("ours", "ours_auto", "accelerate"):
+    assert "--dummy-fill random" in res["ours_random"]["command"] and "--dummy-fill ones" in res["ours"]["command"]
+    for tag in ("ours", "ours_random", "ours_auto", "accelerate"):
         assert res[tag]["rc"] == 0, res[tag]["tail"]
         m = res[tag]["metrics"]
         assert m["prefill_throughput"] > 0 and m["decode_throughput"] > 0

@@ -61,6 +61,20 @@ def test_dummy_weights_for_a_registry_shape(tmp_path: Path, capsys) -> None:
     assert len(recs) == 3 and all(len(r["tokens"]) == 2 and "text" not in r for r in recs)
 
 
+def test_dummy_fill_ones_gives_every_weight_one() -> None:
+    """``--dummy-fill ones`` (FlexGen's dummy values, for timings beside it): every tensor 1;
+    the default random fill has norms 1, biases 0 and the pool's values elsewhere."""
+    from flexgen_dist.models.loader import load_model
+
+    ones = load_model("opt-125m", dummy_weights=True, dummy_fill="ones")
+    rnd = load_model("opt-125m", dummy_weights=True)
+    w1, wr = ones.source.get("layer", 0), rnd.source.get("layer", 0)
+    assert set(w1) == set(wr) and all(bool((t == 1).all()) for t in w1.values())
+    assert bool((wr["fc1.b"] == 0).all()) and bool((wr["attn_norm.w"] == 1).all())
+    assert 0.01 < float(wr["fc1.w"].std()) < 0.03
+    assert "ones" in ones.origin and "ones" not in rnd.origin
+
+
 @pytest.mark.parametrize("case", ["unknown-model", "registry-no-weights", "no-weights", "corrupt", "bad-config",
                                   "too-long", "empty-file", "bad-yaml-key", "gen-len-0", "bad-policy",
                                   "missing-prompts", "text-without-tokenizer", "bad-json-line", "unknown-dummy",
@@ -68,7 +82,7 @@ def test_dummy_weights_for_a_registry_shape(tmp_path: Path, capsys) -> None:
                                   "bad-flag-value", "unknown-flag", "output-under-file", "metrics-under-file",
                                   "output-exists", "resume-without-output", "resume-and-overwrite",
                                   "output-is-dir", "log-dir-under-file", "print-outputs",
-                                  "balanced-fixed-policy", "prefill-items"])
+                                  "balanced-fixed-policy", "prefill-items", "dummy-fill-alone"])
 def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, capsys) -> None:
     tm = tiny_models["opt-pre"]
     model = ["--model", str(tm.path)]
@@ -109,6 +123,7 @@ def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, 
         "print-outputs": (model + ["--print-outputs", "-1"], "--print-outputs -1"),
         "balanced-fixed-policy": (model + ["--partition", "balanced"], "needs --policy auto"),
         "prefill-items": (model + ["--prefill-items", "rows"], "argument --prefill-items: invalid choice"),
+        "dummy-fill-alone": (model + ["--dummy-fill", "ones"], "add --dummy-weights"),
     }.get(case, (None, None))
     if case == "no-weights":
         d = tmp_path / "m"

@@ -110,8 +110,8 @@ def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, A
     """Hugging Face accelerate at the case's budget: the case's share of the weight bytes on
     the device (``percent[0]``), the rest in RAM behind accelerate's offload hooks (moved to
     the device for each forward), ``generate`` over the prompts in batches of the case's GPU
-    batch size. Zero weights (dummy, as both other systems run; the time does not depend on
-    the values). Prefill is timed as a one-token ``generate`` of each batch, decode as the
+    batch size. Every weight 1, as FlexGen's dummy weights and this engine's ``--dummy-fill
+    ones`` (a GPU multiplies constant data faster than random data, so all three get the same values). Prefill is timed as a one-token ``generate`` of each batch, decode as the
     rest of the batch's full ``generate``. Cases with weights on disk are not run."""
     import torch
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
@@ -133,7 +133,7 @@ def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, A
     model = model.to(dtype).to_empty(device="cpu").eval()
     model.tie_weights()  # to_empty gives the tied head a tensor of its own
     for p in model.parameters():
-        p.data.zero_()
+        p.data.fill_(1.0)
     total = compute_module_sizes(model, dtype=dtype)[""]
     if device == "cuda" and case.percent[0] > 0:
         gpu = int(total * case.percent[0] / 100) + 2**30  # the share plus room for the largest module

@@ -17,7 +17,10 @@ Phases, each writing ``OUT/<phase>.json`` (and the whole run ``OUT/gpu_suite.jso
 - ``profile``: ``planner profile --device cuda`` into ``configs/hardware/<gpu>.yaml``.
 - ``compare``: for each case (``--cases``; ``--list-cases`` shows them) the FlexGen package
   (``python -m flexgen.flex_opt``, dummy weights) and this engine with the same model,
-  policy, prompt length, new tokens and number of prompts; then this engine with
+  policy, prompt length, new tokens and number of prompts, and the same weight values
+  (``--dummy-fill ones``: FlexGen's dummy weights are all 1, and a GPU's matrix products run
+  faster on constant data than on random data; ``--also-random`` adds a run with this
+  engine's random dummy weights, ``ours_random``, the speed of a real checkpoint's values); then this engine with
   ``--policy auto`` within 95 % of the GPU's memory and 85 % of the RAM and the profile
   of the ``profile`` phase, each with the planner's prediction beside the measurement.
   Hugging Face accelerate runs the GPU/CPU cases at the same weight share on the GPU
@@ -107,8 +110,10 @@ def case_by_name(names: list[str] | None) -> list[Case]:
 
 # --- the commands ---------------------------------------------------------------------------
 def ours_command(case: Case, offload: Path, metrics: Path, device: str = "cuda", dtype: str = "float16",
-                 auto: bool = False, hardware: Path | None = None, budgets: dict[str, str] | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "flexgen_dist.run", "--model", case.model, "--dummy-weights",
+                 auto: bool = False, hardware: Path | None = None, budgets: dict[str, str] | None = None,
+                 fill: str = "ones") -> list[str]:
+    """This engine's run of ``case``; ``fill``: the dummy weights' values (ones: FlexGen's)."""
+    cmd = [sys.executable, "-m", "flexgen_dist.run", "--model", case.model, "--dummy-weights", "--dummy-fill", fill,
            "--num-prompts", str(case.num_prompts), "--prompt-len", str(case.prompt_len),
            "--gen-len", str(case.gen_len), "--ignore-eos", "--device", device, "--dtype", dtype,
            "--offload-dir", str(offload), "--metrics", str(metrics), "--warmup", "--no-progress",
@@ -254,6 +259,10 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
             result[f"ours_{dt}"] = out / f"{case.name}-ours_{dt}.json"
             runs[f"ours_{dt}"] = ours_command(case, off / "ours", result[f"ours_{dt}"], args.device, dt,
                                               hardware=hardware)
+        if args.also_random:
+            result["ours_random"] = out / f"{case.name}-ours_random.json"
+            runs["ours_random"] = ours_command(case, off / "ours", result["ours_random"], args.device, args.dtype,
+                                               hardware=hardware, fill="random")
         if not args.skip_auto:
             runs["ours_auto"] = ours_command(case, off / "auto", result["ours_auto"], args.device, args.dtype,
                                              auto=True, hardware=hardware, budgets=case.budgets or machine_budgets())
@@ -328,6 +337,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--skip-flexgen", action="store_true")
     ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
+    ap.add_argument("--also-random", action="store_true",
+                    help="also run this engine on random dummy weights (ours_random; the others use ones, as FlexGen)")
     ap.add_argument("--skip-accelerate", action="store_true", help="leave out the accelerate baseline")
     ap.add_argument("--all-tests", action="store_true", help="the tests phase also runs the slow tests")
     ap.add_argument("--tests", choices=["both", "gpu", "rest"], default="both",

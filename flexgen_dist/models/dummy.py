@@ -37,11 +37,19 @@ def _from_pool(pool: torch.Tensor, shape: torch.Size | tuple[int, ...], offset: 
 class DummySource(WeightSource):
     """Deterministic random-looking weights, made per part so nothing big is ever whole: norms
     1, biases 0, every other tensor a slice of the seed's pool (``DUMMY_POOL``) at an offset
-    hashed from its name."""
+    hashed from its name.
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, seed: int = 0) -> None:
+    ``fill="ones"``: every tensor 1, as FlexGen's dummy weights are. Only for timing against
+    it: a GPU's matrix products draw less power, and so keep higher clocks, on constant data
+    than on random data, so two systems timed on different values are not comparable. The
+    activations of such a model overflow in a half type; the time does not depend on that.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, seed: int = 0, fill: str = "random") -> None:
         super().__init__(spec, dtype)
-        self.seed = seed
+        if fill not in ("random", "ones"):
+            raise ValueError(f"dummy fill {fill!r}: use random or ones")
+        self.seed, self.fill = seed, fill
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
         out = {}
@@ -49,7 +57,9 @@ class DummySource(WeightSource):
             # a tied head ("tok.w" in the head) takes the embedding's values, as a checkpoint
             # of a tied model holds one matrix for both
             key = (f"{self.seed}/embed/None/{k}" if k == "tok.w" else f"{self.seed}/{part}/{layer}/{k}").encode()
-            if k.endswith("norm.w"):
+            if self.fill == "ones":
+                out[k] = torch.ones(shape)
+            elif k.endswith("norm.w"):
                 out[k] = torch.ones(shape)
             elif k.endswith(".b"):
                 out[k] = torch.zeros(shape)

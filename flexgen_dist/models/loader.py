@@ -345,8 +345,9 @@ def _gguf_tokenizer(gguf: Path, arch: str | None = None) -> Any:
 
 
 def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,
-               seed: int = 0, load_tokenizer: bool = True) -> LoadedModel:
-    """Resolve ``model`` (None: the bundled default) to a spec, a weight source and a tokenizer."""
+               seed: int = 0, load_tokenizer: bool = True, dummy_fill: str = "random") -> LoadedModel:
+    """Resolve ``model`` (None: the bundled default) to a spec, a weight source and a tokenizer.
+    ``dummy_fill``: the values of dummy weights (``DummySource``)."""
     if model is None:
         path = bundled_model_path()
         return _load_gguf(path, dtype, load_tokenizer, origin=f"{DEFAULT_MODEL}: {path}")
@@ -361,7 +362,8 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
                 spec = get_spec(model)
             except KeyError as e:
                 raise ModelLoadError(str(e.args[0])) from None
-        return LoadedModel(spec, DummySource(spec, dtype, seed), None, f"dummy weights for {spec.name}")
+        what = "dummy weights" if dummy_fill == "random" else f"dummy weights ({dummy_fill})"
+        return LoadedModel(spec, DummySource(spec, dtype, seed, dummy_fill), None, f"{what} for {spec.name}")
     if str(model).endswith(".gguf"):
         if not p.is_file():
             raise ModelLoadError(f"{model}: no such GGUF file")
