@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from flexgen_dist.engine.attention import (attend_rows, mask_to_rows, merge_partial, prefill_attention,
-                                           q_to_rows, rows_to_out, to_rows)
+from flexgen_dist.engine.attention import (_bmm_attend, _sdpa_decode, attend_rows, mask_to_rows, merge_partial,
+                                           prefill_attention, q_to_rows, rows_to_out, to_rows)
 
 
 def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -66,6 +66,26 @@ def test_half_type_decode_matches_float32_reference(dtype: torch.dtype, pos_majo
     out = attend_rows(q_to_rows(q.to(dtype), kvh), kc, vc, mask_to_rows(mask, kvh))
     assert out.dtype == dtype and out.shape == (rows, 4, 1, 16)
     torch.testing.assert_close(rows_to_out(out, 4).float(), ref, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("pos_major", [False, True])
+def test_fused_decode_equals_the_bmm_path_in_float32(pos_major: bool) -> None:
+    """The GPU's decode attention (SDPA, the G query heads of a row as G queries over its kv
+    head) gives the bmm path's values in float32, over strided cache views, with GQA."""
+    q, k, v, mask = make(b=4, t=1, L=11, nh=8, kvh=2, d=16, seed=5)
+    kvh, rows = k.shape[2], k.shape[0] * k.shape[2]
+    if pos_major:
+        big_k, big_v = (torch.zeros(20, rows, 16) for _ in range(2))
+        big_k[:11], big_v[:11] = to_rows(k).transpose(0, 1), to_rows(v).transpose(0, 1)
+        kc, vc = big_k[:11].transpose(0, 1), big_v[:11].transpose(0, 1)
+    else:
+        big_k, big_v = (torch.zeros(rows, 20, 16) for _ in range(2))
+        big_k[:, :11], big_v[:, :11] = to_rows(k), to_rows(v)
+        kc, vc = big_k[:, :11], big_v[:, :11]
+    qr, m = q_to_rows(q, kvh), mask_to_rows(mask, kvh)
+    fused = _sdpa_decode(qr, kc, vc, m, 0.25)
+    torch.testing.assert_close(fused, _bmm_attend(qr, kc, vc, m, 0.25, 0.0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rows_to_out(fused, 4), naive(q * 0.25 * 4, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_sdpa_matches_reference() -> None:

@@ -256,8 +256,10 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     assert hw.source == "measured" and hw.compute_device == "cpu"
     for k, v in hw.to_dict().items():
         if isinstance(v, (int, float)):
-            assert v >= 0 if k == "disk_cpu" else v > 0, k  # disk reads may cost no compute
+            # disk reads may cost no compute; the host's time is fitted as two parts, one may be 0
+            assert v >= 0 if k in ("disk_cpu", "host_layer_s", "host_batch_s") else v > 0, k
     assert hw.disk_cpu is not None  # measured on a CPU device
+    assert hw.host_layer_s + hw.host_batch_s > 0
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
@@ -285,6 +287,37 @@ def test_disk_cpu_adds_compute_for_disk_bytes_on_cpu_devices(tmp_path):
     assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").disk_cpu == c
     with pytest.raises(ValueError, match="disk_cpu"):
         replace(cpu, disk_cpu=-1.0)
+
+
+def test_host_time_is_its_own_channel_on_a_gpu_and_compute_on_a_cpu(tmp_path):
+    """``host_layer_s``/``host_batch_s``: the host's time to issue a layer. On a GPU it is a
+    channel of its own (the device computes while the host issues the next kernels, so a step
+    takes the slower of the two); on a CPU device it adds to compute. Merged decode issues the
+    linear part once per step. The fields round-trip through YAML and refuse a negative value."""
+    spec = get_spec("opt-125m")
+    a, b = 3e-4, 1e-4
+    x = np.array([1, 0, 0, 1, 0, 0, 1, 0, 0], dtype=float)
+    for device in ("cuda", "cpu"):
+        hw = replace(HardwareSpec.from_yaml(T4), compute_device=device)
+        for merged in (False, True):
+            kw = dict(gpu_batch_size=4, num_gpu_batches=3, cpu_attention=False, has_embed=True, has_head=True,
+                      merged=merged)
+            t0 = stage_terms(spec, spec.num_layers, hw, WL, **kw).layer_times(x)
+            t1 = stage_terms(spec, spec.num_layers, replace(hw, host_layer_s=a, host_batch_s=b), WL, **kw).layer_times(x)
+            host = {0: 3 * (a + b), 1: a * (1 if merged else 3) + 3 * b}  # prefill, decode per layer
+            row = 6 if device == "cuda" else 4
+            for phase in (0, 1):
+                assert t1[phase][row] == pytest.approx(t0[phase][row] + host[phase])
+                assert np.allclose(np.delete(t1[phase], row), np.delete(t0[phase], row))
+    slow = replace(HardwareSpec.from_yaml(T4), host_layer_s=1e-2, host_batch_s=0.0)  # a very slow host
+    cost = estimate_stage(spec, spec.num_layers, Policy(4, 3, 100, 0, 100, 0, 100, 0), slow, WL,
+                          has_embed=True, has_head=True)
+    assert cost.channels["decode_step"]["host"] == pytest.approx(spec.num_layers * 1e-2)  # merged: once per layer
+    assert cost.decode_step_s == pytest.approx(spec.num_layers * 1e-2)  # the host sets the pace
+    slow.to_yaml(tmp_path / "hw.yaml")
+    assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").host_layer_s == 1e-2
+    with pytest.raises(ValueError, match="host_batch_s"):
+        replace(slow, host_batch_s=-1.0)
 
 
 # CLI ----------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_measured_once_then_reused(cache: Path, measured: list[int], capsys) -> 
 @pytest.mark.parametrize("damage,said", [
     (lambda p: p.write_text("{{{ not yaml"), "is unreadable"),
     (lambda p: p.write_text("- a list\n"), "is corrupt (not a mapping)"),
-    (lambda p: p.write_text(p.read_text().replace("profile_version: 2", "profile_version: 1")), "is stale"),
+    (lambda p: p.write_text(p.read_text().replace("profile_version: 3", "profile_version: 2")), "is stale"),
     (lambda p: p.write_text(p.read_text().replace("threads:", "threads: 999 #")), "of another threads"),
     (lambda p: p.write_text("\n".join(ln for ln in p.read_text().splitlines() if not ln.startswith("mm_flops:"))),
      "is corrupt (")])

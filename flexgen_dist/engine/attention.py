@@ -97,15 +97,26 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         o = kernels.attention(q, k, v, mask, scale)
         if o is not None:
             return o
-    if t == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        # Without the kernel, in a half type: bmm would first copy the strided cache rows
-        # (measured 2.1 ms vs 0.4 ms for SDPA's fused kernel on 128 rows x 264 positions x 64
-        # in bfloat16; 13 ms vs 0.7 ms over a position-major staged disk chunk). SDPA reads
-        # them in place; the G query heads of a row become G queries over one kv head.
-        o = F.scaled_dot_product_attention(q.view(r, 1, g, d), k.unsqueeze(1), v.unsqueeze(1),
-                                           attn_mask=mask.view(r, 1, 1, L), scale=scale)
-        return o.view(r, g, 1, d)
+    if t == 1 and (q.device.type != "cpu" or q.dtype in (torch.bfloat16, torch.float16)):
+        # On the CPU without the kernel, in a half type: bmm would first copy the strided
+        # cache rows (measured 2.1 ms vs 0.4 ms for SDPA's fused kernel on 128 rows x 264
+        # positions x 64 in bfloat16; 13 ms vs 0.7 ms over a position-major staged disk chunk).
+        # On a GPU, one fused kernel instead of the bmm path's seven (scores, scale, mask,
+        # softmax, cast, product), whose launches a decode step's host time is made of. SDPA
+        # reads the rows in place.
+        return _sdpa_decode(q, k, v, mask, scale)
     return _bmm_attend(q, k, v, mask, scale, softcap)
+
+
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query position per head with SDPA: the G query heads of a row become G queries
+    over its one kv head, so k and v (R, L, d) are read as they lie, never broadcast."""
+    r, g, _, d = q.shape
+    L = k.shape[1]
+    o = F.scaled_dot_product_attention(q.view(r, 1, g, d), k.unsqueeze(1), v.unsqueeze(1),
+                                       attn_mask=mask.view(r, 1, 1, L), scale=scale)
+    return o.view(r, g, 1, d)
 
 
 def _bmm_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -22,7 +22,9 @@ DEVICES = ("cuda", "cpu")
 MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
-OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype")
+OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
+                   "host_layer_s", "host_batch_s")
+HOST_FIELDS = ("host_layer_s", "host_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profiler.py); not part of it
 META_KEYS = ("profile_version", "identity", "measured_at")
@@ -45,6 +47,10 @@ class HardwareSpec:
     On a CPU device the reads' thread and the kernel's I/O path run on the cores that compute
     (on a one-core node they take a large share of it); the cost model adds this time to the
     compute channel. Without it, disk traffic costs no compute.
+    ``host_layer_s`` / ``host_batch_s`` (optional): the host's time to issue one layer of a
+    decode step (Python, torch's dispatch, a GPU's kernel launches), once per step and once
+    per step and GPU batch; small layers, and a fast GPU's, are bound by it. Without them
+    the cost model counts no host time.
     """
 
     name: str
@@ -66,6 +72,8 @@ class HardwareSpec:
     disk_cpu: float | None = None
     mm_flops_dtype: dict[str, float] | None = None
     gemm_bw_dtype: dict[str, float] | None = None
+    host_layer_s: float | None = None
+    host_batch_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -107,6 +115,13 @@ class HardwareSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"HardwareSpec.disk_cpu={v!r}: must be seconds per byte >= 0, or absent")
             object.__setattr__(self, "disk_cpu", float(v))
+        for f in HOST_FIELDS:
+            v = getattr(self, f)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"HardwareSpec.{f}={v!r}: must be seconds >= 0, or absent")
+            object.__setattr__(self, f, float(v))
 
     def __hash__(self) -> int:
         # the planner memoizes per stage by spec; the per-dtype rates are dicts, hashed as items
@@ -161,8 +176,9 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
-        if vals.get("disk_cpu") is not None:
-            convert["disk_cpu"] = float
+        for f in ("disk_cpu",) + HOST_FIELDS:
+            if vals.get(f) is not None:
+                convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):
             vals["gemm_bw_dtype"] = {k: _parse_rate(v) for k, v in vals["gemm_bw_dtype"].items()}
         for f, conv in convert.items():

@@ -88,12 +88,13 @@ def solve_lp(terms: StageTerms, budgets: np.ndarray, *, weights_all_gpu: bool,
     c[[2, 5, 8]] = 2 * TIE_BREAK
     c[9], c[10] = (1.0 / (n - 1), 1.0) if n > 1 else (1.0, 0.0)
     rows = terms.peak_rows(not weights_all_gpu, not no_disk_weights).reshape(6, 10)
-    A = np.zeros((18, 11))
-    b = np.zeros(18)
-    A[0:6, :9], A[0:6, 9], b[0:6] = terms.prefill[:, :9] / tau, -1.0, -terms.prefill[:, CONST] / tau
-    A[6:12, :9], A[6:12, 10], b[6:12] = terms.decode[:, :9] / tau, -1.0, -terms.decode[:, CONST] / tau
-    A[12:18, :9] = rows[:, :9] / GIB
-    b[12:18] = (np.tile(budgets, 2) - rows[:, CONST]) / GIB
+    C = terms.prefill.shape[0]  # channels: one row each per phase, then 2 phases x 3 tiers of memory
+    A = np.zeros((2 * C + 6, 11))
+    b = np.zeros(2 * C + 6)
+    A[0:C, :9], A[0:C, 9], b[0:C] = terms.prefill[:, :9] / tau, -1.0, -terms.prefill[:, CONST] / tau
+    A[C:2 * C, :9], A[C:2 * C, 10], b[C:2 * C] = terms.decode[:, :9] / tau, -1.0, -terms.decode[:, CONST] / tau
+    A[2 * C:, :9] = rows[:, :9] / GIB
+    b[2 * C:] = (np.tile(budgets, 2) - rows[:, CONST]) / GIB
     A_eq = np.zeros((3, 11))
     for i in range(3):
         A_eq[i, 3 * i:3 * i + 3] = 1.0

@@ -20,7 +20,8 @@ from flexgen_dist.engine.footprint import Footprint, Packed, StageShape, stage_f
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
 
-CHANNELS = ("ctog", "gtoc", "dtoc", "ctod", "comp", "net")
+CHANNELS = ("ctog", "gtoc", "dtoc", "ctod", "comp", "net", "host")
+COMP, HOST = CHANNELS.index("comp"), CHANNELS.index("host")
 TIERS = ("gpu", "cpu", "disk")
 PHASES = ("prefill", "decode")
 WG, WC, WD, CG, CC, CD, HG, HC, HD = range(9)
@@ -50,7 +51,7 @@ class WorkShape:
 class StageTerms:
     """Coefficient tables of one stage for one (gbs, num_gb, cpu_attention, compression).
 
-    ``prefill``/``decode``: (6 channels, 10) seconds per layer per block, columns = the nine
+    ``prefill``/``decode``: (7 channels, 10) seconds per layer per block, columns = the nine
     fractions + constant. Memory is the engine's own model (``engine.footprint``): ``peaks``
     reads it exactly, ``peak_rows`` linearly for the LP, with its steps and the rounding
     reserve of whole tensors switched on by which splits the LP allows.
@@ -149,6 +150,10 @@ class StageSizes:
     compress_cache: bool
     has_head: bool
     head_share: float = 1.0  # of the block's one prefill head pass this item pays (a piece: 1/nb)
+    merged: bool = False  # decode runs each layer once for all GPU batches
+    host_layer: float = 0.0  # host seconds to issue a layer: per step, and per step and GPU batch
+    host_batch: float = 0.0
+    host_row: int = HOST  # where host time goes: its own channel (a GPU runs ahead of the host), or compute
     # a mixture of experts reads and computes less than all of a layer: the elements one token
     # computes with, and the share of a layer's weights a block's prefill reads
     # (a dense layer: lnum and 1)
@@ -234,7 +239,11 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         deq_w=(lnum * b + wl) / mem_bw if compress_weight else 0.0,
         net_p=net_p, net_d=net_d,
         cpu_attention=cpu_attention, compress_cache=compress_cache, has_head=has_head,
-        head_share=head_share)
+        head_share=head_share, merged=merged, host_layer=hw.host_layer_s or 0.0,
+        host_batch=hw.host_batch_s or 0.0,
+        # a GPU computes while the host issues the next kernels (the slower of the two sets
+        # the pace); a CPU device's host *is* the compute, one after the other
+        host_row=COMP if hw.compute_device == "cpu" else HOST)
 
 
 def _held(spec: ModelSpec, length: float) -> float:
@@ -273,7 +282,7 @@ def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
 
 
 def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
-    """(6 channels, 10) prefill seconds per layer per block.
+    """(7 channels, 10) prefill seconds per layer per block.
 
     Weights and the block's activations come in from the cpu/disk shares, the prompt's cache
     and the activations go out; disk shares take a second hop through host RAM on a GPU.
@@ -282,7 +291,7 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     batch; a prefill piece pays ``head_share`` of it).
     """
     hop, a_pre = np.array([1.0, z.hop]), z.a_pre
-    P = np.zeros((6, 10))
+    P = np.zeros((len(CHANNELS), 10))
     P[0, [WC, WD]] = hop * z.wl_io_pre / hw.ctog_bw
     P[0, [HC, HD]] += hop * a_pre / hw.ctog_bw
     P[1, [CC, CD]] = hop * z.c_pre / hw.gtoc_bw
@@ -297,19 +306,20 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
                    + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
+    P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch)  # GPU batch by GPU batch
     _add_disk_cpu(P, hw)
     return P
 
 
 def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
-    """(6 channels, 10) seconds per layer per block of one decode step.
+    """(7 channels, 10) seconds per layer per block of one decode step.
 
     Weights and one token's activations come in, the new token's cache goes out. With
     ``cpu_attention`` the cpu/disk share of the cache stays put and only q and the attention
     output cross; otherwise the average cache (s + n/2 tokens) comes to the compute device.
     """
     hop, a_dec, bls, b = np.array([1.0, z.hop]), z.a_dec, z.bls, z.b
-    D = np.zeros((6, 10))
+    D = np.zeros((len(CHANNELS), 10))
     D[0, [WC, WD]] = hop * z.wl_io / hw.ctog_bw
     D[0, [HC, HD]] += hop * a_dec / hw.ctog_bw
     D[1, [HC, HD]] = hop * a_dec / hw.gtoc_bw
@@ -333,6 +343,9 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     else:
         D[4, [CC, CD]] = att_flops / hw.bmm_flops + deq_c / z.mem_bw
     D[5, CONST] = z.net_d / z.l
+    # the host issues each layer's linear part once per step where decode merges the GPU
+    # batches, and its attention once per GPU batch either way
+    D[z.host_row, CONST] += z.host_layer * (1 if z.merged else z.num_gb) + z.host_batch * z.num_gb
     _add_disk_cpu(D, hw)
     return D
 
