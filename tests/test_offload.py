@@ -234,6 +234,37 @@ def test_merged_decode_equals_batch_major(kind: str, pct: tuple, tiny_models, tm
         assert calls == ([("layer", 3)] * lm.spec.num_layers + head) * (GEN - 1)
 
 
+@pytest.mark.parametrize("pct,whole", [((100, 0, 100, 0, 100, 0), True), ((0, 100, 0, 100, 100, 0), True),
+                                       ((100, 0, 50, 50, 100, 0), False)])
+def test_merged_decode_attends_a_whole_layer_at_once(pct: tuple, whole: bool, tiny_models, tmp_path: Path,
+                                                     monkeypatch) -> None:
+    """Where each GPU batch's cache of a layer is one chunk on one in-memory tier, the chunks
+    are slices of one buffer and merged decode writes and attends all of them in one call
+    (``BlockCache.attend_layer``); a cache split over tiers keeps one call per batch. The
+    tokens equal transformers' and the per-batch calls'."""
+    from flexgen_dist.engine.kvcache import BlockCache
+
+    tm = tiny_models["llama-gqa"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    ref = reference_generate(tm, PROMPTS, GEN)
+    calls = []
+    real = BlockCache.attend_layer
+    monkeypatch.setattr(BlockCache, "attend_layer", lambda self, j, *a: calls.append(j) or real(self, j, *a))
+
+    def run(off: str) -> list[list[int]]:
+        eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
+                          policy=Policy(2, 3, *pct), device=torch.device("cpu"), dtype=torch.float32)
+        outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+        eng.close()
+        return outs
+
+    assert run("a") == ref
+    assert len(calls) == (lm.spec.num_layers * (GEN - 1) if whole else 0)  # the 6 prompts are one block
+    calls.clear()
+    monkeypatch.setattr(BlockCache, "whole_layer", lambda self, j: False)
+    assert run("b") == ref and calls == []
+
+
 def test_first_slot_is_read_during_the_sweep_before(tiny_models, tmp_path: Path) -> None:
     """With weights on disk, each sweep's first slot (the embedding) is read while the sweep
     before it computes its last slot: once per sweep, none left over, tokens unchanged."""

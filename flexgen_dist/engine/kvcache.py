@@ -113,13 +113,30 @@ class BlockCache:
         # compressed, on a CPU: reused dense K and V of one chunk at full length, because
         # fresh ones each step cost more in page faults than the dequantization itself
         self._scratch: dict[str, torch.Tensor] = {}
+        self._whole: dict[int, Chunk] = {}  # layer -> one chunk over every GPU batch's rows
         for j in layers:
             cap = min(max_len, (windows or {}).get(j) or max_len)
-            for kb, b in enumerate(batch_sizes):
+            splits = [split_rows(b * kv_heads, fractions) for b in batch_sizes]
+            # one buffer per in-memory tier for every GPU batch of the layer, each batch's
+            # chunk a slice of it in batch order (a slice of rows is laid out as a buffer of
+            # its own would be), so a merged decode can write and attend them all at once
+            bufs = {tier: self._alloc(tier, 0, sum(r1 - r0 for sp in splits for t, r0, r1 in sp if t == tier),
+                                      cap, f"kv{tag}-l{j}")
+                    for tier in (Tier.GPU, Tier.CPU) if any(t == tier for sp in splits for t, _, _ in sp)}
+            at = dict.fromkeys(bufs, 0)
+            for kb, sp in enumerate(splits):
                 parts = []
-                for tier, r0, r1 in split_rows(b * kv_heads, fractions):
-                    parts.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
+                for tier, r0, r1 in sp:
+                    if tier == Tier.DISK:
+                        parts.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
+                        continue
+                    buf, a = bufs[tier], at[tier]
+                    at[tier] += r1 - r0
+                    parts.append(Chunk(tier, r0, r1, _positions(buf.k, a, a + r1 - r0, 0),
+                                       _positions(buf.v, a, a + r1 - r0, 0), cap))
                 self.chunks[(j, kb)] = parts
+            if len(bufs) == 1 and all(len(sp) == 1 and sp[0][0] != Tier.DISK for sp in splits):
+                self._whole[j] = next(iter(bufs.values()))
         self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
         self._off_device = {j for (j, _), parts in self.chunks.items() if any(ch.tier != Tier.GPU for ch in parts)}
 
@@ -258,19 +275,39 @@ class BlockCache:
         q (rows, G, 1, d), mask (rows, 1, 1, L) over what the chunks hold (L = ``held``). Each
         chunk is attended where it lives. ``scale``, ``softcap``: see ``attend_rows``.
         """
-        length = pos0 + k_new.shape[1]
-        outs = []
-        for ch in self.chunks[(j, kb)]:
-            kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
-            qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
-            kc, vc, pos_major = self._append(ch, kn, vn, pos0, length)
-            dev = self.device
-            if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
-                dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
-                qr, m = qr.to(dev), m.to(dev)
-            kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
-            outs.append((ch.r0, ch.r1, attend_rows(qr, kd, vd, m, sparsity, scale, softcap)))
+        outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap))
+                for ch in self.chunks[(j, kb)]]
         return merge_partial(outs, q.shape[0], self.device)
+
+    def whole_layer(self, j: int) -> bool:
+        """Whether ``attend_layer`` can run layer j: each GPU batch's cache is one chunk, all on
+        one in-memory tier (one buffer, batch after batch), uncompressed (an expanded
+        compressed chunk is sized for one GPU batch)."""
+        return j in self._whole and not self.compress
+
+    def attend_layer(self, j: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     mask: torch.Tensor, pos0: int, sparsity: float = 1.0, scale: float | None = None,
+                     softcap: float = 0.0) -> torch.Tensor:
+        """``attend`` for the rows of every GPU batch of the block at once (merged decode, where
+        ``whole_layer(j)``): one cache write and one attention over the layer's buffer, the
+        batches' rows in batch order."""
+        out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap)
+        return out.to(self.device, non_blocking=True)
+
+    def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      mask: torch.Tensor, pos0: int, sparsity: float, scale: float | None,
+                      softcap: float) -> torch.Tensor:
+        """Write the chunk's rows of k_new/v_new at pos0 and attend its rows where it lives."""
+        length = pos0 + k_new.shape[1]
+        kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
+        qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
+        kc, vc, pos_major = self._append(ch, kn, vn, pos0, length)
+        dev = self.device
+        if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
+            dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
+            qr, m = qr.to(dev), m.to(dev)
+        kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
+        return attend_rows(qr, kd, vd, m, sparsity, scale, softcap)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``_dense``, into a reused buffer where a compressed chunk expands on the CPU."""

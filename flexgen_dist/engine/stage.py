@@ -51,6 +51,7 @@ class BlockState:
     # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
     step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
+    merged_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # window -> (token, mask rows)
     out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
     # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
     # block's last GPU batch, then one head GEMM serves them all (``_prefill_head``); logits
@@ -302,19 +303,44 @@ class StageEngine:
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
                 self._score(w, x, torch.cat([self._step_targets(st, i, kk) for kk in range(num_gb)]))
         else:
-            fns = []
-            for kk in range(num_gb):
-                _, mrows, pos0 = self._step_inputs(st, i, kk, spec.window(slot[1]))  # type: ignore[arg-type]
-                fns.append(self._attend_fn(st, slot[1], kk, mrows, pos0))  # type: ignore[arg-type]
+            assert st.cache is not None
+            layer, window = slot[1], spec.window(slot[1])  # type: ignore[arg-type]
+            if st.cache.whole_layer(layer):  # type: ignore[arg-type]
+                attend = self._attend_layer_fn(st, layer, i, num_gb, window)  # type: ignore[arg-type]
+            else:
+                fns = []
+                for kk in range(num_gb):
+                    _, mrows, pos0 = self._step_inputs(st, i, kk, window)
+                    fns.append(self._attend_fn(st, layer, kk, mrows, pos0))  # type: ignore[arg-type]
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
+                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                    return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
 
             y = self.family.layer_forward(spec, w, x, self._merged_positions(st, i, num_gb), attend, slot[1])
         for kk, (a, b) in enumerate(spans):
             if j == len(self.slots) - 1:
                 st.outputs[kk] = y[a:b]
             st.acts.put(kk, y[a:b])
+
+    def _attend_layer_fn(self, st: BlockState, layer: int, i: int, num_gb: int, window: int):  # noqa: ANN202
+        """Merged decode's ``attend`` where the layer's cache is one buffer for every GPU
+        batch (``BlockCache.whole_layer``): one cache write and one attention over the rows
+        of all of them, with the batches' masks side by side (built once per token)."""
+        got = st.merged_masks.get(window)
+        if got is None or got[0] != i:
+            parts = [self._step_inputs(st, i, kk, window) for kk in range(num_gb)]
+            got = st.merged_masks[window] = (i, torch.cat([m for _, m, _ in parts]))  # type: ignore[misc]
+        mask, pos0 = got[1], self._step_inputs(st, i, 0, window)[2]
+        kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
+        cache, sparsity = st.cache, self.policy.attn_sparsity
+        assert cache is not None
+
+        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+            o = cache.attend_layer(layer, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
+                                   sparsity, scale, softcap)
+            return rows_to_out(o, q.shape[0])
+
+        return attend
 
     def _merged_positions(self, st: BlockState, i: int, num_gb: int) -> Positions:
         """One ``Positions`` for the rows of every GPU batch, shared by the slots of token i."""
