@@ -52,6 +52,7 @@ class BlockState:
     step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
     merged_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # window -> (token, mask rows)
+    merged_out: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last merged slot's (batch views, output)
     out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
     # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
     # block's last GPU batch, then one head GEMM serves them all (``_prefill_head``); logits
@@ -298,7 +299,10 @@ class StageEngine:
         for x in xs:
             bounds.append(bounds[-1] + x.shape[0])
         spans = list(zip(bounds[:-1], bounds[1:]))
-        x = torch.cat(xs)
+        last = st.merged_out
+        # the slot before was merged too and its outputs are still the batches' inputs: its
+        # output is the whole input, no copy (one concatenation per layer saved)
+        x = last[1] if last is not None and all(a is b for a, b in zip(last[0], xs)) else torch.cat(xs)
         if slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
                 self._score(w, x, torch.cat([self._step_targets(st, i, kk) for kk in range(num_gb)]))
@@ -317,10 +321,12 @@ class StageEngine:
                     return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
 
             y = self.family.layer_forward(spec, w, x, self._merged_positions(st, i, num_gb), attend, slot[1])
-        for kk, (a, b) in enumerate(spans):
+        views = [y[a:b] for a, b in spans]
+        for kk, yk in enumerate(views):
             if j == len(self.slots) - 1:
-                st.outputs[kk] = y[a:b]
-            st.acts.put(kk, y[a:b])
+                st.outputs[kk] = yk
+            st.acts.put(kk, yk)
+        st.merged_out = (views, y)
 
     def _attend_layer_fn(self, st: BlockState, layer: int, i: int, num_gb: int, window: int):  # noqa: ANN202
         """Merged decode's ``attend`` where the layer's cache is one buffer for every GPU
