@@ -86,7 +86,6 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     scale = d ** -0.5 if scale is None else scale
     if sparsity < 1.0:
         return _sparse_attend(q, k, v, mask, sparsity, scale, softcap)
-    L = k.shape[1]
     if softcap > 0:
         return _bmm_attend(q, k, v, mask, scale, softcap)
     if t == 1 and q.device.type == "cpu":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +23,10 @@ from ..models.common import Positions
 from ..models.families import get_family
 from ..models.source import WeightSource
 from ..models.spec import ModelSpec
+from . import head
 from .activations import ActStore
-from .attention import mask_to_rows, prefill_attention, q_to_rows, rows_to_out, to_rows
+from .attention import prefill_attention, q_to_rows, rows_to_out, to_rows
+from .block_state import BlockState, merged_mask, merged_positions, step_inputs, step_targets
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
@@ -39,26 +41,6 @@ class StageTimes:
 
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "io_wait_s": self.io_wait_s}
-
-
-@dataclass
-class BlockState:
-    meta: BlockMeta
-    cache: BlockCache | None
-    acts: ActStore
-    valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
-    outputs: list[Any] = field(default_factory=list)
-    # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
-    step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor, int]] = field(default_factory=dict)
-    merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
-    merged_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # window -> (token, mask rows)
-    merged_out: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last merged slot's (batch views, output)
-    out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
-    # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
-    # block's last GPU batch, then one head GEMM serves them all (``_prefill_head``); logits
-    # of batches outside the sweep that ran it wait in ``logits`` for ``prefill_logits``.
-    head_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class StageEngine:
@@ -305,7 +287,7 @@ class StageEngine:
         x = last[1] if last is not None and all(a is b for a, b in zip(last[0], xs)) else torch.cat(xs)
         if slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
-                self._score(w, x, torch.cat([self._step_targets(st, i, kk) for kk in range(num_gb)]))
+                head.score(self.family, spec, w, x, torch.cat([step_targets(st, i, kk) for kk in range(num_gb)]))
         else:
             assert st.cache is not None
             layer, window = slot[1], spec.window(slot[1])  # type: ignore[arg-type]
@@ -320,7 +302,8 @@ class StageEngine:
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                     return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
 
-            y = self.family.layer_forward(spec, w, x, self._merged_positions(st, i, num_gb), attend, slot[1])
+            pos = merged_positions(st, i, num_gb, spec.num_kv_heads, self.device)
+            y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
         views = [y[a:b] for a, b in spans]
         for kk, yk in enumerate(views):
             if j == len(self.slots) - 1:
@@ -332,11 +315,7 @@ class StageEngine:
         """Merged decode's ``attend`` where the layer's cache is one buffer for every GPU
         batch (``BlockCache.whole_layer``): one cache write and one attention over the rows
         of all of them, with the batches' masks side by side (built once per token)."""
-        got = st.merged_masks.get(window)
-        if got is None or got[0] != i:
-            parts = [self._step_inputs(st, i, kk, window) for kk in range(num_gb)]
-            got = st.merged_masks[window] = (i, torch.cat([m for _, m, _ in parts]))  # type: ignore[misc]
-        mask, pos0 = got[1], self._step_inputs(st, i, 0, window)[2]
+        mask, pos0 = merged_mask(st, i, num_gb, window, self.spec.num_kv_heads, self.device)
         kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
         cache, sparsity = st.cache, self.policy.attn_sparsity
         assert cache is not None
@@ -347,13 +326,6 @@ class StageEngine:
             return rows_to_out(o, q.shape[0])
 
         return attend
-
-    def _merged_positions(self, st: BlockState, i: int, num_gb: int) -> Positions:
-        """One ``Positions`` for the rows of every GPU batch, shared by the slots of token i."""
-        if st.merged_pos is None or st.merged_pos[0] != i:
-            ids = torch.cat([self._step_inputs(st, i, kk)[0].ids for kk in range(num_gb)])
-            st.merged_pos = (i, Positions(ids))
-        return st.merged_pos[1]
 
     def _compute(self, st: BlockState, i: int, j: int, k: int) -> None:
         slot = self.slots[j]
@@ -369,11 +341,11 @@ class StageEngine:
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head" and i == 0 and st.meta.targets is None:
-            st.acts.put(k, self._prefill_head(st, w, k, x))  # the batch's rows, not its hidden states
+            st.acts.put(k, head.prefill_head(self.family, spec, st, w, k, x))  # the batch's rows, not its hidden states
             return
         elif slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
-                self._score(w, x, self._step_targets(st, i, k))
+                head.score(self.family, spec, w, x, step_targets(st, i, k))
             st.outputs[k - st.out_base] = y
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
@@ -381,103 +353,10 @@ class StageEngine:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
 
-    def _prefill_head(self, st: BlockState, w: dict[str, torch.Tensor], k: int, x: torch.Tensor) -> torch.Tensor:
-        """Prefill's LM head, once per block: GPU batch k's last-position rows wait until the
-        block's last batch has its own, then one GEMM over every batch's rows gives all logits.
-
-        The head is a few rows against the whole vocabulary matrix, so its time is mostly the
-        matrix's read, whatever the rows (opt-350m fp32, one core, a 32-prompt prefill: 16 heads
-        of 2 rows took 60 ms, 2 of 16 rows 15 ms). It used to run once per GPU batch (on the
-        last of several stages, once per prefill piece). Logits of batches outside the sweep that runs
-        the last batch (the pipeline's per-batch pieces) wait for ``prefill_logits``; the sweep's
-        own batches get theirs as outputs (None before the last batch)."""
-        row = st.head_rows[k] = x[:, -1].clone()  # not a view: the batch's activations can go
-        if len(st.head_rows) < len(st.meta.prompt_lens):  # some batch's prefill is still to come
-            return row
-        ks = sorted(st.head_rows)
-        rows = [st.head_rows.pop(kk) for kk in ks]
-        y = self.family.head(self.spec, w, torch.cat(rows))
-        for kk, part in zip(ks, y.split([r.shape[0] for r in rows])):
-            if 0 <= kk - st.out_base < len(st.outputs):
-                st.outputs[kk - st.out_base] = part
-            else:
-                st.logits[kk] = part
-        return row
-
-    @staticmethod
-    def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
-        """Prefill logits of GPU batches [0, upto) that a later sweep computed (see
-        ``_prefill_head``), in batch order; they leave the state."""
-        return [st.logits.pop(k) for k in range(upto)]
-
-    @staticmethod
-    def _step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:
-        """Scoring: the targets of token i's positions in GPU batch k, (b, s) or (b, 1)."""
-        tg, s = st.meta.targets[k], st.meta.prompt_len  # type: ignore[index]
-        return tg[:, :s] if i == 0 else tg[:, s + i - 1:s + i]
-
-    def _score(self, w: dict[str, torch.Tensor], x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
-
-        The head runs on the scored positions only, in chunks of ~64 MB of float32 logits,
-        so a window of s positions never holds (b, s, vocab) logits at once."""
-        b, s, h = x.shape
-        flat_x, flat_t = x.reshape(b * s, h), targets.reshape(-1).to(self.device)
-        rows = torch.arange(b, device=self.device).repeat_interleave(s)
-        out = torch.zeros((b, 3), dtype=torch.float64, device=self.device)
-        step = max(1, (64 << 20) // (4 * self.spec.vocab_size))
-        for a in range(0, b * s, step):
-            t = flat_t[a:a + step]
-            keep = t >= 0
-            lg = self.family.head(self.spec, w, flat_x[a:a + step][keep]).float()
-            if lg.shape[0] == 0:
-                continue
-            tk = t[keep]
-            nll = torch.logsumexp(lg, -1) - lg.gather(-1, tk[:, None]).squeeze(-1)
-            hit = lg.max(-1).indices == tk
-            r = rows[a:a + step][keep]
-            out[:, 0].index_add_(0, r, nll.double())
-            out[:, 1].index_add_(0, r, torch.ones_like(nll, dtype=torch.float64))
-            out[:, 2].index_add_(0, r, hit.double())
-        return out
-
     def _step_inputs(self, st: BlockState, i: int, k: int, window: int = 0) -> tuple[Positions, torch.Tensor | None, int]:
-        """Positions, attention mask rows and cache offset of (token i, batch k), shared by all
-        layers that attend to ``window`` positions (0: all)."""
-        cached = st.step_inputs.get((k, window))
-        if cached is not None and cached[0] == i:
-            return cached[1], cached[2], cached[3]
-        s = st.meta.prompt_len
-        valid = st.valid[k]
-        if i == 0:
-            pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
-            if all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s):
-                # no padding, no window: plainly causal (prefill_attention's None), read from
-                # the block's lengths on the host, not from ``valid`` on the device
-                out = (Positions(pos), None, 0)
-                st.step_inputs[(k, window)] = (i, *out)
-                return out
-            causal = torch.ones((s, s), dtype=torch.bool, device=self.device).tril_()
-            if window and window < s:  # a key more than window - 1 positions back is out of sight
-                causal.triu_(1 - window)
-            mask = causal[None] & valid[:, None, :s]
-            mask |= torch.eye(s, dtype=torch.bool, device=self.device)[None]  # padding sees itself
-            out = (Positions(pos), mask[:, None], 0)
-            st.step_inputs[(k, window)] = (i, *out)
-            return out
-        pos0 = s + i - 1
-        pos = valid[:, : s + i].sum(-1, keepdim=True) - 1
-        cap = st.meta.prompt_len + st.meta.gen_len
-        if window and window < cap:  # a ring of ``window`` slots: slot c holds the latest position
-            # p <= pos0 with p % window == c (none yet where that is negative)
-            slots = torch.arange(min(pos0 + 1, window), device=self.device)  # those written so far
-            held = pos0 - torch.remainder(pos0 - slots, window)
-            mask = valid[:, held.clamp(min=0)] & (held >= 0)[None]
-        else:
-            mask = valid[:, : s + i]
-        out = (Positions(pos), mask_to_rows(mask[:, None], self.spec.num_kv_heads), pos0)
-        st.step_inputs[(k, window)] = (i, *out)
-        return out
+        return step_inputs(st, i, k, window, self.spec.num_kv_heads, self.device)
+
+    prefill_logits = staticmethod(head.prefill_logits)
 
     def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor | None, pos0: int):  # noqa: ANN202
         """The ``attend`` callable the model layer calls: cache write + attention."""

@@ -1,0 +1,104 @@
+"""One block's state on one stage, and what each (token, GPU batch) step computes with.
+
+``BlockState`` holds a block's cache, activations and valid key positions; ``step_inputs``
+derives the positions, attention mask rows and cache offset of token i in GPU batch k (shared
+by every layer with the same window), and ``merged_positions`` / ``merged_mask`` the same for
+the rows of every GPU batch at once (merged decode). Each is built once per token and kept in
+the state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models.common import Positions
+from .activations import ActStore
+from .attention import mask_to_rows
+from .blocks import BlockMeta
+from .kvcache import BlockCache
+
+
+@dataclass
+class BlockState:
+    meta: BlockMeta
+    cache: BlockCache | None
+    acts: ActStore
+    valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
+    outputs: list[Any] = field(default_factory=list)
+    # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
+    step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor | None, int]] = field(default_factory=dict)
+    merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
+    merged_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # window -> (token, mask rows)
+    merged_out: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last merged slot's (batch views, output)
+    out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
+    # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
+    # block's last GPU batch, then one head GEMM serves them all (``head.prefill_head``);
+    # logits of batches outside the sweep that ran it wait in ``logits`` for ``prefill_logits``.
+    head_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
+                device: torch.device) -> tuple[Positions, torch.Tensor | None, int]:
+    """Positions, attention mask rows and cache offset of (token i, batch k), shared by all
+    layers that attend to ``window`` positions (0: all). The prefill mask is None where the
+    batch is unpadded and has no window (plainly causal: ``attention.prefill_attention``)."""
+    cached = st.step_inputs.get((k, window))
+    if cached is not None and cached[0] == i:
+        return cached[1], cached[2], cached[3]
+    s = st.meta.prompt_len
+    valid = st.valid[k]
+    if i == 0:
+        pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
+        mask: torch.Tensor | None = None
+        # no padding (read from the block's lengths on the host, not from ``valid`` on the
+        # device) and no window: plainly causal, no mask built
+        if not (all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s)):
+            causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_()
+            if window and window < s:  # a key more than window - 1 positions back is out of sight
+                causal.triu_(1 - window)
+            m = causal[None] & valid[:, None, :s]
+            m |= torch.eye(s, dtype=torch.bool, device=device)[None]  # padding sees itself
+            mask = m[:, None]
+        out = (Positions(pos), mask, 0)
+        st.step_inputs[(k, window)] = (i, *out)
+        return out
+    pos0 = s + i - 1
+    pos_ids = valid[:, : s + i].sum(-1, keepdim=True) - 1
+    cap = st.meta.prompt_len + st.meta.gen_len
+    if window and window < cap:  # a ring of ``window`` slots: slot c holds the latest position
+        # p <= pos0 with p % window == c (none yet where that is negative)
+        slots = torch.arange(min(pos0 + 1, window), device=device)  # those written so far
+        held = pos0 - torch.remainder(pos0 - slots, window)
+        keys = valid[:, held.clamp(min=0)] & (held >= 0)[None]
+    else:
+        keys = valid[:, : s + i]
+    out = (Positions(pos_ids), mask_to_rows(keys[:, None], kv_heads), pos0)
+    st.step_inputs[(k, window)] = (i, *out)
+    return out
+
+
+def merged_positions(st: BlockState, i: int, num_gb: int, kv_heads: int, device: torch.device) -> Positions:
+    """One ``Positions`` for the rows of every GPU batch, shared by the slots of token i."""
+    if st.merged_pos is None or st.merged_pos[0] != i:
+        ids = torch.cat([step_inputs(st, i, kk, 0, kv_heads, device)[0].ids for kk in range(num_gb)])
+        st.merged_pos = (i, Positions(ids))
+    return st.merged_pos[1]
+
+
+def merged_mask(st: BlockState, i: int, num_gb: int, window: int, kv_heads: int,
+                device: torch.device) -> tuple[torch.Tensor, int]:
+    """(mask rows of every GPU batch side by side, cache offset) of decode token i."""
+    got = st.merged_masks.get(window)
+    if got is None or got[0] != i:
+        parts = [step_inputs(st, i, kk, window, kv_heads, device)[1] for kk in range(num_gb)]
+        got = st.merged_masks[window] = (i, torch.cat(parts))  # type: ignore[arg-type]
+    return got[1], st.meta.prompt_len + i - 1
+
+
+def step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:
+    """Scoring: the targets of token i's positions in GPU batch k, (b, s) or (b, 1)."""
+    tg, s = st.meta.targets[k], st.meta.prompt_len  # type: ignore[index]
+    return tg[:, :s] if i == 0 else tg[:, s + i - 1:s + i]
