@@ -159,11 +159,14 @@ def test_cpu_attention_reads_the_cache_in_pinned_ram(tiny_models, gpu_device, tm
             assert outs == ref
 
 
-@pytest.mark.parametrize("name", ["all-gpu", "cache-cpu", "weights-cpu"])
-def test_merged_decode_on_the_gpu(name: str, tiny_models, gpu_device, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("name,cpu_att", [("all-gpu", False), ("cache-cpu", False), ("cache-cpu", True),
+                                          ("weights-cpu", True)])
+def test_merged_decode_on_the_gpu(name: str, cpu_att: bool, tiny_models, gpu_device, tmp_path: Path,
+                                  monkeypatch) -> None:
     """Decode runs each layer once over the rows of every GPU batch exactly where
-    ``Policy.merges_decode`` says (on CUDA: the whole cache and every activation on the
-    device), with the tokens of the batch-by-batch order and of transformers."""
+    ``Policy.merges_decode`` says (on CUDA: every activation on the device, and the whole
+    cache there too, or in RAM with CPU attention), with the tokens of the batch-by-batch
+    order and of transformers."""
     tm = tiny_models["llama-gqa"]
     ref, _ = reference_on(tm, gpu_device, torch.float32, PROMPTS, GEN)
     calls: list[str] = []
@@ -171,15 +174,15 @@ def test_merged_decode_on_the_gpu(name: str, tiny_models, gpu_device, tmp_path: 
     monkeypatch.setattr(StageEngine, "_compute_merged",
                         lambda self, st, i, j, w, n: calls.append(self.slots[j][0]) or real(self, st, i, j, w, n))
     pct = PLACEMENTS[name]
-    assert run(tm, pct, gpu_device, torch.float32, tmp_path / "off", num_gpu_batches=3) == ref
-    merges = Policy(2, 3, *pct).merges_decode(gpu_device.type)
-    assert merges == (name != "cache-cpu" or gpu_device.type == "cpu")
+    assert run(tm, pct, gpu_device, torch.float32, tmp_path / "off", num_gpu_batches=3, cpu_attention=cpu_att) == ref
+    merges = Policy(2, 3, *pct, cpu_attention=cpu_att).merges_decode(gpu_device.type)
+    assert merges == (name != "cache-cpu" or cpu_att or gpu_device.type == "cpu")
     layers = tm.model.config.num_hidden_layers
     blocks = -(-len(PROMPTS) // 6)
     assert calls.count("layer") == (blocks * (GEN - 1) * layers if merges else 0)
     assert calls.count("head") == blocks * (GEN - 1)  # the head merges wherever activations are on the device
     monkeypatch.setattr(StageEngine, "_merged", lambda *a: False)
-    assert run(tm, pct, gpu_device, torch.float32, tmp_path / "off2", num_gpu_batches=3) == ref
+    assert run(tm, pct, gpu_device, torch.float32, tmp_path / "off2", num_gpu_batches=3, cpu_attention=cpu_att) == ref
 
 
 def test_disk_weights_stream_with_overlap(tiny_models, gpu_device, tmp_path: Path) -> None:

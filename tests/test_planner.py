@@ -121,7 +121,9 @@ def test_merged_decode_streams_the_weights_once_per_step(t4, device):
     one_gb = Policy(8, 1, 100, 0, 100, 0, 100, 0)
     assert merged.merges_decode(device) and not apart.merges_decode(device)
     assert not one_gb.merges_decode(device) and not replace(merged, act_gpu_percent=99).merges_decode(device)
-    assert replace(merged, cache_gpu_percent=0, cache_cpu_percent=100).merges_decode(device) == (device == "cpu")
+    in_ram = replace(merged, cache_gpu_percent=0, cache_cpu_percent=100)
+    assert in_ram.merges_decode(device)  # with CPU attention q goes to the cache: nothing travels
+    assert replace(in_ram, cpu_attention=False).merges_decode(device) == (device == "cpu")
     kw = dict(has_embed=True, has_head=True)
     step = {p: estimate_stage(spec, spec.num_layers, p, hw, WL, **kw).channels["decode_step"]["comp"]
             for p in (merged, apart)}

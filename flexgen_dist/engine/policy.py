@@ -9,15 +9,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-def merge_decode(device: str, cache_on_disk: bool, cache_on_device: bool) -> bool:
+def merge_decode(device: str, cache_on_disk: bool, cache_on_device: bool, cpu_attention: bool) -> bool:
     """Whether a decode step runs a layer once over the rows of every GPU batch of a block
-    (its activations on the compute device), the rule the engine and the cost model share.
+    (its activations on the compute device), the rule the engine and the cost model share:
+    wherever no batch's cache has to travel to the compute device first.
 
     On a CPU device wherever no cache chunk of the layer is on disk (chunks in RAM are attended
-    in place). On a GPU only where the layer's whole cache is on the device: otherwise the
-    schedule overlaps each batch's cache transfer with the previous batch's compute.
+    in place). On a GPU where the layer's whole cache is on the device, or, with CPU
+    attention, off disk (q goes to the chunks in RAM); otherwise the schedule overlaps each
+    batch's cache transfer with the previous batch's compute.
     """
-    return not cache_on_disk if device == "cpu" else cache_on_device
+    if device == "cpu" or cpu_attention:
+        return not cache_on_disk
+    return cache_on_device
 
 
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
@@ -87,7 +91,7 @@ class Policy:
         compute device: more than one GPU batch, every activation on the device."""
         if self.num_gpu_batches == 1 or self.act_gpu_percent < 100:
             return False
-        return merge_decode(device, self.cache_disk_percent > 0, self.cache_gpu_percent >= 100)
+        return merge_decode(device, self.cache_disk_percent > 0, self.cache_gpu_percent >= 100, self.cpu_attention)
 
     def fractions(self, kind: str) -> tuple[float, float, float]:
         """(gpu, cpu, disk) fractions in [0, 1] for kind 'w', 'cache' or 'act'."""

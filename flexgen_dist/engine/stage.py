@@ -271,7 +271,8 @@ class StageEngine:
         if slot[0] != "layer" or st.cache is None:
             return False
         j = slot[1]
-        return merge_decode(self.device.type, st.cache.on_disk(j), st.cache.on_device(j))  # type: ignore[arg-type]
+        return merge_decode(self.device.type, st.cache.on_disk(j), st.cache.on_device(j),  # type: ignore[arg-type]
+                            self.policy.cpu_attention)
 
     def _compute_merged(self, st: BlockState, i: int, j: int, w: dict[str, torch.Tensor], num_gb: int) -> None:
         """Slot j for every GPU batch of the block at once (see ``_merged``)."""

@@ -223,17 +223,17 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     return best
 
 
-def merged_pins(device: str) -> dict[int, float]:
+def merged_pins(device: str, cpu_attention: bool) -> dict[int, float]:
     """The fractions a placement holds for decode to merge its GPU batches on ``device``
     (``engine.policy.merge_decode``): every activation on the device, and the cache off disk
-    (a CPU device) or all on the device (a GPU)."""
-    cache = {CD: 0.0} if merge_decode(device, False, False) else {CG: 1.0, CC: 0.0, CD: 0.0}
+    (a CPU device, or CPU attention) or all on the device (a GPU without CPU attention)."""
+    cache = {CD: 0.0} if merge_decode(device, False, False, cpu_attention) else {CG: 1.0, CC: 0.0, CD: 0.0}
     return {HG: 1.0, HC: 0.0, HD: 0.0, **cache}
 
 
-def _merges(p: np.ndarray, device: str) -> bool:
+def _merges(p: np.ndarray, device: str, cpu_attention: bool) -> bool:
     """Whether whole percents ``p`` merge decode (``Policy.merges_decode``)."""
-    return bool(p[HG] == 100 and merge_decode(device, p[CD] > 0, p[CG] >= 100))
+    return bool(p[HG] == 100 and merge_decode(device, p[CD] > 0, p[CG] >= 100, cpu_attention))
 
 
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
@@ -249,7 +249,7 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
     W = float(terms.peak_base[0, 0, WG])
     near = 1.0 - (float(terms.peak_base[0, 0, WC]) + terms.gpu_slack) / W
     all_gpu = terms.peak_base[:, 0, WG] + terms.peak_base[:, 0, CONST]
-    variants = [(terms, None)] + ([(merged, merged_pins(device))] if merged is not None else [])
+    variants = [(terms, None)] + ([(merged, merged_pins(device, cpu_att))] if merged is not None else [])
     for t, pins in variants:
         x = solve_lp(t, budgets, weights_all_gpu=False, no_disk_weights=compress, pinned=pins)
         if x is not None:
@@ -268,9 +268,9 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
         obj = _objective(t, p / 100.0)
         if obj <= bar * 1.001:
             p = _push_up(t, p, budgets)
-        if t is merged and not _merges(p, device):
+        if t is merged and not _merges(p, device, cpu_att):
             t = terms  # the repair moved it off the merged placement
-        elif t is terms and merged is not None and _merges(p, device):
+        elif t is terms and merged is not None and _merges(p, device, cpu_att):
             t = merged  # the general answer merges too
         obj = _objective(t, p / 100.0)
         if best is None or obj < best.objective:
