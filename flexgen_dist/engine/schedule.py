@@ -12,6 +12,7 @@ run concurrently with the compute and are joined by ``sync``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -92,6 +93,14 @@ def token_schedule(i: int, num_slots: int, num_gb: int, overlap: bool = True) ->
     yield Step("store_act", i, num_slots - 1, num_gb - 1)
     yield Step("store_cache", i, num_slots - 1, num_gb - 1)
     yield Step("sync", i, num_slots, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def sweep_steps(num_slots: int, num_gb: int, overlap: bool = True) -> tuple[Step, ...]:
+    """``token_schedule`` of one sweep (token index 0; the engine passes the token itself),
+    built once per shape: a decode step walks it for every token, and rebuilding it cost
+    several microseconds a step of host time."""
+    return tuple(token_schedule(0, num_slots, num_gb, overlap))
 
 
 def block_schedule(gen_len: int, num_slots: int, num_gb: int, overlap: bool = True) -> Iterator[Step]:

@@ -30,7 +30,7 @@ from .block_state import BlockState, merged_mask, merged_positions, step_inputs,
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
-from .schedule import Step, token_schedule
+from .schedule import Step, sweep_steps
 from .weights import Slot, WeightStore, expert_of
 
 
@@ -183,7 +183,7 @@ class StageEngine:
             runs += [(st, i, k) for k in ks]
         self._runs = runs
         self._compute_of = {id(st): 0.0 for st, _, _, _ in parts}
-        for step in token_schedule(0, len(self.slots), len(runs), self.policy.overlap):
+        for step in sweep_steps(len(self.slots), len(runs), self.policy.overlap):
             self._do(step)
         self.sweep_compute = [self._compute_of[id(st)] for st, _, _, _ in parts]
         return [st.outputs for st, _, _, _ in parts]
