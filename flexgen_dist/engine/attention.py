@@ -55,9 +55,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """
     b, t, nh, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    if mask is None and softcap > 0:
-        mask = torch.ones((t, t), dtype=torch.bool, device=q.device).tril_()[None, None].expand(b, 1, t, t)
     if softcap > 0:
+        if mask is None:
+            mask = torch.ones((t, t), dtype=torch.bool, device=q.device).tril_()[None, None].expand(b, 1, t, t)
         kvh = k.shape[2]
         out = torch.empty((b, t, nh * d), dtype=q.dtype, device=q.device)
         for i in range(b):  # per sequence: the (heads, t, t) scores of one at a time

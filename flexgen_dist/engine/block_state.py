@@ -30,7 +30,8 @@ class BlockState:
     # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
     step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor | None, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
-    merged_masks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # window -> (token, mask rows)
+    # window -> (token, mask rows of every batch, cache offset)
+    merged_masks: dict[int, tuple[int, torch.Tensor, int]] = field(default_factory=dict)
     merged_out: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last merged slot's (batch views, output)
     out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
     # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
@@ -93,9 +94,9 @@ def merged_mask(st: BlockState, i: int, num_gb: int, window: int, kv_heads: int,
     """(mask rows of every GPU batch side by side, cache offset) of decode token i."""
     got = st.merged_masks.get(window)
     if got is None or got[0] != i:
-        parts = [step_inputs(st, i, kk, window, kv_heads, device)[1] for kk in range(num_gb)]
-        got = st.merged_masks[window] = (i, torch.cat(parts))  # type: ignore[arg-type]
-    return got[1], st.meta.prompt_len + i - 1
+        parts = [step_inputs(st, i, kk, window, kv_heads, device) for kk in range(num_gb)]
+        got = st.merged_masks[window] = (i, torch.cat([m for _, m, _ in parts]), parts[0][2])  # type: ignore[misc]
+    return got[1], got[2]
 
 
 def step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:

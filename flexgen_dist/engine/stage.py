@@ -260,7 +260,7 @@ class StageEngine:
         the rows of all GPU batches reads it once where batch by batch reads it ``num_gb``
         times: on a CPU device (bfloat16, opt-350m-sized layers) 8 GEMMs of 8 rows take
         207 ms against one of 64 rows 61 ms; on a GPU the weight streams from device memory
-        once per step instead of once per GPU batch, with a quarter of the kernel launches.
+        once per step instead of once per GPU batch, with 1/num_gb of the linear layers' launches.
         The layer is row-wise except for attention, which still runs per GPU batch over that
         batch's own cache chunks. Only where nothing has to move between the batches'
         computes (``merge_decode``)."""

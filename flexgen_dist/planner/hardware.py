@@ -110,17 +110,12 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.{f}={d!r}: must map dtypes ({', '.join(DTYPES)}) to "
                                  "positive rates, or be absent")
             object.__setattr__(self, f, {k: float(v) for k, v in d.items()})
-        if self.disk_cpu is not None:
-            v = self.disk_cpu
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"HardwareSpec.disk_cpu={v!r}: must be seconds per byte >= 0, or absent")
-            object.__setattr__(self, "disk_cpu", float(v))
-        for f in HOST_FIELDS:
+        for f, unit in (("disk_cpu", "seconds per byte"),) + tuple((f, "seconds") for f in HOST_FIELDS):
             v = getattr(self, f)
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"HardwareSpec.{f}={v!r}: must be seconds >= 0, or absent")
+                raise ValueError(f"HardwareSpec.{f}={v!r}: must be {unit} >= 0, or absent")
             object.__setattr__(self, f, float(v))
 
     def __hash__(self) -> int:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-# The engine's own host time: a decode of a model too small to compute anything (hidden 64), so
-# each step is what the host spends issuing a layer's operators (Python, torch's dispatch and,
-# on a GPU, the kernel launches). Two layer counts and two GPU-batch counts separate the share
-# that runs once per layer in a (merged) decode step from the share that repeats per GPU batch.
+# Two layer counts and two GPU-batch counts separate the share that runs once per layer in a
+# (merged) decode step from the share that repeats per GPU batch.
 _HOST_LAYERS = (2, 12)
 _HOST_GBS = (1, 6)
 

@@ -48,15 +48,20 @@ class Candidate:
         return self.gpu_batch_size * self.num_gpu_batches
 
     def policy(self) -> Policy:
-        p = [float(v) for v in self.percents]
-        return Policy(gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
-                      w_gpu_percent=p[0], w_cpu_percent=p[1], cache_gpu_percent=p[3],
-                      cache_cpu_percent=p[4], act_gpu_percent=p[6], act_cpu_percent=p[7],
-                      cpu_attention=self.cpu_attention, compress_weight=self.compress,
-                      compress_cache=self.compress)
+        return _policy(self.gpu_batch_size, self.num_gpu_batches, self.cpu_attention, self.compress,
+                       self.percents)
 
     def cost(self) -> StageCost:
         return cost_from_terms(self.terms, self.percents / 100.0)
+
+
+def _policy(gbs: int, ngb: int, cpu_att: bool, compress: bool, percents: np.ndarray) -> Policy:
+    """The policy of whole percents (nine, WG WC WD CG CC CD HG HC HD) and a batch shape."""
+    p = [float(v) for v in percents]
+    return Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu_percent=p[0], w_cpu_percent=p[1],
+                  cache_gpu_percent=p[3], cache_cpu_percent=p[4], act_gpu_percent=p[6],
+                  act_cpu_percent=p[7], cpu_attention=cpu_att, compress_weight=compress,
+                  compress_cache=compress)
 
 
 def _budgets(hw: HardwareSpec) -> np.ndarray:
@@ -196,20 +201,14 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
             for ngb in ngb_list:
                 if max_block_size is not None and gbs * ngb > max_block_size and (gbs, ngb) != (1, 1):
                     continue
-                terms = stage_terms(spec, num_layers_in_stage, hw, workload, gpu_batch_size=gbs,
-                                    num_gpu_batches=ngb, cpu_attention=cpu_att,
-                                    has_embed=has_embed, has_head=has_head,
-                                    compress_weight=compress, compress_cache=compress,
-                                    num_micro_batches=num_micro_batches, num_stages=num_stages,
-                                    first_layer=first_layer, packed=packed)
+                kw = dict(gpu_batch_size=gbs, num_gpu_batches=ngb, cpu_attention=cpu_att,
+                          has_embed=has_embed, has_head=has_head, compress_weight=compress,
+                          compress_cache=compress, num_micro_batches=num_micro_batches,
+                          num_stages=num_stages, first_layer=first_layer, packed=packed)
+                terms = stage_terms(spec, num_layers_in_stage, hw, workload, **kw)  # type: ignore[arg-type]
                 bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
-                merged = stage_terms(spec, num_layers_in_stage, hw, workload, gpu_batch_size=gbs,
-                                     num_gpu_batches=ngb, cpu_attention=cpu_att,
-                                     has_embed=has_embed, has_head=has_head,
-                                     compress_weight=compress, compress_cache=compress,
-                                     num_micro_batches=num_micro_batches, num_stages=num_stages,
-                                     first_layer=first_layer, packed=packed,
-                                     merged=True) if ngb > 1 else None
+                merged = stage_terms(spec, num_layers_in_stage, hw, workload, merged=True,
+                                     **kw) if ngb > 1 else None  # type: ignore[arg-type]
                 cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar,
                                         merged=merged, device=hw.compute_device)
                 if cand is None:
@@ -229,11 +228,6 @@ def merged_pins(device: str, cpu_attention: bool) -> dict[int, float]:
     (a CPU device, or CPU attention) or all on the device (a GPU without CPU attention)."""
     cache = {CD: 0.0} if merge_decode(device, False, False, cpu_attention) else {CG: 1.0, CC: 0.0, CD: 0.0}
     return {HG: 1.0, HC: 0.0, HD: 0.0, **cache}
-
-
-def _merges(p: np.ndarray, device: str, cpu_attention: bool) -> bool:
-    """Whether whole percents ``p`` merge decode (``Policy.merges_decode``)."""
-    return bool(p[HG] == 100 and merge_decode(device, p[CD] > 0, p[CG] >= 100, cpu_attention))
 
 
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
@@ -268,10 +262,9 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
         obj = _objective(t, p / 100.0)
         if obj <= bar * 1.001:
             p = _push_up(t, p, budgets)
-        if t is merged and not _merges(p, device, cpu_att):
-            t = terms  # the repair moved it off the merged placement
-        elif t is terms and merged is not None and _merges(p, device, cpu_att):
-            t = merged  # the general answer merges too
+        if merged is not None:  # costed as the engine will run these percents: the repair may
+            # have moved a merged answer off its placement, or a general one onto it
+            t = merged if _policy(gbs, ngb, cpu_att, compress, p).merges_decode(device) else terms
         obj = _objective(t, p / 100.0)
         if best is None or obj < best.objective:
             best = Candidate(gbs, ngb, cpu_att, compress, p, t, obj)

@@ -67,7 +67,6 @@ class StageTerms:
     prefill_net_s: float
     decode_net_s: float
     overlap: bool = True  # False: channels run one after another (sum instead of max)
-    merged: bool = False  # decode runs each layer once for all GPU batches (stage_terms)
 
     @property
     def peak_base(self) -> np.ndarray:
@@ -385,4 +384,4 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
                           cuda=hw.compute_device == "cuda", first_layer=first_layer), packed),
-                      prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap, merged=merged)
+                      prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
