@@ -137,7 +137,7 @@ class LLM:
             self._planner = RunPlanner(cfg, self.model, self.world_size, self.device, self.dtype, budgets)
             self._worker = StageWorker(cfg, self.model, self._group, self.device, self.dtype, self.threads)
             # every run reclaims what killed runs left under its offload dir, disk tier or not
-            reclaim_stale_dirs(Path(cfg.offload_dir).expanduser())
+            reclaim_stale_dirs(Path(cfg.offload_dir))
 
     # --- who am I -----------------------------------------------------------------------
     @property

@@ -83,6 +83,8 @@ class RunConfig:
     stages: tuple[dict[str, Any], ...] = field(default_factory=tuple)  # per-stage policy dicts
 
     def __post_init__(self) -> None:
+        # one spelling of the offload dir for every reader (budgets, profiler, disk tier): "~" expanded
+        object.__setattr__(self, "offload_dir", str(Path(self.offload_dir).expanduser()))
         if self.gen_len < 1:
             raise ConfigError(f"--gen-len {self.gen_len}: must be >= 1")
         if self.num_prompts is not None and self.num_prompts < 1:

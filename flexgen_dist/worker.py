@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -52,7 +51,7 @@ class StageWorker:
         st, rank = plan.stage(self.group.rank), self.group.rank
         try:
             if needs_disk([st.policy]):
-                self.disk = DiskStore(Path(self.config.offload_dir).expanduser(), rank=rank,
+                self.disk = DiskStore(self.config.offload_dir, rank=rank,
                                       direct_io=self.config.direct_io)
                 self.group.add_cleanup(self.disk.close)
                 self.disk.check_space(peaks.disk)

@@ -278,3 +278,20 @@ def test_stale_dirs_of_dead_runs_are_removed(tmp_path: Path, caplog) -> None:
     assert not gone.exists() and not reused.exists()
     assert live.exists() and other.exists() and legacy.exists()
     assert "removed 2 dir(s)" in caplog.text and "1.01 MiB freed" in caplog.text
+
+
+def test_tilde_offload_dir_means_the_home_directory(tmp_path: Path, monkeypatch) -> None:
+    """A "~" offload dir (the default) lands under $HOME, never as a directory named "~" in the cwd:
+    the disk tier, the profiler and the budgets all read the one expanded spelling."""
+    from flexgen_dist.budgets import free_disk
+    from flexgen_dist.config import RunConfig
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    cfg = RunConfig()
+    assert cfg.offload_dir == str(home / ".cache/flexgen_dist/offload")
+    with DiskStore("~/off", rank=0) as store:
+        assert Path(store.dir).parent == home / "off"
+    assert free_disk("~/off") > 0
+    assert list(cwd.iterdir()) == []

@@ -176,7 +176,7 @@ class DiskStore:
             raise ValueError(f"direct_io={direct_io!r}: use 'auto', 'on' or 'off'")
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers}: must be >= 1")
-        self.root = Path(root)
+        self.root = Path(root).expanduser()
         name = f"flexgen-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
