@@ -155,6 +155,19 @@ class RunConfig:
 
     def stage_policies(self, num_stages: int) -> list[Policy]:
         """One Policy per stage: policy file (or per-stage list), then flag overrides."""
+        try:
+            return [Policy.from_dict(d) for d in self._policy_dicts(num_stages)]
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+
+    def block_given(self, num_stages: int) -> bool:
+        """Whether a flag, the policy file or a stage's mapping sets the block's shape
+        (``gpu_batch_size`` or ``num_gpu_batches``); where none does, the run planner sizes
+        the block to the workload (``run_plan.default_block``)."""
+        return any(k in d for d in self._policy_dicts(num_stages) for k in ("gpu_batch_size", "num_gpu_batches"))
+
+    def _policy_dicts(self, num_stages: int) -> list[dict[str, Any]]:
+        """Each stage's policy mapping as given: the policy file (or per-stage list), then the flags."""
         base: list[dict[str, Any]] = [dict(s) for s in self.stages]
         if self.policy and not self.auto_policy:
             base = load_policy_file(self.policy)
@@ -166,10 +179,7 @@ class RunConfig:
             raise ConfigError(f"{len(base)} stage policies given for {num_stages} stages: give one, "
                               f"or one per stage")
         over = self.policy_overrides()
-        try:
-            return [Policy.from_dict({**b, **over}) for b in base]
-        except (TypeError, ValueError) as e:
-            raise ConfigError(str(e)) from None
+        return [{**b, **over} for b in base]
 
 
 def load_policy_file(path: str) -> list[dict[str, Any]]:

@@ -64,6 +64,9 @@ class RunPlanner:
             policies = cfg.stage_policies(m)
             why.append(Choice("policies", "given", f"--policy {cfg.policy}" if cfg.policy else
                               "the flags (--percent, --gpu-batch-size, ...) or their defaults"))
+            if not cfg.block_given(m):
+                policies, reason = self._default_block(policies, ranges, work)
+                why.append(Choice("gpu_batch_size", str(policies[0].gpu_batch_size), reason))
             if len({p.block_size for p in policies}) != 1:
                 raise ConfigError(f"stage policies have block sizes {sorted({p.block_size for p in policies})} "
                                   "(gpu_batch_size x num_gpu_batches): every stage must use the same block size")
@@ -140,6 +143,28 @@ class RunPlanner:
         why.append(Choice("schedule", schedule, reason))
         return {"num_micro_batches": G, "prefill_items": items, "schedule": schedule, "why": why}
 
+    def _default_block(self, policies: list[Policy], ranges: Ranges, work: Workload) -> tuple[list[Policy], str]:
+        """Every stage's policy with the block ``default_block`` sizes for ``work``, halved
+        until the stages' peaks fit the budgets; and the reason."""
+        G = self.config.num_micro_batches or self.world_size
+        size = default_block(work.num_prompts, G, self.device)
+        gbs = size
+        while True:
+            sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
+            if self.fits(sized, ranges, work, G, "sequential"):
+                break
+            if gbs == 1:  # nothing fits: the budget check names the fix for the rule's size
+                return [dataclasses.replace(p, gpu_batch_size=size) for p in policies], \
+                    "no --gpu-batch-size: sized to the workload (no smaller block fits either)"
+            gbs = max(1, gbs // 2)
+        cap = DEFAULT_MAX_BLOCK[self.device.type]
+        groups = f" over {G} micro-batch groups" if G > 1 else ""
+        reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
+                  f"on a {self.device.type} device, rounded up to a multiple of {BLOCK_ROUND}")
+        if gbs < size:
+            reason += f"; halved from {size} to fit the memory budgets"
+        return sized, reason
+
     # --- memory ------------------------------------------------------------------------------
     def fits(self, policies: list[Policy], ranges: Ranges, work: Workload, G: int, schedule: str) -> bool:
         """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
@@ -174,6 +199,27 @@ def _model_reasons(cfg: RunConfig, predicted: dict[str, Any]) -> list[Choice]:
     flags = {"num_micro_batches": "--num-micro-batches", "prefill_items": "--prefill-items",
              "schedule": "--schedule"}
     return [Choice(k, str(predicted[k]), flags[k] if given[k] else by_model) for k in flags]
+
+
+DEFAULT_MAX_BLOCK = {"cpu": 64, "cuda": 256}  # rows of a default block, per compute device type
+BLOCK_ROUND = 8
+
+
+def default_block(num_prompts: int, num_groups: int, device: torch.device) -> int:
+    """The GPU batch size where no flag, policy file or stage mapping gives one (one GPU
+    batch per block): each of the ``num_groups`` micro-batch groups gets a share of the
+    prompts, cut into as few blocks as the device's cap allows, of equal size, rounded up
+    to a multiple of 8 (few distinct GEMM shapes). A decode step reads every weight once per
+    block whatever its rows, so fewer, larger blocks carry more tokens per read: on a 2-core
+    CPU the bundled model's decode went from 128 tok/s in blocks of 8 to 305 in blocks of 32
+    and held at 64 (docs/benchmarks.md). The caps (64 rows on a CPU, 256 on a GPU) bound
+    the padding and the memory a guess may take; the run planner halves the size until it
+    fits the budgets."""
+    share = -(-num_prompts // max(1, num_groups))
+    cap = DEFAULT_MAX_BLOCK.get(device.type, DEFAULT_MAX_BLOCK["cpu"])
+    blocks = -(-share // cap)
+    rows = -(-share // blocks)
+    return min(cap, -(-rows // BLOCK_ROUND) * BLOCK_ROUND)
 
 
 def default_prefill_items(policies: list[Policy], device: torch.device) -> tuple[str, str]:

@@ -193,3 +193,60 @@ def test_a_profile_adds_each_stages_predicted_times(tiny_models) -> None:
     assert st.prefill_s is not None and st.prefill_s > 0 and st.decode_step_s is not None and st.decode_step_s > 0
     assert "predicted times: prefill" in plan.explain()
     assert plan.to_dict()["stages"][0]["predicted_prefill_s"] == st.prefill_s
+
+
+# The block size where none is given ------------------------------------------------------
+def test_default_block_is_sized_to_the_workload() -> None:
+    import torch
+
+    from flexgen_dist.run_plan import default_block
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_block(64, 1, cpu) == 64
+    assert default_block(100, 1, cpu) == 56       # two equal blocks of 50, rounded up to 8s
+    assert default_block(3, 1, cpu) == 8
+    assert default_block(10, 2, cpu) == 8         # each of the 2 groups gets 5
+    assert default_block(1000, 1, cpu) == 64
+    assert default_block(1000, 1, cuda) == 256
+    assert default_block(300, 2, cuda) == 152     # 150 per group, one block each
+
+
+def test_default_block_follows_the_workload_and_the_budgets(tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models["opt-pre"]
+    prompts = [p * 4 for p in PROMPTS] * 10
+    with LLM(str(tm.path), progress=False) as llm:
+        plan = llm.explain(prompts, gen_len=4)
+        spec = llm.model.spec
+    assert plan is not None and plan.stages[0].policy.gpu_batch_size == -(-len(prompts) // 8) * 8
+    why = {c.name: c.why for c in plan.choices}
+    assert "no --gpu-batch-size" in why["gpu_batch_size"] and "halved" not in why["gpu_batch_size"]
+    def ram(gbs: int) -> int:  # the predicted RAM of a CPU run (compute and host tiers share it)
+        pol = dataclasses.replace(plan.stages[0].policy, gpu_batch_size=gbs)
+        p = predict_peaks(spec, pol, plan.stages[0].layers, has_embed=True, has_head=True,
+                          prompt_len=max(map(len, prompts)), gen_len=4, dtype_bytes=4)
+        return p["gpu"] + p["cpu"]
+    full = plan.stages[0].policy.gpu_batch_size
+    assert ram(1) < ram(full)
+    with LLM(str(tm.path), progress=False, cpu_mem=str((ram(1) + ram(full)) // 2)) as llm:
+        small = llm.explain(prompts, gen_len=4)
+    assert small is not None and 1 <= small.stages[0].policy.gpu_batch_size < plan.stages[0].policy.gpu_batch_size
+    assert "halved" in {c.name: c.why for c in small.choices}["gpu_batch_size"]
+    # a size given anywhere is kept: a flag, or a policy file's key
+    with LLM(str(tm.path), progress=False, gpu_batch_size=3) as llm:
+        given = llm.explain(prompts, gen_len=4)
+    assert given is not None and given.stages[0].policy.gpu_batch_size == 3
+    assert "gpu_batch_size" not in {c.name for c in given.choices}
+    pol = tmp_path / "p.yaml"
+    pol.write_text("num_gpu_batches: 2\npercent: [100, 0, 100, 0, 100, 0]\n")
+    with LLM(str(tm.path), progress=False, policy=str(pol)) as llm:
+        filed = llm.explain(prompts, gen_len=4)
+    assert filed is not None and (filed.stages[0].policy.gpu_batch_size, filed.stages[0].policy.num_gpu_batches) == (8, 2)
+
+
+def test_default_block_tokens_equal_transformers(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    prompts = PROMPTS * 3
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        got = llm.generate(prompts, gen_len=5)
+        assert llm.plan is not None and llm.plan.stages[0].policy.gpu_batch_size >= len(prompts)
+    ref = reference_generate(tm, prompts, 5)
+    assert [c.token_ids for c in got] == ref
