@@ -48,8 +48,8 @@ from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_r
 from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig
 from ..engine.stage import StageEngine
 from ..metrics import Timings
-from .comm import StageComm
 from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
+from .ring import Ring
 from .topology import DistContext
 
 Progress = Callable[[int], Any]
@@ -77,31 +77,17 @@ class Pipeline:
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
         self.prefill = prefill  # prefill items: one per block, or one per GPU batch
         self.ride = ride  # the overlapped schedule: next blocks' prefill rides on decode steps
-        self.ctx = ctx if ctx is not None and ctx.world_size > 1 else None
-        if self.ctx is None:
-            self.comm: StageComm | None = None
-            self.first = self.last = True
-            self.prev = self.next = None
-            self.last_rank = 0
-            self.wire = engine.device
-        else:
-            t = self.ctx.topology
-            self.comm = StageComm(self.ctx)
-            self.first, self.last = t.is_first, t.is_last
-            self.prev, self.next = t.prev_rank, t.next_rank
-            self.last_rank = t.world_size - 1
-            self.wire = self.ctx.wire_device
+        sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) * (1 + ride) + 4
+        self.ring = Ring(ctx, engine.device, max_sends=sends)
+        self.first, self.last = self.ring.first, self.ring.last
         self.gbs = engine.policy.gpu_batch_size
         spec = engine.spec
         self.pad = pad_token(spec.pad_token_id, spec.eos_token_ids)
         self.hidden = spec.hidden_size
-        self.comm_wait_s = 0.0
         self.timings = Timings()  # this stage's clock; token counts on stage 0
         # the prefill's share of the engine's compute and I/O wait and of the comm wait (the
         # decode's is the rest), split by item as the clock is
         self.prefill_split = {"compute_s": 0.0, "io_wait_s": 0.0, "comm_wait_s": 0.0}
-        self._sends: list[Any] = []
-        self._max_sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) * (1 + ride) + 4
         # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
         self._states: dict[int, Any] = {}
         self._tokens: dict[int, list[torch.Tensor]] = {}
@@ -113,8 +99,11 @@ class Pipeline:
         # strings), the new ids of its sequences with stop strings, and where those stopped
         self._watch: dict[int, BlockWatch] = {}
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
-        # the header before each hidden-state message: go on, or skip the group from here
-        self._go, self._skip = (torch.tensor([v], dtype=torch.long, device=self.wire) for v in (0, 1))
+
+    @property
+    def comm_wait_s(self) -> float:
+        """Seconds this stage waited for messages (0 with one stage)."""
+        return self.ring.wait_s
 
     def stream(self) -> ItemStream:
         """This rank's items, in order (a fresh stream)."""
@@ -133,7 +122,7 @@ class Pipeline:
         if self.first:
             assert prompts is not None, "stage 0 needs the prompts"
             self.timings.prompt_tokens += sum(len(p) for p in prompts)
-        self._start_together()
+        self.ring.start_together()
         items = self.stream()
         finished: dict[int, list[Any]] = {}
         next_out = 0
@@ -171,9 +160,7 @@ class Pipeline:
                         pending = self._post_recv(item)
                     else:
                         assert item == ahead, (item, ahead)
-            for h in self._sends:
-                self._wait(h)
-            self._sends.clear()
+            self.ring.flush()
             tm.decode_s += time.perf_counter() - clock
         finally:
             self.engine.drop_prefetch()
@@ -298,7 +285,7 @@ class Pipeline:
 
     def _collect(self, item: Item, handle: Any) -> None:
         """Stage 0 of several: the block's last tokens (or its scores) from the last stage."""
-        msg = self._wait(handle).cpu()
+        msg = self.ring.wait(handle).cpu()
         if self.targets is not None:
             self._tokens[item.block] = [msg]
         else:
@@ -332,9 +319,7 @@ class Pipeline:
         ended (one stage only: every sequence at EOS)."""
         b, i = item.block, item.i
         if not self.last:
-            y = outs[0] if len(outs) == 1 else torch.cat(outs)
-            self._send(self._go, self.next)  # type: ignore[arg-type]
-            self._send(y, self.next)  # type: ignore[arg-type]
+            self.ring.send_hidden(outs[0] if len(outs) == 1 else torch.cat(outs))
             return False
         if self.targets is not None:  # summed over the block's steps, handed over after the last
             scores = torch.cat(outs)
@@ -349,7 +334,7 @@ class Pipeline:
                 if self.first:
                     self._tokens[b] = [acc]
                 else:
-                    self._send(acc.to(self.wire), 0)
+                    self.ring.send_scores(acc)
             return False
         (r0, r1), k0 = self._rows(item), item.batches[0]
         if i == 0:  # prefill: the engine runs the head once per block, at its last GPU batch
@@ -370,21 +355,18 @@ class Pipeline:
         if self.first:
             self._tokens[b].append(nxt)  # stays on the device: fed back in at i + 1
             return self._watch_step(b, nxt, i) or ended  # nobody else to tell
-        flag = self._skip if ended else self._go
-        self._send(torch.cat([nxt.to(self.wire), flag]), 0)
+        self.ring.send_tokens(nxt, ended)
         return False
 
     def _input(self, item: Item, handle: Any, prompts: list[list[int]] | None) -> torch.Tensor | None:
         """This stage's input for the item, or None when its block has ended before step i."""
         b, i = item.block, item.i
         if not self.first:
-            header, body = handle
-            go = int(self._wait(header).item()) == 0
-            x = self._wait(body)
-            if go:
-                self._state(b, None)
-                return x.to(self.engine.device)
-            return None
+            x = self.ring.hidden(handle)
+            if x is None:
+                return None
+            self._state(b, None)
+            return x.to(self.engine.device)
         self._state(b, prompts)
         blk = self.blocks[b]
         if i == 0:
@@ -396,29 +378,13 @@ class Pipeline:
             return self._forced[b][:, i - 1:i]
         if self.last:
             return self._tokens[b][i - 1][:, None]
-        msg = self._wait(handle).cpu()
+        msg = self.ring.wait(handle).cpu()
         ids, ended = msg[:-1], bool(msg[-1])
         self._tokens[b].append(ids)
         ended = self._watch_step(b, ids, i - 1) or ended
         return None if ended else ids[:, None]
 
-    # --- messages -----------------------------------------------------------------------
-    def _start_together(self) -> None:
-        """Every stage's clock starts when all are ready (a barrier of bounded waits: a rank
-        that failed while getting ready is named, as in any receive)."""
-        if self.comm is None:
-            return
-        one = torch.zeros((1,), dtype=torch.long, device=self.wire)
-        if self.first:
-            for r in range(1, self.last_rank + 1):
-                self._wait(self.comm.irecv(torch.empty_like(one), r))
-            for r in range(1, self.last_rank + 1):
-                self._wait(self.comm.isend(one, r))
-        else:
-            self._wait(self.comm.isend(one, 0))
-            self._wait(self.comm.irecv(torch.empty_like(one), 0))
-        self.comm_wait_s = 0.0
-
+    # --- messages (``ring.py``) -----------------------------------------------------------
     def _hidden_shape(self, item: Item) -> tuple[int, ...]:
         r0, r1 = self._rows(item)
         return (r1 - r0, self.blocks[item.block].prompt_len if item.i == 0 else 1, self.hidden)
@@ -432,36 +398,21 @@ class Pipeline:
         from the previous stage, or (stage 0) the token ids of step i - 1 with the last
         stage's early-stop flag appended (at a collect: of the last step, or the block's
         scores)."""
-        if self.comm is None:
+        if self.ring.comm is None:
             return None
         n = len(self.blocks[item.block].lens)
         if not self.first:
-            header = torch.empty((1,), dtype=torch.long, device=self.wire)
-            buf = torch.empty(self._hidden_shape(item), dtype=self.engine.dtype, device=self.wire)
-            return self.comm.irecv(header, self.prev), self.comm.irecv(buf, self.prev)  # type: ignore[arg-type]
+            return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
         if item.kind == COLLECT and self.targets is not None:
-            return self.comm.irecv(torch.empty((n, 3), dtype=torch.float64, device=self.wire), self.last_rank)
+            return self.ring.post_from_last((n, 3), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
-            return self.comm.irecv(torch.empty((n + 1,), dtype=torch.long, device=self.wire), self.last_rank)
+            return self.ring.post_from_last((n + 1,), torch.long)
         return None
 
     def _pass_skip(self, item: Item) -> None:
         """Tell the next stage to drop this block from this item on."""
         if not self.last:
-            self._send(self._skip, self.next)  # type: ignore[arg-type]
-            self._send(torch.empty(self._hidden_shape(item), dtype=self.engine.dtype, device=self.wire),
-                       self.next)  # type: ignore[arg-type]
-
-    def _wait(self, handle: Any) -> torch.Tensor:
-        t0 = time.perf_counter()
-        out = self.comm.wait(handle)  # type: ignore[union-attr]
-        self.comm_wait_s += time.perf_counter() - t0
-        return out  # type: ignore[return-value]
-
-    def _send(self, x: torch.Tensor, dst: int) -> None:
-        self._sends.append(self.comm.isend(x, dst))  # type: ignore[union-attr]
-        if len(self._sends) > self._max_sends:  # bound the sends in flight
-            self._wait(self._sends.pop(0))
+            self.ring.send_skip(self._hidden_shape(item), self.engine.dtype)
 
 
 def generate(engine: StageEngine, prompts: list[list[int]], gen_len: int, sampling: SamplingConfig,
