@@ -24,7 +24,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -39,13 +39,12 @@ from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
-from .prompts import Messages, Prompt, StopStrings, check_prompt_lengths, make_prompt
+from .prompts import Messages, Prompt, StopStrings
 from .run_plan import RunPlanner
-from .scoring import Score, score_split, score_targets
+from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker
-
-PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
+from .workloads import PromptLike, build_workload, scored_workload
 
 
 @dataclass
@@ -320,50 +319,12 @@ class LLM:
         return work, peaks
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
-                  sampling: SamplingConfig | Sequence[SamplingConfig] | None, *,
-                  keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-                  stop: Sequence[Sequence[str]] | None = None, scoring: bool = False) -> Workload:
-        cfg, spec = self.config, self.model.spec
-        what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
-        if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-            raise ConfigError(f"{what} (strings or token-id lists)")
-        gen_len = cfg.gen_len if gen_len is None else int(gen_len)
-        if gen_len < 1:
-            raise ConfigError(f"gen_len {gen_len}: must be >= 1")
-        ps: list[Prompt] = [p if isinstance(p, Prompt) else self._prompt(n, p) for n, p in enumerate(prompts)]
-        # a scored sequence generates nothing: it may fill every position
-        check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
-        each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
-        if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
-            raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
-        try:
-            return Workload(tuple(len(p.ids) for p in ps), gen_len,
-                            (each[0] if each else sampling) or cfg.sampling,  # type: ignore[arg-type]
-                            keys=None if keys is None else tuple(int(k) for k in keys),
-                            max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
-                            samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
-                            prompts=tuple(ps))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def _prompt(self, n: int, p: PromptLike) -> Prompt:
-        """Prompt ``n`` of a call: text, token ids, or a conversation (a list of messages)."""
-        vocab = self.model.spec.vocab_size
-        if isinstance(p, str):
-            return make_prompt(n, p, None, self.tokenizer, vocab)
-        items = list(p)
-        if items and all(isinstance(m, dict) for m in items):
-            return make_prompt(n, None, None, self.tokenizer, vocab, cast(Messages, items))
-        return make_prompt(n, None, cast(list[int], items), self.tokenizer, vocab)
+                  sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
+        return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                 decode_tokens: int) -> Workload:
-        """Scoring's workload: each sequence's prefill part, the decode steps, the targets."""
-        work = self._workload(sequences, 1, None, scoring=True)
-        targets = score_targets([p.ids for p in work.prompts], first_scored)
-        lens, steps = score_split(list(work.lens), decode_tokens)
-        return dataclasses.replace(work, lens=tuple(lens), gen_len=steps,
-                                   targets=tuple(tuple(t) for t in targets))
+        return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer)
 
     def _say_plan(self) -> None:
         plan = self.plan

@@ -1,0 +1,66 @@
+"""A call's arguments as a ``Workload``: the prompts (text, token ids or conversations)
+tokenized and checked against the model's positions, with the per-request limits, samplings
+and stop strings; for scoring, each sequence split into its prefill and decode parts with
+its targets. Rank 0 builds it (it has the tokenizer); the other ranks get its header."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence, cast
+
+from .config import ConfigError, RunConfig
+from .engine.sampling import SamplingConfig
+from .models.spec import ModelSpec
+from .plan import Workload
+from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
+from .scoring import score_split, score_targets
+
+PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
+
+
+def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
+                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, cfg: RunConfig, spec: ModelSpec,
+                   tokenizer: Any | None, *, keys: Sequence[int] | None = None,
+                   max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
+                   scoring: bool = False) -> Workload:
+    """The workload of one call; ``gen_len`` and ``sampling`` default to the config's."""
+    what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
+    if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+        raise ConfigError(f"{what} (strings or token-id lists)")
+    gen_len = cfg.gen_len if gen_len is None else int(gen_len)
+    if gen_len < 1:
+        raise ConfigError(f"gen_len {gen_len}: must be >= 1")
+    ps: list[Prompt] = [p if isinstance(p, Prompt) else prompt_of(n, p, tokenizer, spec.vocab_size)
+                        for n, p in enumerate(prompts)]
+    # a scored sequence generates nothing: it may fill every position
+    check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
+    each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
+    if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
+        raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
+    try:
+        return Workload(tuple(len(p.ids) for p in ps), gen_len,
+                        (each[0] if each else sampling) or cfg.sampling,  # type: ignore[arg-type]
+                        keys=None if keys is None else tuple(int(k) for k in keys),
+                        max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
+                        samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
+                        prompts=tuple(ps))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int) -> Prompt:
+    """Prompt ``n`` of a call: text, token ids, or a conversation (a list of messages)."""
+    if isinstance(p, str):
+        return make_prompt(n, p, None, tokenizer, vocab_size)
+    items = list(p)
+    if items and all(isinstance(m, dict) for m in items):
+        return make_prompt(n, None, None, tokenizer, vocab_size, cast(Messages, items))
+    return make_prompt(n, None, cast(list[int], items), tokenizer, vocab_size)
+
+
+def scored_workload(sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
+                    decode_tokens: int, cfg: RunConfig, spec: ModelSpec, tokenizer: Any | None) -> Workload:
+    """Scoring's workload: each sequence's prefill part, the decode steps, the targets."""
+    work = build_workload(sequences, 1, None, cfg, spec, tokenizer, scoring=True)
+    targets = score_targets([p.ids for p in work.prompts], first_scored)
+    lens, steps = score_split(list(work.lens), decode_tokens)
+    return dataclasses.replace(work, lens=tuple(lens), gen_len=steps, targets=tuple(tuple(t) for t in targets))
