@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,14 @@ class Budgets:
 
     def cap(self, tier: str) -> int | None:
         return {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}[tier]
+
+    def with_headroom(self, keep: float) -> Budgets:
+        """These budgets with only ``keep`` of each cap measured on the machine (the user's
+        caps as given): what a sized default may fill, leaving room for what no model counts
+        (allocator slack, other processes)."""
+        def cut(tier: str, v: int | None) -> int | None:
+            return v if v is None or tier in self.given else int(v * keep)
+        return replace(self, gpu=cut("gpu", self.gpu), cpu=cut("cpu", self.cpu), disk=cut("disk", self.disk))
 
 
 def user_caps(gpu_mem: str | None, cpu_mem: str | None, disk_mem: str | None) -> dict[str, int | None]:

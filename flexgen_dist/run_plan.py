@@ -148,10 +148,11 @@ class RunPlanner:
         until the stages' peaks fit the budgets; and the reason."""
         G = self.config.num_micro_batches or self.world_size
         size = default_block(work.num_prompts, G, self.device)
+        room = self.budgets.with_headroom(DEFAULT_BLOCK_HEADROOM)
         gbs = size
         while True:
             sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
-            if self.fits(sized, ranges, work, G, "sequential"):
+            if self.fits(sized, ranges, work, G, "sequential", room):
                 break
             if gbs == 1:  # nothing fits: the budget check names the fix for the rule's size
                 return [dataclasses.replace(p, gpu_batch_size=size) for p in policies], \
@@ -162,14 +163,16 @@ class RunPlanner:
         reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
                   f"on a {self.device.type} device, rounded up to a multiple of {BLOCK_ROUND}")
         if gbs < size:
-            reason += f"; halved from {size} to fit the memory budgets"
+            reason += f"; halved from {size} to fit {DEFAULT_BLOCK_HEADROOM:.0%} of the memory budgets"
         return sized, reason
 
     # --- memory ------------------------------------------------------------------------------
-    def fits(self, policies: list[Policy], ranges: Ranges, work: Workload, G: int, schedule: str) -> bool:
-        """Whether every stage's predicted peaks fit the budgets with G groups in flight."""
+    def fits(self, policies: list[Policy], ranges: Ranges, work: Workload, G: int, schedule: str,
+             budgets: Budgets | None = None) -> bool:
+        """Whether every stage's predicted peaks fit the budgets (the run's, or ``budgets``)
+        with G groups in flight."""
         inflight = G * (2 if schedule == "overlapped" else 1)
-        return all(fits(self.peaks(p, (r[0], r[1]), s, work, inflight), self.budgets)
+        return all(fits(self.peaks(p, (r[0], r[1]), s, work, inflight), budgets or self.budgets)
                    for s, (p, r) in enumerate(zip(policies, ranges)))
 
     def peaks(self, policy: Policy, layers: tuple[int, int], stage: int, work: Workload,
@@ -203,6 +206,7 @@ def _model_reasons(cfg: RunConfig, predicted: dict[str, Any]) -> list[Choice]:
 
 DEFAULT_MAX_BLOCK = {"cpu": 64, "cuda": 256}  # rows of a default block, per compute device type
 BLOCK_ROUND = 8
+DEFAULT_BLOCK_HEADROOM = 0.9  # a sized default fills at most this share of a budget measured on the machine
 
 
 def default_block(num_prompts: int, num_groups: int, device: torch.device) -> int:
@@ -214,7 +218,7 @@ def default_block(num_prompts: int, num_groups: int, device: torch.device) -> in
     CPU the bundled model's decode went from 128 tok/s in blocks of 8 to 305 in blocks of 32
     and held at 64 (docs/benchmarks.md). The caps (64 rows on a CPU, 256 on a GPU) bound
     the padding and the memory a guess may take; the run planner halves the size until it
-    fits the budgets."""
+    fits 90 % of each budget measured on the machine (the user's caps whole)."""
     share = -(-num_prompts // max(1, num_groups))
     cap = DEFAULT_MAX_BLOCK.get(device.type, DEFAULT_MAX_BLOCK["cpu"])
     blocks = -(-share // cap)

@@ -76,6 +76,65 @@ def test_native_linear_reads_strided_rows_and_declines_what_it_cannot_take() -> 
     assert kernels.linear_f32(x.bfloat16(), w.bfloat16()) is None  # float32 only
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 64])
+@pytest.mark.parametrize("shape", [(48, 64), (7, 33), (50, 16), (576, 1536), (37, 100)])
+def test_native_bf16_linear_rounds_once_as_the_float32_product(rows: int, shape: tuple[int, int]) -> None:
+    """bfloat16 products summed in float32 and rounded once, then the bias and the residual with
+    one rounding each: the float32 product of the same operands, to the summation order (a
+    last-bit difference on an element where a sum lands on a rounding boundary)."""
+    _native_library()
+    if not kernels.has_dense_bf16():
+        pytest.skip("this CPU has no AVX512_BF16: linear_bf16 declines (test_native_bf16_linear_declines...)")
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    r = torch.randn(rows, 1, n, generator=g).bfloat16()
+    x = torch.randn(rows, 1, k, generator=g).bfloat16()
+    for bias, res in [(None, None), (b, None), (b, r), (None, r)]:
+        out = kernels.linear_bf16(x, w, bias, res)
+        assert out is not None and out.shape == (rows, 1, n) and out.dtype == torch.bfloat16
+        prod = F.linear(x.float(), w.float())
+        ref, scale = prod.bfloat16(), prod.abs()
+        if bias is not None:
+            ref, scale = ref.add_(bias), scale + bias.float().abs()
+        if res is not None:
+            ref, scale = ref.add_(res), scale + res.float().abs()
+        ulp = scale.clamp_min(1.0) * 2.0 ** -7  # a bfloat16 step of the largest term
+        assert bool(((out.float() - ref.float()).abs() <= 2 * ulp).all())
+        assert (out != ref).float().mean().item() < 0.01
+    # the same at any thread count: each output is one thread's, in a fixed order
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.linear_bf16(x, w, b, r)
+        torch.set_num_threads(2)
+        assert torch.equal(one, kernels.linear_bf16(x, w, b, r))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_native_bf16_linear_declines_what_it_cannot_take() -> None:
+    """Where it cannot run (no AVX512_BF16, another dtype, columns not contiguous) it returns
+    None, and the GEMM policy then never offers it as a form for bfloat16."""
+    from flexgen_dist.kernels.gemm import FORMS, GemmPolicy
+    _native_library()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 40, generator=g).bfloat16(), torch.randn(24, 40, generator=g).bfloat16()
+    assert (kernels.linear_bf16(x, w) is not None) == kernels.has_dense_bf16()
+    assert ("native" in GemmPolicy._forms(torch.bfloat16)) == kernels.has_dense_bf16()
+    assert GemmPolicy._forms(torch.float16) == FORMS[:2]
+    assert kernels.linear_bf16(x.float(), w.float()) is None
+    assert kernels.linear_bf16(x, w.t().contiguous().t()) is None  # weight not row-major
+    assert kernels.linear_bf16(x.t(), torch.randn(3, 4).bfloat16()) is None  # input rows not contiguous
+    if kernels.has_dense_bf16():
+        big = torch.randn(6, 48, generator=g).bfloat16()
+        xs, ws = big[:, 4:44], torch.randn(24, 48, generator=g).bfloat16()[:, 3:43]  # rows evenly strided
+        out = kernels.linear_bf16(xs, ws)
+        assert out is not None
+        torch.testing.assert_close(out.float(), F.linear(xs.float(), ws.float()), rtol=2 ** -7, atol=2 ** -6)
+
+
 def test_kernels_can_be_switched_off(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setenv("FLEXGEN_CPU_KERNELS", "0")

@@ -230,6 +230,9 @@ def test_default_block_follows_the_workload_and_the_budgets(tiny_models, tmp_pat
         small = llm.explain(prompts, gen_len=4)
     assert small is not None and 1 <= small.stages[0].policy.gpu_batch_size < plan.stages[0].policy.gpu_batch_size
     assert "halved" in {c.name: c.why for c in small.choices}["gpu_batch_size"]
+    # a budget measured on the machine is filled to 90 % at most by the sized default; a cap given is whole
+    b = Budgets(gpu=1000, cpu=2000, disk=None, given=("cpu",))
+    assert b.with_headroom(0.9) == Budgets(gpu=900, cpu=2000, disk=None, given=("cpu",))
     # a size given anywhere is kept: a flag, or a policy file's key
     with LLM(str(tm.path), progress=False, gpu_batch_size=3) as llm:
         given = llm.explain(prompts, gen_len=4)

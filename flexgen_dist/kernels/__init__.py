@@ -1,5 +1,5 @@
 """Native CPU kernels, compiled on first use for the machine that runs them: float32 decode
-GEMM and attention, RMSNorm, rotary, SwiGLU's ``silu(g) * u`` (``cpu_kernels.cpp``), and
+GEMM (and bfloat16 where the CPU has AVX512_BF16) and attention, RMSNorm, rotary, SwiGLU's ``silu(g) * u`` (``cpu_kernels.cpp``), and
 group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
 product of few rows with the packed codes (``cpu_qlinear.cpp``).
 
@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -137,6 +138,8 @@ def _load() -> ctypes.CDLL | None:
                                ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_qlinear.restype = None
     lib.fg_has_dpbf16.restype = ctypes.c_int
+    lib.fg_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    lib.fg_linear_bf16.restype = ctypes.c_int
     lib.fg_vector_width.restype = ctypes.c_int
     _state["width"] = lib.fg_vector_width()
     _state["dpbf16"] = bool(lib.fg_has_dpbf16())
@@ -182,9 +185,35 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     residual (..., out) contiguous or None.
     """
     lib = library()
-    if (lib is None or not _f32_cpu(x, w) or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
-            or (b is not None and not (_f32_cpu(b) and b.is_contiguous()))
-            or (residual is not None and not (_f32_cpu(residual) and residual.is_contiguous()
+    return None if lib is None else _dense(lib.fg_linear_f32, torch.float32, x, w, b, residual)
+
+
+def has_dense_bf16() -> bool:
+    """Whether ``linear_bf16`` runs here: the kernels built, on a CPU with VDPBF16PS (AVX512_BF16)."""
+    return library() is not None and bool(_state.get("dpbf16"))
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ w.T + b + residual`` for bfloat16 CPU tensors with few rows, with VDPBF16PS (float32
+    sums, the output rounded once, then the bias and the residual added with one rounding
+    each), or None where the kernel does not apply (no library, a CPU without AVX512_BF16,
+    another dtype or device, rows that are not contiguous). Shapes as ``linear_f32``."""
+    lib = library()
+    ok = lib is not None and bool(_state.get("dpbf16"))
+    return _dense(lib.fg_linear_bf16, torch.bfloat16, x, w, b, residual) if ok else None  # type: ignore[union-attr]
+
+
+def _dense(fn: Any, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+           residual: torch.Tensor | None) -> torch.Tensor | None:
+    """A native dense product of few rows in ``dtype`` (``fn``: ``fg_linear_f32`` or
+    ``fg_linear_bf16``, one signature), or None where the operands do not suit it."""
+    def cpu(*ts: torch.Tensor) -> bool:
+        return all(t.dtype == dtype and t.device.type == "cpu" for t in ts)
+
+    if (not cpu(x, w) or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
+            or (b is not None and not (cpu(b) and b.is_contiguous()))
+            or (residual is not None and not (cpu(residual) and residual.is_contiguous()
                                               and residual.shape == (*x.shape[:-1], w.shape[0])))):
         return None
     x2 = _rows(x)
@@ -192,11 +221,9 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
         return None
     m, k = x2.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    lib.fg_linear_f32(x2.data_ptr(), m, k, x2.stride(0), w.data_ptr(), n, w.stride(0),
-                      b.data_ptr() if b is not None else None,
-                      residual.data_ptr() if residual is not None else None, y.data_ptr(), n,
-                      torch.get_num_threads())
+    y = torch.empty((m, n), dtype=dtype)
+    fn(x2.data_ptr(), m, k, x2.stride(0), w.data_ptr(), n, w.stride(0), b.data_ptr() if b is not None else None,
+       residual.data_ptr() if residual is not None else None, y.data_ptr(), n, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 

@@ -140,23 +140,40 @@ static inline __m128 hsum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// One block of nb weight rows (bfloat16 panel, split order, row stride ldw) x mb rows of x
-// (split order, row stride ldx) over kc columns (a multiple of 32), added into c (mb, ldc).
+// One block of nb weight rows (bfloat16, row stride ldw) x mb rows of x (row stride ldx) over
+// kc columns, added into c (mb, ldc). VDPBF16PS multiplies element pairs (2i, 2i + 1) of both
+// operands, so both must be in one column order: the split order of a quantized panel, or the
+// natural order of a dense bfloat16 weight (``fg_linear_bf16``). A kc that is not a multiple
+// of 32 ends with one masked chunk (dense weights; a panel is padded to 32).
 template <int nb, int mb>
 static inline void bf_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kc,
-                            float* c, int64_t ldc) {
+                            float* c, int64_t ldc, Prefetch& pf) {
     __m512 acc[nb][mb];
 #pragma GCC unroll 8
     for (int i = 0; i < nb; i++)
 #pragma GCC unroll 8
         for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < kc; k += 32) {
+    int64_t k = 0;
+    for (; k + 32 <= kc; k += 32) {
+        pf.next();
         __m512bh wv[nb];
 #pragma GCC unroll 8
         for (int i = 0; i < nb; i++) wv[i] = (__m512bh)_mm512_loadu_si512((const void*)(w + i * ldw + k));
 #pragma GCC unroll 8
         for (int j = 0; j < mb; j++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + j * ldx + k));
+#pragma GCC unroll 8
+            for (int i = 0; i < nb; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
+        }
+    }
+    if (k < kc) {  // zeros past the end on both sides: their products add nothing
+        const __mmask32 mask = (__mmask32)((1u << (kc - k)) - 1);
+        __m512bh wv[nb];
+#pragma GCC unroll 8
+        for (int i = 0; i < nb; i++) wv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)(w + i * ldw + k));
+#pragma GCC unroll 8
+        for (int j = 0; j < mb; j++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void*)(x + j * ldx + k));
 #pragma GCC unroll 8
             for (int i = 0; i < nb; i++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[i], xv);
         }
@@ -181,35 +198,37 @@ static inline void bf_block(const uint16_t* x, int64_t ldx, const uint16_t* w, i
 template <int nb, int mb>
 struct BfTailM {
     static void run(int64_t r, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kc,
-                    float* c, int64_t ldc) {
-        if (r == mb) bf_block<nb, mb>(x, ldx, w, ldw, kc, c, ldc);
-        else BfTailM<nb, mb - 1>::run(r, x, ldx, w, ldw, kc, c, ldc);
+                    float* c, int64_t ldc, Prefetch& pf) {
+        if (r == mb) bf_block<nb, mb>(x, ldx, w, ldw, kc, c, ldc, pf);
+        else BfTailM<nb, mb - 1>::run(r, x, ldx, w, ldw, kc, c, ldc, pf);
     }
 };
 template <int nb>
 struct BfTailM<nb, 0> {
-    static void run(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t) {}
+    static void run(int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
+                    Prefetch&) {}
 };
 
 template <int nb>
 static void bf_rows(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t kc,
-                    float* c, int64_t ldc) {
+                    float* c, int64_t ldc, Prefetch& pf) {
     int64_t m = 0;
-    for (; m + BF_MB <= M; m += BF_MB) bf_block<nb, BF_MB>(x + m * ldx, ldx, w, ldw, kc, c + m * ldc, ldc);
-    if (m < M) BfTailM<nb, BF_MB - 1>::run(M - m, x + m * ldx, ldx, w, ldw, kc, c + m * ldc, ldc);
+    for (; m + BF_MB <= M; m += BF_MB) bf_block<nb, BF_MB>(x + m * ldx, ldx, w, ldw, kc, c + m * ldc, ldc, pf);
+    if (m < M) BfTailM<nb, BF_MB - 1>::run(M - m, x + m * ldx, ldx, w, ldw, kc, c + m * ldc, ldc, pf);
 }
 
 template <int nb>
 struct BfTailN {
     static void run(int64_t r, const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* w, int64_t ldw,
-                    int64_t kc, float* c, int64_t ldc) {
-        if (r == nb) bf_rows<nb>(x, M, ldx, w, ldw, kc, c, ldc);
-        else BfTailN<nb - 1>::run(r, x, M, ldx, w, ldw, kc, c, ldc);
+                    int64_t kc, float* c, int64_t ldc, Prefetch& pf) {
+        if (r == nb) bf_rows<nb>(x, M, ldx, w, ldw, kc, c, ldc, pf);
+        else BfTailN<nb - 1>::run(r, x, M, ldx, w, ldw, kc, c, ldc, pf);
     }
 };
 template <>
 struct BfTailN<0> {
-    static void run(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t) {}
+    static void run(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t,
+                    Prefetch&) {}
 };
 
 // Columns [k0, k0 + kc) of one quantized row as bfloat16 in split order (kc a multiple of 32;
@@ -362,9 +381,10 @@ void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
                                      (const char*)scales + n * ldm * esz, mt, k0, kc, K, group, bits,
                                      panel + r * kcap, t);
                     }
+                    Prefetch none{nullptr, nullptr, 0};  // the panel is in cache: it was just written
                     for (int64_t r0 = 0; r0 < nr; r0 += BF_NB)
                         BfTailN<BF_NB>::run(nr - r0 < BF_NB ? nr - r0 : BF_NB, xp + k0, M, kp, panel + r0 * kcap,
-                                            kcap, kc, c + r0, QP_ROWS);
+                                            kcap, kc, c + r0, QP_ROWS, none);
                 }
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t r = 0; r < nr; r++)
@@ -415,6 +435,51 @@ void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
                     store_from_f32(y, m * ldy + n0 + r, finish(yt[m * NB + r], bias, res, n0 + r, m * ldy + n0 + r, dt), dt);
         }
     }
+}
+
+// y (M, N; row stride ldy) = x (M, K; row stride ldx) @ w.T (+ bias (N)) (+ res (M, N; row
+// stride ldy)), all bfloat16, w (N, K) row-major with row stride ldw: the dense product of few
+// rows (a decode step) with VDPBF16PS, each weight row read once from its layout (the BLAS
+// repacks the whole weight on every call). Products are exact in float32 and summed there;
+// the output is rounded once, then the bias and the residual are added with one rounding
+// each (``finish``). Parallel over panels of weight rows; each output element is one
+// thread's, in an order that does not depend on the thread count. Returns 0 where the CPU
+// has no VDPBF16PS (nothing written), 1 otherwise.
+int fg_linear_bf16(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* w, int64_t N, int64_t ldw,
+                   const uint16_t* bias, const uint16_t* res, uint16_t* y, int64_t ldy, int nthreads) {
+#if HAVE_DPBF16
+    const int64_t npan = (N + QP_ROWS - 1) / QP_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        static thread_local std::vector<float> cbuf;
+        float* c = scratch(cbuf, (size_t)(M * QP_ROWS));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < npan; p++) {
+            const int64_t n0 = p * QP_ROWS, nr = N - n0 < QP_ROWS ? N - n0 : QP_ROWS;
+            memset(c, 0, sizeof(float) * M * QP_ROWS);
+            for (int64_t r0 = 0; r0 < nr; r0 += BF_NB) {
+                // the next rows' lines on their way while these compute, spread over the first
+                // pass's iterations (cold weights stream from memory)
+                const int64_t nx = n0 + r0 + BF_NB, ne = nx + BF_NB < N ? nx + BF_NB : N;
+                const char* from = (const char*)(w + nx * ldw);
+                const int64_t bytes = ne > nx ? (ne - nx) * ldw * 2 : 0, lines = (bytes + 63) / 64;
+                const int64_t iters = (K + 31) / 32;
+                Prefetch pf{from, from + bytes, (lines + iters - 1) / iters};
+                BfTailN<BF_NB>::run(nr - r0 < BF_NB ? nr - r0 : BF_NB, x, M, ldx, w + (n0 + r0) * ldw, ldw, K,
+                                    c + r0, QP_ROWS, pf);
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t r = 0; r < nr; r++)
+                    y[m * ldy + n0 + r] = f32_to_bf16(finish(c[m * QP_ROWS + r], bias, res, n0 + r, m * ldy + n0 + r,
+                                                             DT_BF16));
+        }
+    }
+    return 1;
+#else
+    (void)x; (void)M; (void)K; (void)ldx; (void)w; (void)N; (void)ldw; (void)bias; (void)res; (void)y; (void)ldy;
+    (void)nthreads;
+    return 0;
+#endif
 }
 
 }  // extern "C"
