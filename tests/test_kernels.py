@@ -83,7 +83,7 @@ def test_native_bf16_linear_rounds_once_as_the_float32_product(rows: int, shape:
     one rounding each: the float32 product of the same operands, to the summation order (a
     last-bit difference on an element where a sum lands on a rounding boundary)."""
     _native_library()
-    if not kernels.has_dense_bf16():
+    if not kernels.native_bf16_product():
         pytest.skip("this CPU has no AVX512_BF16: linear_bf16 declines (test_native_bf16_linear_declines...)")
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
@@ -121,13 +121,13 @@ def test_native_bf16_linear_declines_what_it_cannot_take() -> None:
     _native_library()
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, 40, generator=g).bfloat16(), torch.randn(24, 40, generator=g).bfloat16()
-    assert (kernels.linear_bf16(x, w) is not None) == kernels.has_dense_bf16()
-    assert ("native" in GemmPolicy._forms(torch.bfloat16)) == kernels.has_dense_bf16()
+    assert (kernels.linear_bf16(x, w) is not None) == kernels.native_bf16_product()
+    assert ("native" in GemmPolicy._forms(torch.bfloat16)) == kernels.native_bf16_product()
     assert GemmPolicy._forms(torch.float16) == FORMS[:2]
     assert kernels.linear_bf16(x.float(), w.float()) is None
     assert kernels.linear_bf16(x, w.t().contiguous().t()) is None  # weight not row-major
     assert kernels.linear_bf16(x.t(), torch.randn(3, 4).bfloat16()) is None  # input rows not contiguous
-    if kernels.has_dense_bf16():
+    if kernels.native_bf16_product():
         big = torch.randn(6, 48, generator=g).bfloat16()
         xs, ws = big[:, 4:44], torch.randn(24, 48, generator=g).bfloat16()[:, 3:43]  # rows evenly strided
         out = kernels.linear_bf16(xs, ws)
@@ -201,6 +201,30 @@ def test_native_rms_norm_matches_reference(shape: tuple[int, ...]) -> None:
     assert kernels.rms_norm_f32(x.bfloat16(), w.bfloat16(), 1e-5) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 64), (1, 1, 576), (2, 7, 33), (64, 1, 576), (5, 4096)])
+def test_native_half_rms_norm_matches_the_reference_rounding(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Normalised in float32, rounded, then times the weight in the dtype (common.rms_norm's
+    torch path): equal but for a last-bit difference where the float32 normaliser's own last
+    bit moves a value across a rounding boundary (rsqrt against 1 / sqrt)."""
+    _native_library()
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
+    out = kernels.rms_norm_half(x, w, 1e-5)
+    assert out is not None and out.shape == x.shape and out.dtype == dtype
+    ref = w * F.rms_norm(x.float(), (shape[-1],), None, 1e-5).to(dtype)
+    step = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert bool(((out.float() - ref.float()).abs() <= ref.float().abs() * step * 1.01).all())
+    assert (out != ref).float().mean().item() < 0.01
+    strided = (torch.randn(6, 80, generator=g)[:, 8:72]).to(dtype)  # rows 80 apart
+    one = torch.ones(64, dtype=dtype)
+    torch.testing.assert_close(kernels.rms_norm_half(strided, one, 1e-6),
+                               one * F.rms_norm(strided.float(), (64,), None, 1e-6).to(dtype), rtol=step, atol=step)
+    assert kernels.rms_norm_half(x.float(), w.float(), 1e-5) is None  # half dtypes only
+    assert kernels.rms_norm_half(x, w.float(), 1e-5) is None  # weight of another dtype
+
+
 def test_native_linear_adds_the_residual_as_linear_then_add() -> None:
     _native_library()
     g = torch.Generator().manual_seed(11)
@@ -213,14 +237,24 @@ def test_native_linear_adds_the_residual_as_linear_then_add() -> None:
 
 
 @pytest.mark.parametrize("n", [7, 64, 100_003])
-def test_native_silu_mul_matches_torch(n: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_silu_mul_matches_torch(n: int, dtype: torch.dtype) -> None:
+    """float32 to float32's rounding; a half dtype as torch rounds ``silu(g) * u`` there (silu
+    rounded, then the product), but for a last-bit difference where the two exp functions'
+    last float32 bit moves silu across a rounding boundary."""
     _native_library()
     g = torch.Generator().manual_seed(n)
-    gate, up = torch.randn(n, generator=g) * 6, torch.randn(n, generator=g)
+    gate, up = (torch.randn(n, generator=g) * 6).to(dtype), torch.randn(n, generator=g).to(dtype)
     ref = F.silu(gate) * up
-    assert kernels.silu_mul_f32(gate, up)
-    torch.testing.assert_close(gate, ref, rtol=1e-6, atol=1e-6)
-    assert not kernels.silu_mul_f32(gate.bfloat16(), up.bfloat16())
+    assert kernels.silu_mul(gate, up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(gate, ref, rtol=1e-6, atol=1e-6)
+    else:
+        step = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+        assert bool(((gate.float() - ref.float()).abs() <= ref.float().abs() * step * 1.01 + 1e-6).all())
+        assert (gate != ref).float().mean().item() < 0.01
+    assert not kernels.silu_mul(gate, up.float() if dtype != torch.float32 else up.bfloat16())  # mixed dtypes
+    assert not kernels.silu_mul(gate[::2], up[::2])  # not contiguous
 
 
 @pytest.mark.parametrize("d", [64, 8, 40])
@@ -231,10 +265,32 @@ def test_native_rope_equals_rotate_half_formula(d: int) -> None:
     pos = torch.arange(5).expand(3, 5) + torch.tensor([[0], [2], [7]])
     cos, sin = common.rope_cos_sin(pos, d, 10000.0, torch.float32)
     ref = x * cos + torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1) * sin
-    out = kernels.rope_f32(x, cos, sin)
+    out = kernels.rope(x, cos, sin)
     assert out is not None
     assert torch.equal(out, ref)  # the same two roundings per element as the formula
-    assert kernels.rope_f32(x.transpose(1, 2), cos, sin) is None
+    assert kernels.rope(x.transpose(1, 2), cos, sin) is None
+
+
+@pytest.mark.parametrize("d", [64, 8, 40, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_half_rope_rounds_as_the_torch_path(d: int, dtype: torch.dtype) -> None:
+    """A half dtype as apply_rope's torch path rounds it (x * cos rounded, then each half's
+    addcmul_ rounded once), but for a last-bit difference where float32 orders differ."""
+    _native_library()
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 5, 4, d, generator=g).to(dtype)
+    pos = torch.arange(5).expand(3, 5) + torch.tensor([[0], [2], [7]])
+    cos, sin = common.rope_cos_sin(pos, d, 10000.0, dtype)
+    half = d // 2
+    ref = x * cos
+    ref[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    ref[..., half:].addcmul_(x[..., :half], sin[..., :half])
+    out = kernels.rope(x, cos, sin)
+    assert out is not None and out.dtype == dtype
+    step = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert bool(((out.float() - ref.float()).abs() <= (x.float().abs() * 2) * step * 1.01 + 1e-6).all())
+    assert (out != ref).float().mean().item() < 0.01
+    assert kernels.rope(x, cos.float(), sin.float()) is None  # tables of another dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

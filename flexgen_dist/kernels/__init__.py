@@ -127,6 +127,12 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_attention.restype = None
     lib.fg_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
     lib.fg_rms_norm_f32.restype = None
+    lib.fg_rms_norm_half.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_rms_norm_half.restype = None
+    lib.fg_rope_half.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_rope_half.restype = None
+    lib.fg_silu_mul_half.argtypes = [ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.fg_silu_mul_half.restype = None
     lib.fg_silu_mul_f32.argtypes = [ptr, ptr, i64, ctypes.c_int]
     lib.fg_silu_mul_f32.restype = None
     lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
@@ -188,11 +194,6 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     return None if lib is None else _dense(lib.fg_linear_f32, torch.float32, x, w, b, residual)
 
 
-def has_dense_bf16() -> bool:
-    """Whether ``linear_bf16`` runs here: the kernels built, on a CPU with VDPBF16PS (AVX512_BF16)."""
-    return library() is not None and bool(_state.get("dpbf16"))
-
-
 def linear_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x @ w.T + b + residual`` for bfloat16 CPU tensors with few rows, with VDPBF16PS (float32
@@ -200,7 +201,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     each), or None where the kernel does not apply (no library, a CPU without AVX512_BF16,
     another dtype or device, rows that are not contiguous). Shapes as ``linear_f32``."""
     lib = library()
-    ok = lib is not None and bool(_state.get("dpbf16"))
+    ok = lib is not None and native_bf16_product()
     return _dense(lib.fg_linear_bf16, torch.bfloat16, x, w, b, residual) if ok else None  # type: ignore[union-attr]
 
 
@@ -266,35 +267,59 @@ def rms_norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor |
     return y
 
 
-def silu_mul_f32(g: torch.Tensor, u: torch.Tensor) -> bool:
-    """``g = silu(g) * u`` in place in one pass, for contiguous float32 CPU tensors of one
-    shape; False (nothing done) where the kernel does not apply."""
+def rms_norm_half(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of bfloat16 or float16 CPU rows x (..., n) (last dim contiguous) with weight w
+    (n,) of x's dtype, as the reference computes a half dtype (normalised in float32, rounded,
+    then times w in the dtype), in one pass; or None where the kernel does not apply."""
     lib = library()
-    if lib is None or not _f32_cpu(g, u) or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous():
+    ok = lib is not None and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype \
+        and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous() and w.shape == x.shape[-1:]
+    x2 = _rows(x) if ok else None
+    if x2 is None:
+        return None
+    y = torch.empty(x.shape, dtype=x.dtype)
+    lib.fg_rms_norm_half(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps,  # type: ignore[union-attr]
+                         y.data_ptr(), _DT[x.dtype], torch.get_num_threads())
+    return y
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> bool:
+    """``g = silu(g) * u`` in place in one pass, for contiguous CPU tensors of one shape and
+    dtype (float32; bfloat16 or float16 rounded as torch rounds ``silu(g) * u`` there: silu
+    rounded to the dtype, then the product); False (nothing done) where the kernel does not
+    apply."""
+    lib = library()
+    if (lib is None or g.dtype != u.dtype or g.dtype not in _DT or g.device.type != "cpu" or u.device.type != "cpu"
+            or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous()):
         return False
-    lib.fg_silu_mul_f32(g.data_ptr(), u.data_ptr(), g.numel(), torch.get_num_threads())
+    if g.dtype == torch.float32:
+        lib.fg_silu_mul_f32(g.data_ptr(), u.data_ptr(), g.numel(), torch.get_num_threads())
+    else:
+        lib.fg_silu_mul_half(g.data_ptr(), u.data_ptr(), g.numel(), _DT[g.dtype], torch.get_num_threads())
     return True
 
 
-def rope_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotary embedding (rotate-half convention) of x (b, t, heads, d) with cos/sin
-    (b, t, 1, d), out of place, in one pass; None where the kernel does not apply."""
+    (b, t, 1, d) of x's dtype, out of place, in one pass (a half dtype rounded as torch's
+    ``x * cos`` then ``addcmul_`` round it); None where the kernel does not apply."""
     lib = library()
-    if (lib is None or x.dim() != 4 or not _f32_cpu(x, cos, sin)
-            or not all(a.is_contiguous() for a in (x, cos, sin)) or cos.shape != (*x.shape[:2], 1, x.shape[3]) or sin.shape != cos.shape or x.shape[3] % 2):
+    dt = x.dtype
+    if (lib is None or x.dim() != 4 or dt not in _DT or any(t.dtype != dt or t.device.type != "cpu" for t in (x, cos, sin))
+            or not all(a.is_contiguous() for a in (x, cos, sin)) or cos.shape != (*x.shape[:2], 1, x.shape[3])
+            or sin.shape != cos.shape or x.shape[3] % 2):
         return None
     b, t, h, d = x.shape
-    out = torch.empty(x.shape, dtype=torch.float32)
-    lib.fg_rope_f32(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                    torch.get_num_threads())
+    out = torch.empty(x.shape, dtype=dt)
+    fn = lib.fg_rope_f32 if dt == torch.float32 else lib.fg_rope_half
+    extra = () if dt == torch.float32 else (_DT[dt],)
+    fn(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), *extra, torch.get_num_threads())
     return out
 
 
-
-
 def native_bf16_product() -> bool:
-    """Whether the fused kernel multiplies bfloat16 natively here (AVX512_BF16), rather than
-    widening to float32."""
+    """Whether the kernels multiply bfloat16 natively here (AVX512_BF16's VDPBF16PS): the fused
+    quantized product, rather than widening to float32, and ``linear_bf16`` at all."""
     return library() is not None and bool(_state.get("dpbf16"))
 
 

@@ -1,7 +1,8 @@
 // Float32 CPU kernels, compiled on first use for the machine that runs them
 // (flexgen_dist/kernels/__init__.py builds this file with -O3 -march=native -fopenmp
 // -ffp-contract=off). Decode: linear_f32, attention_f32. Every pass: rms_norm_f32,
-// rope_f32, silu_mul_f32 (one read and one write instead of torch's several passes).
+// rope_f32, silu_mul_f32, and their bfloat16/float16 forms rounded as torch rounds them there
+// (one read and one write instead of torch's several passes).
 //
 // linear_f32: y = x @ w.T (+ bias) for a few rows of x (a decode step: the rows are the
 // sequences of a batch). The BLAS repacks the whole weight matrix on every call, which for a
@@ -60,6 +61,49 @@ static inline vf vload_as_f32(const void* p) {
     const __m128i h = _mm_loadu_si128((const __m128i*)p);
     if (DT == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
+#endif
+}
+
+// v rounded to the dtype DT (round to nearest even), as float32; and stored in DT at p. A
+// bfloat16 NaN whose payload sits only in the low 16 bits would round to infinity here
+// (activations that reach this are finite in practice; scalar f32_to_bf16 keeps it NaN).
+template <int DT>
+static inline vf vround(vf v) {
+    if (DT == DT_F32) return v;
+#if VW == 16
+    if (DT == DT_F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+#else
+    if (DT == DT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+#endif
+}
+
+template <int DT>
+static inline void vstore_as(void* p, vf v) {
+    if (DT == DT_F32) {
+        vstore((float*)p, v);
+        return;
+    }
+#if VW == 16
+    if (DT == DT_F16) {
+        _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vround<DT>(v)), 16)));
+#else
+    if (DT == DT_F16) {
+        _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    __m256i h = _mm256_srli_epi32(_mm256_castps_si256(vround<DT>(v)), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 #endif
 }
 
@@ -144,6 +188,81 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void
     }
 }
 
+// silu(g) * u in place in g for a half dtype DT, as torch rounds it: silu in float32, rounded
+// to the dtype, times u, rounded again.
+template <int DT>
+static void silu_mul_half(uint16_t* g, const uint16_t* u, int64_t n, int nthreads) {
+    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
+    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
+    int64_t nv = n / VW;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < nv; b++) {
+        vf x = vload_as_f32<DT>(g + b * VW);
+        vstore_as<DT>(g + b * VW, vround<DT>(x / (_set1(1.f) + vexp(-x))) * vload_as_f32<DT>(u + b * VW));
+    }
+    for (int64_t i = nv * VW; i < n; i++) {
+        float x = widen(g[i]);
+        g[i] = narrow(widen(narrow(x / (1.f + expf(-x)))) * widen(u[i]));
+    }
+}
+
+// Rotary embedding of half-dtype rows as torch's rotate-half path rounds it (``x * cos``
+// rounded, then ``addcmul_`` of the other half: the product in float32, the sum rounded once).
+template <int DT>
+static void rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
+                      uint16_t* out, int nthreads) {
+    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
+    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
+    const int64_t h = d / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (P * H * d >= 65536)
+    for (int64_t p = 0; p < P; p++) {
+        const uint16_t* c = cos + p * d;
+        const uint16_t* s = sin + p * d;
+        for (int64_t hd = 0; hd < H; hd++) {
+            const uint16_t* x1 = x + (p * H + hd) * d;
+            const uint16_t* x2 = x1 + h;
+            uint16_t* o1 = out + (p * H + hd) * d;
+            uint16_t* o2 = o1 + h;
+            int64_t e = 0;
+            for (; e + VW <= h; e += VW) {
+                vf a = vload_as_f32<DT>(x1 + e), b = vload_as_f32<DT>(x2 + e);
+                vstore_as<DT>(o1 + e, vround<DT>(a * vload_as_f32<DT>(c + e)) - b * vload_as_f32<DT>(s + e));
+                vstore_as<DT>(o2 + e, vround<DT>(b * vload_as_f32<DT>(c + h + e)) + a * vload_as_f32<DT>(s + h + e));
+            }
+            for (; e < h; e++) {
+                const float a = widen(x1[e]), b = widen(x2[e]);
+                o1[e] = narrow(widen(narrow(a * widen(c[e]))) - b * widen(s[e]));
+                o2[e] = narrow(widen(narrow(b * widen(c[h + e]))) + a * widen(s[h + e]));
+            }
+        }
+    }
+}
+
+template <int DT>
+static void rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, const uint16_t* w, float eps,
+                          uint16_t* y, int nthreads) {
+    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
+    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * n >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t* xm = x + m * ldx;
+        uint16_t* ym = y + m * n;
+        vf acc = vzero();
+        int64_t e = 0;
+        for (; e + VW <= n; e += VW) {
+            vf v = vload_as_f32<DT>(xm + e);
+            acc = vfma(v, v, acc);
+        }
+        float ss = hsum(acc);
+        for (int64_t t = e; t < n; t++) ss += widen(xm[t]) * widen(xm[t]);
+        const float r = 1.f / sqrtf(ss / (float)n + eps);
+        const vf rv = _set1(r);
+        for (e = 0; e + VW <= n; e += VW)
+            vstore_as<DT>(ym + e, vround<DT>(vload_as_f32<DT>(xm + e) * rv) * vload_as_f32<DT>(w + e));
+        for (int64_t t = e; t < n; t++) ym[t] = narrow(widen(narrow(widen(xm[t]) * r)) * widen(w[t]));
+    }
+}
+
 extern "C" {
 
 // fg_attention for a dtype code dt (0 float32, 1 bfloat16, 2 float16); see attention above.
@@ -180,6 +299,22 @@ void fg_rms_norm_f32(const float* x, int64_t M, int64_t n, int64_t ldx, const fl
 }
 
 // g = silu(g) * u in place over n elements, as torch's silu (g / (1 + e^-g)) then mul.
+// RMSNorm of bfloat16 or float16 rows (dt), as the reference computes it for a half dtype:
+// the row widened to float32 and normalised there, rounded to the dtype, then multiplied by
+// the weight w (n, dtype dt) in the dtype: y = round(round(x * r) * w), r = 1 / sqrt(mean(x^2)
+// + eps). One pass to sum, one to write, instead of torch's widen, five-kernel norm and
+// narrow. Rows of x at stride ldx; y contiguous (M, n).
+void fg_rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, const uint16_t* w, float eps,
+                      uint16_t* y, int dt, int nthreads) {
+    if (dt == DT_BF16) rms_norm_half<DT_BF16>(x, M, n, ldx, w, eps, y, nthreads);
+    else rms_norm_half<DT_F16>(x, M, n, ldx, w, eps, y, nthreads);
+}
+
+void fg_silu_mul_half(uint16_t* g, const uint16_t* u, int64_t n, int dt, int nthreads) {
+    if (dt == DT_BF16) silu_mul_half<DT_BF16>(g, u, n, nthreads);
+    else silu_mul_half<DT_F16>(g, u, n, nthreads);
+}
+
 void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) {
     int64_t nv = n / VW;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
@@ -193,6 +328,12 @@ void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) {
 // Rotary embedding, rotate-half convention, out of place: x and out (P, H, d) contiguous
 // (P positions of H heads), cos and sin (P, d). First half: x1 * c - x2 * s; second half:
 // x2 * c + x1 * s; each product rounded before the sum, as x * cos + rotate_half(x) * sin.
+void fg_rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
+                  uint16_t* out, int dt, int nthreads) {
+    if (dt == DT_BF16) rope_half<DT_BF16>(x, P, H, d, cos, sin, out, nthreads);
+    else rope_half<DT_F16>(x, P, H, d, cos, sin, out, nthreads);
+}
+
 void fg_rope_f32(const float* x, int64_t P, int64_t H, int64_t d, const float* cos, const float* sin,
                  float* out, int nthreads) {
     const int64_t h = d / 2;

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import build_key, cpu_info, has_dense_bf16, kernel_dir, linear_bf16, linear_f32
+from . import build_key, cpu_info, native_bf16_product, kernel_dir, linear_bf16, linear_f32
 
 log = logging.getLogger("flexgen_dist.kernels")
 
@@ -251,7 +251,7 @@ class GemmPolicy:
     def _forms(dtype: torch.dtype) -> tuple[str, ...]:
         """The forms that run for ``dtype`` here: the native one in float32 where the kernels
         built, in bfloat16 where the CPU also has VDPBF16PS."""
-        native = build_key() is not None and (dtype == torch.float32 or (dtype == torch.bfloat16 and has_dense_bf16()))
+        native = build_key() is not None and (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16_product()))
         return FORMS if native else FORMS[:2]
 
     def _time(self, key: Key) -> int:

@@ -98,7 +98,7 @@ def project_qkv(spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``silu(g) * u``, in place in g (SwiGLU's gate times its up projection)."""
-    if g.device.type == "cpu" and kernels.silu_mul_f32(g, u):  # one pass, float32
+    if g.device.type == "cpu" and kernels.silu_mul(g, u):  # one pass
         return g
     return F.silu(g, inplace=True).mul_(u)
 
@@ -108,13 +108,13 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # float32 on the CPU: the native kernel, one pass (torch's rms_norm runs five there).
-    # Half types are normalised in float32 and cast back before the weight, as the reference
-    # implementation does.
+    # On the CPU a native kernel, one pass (torch's rms_norm runs five there). Half types are
+    # normalised in float32 and cast back before the weight, as the reference implementation does.
     if x.dtype == torch.float32:
         y = kernels.rms_norm_f32(x, w, eps) if x.device.type == "cpu" else None
         return F.rms_norm(x, (x.shape[-1],), w, eps) if y is None else y
-    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    y = kernels.rms_norm_half(x, w, eps) if x.device.type == "cpu" else None
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) if y is None else y
 
 
 class Positions:
@@ -200,7 +200,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     updated in place with fused multiply-adds (two passes over x instead of five).
     """
     if x.device.type == "cpu":
-        y = kernels.rope_f32(x, cos, sin)  # one pass, float32
+        y = kernels.rope(x, cos, sin)  # one pass
         if y is not None:
             return y
     half = x.shape[-1] // 2
