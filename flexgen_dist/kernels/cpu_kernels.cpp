@@ -1,8 +1,9 @@
-// Float32 CPU kernels, compiled on first use for the machine that runs them
+// CPU kernels, compiled on first use for the machine that runs them
 // (flexgen_dist/kernels/__init__.py builds this file with -O3 -march=native -fopenmp
-// -ffp-contract=off). Decode: linear_f32, attention_f32. Every pass: rms_norm_f32,
-// rope_f32, silu_mul_f32, and their bfloat16/float16 forms rounded as torch rounds them there
-// (one read and one write instead of torch's several passes).
+// -ffp-contract=off). Decode: linear_f32, attention (float32, bfloat16, float16). Every
+// pass: rms_norm, rope, silu_mul in float32, bfloat16 and float16, each a template over the
+// dtype rounded as torch's path for that dtype rounds (one read and one write instead of
+// torch's several passes).
 //
 // linear_f32: y = x @ w.T (+ bias) for a few rows of x (a decode step: the rows are the
 // sequences of a batch). The BLAS repacks the whole weight matrix on every call, which for a
@@ -20,6 +21,8 @@
 // The OpenMP runtime is the process's: torch has libgomp.so.1 loaded before this library,
 // and the loader resolves the same soname to it, so both share one thread pool.
 #include "cpu_simd.h"
+
+#include <type_traits>
 
 extern "C" {
 
@@ -188,65 +191,44 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void
     }
 }
 
-// silu(g) * u in place in g for a half dtype DT, as torch rounds it: silu in float32, rounded
-// to the dtype, times u, rounded again.
+// The elementwise kernels below take float32, bfloat16 or float16 (DT) and compute in float32,
+// rounding to the dtype exactly where torch's own path for that dtype rounds (for float32 the
+// roundings are no-ops, and the float32 kernels are these same templates). T is the element.
 template <int DT>
-static void silu_mul_half(uint16_t* g, const uint16_t* u, int64_t n, int nthreads) {
-    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
-    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
-    int64_t nv = n / VW;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
-    for (int64_t b = 0; b < nv; b++) {
-        vf x = vload_as_f32<DT>(g + b * VW);
-        vstore_as<DT>(g + b * VW, vround<DT>(x / (_set1(1.f) + vexp(-x))) * vload_as_f32<DT>(u + b * VW));
-    }
-    for (int64_t i = nv * VW; i < n; i++) {
-        float x = widen(g[i]);
-        g[i] = narrow(widen(narrow(x / (1.f + expf(-x)))) * widen(u[i]));
-    }
-}
+using Elem = typename std::conditional<DT == DT_F32, float, uint16_t>::type;
 
-// Rotary embedding of half-dtype rows as torch's rotate-half path rounds it (``x * cos``
-// rounded, then ``addcmul_`` of the other half: the product in float32, the sum rounded once).
 template <int DT>
-static void rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
-                      uint16_t* out, int nthreads) {
-    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
-    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
-    const int64_t h = d / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (P * H * d >= 65536)
-    for (int64_t p = 0; p < P; p++) {
-        const uint16_t* c = cos + p * d;
-        const uint16_t* s = sin + p * d;
-        for (int64_t hd = 0; hd < H; hd++) {
-            const uint16_t* x1 = x + (p * H + hd) * d;
-            const uint16_t* x2 = x1 + h;
-            uint16_t* o1 = out + (p * H + hd) * d;
-            uint16_t* o2 = o1 + h;
-            int64_t e = 0;
-            for (; e + VW <= h; e += VW) {
-                vf a = vload_as_f32<DT>(x1 + e), b = vload_as_f32<DT>(x2 + e);
-                vstore_as<DT>(o1 + e, vround<DT>(a * vload_as_f32<DT>(c + e)) - b * vload_as_f32<DT>(s + e));
-                vstore_as<DT>(o2 + e, vround<DT>(b * vload_as_f32<DT>(c + h + e)) + a * vload_as_f32<DT>(s + h + e));
-            }
-            for (; e < h; e++) {
-                const float a = widen(x1[e]), b = widen(x2[e]);
-                o1[e] = narrow(widen(narrow(a * widen(c[e]))) - b * widen(s[e]));
-                o2[e] = narrow(widen(narrow(b * widen(c[h + e]))) + a * widen(s[h + e]));
-            }
-        }
-    }
+static inline float ld1(const Elem<DT>* p, int64_t i) {
+    if constexpr (DT == DT_F32) return p[i];
+    else if constexpr (DT == DT_BF16) return bf16_to_f32(p[i]);
+    else return f16_to_f32(p[i]);
 }
 
 template <int DT>
-static void rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, const uint16_t* w, float eps,
-                          uint16_t* y, int nthreads) {
-    float (*widen)(uint16_t) = DT == DT_BF16 ? bf16_to_f32 : f16_to_f32;
-    uint16_t (*narrow)(float) = DT == DT_BF16 ? f32_to_bf16 : f32_to_f16;
+static inline Elem<DT> to_dt(float v) {
+    if constexpr (DT == DT_F32) return v;
+    else if constexpr (DT == DT_BF16) return f32_to_bf16(v);
+    else return f32_to_f16(v);
+}
+
+template <int DT>
+static inline float rnd1(float v) {  // v rounded to the dtype, as float32
+    if constexpr (DT == DT_F32) return v;
+    else if constexpr (DT == DT_BF16) return bf16_to_f32(f32_to_bf16(v));
+    else return f16_to_f32(f32_to_f16(v));
+}
+
+// RMSNorm: y (M, n) contiguous = round(round(x * r) * w), r = 1 / sqrt(mean(x^2) + eps), x rows
+// ldx apart, in one read of x and one write of y (torch's CPU rms_norm runs five passes). The
+// order is the reference implementation's: (x * r) * w in float32; a half dtype normalised in
+// float32, rounded, then multiplied by the weight in the dtype.
+template <int DT>
+static void rms_norm(const Elem<DT>* x, int64_t M, int64_t n, int64_t ldx, const Elem<DT>* w, float eps,
+                     Elem<DT>* y, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * n >= 65536)
     for (int64_t m = 0; m < M; m++) {
-        const uint16_t* xm = x + m * ldx;
-        uint16_t* ym = y + m * n;
+        const Elem<DT>* xm = x + m * ldx;
+        Elem<DT>* ym = y + m * n;
         vf acc = vzero();
         int64_t e = 0;
         for (; e + VW <= n; e += VW) {
@@ -254,12 +236,61 @@ static void rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, 
             acc = vfma(v, v, acc);
         }
         float ss = hsum(acc);
-        for (int64_t t = e; t < n; t++) ss += widen(xm[t]) * widen(xm[t]);
+        for (int64_t t = e; t < n; t++) ss += ld1<DT>(xm, t) * ld1<DT>(xm, t);
         const float r = 1.f / sqrtf(ss / (float)n + eps);
         const vf rv = _set1(r);
         for (e = 0; e + VW <= n; e += VW)
             vstore_as<DT>(ym + e, vround<DT>(vload_as_f32<DT>(xm + e) * rv) * vload_as_f32<DT>(w + e));
-        for (int64_t t = e; t < n; t++) ym[t] = narrow(widen(narrow(widen(xm[t]) * r)) * widen(w[t]));
+        for (int64_t t = e; t < n; t++) ym[t] = to_dt<DT>(rnd1<DT>(ld1<DT>(xm, t) * r) * ld1<DT>(w, t));
+    }
+}
+
+// g = silu(g) * u in place over n elements, as torch's silu (g / (1 + e^-g), rounded to the
+// dtype) then mul.
+template <int DT>
+static void silu_mul(Elem<DT>* g, const Elem<DT>* u, int64_t n, int nthreads) {
+    int64_t nv = n / VW;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < nv; b++) {
+        vf x = vload_as_f32<DT>(g + b * VW);
+        vstore_as<DT>(g + b * VW, vround<DT>(x / (_set1(1.f) + vexp(-x))) * vload_as_f32<DT>(u + b * VW));
+    }
+    for (int64_t i = nv * VW; i < n; i++) {
+        const float x = ld1<DT>(g, i);
+        g[i] = to_dt<DT>(rnd1<DT>(x / (1.f + expf(-x))) * ld1<DT>(u, i));
+    }
+}
+
+// Rotary embedding, rotate-half convention, out of place: x and out (P, H, d) contiguous
+// (P positions of H heads), cos and sin (P, d). First half: x1 * c - x2 * s; second half:
+// x2 * c + x1 * s; each product rounded before the sum, as x * cos + rotate_half(x) * sin in
+// float32; a half dtype as torch's path there rounds (x * cos rounded, then each half's
+// addcmul_: the other product in float32, the sum rounded once).
+template <int DT>
+static void rope(const Elem<DT>* x, int64_t P, int64_t H, int64_t d, const Elem<DT>* cos, const Elem<DT>* sin,
+                 Elem<DT>* out, int nthreads) {
+    const int64_t h = d / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (P * H * d >= 65536)
+    for (int64_t p = 0; p < P; p++) {
+        const Elem<DT>* c = cos + p * d;
+        const Elem<DT>* s = sin + p * d;
+        for (int64_t hd = 0; hd < H; hd++) {
+            const Elem<DT>* x1 = x + (p * H + hd) * d;
+            const Elem<DT>* x2 = x1 + h;
+            Elem<DT>* o1 = out + (p * H + hd) * d;
+            Elem<DT>* o2 = o1 + h;
+            int64_t e = 0;
+            for (; e + VW <= h; e += VW) {
+                vf a = vload_as_f32<DT>(x1 + e), b = vload_as_f32<DT>(x2 + e);
+                vstore_as<DT>(o1 + e, vround<DT>(a * vload_as_f32<DT>(c + e)) - b * vload_as_f32<DT>(s + e));
+                vstore_as<DT>(o2 + e, vround<DT>(b * vload_as_f32<DT>(c + h + e)) + a * vload_as_f32<DT>(s + h + e));
+            }
+            for (; e < h; e++) {
+                const float a = ld1<DT>(x1, e), b = ld1<DT>(x2, e);
+                o1[e] = to_dt<DT>(rnd1<DT>(a * ld1<DT>(c, e)) - b * ld1<DT>(s, e));
+                o2[e] = to_dt<DT>(rnd1<DT>(b * ld1<DT>(c, h + e)) + a * ld1<DT>(s, h + e));
+            }
+        }
     }
 }
 
@@ -274,90 +305,33 @@ void fg_attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k,
     else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, scale, out, nthreads);
 }
 
-// y (M, n) contiguous = x * (1 / sqrt(mean(x^2) + eps)) * w, x rows ldx apart: RMSNorm in
-// one read of x and one write of y (torch's CPU rms_norm runs five passes). The order of the
-// products is the reference implementation's: (x * r) * w.
 void fg_rms_norm_f32(const float* x, int64_t M, int64_t n, int64_t ldx, const float* w, float eps, float* y,
                      int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * n >= 65536)
-    for (int64_t m = 0; m < M; m++) {
-        const float* xm = x + m * ldx;
-        float* ym = y + m * n;
-        vf acc = vzero();
-        int64_t e = 0;
-        for (; e + VW <= n; e += VW) {
-            vf v = vload(xm + e);
-            acc = vfma(v, v, acc);
-        }
-        float ss = hsum(acc);
-        for (int64_t t = e; t < n; t++) ss += xm[t] * xm[t];
-        float r = 1.f / sqrtf(ss / (float)n + eps);
-        vf rv = _set1(r);
-        for (e = 0; e + VW <= n; e += VW) vstore(ym + e, (vload(xm + e) * rv) * vload(w + e));
-        for (int64_t t = e; t < n; t++) ym[t] = (xm[t] * r) * w[t];
-    }
+    rms_norm<DT_F32>(x, M, n, ldx, w, eps, y, nthreads);
 }
 
-// g = silu(g) * u in place over n elements, as torch's silu (g / (1 + e^-g)) then mul.
-// RMSNorm of bfloat16 or float16 rows (dt), as the reference computes it for a half dtype:
-// the row widened to float32 and normalised there, rounded to the dtype, then multiplied by
-// the weight w (n, dtype dt) in the dtype: y = round(round(x * r) * w), r = 1 / sqrt(mean(x^2)
-// + eps). One pass to sum, one to write, instead of torch's widen, five-kernel norm and
-// narrow. Rows of x at stride ldx; y contiguous (M, n).
 void fg_rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, const uint16_t* w, float eps,
                       uint16_t* y, int dt, int nthreads) {
-    if (dt == DT_BF16) rms_norm_half<DT_BF16>(x, M, n, ldx, w, eps, y, nthreads);
-    else rms_norm_half<DT_F16>(x, M, n, ldx, w, eps, y, nthreads);
+    if (dt == DT_BF16) rms_norm<DT_BF16>(x, M, n, ldx, w, eps, y, nthreads);
+    else rms_norm<DT_F16>(x, M, n, ldx, w, eps, y, nthreads);
 }
+
+void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) { silu_mul<DT_F32>(g, u, n, nthreads); }
 
 void fg_silu_mul_half(uint16_t* g, const uint16_t* u, int64_t n, int dt, int nthreads) {
-    if (dt == DT_BF16) silu_mul_half<DT_BF16>(g, u, n, nthreads);
-    else silu_mul_half<DT_F16>(g, u, n, nthreads);
-}
-
-void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) {
-    int64_t nv = n / VW;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
-    for (int64_t b = 0; b < nv; b++) {
-        vf x = vload(g + b * VW);
-        vstore(g + b * VW, (x / (_set1(1.f) + vexp(-x))) * vload(u + b * VW));
-    }
-    for (int64_t i = nv * VW; i < n; i++) g[i] = (g[i] / (1.f + expf(-g[i]))) * u[i];
-}
-
-// Rotary embedding, rotate-half convention, out of place: x and out (P, H, d) contiguous
-// (P positions of H heads), cos and sin (P, d). First half: x1 * c - x2 * s; second half:
-// x2 * c + x1 * s; each product rounded before the sum, as x * cos + rotate_half(x) * sin.
-void fg_rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
-                  uint16_t* out, int dt, int nthreads) {
-    if (dt == DT_BF16) rope_half<DT_BF16>(x, P, H, d, cos, sin, out, nthreads);
-    else rope_half<DT_F16>(x, P, H, d, cos, sin, out, nthreads);
+    if (dt == DT_BF16) silu_mul<DT_BF16>(g, u, n, nthreads);
+    else silu_mul<DT_F16>(g, u, n, nthreads);
 }
 
 void fg_rope_f32(const float* x, int64_t P, int64_t H, int64_t d, const float* cos, const float* sin,
                  float* out, int nthreads) {
-    const int64_t h = d / 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (P * H * d >= 65536)
-    for (int64_t p = 0; p < P; p++) {
-        const float* c = cos + p * d;
-        const float* s = sin + p * d;
-        for (int64_t hd = 0; hd < H; hd++) {
-            const float* x1 = x + (p * H + hd) * d;
-            const float* x2 = x1 + h;
-            float* o1 = out + (p * H + hd) * d;
-            float* o2 = o1 + h;
-            int64_t e = 0;
-            for (; e + VW <= h; e += VW) {
-                vf a = vload(x1 + e), b = vload(x2 + e);
-                vstore(o1 + e, a * vload(c + e) - b * vload(s + e));
-                vstore(o2 + e, b * vload(c + h + e) + a * vload(s + h + e));
-            }
-            for (; e < h; e++) {
-                o1[e] = x1[e] * c[e] - x2[e] * s[e];
-                o2[e] = x2[e] * c[h + e] + x1[e] * s[h + e];
-            }
-        }
-    }
+    rope<DT_F32>(x, P, H, d, cos, sin, out, nthreads);
+}
+
+void fg_rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
+                  uint16_t* out, int dt, int nthreads) {
+    if (dt == DT_BF16) rope<DT_BF16>(x, P, H, d, cos, sin, out, nthreads);
+    else rope<DT_F16>(x, P, H, d, cos, sin, out, nthreads);
 }
 
 }  // extern "C"
