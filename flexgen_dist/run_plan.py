@@ -145,26 +145,29 @@ class RunPlanner:
 
     def _default_block(self, policies: list[Policy], ranges: Ranges, work: Workload) -> tuple[list[Policy], str]:
         """Every stage's policy with the block ``default_block`` sizes for ``work``, halved
-        until the stages' peaks fit the budgets; and the reason."""
+        until the stages' peaks fit 90 % of the machine-measured budgets (else the budgets
+        whole); and the reason. Where not even one row fits, one row: the budget check then
+        reports what the placement needs at the least."""
         G = self.config.num_micro_batches or self.world_size
         size = default_block(work.num_prompts, G, self.device)
-        room = self.budgets.with_headroom(DEFAULT_BLOCK_HEADROOM)
-        gbs = size
-        while True:
-            sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
-            if self.fits(sized, ranges, work, G, "sequential", room):
-                break
-            if gbs == 1:  # nothing fits: the budget check names the fix for the rule's size
-                return [dataclasses.replace(p, gpu_batch_size=size) for p in policies], \
-                    "no --gpu-batch-size: sized to the workload (no smaller block fits either)"
-            gbs = max(1, gbs // 2)
         cap = DEFAULT_MAX_BLOCK[self.device.type]
         groups = f" over {G} micro-batch groups" if G > 1 else ""
         reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
                   f"on a {self.device.type} device, rounded up to a multiple of {BLOCK_ROUND}")
-        if gbs < size:
-            reason += f"; halved from {size} to fit {DEFAULT_BLOCK_HEADROOM:.0%} of the memory budgets"
-        return sized, reason
+        for share, budgets in ((DEFAULT_BLOCK_HEADROOM, self.budgets.with_headroom(DEFAULT_BLOCK_HEADROOM)),
+                               (1.0, self.budgets)):
+            gbs = size
+            while True:
+                sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
+                if self.fits(sized, ranges, work, G, "sequential", budgets):
+                    if gbs < size:
+                        reason += f"; halved from {size} to fit {share:.0%} of the memory budgets"
+                    return sized, reason
+                if gbs == 1:
+                    break
+                gbs = max(1, gbs // 2)
+        return ([dataclasses.replace(p, gpu_batch_size=1) for p in policies],
+                "no --gpu-batch-size, and not even one row fits the memory budgets: the placement must change")
 
     # --- memory ------------------------------------------------------------------------------
     def fits(self, policies: list[Policy], ranges: Ranges, work: Workload, G: int, schedule: str,

@@ -230,6 +230,13 @@ def test_default_block_follows_the_workload_and_the_budgets(tiny_models, tmp_pat
         small = llm.explain(prompts, gen_len=4)
     assert small is not None and 1 <= small.stages[0].policy.gpu_batch_size < plan.stages[0].policy.gpu_batch_size
     assert "halved" in {c.name: c.why for c in small.choices}["gpu_batch_size"]
+    # nothing fits: one row, so that the budget check reports the least the placement needs
+    with LLM(str(tm.path), progress=False, cpu_mem="1KiB") as llm:
+        none = llm.explain(prompts, gen_len=4)
+        assert none is not None and none.stages[0].policy.gpu_batch_size == 1
+        assert "not even one row" in {c.name: c.why for c in none.choices}["gpu_batch_size"]
+        with pytest.raises(Exception, match="exceeds --cpu-mem"):
+            llm.check_plan(none, prompts, gen_len=4)
     # a budget measured on the machine is filled to 90 % at most by the sized default; a cap given is whole
     b = Budgets(gpu=1000, cpu=2000, disk=None, given=("cpu",))
     assert b.with_headroom(0.9) == Budgets(gpu=900, cpu=2000, disk=None, given=("cpu",))
