@@ -190,15 +190,15 @@ def test_native_rms_norm_matches_reference(shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(shape[-1])
     x = torch.randn(*shape, generator=g) * 3
     w = torch.randn(shape[-1], generator=g)
-    out = kernels.rms_norm_f32(x, w, 1e-5)
+    out = kernels.rms_norm(x, w, 1e-5)
     assert out is not None and out.shape == x.shape
     ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     strided = torch.randn(6, 80, generator=g)[:, 8:72]  # rows 80 apart
-    torch.testing.assert_close(kernels.rms_norm_f32(strided, torch.ones(64), 1e-6),
+    torch.testing.assert_close(kernels.rms_norm(strided, torch.ones(64), 1e-6),
                                strided * torch.rsqrt(strided.pow(2).mean(-1, keepdim=True) + 1e-6),
                                rtol=1e-5, atol=1e-5)
-    assert kernels.rms_norm_f32(x.bfloat16(), w.bfloat16(), 1e-5) is None
+    assert kernels.rms_norm(x, w.bfloat16(), 1e-5) is None  # a weight of another dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -211,7 +211,7 @@ def test_native_half_rms_norm_matches_the_reference_rounding(dtype: torch.dtype,
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(*shape, generator=g) * 3).to(dtype)
     w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype)
-    out = kernels.rms_norm_half(x, w, 1e-5)
+    out = kernels.rms_norm(x, w, 1e-5)
     assert out is not None and out.shape == x.shape and out.dtype == dtype
     ref = w * F.rms_norm(x.float(), (shape[-1],), None, 1e-5).to(dtype)
     step = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
@@ -219,10 +219,10 @@ def test_native_half_rms_norm_matches_the_reference_rounding(dtype: torch.dtype,
     assert (out != ref).float().mean().item() < 0.01
     strided = (torch.randn(6, 80, generator=g)[:, 8:72]).to(dtype)  # rows 80 apart
     one = torch.ones(64, dtype=dtype)
-    torch.testing.assert_close(kernels.rms_norm_half(strided, one, 1e-6),
+    torch.testing.assert_close(kernels.rms_norm(strided, one, 1e-6),
                                one * F.rms_norm(strided.float(), (64,), None, 1e-6).to(dtype), rtol=step, atol=step)
-    assert kernels.rms_norm_half(x.float(), w.float(), 1e-5) is None  # half dtypes only
-    assert kernels.rms_norm_half(x, w.float(), 1e-5) is None  # weight of another dtype
+    assert kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # a dtype the kernels do not take
+    assert kernels.rms_norm(x, w.float(), 1e-5) is None  # weight of another dtype
 
 
 def test_native_linear_adds_the_residual_as_linear_then_add() -> None:

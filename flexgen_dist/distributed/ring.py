@@ -91,8 +91,9 @@ class Ring:
         self._send(y, self.next)  # type: ignore[arg-type]
 
     def send_skip(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Tell the next stage to drop the block from this item on (a skip header and a
-        placeholder of the shape it has posted its receive for)."""
+        """Tell the next stage to drop the block from this item on: a skip header, then an
+        unread tensor of the shape that stage has posted its receive for (every receive it
+        posted is matched, so none is left waiting)."""
         self._send(self._skip, self.next)  # type: ignore[arg-type]
         self._send(torch.empty(shape, dtype=dtype, device=self.wire), self.next)  # type: ignore[arg-type]
 

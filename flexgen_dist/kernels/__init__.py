@@ -125,18 +125,12 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_float,
                                  ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_attention.restype = None
-    lib.fg_rms_norm_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int]
-    lib.fg_rms_norm_f32.restype = None
-    lib.fg_rms_norm_half.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
-    lib.fg_rms_norm_half.restype = None
-    lib.fg_rope_half.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
-    lib.fg_rope_half.restype = None
-    lib.fg_silu_mul_half.argtypes = [ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
-    lib.fg_silu_mul_half.restype = None
-    lib.fg_silu_mul_f32.argtypes = [ptr, ptr, i64, ctypes.c_int]
-    lib.fg_silu_mul_f32.restype = None
-    lib.fg_rope_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
-    lib.fg_rope_f32.restype = None
+    lib.fg_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_rms_norm.restype = None
+    lib.fg_silu_mul.argtypes = [ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
+    lib.fg_silu_mul.restype = None
+    lib.fg_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_rope.restype = None
     lib.fg_dequant.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int,
                                ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_dequant.restype = None
@@ -165,10 +159,6 @@ def library() -> ctypes.CDLL | None:
 def build_key() -> str | None:
     """The loaded build's key (source, flags, compiler, CPU flags), or None without the kernels."""
     return _state.get("key") if library() is not None else None  # type: ignore[return-value]
-
-
-def _f32_cpu(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -209,12 +199,9 @@ def _dense(fn: Any, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: tor
            residual: torch.Tensor | None) -> torch.Tensor | None:
     """A native dense product of few rows in ``dtype`` (``fn``: ``fg_linear_f32`` or
     ``fg_linear_bf16``, one signature), or None where the operands do not suit it."""
-    def cpu(*ts: torch.Tensor) -> bool:
-        return all(t.dtype == dtype and t.device.type == "cpu" for t in ts)
-
-    if (not cpu(x, w) or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
-            or (b is not None and not (cpu(b) and b.is_contiguous()))
-            or (residual is not None and not (cpu(residual) and residual.is_contiguous()
+    if (not _same_cpu(dtype, x, w) or w.dim() != 2 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]
+            or (b is not None and not (_same_cpu(dtype, b) and b.is_contiguous()))
+            or (residual is not None and not (_same_cpu(dtype, residual) and residual.is_contiguous()
                                               and residual.shape == (*x.shape[:-1], w.shape[0])))):
         return None
     x2 = _rows(x)
@@ -254,32 +241,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
-def rms_norm_f32(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of float32 CPU rows x (..., n) (last dim contiguous) with weight w (n,), in one
-    pass; or None where the kernel does not apply."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of CPU rows x (..., n) (last dim contiguous) with weight w (n,) of x's dtype, in
+    one pass: float32 as ``w * (x * r)``; bfloat16 or float16 as the reference computes a half
+    dtype (normalised in float32, rounded, then times w in the dtype). None where the kernel
+    does not apply."""
     lib = library()
-    x2 = _rows(x) if lib is not None and _f32_cpu(x, w) and w.is_contiguous() and w.shape == x.shape[-1:] else None
-    if x2 is None:
-        return None
-    y = torch.empty(x.shape, dtype=torch.float32)
-    lib.fg_rms_norm_f32(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps, y.data_ptr(),
-                        torch.get_num_threads())
-    return y
-
-
-def rms_norm_half(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of bfloat16 or float16 CPU rows x (..., n) (last dim contiguous) with weight w
-    (n,) of x's dtype, as the reference computes a half dtype (normalised in float32, rounded,
-    then times w in the dtype), in one pass; or None where the kernel does not apply."""
-    lib = library()
-    ok = lib is not None and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype \
-        and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous() and w.shape == x.shape[-1:]
+    ok = lib is not None and _same_cpu(x.dtype, x, w) and w.is_contiguous() and w.shape == x.shape[-1:]
     x2 = _rows(x) if ok else None
     if x2 is None:
         return None
     y = torch.empty(x.shape, dtype=x.dtype)
-    lib.fg_rms_norm_half(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps,  # type: ignore[union-attr]
-                         y.data_ptr(), _DT[x.dtype], torch.get_num_threads())
+    lib.fg_rms_norm(x2.data_ptr(), x2.shape[0], x2.shape[1], x2.stride(0), w.data_ptr(), eps,  # type: ignore[union-attr]
+                    y.data_ptr(), _DT[x.dtype], torch.get_num_threads())
     return y
 
 
@@ -289,13 +263,9 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> bool:
     rounded to the dtype, then the product); False (nothing done) where the kernel does not
     apply."""
     lib = library()
-    if (lib is None or g.dtype != u.dtype or g.dtype not in _DT or g.device.type != "cpu" or u.device.type != "cpu"
-            or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous()):
+    if lib is None or not _same_cpu(g.dtype, g, u) or g.shape != u.shape or not g.is_contiguous() or not u.is_contiguous():
         return False
-    if g.dtype == torch.float32:
-        lib.fg_silu_mul_f32(g.data_ptr(), u.data_ptr(), g.numel(), torch.get_num_threads())
-    else:
-        lib.fg_silu_mul_half(g.data_ptr(), u.data_ptr(), g.numel(), _DT[g.dtype], torch.get_num_threads())
+    lib.fg_silu_mul(g.data_ptr(), u.data_ptr(), g.numel(), _DT[g.dtype], torch.get_num_threads())
     return True
 
 
@@ -304,17 +274,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     (b, t, 1, d) of x's dtype, out of place, in one pass (a half dtype rounded as torch's
     ``x * cos`` then ``addcmul_`` round it); None where the kernel does not apply."""
     lib = library()
-    dt = x.dtype
-    if (lib is None or x.dim() != 4 or dt not in _DT or any(t.dtype != dt or t.device.type != "cpu" for t in (x, cos, sin))
+    if (lib is None or x.dim() != 4 or not _same_cpu(x.dtype, x, cos, sin)
             or not all(a.is_contiguous() for a in (x, cos, sin)) or cos.shape != (*x.shape[:2], 1, x.shape[3])
             or sin.shape != cos.shape or x.shape[3] % 2):
         return None
     b, t, h, d = x.shape
-    out = torch.empty(x.shape, dtype=dt)
-    fn = lib.fg_rope_f32 if dt == torch.float32 else lib.fg_rope_half
-    extra = () if dt == torch.float32 else (_DT[dt],)
-    fn(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), *extra, torch.get_num_threads())
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.fg_rope(x.data_ptr(), b * t, h, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), _DT[x.dtype],
+                torch.get_num_threads())
     return out
+
+
+def _same_cpu(dtype: torch.dtype, *ts: torch.Tensor) -> bool:
+    """Every tensor a CPU tensor of ``dtype``, one the kernels take (float32, bfloat16, float16)."""
+    return dtype in _DT and all(t.dtype == dtype and t.device.type == "cpu" for t in ts)
 
 
 def native_bf16_product() -> bool:

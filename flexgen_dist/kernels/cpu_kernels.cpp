@@ -80,11 +80,7 @@ static inline vf vround(vf v) {
     __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 #else
-    if (DT == DT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+    return round8(v, DT);
 #endif
 }
 
@@ -305,33 +301,27 @@ void fg_attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k,
     else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, scale, out, nthreads);
 }
 
-void fg_rms_norm_f32(const float* x, int64_t M, int64_t n, int64_t ldx, const float* w, float eps, float* y,
-                     int nthreads) {
-    rms_norm<DT_F32>(x, M, n, ldx, w, eps, y, nthreads);
+// The elementwise kernels for a dtype code dt (0 float32, 1 bfloat16, 2 float16), as
+// fg_attention; see rms_norm, silu_mul and rope above.
+void fg_rms_norm(const void* x, int64_t M, int64_t n, int64_t ldx, const void* w, float eps, void* y, int dt,
+                 int nthreads) {
+    if (dt == DT_BF16) rms_norm<DT_BF16>((const uint16_t*)x, M, n, ldx, (const uint16_t*)w, eps, (uint16_t*)y, nthreads);
+    else if (dt == DT_F16) rms_norm<DT_F16>((const uint16_t*)x, M, n, ldx, (const uint16_t*)w, eps, (uint16_t*)y, nthreads);
+    else rms_norm<DT_F32>((const float*)x, M, n, ldx, (const float*)w, eps, (float*)y, nthreads);
 }
 
-void fg_rms_norm_half(const uint16_t* x, int64_t M, int64_t n, int64_t ldx, const uint16_t* w, float eps,
-                      uint16_t* y, int dt, int nthreads) {
-    if (dt == DT_BF16) rms_norm<DT_BF16>(x, M, n, ldx, w, eps, y, nthreads);
-    else rms_norm<DT_F16>(x, M, n, ldx, w, eps, y, nthreads);
+void fg_silu_mul(void* g, const void* u, int64_t n, int dt, int nthreads) {
+    if (dt == DT_BF16) silu_mul<DT_BF16>((uint16_t*)g, (const uint16_t*)u, n, nthreads);
+    else if (dt == DT_F16) silu_mul<DT_F16>((uint16_t*)g, (const uint16_t*)u, n, nthreads);
+    else silu_mul<DT_F32>((float*)g, (const float*)u, n, nthreads);
 }
 
-void fg_silu_mul_f32(float* g, const float* u, int64_t n, int nthreads) { silu_mul<DT_F32>(g, u, n, nthreads); }
-
-void fg_silu_mul_half(uint16_t* g, const uint16_t* u, int64_t n, int dt, int nthreads) {
-    if (dt == DT_BF16) silu_mul<DT_BF16>(g, u, n, nthreads);
-    else silu_mul<DT_F16>(g, u, n, nthreads);
-}
-
-void fg_rope_f32(const float* x, int64_t P, int64_t H, int64_t d, const float* cos, const float* sin,
-                 float* out, int nthreads) {
-    rope<DT_F32>(x, P, H, d, cos, sin, out, nthreads);
-}
-
-void fg_rope_half(const uint16_t* x, int64_t P, int64_t H, int64_t d, const uint16_t* cos, const uint16_t* sin,
-                  uint16_t* out, int dt, int nthreads) {
-    if (dt == DT_BF16) rope<DT_BF16>(x, P, H, d, cos, sin, out, nthreads);
-    else rope<DT_F16>(x, P, H, d, cos, sin, out, nthreads);
+void fg_rope(const void* x, int64_t P, int64_t H, int64_t d, const void* cos, const void* sin, void* out, int dt,
+             int nthreads) {
+    using H16 = const uint16_t*;
+    if (dt == DT_BF16) rope<DT_BF16>((H16)x, P, H, d, (H16)cos, (H16)sin, (uint16_t*)out, nthreads);
+    else if (dt == DT_F16) rope<DT_F16>((H16)x, P, H, d, (H16)cos, (H16)sin, (uint16_t*)out, nthreads);
+    else rope<DT_F32>((const float*)x, P, H, d, (const float*)cos, (const float*)sin, (float*)out, nthreads);
 }
 
 }  // extern "C"

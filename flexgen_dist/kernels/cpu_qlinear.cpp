@@ -43,20 +43,6 @@ static inline void store_from_f32(void* p, int64_t i, float v, int dt) {
     }
 }
 
-// 8 float32 lanes rounded to the dtype and widened back (the value a dtype tensor holds).
-static inline __m256 round8(__m256 v, int dt) {
-    if (dt == DT_BF16) {
-        __m256i u = _mm256_castps_si256(v);
-        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-        r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
-        // a NaN would round into another NaN or infinity; expanded weights are finite
-        return _mm256_castsi256_ps(r);
-    }
-    if (dt == DT_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-    return v;
-}
-
 static inline __m256 dq8(__m128i c8, __m256 s, __m256 m, int dt) {
     __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c8));
     return round8(_mm256_add_ps(_mm256_mul_ps(f, s), m), dt);

@@ -110,11 +110,12 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # On the CPU a native kernel, one pass (torch's rms_norm runs five there). Half types are
     # normalised in float32 and cast back before the weight, as the reference implementation does.
+    y = kernels.rms_norm(x, w, eps) if x.device.type == "cpu" else None
+    if y is not None:
+        return y
     if x.dtype == torch.float32:
-        y = kernels.rms_norm_f32(x, w, eps) if x.device.type == "cpu" else None
-        return F.rms_norm(x, (x.shape[-1],), w, eps) if y is None else y
-    y = kernels.rms_norm_half(x, w, eps) if x.device.type == "cpu" else None
-    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) if y is None else y
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class Positions:
