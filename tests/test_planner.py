@@ -210,6 +210,30 @@ def test_estimate_pipeline_matches_plan(t4):
     assert plan.stages[0].layers == range(0, 24) and plan.stages[1].layers == range(24, 48)
 
 
+def test_prediction_counts_the_prompts_not_the_rows_of_full_blocks(t4):
+    """A job of fewer prompts than one block runs those prompts only (the engine cuts its GPU
+    batches from the prompts it has): the prediction costs that block and counts those
+    sequences; a job whose last block is short counts its prompts, with that block's time
+    taken as a full one's."""
+    spec = get_spec("opt-1.3b")
+    hw = t4.with_budgets(gpu_mem="10TiB")
+    pol = Policy(8, 4, 100, 0, 100, 0, 100, 0)
+    wl = WorkShape(prompt_len=64, gen_len=16)
+    few = estimate_pipeline(spec, [spec.num_layers], [pol], [hw], wl, 1, num_blocks=1, num_prompts=12)
+    ran = estimate_pipeline(spec, [spec.num_layers], [Policy(8, 2, 100, 0, 100, 0, 100, 0)], [hw], wl, 1,
+                            num_blocks=1)  # the block 12 prompts form: GPU batches of 8 and 4
+    assert few["block_size"] == 16
+    assert few["decode_time_s"] == pytest.approx(ran["decode_time_s"])
+    assert few["decode_throughput"] == pytest.approx(12 * 15 / ran["decode_time_s"])
+    full = estimate_pipeline(spec, [spec.num_layers], [pol], [hw], wl, 1, num_blocks=1)
+    assert few["decode_throughput"] < full["decode_throughput"]  # fewer rows read the same weights
+    # 40 prompts in blocks of 32: two blocks' time, 40 sequences, not 64
+    two = estimate_pipeline(spec, [spec.num_layers], [pol], [hw], wl, 1, num_blocks=2, num_prompts=40)
+    rows = estimate_pipeline(spec, [spec.num_layers], [pol], [hw], wl, 1, num_blocks=2)
+    assert two["decode_time_s"] == pytest.approx(rows["decode_time_s"])
+    assert two["total_throughput"] == pytest.approx(rows["total_throughput"] * 40 / 64)
+
+
 def test_more_stages_scale_decode_super_linearly_when_one_stage_needs_disk(t4):
     spec = get_spec("opt-175b")
     one = plan_pipeline(spec, 1, t4, WL)

@@ -4,6 +4,7 @@ another machine; --hardware FILE wins; plain runs plan with the cached one; per-
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,9 @@ def test_measured_once_then_reused(cache: Path, measured: list[int], capsys) -> 
     (lambda p: p.write_text("- a list\n"), "is corrupt (not a mapping)"),
     (lambda p: p.write_text(p.read_text().replace("profile_version: 3", "profile_version: 2")), "is stale"),
     (lambda p: p.write_text(p.read_text().replace("threads:", "threads: 999 #")), "of another threads"),
+    # new native kernels (a package upgrade) time the engine's products differently
+    (lambda p: p.write_text(re.sub(r"(?m)^  native: .*$", "  native: an-older-build", p.read_text())),
+     "of another native"),
     (lambda p: p.write_text("\n".join(ln for ln in p.read_text().splitlines() if not ln.startswith("mm_flops:"))),
      "is corrupt (")])
 def test_a_bad_cache_is_measured_again_saying_why(cache: Path, measured: list[int], capsys, damage, said) -> None:

@@ -123,7 +123,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
         wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes)
         either = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
                                    num_blocks=-(-n // policies[0].block_size),
-                                   prefill_items=pred["prefill_items"], schedule="auto")
+                                   prefill_items=pred["prefill_items"], schedule="auto", num_prompts=n)
         if either["schedule"] == "overlapped" and (fits is None or fits(policies, new_ranges, G, "overlapped")):
             pred = either
     predicted = {k: pred[k] for k in PREDICTED_KEYS if k in pred}
@@ -149,7 +149,8 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
         def estimate(schedule: str, G: int = G) -> dict[str, Any]:
             return estimate_pipeline(spec, [b - a for a, b in ranges], policies, hws, wl, G,
                                      num_blocks=-(-num_prompts // policies[0].block_size),
-                                     prefill_items=cfg.prefill_items, schedule=schedule)
+                                     prefill_items=cfg.prefill_items, schedule=schedule,
+                                     num_prompts=num_prompts)
 
         pred = _schedule_that_fits(cfg, estimate, G, fits)
         if best is None or pred["total_throughput"] > best["total_throughput"]:

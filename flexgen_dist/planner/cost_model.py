@@ -195,7 +195,8 @@ def _item_cost(c: StageCost, piece: StageCost | None, it: Item, num_gb: int) -> 
 
 def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_blocks: int | None = None,
                         piece_costs: list[StageCost] | None = None, num_gpu_batches: int = 1,
-                        split: bool | None = None, ride: bool = False) -> dict:
+                        split: bool | None = None, ride: bool = False,
+                        num_prompts: int | None = None) -> dict:
     """Pipeline throughput from per-stage block costs (all stages share one block size).
 
     The runtime's item stream is simulated (``_simulate``) for ``num_blocks`` blocks (default:
@@ -207,7 +208,9 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
     next block's prefill while the others decode. Long jobs are simulated over 6 G blocks
     and extended by the per-block increment of the last G. ``split`` (default: whether
     ``piece_costs`` are given) makes the prefill items per GPU batch; ``ride`` predicts the
-    overlapped schedule (riders costed from ``piece_costs``).
+    overlapped schedule (riders costed from ``piece_costs``). ``num_prompts``: the sequences
+    the job has; the throughputs count those, not the rows of full blocks (a last block that
+    is not full runs fewer rows; its time is taken as a full block's, an upper bound).
     """
     split = piece_costs is not None if split is None else split
     if ride and piece_costs is None:
@@ -226,7 +229,7 @@ def pipeline_prediction(costs: list[StageCost], num_micro_batches: int, *, num_b
         p0, d0 = _simulate(costs, piece_costs, G, num_gpu_batches, cap - G, split=split, ride=ride)
         k = (nb - cap) / G
         prefill_time, decode_time = p1 + k * (p1 - p0), d1 + k * (d1 - d0)
-    seqs = nb * bls
+    seqs = nb * bls if num_prompts is None else min(nb * bls, num_prompts)
     return {
         "prefill_throughput": seqs * s / prefill_time,
         "decode_throughput": seqs * (n - 1) / decode_time if n > 1 and decode_time else 0.0,
@@ -251,7 +254,7 @@ RIDE_MARGIN = 1.1  # predicted gain the overlapped schedule needs under --schedu
 
 def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G: int, *,
                   num_blocks: int | None, num_gpu_batches: int, prefill_items: str = "auto",
-                  schedule: str = "auto") -> dict:
+                  schedule: str = "auto", num_prompts: int | None = None) -> dict:
     """``pipeline_prediction`` with the prefill items and schedule given, or (``auto``) the
     fastest of the options: one prefill item per block or per GPU batch (only a pipeline of
     several stages gains from pieces), sequential or overlapped (only with more blocks than
@@ -265,7 +268,8 @@ def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G
     for ride in rides:
         for split in splits:
             pred = pipeline_prediction(costs, G, num_blocks=num_blocks, piece_costs=piece_costs,
-                                       num_gpu_batches=num_gpu_batches, split=split, ride=ride)
+                                       num_gpu_batches=num_gpu_batches, split=split, ride=ride,
+                                       num_prompts=num_prompts)
             # auto takes the overlapped schedule only for a clear predicted gain: it costs the
             # memory of a second block per group, and measured on a 2-core CPU node it lost
             # 2-6 % where the model gave it a few percent (the reads' CPU time: docs/benchmarks.md (vi),
@@ -280,13 +284,16 @@ def best_pipeline(costs: list[StageCost], piece_costs: list[StageCost] | None, G
 def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[Policy],
                       hws: list[HardwareSpec], workload: WorkShape,
                       num_micro_batches: int, *, num_blocks: int | None = None,
-                      prefill_items: str = "auto", schedule: str = "auto") -> dict:
+                      prefill_items: str = "auto", schedule: str = "auto",
+                      num_prompts: int | None = None) -> dict:
     """Predicted prefill/decode/total throughput (tokens/s) of the whole pipeline.
 
     Keys: prefill_throughput (prompt tokens / prefill time), decode_throughput (tokens after
     the first / decode time), total_throughput (generated tokens / (prefill + decode)),
     prefill_time_s, decode_time_s, prefill_items and schedule (what ``auto`` chose), stage_times,
-    peak_bytes (per stage, per phase, per tier).
+    peak_bytes (per stage, per phase, per tier). ``num_prompts``: the job's sequences; where
+    they do not fill one block, the block the engine runs (the prompts in GPU batches of
+    ``gpu_batch_size``) is costed, and the throughputs count the prompts, not the block's rows.
     """
     m = len(stage_layers)
     if not (len(policies) == len(hws) == m) or m < 1:
@@ -299,8 +306,19 @@ def estimate_pipeline(spec: ModelSpec, stage_layers: list[int], policies: list[P
                    num_micro_batches=num_micro_batches, num_stages=m)
                 for i, (ls, pol, hw) in enumerate(zip(stage_layers, policies, hws))]
 
+    if num_prompts is not None and 0 < num_prompts < policies[0].block_size:
+        policies = [_filled(p, num_prompts) for p in policies]
+        num_blocks = 1
     ngb = policies[0].num_gpu_batches
     same_gbs = len({p.gpu_batch_size for p in policies}) == 1  # pieces are GPU batches
     pieces = costs(piece_cost) if same_gbs else None
     return best_pipeline(costs(estimate_stage), pieces, num_micro_batches, num_blocks=num_blocks,
-                         num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)
+                         num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule,
+                         num_prompts=num_prompts)
+
+
+def _filled(policy: Policy, rows: int) -> Policy:
+    """The block ``policy`` forms from only ``rows`` prompts: its GPU batches filled in order
+    (the engine's cut, ``engine.blocks``), the last one short, costed as full."""
+    gbs = min(policy.gpu_batch_size, rows)
+    return dataclasses.replace(policy, gpu_batch_size=gbs, num_gpu_batches=-(-rows // gbs))

@@ -148,7 +148,8 @@ def plan_pipeline(spec: ModelSpec, num_stages: int, hws: list[HardwareSpec] | Ha
                 (m > 1 and ngb > 1 and prefill_items != "block") or schedule != "sequential") else None
             nblocks = -(-num_prompts // bls) if num_prompts else None
             pred = best_pipeline([c.cost() for c in chosen], pieces, G, num_blocks=nblocks,
-                                 num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule)
+                                 num_gpu_batches=ngb, prefill_items=prefill_items, schedule=schedule,
+                                 num_prompts=num_prompts or None)
             if best is None or pred["total_throughput"] > best[0]:
                 best = (pred["total_throughput"], chosen, pred)
         assert best is not None

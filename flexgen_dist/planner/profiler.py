@@ -46,10 +46,11 @@ def default_cache_path(device: str, threads: int | None = None) -> Path:
 
 
 def profile_identity(device: str, threads: int | None = None) -> dict[str, Any]:
-    """What a cached profile is valid for: the CPU, the torch build, the GPU, the compute
-    threads (default: this process's)."""
+    """What a cached profile is valid for: the CPU, the torch build, the native kernels, the
+    GPU, the compute threads (default: this process's). The kernels are part of it because
+    the profile times the engine's own products and attention: new kernels (a package
+    upgrade) move the rates the planner predicts with, so they are measured again."""
     ident: dict[str, Any] = {k: None if v is None else str(v) for k, v in gemm_identity().items()}
-    ident.pop("native", None)  # a rebuilt kernel library does not change the machine
     ident["gpu"] = torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None
     ident["threads"] = torch.get_num_threads() if threads is None else threads
     return ident
