@@ -153,6 +153,9 @@ class StageSizes:
     host_layer: float = 0.0  # host seconds to issue a layer: per step, and per step and GPU batch
     host_batch: float = 0.0
     host_row: int = HOST  # where host time goes: its own channel (a GPU runs ahead of the host), or compute
+    # a product's weight stream and its arithmetic overlap (a GPU: the slower sets the pace) or
+    # add up (a CPU: the same cores load and multiply)
+    stream_overlap: bool = True
     # a mixture of experts reads and computes less than all of a layer: the elements one token
     # computes with, and the share of a layer's weights a block's prefill reads
     # (a dense layer: lnum and 1)
@@ -242,7 +245,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         host_batch=hw.host_batch_s or 0.0,
         # a GPU computes while the host issues the next kernels (the slower of the two sets
         # the pace); a CPU device's host *is* the compute, one after the other
-        host_row=COMP if hw.compute_device == "cpu" else HOST)
+        host_row=COMP if hw.compute_device == "cpu" else HOST,
+        stream_overlap=hw.compute_device != "cpu")
 
 
 def _held(spec: ModelSpec, length: float) -> float:
@@ -266,18 +270,26 @@ def _read_share(spec: ModelSpec, tokens: float) -> float:
 
 
 def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int, numel: float | None = None) -> float:
-    """Linear layers of one block: compute-bound (each token computes with ``lnum_active``
-    elements: a mixture of experts' chosen ones), or bound by reading ``numel`` elements (all
-    of a layer's by default) ``passes`` times."""
+    """Linear layers of one block: the arithmetic (each token computes with ``lnum_active``
+    elements: a mixture of experts' chosen ones) and reading ``numel`` elements (all of a
+    layer's by default) ``passes`` times, overlapped or not (``_stream``)."""
     flops = 2.0 * rows * (z.lnum_active or z.lnum)
-    return max(flops / hw.mm_flops, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
+    return _stream(z, flops / hw.mm_flops, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
 
 
 def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
     """LM head of one block, streamed ``passes`` times: logits of the last position only."""
     if not z.has_head:
         return 0.0
-    return max(2.0 * z.bls * z.e * z.V / hw.mm_flops, passes * z.V * z.e * z.b / z.stream_bw)
+    return _stream(z, 2.0 * z.bls * z.e * z.V / hw.mm_flops, passes * z.V * z.e * z.b / z.stream_bw)
+
+
+def _stream(z: StageSizes, compute_s: float, read_s: float) -> float:
+    """A product's time from its arithmetic and its weight stream. On a GPU they overlap (the
+    slower sets the pace). On a CPU the same cores load and multiply: measured on a 2-core
+    VM (docs/benchmarks.md, planner), a decode step of 4, 20 and 64 rows took about the sum
+    of the two, where the larger of them under-counted 20-64 rows by 35-45 %."""
+    return max(compute_s, read_s) if z.stream_overlap else compute_s + read_s
 
 
 def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
