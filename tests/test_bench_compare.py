@@ -11,7 +11,8 @@ import pytest
 
 from flexgen_dist.bench import compare
 from flexgen_dist.bench.__main__ import main as bench_main
-from flexgen_dist.bench.compare import CompareError, format_table, job_args, parse_args, ratios, summarize, summarize_side
+from flexgen_dist.bench.compare import (CompareError, format_table, job_args, parse_args, prediction_ratios, ratios,
+                                        summarize, summarize_side)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +44,18 @@ def test_summary_min_median_and_ratio() -> None:
     assert table[2].split() == ["A", "abc1234", "90.0", "100.0", "10.0", "11.0", "7.0", "8.0"]
     assert table[3].startswith("B working tree (abc1234, dirty)") and "200.0" in table[3]
     assert table[4].split() == ["B/A", "(median)", "2.000x", "3.000x", "0.000x"]
+
+
+def test_prediction_over_measured_per_side() -> None:
+    """Where a side's runs planned with a hardware profile, its prediction over the median of
+    what it measured, per metric; none without a prediction."""
+    pred = {"prefill_throughput": 200.0, "decode_throughput": 22.0, "total_throughput": 9.0}
+    runs = [{**_run("A", 100, 10, 8), "predicted": pred}, {**_run("A", 120, 12, 9), "predicted": pred},
+            {**_run("A", 90, 11, 7), "predicted": pred}]
+    assert prediction_ratios(runs) == pytest.approx({"prefill_throughput": 2.0, "decode_throughput": 2.0,
+                                                     "total_throughput": 9.0 / 8})
+    assert prediction_ratios([{**_run("B", 1, 1, 1), "predicted": None}]) is None
+    assert prediction_ratios([]) is None
 
 
 def test_arguments_split_between_compare_and_the_job(tmp_path: Path) -> None:

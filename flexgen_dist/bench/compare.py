@@ -78,6 +78,17 @@ def summarize_side(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]
     return {k: summarize([r[k] for r in runs]) for k in METRICS}
 
 
+def prediction_ratios(runs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """One side's planner prediction over its median measured figure, per metric (the
+    prediction is the same every run on one profile: the last run's is taken); None where
+    the runs had no prediction (no hardware profile)."""
+    pred = runs[-1].get("predicted") if runs else None
+    if not pred:
+        return None
+    med = summarize_side(runs)
+    return {k: pred[k] / med[k]["median"] for k in METRICS if k in pred and med[k]["median"]}
+
+
 def ratios(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, float | None]:
     """B/A of the medians per metric; None where A's median is 0 (nothing to divide by)."""
     return {k: b[k]["median"] / a[k]["median"] if a[k]["median"] else None for k in METRICS}
@@ -220,8 +231,10 @@ def run_once(side: str, label: str, tree: Path, job: list[str], work: Path, n: i
     if not metrics.is_file():
         raise CompareError(f"side {side} ({label}) job wrote no metrics: its run.py may predate --metrics", 1)
     m = json.loads(metrics.read_text())
+    pred = m.get("predicted") or {}  # where the run planned with a hardware profile
     return {"side": side, **{k: m[k] for k in METRICS}, "prefill_time_s": m.get("prefill_time_s"),
-            "decode_time_s": m.get("decode_time_s"), "wall_s": wall}
+            "decode_time_s": m.get("decode_time_s"), "wall_s": wall,
+            "predicted": {k: pred[k] for k in METRICS if k in pred} or None}
 
 
 def _last_line(text: str) -> str:
@@ -275,12 +288,14 @@ def compare(args: Any, job: list[str]) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary = {s: summarize_side([r for r in runs if r["side"] == s]) for s in ("A", "B")}
+    predicted = {s: prediction_ratios([r for r in runs if r["side"] == s]) for s in ("A", "B")}
     return {
         "benchmark": "compare",
         "sides": {"A": {"rev": rev_a, "ref": args.rev, "label": label_a, "package": where["A"]},
                   "B": {"rev": head_b, "dirty": dirty, "tree": str(top), "label": label_b, "package": where["B"]}},
         "job_args": job, "repeat": args.repeat, "warmup": args.warmup,
-        "runs": runs, "summary": summary, "ratio": ratios(summary["A"], summary["B"]), "machine": machine(),
+        "runs": runs, "summary": summary, "ratio": ratios(summary["A"], summary["B"]),
+        "predicted_over_measured": predicted, "machine": machine(),
     }
 
 
@@ -302,5 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.write_text(json.dumps(res, indent=2) + "\n")
     a, b = res["sides"]["A"]["label"], res["sides"]["B"]["label"]
     print(format_table(a, b, res["summary"]["A"], res["summary"]["B"], res["ratio"]))
+    for side, pm in res["predicted_over_measured"].items():
+        if pm:
+            print(f"side {side}: planner's prediction / measured median: " + ", ".join(
+                f"{k.split('_')[0]} {v:.2f}" for k, v in pm.items()))
     print(f"{args.repeat} round(s) each, A then B; every run in {out}")
     return 0
