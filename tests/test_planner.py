@@ -210,6 +210,21 @@ def test_estimate_pipeline_matches_plan(t4):
     assert plan.stages[0].layers == range(0, 24) and plan.stages[1].layers == range(24, 48)
 
 
+@pytest.mark.parametrize("device,combine", [("cpu", sum), ("cuda", max)])
+def test_a_products_arithmetic_and_weight_stream_add_on_a_cpu_overlap_on_a_gpu(t4, device, combine):
+    """Decode's linear layers: on a CPU device the same cores load the weights and multiply,
+    so the two times add up; on a GPU they overlap and the larger one sets the pace."""
+    from flexgen_dist.planner.terms import CONST
+    spec = get_spec("opt-1.3b")
+    hw = replace(t4, compute_device=device, mm_flops=5e11, gemm_bw=2e10, host_layer_s=None, host_batch_s=None)
+    terms = stage_terms(spec, spec.num_layers, hw, WorkShape(64, 8), gpu_batch_size=8, num_gpu_batches=1,
+                        cpu_attention=False, has_embed=False, has_head=False)
+    arithmetic = 2.0 * 8 * spec.layer_numel() / hw.mm_flops
+    stream = spec.layer_numel() * 2 / hw.gemm_bw
+    assert arithmetic > 0.1 * stream and stream > 0.1 * arithmetic  # both terms matter here
+    assert terms.decode[4, CONST] == pytest.approx(combine((arithmetic, stream)))
+
+
 def test_prediction_counts_the_prompts_not_the_rows_of_full_blocks(t4):
     """A job of fewer prompts than one block runs those prompts only (the engine cuts its GPU
     batches from the prompts it has): the prediction costs that block and counts those

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         hw = profile_hardware(device="cpu", offload_dir=str(work), quick=args.quick)
         how = f"profiled in this run ({'quick' if args.quick else 'full'} mode, {time.perf_counter() - t0:.0f} s)"
+    hw = hw.for_dtype("float32")  # the engine runs float32 here: its rates, as a run's planner takes them
     print(f"hardware {how}: mm {hw.mm_flops / 1e9:.1f} GFLOP/s, attention {hw.bmm_flops / 1e9:.2f} GFLOP/s, "
           f"skinny GEMM {(hw.gemm_bw or 0) / 1e9:.1f} GB/s, memcpy {hw.ctog_bw / 1e9:.1f} GB/s, disk read {hw.dtoc_bw / 1e9:.2f} GB/s, "
           f"write {hw.ctod_bw / 1e9:.2f} GB/s", flush=True)
