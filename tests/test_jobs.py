@@ -168,49 +168,57 @@ def _spawn(nproc: int, args: list[str]) -> list[subprocess.Popen]:
     return procs
 
 
+@pytest.fixture(scope="module")
+def kill_job(tiny_models, tmp_path_factory) -> tuple[list[str], bytes]:
+    """The job the random kills interrupt (its options but the offload dir) and the output of
+    an uninterrupted run of it."""
+    d = tmp_path_factory.mktemp("kills")
+    prompts = [[5 + i % 50, 6 + i % 7, 7, 8 + i % 3] for i in range(40)]
+    common = ["--model", str(tiny_models["opt-pre"].path), "--prompts", str(write_jsonl(d / "p.jsonl", prompts)),
+              "--gen-len", "110", "--ignore-eos", "--temperature", "0.9", "--seed", "5", "--gpu-batch-size", "2",
+              "--dist-timeout", "8", "--percent", "50", "0", "100", "0", "100", "0"]
+    ref = d / "ref.jsonl"
+    assert main(common + ["--offload-dir", str(d / "off"), "--output", str(ref), "--no-progress"]) == 0
+    return common, ref.read_bytes()
+
+
 @pytest.mark.slow
 @pytest.mark.multinode
-def test_random_kills_then_resume(tiny_models, tmp_path: Path, capsys) -> None:
-    """5 times: SIGKILL a random rank of a 2- or 3-rank job at a random moment; every
-    survivor exits within the timeout naming the dead rank; --resume (on one process) then
-    finishes the job, and its output equals an uninterrupted run's, byte for byte; the
-    offload files the killed ranks left are gone after it."""
+@pytest.mark.parametrize("it", range(5))
+def test_random_kills_then_resume(kill_job, it: int, tmp_path: Path, capsys) -> None:
+    """5 cases: SIGKILL a random rank of a 2- or 3-rank job at a random moment; every survivor
+    exits within the timeout naming the dead rank; --resume (on one process) then finishes the
+    job, and its output equals an uninterrupted run's, byte for byte; the offload files the
+    killed ranks left are gone after it. (A case per test, so parallel workers share them.)"""
     import random
 
-    tm = tiny_models["opt-pre"]
-    rng = random.Random(1234)
-    prompts = [[5 + i % 50, 6 + i % 7, 7, 8 + i % 3] for i in range(40)]
-    p = write_jsonl(tmp_path / "p.jsonl", prompts)
-    common = ["--model", str(tm.path), "--prompts", str(p), "--gen-len", "110", "--ignore-eos",
-              "--temperature", "0.9", "--seed", "5", "--gpu-batch-size", "2", "--dist-timeout", "8",
-              "--percent", "50", "0", "100", "0", "100", "0", "--offload-dir", str(tmp_path / "off")]
-    ref = tmp_path / "ref.jsonl"
-    assert _run(common + ["--output", str(ref)], capsys)[0] == 0
-    for it in range(5):
-        world = 2 if it % 2 == 0 else 3
-        out = tmp_path / f"out{it}.jsonl"
-        procs = _spawn(world, common + ["--output", str(out)])
-        try:
-            deadline = time.time() + 120
-            while time.time() < deadline and not (out.exists() and out.stat().st_size > 0):
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 1.5))
-            dead = rng.randrange(world)
-            procs[dead].kill()
-            for r, proc in enumerate(procs):
-                if r == dead:
-                    continue
-                proc.wait(timeout=40)  # no hang: raises past the bound
-                err = proc.stderr.read()
-                if proc.returncode != 0:  # it had not finished before the kill
-                    assert f"rank {dead}" in err, (it, world, dead, r, err[-2000:])
-                    assert "Traceback" not in err, err[-3000:]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        rc, _ = _run(common + ["--output", str(out), "--resume", "--gpu-batch-size", "3"], capsys)
-        assert rc == 0
-        assert out.read_bytes() == ref.read_bytes(), it
+    job, ref = kill_job
+    rng = random.Random(1234 + it)
+    common = job + ["--offload-dir", str(tmp_path / "off")]
+    world = 2 if it % 2 == 0 else 3
+    out = tmp_path / "out.jsonl"
+    procs = _spawn(world, common + ["--output", str(out)])
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out.exists() and out.stat().st_size > 0):
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.5))
+        dead = rng.randrange(world)
+        procs[dead].kill()
+        for r, proc in enumerate(procs):
+            if r == dead:
+                continue
+            proc.wait(timeout=40)  # no hang: raises past the bound
+            err = proc.stderr.read()
+            if proc.returncode != 0:  # it had not finished before the kill
+                assert f"rank {dead}" in err, (world, dead, r, err[-2000:])
+                assert "Traceback" not in err, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    rc, _ = _run(common + ["--output", str(out), "--resume", "--gpu-batch-size", "3"], capsys)
+    assert rc == 0
+    assert out.read_bytes() == ref
     assert not any((tmp_path / "off").iterdir())  # the killed ranks' files were reclaimed
