@@ -1,8 +1,11 @@
 """Shared fixtures: tiny random models saved with transformers, the reference generator, and
 what the multi-process tests launch with (two hosts in network namespaces, a one-node Slurm
-cluster, clean launcher environments, process trees to stop)."""
+cluster, clean launcher environments, process trees to stop), and the lock that gives a test
+marked `exclusive` the machine to itself when the suite runs in several workers."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -20,6 +23,36 @@ from pathlib import Path
 
 import pytest
 import torch
+
+
+@contextlib.contextmanager
+def _machine_share(exclusive: bool) -> Iterator[None]:
+    """Under pytest-xdist (``-n N``), every test holds a shared lock for its setup, call and
+    teardown, and a test marked ``exclusive`` (it measures the machine's load) holds it alone.
+    A turnstile taken before the lock keeps the other workers from starting tests while an
+    exclusive one waits, so it is not starved. Without xdist: nothing."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not uid:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"flexgen-tests-{uid}"
+    with open(f"{base}.turnstile", "a+") as gate, open(f"{base}.lock", "a+") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            if not exclusive:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with _machine_share(item.get_closest_marker("exclusive") is not None):
+        yield
+
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41],
            [50, 51, 52, 53, 54], [60, 61, 62, 63, 64, 65, 66]]

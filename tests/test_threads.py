@@ -81,7 +81,8 @@ def test_choice_counts_what_the_rank_may_use(monkeypatch) -> None:
     assert choose_threads(env={}).threads == 2  # background noise is not a busy CPU
 
 
-def test_a_busy_process_is_seen(monkeypatch) -> None:
+@pytest.mark.exclusive  # another test's load would be counted as busy CPUs
+def test_a_busy_process_is_seen() -> None:
     cpus = threads.affinity_cpus()
     if len(cpus) < 2:
         pytest.skip("one CPU: nothing to share")
