@@ -287,8 +287,9 @@ def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
 def _stream(z: StageSizes, compute_s: float, read_s: float) -> float:
     """A product's time from its arithmetic and its weight stream. On a GPU they overlap (the
     slower sets the pace). On a CPU the same cores load and multiply: measured on a 2-core
-    VM (docs/benchmarks.md, planner), a decode step of 4, 20 and 64 rows took about the sum
-    of the two, where the larger of them under-counted 20-64 rows by 35-45 %."""
+    VM (docs/benchmarks.md, "CPU decode by block rows"), decode steps of 4, 20 and 64 rows
+    took about the sum of the two, where the larger alone under-counted 20 and 64 rows by a
+    half and a third."""
     return max(compute_s, read_s) if z.stream_overlap else compute_s + read_s
 
 
