@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from . import build_key, cpu_info, native_bf16_product, kernel_dir, linear_bf16, linear_f32
+from . import build_key, cpu_info, kernel_dir, linear_bf16, linear_f32, native_bf16_product
 
 log = logging.getLogger("flexgen_dist.kernels")
 
