@@ -16,6 +16,6 @@ from .api import LLM, Completion  # noqa: E402
 from .scoring import Score  # noqa: E402
 from .config import ConfigError, RunConfig  # noqa: E402
 from .engine.policy import Policy  # noqa: E402
-from .engine.sampling import SamplingConfig  # noqa: E402
+from .engine.sampling import SamplingConfig, TokenLogprobs  # noqa: E402
 
-__all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig"]
+__all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig", "TokenLogprobs"]

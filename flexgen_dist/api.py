@@ -33,7 +33,7 @@ from .config import ConfigError, RunConfig
 from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.policy import Policy
-from .engine.sampling import SamplingConfig
+from .engine.sampling import SamplingConfig, TokenLogprobs
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
@@ -58,6 +58,8 @@ class Completion:
     prompt: str | None = None  # the prompt's text, when it was given as text
     # "stop": at EOS or a stop string; "length": at the request's limit of new tokens
     finish_reason: str = "length"
+    # with ``logprobs=k``: each token of ``token_ids``'s log-probability, and its k alternatives
+    logprobs: TokenLogprobs | None = None
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -173,7 +175,7 @@ class LLM:
     def generate(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                  sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                  keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-                 stop: Sequence[Sequence[str]] | None = None) -> list[Completion]:
+                 stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None) -> list[Completion]:
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
         ``gen_len`` and ``sampling`` default to the options the LLM was built with;
@@ -184,24 +186,27 @@ class LLM:
         its whole block is done, and blocks group prompts of similar length (``sort_window``).
         A sampled completion depends on its seed and on its prompt's key alone (default: the
         prompt's index in this call): a job split over several calls passes ``keys`` (e.g. the
-        prompts' indices in the whole job) to draw what one call would. On ranks other than
+        prompts' indices in the whole job) to draw what one call would. ``logprobs`` (0 to 20)
+        fills each completion's ``logprobs``: every generated token's log-probability under
+        the model and that many most likely alternatives (docs/batch.md). On ranks other than
         0 the arguments are ignored and the result is empty."""
         return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens,
-                                           stop=stop)
+                                           stop=stop, logprobs=logprobs)
                 for c in block]
 
     def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
-             sampling: SamplingConfig | None = None, *, max_new_tokens: Sequence[int] | None = None
-             ) -> list[Completion]:
+             sampling: SamplingConfig | None = None, *, max_new_tokens: Sequence[int] | None = None,
+             logprobs: int | None = None) -> list[Completion]:
         """Replies to ``conversations`` (each a list of ``{"role": ..., "content": ...}``
         messages), each rendered through the model's own chat template with the assistant's
         turn opened, exactly as transformers renders it; as ``generate`` otherwise."""
-        return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens)
+        return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens, logprobs=logprobs)
 
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-               stop: Sequence[Sequence[str]] | None = None) -> Iterator[list[Completion]]:
+               stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None
+               ) -> Iterator[list[Completion]]:
         """Like ``generate``, yielding completions as soon as they are final, in input order: a
         window of consecutive prompts at a time (the prompts one length-grouping window sorted
         into blocks; with ``sort_window=0``, one block). Exhaust it (a stream abandoned midway
@@ -209,7 +214,8 @@ class LLM:
         self._check_open()
         with self._guard():
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,
-                                                             max_new_tokens=max_new_tokens, stop=stop))
+                                                             max_new_tokens=max_new_tokens, stop=stop,
+                                                             logprobs=logprobs))
             stops = StopStrings(work.stops, self.tokenizer) if work.stops is not None and self.is_driver else None
             for window in self._windows(self._run(work, peaks)):
                 yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
@@ -357,14 +363,15 @@ class LLM:
         predicted = {} if plan.prediction is None else dataclasses.asdict(plan.prediction)
         self.metrics = {**merge_metrics(run, self._worker.timings, stages, predicted), "plan": plan.to_dict()}
 
-    def _completion(self, index: int, p: Prompt, toks: list[int], stops: StopStrings | None = None,
+    def _completion(self, index: int, p: Prompt, res: Any, stops: StopStrings | None = None,
                     ignore_eos: bool = False) -> Completion:
+        toks, lps = res if isinstance(res, tuple) else (res, None)
         text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
         stopped = bool(toks) and toks[-1] in self.model.spec.eos_token_ids and not ignore_eos
         if stops is not None and text is not None and stops.has(index):
             text, hit = stops.cut(index, text)
             stopped = stopped or hit
-        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length")
+        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length", lps)
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""

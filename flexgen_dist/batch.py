@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, own = parse_config_with(argv, p, ("input",))
         if not own.get("input") or not cfg.output:
             raise ConfigError(f"give the requests with -i FILE and the output with -o FILE (see {PROG} --help)")
+        if cfg.logprobs is not None:
+            raise ConfigError("--logprobs is for prompt files: in a batch file each request asks for its own "
+                              "(chat: \"logprobs\": true, \"top_logprobs\": K; completions: \"logprobs\": K)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 import yaml
 
 from .engine.policy import PERCENT_FIELDS, Policy
-from .engine.sampling import SamplingConfig
+from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 
 
 class ConfigError(ValueError):
@@ -40,6 +40,7 @@ class RunConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     output: str | None = None
     resume: bool = False
     overwrite: bool = False
@@ -125,6 +126,9 @@ class RunConfig:
             raise ConfigError(f"--{'resume' if self.resume else 'overwrite'} needs --output FILE (the job's output)")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads {self.threads}: must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"--logprobs {self.logprobs}: give 0 (each token's own log-probability) to "
+                              f"{MAX_LOGPROBS} (and that many most likely alternatives)")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
         try:
@@ -282,6 +286,8 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--temperature", type=float, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int)
+    g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
+                   "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "
                    "--resume or --overwrite")
     g.add_argument("--resume", action="store_true", help="finish the job in --output: skip the prompts "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from .config import ConfigError
-from .engine.sampling import SamplingConfig
+from .engine.sampling import MAX_LOGPROBS, SamplingConfig, TokenLogprobs
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -30,12 +30,13 @@ MAX_N = 128  # choices per request
 INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
-    "stream": (False, None), "logprobs": (False, None), "top_logprobs": (None, 0), "echo": (False, None),
+    "stream": (False, None), "echo": (False, None),
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
-USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n"}
+USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+        "logprobs", "top_logprobs"}
 
 
 class RequestError(ValueError):
@@ -59,6 +60,7 @@ class Request:
     stop: tuple[str, ...] = ()
     n: int = 1
     seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
+    logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -149,6 +151,33 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.n = _int(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
+    req.logprobs = _logprobs(req.url, body)
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> int | None:
+    """The alternatives per token a request's logprobs ask for (None: no logprobs). Chat:
+    ``logprobs`` true, with ``top_logprobs`` 0-20; completions: ``logprobs`` an integer 0-20."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if url == CHAT:
+        if lp not in (None, False, True):
+            raise RequestError("invalid_value", f"logprobs {lp!r}: a chat request takes true or false "
+                                                "(top_logprobs sets the alternatives)")
+        if top is not None:
+            k = _int(top, "top_logprobs", 0)
+            if k > MAX_LOGPROBS:
+                raise RequestError("invalid_value", f"top_logprobs {k}: at most {MAX_LOGPROBS}")
+            if k and not lp:
+                raise RequestError("invalid_value", "top_logprobs needs logprobs: true")
+        return (top or 0) if lp else None
+    if top is not None:
+        raise RequestError("unsupported_field", "top_logprobs is a chat field: a completions request sets "
+                                                "logprobs to the number of alternatives")
+    if lp is None:
+        return None
+    k = _int(lp, "logprobs", 0)
+    if k > MAX_LOGPROBS:
+        raise RequestError("invalid_value", f"logprobs {k}: at most {MAX_LOGPROBS}")
+    return k
 
 
 def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int) -> Prompt:
@@ -220,8 +249,10 @@ def request_id(req: Request) -> str:
     return hashlib.sha256(f"{req.line}|{req.custom_id}".encode()).hexdigest()[:24]
 
 
-def output_line(req: Request, model: str, created: int | None = None) -> dict[str, Any]:
-    """The output line of ``req``: its response (with ``req.choices``) or its error."""
+def output_line(req: Request, model: str, created: int | None = None, tokenizer: Any | None = None
+                ) -> dict[str, Any]:
+    """The output line of ``req``: its response (with ``req.choices``) or its error; the
+    tokenizer spells the tokens of its logprobs."""
     rid = request_id(req)
     if req.error is not None:
         err = {"code": req.error.code, "message": str(req.error)}
@@ -242,6 +273,8 @@ def output_line(req: Request, model: str, created: int | None = None) -> dict[st
         if c.text is None:  # a model without a tokenizer: the ids are the answer
             choice["token_ids"] = c.token_ids
         choice["logprobs"] = None
+        if req.logprobs is not None and c.logprobs is not None:
+            choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), tokenizer)
         choice["finish_reason"] = c.finish_reason
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
@@ -251,6 +284,29 @@ def output_line(req: Request, model: str, created: int | None = None) -> dict[st
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _logprobs_object(chat: bool, ids: list[int], lps: TokenLogprobs, tokenizer: Any | None) -> dict[str, Any]:
+    """A choice's ``logprobs`` in the endpoint's format: chat, ``{"content": [{token, logprob,
+    bytes, top_logprobs}]}``; completions, ``{tokens, token_logprobs, top_logprobs,
+    text_offset}`` (offsets into the completion's text). A token is spelled as the tokenizer
+    decodes it alone (without one: its id as text)."""
+    def spell(i: int) -> str:
+        return tokenizer.decode([i]) if tokenizer is not None else str(i)
+
+    toks = [spell(i) for i in ids]
+    tops = [[(spell(i), lp) for i, lp in alts] for alts in lps.top]
+    if chat:
+        def entry(t: str, lp: float) -> dict[str, Any]:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                            for t, lp, alts in zip(toks, lps.token_logprobs, tops)], "refusal": None}
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": lps.token_logprobs,
+            "top_logprobs": [dict(alts) for alts in tops], "text_offset": offsets}
 
 
 # --- running a batch ----------------------------------------------------------------------
@@ -279,13 +335,14 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         return
     assert reqs is not None
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok for j in range(r.n)]
+    asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     out = 0  # the next request to write
 
     def ready() -> list[dict[str, Any]]:
         nonlocal out
         lines = []
         while out < len(reqs) and (not reqs[out].ok or len(reqs[out].choices) == reqs[out].n):
-            lines.append(output_line(reqs[out], llm.model.spec.name))
+            lines.append(output_line(reqs[out], llm.model.spec.name, tokenizer=llm.tokenizer))
             out += 1
         return lines
 
@@ -294,7 +351,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                                   max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
                                   keys=[sampling_key(r, j) for r, j in rows],
                                   max_new_tokens=[r.max_tokens for r, _ in rows],
-                                  stop=[r.stop for r, _ in rows]):
+                                  stop=[r.stop for r, _ in rows], logprobs=max(asked) if asked else None):
             for c in window:
                 rows[c.index][0].choices.append(c)
             lines = ready()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .config import ConfigError
+from .engine.sampling import TokenLogprobs
 from .prompts import Prompt
 
 
@@ -118,8 +119,12 @@ class OutputWriter:
             n, pos = n + 1, end + 1
         return n, pos
 
-    def record(self, p: Prompt, tokens: list[int], text: str | None = None) -> dict[str, Any]:
-        """The output line of prompt ``p``; ``text`` is the decoded completion if known already."""
+    def record(self, p: Prompt, tokens: list[int], text: str | None = None,
+               logprobs: TokenLogprobs | None = None) -> dict[str, Any]:
+        """The output line of prompt ``p``; ``text`` is the decoded completion if known already;
+        ``logprobs`` (``--logprobs K``) adds each token's log-probability and K alternatives
+        (``{"token_logprobs": [...], "top_logprobs": [[{"id", "token", "logprob"}, ...], ...]}``,
+        "token" where there is a tokenizer)."""
         rec: dict[str, Any] = {"id": p.id}
         if p.messages is not None:
             rec["messages"] = p.messages
@@ -130,7 +135,15 @@ class OutputWriter:
         elif self.tokenizer is not None:
             rec["text"] = self.tokenizer.decode(tokens, skip_special_tokens=True)
         rec["tokens"] = tokens
+        if logprobs is not None:
+            rec["logprobs"] = {"token_logprobs": logprobs.token_logprobs,
+                               "top_logprobs": [[self._alt(i, lp) for i, lp in alts] for alts in logprobs.top]}
         return rec
+
+    def _alt(self, i: int, lp: float) -> dict[str, Any]:
+        if self.tokenizer is None:
+            return {"id": i, "logprob": lp}
+        return {"id": i, "token": self.tokenizer.decode([i]), "logprob": lp}
 
     def write(self, recs: list[dict[str, Any]]) -> None:
         """One block's lines, whole, on disk (fsynced) before returning."""

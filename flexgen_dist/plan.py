@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .engine.policy import Policy
-from .engine.sampling import SamplingConfig
+from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 from .prompts import Prompt
 
 TIERS = ("gpu", "cpu", "disk")
@@ -27,7 +27,8 @@ class Workload:
     give requests their own temperature, top-p and seed (default: ``sampling`` for all;
     ``ignore_eos`` is the call's). ``stops`` (one tuple of strings per request) end a
     completion at the first of its stop strings. ``keys`` are the requests' sampling keys
-    (default: their index in the call). ``targets`` (scoring) are, per sequence, the id that
+    (default: their index in the call). ``logprobs`` (None: off) asks for each generated
+    token's log-probability and that many most likely alternatives. ``targets`` (scoring) are, per sequence, the id that
     follows each position, -1 where it is not scored. ``prompts`` (rank 0 only) keep each
     request's ids and text; ``header()`` drops them for the wire."""
 
@@ -39,6 +40,7 @@ class Workload:
     targets: tuple[tuple[int, ...], ...] | None = None
     samplings: tuple[SamplingConfig, ...] | None = None
     stops: tuple[tuple[str, ...], ...] | None = None
+    logprobs: int | None = None
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +57,11 @@ class Workload:
             bad = [m for m in self.max_new_tokens if not 1 <= m <= self.gen_len]
             if bad:
                 raise ValueError(f"max_new_tokens {bad[0]}: each must be in [1, gen_len={self.gen_len}]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs {self.logprobs}: give 0 (the chosen token's only) to {MAX_LOGPROBS} "
+                             "alternatives per token, or None")
+        if self.logprobs is not None and self.targets is not None:
+            raise ValueError("logprobs are for generation; scoring reports each sequence's log-likelihood")
 
     @property
     def num_prompts(self) -> int:

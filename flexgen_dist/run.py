@@ -66,7 +66,8 @@ def run(cfg: RunConfig) -> int:
                 # each prompt keeps its job index as its sampling key: a resumed job draws the same
                 for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts))):
                     if writer is not None:
-                        recs = [writer.record(todo[c.index], c.token_ids, c.text) for c in block]  # type: ignore[index]
+                        recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs)  # type: ignore[index]
+                                for c in block]
                         writer.write(recs)
                         records.extend(recs)
         finally:
@@ -107,7 +108,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
         model = os.path.realpath(Path(model).expanduser())
     return {"model": model, "model_name": llm.model.spec.name, "dummy_weights": cfg.dummy_weights, "dtype": str(llm.dtype),
             "gen_len": cfg.gen_len, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
-            "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {})}
+            "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {}),
+            **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {})}
 
 
 def _rank_path(path: str, rank: int) -> Path:

@@ -21,7 +21,7 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    sampling: SamplingConfig | Sequence[SamplingConfig] | None, cfg: RunConfig, spec: ModelSpec,
                    tokenizer: Any | None, *, keys: Sequence[int] | None = None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
-                   scoring: bool = False) -> Workload:
+                   scoring: bool = False, logprobs: int | None = None) -> Workload:
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's."""
     what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
     if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
@@ -42,6 +42,7 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         keys=None if keys is None else tuple(int(k) for k in keys),
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
+                        logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
                         prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -45,7 +45,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig
+from ..engine.sampling import (MAX_LOGPROBS, BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs,
+                               token_logprobs)
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
@@ -63,8 +64,15 @@ class Pipeline:
                  sampling: SamplingConfig, num_groups: int = 1, ctx: DistContext | None = None,
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
-                 samplings: Sequence[SamplingConfig] | None = None, stops: Any = None) -> None:
+                 samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
+                 logprobs: int | None = None) -> None:
+        if logprobs is not None and (targets is not None or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={logprobs}: None, or 0..{MAX_LOGPROBS} alternatives when generating")
         self.engine, self.blocks, self.G = engine, blocks, num_groups
+        # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
+        # the last stage computes them beside the sampled ids, as (b, width) float64 rows
+        self.logprobs = logprobs
+        self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
         # stage 0: ``stops.hit(sequence, its new ids) -> bool`` for sequences with stop strings
@@ -91,6 +99,7 @@ class Pipeline:
         # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
         self._states: dict[int, Any] = {}
         self._tokens: dict[int, list[torch.Tensor]] = {}
+        self._lps: dict[int, list[torch.Tensor]] = {}  # stage 0, logprobs: per step (b, width)
         self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
@@ -256,6 +265,8 @@ class Pipeline:
             st = self._states[b] = self.engine.new_block(self._meta(blk), tag=f"-blk{b}")
             if self.first:
                 self._tokens[b] = []
+                if self.logprobs is not None:
+                    self._lps[b] = []
             if self.first and self.targets is not None:
                 assert prompts is not None
                 self._forced[b] = self._forced_inputs(blk, prompts)
@@ -289,7 +300,7 @@ class Pipeline:
         if self.targets is not None:
             self._tokens[item.block] = [msg]
         else:
-            self._tokens[item.block].append(msg[:-1])
+            self._take(item.block, msg)
 
     def _outputs(self, b: int) -> list[Any]:
         """Stage 0: block b's token lists, cut after EOS (scoring: its (b, 3) score rows)."""
@@ -305,12 +316,17 @@ class Pipeline:
             outs = [o[:self.limits[m]] for m, o in zip(members, outs)]
         for n, kept in (watch.stopped if watch is not None else {}).items():  # cut where a stop string was
             outs[n] = outs[n][:kept]
+        lps = self._lps.pop(b, None)
         blk = self.blocks[b]
         self.timings.prompt_positions += blk.prompt_len * len(members)
         self.timings.prompt_padding += blk.padding
         self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
+        if lps is not None:  # each completion with its tokens' logprobs, cut as its tokens
+            rows = torch.stack(lps, 1).cpu()  # (b, steps, width): one host copy per block
+            k = self.logprobs or 0
+            return [(o, TokenLogprobs.of_rows(r[:len(o)], k)) for o, r in zip(outs, rows)]
         return outs
 
     def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
@@ -346,17 +362,35 @@ class Pipeline:
         keys = self.keys[members[r0:r1]].split(self.gbs)
         trk = self._trackers[b][k0:item.batches[1]]
         rs = self._samplers[b][k0:item.batches[1]]
-        parts = [t.update(r.sample(lg.float(), k, i), i) for t, r, lg, k in zip(trk, rs, outs, keys)]
+        parts, lps = [], []
+        for t, r, lg, k in zip(trk, rs, outs, keys):
+            lg = lg.float()
+            parts.append(t.update(r.sample(lg, k, i), i))
+            if self.logprobs is not None:
+                lps.append(token_logprobs(lg, parts[-1], self.logprobs))
         nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
+        lp = None if not lps else lps[0] if len(lps) == 1 else torch.cat(lps)
         ended = all(t.all_done() for t in self._trackers[b])
         if item.last and (ended or i == self.gen_len - 1):
             del self._trackers[b]
             del self._samplers[b]
         if self.first:
             self._tokens[b].append(nxt)  # stays on the device: fed back in at i + 1
+            if lp is not None:
+                self._lps[b].append(lp)
             return self._watch_step(b, nxt, i) or ended  # nobody else to tell
-        self.ring.send_tokens(nxt, ended)
+        self.ring.send_tokens(nxt, ended, lp)
         return False
+
+    def _take(self, b: int, msg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Stage 0 of several: a step's message from the last stage (``Ring.send_tokens``):
+        keep its ids (and logprob rows); returns the ids and the early-stop flag."""
+        n = len(self.blocks[b].lens)
+        ids = msg[:n]
+        self._tokens[b].append(ids)
+        if self._lp_width:
+            self._lps[b].append(msg[n:-1].view(torch.float64).view(n, self._lp_width))
+        return ids, bool(msg[-1])
 
     def _input(self, item: Item, handle: Any, prompts: list[list[int]] | None) -> torch.Tensor | None:
         """This stage's input for the item, or None when its block has ended before step i."""
@@ -378,9 +412,7 @@ class Pipeline:
             return self._forced[b][:, i - 1:i]
         if self.last:
             return self._tokens[b][i - 1][:, None]
-        msg = self.ring.wait(handle).cpu()
-        ids, ended = msg[:-1], bool(msg[-1])
-        self._tokens[b].append(ids)
+        ids, ended = self._take(b, self.ring.wait(handle).cpu())
         ended = self._watch_step(b, ids, i - 1) or ended
         return None if ended else ids[:, None]
 
@@ -406,7 +438,7 @@ class Pipeline:
         if item.kind == COLLECT and self.targets is not None:
             return self.ring.post_from_last((n, 3), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
-            return self.ring.post_from_last((n + 1,), torch.long)
+            return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
         return None
 
     def _pass_skip(self, item: Item) -> None:

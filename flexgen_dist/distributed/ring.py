@@ -97,9 +97,13 @@ class Ring:
         self._send(self._skip, self.next)  # type: ignore[arg-type]
         self._send(torch.empty(shape, dtype=dtype, device=self.wire), self.next)  # type: ignore[arg-type]
 
-    def send_tokens(self, ids: torch.Tensor, ended: bool) -> None:
-        """The last stage: a step's sampled ids to stage 0, the early-stop flag appended."""
-        self._send(torch.cat([ids.to(self.wire), self._skip if ended else self._go]), 0)
+    def send_tokens(self, ids: torch.Tensor, ended: bool, logprobs: torch.Tensor | None = None) -> None:
+        """The last stage: a step's sampled ids to stage 0, then (if asked for) their (b, w)
+        float64 logprob rows bit for bit as int64, then the early-stop flag: one message."""
+        parts = [ids.to(self.wire)]
+        if logprobs is not None:
+            parts.append(logprobs.contiguous().view(torch.long).reshape(-1).to(self.wire))
+        self._send(torch.cat([*parts, self._skip if ended else self._go]), 0)
 
     def send_scores(self, acc: torch.Tensor) -> None:
         """The last stage: a block's summed scores to stage 0."""

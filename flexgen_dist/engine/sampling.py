@@ -169,3 +169,41 @@ class BlockWatch:
                     self.tracker.done[n] = True
                     del self.hist[n]
         return bool(self.tracker.done.all())
+
+
+MAX_LOGPROBS = 20  # alternatives per token at most (the OpenAI API's own bound)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """(b, 1 + 2k) float64 per row: the log-probability of the chosen id, then the ids and
+    the log-probabilities of the k most likely ones, most likely first. The distribution is
+    the model's own (a softmax of the raw logits): temperature and top-p change which token
+    is drawn, not the numbers reported for it, as OpenAI's and vLLM's reported logprobs."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    chosen = logits.gather(-1, ids.view(-1, 1).to(logits.device)) - lse
+    if k == 0:
+        return chosen.double()
+    vals, top = logits.topk(k, dim=-1)
+    return torch.cat([chosen.double(), top.double(), (vals - lse).double()], dim=-1)
+
+
+@dataclass
+class TokenLogprobs:
+    """One completion's log-probabilities (natural log, the model's distribution): each
+    generated token's, and per token its ``k`` most likely alternatives as (id, logprob),
+    most likely first (empty lists when none were asked for)."""
+
+    token_logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+    @classmethod
+    def of_rows(cls, rows: torch.Tensor, k: int) -> "TokenLogprobs":
+        """From (steps, 1 + 2k) rows of ``token_logprobs`` (one per kept token)."""
+        vals = rows.tolist()
+        return cls([r[0] for r in vals],
+                   [[(int(i), lp) for i, lp in zip(r[1:1 + k], r[1 + k:])] for r in vals])
+
+    def trimmed(self, k: int) -> "TokenLogprobs":
+        """The same with at most ``k`` alternatives per token."""
+        return TokenLogprobs(list(self.token_logprobs), [t[:k] for t in self.top])

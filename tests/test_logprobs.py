@@ -1,0 +1,205 @@
+"""Log-probabilities of generated tokens (``logprobs=K``, ``--logprobs K``, the OpenAI Batch
+fields): equal to transformers' log-softmax of its own logits in float32, cut with the
+tokens (EOS, per-request limits, stop strings), unchanged by sampling, carried to rank 0 on
+several ranks, and in each endpoint's response format."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, free_port, left_padded, read_jsonl
+from flexgen_dist import LLM, ConfigError, SamplingConfig, TokenLogprobs
+from flexgen_dist.batch import main as batch_main
+from flexgen_dist.engine.sampling import token_logprobs
+from flexgen_dist.openai_batch import RequestError
+from flexgen_dist.openai_batch import _logprobs as request_logprobs
+from flexgen_dist.plan import Workload
+from flexgen_dist.run import main
+
+GEN = 6
+CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+
+
+def reference_logprobs(tm, prompts: list[list[int]], gen_len: int) -> tuple[list[list[int]], torch.Tensor]:
+    """transformers' greedy tokens and the log-softmax of its logits at each step (b, steps, V)."""
+    ids, mask = left_padded(tm, prompts)
+    with torch.no_grad():
+        out = tm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
+                                do_sample=False, pad_token_id=tm.pad_id, output_logits=True,
+                                return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:].tolist(), torch.stack(out.logits, 1).float().log_softmax(-1)
+
+
+def assert_matches(lps: TokenLogprobs, toks: list[int], ref: torch.Tensor, k: int) -> None:
+    """``lps`` of tokens ``toks`` against one sequence's reference log-softmax (steps, V)."""
+    assert len(lps.token_logprobs) == len(lps.top) == len(toks)
+    want = ref[torch.arange(len(toks)), torch.tensor(toks)]
+    assert torch.allclose(torch.tensor(lps.token_logprobs, dtype=torch.float32), want, atol=1e-4)
+    for step, alts in enumerate(lps.top):
+        vals, top = ref[step].topk(k)
+        assert [i for i, _ in alts] == top.tolist()
+        assert torch.allclose(torch.tensor([lp for _, lp in alts], dtype=torch.float32), vals, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_logprobs_match_transformers_and_leave_the_tokens_alone(kind: str, tiny_models) -> None:
+    tm = tiny_models[kind]
+    toks, ref = reference_logprobs(tm, PROMPTS, GEN)
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        outs = llm.generate(PROMPTS, gen_len=GEN, logprobs=3)
+        plain = llm.generate(PROMPTS, gen_len=GEN)
+    assert [c.token_ids for c in outs] == toks == [c.token_ids for c in plain]
+    assert all(c.logprobs is None for c in plain)
+    for b, c in enumerate(outs):
+        assert_matches(c.logprobs, c.token_ids, ref[b], 3)
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        # greedy: the chosen token is the most likely one
+        assert [t[0][0] for t in c.logprobs.top] == c.token_ids
+
+
+def test_logprobs_are_cut_with_the_tokens_and_zero_alternatives(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    toks, ref = reference_logprobs(tm, PROMPTS, GEN)
+    limits = [1, 2, 3, 4, 5, 6]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=3, ignore_eos=True, progress=False) as llm:
+        outs = llm.generate(PROMPTS, gen_len=GEN, max_new_tokens=limits, logprobs=0)
+    for b, (c, m) in enumerate(zip(outs, limits)):
+        assert c.token_ids == toks[b][:m]
+        assert c.logprobs.top == [[] for _ in range(m)]
+        assert_matches(c.logprobs, c.token_ids, ref[b], 0)
+
+
+def test_sampled_tokens_do_not_change_and_report_the_models_distribution(tiny_models) -> None:
+    tm = tiny_models["opt-pre"]
+    hot = SamplingConfig(temperature=0.9, top_p=0.8, seed=3)
+    with LLM(str(tm.path), gpu_batch_size=3, num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        with_lp = llm.generate(PROMPTS, gen_len=GEN, sampling=hot, logprobs=2)
+        without = llm.generate(PROMPTS, gen_len=GEN, sampling=hot)
+    assert [c.token_ids for c in with_lp] == [c.token_ids for c in without]
+    for c in with_lp:  # teacher-forced: the raw model's log-softmax after each prefix
+        seq = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = tm.model(seq).logits[0, len(c.prompt_ids) - 1:-1].float().log_softmax(-1)
+        assert_matches(c.logprobs, c.token_ids, logits, 2)
+
+
+def test_token_logprobs_rows() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.0, 0.0, 0.0]])
+    rows = token_logprobs(logits, torch.tensor([1, 0]), 2)
+    lsm = logits.log_softmax(-1).double()
+    assert rows.shape == (2, 5) and rows.dtype == torch.float64
+    assert torch.allclose(rows[:, 0], lsm[[0, 1], [1, 0]])
+    assert rows[0, 1:3].tolist() == [3.0, 2.0] and rows[1, 1] == 0.0
+    lp = TokenLogprobs.of_rows(rows, 2)
+    assert lp.top[0] == [(3, pytest.approx(lsm[0, 3].item())), (2, pytest.approx(lsm[0, 2].item()))]
+    assert lp.trimmed(1).top[0] == lp.top[0][:1] and token_logprobs(logits, torch.tensor([1, 0]), 0).shape == (2, 1)
+
+
+def test_bad_logprobs_say_what_to_give(tiny_models, tmp_path: Path, capsys) -> None:
+    assert main(["--model", str(tiny_models["opt-pre"].path), "--num-prompts", "2", "--logprobs", "21"]) == 2
+    assert "--logprobs 21: give 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="logprobs 21: give 0"):
+        LLM(str(tiny_models["opt-pre"].path), logprobs=21)
+    with pytest.raises(ValueError, match="logprobs are for generation"):
+        Workload((3,), 2, logprobs=1, targets=((1, 2, 3),))
+    req = tmp_path / "r.jsonl"
+    req.write_text(json.dumps({"custom_id": "a", "url": COMPL, "body": {"prompt": [5, 6]}}) + "\n")
+    assert batch_main(["--model", str(tiny_models["opt-pre"].path), "-i", str(req), "-o",
+                       str(tmp_path / "o.jsonl"), "--logprobs", "2"]) == 2
+    assert "--logprobs is for prompt files" in capsys.readouterr().err
+
+
+def test_cli_writes_logprobs_and_resume_checks_them(tiny_models, prompts_file: Path, tmp_path: Path,
+                                                    capsys) -> None:
+    tm = tiny_models["opt-pre"]
+    toks, ref = reference_logprobs(tm, PROMPTS, GEN)
+    out = tmp_path / "o.jsonl"
+    args = ["--model", str(tm.path), "--prompts", str(prompts_file), "--gen-len", str(GEN), "--ignore-eos",
+            "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--output", str(out), "--no-progress"]
+    assert main([*args, "--logprobs", "2"]) == 0
+    for b, rec in enumerate(read_jsonl(out)):
+        assert rec["tokens"] == toks[b]
+        lp = rec["logprobs"]
+        alts = [[(a["id"], a["logprob"]) for a in step] for step in lp["top_logprobs"]]
+        assert_matches(TokenLogprobs(lp["token_logprobs"], alts), rec["tokens"], ref[b], 2)
+    capsys.readouterr()
+    assert main([*args, "--resume"]) != 0
+    assert "logprobs (2 -> None) changed" in capsys.readouterr().err
+
+
+def test_batch_logprobs_in_each_endpoints_format(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    toks, ref = reference_logprobs(tm, PROMPTS[:2], GEN)
+    reqs = [{"custom_id": "c", "url": COMPL, "body": {"prompt": PROMPTS[0], "max_tokens": GEN, "logprobs": 2}},
+            {"custom_id": "p", "url": COMPL, "body": {"prompt": PROMPTS[1], "max_tokens": GEN}},
+            {"custom_id": "z", "url": COMPL, "body": {"prompt": PROMPTS[1], "max_tokens": GEN, "logprobs": 0}},
+            {"custom_id": "big", "url": COMPL, "body": {"prompt": PROMPTS[1], "logprobs": 21}},
+            {"custom_id": "top", "url": COMPL, "body": {"prompt": PROMPTS[1], "top_logprobs": 2}},
+]
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    choice = out["c"]["response"]["body"]["choices"][0]
+    assert choice["token_ids"] == toks[0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [str(t) for t in toks[0]]  # no tokenizer: a token is spelled as its id
+    assert lp["text_offset"] == [sum(len(str(t)) for t in toks[0][:n]) for n in range(GEN)]
+    alts = [[(int(t), v) for t, v in step.items()] for step in lp["top_logprobs"]]
+    assert_matches(TokenLogprobs(lp["token_logprobs"], alts), toks[0], ref[0], 2)
+    assert out["p"]["response"]["body"]["choices"][0]["logprobs"] is None
+    zero = out["z"]["response"]["body"]["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{}] * GEN
+    assert zero["token_logprobs"] == pytest.approx(ref[1][torch.arange(GEN), torch.tensor(toks[1])].tolist(),
+                                                   abs=1e-4)
+    assert out["big"]["error"]["code"] == "invalid_value" and "at most 20" in out["big"]["error"]["message"]
+    assert out["top"]["error"]["code"] == "unsupported_field"
+    for chat_body, why in (({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+                           ({"logprobs": 2}, "a chat request takes true or false"),
+                           ({"logprobs": True, "top_logprobs": 21}, "at most 20")):
+        with pytest.raises(RequestError, match=why):
+            request_logprobs(CHAT, chat_body)
+    assert request_logprobs(CHAT, {"logprobs": True}) == 0 and request_logprobs(CHAT, {"logprobs": False}) is None
+
+
+def test_batch_chat_logprobs_with_the_bundled_model() -> None:
+    from flexgen_dist.models.loader import bundled_model_path
+    req = {"custom_id": "fr", "url": CHAT, "body": {"messages": [{"role": "user", "content":
+                                                                   "What is the capital of France?"}],
+                                                     "max_tokens": 8, "logprobs": True, "top_logprobs": 2}}
+    with LLM(str(bundled_model_path()), progress=False) as llm:
+        line = llm.batch([req])[0]
+    choice = line["response"]["body"]["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == line["response"]["body"]["usage"]["completion_tokens"]
+    assert "".join(e["token"] for e in content).startswith(choice["message"]["content"])
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode("utf-8")) and e["logprob"] <= 0
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]  # greedy
+        assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_ranks_write_the_logprobs_one_rank_writes(tiny_models, prompts_file: Path, tmp_path: Path) -> None:
+    tm = tiny_models["llama-gqa"]
+    args = ["--model", str(tm.path), "--prompts", str(prompts_file), "--gen-len", str(GEN),
+            "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--logprobs", "3", "--no-progress"]
+    one = tmp_path / "one.jsonl"
+    assert main([*args, "--output", str(one)]) == 0
+    two = tmp_path / "two.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
+           "-m", "flexgen_dist.run", *args, "--output", str(two), "--num-micro-batches", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = read_jsonl(one), read_jsonl(two)
+    assert [x["tokens"] for x in a] == [x["tokens"] for x in b]
+    for x, y in zip(a, b):
+        assert x["logprobs"]["top_logprobs"] == y["logprobs"]["top_logprobs"] or all(
+            [t["id"] for t in s] == [t["id"] for t in u]
+            for s, u in zip(x["logprobs"]["top_logprobs"], y["logprobs"]["top_logprobs"]))
+        assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-5)
