@@ -188,7 +188,7 @@ class LLM:
         prompt's index in this call): a job split over several calls passes ``keys`` (e.g. the
         prompts' indices in the whole job) to draw what one call would. ``logprobs`` (0 to 20)
         fills each completion's ``logprobs``: every generated token's log-probability under
-        the model and that many most likely alternatives (docs/batch.md). On ranks other than
+        the model and that many most likely alternatives (README, "Library API"). On ranks other than
         0 the arguments are ignored and the result is empty."""
         return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens,
                                            stop=stop, logprobs=logprobs)
