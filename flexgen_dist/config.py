@@ -40,6 +40,8 @@ class RunConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     output: str | None = None
     resume: bool = False
@@ -132,13 +134,14 @@ class RunConfig:
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
         try:
-            SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+            _ = self.sampling  # its own checks, as config errors
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos)
+        return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
+                              self.frequency_penalty, self.presence_penalty)
 
     @property
     def auto_policy(self) -> bool:
@@ -286,6 +289,10 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--temperature", type=float, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int)
+    g.add_argument("--frequency-penalty", type=float, help="subtract this times the times a token was "
+                   "generated already from its logit (-2 to 2, default 0; greedy too)")
+    g.add_argument("--presence-penalty", type=float, help="subtract this from the logit of every token "
+                   "generated already (-2 to 2, default 0; greedy too)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from .config import ConfigError
-from .engine.sampling import MAX_LOGPROBS, SamplingConfig, TokenLogprobs
+from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingConfig, TokenLogprobs
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -31,12 +31,11 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options",
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None), "echo": (False, None),
-    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+        "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
-        "logprobs", "top_logprobs"}
+        "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}
 
 
 class RequestError(ValueError):
@@ -145,13 +144,34 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if top_p <= 0:
         raise RequestError("invalid_value", "top_p must be in (0, 1]")
     s = body.get("seed")
-    req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0))
+    penalties = [_number(body.get(k) or 0.0, k, -MAX_PENALTY, MAX_PENALTY)
+                 for k in ("frequency_penalty", "presence_penalty")]
+    req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
+                                  _logit_bias(body.get("logit_bias"), vocab_size))
     req.seeded = s is not None
     req.stop = _stops(body.get("stop"))
     req.n = _int(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     req.logprobs = _logprobs(req.url, body)
+
+
+def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: ``{"token id": bias in [-100, 100]}`` (ids as strings, as JSON keys are)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise RequestError("invalid_value", "logit_bias must be an object of token ids to biases")
+    out = []
+    for k, b in v.items():
+        try:
+            i = int(k)
+        except (TypeError, ValueError):
+            raise RequestError("invalid_value", f"logit_bias key {k!r} is not a token id") from None
+        if not 0 <= i < vocab_size:
+            raise RequestError("invalid_value", f"logit_bias token id {i} is outside the vocabulary [0, {vocab_size})")
+        out.append((i, _number(b, f"logit_bias[{k!r}]", -MAX_BIAS, MAX_BIAS)))
+    return tuple(out)
 
 
 def _logprobs(url: str, body: dict[str, Any]) -> int | None:

@@ -34,6 +34,10 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     # a scored sequence generates nothing: it may fill every position
     check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
     each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
+    for cfg_ in each or ([sampling] if isinstance(sampling, SamplingConfig) else []):
+        bad = [i for i, _ in cfg_.logit_bias if i >= spec.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
     try:

@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-p; per-sequence EOS; per-sequence randomness.
+"""Next-token choice: greedy, temperature, top-p; frequency and presence penalties and logit
+biases; per-sequence EOS; per-sequence randomness.
 
 A sampled token is drawn by inverting the cumulative distribution at a uniform number that
 is a hash of (seed, the sequence's key, the step), computed for every row at once: a
@@ -14,18 +15,44 @@ from typing import Any
 import torch
 
 
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| at most (the OpenAI API's range)
+MAX_BIAS = 100.0  # |logit bias| at most (the OpenAI API's range)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
+    """How a sequence's next token is chosen. Before the choice (greedy too) its logits are
+    adjusted as OpenAI's API defines: ``logit_bias`` ((id, bias) pairs) is added, and each id
+    already generated c times in this completion loses ``frequency_penalty * c`` plus
+    ``presence_penalty`` once; the prompt's ids do not count."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"--{name.replace('_', '-')} {v}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        bias = tuple((int(i), float(b)) for i, b in dict(self.logit_bias).items())  # a dict works too
+        object.__setattr__(self, "logit_bias", bias)
+        for i, b in bias:
+            if i < 0 or not -MAX_BIAS <= b <= MAX_BIAS:
+                raise ValueError(f"logit_bias {{{i}: {b}}}: ids are >= 0 and biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted before the choice (penalties or biases)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +112,7 @@ class RowSampling:
     sorted apart from the others, so a row samples what it would alone."""
 
     def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
+        self.adjust = LogitAdjust(cfgs, device) if any(c.adjusts for c in cfgs) else None
         self.greedy = all(c.greedy for c in cfgs)
         self.hot = torch.tensor([not c.greedy for c in cfgs], device=device)
         self.temperature = torch.tensor([c.temperature if not c.greedy else 1.0 for c in cfgs],
@@ -95,7 +123,15 @@ class RowSampling:
         self.uniform = cfgs[0] if all(c == cfgs[0] for c in cfgs) else None
 
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
-        """Token ids (b,) from last-position logits (b, vocab), each row by its own settings."""
+        """Token ids (b,) from last-position logits (b, vocab), each row by its own settings
+        (``logits`` is not changed: the adjusted ones are a new tensor)."""
+        if self.adjust is None:
+            return self._choose(logits, keys, step)
+        ids = self._choose(self.adjust(logits), keys, step)
+        self.adjust.count(ids)
+        return ids
+
+    def _choose(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
         if self.uniform is not None:  # one setting for all: the whole-batch path
             return sample(logits, self.uniform, keys, step)
         greedy = logits.max(dim=-1).indices
@@ -110,6 +146,42 @@ class RowSampling:
             sp = sp.masked_fill(sp.cumsum(dim=-1) - sp > self.top_p[rows, None], 0.0)
             out[rows] = order.gather(-1, _invert(sp, u[rows])[:, None]).squeeze(-1)
         return torch.where(self.hot, out, greedy)
+
+
+class LogitAdjust:
+    """The penalties and biases of a GPU batch's rows (``SamplingConfig``): each row's count of
+    every id it has generated, (b, vocab) float32 on the device, made only where some row
+    has a penalty, and its biases as one sparse add."""
+
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
+        self.freq = torch.tensor([c.frequency_penalty for c in cfgs], dtype=torch.float32, device=device)[:, None]
+        self.pres = torch.tensor([c.presence_penalty for c in cfgs], dtype=torch.float32, device=device)[:, None]
+        self.penalised = any(c.frequency_penalty or c.presence_penalty for c in cfgs)
+        self.counts: torch.Tensor | None = None  # made at the first step, of the logits' width
+        self._width = 0
+        rows = [(r, i, b) for r, c in enumerate(cfgs) for i, b in c.logit_bias]
+        self.bias = None if not rows else (
+            torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device),
+            torch.tensor([i for _, i, _ in rows], dtype=torch.long, device=device),
+            torch.tensor([b for _, _, b in rows], dtype=torch.float32, device=device))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self._width = logits.shape[-1]
+        out = logits.float().clone()
+        if self.bias is not None:
+            r, i, b = self.bias
+            out.index_put_((r, i), b, accumulate=True)
+        if self.counts is not None:
+            out -= self.freq * self.counts + self.pres * (self.counts > 0)
+        return out
+
+    def count(self, ids: torch.Tensor) -> None:
+        """Each row generated ``ids`` (b,) at this step."""
+        if not self.penalised:
+            return
+        if self.counts is None:
+            self.counts = torch.zeros((ids.shape[0], self._width), dtype=torch.float32, device=ids.device)
+        self.counts.scatter_add_(1, ids.view(-1, 1), torch.ones((ids.shape[0], 1), device=ids.device))
 
 
 def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
