@@ -149,39 +149,39 @@ class RowSampling:
 
 
 class LogitAdjust:
-    """The penalties and biases of a GPU batch's rows (``SamplingConfig``): each row's count of
-    every id it has generated, (b, vocab) float32 on the device, made only where some row
-    has a penalty, and its biases as one sparse add."""
+    """The penalties and biases of a GPU batch's rows (``SamplingConfig``) as one (b, vocab)
+    float32 offset on the device, added to the logits in one pass: the biases, less each
+    id's penalties so far. A step's choice updates only the b entries it chose (``count``):
+    ``frequency_penalty`` off each time, ``presence_penalty`` off the first time (``seen``)."""
 
     def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
-        self.freq = torch.tensor([c.frequency_penalty for c in cfgs], dtype=torch.float32, device=device)[:, None]
-        self.pres = torch.tensor([c.presence_penalty for c in cfgs], dtype=torch.float32, device=device)[:, None]
+        self.cfgs, self.device = cfgs, device
+        self.freq = torch.tensor([c.frequency_penalty for c in cfgs], dtype=torch.float32, device=device)
+        self.pres = torch.tensor([c.presence_penalty for c in cfgs], dtype=torch.float32, device=device)
         self.penalised = any(c.frequency_penalty or c.presence_penalty for c in cfgs)
-        self.counts: torch.Tensor | None = None  # made at the first step, of the logits' width
-        self._width = 0
-        rows = [(r, i, b) for r, c in enumerate(cfgs) for i, b in c.logit_bias]
-        self.bias = None if not rows else (
-            torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device),
-            torch.tensor([i for _, i, _ in rows], dtype=torch.long, device=device),
-            torch.tensor([b for _, _, b in rows], dtype=torch.float32, device=device))
+        self.offset: torch.Tensor | None = None  # made at the first step, of the logits' width
+        self.seen: torch.Tensor | None = None  # (b, vocab) bool: ids each row has generated
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        self._width = logits.shape[-1]
-        out = logits.float().clone()
-        if self.bias is not None:
-            r, i, b = self.bias
-            out.index_put_((r, i), b, accumulate=True)
-        if self.counts is not None:
-            out -= self.freq * self.counts + self.pres * (self.counts > 0)
-        return out
+        if self.offset is None:
+            b, width = logits.shape
+            self.offset = torch.zeros((b, width), dtype=torch.float32, device=self.device)
+            for r, c in enumerate(self.cfgs):
+                for i, bias in c.logit_bias:
+                    self.offset[r, i] += bias
+            if self.penalised:
+                self.seen = torch.zeros((b, width), dtype=torch.bool, device=self.device)
+        return logits.float() + self.offset
 
     def count(self, ids: torch.Tensor) -> None:
         """Each row generated ``ids`` (b,) at this step."""
-        if not self.penalised:
+        if self.seen is None or self.offset is None:
             return
-        if self.counts is None:
-            self.counts = torch.zeros((ids.shape[0], self._width), dtype=torch.float32, device=ids.device)
-        self.counts.scatter_add_(1, ids.view(-1, 1), torch.ones((ids.shape[0], 1), device=ids.device))
+        col = ids.view(-1, 1)
+        first = ~self.seen.gather(1, col).view(-1)
+        cost = self.freq + self.pres * first
+        self.offset.scatter_add_(1, col, -cost.view(-1, 1))
+        self.seen.scatter_(1, col, True)
 
 
 def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
