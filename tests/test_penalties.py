@@ -119,3 +119,17 @@ def test_two_ranks_apply_the_penalties_one_rank_applies(tiny_models, prompts_fil
     assert [x["tokens"] for x in read_jsonl(two)] == [reference(tm, p, cfg, GEN) for p in prompts]
     fp = json.loads((tmp_path / "two.jsonl.run.json").read_text())
     assert fp["frequency_penalty"] == 1.2 and fp["presence_penalty"] == 0.3
+
+
+def test_adjust_entries_count_new_ids_once_and_leave_the_logits_alone() -> None:
+    from flexgen_dist.engine.sampling import LogitAdjust
+    cfgs = [SamplingConfig(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={2: 3.0}), SamplingConfig()]
+    adj = LogitAdjust(cfgs, torch.device("cpu"), steps=3)
+    logits = torch.zeros(2, 5)
+    assert adj(logits).tolist() == [[0, 0, 3, 0, 0], [0] * 5] and logits.abs().sum() == 0
+    adj.count(torch.tensor([1, 4]))
+    adj.count(torch.tensor([1, 4]))
+    adj.count(torch.tensor([2, 4]))
+    assert adj(logits).tolist() == [[0, -2.5, 1.5, 0, 0], [0] * 5]
+    with pytest.raises(RuntimeError, match="made for 3 steps"):
+        adj.count(torch.tensor([0, 0]))

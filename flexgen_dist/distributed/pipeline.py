@@ -279,7 +279,8 @@ class Pipeline:
                         EosTracker(len(r), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev,
                                    None if limits is None else limits[a * self.gbs:a * self.gbs + len(r)])
                         for a, r in enumerate(rows)]
-                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev) for r in rows]
+                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev, self.gen_len)
+                                         for r in rows]
                 if self.first:
                     self._watch[b] = BlockWatch(EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
                                                            self.sampling.ignore_eos, dev, limits),

@@ -111,8 +111,9 @@ class RowSampling:
     A row's draw depends on its own settings, key and step only: rows with top-p < 1 are
     sorted apart from the others, so a row samples what it would alone."""
 
-    def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
-        self.adjust = LogitAdjust(cfgs, device) if any(c.adjusts for c in cfgs) else None
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int = 0) -> None:
+        """``steps``: the most choices this sampler will make (needed by penalties)."""
+        self.adjust = LogitAdjust(cfgs, device, steps) if any(c.adjusts for c in cfgs) else None
         self.greedy = all(c.greedy for c in cfgs)
         self.hot = torch.tensor([not c.greedy for c in cfgs], device=device)
         self.temperature = torch.tensor([c.temperature if not c.greedy else 1.0 for c in cfgs],
@@ -149,39 +150,41 @@ class RowSampling:
 
 
 class LogitAdjust:
-    """The penalties and biases of a GPU batch's rows (``SamplingConfig``) as one (b, vocab)
-    float32 offset on the device, added to the logits in one pass: the biases, less each
-    id's penalties so far. A step's choice updates only the b entries it chose (``count``):
-    ``frequency_penalty`` off each time, ``presence_penalty`` off the first time (``seen``)."""
+    """The penalties and biases of a GPU batch's rows (``SamplingConfig``) as (id, amount)
+    entries per row, (b, biases + steps), scattered onto a copy of the logits in one
+    ``scatter_add``: a row's biases, then one entry per token it has generated, of
+    ``-(frequency_penalty + presence_penalty if the id is new to the row)``. Memory is
+    O(rows x steps), not O(rows x vocab); unused entries add 0 to id 0."""
 
-    def __init__(self, cfgs: list[SamplingConfig], device: torch.device) -> None:
-        self.cfgs, self.device = cfgs, device
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int) -> None:
+        nb = max(len(c.logit_bias) for c in cfgs)
+        self.penalised = any(c.frequency_penalty or c.presence_penalty for c in cfgs)
+        width = nb + (steps if self.penalised else 0)
+        self.ids = torch.zeros((len(cfgs), width), dtype=torch.long)
+        self.amount = torch.zeros((len(cfgs), width), dtype=torch.float32)
+        for r, c in enumerate(cfgs):
+            for j, (i, b) in enumerate(c.logit_bias):
+                self.ids[r, j], self.amount[r, j] = i, b
+        self.ids, self.amount = self.ids.to(device), self.amount.to(device)
         self.freq = torch.tensor([c.frequency_penalty for c in cfgs], dtype=torch.float32, device=device)
         self.pres = torch.tensor([c.presence_penalty for c in cfgs], dtype=torch.float32, device=device)
-        self.penalised = any(c.frequency_penalty or c.presence_penalty for c in cfgs)
-        self.offset: torch.Tensor | None = None  # made at the first step, of the logits' width
-        self.seen: torch.Tensor | None = None  # (b, vocab) bool: ids each row has generated
+        self.nb, self.used = nb, nb  # entries in use: the biases, then one per step counted
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.offset is None:
-            b, width = logits.shape
-            self.offset = torch.zeros((b, width), dtype=torch.float32, device=self.device)
-            for r, c in enumerate(self.cfgs):
-                for i, bias in c.logit_bias:
-                    self.offset[r, i] += bias
-            if self.penalised:
-                self.seen = torch.zeros((b, width), dtype=torch.bool, device=self.device)
-        return logits.float() + self.offset
+        out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        return out.scatter_add_(1, self.ids[:, :self.used], self.amount[:, :self.used])
 
     def count(self, ids: torch.Tensor) -> None:
         """Each row generated ``ids`` (b,) at this step."""
-        if self.seen is None or self.offset is None:
+        if not self.penalised:
             return
-        col = ids.view(-1, 1)
-        first = ~self.seen.gather(1, col).view(-1)
-        cost = self.freq + self.pres * first
-        self.offset.scatter_add_(1, col, -cost.view(-1, 1))
-        self.seen.scatter_(1, col, True)
+        if self.used == self.ids.shape[1]:
+            raise RuntimeError(f"LogitAdjust was made for {self.ids.shape[1] - self.nb} steps")
+        ids = ids.view(-1)
+        new = ~(self.ids[:, self.nb:self.used] == ids[:, None]).any(dim=1)
+        self.ids[:, self.used] = ids
+        self.amount[:, self.used] = -(self.freq + self.pres * new)
+        self.used += 1
 
 
 def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
