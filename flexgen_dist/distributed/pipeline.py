@@ -6,7 +6,8 @@ batch so the next stage can start sooner) and its decode steps; a slot whose blo
 starts its next block's prefill while the other slots still decode. For each item, stage s
 receives the hidden states from s-1, runs its block schedule over the item's GPU batches,
 and sends them to s+1; the last stage samples and sends the new token ids of the block back
-to stage 0, which feeds them in at the block's next step. With G >= m, stage 0 has other
+to stage 0 (with their log-probabilities, in the same message, when the call asks for
+them), which feeds them in at the block's next step. With G >= m, stage 0 has other
 blocks to work on while a block's token travels round the ring, so every stage stays busy.
 Stage 0 keeps every token id it receives, so it yields outputs in prompt order without a
 separate gather; a block's last tokens arrive at a *collect* item of stage 0 only. Receives
