@@ -39,6 +39,8 @@ class RunConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int = 0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -141,7 +143,7 @@ class RunConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
-                              self.frequency_penalty, self.presence_penalty)
+                              self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p)
 
     @property
     def auto_policy(self) -> bool:
@@ -288,6 +290,9 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --gen-len tokens")
     g.add_argument("--temperature", type=float, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int, help="sample among the K most likely tokens only (default 0: all)")
+    g.add_argument("--min-p", type=float, help="sample among the tokens at least this times as likely as the "
+                   "most likely one only (0-1, default 0: all)")
     g.add_argument("--seed", type=int)
     g.add_argument("--frequency-penalty", type=float, help="subtract this times the times a token was "
                    "generated already from its logit (-2 to 2, default 0; greedy too)")

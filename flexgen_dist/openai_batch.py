@@ -35,7 +35,8 @@ OFF: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
-        "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}
+        "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+        "top_k", "min_p"}  # the last two: vLLM's extensions
 
 
 class RequestError(ValueError):
@@ -139,15 +140,19 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         raise RequestError("context_length_exceeded",
                            f"the prompt has {len(req.prompt.ids)} tokens; with max_tokens {req.max_tokens} that "
                            f"exceeds the model's {max_positions} positions: shorten it or lower max_tokens")
-    temp = _number(body.get("temperature", 1.0 if "top_p" in body else 0.0), "temperature", 0.0, 2.0)
+    hot = any(k in body for k in ("top_p", "top_k", "min_p"))  # a sampling setting without a temperature
+    temp = _number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
     top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
     if top_p <= 0:
         raise RequestError("invalid_value", "top_p must be in (0, 1]")
     s = body.get("seed")
     penalties = [_number(body.get(k) or 0.0, k, -MAX_PENALTY, MAX_PENALTY)
                  for k in ("frequency_penalty", "presence_penalty")]
+    top_k = body.get("top_k")
+    top_k = 0 if top_k in (None, -1) else _int(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
     req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
-                                  _logit_bias(body.get("logit_bias"), vocab_size))
+                                  _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
+                                  min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0))
     req.seeded = s is not None
     req.stop = _stops(body.get("stop"))
     req.n = _int(body.get("n", 1), "n", 1)

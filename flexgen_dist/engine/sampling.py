@@ -1,5 +1,5 @@
-"""Next-token choice: greedy, temperature, top-p; frequency and presence penalties and logit
-biases; per-sequence EOS; per-sequence randomness.
+"""Next-token choice: greedy, temperature, top-k, top-p, min-p; frequency and presence
+penalties and logit biases; per-sequence EOS; per-sequence randomness.
 
 A sampled token is drawn by inverting the cumulative distribution at a uniform number that
 is a hash of (seed, the sequence's key, the step), computed for every row at once: a
@@ -33,12 +33,21 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # sampling only, applied as transformers applies them: the k most likely ids (0: all),
+    # then the top-p nucleus of what they hold, then the ids at least min_p times as likely
+    # as the most likely one (0: all)
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k {self.top_k}: must be >= 0 (0 keeps every token)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"--min-p {self.min_p}: must be in [0, 1] (0 keeps every token)")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -92,12 +101,14 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | None 
     if keys is None:
         raise ValueError("sampling needs each row's key")
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_k:
+        probs = _top_k(probs, torch.full((probs.shape[0],), cfg.top_k, device=probs.device))
     order = None
     if cfg.top_p < 1.0:
         probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = probs.cumsum(dim=-1) - probs > cfg.top_p
-        probs = probs.masked_fill(drop, 0.0)
+        probs = _nucleus(probs, torch.full((probs.shape[0],), cfg.top_p, device=probs.device), bool(cfg.top_k))
+    if cfg.min_p:
+        probs = _min_p(probs, torch.full((probs.shape[0],), cfg.min_p, device=probs.device))
     cdf = probs.double().cumsum(dim=-1)
     u = uniforms(cfg.seed, keys.to(cdf.device), step).unsqueeze(-1) * cdf[:, -1:]
     # the first token whose cumulative sum passes u: never one of probability 0
@@ -120,6 +131,14 @@ class RowSampling:
                                         dtype=torch.float32, device=device)
         self.top_p = torch.tensor([c.top_p for c in cfgs], dtype=torch.float32, device=device)
         self.nucleus = [n for n, c in enumerate(cfgs) if c.top_p < 1.0 and not c.greedy]
+        self.top_k = torch.tensor([c.top_k for c in cfgs], dtype=torch.long, device=device)
+        self.any_top_k = any(c.top_k and not c.greedy for c in cfgs)
+        # min-p of the rows outside the nucleus here; a nucleus row's after its top-p, as alone
+        self.min_p = torch.tensor([c.min_p if n not in self.nucleus else 0.0 for n, c in enumerate(cfgs)],
+                                  dtype=torch.float32, device=device)
+        self.nucleus_min_p = torch.tensor([cfgs[n].min_p for n in self.nucleus], dtype=torch.float32,
+                                          device=device)
+        self.any_min_p = any(c.min_p and not c.greedy for c in cfgs)
         self.seed = torch.tensor([c.seed for c in cfgs], dtype=torch.long, device=device)
         self.uniform = cfgs[0] if all(c == cfgs[0] for c in cfgs) else None
 
@@ -139,14 +158,41 @@ class RowSampling:
         if self.greedy:
             return greedy
         probs = torch.softmax(logits.float() / self.temperature[:, None], dim=-1)
+        if self.any_top_k:
+            probs = _top_k(probs, self.top_k)
         u = uniforms(self.seed, keys.to(probs.device), step)
-        out = _invert(probs, u)
+        out = _invert(_min_p(probs, self.min_p) if self.any_min_p else probs, u)
         if self.nucleus:
             rows = torch.tensor(self.nucleus, device=probs.device)
             sp, order = probs[rows].sort(dim=-1, descending=True)
-            sp = sp.masked_fill(sp.cumsum(dim=-1) - sp > self.top_p[rows, None], 0.0)
+            sp = _nucleus(sp, self.top_p[rows], self.top_k[rows] > 0)
+            if self.any_min_p:
+                sp = _min_p(sp, self.nucleus_min_p)
             out[rows] = order.gather(-1, _invert(sp, u[rows])[:, None]).squeeze(-1)
         return torch.where(self.hot, out, greedy)
+
+
+def _top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``probs`` with each row's ids below its k-th largest set to 0 (k (b,); 0: none)."""
+    kmax = int(k.max().clamp(max=probs.shape[-1]))
+    kth = probs.topk(kmax, dim=-1).values.gather(-1, (k.clamp(1, kmax) - 1)[:, None])
+    return probs.masked_fill((probs < kth) & (k[:, None] > 0), 0.0)
+
+
+def _nucleus(sp: torch.Tensor, top_p: torch.Tensor, renorm: bool | torch.Tensor) -> torch.Tensor:
+    """Sorted (descending) ``sp`` cut to each row's smallest prefix whose mass reaches top_p
+    (b,) of the row's mass (``renorm``: of what top-k left, else of 1); the first stays."""
+    mass = top_p[:, None]
+    if isinstance(renorm, torch.Tensor) or renorm:
+        total = sp.sum(dim=-1, keepdim=True)
+        mass = mass * (torch.where(renorm[:, None], total, torch.ones_like(total)) if isinstance(renorm, torch.Tensor)
+                       else total)
+    return sp.masked_fill(sp.cumsum(dim=-1) - sp > mass, 0.0)
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` with each row's ids less likely than min_p (b,) times its most likely set to 0."""
+    return probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
 
 
 class LogitAdjust:
