@@ -6,8 +6,10 @@ An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions"
 response (``choices``, ``usage``), so the readers of hosted batch APIs parse it. A request the
 engine cannot serve as asked (bad JSON, an unknown url, a body field that would change the
 output and is not computed, a prompt longer than the model's context) gets an error line of
-its own; the others run. Each request keeps its own ``max_tokens``, sampling and stop strings
-(``Workload``), and ``n`` choices become n rows of the job.
+its own; the others run. Each request keeps its own ``max_tokens``, sampling (penalties,
+biases, top-k and min-p included) and stop strings (``Workload``), and ``n`` choices become n
+rows of the job. Log-probabilities are computed for the whole call at the most any request
+asks for, and each request's line carries its own number of alternatives.
 
 This module turns lines into requests and results into lines; ``LLM.batch`` runs them and
 ``python -m flexgen_dist.batch`` is the command.
