@@ -195,7 +195,8 @@ class LLM:
                 for c in block]
 
     def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
-             sampling: SamplingConfig | None = None, *, max_new_tokens: Sequence[int] | None = None,
+             sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
+             max_new_tokens: Sequence[int] | None = None,
              logprobs: int | None = None) -> list[Completion]:
         """Replies to ``conversations`` (each a list of ``{"role": ..., "content": ...}``
         messages), each rendered through the model's own chat template with the assistant's

@@ -203,3 +203,23 @@ def test_two_ranks_write_the_logprobs_one_rank_writes(tiny_models, prompts_file:
             [t["id"] for t in s] == [t["id"] for t in u]
             for s, u in zip(x["logprobs"]["top_logprobs"], y["logprobs"]["top_logprobs"]))
         assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-5)
+
+
+def test_the_multiple_choice_example_answers_within_its_options(tmp_path: Path) -> None:
+    import re
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo / "examples"))
+    try:
+        from classify import QUESTIONS
+    finally:
+        sys.path.pop(0)
+    r = subprocess.run([sys.executable, str(repo / "examples" / "classify.py")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == len(QUESTIONS)
+    for line, (question, options) in zip(lines, QUESTIONS):
+        m = re.fullmatch(r"\s*(\w+) \((\d+)% of its options' probability\)  (.+)", line)
+        assert m is not None, line
+        assert m.group(1) in options and 0 < int(m.group(2)) <= 100 and m.group(3) == question
+    assert lines[0].split()[0] == "Paris"  # 96 % of its options' probability on the development VM
