@@ -1,5 +1,5 @@
 """The CUDA paths: every placement on ``--device cuda`` against transformers on the same GPU,
-every newer family and the mixtures of experts there, half types, the CPU-attention cache in pinned RAM, disk weights with overlap, compression on
+every newer family and the mixtures of experts there, logprobs, penalties and top-k/min-p there, half types, the CPU-attention cache in pinned RAM, disk weights with overlap, compression on
 the GPU, and a two-rank pipeline sharing one GPU.
 
 Every test here is marked ``gpu`` and skipped without a CUDA device. The ``gpu_device``
@@ -280,3 +280,21 @@ def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_devic
         tm = moe_model(name, tmp_path / "m")
     ref, _ = reference_on(tm, gpu_device, torch.float32, LONG, GEN)
     assert run(tm, (50, 50, 100, 0, 100, 0), gpu_device, torch.float32, tmp_path / "off", prompts=LONG) == ref
+
+
+def test_logprobs_penalties_and_filters_on_the_gpu_match_the_cpu(tiny_models, gpu_device) -> None:
+    from flexgen_dist import LLM
+    tm = tiny_models["llama-gqa"]
+    cfgs = [SamplingConfig(frequency_penalty=1.0, presence_penalty=0.5), SamplingConfig(logit_bias={7: 3.0}),
+            SamplingConfig(temperature=0.8, top_k=5, seed=1), SamplingConfig(temperature=0.8, top_p=0.9, min_p=0.2,
+                                                                             seed=1),
+            SamplingConfig(), SamplingConfig(temperature=1.2, seed=2)]
+    outs = {}
+    for dev in ("cpu", gpu_device.type):
+        with LLM(str(tm.path), device=dev, dtype="float32", gpu_batch_size=2, num_gpu_batches=3, ignore_eos=True,
+                 progress=False) as llm:
+            outs[dev] = llm.generate(PROMPTS, gen_len=GEN, sampling=cfgs, logprobs=3)
+    for a, b in zip(outs["cpu"], outs[gpu_device.type]):
+        assert a.token_ids == b.token_ids
+        assert b.logprobs.token_logprobs == pytest.approx(a.logprobs.token_logprobs, abs=1e-4)
+        assert [[i for i, _ in t] for t in b.logprobs.top] == [[i for i, _ in t] for t in a.logprobs.top]

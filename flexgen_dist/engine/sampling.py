@@ -102,7 +102,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | None 
         raise ValueError("sampling needs each row's key")
     probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
     if cfg.top_k:
-        probs = _top_k(probs, torch.full((probs.shape[0],), cfg.top_k, device=probs.device))
+        probs = _top_k(probs, torch.full((probs.shape[0],), cfg.top_k, device=probs.device), cfg.top_k)
     order = None
     if cfg.top_p < 1.0:
         probs, order = probs.sort(dim=-1, descending=True)
@@ -132,7 +132,7 @@ class RowSampling:
         self.top_p = torch.tensor([c.top_p for c in cfgs], dtype=torch.float32, device=device)
         self.nucleus = [n for n, c in enumerate(cfgs) if c.top_p < 1.0 and not c.greedy]
         self.top_k = torch.tensor([c.top_k for c in cfgs], dtype=torch.long, device=device)
-        self.any_top_k = any(c.top_k and not c.greedy for c in cfgs)
+        self.kmax = max((c.top_k for c in cfgs if not c.greedy), default=0)  # 0: no row filters by top-k
         # min-p of the rows outside the nucleus here; a nucleus row's after its top-p, as alone
         self.min_p = torch.tensor([c.min_p if n not in self.nucleus else 0.0 for n, c in enumerate(cfgs)],
                                   dtype=torch.float32, device=device)
@@ -158,8 +158,8 @@ class RowSampling:
         if self.greedy:
             return greedy
         probs = torch.softmax(logits.float() / self.temperature[:, None], dim=-1)
-        if self.any_top_k:
-            probs = _top_k(probs, self.top_k)
+        if self.kmax:
+            probs = _top_k(probs, self.top_k, self.kmax)
         u = uniforms(self.seed, keys.to(probs.device), step)
         out = _invert(_min_p(probs, self.min_p) if self.any_min_p else probs, u)
         if self.nucleus:
@@ -172,9 +172,10 @@ class RowSampling:
         return torch.where(self.hot, out, greedy)
 
 
-def _top_k(probs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``probs`` with each row's ids below its k-th largest set to 0 (k (b,); 0: none)."""
-    kmax = int(k.max().clamp(max=probs.shape[-1]))
+def _top_k(probs: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """``probs`` with each row's ids below its k-th largest set to 0 (k (b,); 0: none; kmax:
+    the largest k, known on the host, so no step waits for the device to say it)."""
+    kmax = min(kmax, probs.shape[-1])
     kth = probs.topk(kmax, dim=-1).values.gather(-1, (k.clamp(1, kmax) - 1)[:, None])
     return probs.masked_fill((probs < kth) & (k[:, None] > 0), 0.0)
 
