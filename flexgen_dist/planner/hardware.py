@@ -23,7 +23,7 @@ MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
-                   "host_layer_s", "host_batch_s", "gemm_rows_bw", "gemm_rows_bw_dtype")
+                   "host_layer_s", "host_batch_s")
 HOST_FIELDS = ("host_layer_s", "host_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profiler.py); not part of it
@@ -47,12 +47,6 @@ class HardwareSpec:
     On a CPU device the reads' thread and the kernel's I/O path run on the cores that compute
     (on a one-core node they take a large share of it); the cost model adds this time to the
     compute channel. Without it, disk traffic costs no compute.
-    ``gemm_rows_bw`` (optional, CPU devices): the same rate at a few row counts, ``{rows:
-    bytes/s}`` (weight bytes over the product's whole time, its arithmetic included). On a
-    CPU a product of few rows runs far below the large-GEMM rate ``mm_flops``, and how far
-    depends on the rows; with these the cost model interpolates a product's time between the
-    measured row counts (and adds ``mm_flops`` time per row beyond the last) instead of adding
-    a stream time and an arithmetic time. ``gemm_rows_bw_dtype``: the same per dtype.
     ``host_layer_s`` / ``host_batch_s`` (optional): the host's time to issue one layer of a
     decode step (Python, torch's dispatch, a GPU's kernel launches), once per step and once
     per step and GPU batch; small layers, and a fast GPU's, are bound by it. Without them
@@ -80,8 +74,6 @@ class HardwareSpec:
     gemm_bw_dtype: dict[str, float] | None = None
     host_layer_s: float | None = None
     host_batch_s: float | None = None
-    gemm_rows_bw: dict[int, float] | None = None
-    gemm_rows_bw_dtype: dict[str, dict[int, float]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -118,15 +110,6 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.{f}={d!r}: must map dtypes ({', '.join(DTYPES)}) to "
                                  "positive rates, or be absent")
             object.__setattr__(self, f, {k: float(v) for k, v in d.items()})
-        if self.gemm_rows_bw is not None:
-            object.__setattr__(self, "gemm_rows_bw", _rows_table(self.gemm_rows_bw, "gemm_rows_bw"))
-        if self.gemm_rows_bw_dtype is not None:
-            d = self.gemm_rows_bw_dtype
-            if not isinstance(d, dict) or not d or any(k not in DTYPES for k in d):
-                raise ValueError(f"HardwareSpec.gemm_rows_bw_dtype={d!r}: must map dtypes ({', '.join(DTYPES)}) "
-                                 "to {rows: rate} tables, or be absent")
-            object.__setattr__(self, "gemm_rows_bw_dtype",
-                               {k: _rows_table(v, f"gemm_rows_bw_dtype[{k}]") for k, v in d.items()})
         for f, unit in (("disk_cpu", "seconds per byte"),) + tuple((f, "seconds") for f in HOST_FIELDS):
             v = getattr(self, f)
             if v is None:
@@ -137,9 +120,8 @@ class HardwareSpec:
 
     def __hash__(self) -> int:
         # the planner memoizes per stage by spec; the per-dtype rates are dicts, hashed as items
-        def frozen(v: Any) -> Any:
-            return tuple(sorted((k, frozen(x)) for k, x in v.items())) if isinstance(v, dict) else v
-        return hash(tuple(frozen(getattr(self, f.name)) for f in fields(self)))
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v
+                          for v in (getattr(self, f.name) for f in fields(self))))
 
     def for_dtype(self, dtype: str) -> HardwareSpec:
         """This machine as a run computing in ``dtype`` sees it: ``mm_flops`` and ``gemm_bw``
@@ -149,8 +131,6 @@ class HardwareSpec:
             new["mm_flops"] = self.mm_flops_dtype[dtype]
         if self.gemm_bw_dtype and dtype in self.gemm_bw_dtype:
             new["gemm_bw"] = self.gemm_bw_dtype[dtype]
-        if self.gemm_rows_bw_dtype and dtype in self.gemm_rows_bw_dtype:
-            new["gemm_rows_bw"] = self.gemm_rows_bw_dtype[dtype]
         return replace(self, **new) if new else self
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
@@ -196,15 +176,6 @@ class HardwareSpec:
                 convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):
             vals["gemm_bw_dtype"] = {k: _parse_rate(v) for k, v in vals["gemm_bw_dtype"].items()}
-        try:
-            if isinstance(vals.get("gemm_rows_bw"), dict):
-                vals["gemm_rows_bw"] = {int(k): _parse_rate(v) for k, v in vals["gemm_rows_bw"].items()}
-            if isinstance(vals.get("gemm_rows_bw_dtype"), dict):
-                vals["gemm_rows_bw_dtype"] = {
-                    k: {int(r): _parse_rate(v) for r, v in t.items()} if isinstance(t, dict) else t
-                    for k, t in vals["gemm_rows_bw_dtype"].items()}
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: gemm_rows_bw: {e} (give {{rows: rate}}, e.g. {{8: 15GB/s, 32: 9GB/s}})") from None
         for f, conv in convert.items():
             try:
                 vals[f] = conv(vals[f])
@@ -272,14 +243,3 @@ def _parse_rate(v: Any) -> float:
         s = s[:-2] if s.lower().endswith("/s") else s
         return float(parse_size(s))
     return float(v)
-
-
-def _rows_table(d: Any, name: str) -> dict[int, float]:
-    """A {rows: bytes/s} table, checked and sorted by rows."""
-    if not isinstance(d, dict) or not d or any(
-            isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in d) or any(
-            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
-            for v in d.values()):
-        raise ValueError(f"HardwareSpec.{name}={d!r}: must map row counts (integers >= 1) to positive "
-                         "rates, or be absent")
-    return {int(r): float(d[r]) for r in sorted(d)}

@@ -31,7 +31,7 @@ from flexgen_dist.planner.hardware import DEVICES, DTYPES, HardwareSpec
 from flexgen_dist.planner.host import measure_host_overhead
 
 
-PROFILE_VERSION = 4  # what a cached profile holds and how it is measured; older ones are measured again
+PROFILE_VERSION = 3  # what a cached profile holds and how it is measured; older ones are measured again
 
 
 def default_cache_path(device: str, threads: int | None = None) -> Path:
@@ -141,9 +141,6 @@ _DISK_BYTES = {False: 2048 * 2**20, True: 32 * 2**20}
 _DISK_TENSOR_BYTES = {False: 16 * 2**20, True: 4 * 2**20}
 # Decode-shaped linear layers: a GPU batch of rows against weights that do not fit the caches.
 _GEMM_ROWS = 8
-# on a CPU also at more rows: a product's time there is neither its stream nor its arithmetic
-# alone, and moves with the rows (docs/planner.md); the cost model interpolates between these
-_GEMM_TABLE_ROWS = (8, 32, 128)
 _GEMM_SHAPE = {"cpu": (1024, 4096), "cuda": (4096, 16384)}  # (in, out) of one weight matrix
 _GEMM_BYTES = {False: 512 * 2**20, True: 64 * 2**20}  # weights streamed per pass
 _NET_BYTES = {False: 256 * 2**20, True: 16 * 2**20}
@@ -186,11 +183,9 @@ def measure_prefill_flops(device: str, dtype: torch.dtype, quick: bool = False) 
     return measure_mm_flops(device, quick, dtype)
 
 
-def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None = None,
-                    rows: int = _GEMM_ROWS, reps: int | None = None) -> float:
-    """Bytes/s of weights a decode-shaped linear layer streams (``rows`` rows), through the
-    engine's own product (on a CPU, the form its GEMM policy stores for the shape), over the
-    product's whole time (its arithmetic included); medians of ``reps`` walks.
+def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
+    """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows), through
+    the engine's own product (on a CPU, the form its GEMM policy stores for the shape).
 
     Small-batch linear layers are neither compute-bound nor at the memory's copy bandwidth:
     the GEMM library's skinny kernels set the pace. Distinct weight matrices (more bytes than
@@ -203,25 +198,14 @@ def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None 
     esize = torch.empty((), dtype=dtype).element_size()
     count = max(2, _GEMM_BYTES[quick] // (k * n * esize))
     ws = [torch.randn(n, k, device=device).to(dtype) for _ in range(count)]
-    x = torch.randn(rows, k, device=device).to(dtype)
+    x = torch.randn(_GEMM_ROWS, k, device=device).to(dtype)
 
     def walk() -> None:
         for w in ws:
             linear(x, w)
 
-    t = _timeit(walk, reps or (2 if quick else 5), _sync_of(device))
+    t = _timeit(walk, 2 if quick else 5, _sync_of(device))
     return count * k * n * esize / t
-
-
-def measure_gemm_rows(device: str, quick: bool = False, dtype: torch.dtype | None = None,
-                      known: dict[int, float] | None = None) -> dict[int, float]:
-    """``measure_gemm_bw`` at each of ``_GEMM_TABLE_ROWS`` ({rows: bytes/s}); ``known`` rates
-    (e.g. the 8-row one, measured already) are kept, not measured again."""
-    out = dict(known or {})
-    for r in _GEMM_TABLE_ROWS:
-        if r not in out:
-            out[r] = measure_gemm_bw(device, quick, dtype, rows=r, reps=2 if quick else 3)
-    return {r: out[r] for r in sorted(out)}
 
 
 def measure_attention_flops(device: str, quick: bool = False) -> float:
@@ -420,10 +404,6 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     halves = [d for d in DTYPES if d != "float32"]
     mm_dtype = {d: measure_prefill_flops(device, getattr(torch, d), quick) for d in DTYPES}
     bw_dtype = {"float32": gemm_bw, **{d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in halves}}
-    rows_dtype = None
-    if device == "cpu":  # a CPU's product time by rows (see HardwareSpec.gemm_rows_bw)
-        rows_dtype = {d: measure_gemm_rows(device, quick, getattr(torch, d), {_GEMM_ROWS: bw_dtype[d]})
-                      for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
@@ -445,5 +425,4 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
-                        host_layer_s=host_layer_s, host_batch_s=host_batch_s,
-                        gemm_rows_bw=rows_dtype["float32"] if rows_dtype else None, gemm_rows_bw_dtype=rows_dtype)
+                        host_layer_s=host_layer_s, host_batch_s=host_batch_s)

@@ -163,9 +163,6 @@ class StageSizes:
     pre_share: float = 1.0
     dec_numel: float = 0.0  # elements a decode step streams per layer (dense: lnum)
     wl_io_pre: float = 0.0  # weight bytes a prefill moves per layer
-    # a CPU profile's product rates by rows, ((rows, bytes/s), ...) ascending (``_per_byte``);
-    # empty: a product is its stream and its arithmetic (``_stream``)
-    rows_bw: tuple[tuple[int, float], ...] = ()
 
 
 def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
@@ -249,8 +246,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         # a GPU computes while the host issues the next kernels (the slower of the two sets
         # the pace); a CPU device's host *is* the compute, one after the other
         host_row=COMP if hw.compute_device == "cpu" else HOST,
-        stream_overlap=hw.compute_device != "cpu",
-        rows_bw=tuple(hw.gemm_rows_bw.items()) if hw.compute_device == "cpu" and hw.gemm_rows_bw else ())
+        stream_overlap=hw.compute_device != "cpu")
 
 
 def _held(spec: ModelSpec, length: float) -> float:
@@ -276,40 +272,16 @@ def _read_share(spec: ModelSpec, tokens: float) -> float:
 def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int, numel: float | None = None) -> float:
     """Linear layers of one block: the arithmetic (each token computes with ``lnum_active``
     elements: a mixture of experts' chosen ones) and reading ``numel`` elements (all of a
-    layer's by default) ``passes`` times, overlapped or not (``_stream``); a dense layer on a
-    CPU profile with product rates by rows: ``passes`` products of rows / passes rows each."""
-    numel = z.lnum if numel is None else numel
-    active = z.lnum_active or z.lnum
-    if z.rows_bw and math.isclose(active, z.lnum, rel_tol=1e-9):
-        return passes * numel * z.b * _per_byte(z, hw, rows / passes)
-    return _stream(z, 2.0 * rows * active / hw.mm_flops, passes * numel * z.b / z.stream_bw)
+    layer's by default) ``passes`` times, overlapped or not (``_stream``)."""
+    flops = 2.0 * rows * (z.lnum_active or z.lnum)
+    return _stream(z, flops / hw.mm_flops, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
 
 
-def _head_time(z: StageSizes, hw: HardwareSpec, passes: int, share: float = 1.0) -> float:
-    """LM head of one block, streamed ``passes`` times (the block's rows split among them):
-    logits of the last position only; ``share`` of it (a prefill piece pays its share)."""
+def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
+    """LM head of one block, streamed ``passes`` times: logits of the last position only."""
     if not z.has_head:
         return 0.0
-    nbytes = z.V * z.e * z.b
-    if z.rows_bw:
-        return share * passes * nbytes * _per_byte(z, hw, z.bls / passes)
-    return _stream(z, 2.0 * z.bls * z.e * z.V / hw.mm_flops, share * passes * nbytes / z.stream_bw)
-
-
-def _per_byte(z: StageSizes, hw: HardwareSpec, rows: float) -> float:
-    """Seconds per weight byte of one product of ``rows`` rows, from the profile's rates by
-    rows (``z.rows_bw``): the first's below its rows (a few rows cost what its rows cost: the
-    weights' stream sets the time), linear between two measured row counts, and past the last
-    its time plus the large-GEMM rate's for each further row (2 FLOPs per element and row)."""
-    pts = z.rows_bw
-    if rows <= pts[0][0]:
-        return 1.0 / pts[0][1]
-    for (r0, bw0), (r1, bw1) in zip(pts, pts[1:]):
-        if rows <= r1:
-            w = (rows - r0) / (r1 - r0)
-            return (1.0 - w) / bw0 + w / bw1
-    r_max, bw_max = pts[-1]
-    return 1.0 / bw_max + (rows - r_max) * 2.0 / (z.b * hw.mm_flops)
+    return _stream(z, 2.0 * z.bls * z.e * z.V / hw.mm_flops, passes * z.V * z.e * z.b / z.stream_bw)
 
 
 def _stream(z: StageSizes, compute_s: float, read_s: float) -> float:
@@ -344,7 +316,7 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
     P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb, z.lnum * z.pre_share)
                    + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
-                   + z.deq_w + deq_c_pre + _head_time(z, hw, 1, z.head_share) / z.l)
+                   + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
     P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch)  # GPU batch by GPU batch
     _add_disk_cpu(P, hw)
