@@ -28,8 +28,8 @@ and AVX512_FP16, no AMX) torch's bfloat16 GEMM ran at 0.155 TFLOP/s and float32 
 an AMD EPYC with AVX512_BF16 bfloat16 ran at twice float32's rate and float16 at a quarter.
 Both accumulate in float32 and round once, so the results agree to the dtype's rounding.
 The rates are measured once per machine at a prefill-sized product (``_PREFILL_SHAPE``) and
-stored with the choice; the planner's hardware profile reads the same figures
-(``prefill_rate``).
+stored with the choice; the planner's hardware profile times the chosen form again when it
+measures the machine (a rate stored beside other work would mislead it; the choice does not).
 """
 from __future__ import annotations
 
@@ -376,10 +376,3 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Opt = None, residual: Opt = None
             return _add(_widened(x, w, b), residual)
         return _plain(x, w, b, m, residual)
     return _FNS[p.form(m, w.shape[0], k, x.dtype)](x, w, b, m, residual)
-
-
-def prefill_rate(dtype: torch.dtype) -> float:
-    """FLOP/s of a prefill-sized product in ``dtype`` by the form ``linear`` runs for it (the
-    faster of the dtype's own GEMM and float32), measured once per machine and stored."""
-    form, rates = policy().prefill(dtype)
-    return rates[form]

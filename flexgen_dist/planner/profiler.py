@@ -176,10 +176,20 @@ def measure_mm_flops(device: str, quick: bool = False, dtype: torch.dtype | None
 
 def measure_prefill_flops(device: str, dtype: torch.dtype, quick: bool = False) -> float:
     """FLOP/s of a prefill's products in ``dtype`` as the engine runs them: on a CPU the form the
-    GEMM policy stores for the dtype (its own GEMM, or float32 where that is faster), whose
-    rates it measured once per machine (``kernels/gemm.py``); on a GPU the dtype's GEMM."""
+    GEMM policy stores for the dtype (its own GEMM, or float32 where that is faster), timed now
+    (``kernels/gemm.py``'s prefill-sized product); on a GPU the dtype's GEMM.
+
+    *Why timed now, not the policy's stored rate:* the policy measures once per machine, at
+    whatever moment a run first needs the choice, possibly beside other work (a test suite in
+    two workers, another job), and keeps it: measuring the machine again did not refresh it.
+    The choice between forms, timed alternating, survives such a moment; the absolute rate
+    does not. On the development VM the stored bfloat16 rate was 185 GFLOP/s where the same
+    product, timed again on the idle machine, ran at 230-415 (float32: 118 stored, 88-157
+    again), and the planner predicted bfloat16 prefill at 0.66 of the measured throughput.
+    Timed with the rest of the profile, the figure is of the same moment as the others."""
     if device == "cpu":
-        return gemm.prefill_rate(dtype)
+        form, _ = gemm.policy().prefill(dtype)
+        return gemm.time_prefill(dtype)[form]
     return measure_mm_flops(device, quick, dtype)
 
 
