@@ -304,6 +304,15 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
+def test_a_profile_says_when_the_machines_speed_moved_while_it_measured(capsys):
+    from flexgen_dist.planner.profiler import _check_steady
+    assert _check_steady(10e9, 11e9) and capsys.readouterr().err == ""
+    assert not _check_steady(16e9, 10.8e9)
+    err = capsys.readouterr().err
+    assert "speed moved while it was measured (decode GEMM 16.0 GB/s at the start, 10.8 at the end)" in err
+    assert "measure again when it is idle" in err and err.count("\n") == 1
+
+
 def test_disk_cpu_adds_compute_for_disk_bytes_on_cpu_devices(tmp_path):
     """Disk traffic costs ``disk_cpu`` compute seconds per byte on a CPU device, nothing on a
     GPU; and the field round-trips through YAML and rejects a negative value."""

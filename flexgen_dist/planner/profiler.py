@@ -382,6 +382,24 @@ def measure_loopback(quick: bool = False) -> tuple[float, float]:
     return bw, latency
 
 
+STEADY = 0.2  # the decode GEMM's rate may move this much between a profile's start and end
+
+
+def _check_steady(first: float, last: float) -> bool:
+    """Whether the machine ran at one speed while it was measured: the decode GEMM's rate,
+    the profile's first figure, timed again at its end. A shared host's speed moves (on the
+    development VM two profiles five minutes apart differed x0.5-0.7 in every memory-bound
+    figure, and the planner's predictions with them); where it moved by more than ``STEADY``
+    one line says so, since every figure between may be off by as much."""
+    if abs(last / first - 1.0) <= STEADY:
+        return True
+    print(f"hardware profile: this machine's speed moved while it was measured (decode GEMM "
+          f"{first / 1e9:.1f} GB/s at the start, {last / 1e9:.1f} at the end): its figures may be off by "
+          "as much; measure again when it is idle (python -m flexgen_dist.planner profile)",
+          file=sys.stderr, flush=True)
+    return False
+
+
 def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -423,6 +441,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
         lo_bw, lo_lat = measure_loopback(quick)
         net_bw = lo_bw if net_bw is None else net_bw
         net_latency = lo_lat if net_latency is None else net_latency
+    _check_steady(gemm_bw, measure_gemm_bw(device, quick))
     ram = _mem_available()
     if device == "cuda":
         gpu_mem, cpu_mem = int(0.9 * torch.cuda.mem_get_info()[0]), int(0.9 * ram)
