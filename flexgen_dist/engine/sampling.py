@@ -106,7 +106,9 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor | None 
     order = None
     if cfg.top_p < 1.0:
         probs, order = probs.sort(dim=-1, descending=True)
-        probs = _nucleus(probs, torch.full((probs.shape[0],), cfg.top_p, device=probs.device), bool(cfg.top_k))
+        b = probs.shape[0]
+        probs = _nucleus(probs, torch.full((b,), cfg.top_p, device=probs.device),
+                         torch.full((b,), bool(cfg.top_k), device=probs.device))
     if cfg.min_p:
         probs = _min_p(probs, torch.full((probs.shape[0],), cfg.min_p, device=probs.device))
     cdf = probs.double().cumsum(dim=-1)
@@ -180,14 +182,12 @@ def _top_k(probs: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
     return probs.masked_fill((probs < kth) & (k[:, None] > 0), 0.0)
 
 
-def _nucleus(sp: torch.Tensor, top_p: torch.Tensor, renorm: bool | torch.Tensor) -> torch.Tensor:
+def _nucleus(sp: torch.Tensor, top_p: torch.Tensor, renorm: torch.Tensor) -> torch.Tensor:
     """Sorted (descending) ``sp`` cut to each row's smallest prefix whose mass reaches top_p
-    (b,) of the row's mass (``renorm``: of what top-k left, else of 1); the first stays."""
-    mass = top_p[:, None]
-    if isinstance(renorm, torch.Tensor) or renorm:
-        total = sp.sum(dim=-1, keepdim=True)
-        mass = mass * (torch.where(renorm[:, None], total, torch.ones_like(total)) if isinstance(renorm, torch.Tensor)
-                       else total)
+    (b,) of the row's mass: of what top-k left where ``renorm`` (b,) (the mass that softmax
+    would renormalise to 1), else of 1. The first token always stays."""
+    total = sp.sum(dim=-1, keepdim=True)
+    mass = top_p[:, None] * torch.where(renorm[:, None], total, torch.ones_like(total))
     return sp.masked_fill(sp.cumsum(dim=-1) - sp > mass, 0.0)
 
 
