@@ -17,12 +17,33 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+
+def _lock_base(uid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"flexgen-tests-{uid}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist the controller names the run (``--testrunuid``, which the workers get as
+    ``PYTEST_XDIST_TESTRUNUID``), so that it can remove the run's lock files at its end."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None) \
+            and getattr(config.option, "testrunuid", "") is None:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    uid = None if hasattr(config, "workerinput") else getattr(config.option, "testrunuid", None)
+    if uid:  # the controller, after its workers are gone
+        for suffix in (".lock", ".turnstile"):
+            with contextlib.suppress(OSError):
+                os.unlink(f"{_lock_base(uid)}{suffix}")
 
 
 @contextlib.contextmanager
@@ -35,7 +56,7 @@ def _machine_share(exclusive: bool) -> Iterator[None]:
     if not uid:
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"flexgen-tests-{uid}"
+    base = _lock_base(uid)
     with open(f"{base}.turnstile", "a+") as gate, open(f"{base}.lock", "a+") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
