@@ -29,7 +29,7 @@ from typing import Callable
 
 import yaml
 
-from flexgen_dist.planner.profiler import default_cache_path
+from flexgen_dist.planner.profile_cache import default_cache_path
 
 _ROOT_ERROR = "--disk-gbps needs root and a cgroup blkio/io controller; run without it"
 PAGE_REPORTING = Path("/sys/module/page_reporting/parameters")

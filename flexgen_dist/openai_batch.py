@@ -33,7 +33,7 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options",
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None), "echo": (False, None),
-        "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
@@ -189,21 +189,20 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
         if lp not in (None, False, True):
             raise RequestError("invalid_value", f"logprobs {lp!r}: a chat request takes true or false "
                                                 "(top_logprobs sets the alternatives)")
-        if top is not None:
-            k = _int(top, "top_logprobs", 0)
-            if k > MAX_LOGPROBS:
-                raise RequestError("invalid_value", f"top_logprobs {k}: at most {MAX_LOGPROBS}")
-            if k and not lp:
-                raise RequestError("invalid_value", "top_logprobs needs logprobs: true")
-        return (top or 0) if lp else None
+        k = 0 if top is None else _alternatives(top, "top_logprobs")
+        if k and not lp:
+            raise RequestError("invalid_value", "top_logprobs needs logprobs: true")
+        return k if lp else None
     if top is not None:
         raise RequestError("unsupported_field", "top_logprobs is a chat field: a completions request sets "
                                                 "logprobs to the number of alternatives")
-    if lp is None:
-        return None
-    k = _int(lp, "logprobs", 0)
+    return None if lp is None else _alternatives(lp, "logprobs")
+
+
+def _alternatives(v: Any, name: str) -> int:
+    k = _int(v, name, 0)
     if k > MAX_LOGPROBS:
-        raise RequestError("invalid_value", f"logprobs {k}: at most {MAX_LOGPROBS}")
+        raise RequestError("invalid_value", f"{name} {k}: at most {MAX_LOGPROBS}")
     return k
 
 

@@ -29,7 +29,7 @@ from .engine.footprint import predict_peaks
 from .engine.policy import Policy
 from .models.loader import LoadedModel
 from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
-from .planner.profiler import cached_profile
+from .planner.profile_cache import cached_profile
 
 Ranges = list[tuple[int, int]]
 

@@ -15,8 +15,8 @@ import yaml
 
 from flexgen_dist.planner import profiler
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.profiler import (PROFILE_VERSION, cached_profile, default_cache_path, load_or_profile,
-                                           read_cached, write_cached)
+from flexgen_dist.planner.profile_cache import (PROFILE_VERSION, cached_profile, default_cache_path, load_or_profile,
+                                               read_cached, write_cached)
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "cpu-2core.yaml")

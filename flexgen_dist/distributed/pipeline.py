@@ -46,8 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.sampling import (MAX_LOGPROBS, BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs,
-                               token_logprobs)
+from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
@@ -67,8 +66,6 @@ class Pipeline:
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
                  samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
                  logprobs: int | None = None) -> None:
-        if logprobs is not None and (targets is not None or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs={logprobs}: None, or 0..{MAX_LOGPROBS} alternatives when generating")
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows

@@ -7,7 +7,8 @@ replays (items.py): never the stage engine, the pipeline loop or the communicato
 from flexgen_dist.planner.cost_model import (StageCost, WorkShape, estimate_pipeline,
                                              estimate_stage)
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.profiler import load_or_profile, profile_hardware
+from flexgen_dist.planner.profile_cache import load_or_profile
+from flexgen_dist.planner.profiler import profile_hardware
 from flexgen_dist.planner.pipeline import PipelinePlan, PlannedStage, plan_pipeline
 from flexgen_dist.planner.search import PlanError, plan_stage
 

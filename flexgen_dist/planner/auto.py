@@ -1,7 +1,7 @@
 """``--policy auto``: plan every stage's policy for this run from a hardware profile.
 
 The profile comes from ``--hardware FILE`` or the per-host cache (measured on first use, under
-a minute, and again when it is unreadable, stale or of another machine; ``profiler.py``). Budgets given with --gpu-mem/--cpu-mem/--disk-mem replace the profile's
+a minute, and again when it is unreadable, stale or of another machine; ``profile_cache.py``). Budgets given with --gpu-mem/--cpu-mem/--disk-mem replace the profile's
 capacities. The plan's block size never exceeds what the prompts can fill across the
 micro-batch groups.
 """
@@ -19,7 +19,7 @@ from ..engine.policy import Policy
 from ..models.spec import ModelSpec
 from .cost_model import WorkShape, estimate_pipeline
 from .hardware import HardwareSpec, hardware_for_stages, load_hardware_stages
-from .profiler import load_or_profile
+from .profile_cache import load_or_profile
 from .pipeline import plan_pipeline
 from .search import PlanError
 

@@ -18,7 +18,8 @@ from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
 from flexgen_dist.config import ArgParser, ConfigError
-from flexgen_dist.planner.profiler import default_cache_path, load_or_profile, profile_hardware, write_cached
+from flexgen_dist.planner.profile_cache import default_cache_path, load_or_profile, write_cached
+from flexgen_dist.planner.profiler import profile_hardware
 from flexgen_dist.planner.pipeline import PipelinePlan, plan_pipeline
 from flexgen_dist.planner.search import PlanError
 

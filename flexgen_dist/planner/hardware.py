@@ -26,7 +26,7 @@ OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "g
                    "host_layer_s", "host_batch_s")
 HOST_FIELDS = ("host_layer_s", "host_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
-# what a cached, self-measured profile carries beside the spec (profiler.py); not part of it
+# what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
 META_KEYS = ("profile_version", "identity", "measured_at")
 
 
