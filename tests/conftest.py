@@ -75,6 +75,38 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         yield
 
 
+_BUNDLED_ABSENT: list[str | None] = []
+
+
+def _bundled_absent() -> str | None:
+    """Why the bundled model cannot be opened here (None where it can); asked once."""
+    if not _BUNDLED_ABSENT:
+        from flexgen_dist.models.loader import bundled_model_path
+        from flexgen_dist.models.source import ModelLoadError
+
+        try:
+            bundled_model_path()
+            _BUNDLED_ABSENT.append(None)
+        except ModelLoadError as e:
+            _BUNDLED_ABSENT.append(str(e))
+    return _BUNDLED_ABSENT[0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``bundled`` needs the bundled model, a requirement of the package: without
+    it the test fails in one line naming the fix, or, where the model cannot be installed (a
+    GPU machine it cannot be carried to, FLEXGEN_TESTS_WITHOUT_BUNDLED=1), is skipped saying so."""
+    if item.get_closest_marker("bundled") is None:
+        return
+    why = _bundled_absent()
+    if why is None:
+        return
+    if os.environ.get("FLEXGEN_TESTS_WITHOUT_BUNDLED") == "1":
+        pytest.skip(f"no bundled model on this machine (FLEXGEN_TESTS_WITHOUT_BUNDLED=1): {why}")
+    pytest.fail(f"{why} (FLEXGEN_TESTS_WITHOUT_BUNDLED=1 skips the tests that need it where it cannot be "
+                "installed)", pytrace=False)
+
+
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28], [40, 41],
            [50, 51, 52, 53, 54], [60, 61, 62, 63, 64, 65, 66]]
 

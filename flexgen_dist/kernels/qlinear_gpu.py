@@ -32,7 +32,7 @@ import functools
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
@@ -60,22 +60,45 @@ def _kernel():  # noqa: ANN202
 # compile for): the first failure is logged once, and every later call expands with torch.
 _failed: list[str] = []
 
+# A tiling that needs more of a multiprocessor than this GPU has (shared memory, registers) is
+# not a broken kernel: fewer pipeline stages, then a shorter step along the input dim, fit.
+# The fitted tiling is kept per launch shape; ``None`` where none fits (that product expands).
+_fitted: dict[tuple, Tiles | None] = {}
+_unfit_logged: set[tuple] = set()
+
+
+class _OutOfResources(Exception):
+    """A launch that asked for more than the GPU has (Triton's ``OutOfResources``)."""
+
 
 def available() -> bool:
     return _kernel() is not None and not _failed
 
 
 def _launch(kernel, grid: tuple[int, ...], *args, **kw) -> bool:  # noqa: ANN001
-    """Run a kernel; False (logged once) where it cannot be built or launched here."""
+    """Run a kernel; False (logged once) where it cannot be built or launched here. Raises
+    ``_OutOfResources`` where only this launch's tiling is too large for the GPU."""
     try:
         kernel[grid](*args, **kw)
         return True
     except Exception as e:  # a compile or launch failure: the torch path still gives the values
+        if type(e).__name__ == "OutOfResources":
+            raise _OutOfResources(str(e).splitlines()[0] if str(e) else "") from e
         if not _failed:
             log.warning("the GPU's 4-bit kernels cannot run here (%s: %s); expanding with torch instead",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         _failed.append(f"{type(e).__name__}: {e}")
         return False
+
+
+def _smaller(t: Tiles, group: int) -> Tiles | None:
+    """The next tiling to try when ``t`` does not fit: one pipeline stage fewer (down to 1),
+    then half the step along the input dim (not below a group), else None."""
+    if t.num_stages > 1:
+        return replace(t, num_stages=t.num_stages - 1)
+    if t.block_k > group:
+        return replace(t, block_k=t.block_k // 2, num_stages=Tiles.num_stages)
+    return None
 
 
 def _pow2(n: int) -> bool:
@@ -171,25 +194,25 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
         r2 = residual.reshape(m, out_features)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-    t = tiles or choose_tiles(out_features, x.device)
-    bm, bn, bk = _block_m(m), t.block_n, max(group, t.block_k)
-    steps = -(-k // bk)
-    split = max(1, min(t.split_k, steps))
-    k_per = -(-steps // split) * bk  # a whole number of steps per part
-    split = -(-k // k_per)
-    y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, out_features), dtype=torch.float32, device=x.device) if split > 1 else None
-    grid = (-(-out_features // bn), -(-m // bm), split)
-    # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
-    # copies every tensor argument back after the run, which would overwrite y with its
-    # unwritten copy
-    if not _launch(kern.qlinear, grid, x2, codes, mins, scales, b if b is not None else x2,
-                   r2 if r2 is not None else x2, y, part if part is not None else x2,
-                   m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
-                   mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
-                   GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                   HAS_BIAS=b is not None, HAS_RES=r2 is not None, IEEE=x.dtype == torch.float32, WIDEN=interpret,
-                   num_warps=t.num_warps, num_stages=t.num_stages):
+    asked = tiles or choose_tiles(out_features, x.device)
+    key = (asked, x.dtype, _block_m(m), group, bits, r2 is not None, x.device)
+    t = _fitted.get(key, asked)
+    while t is not None:
+        try:
+            y, part = _qlinear_launch(kern, interpret, x2, codes, mins, scales, b, r2, m, out_features, k,
+                                      group, bits, t)
+            break
+        except _OutOfResources as e:
+            smaller = _smaller(t, group)
+            log.debug("4-bit kernel tiling %s does not fit this GPU (%s); trying %s", t, e, smaller)
+            t = _fitted[key] = smaller
+    if t is None:
+        if key not in _unfit_logged:
+            _unfit_logged.add(key)
+            log.warning("no tiling of the 4-bit kernel fits this GPU for %d rows of %s (asked %s); "
+                        "expanding with torch for it", m, x.dtype, asked)
+        return None
+    if y is None:
         return None
     if part is not None:  # the epilogue of the fused path, in torch: the same roundings
         acc = part.sum(0)
@@ -199,6 +222,34 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
         if r2 is not None:
             y = (y.float() + r2.float()).to(x.dtype)
     return y.view(*lead, out_features)
+
+
+def _qlinear_launch(kern, interpret: bool, x2: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor,  # noqa: ANN001
+                    scales: torch.Tensor, b: torch.Tensor | None, r2: torch.Tensor | None, m: int,
+                    out_features: int, k: int, group: int, bits: int,
+                    t: Tiles) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One launch of the product with tiling ``t``: (y, float32 partial sums or None), y None
+    where the kernel failed here; raises ``_OutOfResources`` where ``t`` does not fit."""
+    bm, bn, bk = _block_m(m), t.block_n, max(group, t.block_k)
+    steps = -(-k // bk)
+    split = max(1, min(t.split_k, steps))
+    k_per = -(-steps // split) * bk  # a whole number of steps per part
+    split = -(-k // k_per)
+    y = torch.empty((m, out_features), dtype=x2.dtype, device=x2.device)
+    part = torch.empty((split, m, out_features), dtype=torch.float32, device=x2.device) if split > 1 else None
+    grid = (-(-out_features // bn), -(-m // bm), split)
+    # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
+    # copies every tensor argument back after the run, which would overwrite y with its
+    # unwritten copy
+    if not _launch(kern.qlinear, grid, x2, codes, mins, scales, b if b is not None else x2,
+                   r2 if r2 is not None else x2, y, part if part is not None else x2,
+                   m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
+                   mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
+                   GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                   HAS_BIAS=b is not None, HAS_RES=r2 is not None, IEEE=x2.dtype == torch.float32, WIDEN=interpret,
+                   num_warps=t.num_warps, num_stages=t.num_stages):
+        return None, None
+    return y, part
 
 
 def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
@@ -225,9 +276,12 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     bc = max(group, min(1024, 1 << max(cols - 1, 1).bit_length()))
     br = max(1, 4096 // bc)
     grid = (-(-r // br), -(-cols // bc))
-    if not _launch(kern.dequant, grid, c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0),
-                   m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc,
-                   INTERPRET=interpret, num_warps=4):
+    try:
+        if not _launch(kern.dequant, grid, c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0),
+                       m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc,
+                       INTERPRET=interpret, num_warps=4):
+            return None
+    except _OutOfResources:  # a one-pass tile with no pipeline: not expected; torch expands
         return None
     if y2.dtype != dtype:
         y.view(r, cols).copy_(y2)
