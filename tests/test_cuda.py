@@ -298,3 +298,33 @@ def test_logprobs_penalties_and_filters_on_the_gpu_match_the_cpu(tiny_models, gp
         assert a.token_ids == b.token_ids
         assert b.logprobs.token_logprobs == pytest.approx(a.logprobs.token_logprobs, abs=1e-4)
         assert [[i for i, _ in t] for t in b.logprobs.top] == [[i for i, _ in t] for t in a.logprobs.top]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_leaves_cudnn_out_and_restores_it(gpu_device: torch.device, dtype: torch.dtype) -> None:
+    """A decode step's attention on the GPU is not cuDNN's (its host time was ~1 ms a call on
+    an H100, most of a decode step): no cuDNN attention op runs, the values are those of the
+    step-by-step softmax in float32, and the process's cuDNN flag is as it was."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flexgen_dist.engine.attention import attend_rows
+
+    g = torch.Generator().manual_seed(0)
+    r, grp, d, L, cap = 24, 4, 64, 77, 96
+    q = torch.randn(r, grp, 1, d, generator=g).to(gpu_device, dtype)
+    cache_k = torch.randn(r, cap, d, generator=g).to(gpu_device, dtype)  # a cache buffer, read to L
+    cache_v = torch.randn(r, cap, d, generator=g).to(gpu_device, dtype)
+    mask = torch.rand(r, 1, 1, L, generator=g).to(gpu_device) > 0.3
+    mask[:, ..., -1] = True  # every row sees its own new position
+    k, v = cache_k[:, :L], cache_v[:, :L]
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu_device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        out = attend_rows(q, k, v, mask, scale=d ** -0.5)
+    names = {e.name for e in prof.events()}
+    assert not any("cudnn" in n.lower() and "attention" in n.lower() for n in names), sorted(names)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    s = torch.einsum("rgd,rld->rgl", q[:, :, 0].float(), k.float()) * d ** -0.5
+    ref = torch.einsum("rgl,rld->rgd", s.masked_fill(~mask[:, 0], float("-inf")).softmax(-1), v.float())
+    assert out.shape == (r, grp, 1, d)
+    assert torch.allclose(out[:, :, 0].float(), ref, atol=2e-2, rtol=2e-2)
