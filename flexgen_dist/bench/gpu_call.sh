@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine, within BUDGET seconds (default 555): the timed cases first, while
+# nothing else runs, then the tests, then the OPT-30B split case with the time left. Each step
+# packs its logs and JSON into $OUT (OUT: where the files to bring back go; default ./gpu-out).
+#
+#   flexgen_dist/bench/fetch_gpu_wheels.sh .whl          # first, where pip works (flexgen, gguf)
+#   BUDGET=555 bash flexgen_dist/bench/gpu_call.sh        # on the GPU machine, from the repo root
+#
+# docs/benchmarks.md, "GPU", says what each step measures and what the last calls found.
+T0=$(date +%s); DEADLINE=$((T0 + ${BUDGET:-555}))
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+left() { echo $(( DEADLINE - $(date +%s) )); }
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl || exit 3
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi -L; nproc; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+S="python3 -m flexgen_dist.bench.gpu_suite"
+echo "## profile + opt-6.7b on the GPU $(date +%T), $(left) s left"
+$S --out /tmp/c --phases profile compare --cases opt-6.7b-gpu --also-random --extra-dtypes bfloat16 \
+    --skip-accelerate --timeout 90 --archive "$OUT/c.tar.gz" 2>&1 | grep "^#"
+HW=$(ls /tmp/c/*.yaml 2>/dev/null | head -1)
+echo "## opt-6.7b compressed $(date +%T), $(left) s left"
+$S --out /tmp/c3 --phases compare ${HW:+--hardware "$HW"} --cases opt-6.7b-gpu-compressed --skip-auto \
+    --skip-accelerate --timeout 80 --archive "$OUT/c3.tar.gz" 2>&1 | grep "^#"
+echo "## tests: GPU-marked and the rest side by side $(date +%T), $(left) s left"
+L=$(left); T=200; [ "$L" -lt 300 ] && T=$(( L - 100 )); [ "$T" -lt 60 ] && T=60
+$S --out /tmp/tg --phases tests --tests gpu --workers 6 --timeout "$T" --archive "$OUT/tests-gpu.tar.gz" > /tmp/tg.out 2>&1 &
+$S --out /tmp/tr --phases tests --tests rest --workers 10 --timeout "$T" --archive "$OUT/tests-rest.tar.gz" > /tmp/tr.out 2>&1 &
+wait
+grep -h '"summary"' /tmp/tg/tests.json /tmp/tr/tests.json
+L=$(left); echo "## opt-30b split, this engine $(date +%T), $L s left"
+if [ "$L" -gt 70 ]; then
+    $S --out /tmp/c2 --phases compare ${HW:+--hardware "$HW"} --cases opt-30b-split --skip-flexgen --skip-auto \
+        --skip-accelerate --timeout $(( L - 15 )) --archive "$OUT/c2.tar.gz" 2>&1 | grep "^#"
+fi
+echo "## end $(date +%T), $(left) s left"
