@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .engine.policy import Policy
-from .engine.sampling import MAX_LOGPROBS, SamplingConfig
+from .engine.sampling import MAX_LOGPROBS, SamplingConfig, choice_bytes
 from .prompts import Prompt
 
 TIERS = ("gpu", "cpu", "disk")
@@ -75,6 +75,14 @@ class Workload:
     @property
     def scoring(self) -> bool:
         return self.targets is not None
+
+    @property
+    def choice_bytes(self) -> int:
+        """Bytes per (row, vocabulary entry) that choosing the next tokens holds beyond the
+        logits (``engine.sampling.choice_bytes``); scoring chooses nothing."""
+        if self.scoring:
+            return 0
+        return choice_bytes(self.samplings or (self.sampling,), self.logprobs)
 
     def header(self) -> Workload:
         """What the other ranks need: everything but the prompts' ids and text."""

@@ -328,3 +328,38 @@ def test_decode_attention_leaves_cudnn_out_and_restores_it(gpu_device: torch.dev
     ref = torch.einsum("rgl,rld->rgd", s.masked_fill(~mask[:, 0], float("-inf")).softmax(-1), v.float())
     assert out.shape == (r, grp, 1, d)
     assert torch.allclose(out[:, :, 0].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("what", ["greedy", "sampled", "nucleus-mixed", "penalties+logprobs"])
+def test_what_choosing_holds_is_within_the_peak_model(gpu_device: torch.device, what: str) -> None:
+    """The bytes one GPU batch's choice allocates beyond its logits, measured by the CUDA
+    allocator, stay within what the peak model counts for it (its float32 copy and
+    ``choice_bytes``). On the CPU (FLEXGEN_GPU_TESTS_ON_CPU=1) the choice runs, unmeasured."""
+    from flexgen_dist.engine.sampling import RowSampling, SamplingConfig, choice_bytes, token_logprobs
+
+    b, V = 64, 151_936
+    cfgs = {"greedy": [SamplingConfig()] * b,
+            "sampled": [SamplingConfig(temperature=0.8, seed=1)] * b,
+            "nucleus-mixed": [SamplingConfig(temperature=0.9, top_p=0.9, top_k=50, min_p=0.05, seed=2)] * (b // 2)
+            + [SamplingConfig()] * (b // 2),
+            "penalties+logprobs": [SamplingConfig(temperature=1.0, frequency_penalty=0.5, logit_bias={7: 2.0})] * b,
+            }[what]
+    k = 5 if what == "penalties+logprobs" else None
+    logits = torch.randn(b, V, generator=torch.Generator().manual_seed(0)).to(gpu_device, torch.float16)
+    rs = RowSampling(cfgs, gpu_device, steps=4)
+    keys = torch.arange(b, device=gpu_device)
+    cuda = gpu_device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    lg = logits.float()  # as the pipeline takes each batch's logits
+    ids = rs.sample(lg, keys, 0)
+    if k is not None:
+        token_logprobs(lg, ids, k)
+    assert ids.shape == (b,) and int(ids.min()) >= 0 and int(ids.max()) < V
+    if cuda:
+        torch.cuda.synchronize()
+        used = torch.cuda.max_memory_allocated() - base
+        allowed = b * V * (4 + choice_bytes(cfgs, k))
+        assert used <= allowed + (1 << 20), (what, used, allowed)

@@ -183,6 +183,99 @@ def test_planner_and_check_read_one_footprint() -> None:
         assert np.allclose(fp.peaks(x), lin)
 
 
+def test_the_last_stage_counts_every_batchs_logits_and_what_choosing_holds() -> None:
+    """The head's logits of every GPU batch of the block (they wait for the block's choice),
+    then per GPU batch their float32 copy and the choice's own bytes: nothing for greedy,
+    sampling's sorted probabilities and sums, a penalty's adjusted copy, the log-softmax."""
+    from flexgen_dist.engine.sampling import ADJUST_BYTES, LOGPROB_BYTES, SAMPLE_BYTES, SamplingConfig
+
+    spec = get_spec("llama-3.1-8b")
+    V, b, ngb = spec.vocab_size, 16, 4
+    pol = Policy(gpu_batch_size=b, num_gpu_batches=ngb)
+
+    def gpu(has_head: bool, dtype_bytes: int = 2, choice: int = 0) -> int:
+        return predict_peaks(spec, pol, (30, 32), has_embed=False, has_head=has_head, prompt_len=64, gen_len=8,
+                             dtype_bytes=dtype_bytes, choice_bytes=choice)["gpu"]
+
+    head_w = gpu(True) - gpu(False)
+    assert head_w >= V * (ngb * b * 2 + b * 4)  # the head's weights besides
+    assert gpu(True, 2, 36) - gpu(True) == b * V * 36  # one GPU batch's choice at a time
+    greedy = Workload(lens=(5, 7), gen_len=4)
+    sampled = Workload(lens=(5, 7), gen_len=4, samplings=(SamplingConfig(), SamplingConfig(temperature=0.7)))
+    biased = Workload(lens=(5,), gen_len=4, sampling=SamplingConfig(logit_bias={3: 1.0}), logprobs=2)
+    scored = Workload(lens=(5,), gen_len=1, targets=((1, 2, 3, 4, -1),))
+    assert greedy.choice_bytes == 0 and scored.choice_bytes == 0
+    assert sampled.choice_bytes == SAMPLE_BYTES and biased.choice_bytes == max(ADJUST_BYTES, LOGPROB_BYTES)
+    assert sampled.header().choice_bytes == SAMPLE_BYTES  # every rank reads the same peaks
+
+
+def _peak_allocated(fn) -> int:  # noqa: ANN001
+    """The most bytes ``fn`` held at once on the CPU beyond what it started with, from the
+    profiler's allocation and free records in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    ev = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage)
+    cur = peak = 0
+    for _, d in ev:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
+@pytest.mark.parametrize("what", ["greedy", "sampled", "nucleus", "mixed", "penalties+logprobs"])
+def test_what_choosing_allocates_is_what_the_model_counts(what: str) -> None:
+    """A GPU batch's choice, as the pipeline runs it (the float32 copy of its logits, the
+    draw, the log-probabilities), measured: never more than the peak model counts for it, and
+    not far below (within 12 bytes per entry)."""
+    import torch
+
+    from flexgen_dist.engine.sampling import RowSampling, SamplingConfig, choice_bytes, token_logprobs
+
+    b, V = 32, 32768
+    cfgs = {"greedy": [SamplingConfig()] * b,
+            "sampled": [SamplingConfig(temperature=0.8, seed=1)] * b,
+            "nucleus": [SamplingConfig(temperature=0.9, top_p=0.9, seed=2)] * b,
+            "mixed": [SamplingConfig(temperature=0.9, top_p=0.9, top_k=50, min_p=0.05, seed=2)] * (b // 2)
+            + [SamplingConfig()] * (b // 2),
+            "penalties+logprobs": [SamplingConfig(temperature=1.0, frequency_penalty=0.5, logit_bias={7: 2.0})] * b,
+            }[what]
+    k = 5 if what == "penalties+logprobs" else None
+    logits = torch.randn(b, V, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    rs = RowSampling(cfgs, torch.device("cpu"), steps=4)
+    keys = torch.arange(b)
+
+    def choose() -> None:
+        lg = logits.float()
+        ids = rs.sample(lg, keys, 0)
+        if k is not None:
+            token_logprobs(lg, ids, k)
+
+    used = _peak_allocated(choose)
+    model = b * V * (4 + choice_bytes(cfgs, k))
+    assert model - 12 * b * V <= used <= model + 64 * b, (what, used / (b * V), model / (b * V))
+
+
+def test_a_sampled_workloads_plan_passes_the_check() -> None:
+    """The planner's footprint and the run's check count the same choice bytes: a plan for a
+    sampled workload in a tight GPU budget still fits its peaks."""
+    spec = get_spec("opt-1.3b")
+    hw = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "t4.yaml")
+    hw = dataclasses.replace(hw, gpu_mem=3 << 30)
+    for choice in (0, 40):
+        shape = WorkShape(256, 32, 2, choice)
+        plan = plan_pipeline(spec, 1, hw, shape, max_gpu_batch_size=64, max_num_gpu_batches=8)
+        st = plan.stages[0]
+        peaks = Peaks.of(predict_peaks(spec, st.policy, (st.layers.start, st.layers.stop), has_embed=True,
+                                       has_head=True, prompt_len=256, gen_len=32, dtype_bytes=2,
+                                       num_blocks_in_flight=plan.num_micro_batches, choice_bytes=choice))
+        assert fits(peaks, Budgets(gpu=hw.gpu_mem, cpu=hw.cpu_mem, disk=hw.disk_mem)), (choice, st.policy, peaks)
+        lp_gpu = max(st.cost.peak[ph]["gpu"] for ph in ("prefill", "decode"))
+        assert peaks.gpu <= lp_gpu * (1 + 1e-9) + 1
+
+
 def test_a_profile_adds_each_stages_predicted_times(tiny_models) -> None:
     hw = ROOT / "configs" / "hardware" / "cpu-2core.yaml"
     with LLM(str(tiny_models["opt-pre"].path), gpu_batch_size=2, num_gpu_batches=2, hardware=str(hw),

@@ -142,6 +142,7 @@ class StageShape:
     num_stages: int = 1
     cuda: bool = False
     first_layer: int = 0
+    choice_bytes: int = 0  # per (row, vocab entry): what choosing a token holds beside the logits
 
 
 def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
@@ -220,8 +221,10 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
         W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
         if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
             W[ph, 0, 9] += b * held * seq_cache
-        if z.has_head:
-            W[ph, 0, 9] += b * spec.vocab_size * 4  # fp32 logits
+        if z.has_head:  # every GPU batch's logits until the block's choice (the head runs over all
+            # their rows at once: prefill's head, merged decode), then one batch at a time its
+            # float32 copy and what choosing holds (sampling's sorted probabilities and sums, ...)
+            W[ph, 0, 9] += spec.vocab_size * (z.num_gpu_batches * b * e + b * ((4 if e < 4 else 0) + z.choice_bytes))
         if z.num_stages > 1:  # a send and a receive buffer of one block's hidden states
             W[ph, 0, 9] += 2 * z.gpu_batch_size * z.num_gpu_batches * toks * h * e
         if z.cuda:  # disk traffic of hidden states and cache passes through host buffers
@@ -241,7 +244,7 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
                   has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
                   num_blocks_in_flight: int = 1, packed: Packed | None = None, num_stages: int = 1,
-                  cuda: bool = False) -> dict[str, int]:
+                  cuda: bool = False, choice_bytes: int = 0) -> dict[str, int]:
     """Peak bytes per tier of a stage under ``policy`` (the larger of prefill and decode),
     which a run checks against its budgets before anything is allocated."""
     z = StageShape(num_layers=layers[1] - layers[0], has_embed=has_embed, has_head=has_head,
@@ -250,7 +253,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    blocks_in_flight=num_blocks_in_flight, cpu_attention=policy.cpu_attention,
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
-                   num_stages=num_stages, cuda=cuda, first_layer=layers[0])
+                   num_stages=num_stages, cuda=cuda, first_layer=layers[0], choice_bytes=choice_bytes)
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
     return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}

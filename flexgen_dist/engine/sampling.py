@@ -10,7 +10,7 @@ on another number of ranks, draws the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -291,6 +291,24 @@ class BlockWatch:
                     self.tracker.done[n] = True
                     del self.hist[n]
         return bool(self.tracker.done.all())
+
+
+# Bytes per (row, vocabulary entry) that choosing a token holds beside a GPU batch's logits, at
+# its peak (engine/footprint.py counts them for one GPU batch at a time, as the choice runs):
+# sampling's float32 probabilities, their sorted copy and order (int64) and the float64
+# cumulative sums; a penalty's or bias's adjusted copy; log-probabilities' log-softmax.
+SAMPLE_BYTES = 32
+ADJUST_BYTES = 4
+LOGPROB_BYTES = 4
+
+
+def choice_bytes(samplings: Iterable[SamplingConfig], logprobs: int | None) -> int:
+    """What choosing the next tokens holds per (row, vocabulary entry) beyond the logits (see
+    ``SAMPLE_BYTES``): 0 for greedy choice alone, which keeps only each row's maximum."""
+    cfgs = list(samplings)
+    draw = SAMPLE_BYTES * any(not c.greedy for c in cfgs) + ADJUST_BYTES * any(c.adjusts for c in cfgs)
+    # the log-softmax comes after the draw, whose buffers are gone by then
+    return max(draw, LOGPROB_BYTES * (logprobs is not None))
 
 
 MAX_LOGPROBS = 20  # alternatives per token at most (the OpenAI API's own bound)

@@ -37,6 +37,7 @@ class WorkShape:
     prompt_len: int
     gen_len: int
     dtype_bytes: int = 2
+    choice_bytes: int = 0  # per (row, vocab entry) that choosing a token holds (``plan.Workload``)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
@@ -396,5 +397,6 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           cpu_attention=cpu_attention, compress_weight=compress_weight,
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
-                          cuda=hw.compute_device == "cuda", first_layer=first_layer), packed),
+                          cuda=hw.compute_device == "cuda", first_layer=first_layer,
+                          choice_bytes=workload.choice_bytes), packed),
                       prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
