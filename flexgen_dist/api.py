@@ -287,20 +287,25 @@ class LLM:
         return [self._planner.check(plan, work, s) for s in range(len(plan.stages))]
 
     def score(self, sequences: Sequence[PromptLike] | None = None,
-              first_scored: Sequence[int] | None = None, decode_tokens: int = 0) -> list[Score]:
+              first_scored: Sequence[int] | None = None, decode_tokens: int = 0,
+              logprobs: int | None = None) -> list[Score]:
         """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order.
         Token j of sequence n counts from ``first_scored[n]`` on (default 1: every token that
         has a prefix). The last ``decode_tokens`` tokens of each sequence are predicted by
         decode steps (one token fed per step, attending to the KV cache as generation does:
         this is where ``compress_cache`` and ``attn_sparsity`` act); the others by one
-        prefill with the head on every position. On ranks other than 0 the arguments are
-        ignored and the result is empty."""
+        prefill with the head on every position. ``logprobs=K`` (0-20) also gives each scored
+        token's log-probability and its K most likely alternatives (``Score.logprobs``: an
+        ``echo`` of the prompt's logprobs, or a per-token perplexity filter). On ranks other
+        than 0 the arguments are ignored and the result is empty."""
         self._check_open()
         with self._guard():
-            work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens))
+            work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens, logprobs))
             out: list[Score] = []
             for blk, rows in self._run(work, peaks):
-                out += [Score(m, float(r[0]), int(r[1]), int(r[2])) for m, r in zip(blk.members, rows)]
+                for m, r in zip(blk.members, rows):
+                    r, lp = r if work.logprobs is not None else (r, None)
+                    out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp))
             return sorted(out, key=lambda sc: sc.index)
 
     def _check_open(self) -> None:
@@ -330,8 +335,9 @@ class LLM:
         return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
-                decode_tokens: int) -> Workload:
-        return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer)
+                decode_tokens: int, logprobs: int | None = None) -> Workload:
+        return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer,
+                               logprobs)
 
     def _say_plan(self) -> None:
         plan = self.plan

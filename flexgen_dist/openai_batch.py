@@ -9,7 +9,10 @@ output and is not computed, a prompt longer than the model's context) gets an er
 its own; the others run. Each request keeps its own ``max_tokens``, sampling (penalties,
 biases, top-k and min-p included) and stop strings (``Workload``), and ``n`` choices become n
 rows of the job. Log-probabilities are computed for the whole call at the most any request
-asks for, and each request's line carries its own number of alternatives.
+asks for, and each request's line carries its own number of alternatives. A completions
+request with ``echo`` gets its prompt back before its completion, and with ``logprobs`` its
+prompt's tokens' too, from one teacher-forced scoring call (``LLM.score``) over every echoed
+prompt before the generation; with ``max_tokens`` 0 it generates nothing.
 
 This module turns lines into requests and results into lines; ``LLM.batch`` runs them and
 ``python -m flexgen_dist.batch`` is the command.
@@ -32,13 +35,14 @@ MAX_N = 128  # choices per request
 INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
-    "stream": (False, None), "echo": (False, None),
+    "stream": (False, None),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
-        "top_k", "min_p"}  # the last two: vLLM's extensions
+        "top_k", "min_p",  # these two: vLLM's extensions
+        "echo"}  # completions only
 
 
 class RequestError(ValueError):
@@ -63,6 +67,8 @@ class Request:
     n: int = 1
     seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
     logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
+    echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
+    prompt_logprobs: TokenLogprobs | None = None  # echo with logprobs: the prompt's tokens 1.. (scored)
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -134,9 +140,11 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                                                         "not supported (leave it out)")
             continue
         raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
+    req.echo = _echo(req.url, body.get("echo"))
     req.prompt = _prompt(req, body, tokenizer, vocab_size)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 1)
+    # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
+    req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
     total = len(req.prompt.ids) + req.max_tokens
     if total > max_positions:
         raise RequestError("context_length_exceeded",
@@ -161,6 +169,16 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     req.logprobs = _logprobs(req.url, body)
+
+
+def _echo(url: str, v: Any) -> bool:
+    if v in (None, False):
+        return False
+    if v is not True:
+        raise RequestError("invalid_value", f"echo {v!r}: true or false")
+    if url != COMPLETIONS:
+        raise RequestError("unsupported_field", "echo is a completions field: a chat request has no echo")
+    return True
 
 
 def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -289,18 +307,24 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     assert req.prompt is not None
     created = int(time.time()) if created is None else created
     chat = req.url == CHAT
+    echoed = req.prompt.text if req.prompt.text is not None else \
+        tokenizer.decode(req.prompt.ids) if tokenizer is not None else None
     choices = []
     for j, c in enumerate(req.choices):
         choice: dict[str, Any] = {"index": j}
+        text = c.text if c.text is not None else ""
         if chat:
-            choice["message"] = {"role": "assistant", "content": c.text if c.text is not None else ""}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = c.text if c.text is not None else ""
+            choice["text"] = (echoed or "") + text if req.echo else text
         if c.text is None:  # a model without a tokenizer: the ids are the answer
-            choice["token_ids"] = c.token_ids
+            choice["token_ids"] = (req.prompt.ids if req.echo else []) + c.token_ids
         choice["logprobs"] = None
         if req.logprobs is not None and c.logprobs is not None:
             choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), tokenizer)
+            if req.echo and req.prompt_logprobs is not None:
+                choice["logprobs"] = _echoed(req.prompt.ids, req.prompt_logprobs.trimmed(req.logprobs), tokenizer,
+                                             choice["logprobs"])
         choice["finish_reason"] = c.finish_reason
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
@@ -335,6 +359,32 @@ def _logprobs_object(chat: bool, ids: list[int], lps: TokenLogprobs, tokenizer: 
             "top_logprobs": [dict(alts) for alts in tops], "text_offset": offsets}
 
 
+def _echoed(prompt_ids: list[int], lps: TokenLogprobs, tokenizer: Any | None, completion: dict[str, Any]
+            ) -> dict[str, Any]:
+    """A completions ``logprobs`` object with the prompt's tokens before the completion's, as
+    ``echo`` returns them: the first token has no prefix (its logprob and alternatives are
+    null), the offsets run over the echoed prompt and the completion."""
+    head = _logprobs_object(False, prompt_ids[1:], lps, tokenizer)
+    first = tokenizer.decode(prompt_ids[:1]) if tokenizer is not None else str(prompt_ids[0])
+    toks = [first, *head["tokens"], *completion["tokens"]]
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]], "text_offset": offsets}
+
+
+@dataclass
+class _Nothing:
+    """The choice of an echo request with max_tokens 0: nothing generated."""
+
+    logprobs: TokenLogprobs | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = ""
+    finish_reason: str = "length"
+
+
 # --- running a batch ----------------------------------------------------------------------
 def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default_max_tokens: int,
               skip: int = 0) -> Iterator[list[dict[str, Any]]]:
@@ -353,14 +403,32 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                               default, llm.config.seed)[skip:]
         return any(r.ok for r in reqs)
 
-    runs = bool(llm.on_driver(parse))
+    def plan() -> tuple[bool, bool]:  # whether anything is scored (echo with logprobs), generated
+        if not parse():
+            return False, False
+        assert reqs is not None
+        return any(r.ok and r.echo and r.logprobs is not None for r in reqs), \
+            any(r.ok and r.max_tokens > 0 for r in reqs)
+
+    scores, runs = llm.on_driver(plan)
     if not llm.is_driver:
+        if scores:
+            llm.score()
         if runs:
             for _ in llm.stream():
                 pass
         return
     assert reqs is not None
-    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok for j in range(r.n)]
+    if scores:  # the echoed prompts' logprobs: one scoring call, every token with a prefix
+        scored = [r for r in reqs if r.ok and r.echo and r.logprobs is not None]
+        k = max(r.logprobs for r in scored)  # type: ignore[type-var]
+        for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k)):
+            r.prompt_logprobs = sc.logprobs
+    for r in reqs:
+        if r.ok and r.max_tokens == 0:
+            r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
+                                  text="" if llm.tokenizer is not None else None) for _ in range(r.n)]
+    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
     asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     out = 0  # the next request to write
 
@@ -372,7 +440,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
             out += 1
         return lines
 
-    if runs:
+    if rows:
         for window in llm.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
                                   max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
                                   keys=[sampling_key(r, j) for r, j in rows],

@@ -28,7 +28,8 @@ class Workload:
     ``ignore_eos`` is the call's). ``stops`` (one tuple of strings per request) end a
     completion at the first of its stop strings. ``keys`` are the requests' sampling keys
     (default: their index in the call). ``logprobs`` (None: off) asks for each generated
-    token's log-probability and that many most likely alternatives. ``targets`` (scoring) are, per sequence, the id that
+    token's log-probability and that many most likely alternatives (scoring: each scored
+    token's). ``targets`` (scoring) are, per sequence, the id that
     follows each position, -1 where it is not scored. ``prompts`` (rank 0 only) keep each
     request's ids and text; ``header()`` drops them for the wire."""
 
@@ -60,8 +61,6 @@ class Workload:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs {self.logprobs}: give 0 (the chosen token's only) to {MAX_LOGPROBS} "
                              "alternatives per token, or None")
-        if self.logprobs is not None and self.targets is not None:
-            raise ValueError("logprobs are for generation; scoring reports each sequence's log-likelihood")
 
     @property
     def num_prompts(self) -> int:

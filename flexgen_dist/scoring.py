@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .config import ConfigError
+from .engine.sampling import TokenLogprobs
 
 
 @dataclass
@@ -16,6 +17,9 @@ class Score:
     nll: float  # sum over the scored tokens of -log p(token | prefix), natural log
     count: int  # tokens scored
     correct: int  # scored tokens that were the model's top-1 prediction
+    # score(logprobs=K): each scored token's log p and its K most likely alternatives (the
+    # distribution its prefix gives), in order; None where not asked for
+    logprobs: TokenLogprobs | None = None
 
     @property
     def accuracy(self) -> float:

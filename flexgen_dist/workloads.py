@@ -63,9 +63,12 @@ def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int) -> 
 
 
 def scored_workload(sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
-                    decode_tokens: int, cfg: RunConfig, spec: ModelSpec, tokenizer: Any | None) -> Workload:
-    """Scoring's workload: each sequence's prefill part, the decode steps, the targets."""
+                    decode_tokens: int, cfg: RunConfig, spec: ModelSpec, tokenizer: Any | None,
+                    logprobs: int | None = None) -> Workload:
+    """Scoring's workload: each sequence's prefill part, the decode steps, the targets, and
+    (``logprobs``) how many alternatives each scored token reports."""
     work = build_workload(sequences, 1, None, cfg, spec, tokenizer, scoring=True)
     targets = score_targets([p.ids for p in work.prompts], first_scored)
     lens, steps = score_split(list(work.lens), decode_tokens)
-    return dataclasses.replace(work, lens=tuple(lens), gen_len=steps, targets=tuple(tuple(t) for t in targets))
+    return dataclasses.replace(work, lens=tuple(lens), gen_len=steps, targets=tuple(tuple(t) for t in targets),
+                               logprobs=None if logprobs is None else int(logprobs))

@@ -164,7 +164,8 @@ def test_length_grouped_blocks_pad_less_and_give_the_same_tokens(tiny_models) ->
 @pytest.mark.multinode
 def test_the_command_on_two_ranks_writes_what_one_rank_writes(tmp_path: Path) -> None:
     reqs = [chat("c1", "What is the capital of France?", max_tokens=8), compl("p1", "Tea is", max_tokens=5, stop=["."]),
-            compl("bad", "x", echo=True), chat("c2", "Name a color.", max_tokens=6, temperature=0.7, seed=3)]
+            compl("bad", "x", suffix="!"), chat("c2", "Name a color.", max_tokens=6, temperature=0.7, seed=3),
+            compl("ll", "The capital of France is Paris", echo=True, max_tokens=0, logprobs=1)]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     outs = []
@@ -176,8 +177,11 @@ def test_the_command_on_two_ranks_writes_what_one_rank_writes(tmp_path: Path) ->
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append([(x["custom_id"], x["error"], x["response"]["body"].get("choices")) for x in read_jsonl(out)])
+    lls = [o.pop()[2][0]["logprobs"] for o in outs]  # the echoed prompt's logprobs, from the last stage
     assert outs[0] == outs[1]
     assert outs[0][2][1]["code"] == "unsupported_field"
+    assert lls[0]["tokens"] == lls[1]["tokens"] and lls[0]["token_logprobs"][0] is None
+    assert lls[0]["token_logprobs"][1:] == pytest.approx(lls[1]["token_logprobs"][1:], abs=1e-5)
 
 
 def test_blocks_group_by_length_then_limit_within_windows() -> None:

@@ -105,8 +105,8 @@ def test_bad_logprobs_say_what_to_give(tiny_models, tmp_path: Path, capsys) -> N
     assert "--logprobs 21: give 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="logprobs 21: give 0"):
         LLM(str(tiny_models["opt-pre"].path), logprobs=21)
-    with pytest.raises(ValueError, match="logprobs are for generation"):
-        Workload((3,), 2, logprobs=1, targets=((1, 2, 3),))
+    with pytest.raises(ValueError, match="logprobs 21: give 0"):
+        Workload((3,), 2, logprobs=21, targets=((1, 2, 3),))
     req = tmp_path / "r.jsonl"
     req.write_text(json.dumps({"custom_id": "a", "url": COMPL, "body": {"prompt": [5, 6]}}) + "\n")
     assert batch_main(["--model", str(tiny_models["opt-pre"].path), "-i", str(req), "-o",
@@ -225,3 +225,90 @@ def test_the_multiple_choice_example_answers_within_its_options(tmp_path: Path) 
         assert m is not None, line
         assert m.group(1) in options and 0 < int(m.group(2)) <= 100 and m.group(3) == question
     assert lines[0].split()[0] == "Paris"  # 96 % of its options' probability on the development VM
+
+
+# --- the log-probabilities of given tokens: scoring, and echo ---------------------------------
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+@pytest.mark.parametrize("decode_tokens", [0, 2])
+def test_scored_tokens_logprobs_match_transformers(kind: str, decode_tokens: int, tiny_models) -> None:
+    """``LLM.score(logprobs=K)``: each scored token's log-probability and its K most likely
+    alternatives, equal to transformers' log-softmax of its logits at the token's prefix,
+    for the tokens a prefill scores and those decode steps predict, from ``first_scored`` on;
+    their sum is the score's -nll."""
+    tm = tiny_models[kind]
+    seqs, first = [PROMPTS[0] + PROMPTS[3], PROMPTS[1], PROMPTS[2]], [1, 2, 4]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=2, progress=False) as llm:
+        scores = llm.score(seqs, first_scored=first, decode_tokens=decode_tokens, logprobs=3)
+        plain = llm.score(seqs, first_scored=first, decode_tokens=decode_tokens)
+    for sc, pl, seq, f in zip(scores, plain, seqs, first):
+        with torch.no_grad():
+            ref = tm.model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        assert sc.logprobs is not None and pl.logprobs is None
+        assert (sc.nll, sc.count, sc.correct) == (pl.nll, pl.count, pl.correct) and sc.count == len(seq) - f
+        assert_matches(sc.logprobs, seq[f:], ref[f - 1:len(seq) - 1], 3)
+        assert -sum(sc.logprobs.token_logprobs) == pytest.approx(sc.nll, abs=1e-9)
+
+
+def test_batch_echo_gives_the_prompts_logprobs_then_the_completions(tiny_models) -> None:
+    """A completions request with ``echo``: the prompt comes back before the completion,
+    its first token with null logprobs and each later one with its own and its alternatives
+    (as a prefix gives them); ``max_tokens`` 0 generates nothing (a loglikelihood request);
+    echo without logprobs echoes the ids; a chat request has no echo."""
+    tm = tiny_models["llama-gqa"]
+    p, q = PROMPTS[0], PROMPTS[2]
+    toks, gen_ref = reference_logprobs(tm, [q], 3)
+    reqs = [{"custom_id": "ll", "url": COMPL, "body": {"prompt": p, "echo": True, "max_tokens": 0, "logprobs": 2}},
+            {"custom_id": "both", "url": COMPL, "body": {"prompt": q, "echo": True, "max_tokens": 3, "logprobs": 1}},
+            {"custom_id": "ids", "url": COMPL, "body": {"prompt": q, "echo": True, "max_tokens": 2}},
+            {"custom_id": "zero", "url": COMPL, "body": {"prompt": q, "max_tokens": 0}},
+            {"custom_id": "chat", "url": CHAT, "body": {"messages": [{"role": "user", "content": "x"}],
+                                                        "echo": True}},
+            {"custom_id": "odd", "url": COMPL, "body": {"prompt": q, "echo": "yes"}}]
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    with torch.no_grad():
+        ref_p = tm.model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        ref_q = tm.model(torch.tensor([q])).logits[0].float().log_softmax(-1)
+    ll = out["ll"]["response"]["body"]
+    assert ll["usage"]["completion_tokens"] == 0 and ll["choices"][0]["token_ids"] == p
+    lp = ll["choices"][0]["logprobs"]
+    assert lp["tokens"] == [str(t) for t in p] and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    alts = [[(int(t), v) for t, v in step.items()] for step in lp["top_logprobs"][1:]]
+    assert_matches(TokenLogprobs(lp["token_logprobs"][1:], alts), p[1:], ref_p[:-1], 2)
+    assert lp["text_offset"] == [sum(len(str(t)) for t in p[:n]) for n in range(len(p))]
+    both = out["both"]["response"]["body"]["choices"][0]
+    assert both["token_ids"] == q + toks[0]
+    lp = both["logprobs"]
+    assert len(lp["tokens"]) == len(q) + 3 and lp["token_logprobs"][0] is None
+    alts = [[(int(t), v) for t, v in step.items()] for step in lp["top_logprobs"][1:len(q)]]
+    assert_matches(TokenLogprobs(lp["token_logprobs"][1:len(q)], alts), q[1:], ref_q[:-1], 1)
+    gen = [[(int(t), v) for t, v in step.items()] for step in lp["top_logprobs"][len(q):]]
+    assert_matches(TokenLogprobs(lp["token_logprobs"][len(q):], gen), toks[0], gen_ref[0], 1)
+    ids = out["ids"]["response"]["body"]["choices"][0]
+    assert ids["token_ids"][:len(q)] == q and len(ids["token_ids"]) == len(q) + 2 and ids["logprobs"] is None
+    assert out["zero"]["error"]["code"] == "invalid_value" and "max_tokens 0" in out["zero"]["error"]["message"]
+    assert out["chat"]["error"]["code"] == "unsupported_field" and "no echo" in out["chat"]["error"]["message"]
+    assert out["odd"]["error"]["code"] == "invalid_value"
+
+
+def test_two_ranks_score_what_one_rank_scores(tiny_models, tmp_path: Path) -> None:
+    """Per-token scores on two ranks (the last stage's rows carried to rank 0 with the sums):
+    the same tokens and values as on one."""
+    tm = tiny_models["opt-pre"]
+    reqs = [{"custom_id": f"r{i}", "url": COMPL, "body": {"prompt": s, "echo": True, "max_tokens": i % 2,
+                                                          "logprobs": 2}} for i, s in enumerate(PROMPTS)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    outs = []
+    for nproc in (1, 2):
+        out = tmp_path / f"out{nproc}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
+               "-m", "flexgen_dist.batch", "-i", str(inp), "-o", str(out), "--no-progress", "--model", str(tm.path),
+               "--gpu-batch-size", "2", "--num-gpu-batches", "2"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append([x["response"]["body"]["choices"][0] for x in read_jsonl(out)])
+    for a, b in zip(*outs):
+        assert a["token_ids"] == b["token_ids"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-5)

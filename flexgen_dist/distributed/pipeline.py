@@ -248,7 +248,12 @@ class Pipeline:
             mine = [self.targets[m] for m in blk.members]
             rows = score_rows(mine, blk.lens, blk.prompt_len, blk.prompt_len + meta.gen_len)
             meta.targets = list(rows.to(self.engine.device).split(self.gbs))
+            meta.score_k = self.logprobs
         return meta
+
+    def _score_positions(self, b: int) -> int:
+        """Scoring: the cache positions of block b whose targets are laid out (``score_rows``)."""
+        return self.blocks[b].prompt_len + self.gen_len - 1
 
     def _forced_inputs(self, blk: BlockPlan, prompts: list[list[int]]) -> torch.Tensor:
         """Scoring, stage 0: (b, gen_len - 1) ids fed at decode steps 1.. (padding past a sequence's end)."""
@@ -263,7 +268,7 @@ class Pipeline:
             st = self._states[b] = self.engine.new_block(self._meta(blk), tag=f"-blk{b}")
             if self.first:
                 self._tokens[b] = []
-                if self.logprobs is not None:
+                if self.logprobs is not None and self.targets is None:
                     self._lps[b] = []
             if self.first and self.targets is not None:
                 assert prompts is not None
@@ -307,7 +312,7 @@ class Pipeline:
         self._forced.pop(b, None)
         watch = self._watch.pop(b, None)
         if self.targets is not None:
-            return tokens[0].tolist()
+            return self._score_outputs(b, tokens[0])
         seqs = torch.stack(tokens, 1).tolist()
         outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
         members = self.blocks[b].members
@@ -328,6 +333,19 @@ class Pipeline:
             return [(o, TokenLogprobs.of_rows(r[:len(o)], k)) for o, r in zip(outs, rows)]
         return outs
 
+    def _score_outputs(self, b: int, acc: torch.Tensor) -> list[Any]:
+        """Stage 0, scoring: block b's rows [sum of -log p, positions scored, top-1 hits], each
+        with (per-token logprobs) the ``TokenLogprobs`` of its scored tokens, in order."""
+        acc = acc.cpu()
+        sums = acc[:, :3].tolist()
+        if not self._lp_width:
+            return sums
+        blk = self.blocks[b]
+        where = score_rows([self.targets[m] for m in blk.members], blk.lens, blk.prompt_len,  # type: ignore[index]
+                           self._score_positions(b)) >= 0
+        per = acc[:, 3:].view(len(blk.lens), -1, self._lp_width)
+        return [(row, TokenLogprobs.of_rows(p[m], self.logprobs or 0)) for row, p, m in zip(sums, per, where)]
+
     def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
         """Pass the item's result on: hidden states to the next stage, or (last stage) the
         sampled ids, with the early-stop flag, to stage 0. Returns whether the block has
@@ -339,11 +357,15 @@ class Pipeline:
         if self.targets is not None:  # summed over the block's steps, handed over after the last
             scores = torch.cat(outs)
             acc = self._scores.get(b)
-            if acc is None:
-                acc = self._scores[b] = torch.zeros((len(self.blocks[b].lens), 3), dtype=torch.float64,
-                                                    device=scores.device)
+            w = self._lp_width
+            if acc is None:  # the sums, then (per-token logprobs) each position's row
+                acc = self._scores[b] = torch.zeros((len(self.blocks[b].lens), 3 + self._score_positions(b) * w),
+                                                    dtype=torch.float64, device=scores.device)
             r0, r1 = self._rows(item)
-            acc[r0:r1] += scores
+            acc[r0:r1, :3] += scores[:, :3]
+            if w:  # this step's positions: the prompt's at prefill, position s + i - 1 at step i
+                p0 = 0 if i == 0 else self.blocks[b].prompt_len + i - 1
+                acc[r0:r1, 3 + p0 * w:3 + p0 * w + scores.shape[1] - 3] = scores[:, 3:]
             if item.last and i == self.gen_len - 1:
                 del self._scores[b]
                 if self.first:
@@ -435,7 +457,7 @@ class Pipeline:
         if not self.first:
             return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
         if item.kind == COLLECT and self.targets is not None:
-            return self.ring.post_from_last((n, 3), torch.float64)
+            return self.ring.post_from_last((n, 3 + self._score_positions(item.block) * self._lp_width), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
             return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
         return None

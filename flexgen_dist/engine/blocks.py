@@ -30,6 +30,9 @@ class BlockMeta:
     # -log p(target), positions scored, top-1 hits] over the step's positions instead of
     # last-position logits.
     targets: list[torch.Tensor] | None = None
+    # scoring with per-token log-probabilities: that many alternatives per position (None:
+    # the sums alone); the head then returns (b, 3 + t * (1 + 2k)) (``head.score``)
+    score_k: int | None = None
 
     @property
     def batch_sizes(self) -> list[int]:

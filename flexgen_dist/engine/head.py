@@ -45,16 +45,21 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
 
 
 def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor,
-          targets: torch.Tensor) -> torch.Tensor:
+          targets: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
 
-    The head runs on the scored positions only, in chunks of ~64 MB of float32 logits,
-    so a window of s positions never holds (b, s, vocab) logits at once."""
+    With ``k`` (per-token log-probabilities), (b, 3 + t * (1 + 2k)) for x of t positions: after
+    the sums, per position the log-probability of its target and the ids and
+    log-probabilities of its k most likely next tokens, most likely first (zeros where the
+    position is not scored). The head runs on the scored positions only, in chunks of ~64 MB
+    of float32 logits, so a window of s positions never holds (b, s, vocab) logits at once."""
     b, s, h = x.shape
     device = x.device
     flat_x, flat_t = x.reshape(b * s, h), targets.reshape(-1).to(device)
     rows = torch.arange(b, device=device).repeat_interleave(s)
     out = torch.zeros((b, 3), dtype=torch.float64, device=device)
+    width = 0 if k is None else 1 + 2 * k
+    per = torch.zeros((b * s, width), dtype=torch.float64, device=device) if width else None
     step = max(1, (64 << 20) // (4 * spec.vocab_size))
     for a in range(0, b * s, step):
         t = flat_t[a:a + step]
@@ -69,4 +74,13 @@ def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.
         out[:, 0].index_add_(0, r, nll.double())
         out[:, 1].index_add_(0, r, torch.ones_like(nll, dtype=torch.float64))
         out[:, 2].index_add_(0, r, hit.double())
-    return out
+        if per is not None:
+            where = torch.arange(a, a + t.shape[0], device=device)[keep]
+            per[where, 0] = -nll.double()
+            if k:
+                vals, top = (lg - torch.logsumexp(lg, -1, keepdim=True)).topk(k, dim=-1)
+                per[where, 1:1 + k] = top.double()
+                per[where, 1 + k:] = vals.double()
+    if per is None:
+        return out
+    return torch.cat([out, per.view(b, s * width)], dim=1)

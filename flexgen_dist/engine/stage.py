@@ -288,7 +288,8 @@ class StageEngine:
         x = last[1] if last is not None and all(a is b for a, b in zip(last[0], xs)) else torch.cat(xs)
         if slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
-                head.score(self.family, spec, w, x, torch.cat([step_targets(st, i, kk) for kk in range(num_gb)]))
+                head.score(self.family, spec, w, x, torch.cat([step_targets(st, i, kk) for kk in range(num_gb)]),
+                           st.meta.score_k)
         else:
             assert st.cache is not None
             layer, window = slot[1], spec.window(slot[1])  # type: ignore[arg-type]
@@ -346,7 +347,7 @@ class StageEngine:
             return
         elif slot[0] == "head":
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
-                head.score(self.family, spec, w, x, step_targets(st, i, k))
+                head.score(self.family, spec, w, x, step_targets(st, i, k), st.meta.score_k)
             st.outputs[k - st.out_base] = y
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
