@@ -412,6 +412,8 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
 
     scores, runs = llm.on_driver(plan)
     if not llm.is_driver:
+        if scores and runs:
+            llm.prepare()
         if scores:
             llm.score()
         if runs:
@@ -419,8 +421,15 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                 pass
         return
     assert reqs is not None
+    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
+    asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     if scores:  # the echoed prompts' logprobs: one scoring call, every token with a prefix
         scored = [r for r in reqs if r.ok and r.echo and r.logprobs is not None]
+        if rows:  # the plan is the generation's, with the scored prompts among its rows
+            llm.prepare([r.prompt for r, _ in rows] + [r.prompt for r in scored],
+                        max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows] + [SamplingConfig()] * len(scored),
+                        max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(scored),
+                        logprobs=max(asked) if asked else None)
         k = max(r.logprobs for r in scored)  # type: ignore[type-var]
         for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k)):
             r.prompt_logprobs = sc.logprobs
@@ -428,8 +437,6 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         if r.ok and r.max_tokens == 0:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
                                   text="" if llm.tokenizer is not None else None) for _ in range(r.n)]
-    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
-    asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     out = 0  # the next request to write
 
     def ready() -> list[dict[str, Any]]:

@@ -312,3 +312,27 @@ def test_two_ranks_score_what_one_rank_scores(tiny_models, tmp_path: Path) -> No
     for a, b in zip(*outs):
         assert a["token_ids"] == b["token_ids"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
         assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(b["logprobs"]["token_logprobs"][1:], abs=1e-5)
+
+
+def test_a_batch_that_scores_first_plans_for_its_generation(tiny_models) -> None:
+    """The plan is made at an LLM's first call: a batch with echoed prompts plans for its
+    generation (``LLM.prepare``), as the same batch without echo does, not for the shorter
+    scoring call that runs first."""
+    tm = tiny_models["opt-pre"]
+    gen = [{"custom_id": f"g{i}", "url": COMPL, "body": {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12}}
+           for i in range(24)]
+    echo = {"custom_id": "e", "url": COMPL, "body": {"prompt": PROMPTS[0], "echo": True, "max_tokens": 0,
+                                                      "logprobs": 1}}
+    plain = {"custom_id": "e", "url": COMPL, "body": {"prompt": PROMPTS[0], "max_tokens": 1}}
+    plans = []
+    for last in (echo, plain):
+        with LLM(str(tm.path), progress=False, ignore_eos=True) as llm:
+            lines = llm.batch([*gen, last])
+            plans.append(llm.plan.stages[0].policy)
+        assert all(x["error"] is None for x in lines)
+    alone = LLM(str(tm.path), progress=False)
+    with alone:
+        alone.score([PROMPTS[0]], logprobs=1)
+        scored_first = alone.plan.stages[0].policy
+    assert plans[0] == plans[1]
+    assert plans[0].block_size > scored_first.block_size  # what the scoring call alone would have planned
