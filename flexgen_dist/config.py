@@ -44,6 +44,7 @@ class RunConfig:
     seed: int = 0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     output: str | None = None
     resume: bool = False
@@ -143,7 +144,8 @@ class RunConfig:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
-                              self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p)
+                              self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty)
 
     @property
     def auto_policy(self) -> bool:
@@ -298,6 +300,9 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "generated already from its logit (-2 to 2, default 0; greedy too)")
     g.add_argument("--presence-penalty", type=float, help="subtract this from the logit of every token "
                    "generated already (-2 to 2, default 0; greedy too)")
+    g.add_argument("--repetition-penalty", type=float, help="divide the logit of every token of the prompt or "
+                   "generated already by this where positive, multiply where negative (as transformers; "
+                   "default 1: off; greedy too)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "

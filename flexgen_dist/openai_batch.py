@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from .config import ConfigError
-from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingConfig, TokenLogprobs
+from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -41,7 +41,7 @@ OFF: dict[str, tuple[Any, ...]] = {
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
-        "top_k", "min_p",  # these two: vLLM's extensions
+        "top_k", "min_p", "repetition_penalty",  # these three: vLLM's extensions
         "echo"}  # completions only
 
 
@@ -162,13 +162,23 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     top_k = 0 if top_k in (None, -1) else _int(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
     req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
                                   _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
-                                  min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0))
+                                  min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
+                                  repetition_penalty=_repetition(body.get("repetition_penalty")))
     req.seeded = s is not None
     req.stop = _stops(body.get("stop"))
     req.n = _int(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     req.logprobs = _logprobs(req.url, body)
+
+
+def _repetition(v: Any) -> float:
+    if v is None:
+        return 1.0
+    p = _number(v, "repetition_penalty", 0.0, MAX_REPETITION)
+    if p <= 0:
+        raise RequestError("invalid_value", f"repetition_penalty must be in (0, {MAX_REPETITION:g}]")
+    return p
 
 
 def _echo(url: str, v: Any) -> bool:

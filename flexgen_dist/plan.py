@@ -42,6 +42,9 @@ class Workload:
     samplings: tuple[SamplingConfig, ...] | None = None
     stops: tuple[tuple[str, ...], ...] | None = None
     logprobs: int | None = None
+    # per request, its prompt's ids where its sampling has a repetition penalty (else ()): the
+    # last stage applies it, and the header (which has no prompts) carries them there
+    seen: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +53,7 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

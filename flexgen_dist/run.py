@@ -110,7 +110,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             "gen_len": cfg.gen_len, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed,
             "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {}),
             **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}),
-            **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)}}
+            **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)},
+            **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {})}
 
 
 def _rank_path(path: str, rank: int) -> Path:

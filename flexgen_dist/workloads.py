@@ -40,14 +40,17 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
             raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
+    samp = (each[0] if each else sampling) or cfg.sampling
+    repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
+    seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
+        if any(repeats) and not scoring else None
     try:
-        return Workload(tuple(len(p.ids) for p in ps), gen_len,
-                        (each[0] if each else sampling) or cfg.sampling,  # type: ignore[arg-type]
+        return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]
                         keys=None if keys is None else tuple(int(k) for k in keys),
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                         logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
-                        prompts=tuple(ps))
+                        seen=seen, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

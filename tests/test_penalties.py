@@ -133,3 +133,77 @@ def test_adjust_entries_count_new_ids_once_and_leave_the_logits_alone() -> None:
     assert adj(logits).tolist() == [[0, -2.5, 1.5, 0, 0], [0] * 5]
     with pytest.raises(RuntimeError, match="made for 3 steps"):
         adj.count(torch.tensor([0, 0]))
+
+
+# --- the repetition penalty (transformers' and vLLM's) -------------------------------------
+def hf_repetition(tm, prompt: list[int], penalty: float, gen_len: int) -> list[int]:
+    """transformers' own greedy generation with ``repetition_penalty`` (one unpadded prompt)."""
+    with torch.no_grad():
+        out = tm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                dtype=torch.long), max_new_tokens=gen_len, min_new_tokens=gen_len, do_sample=False,
+                                repetition_penalty=penalty, pad_token_id=tm.pad_id)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_repetition_penalty_matches_transformers_per_row(kind: str, tiny_models) -> None:
+    """Greedy tokens with ``repetition_penalty`` equal transformers' ``generate`` with it, for
+    rows of one GPU batch with different penalties (and one without, unchanged beside them);
+    the prompt's ids count, not its left padding."""
+    tm = tiny_models[kind]
+    pens = [1.8, 1.0, 0.7, 1.3, 2.5, 1.0]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=3, ignore_eos=True, progress=False) as llm:
+        mixed = llm.generate(PROMPTS, gen_len=GEN, sampling=[SamplingConfig(repetition_penalty=p) for p in pens])
+        plain = llm.generate(PROMPTS, gen_len=GEN)
+        same = llm.generate(PROMPTS, gen_len=GEN, sampling=SamplingConfig(repetition_penalty=1.8))
+    for p, pen, c in zip(PROMPTS, pens, mixed):
+        assert c.token_ids == hf_repetition(tm, p, pen, GEN), pen
+    assert mixed[1].token_ids == plain[1].token_ids
+    assert [c.token_ids for c in same] == [hf_repetition(tm, p, 1.8, GEN) for p in PROMPTS]
+    assert any(c.token_ids != q.token_ids for c, q in zip(same, plain))  # it changed some completion
+
+
+def test_repetition_penalty_goes_before_the_openai_adjustments() -> None:
+    """Divided where positive, multiplied where negative, on the prompt's and the generated
+    ids, then the additive biases and penalties (vLLM's order)."""
+    from flexgen_dist.engine.sampling import LogitAdjust
+    cfg = SamplingConfig(repetition_penalty=2.0, logit_bias={1: 1.0}, presence_penalty=0.5)
+    adj = LogitAdjust([cfg, SamplingConfig(logit_bias={0: 0.0})], torch.device("cpu"), steps=2,
+                      prompts=[[1, 3, 3], [2]])
+    logits = torch.tensor([[4.0, 4.0, 4.0, -4.0, 4.0], [4.0, 4.0, 4.0, -4.0, 4.0]])
+    assert adj(logits).tolist() == [[4, 3, 4, -8, 4], [4, 4, 4, -4, 4]]
+    adj.count(torch.tensor([4, 4]))
+    assert adj(logits).tolist() == [[4, 3, 4, -8, 1.5], [4, 4, 4, -4, 4]]
+    with pytest.raises(ValueError, match="needs each row's prompt ids"):
+        LogitAdjust([cfg], torch.device("cpu"), steps=2)
+    with pytest.raises(ValueError, match="--repetition-penalty 0.0: must be in"):
+        SamplingConfig(repetition_penalty=0.0)
+
+
+def test_repetition_penalty_from_the_cli_the_batch_and_two_ranks(tiny_models, prompts_file: Path,
+                                                                 tmp_path: Path, capsys) -> None:
+    tm = tiny_models["llama-gqa"]
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    args = ["--model", str(tm.path), "--prompts", str(prompts_file), "--gen-len", str(GEN), "--ignore-eos",
+            "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--repetition-penalty", "1.6", "--no-progress"]
+    one = tmp_path / "one.jsonl"
+    assert main([*args, "--output", str(one)]) == 0
+    want = [hf_repetition(tm, p, 1.6, GEN) for p in prompts]
+    assert [x["tokens"] for x in read_jsonl(one)] == want
+    assert json.loads((tmp_path / "one.jsonl.run.json").read_text())["repetition_penalty"] == 1.6
+    two = tmp_path / "two.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
+           "-m", "flexgen_dist.run", *args, "--output", str(two)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(two)] == want  # the last stage got the prompts' ids
+    assert main(["--model", str(tm.path), "--num-prompts", "2", "--repetition-penalty", "-1"]) == 2
+    assert "--repetition-penalty -1.0: must be in (0, 10]" in capsys.readouterr().err
+    reqs = [{"custom_id": "r", "url": COMPL, "body": {"prompt": prompts[0], "max_tokens": GEN,
+                                                      "repetition_penalty": 1.6}},
+            {"custom_id": "bad", "url": COMPL, "body": {"prompt": prompts[0], "repetition_penalty": 0}}]
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    assert out["r"]["response"]["body"]["choices"][0]["token_ids"] == want[0]
+    assert out["bad"]["error"]["code"] == "invalid_value"

@@ -65,7 +65,7 @@ class Pipeline:
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
                  samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, seen: Sequence[Sequence[int]] | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
@@ -73,6 +73,7 @@ class Pipeline:
         self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
+        self.seen = seen  # per sequence, its prompt's ids where a repetition penalty needs them
         # stage 0: ``stops.hit(sequence, its new ids) -> bool`` for sequences with stop strings
         # (``stops.has(sequence)``); None: no sequence has any
         self.stops = stops
@@ -282,7 +283,8 @@ class Pipeline:
                         EosTracker(len(r), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev,
                                    None if limits is None else limits[a * self.gbs:a * self.gbs + len(r)])
                         for a, r in enumerate(rows)]
-                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev, self.gen_len)
+                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev, self.gen_len,
+                                                     None if self.seen is None else [self.seen[m] for m in r])
                                          for r in rows]
                 if self.first:
                     self._watch[b] = BlockWatch(EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
@@ -478,7 +480,7 @@ def generate(engine: StageEngine, prompts: list[list[int]], gen_len: int, sampli
         raise ValueError(f"schedule={schedule!r}: 'sequential' or 'overlapped'")
     blocks = plan_blocks([len(p) for p in prompts], engine.policy.block_size)
     pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, keys=keys, num_groups=num_groups,
-                    ride=schedule == "overlapped")
+                    ride=schedule == "overlapped", seen=[sorted(set(p)) for p in prompts] if sampling.repeats else None)
     outs: list[list[int]] = []
     for _, block_outs in pipe.run(prompts, progress):
         outs.extend(block_outs)

@@ -10,21 +10,24 @@ on another number of ranks, draws the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| at most (the OpenAI API's range)
+MAX_REPETITION = 10.0  # transformers and vLLM take any positive value; beyond this it is an error
 MAX_BIAS = 100.0  # |logit bias| at most (the OpenAI API's range)
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a sequence's next token is chosen. Before the choice (greedy too) its logits are
-    adjusted as OpenAI's API defines: ``logit_bias`` ((id, bias) pairs) is added, and each id
-    already generated c times in this completion loses ``frequency_penalty * c`` plus
-    ``presence_penalty`` once; the prompt's ids do not count."""
+    adjusted: first ``repetition_penalty`` as transformers and vLLM define it (the logit of
+    every id of the prompt or already generated is divided by it where positive, multiplied
+    where negative; 1: off), then as OpenAI's API defines: ``logit_bias`` ((id, bias) pairs)
+    is added, and each id already generated c times in this completion loses
+    ``frequency_penalty * c`` plus ``presence_penalty`` once (the prompt's ids do not count)."""
 
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -38,6 +41,7 @@ class SamplingConfig:
     # as the most likely one (0: all)
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -48,6 +52,9 @@ class SamplingConfig:
             raise ValueError(f"--top-k {self.top_k}: must be >= 0 (0 keeps every token)")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"--min-p {self.min_p}: must be in [0, 1] (0 keeps every token)")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION:
+            raise ValueError(f"--repetition-penalty {self.repetition_penalty}: must be in (0, {MAX_REPETITION:g}] "
+                             "(1 is off, above 1 discourages repeats)")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -61,7 +68,12 @@ class SamplingConfig:
     @property
     def adjusts(self) -> bool:
         """Whether the logits are adjusted before the choice (penalties or biases)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or self.repeats)
+
+    @property
+    def repeats(self) -> bool:
+        """Whether a repetition penalty applies (it needs the prompt's ids where it is chosen)."""
+        return self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -124,9 +136,11 @@ class RowSampling:
     A row's draw depends on its own settings, key and step only: rows with top-p < 1 are
     sorted apart from the others, so a row samples what it would alone."""
 
-    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int = 0) -> None:
-        """``steps``: the most choices this sampler will make (needed by penalties)."""
-        self.adjust = LogitAdjust(cfgs, device, steps) if any(c.adjusts for c in cfgs) else None
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int = 0,
+                 prompts: Sequence[Sequence[int]] | None = None) -> None:
+        """``steps``: the most choices this sampler will make (needed by penalties);
+        ``prompts``: each row's prompt ids (needed by a repetition penalty)."""
+        self.adjust = LogitAdjust(cfgs, device, steps, prompts) if any(c.adjusts for c in cfgs) else None
         self.greedy = all(c.greedy for c in cfgs)
         self.hot = torch.tensor([not c.greedy for c in cfgs], device=device)
         self.temperature = torch.tensor([c.temperature if not c.greedy else 1.0 for c in cfgs],
@@ -203,8 +217,21 @@ class LogitAdjust:
     ``-(frequency_penalty + presence_penalty if the id is new to the row)``. Memory is
     O(rows x steps), not O(rows x vocab); unused entries add 0 to id 0."""
 
-    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int) -> None:
+    def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int,
+                 prompts: Sequence[Sequence[int]] | None = None) -> None:
         nb = max(len(c.logit_bias) for c in cfgs)
+        # the repetition penalty: per row the ids of its prompt (``prompts``, unique) and then
+        # one per step generated, (b, prompt ids + steps); a row without one divides by 1, and
+        # its unused entries repeat an id of its own, which changes nothing twice
+        self.rep = self.seen = None
+        if any(c.repeats for c in cfgs):
+            if prompts is None:
+                raise ValueError("a repetition penalty needs each row's prompt ids")
+            own = [sorted(set(p)) or [0] for p in prompts]
+            wide = max(len(o) for o in own)
+            seen = torch.tensor([o + [o[0]] * (wide - len(o) + steps) for o in own], dtype=torch.long)
+            self.seen, self.seen_used = seen.to(device), wide
+            self.rep = torch.tensor([c.repetition_penalty for c in cfgs], dtype=torch.float32, device=device)
         self.penalised = any(c.frequency_penalty or c.presence_penalty for c in cfgs)
         width = nb + (steps if self.penalised else 0)
         self.ids = torch.zeros((len(cfgs), width), dtype=torch.long)
@@ -219,10 +246,20 @@ class LogitAdjust:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if self.rep is not None:  # transformers' RepetitionPenaltyLogitsProcessor, on the ids seen
+            seen = self.seen[:, :self.seen_used]
+            got = out.gather(1, seen)
+            p = self.rep[:, None]
+            out.scatter_(1, seen, torch.where(got > 0, got / p, got * p))
         return out.scatter_add_(1, self.ids[:, :self.used], self.amount[:, :self.used])
 
     def count(self, ids: torch.Tensor) -> None:
         """Each row generated ``ids`` (b,) at this step."""
+        if self.rep is not None:
+            if self.seen_used == self.seen.shape[1]:
+                raise RuntimeError("LogitAdjust was made for fewer steps")
+            self.seen[:, self.seen_used] = ids.view(-1)
+            self.seen_used += 1
         if not self.penalised:
             return
         if self.used == self.ids.shape[1]:
