@@ -4,8 +4,8 @@
 
 For each row count, on logits of ``--vocab`` columns (default: the bundled SmolLM2's 49152),
 times the plain greedy choice (``RowSampling.sample``), the same with logprobs of K = 0, 5
-and 20 alternatives (``token_logprobs``), with a frequency and presence penalty, and with a
-logit bias of 16 ids, and, for scale, the head's product of the same rows (float32, hidden
+and 20 alternatives (``token_logprobs``), with a frequency and presence penalty, with a
+logit bias of 16 ids, and with a repetition penalty over 256 prompt ids per row, and, for scale, the head's product of the same rows (float32, hidden
 ``--hidden``): medians over ``--reps`` calls after a warm-up, the variants alternating. A
 sampler with penalties is timed with ``--steps`` tokens of history, as at a block's last step
 (its per-step update, O(rows x steps), is left out). Reports, never asserts.
@@ -33,9 +33,13 @@ def variants(rows: int, vocab: int, hidden: int, steps: int) -> dict[str, Callab
     plain = RowSampling([SamplingConfig()] * rows, dev)
     pen = RowSampling([SamplingConfig(frequency_penalty=0.5, presence_penalty=0.5)] * rows, dev, steps)
     bias = RowSampling([SamplingConfig(logit_bias={i * 7: 5.0 for i in range(16)})] * rows, dev)
+    # a repetition penalty over prompts of 256 distinct ids each, with the same history
+    prompts = [torch.randperm(vocab, generator=g)[:256].tolist() for _ in range(rows)]
+    rep = RowSampling([SamplingConfig(repetition_penalty=1.3)] * rows, dev, steps, prompts)
     w, h = torch.randn(vocab, hidden, generator=g), torch.randn(rows, hidden, generator=g)
     for step in range(steps):  # a history as late in a block: every step's entry in use
         pen.sample(torch.randn(rows, vocab, generator=g), keys, step)
+        rep.sample(torch.randn(rows, vocab, generator=g), keys, step)
     ids = plain.sample(logits, keys, 0)
     return {
         "greedy choice": lambda: plain.sample(logits, keys, 0),
@@ -44,6 +48,7 @@ def variants(rows: int, vocab: int, hidden: int, steps: int) -> dict[str, Callab
         "+ logprobs K=20": lambda: token_logprobs(logits, ids, 20),
         "greedy with penalties": lambda: pen._choose(pen.adjust(logits), keys, 0),
         "greedy with a logit bias": lambda: bias.sample(logits, keys, 0),
+        "greedy, repetition penalty": lambda: rep._choose(rep.adjust(logits), keys, 0),
         "head product (scale)": lambda: torch.nn.functional.linear(h, w),
     }
 
