@@ -543,3 +543,16 @@ def test_trace_profiles_the_job_after_its_warmup(tmp_path: Path) -> None:
     assert res["device_profiled"] is False
     with pytest.raises(SystemExit, match="give the job after --"):
         trace.main(["--rows", "3"])
+
+
+def test_decode_attention_bench_times_each_backend_or_says_why_not(tmp_path: Path) -> None:
+    from flexgen_dist.bench import decode_attention
+
+    out = tmp_path / "da.json"
+    assert decode_attention.main(["--shape", "16", "2", "40", "32", "--calls", "4", "--device", "cpu",
+                                  "--json", str(out)]) == 0
+    res = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(res) == set(decode_attention.BACKENDS)
+    for b in ("math", "engine"):  # on a CPU: the math path and the engine's own kernel run
+        assert res[b]["issue_ms"] > 0 and res[b]["new_length_ms"] > 0 and res[b]["max_err"] < 1e-5
+    assert "skipped" in res["cudnn"] and "skipped" in res["efficient"]  # GPU backends, said so

@@ -19,6 +19,8 @@ else
 fi
 nvidia-smi -L; nproc; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 S="python3 -m flexgen_dist.bench.gpu_suite"
+echo "## decode attention per backend $(date +%T), $(left) s left"
+timeout 60 python3 -m flexgen_dist.bench.decode_attention --json "$OUT/decode-attention.json" 2>&1 | tail -16
 echo "## profile + opt-6.7b on the GPU $(date +%T), $(left) s left"
 $S --out /tmp/c --phases profile compare --cases opt-6.7b-gpu --also-random --extra-dtypes bfloat16 \
     --skip-accelerate --timeout 90 --archive "$OUT/c.tar.gz" 2>&1 | grep "^#"
