@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .engine.footprint import HeadLoad
 from .engine.policy import Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig, choice_bytes
 from .prompts import Prompt
@@ -79,12 +80,13 @@ class Workload:
         return self.targets is not None
 
     @property
-    def choice_bytes(self) -> int:
-        """Bytes per (row, vocabulary entry) that choosing the next tokens holds beyond the
-        logits (``engine.sampling.choice_bytes``); scoring chooses nothing."""
+    def head_load(self) -> HeadLoad:
+        """What this call asks of the last stage's head beyond its weights (the peak model's
+        ``HeadLoad``): the bytes choosing the next tokens holds per (row, vocabulary entry)
+        (``engine.sampling.choice_bytes``), or scoring and its per-token rows."""
         if self.scoring:
-            return 0
-        return choice_bytes(self.samplings or (self.sampling,), self.logprobs)
+            return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else 1 + 2 * self.logprobs)
+        return HeadLoad(choice_bytes(self.samplings or (self.sampling,), self.logprobs))
 
     def header(self) -> Workload:
         """What the other ranks need: everything but the prompts' ids and text."""

@@ -107,7 +107,7 @@ class RunPlanner:
         policies, predicted, ranges = auto_policies(
             cfg, self.model.spec, ranges, work.prompt_len, self.dtype_bytes, self.device, work.num_prompts,
             lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets,
-            packed=self.model.source.packed_formats, dtype=self.dtype, choice_bytes=work.choice_bytes)
+            packed=self.model.source.packed_formats, dtype=self.dtype, head=work.head_load)
         predicted["why"] = _model_reasons(cfg, predicted)
         return policies, predicted, ranges
 
@@ -118,7 +118,7 @@ class RunPlanner:
         predicted = fixed_policy_choice(
             cfg, self.model.spec, ranges, policies, work.prompt_len, self.dtype_bytes, self.device,
             work.num_prompts, lambda G, schedule="sequential": self.fits(policies, ranges, work, G, schedule),
-            self.budgets, dtype=self.dtype, choice_bytes=work.choice_bytes)
+            self.budgets, dtype=self.dtype, head=work.head_load)
         predicted["why"] = _model_reasons(cfg, predicted)
         return predicted
 
@@ -186,7 +186,7 @@ class RunPlanner:
                                       gen_len=work.gen_len, dtype_bytes=self.dtype_bytes,
                                       num_blocks_in_flight=blocks_in_flight,
                                       packed=self.model.source.packed_formats, num_stages=self.world_size,
-                                      cuda=self.device.type == "cuda", choice_bytes=work.choice_bytes))
+                                      cuda=self.device.type == "cuda", head=work.head_load))
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""

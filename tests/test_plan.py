@@ -14,7 +14,7 @@ import pytest
 from conftest import PROMPTS, reference_generate
 from flexgen_dist import LLM, Policy
 from flexgen_dist.budgets import Budgets, fits
-from flexgen_dist.engine.footprint import predict_peaks
+from flexgen_dist.engine.footprint import HeadLoad, predict_peaks
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.plan import Choice, Peaks, RunPlan, StagePlan, Workload
 from flexgen_dist.planner.cost_model import WorkShape
@@ -195,7 +195,7 @@ def test_the_last_stage_counts_every_batchs_logits_and_what_choosing_holds() -> 
 
     def gpu(has_head: bool, dtype_bytes: int = 2, choice: int = 0) -> int:
         return predict_peaks(spec, pol, (30, 32), has_embed=False, has_head=has_head, prompt_len=64, gen_len=8,
-                             dtype_bytes=dtype_bytes, choice_bytes=choice)["gpu"]
+                             dtype_bytes=dtype_bytes, head=HeadLoad(choice))["gpu"]
 
     head_w = gpu(True) - gpu(False)
     assert head_w >= V * (ngb * b * 2 + b * 4)  # the head's weights besides
@@ -204,9 +204,10 @@ def test_the_last_stage_counts_every_batchs_logits_and_what_choosing_holds() -> 
     sampled = Workload(lens=(5, 7), gen_len=4, samplings=(SamplingConfig(), SamplingConfig(temperature=0.7)))
     biased = Workload(lens=(5,), gen_len=4, sampling=SamplingConfig(logit_bias={3: 1.0}), logprobs=2)
     scored = Workload(lens=(5,), gen_len=1, targets=((1, 2, 3, 4, -1),))
-    assert greedy.choice_bytes == 0 and scored.choice_bytes == 0
-    assert sampled.choice_bytes == SAMPLE_BYTES and biased.choice_bytes == max(ADJUST_BYTES, LOGPROB_BYTES)
-    assert sampled.header().choice_bytes == SAMPLE_BYTES  # every rank reads the same peaks
+    assert greedy.head_load == HeadLoad(0) and scored.head_load == HeadLoad(scoring=True)
+    assert sampled.head_load.choice_bytes == SAMPLE_BYTES
+    assert biased.head_load.choice_bytes == max(ADJUST_BYTES, LOGPROB_BYTES)
+    assert sampled.header().head_load == sampled.head_load  # every rank reads the same peaks
 
 
 def _peak_allocated(fn) -> int:  # noqa: ANN001
@@ -258,6 +259,36 @@ def test_what_choosing_allocates_is_what_the_model_counts(what: str) -> None:
     assert model - 12 * b * V <= used <= model + 64 * b, (what, used / (b * V), model / (b * V))
 
 
+@pytest.mark.parametrize("k", [None, 0, 4])
+def test_what_scoring_allocates_is_what_the_model_counts(k: int | None) -> None:
+    """The scoring head (``head.score``) of one GPU batch's prefill, measured: within what the
+    peak model counts for it (its chunk of float32 logits with the head's output and
+    temporaries, and with per-token logprobs their rows), and not far below."""
+    import torch
+
+    from flexgen_dist.engine import head as head_mod
+    from flexgen_dist.engine.footprint import StageShape, _head_bytes
+    from flexgen_dist.models.families import get_family
+
+    spec = get_spec("opt-125m")
+    b, s, h, V = 2, 24, spec.hidden_size, spec.vocab_size
+    g = torch.Generator().manual_seed(0)
+    w = {"norm.w": torch.ones(h), "norm.b": torch.zeros(h),
+         "tok.w": (torch.randn(V, h, generator=g) * 0.02).to(torch.bfloat16)}
+    w["norm.w"], w["norm.b"] = w["norm.w"].to(torch.bfloat16), w["norm.b"].to(torch.bfloat16)
+    x = torch.randn(b, s, h, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, V, (b, s), generator=g)
+    targets[:, :3] = -1
+    head_mod.score(get_family("opt"), spec, w, x, targets, k)  # first use's one-time allocations apart
+    used = _peak_allocated(lambda: head_mod.score(get_family("opt"), spec, w, x, targets, k))
+    z = StageShape(num_layers=1, has_embed=False, has_head=True, prompt_len=s, gen_len=1, dtype_bytes=2,
+                   gpu_batch_size=b, num_gpu_batches=1, head=HeadLoad(scoring=True,
+                                                                    score_width=0 if k is None else 1 + 2 * k))
+    model = _head_bytes(spec, z, 0)
+    held = b * (3 + (s + 1) * z.head.score_width) * 8  # the block's rows, held by the pipeline, not score()
+    assert 0.6 * (model - held) <= used <= model, (k, used, model)
+
+
 def test_a_sampled_workloads_plan_passes_the_check() -> None:
     """The planner's footprint and the run's check count the same choice bytes: a plan for a
     sampled workload in a tight GPU budget still fits its peaks."""
@@ -265,12 +296,12 @@ def test_a_sampled_workloads_plan_passes_the_check() -> None:
     hw = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "t4.yaml")
     hw = dataclasses.replace(hw, gpu_mem=3 << 30)
     for choice in (0, 40):
-        shape = WorkShape(256, 32, 2, choice)
+        shape = WorkShape(256, 32, 2, HeadLoad(choice))
         plan = plan_pipeline(spec, 1, hw, shape, max_gpu_batch_size=64, max_num_gpu_batches=8)
         st = plan.stages[0]
         peaks = Peaks.of(predict_peaks(spec, st.policy, (st.layers.start, st.layers.stop), has_embed=True,
                                        has_head=True, prompt_len=256, gen_len=32, dtype_bytes=2,
-                                       num_blocks_in_flight=plan.num_micro_batches, choice_bytes=choice))
+                                       num_blocks_in_flight=plan.num_micro_batches, head=HeadLoad(choice)))
         assert fits(peaks, Budgets(gpu=hw.gpu_mem, cpu=hw.cpu_mem, disk=hw.disk_mem)), (choice, st.policy, peaks)
         lp_gpu = max(st.cost.peak[ph]["gpu"] for ph in ("prefill", "decode"))
         assert peaks.gpu <= lp_gpu * (1 + 1e-9) + 1

@@ -34,6 +34,7 @@ import numpy as np
 from ..memory.tiers import Tier
 from ..models.families import part_shapes
 from ..models.spec import ModelSpec
+from .head import SCORE_CHUNK_BYTES
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
 from .weights import TIED, TierPlacer, stored_nbytes
@@ -121,6 +122,19 @@ def _triple(x: np.ndarray, kind: int) -> tuple[float, float, float]:
 
 
 @dataclass(frozen=True)
+class HeadLoad:
+    """What a call asks of the last stage's head besides its weights (``plan.Workload.head_load``):
+    generation holds every GPU batch's logits and, one batch at a time, their float32 copy and
+    what choosing a token holds per (row, vocab entry) (``choice_bytes``); scoring holds the
+    head's chunk of float32 logits and its temporaries, and with per-token log-probabilities
+    (``score_width`` = 1 + 2K values per position) their rows."""
+
+    choice_bytes: int = 0
+    scoring: bool = False
+    score_width: int = 0
+
+
+@dataclass(frozen=True)
 class StageShape:
     """What a stage's footprint depends on besides the model: its layers and ends, the
     workload's lengths and element size, and the policy's batch and compression knobs."""
@@ -142,7 +156,7 @@ class StageShape:
     num_stages: int = 1
     cuda: bool = False
     first_layer: int = 0
-    choice_bytes: int = 0  # per (row, vocab entry): what choosing a token holds beside the logits
+    head: HeadLoad = field(default_factory=lambda: HeadLoad())  # what the last stage's head holds
 
 
 def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
@@ -221,10 +235,8 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
         W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
         if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
             W[ph, 0, 9] += b * held * seq_cache
-        if z.has_head:  # every GPU batch's logits until the block's choice (the head runs over all
-            # their rows at once: prefill's head, merged decode), then one batch at a time its
-            # float32 copy and what choosing holds (sampling's sorted probabilities and sums, ...)
-            W[ph, 0, 9] += spec.vocab_size * (z.num_gpu_batches * b * e + b * ((4 if e < 4 else 0) + z.choice_bytes))
+        if z.has_head:
+            W[ph, 0, 9] += _head_bytes(spec, z, ph)
         if z.num_stages > 1:  # a send and a receive buffer of one block's hidden states
             W[ph, 0, 9] += 2 * z.gpu_batch_size * z.num_gpu_batches * toks * h * e
         if z.cuda:  # disk traffic of hidden states and cache passes through host buffers
@@ -241,10 +253,31 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     return W
 
 
+def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
+    """The last stage's head beyond its weights in phase ``ph`` (0 prefill, 1 decode).
+
+    Generation: every GPU batch's logits until the block's choice (the head runs over all
+    their rows at once: prefill's head, merged decode), then one batch at a time their float32
+    copy and what choosing holds. Scoring (``head.score``): a chunk of at most
+    ``SCORE_CHUNK_BYTES`` of float32 logits with the head's own output being cast or a
+    temporary of the same size (the log-sum-exp's, the log-probabilities), then the per-token
+    rows of the step (float64) and each block's accumulated rows."""
+    V, b, e, ngb, h = spec.vocab_size, z.gpu_batch_size, z.dtype_bytes, z.num_gpu_batches, z.head
+    if not h.scoring:
+        return V * (ngb * b * e + b * ((4 if e < 4 else 0) + h.choice_bytes))
+    rows = b * z.prompt_len if ph == 0 else ngb * b  # a prefill's head per GPU batch, decode's merged
+    chunk = min(SCORE_CHUNK_BYTES, rows * V * 4)
+    w = h.score_width
+    held = z.blocks_in_flight * ngb * b * (3 + (z.prompt_len + z.gen_len) * w) * 8
+    # the float32 chunk beside the head's output being cast, or beside the log-sum-exp's
+    # temporary (the log-probabilities): two chunks at most
+    return chunk * 2 + rows * w * 8 + held
+
+
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
                   has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
                   num_blocks_in_flight: int = 1, packed: Packed | None = None, num_stages: int = 1,
-                  cuda: bool = False, choice_bytes: int = 0) -> dict[str, int]:
+                  cuda: bool = False, head: HeadLoad | None = None) -> dict[str, int]:
     """Peak bytes per tier of a stage under ``policy`` (the larger of prefill and decode),
     which a run checks against its budgets before anything is allocated."""
     z = StageShape(num_layers=layers[1] - layers[0], has_embed=has_embed, has_head=has_head,
@@ -253,7 +286,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    blocks_in_flight=num_blocks_in_flight, cpu_attention=policy.cpu_attention,
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
-                   num_stages=num_stages, cuda=cuda, first_layer=layers[0], choice_bytes=choice_bytes)
+                   num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad())
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
     return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}

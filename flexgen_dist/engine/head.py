@@ -44,6 +44,9 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
     return [st.logits.pop(k) for k in range(upto)]
 
 
+SCORE_CHUNK_BYTES = 64 << 20  # float32 logits of the positions the head scores at once
+
+
 def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor,
           targets: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
@@ -60,7 +63,7 @@ def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.
     out = torch.zeros((b, 3), dtype=torch.float64, device=device)
     width = 0 if k is None else 1 + 2 * k
     per = torch.zeros((b * s, width), dtype=torch.float64, device=device) if width else None
-    step = max(1, (64 << 20) // (4 * spec.vocab_size))
+    step = max(1, SCORE_CHUNK_BYTES // (4 * spec.vocab_size))
     for a in range(0, b * s, step):
         t = flat_t[a:a + step]
         keep = t >= 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexgen_dist.engine.footprint import Footprint, Packed, StageShape, stage_footprint
+from flexgen_dist.engine.footprint import Footprint, HeadLoad, Packed, StageShape, stage_footprint
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
 
@@ -37,7 +37,7 @@ class WorkShape:
     prompt_len: int
     gen_len: int
     dtype_bytes: int = 2
-    choice_bytes: int = 0  # per (row, vocab entry) that choosing a token holds (``plan.Workload``)
+    head: HeadLoad = HeadLoad()  # what the last stage's head holds (``plan.Workload.head_load``)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
@@ -398,5 +398,5 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
                           cuda=hw.compute_device == "cuda", first_layer=first_layer,
-                          choice_bytes=workload.choice_bytes), packed),
+                          head=workload.head), packed),
                       prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
