@@ -298,9 +298,9 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     for k, v in hw.to_dict().items():
         if isinstance(v, (int, float)):
             # disk reads may cost no compute; the host's time is fitted as two parts, one may be 0
-            assert v >= 0 if k in ("disk_cpu", "host_layer_s", "host_batch_s") else v > 0, k
+            assert v >= 0 if k in ("disk_cpu", "host_layer_s", "host_batch_s", "host_cache_batch_s") else v > 0, k
     assert hw.disk_cpu is not None  # measured on a CPU device
-    assert hw.host_layer_s + hw.host_batch_s > 0
+    assert hw.host_layer_s + hw.host_batch_s > 0 and hw.host_cache_batch_s is not None
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
@@ -368,6 +368,17 @@ def test_host_time_is_its_own_channel_on_a_gpu_and_compute_on_a_cpu(tmp_path):
     assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").host_layer_s == 1e-2
     with pytest.raises(ValueError, match="host_batch_s"):
         replace(slow, host_batch_s=-1.0)
+    # a compressed cache adds its per-batch share, and only where the policy compresses the cache
+    c = 2e-4
+    for compress in (False, True):
+        kw = dict(gpu_batch_size=4, num_gpu_batches=3, cpu_attention=False, has_embed=True, has_head=True,
+                  merged=True, compress_cache=compress)
+        t0 = stage_terms(spec, spec.num_layers, replace(hw, host_layer_s=a, host_batch_s=b), WL, **kw).layer_times(x)
+        t1 = stage_terms(spec, spec.num_layers, replace(hw, host_layer_s=a, host_batch_s=b, host_cache_batch_s=c), WL,
+                         **kw).layer_times(x)
+        for phase in (0, 1):
+            assert t1[phase][4] == pytest.approx(t0[phase][4] + (3 * c if compress else 0.0))
+    assert HardwareSpec.from_dict({**slow.to_dict(), "host_cache_batch_s": c}).host_cache_batch_s == c
 
 
 # CLI ----------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_measured_once_then_reused(cache: Path, measured: list[int], capsys) -> 
 @pytest.mark.parametrize("damage,said", [
     (lambda p: p.write_text("{{{ not yaml"), "is unreadable"),
     (lambda p: p.write_text("- a list\n"), "is corrupt (not a mapping)"),
-    (lambda p: p.write_text(p.read_text().replace("profile_version: 3", "profile_version: 2")), "is stale"),
+    (lambda p: p.write_text(p.read_text().replace(f"profile_version: {PROFILE_VERSION}", "profile_version: 2")), "is stale"),
     (lambda p: p.write_text(p.read_text().replace("threads:", "threads: 999 #")), "of another threads"),
     # new native kernels (a package upgrade) time the engine's products differently
     (lambda p: p.write_text(re.sub(r"(?m)^  native: .*$", "  native: an-older-build", p.read_text())),

@@ -23,8 +23,8 @@ MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
-                   "host_layer_s", "host_batch_s")
-HOST_FIELDS = ("host_layer_s", "host_batch_s")
+                   "host_layer_s", "host_batch_s", "host_cache_batch_s")
+HOST_FIELDS = ("host_layer_s", "host_batch_s", "host_cache_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
 META_KEYS = ("profile_version", "identity", "measured_at")
@@ -50,7 +50,9 @@ class HardwareSpec:
     ``host_layer_s`` / ``host_batch_s`` (optional): the host's time to issue one layer of a
     decode step (Python, torch's dispatch, a GPU's kernel launches), once per step and once
     per step and GPU batch; small layers, and a fast GPU's, are bound by it. Without them
-    the cost model counts no host time.
+    the cost model counts no host time. ``host_cache_batch_s`` (optional): what a compressed
+    cache adds per layer, step and GPU batch (each batch's cache quantized, expanded and
+    attended on its own).
     """
 
     name: str
@@ -74,6 +76,7 @@ class HardwareSpec:
     gemm_bw_dtype: dict[str, float] | None = None
     host_layer_s: float | None = None
     host_batch_s: float | None = None
+    host_cache_batch_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -14,12 +14,9 @@ _HOST_LAYERS = (2, 12)
 _HOST_GBS = (1, 6)
 
 
-def measure_host_overhead(device: str, quick: bool = False) -> tuple[float, float]:
-    """(seconds per layer per decode step, seconds per layer per step per GPU batch) of host
-    time: the engine's decode of a tiny OPT-shaped model (dummy weights, every tier on the
-    device, the merged decode that applies there), fitted as ``layer_s + num_gb * batch_s``
-    per layer and step, with the step's fixed part (embedding, head, sampling) taken out by
-    the two layer counts."""
+def _per_layer(device: str, quick: bool, **policy: bool) -> dict[int, float]:
+    """Seconds per layer per decode step of the tiny model at each of ``_HOST_GBS`` GPU
+    batches (the two layer counts take the step's fixed part out), under ``policy``'s knobs."""
     # the engine is imported here: the planner's modules are imported by it
     from flexgen_dist.distributed.pipeline import generate
     from flexgen_dist.engine.policy import Policy
@@ -36,7 +33,7 @@ def measure_host_overhead(device: str, quick: bool = False) -> tuple[float, floa
                          ffn_size=128, num_heads=4, vocab_size=256, max_positions=128)
         for ngb in _HOST_GBS:
             eng = StageEngine(spec, DummySource(spec, dtype), (0, layers), has_embed=True, has_head=True,
-                              policy=Policy(1, ngb), device=torch.device(device), dtype=dtype)
+                              policy=Policy(1, ngb, **policy), device=torch.device(device), dtype=dtype)
             try:
                 prompts = [[5 + i] * 8 for i in range(ngb)]
                 generate(eng, prompts, 3, SamplingConfig(ignore_eos=True))  # warm-up
@@ -48,7 +45,28 @@ def measure_host_overhead(device: str, quick: bool = False) -> tuple[float, floa
             finally:
                 eng.close()
     lo, hi = _HOST_LAYERS
-    layer = {g: max(0.0, (per[(hi, g)] - per[(lo, g)]) / (hi - lo)) for g in _HOST_GBS}
+    return {g: max(0.0, (per[(hi, g)] - per[(lo, g)]) / (hi - lo)) for g in _HOST_GBS}
+
+
+def _split(layer: dict[int, float]) -> tuple[float, float]:
+    """(per layer, per layer and GPU batch) of ``layer_s + num_gb * batch_s``."""
     g1, g2 = _HOST_GBS
     batch_s = max(0.0, (layer[g2] - layer[g1]) / (g2 - g1))
     return max(0.0, layer[g1] - g1 * batch_s), batch_s
+
+
+def measure_host_overhead(device: str, quick: bool = False) -> tuple[float, float]:
+    """(seconds per layer per decode step, seconds per layer per step per GPU batch) of host
+    time: the engine's decode of a tiny OPT-shaped model (dummy weights, every tier on the
+    device, the merged decode that applies there), fitted as ``layer_s + num_gb * batch_s``
+    per layer and step, with the step's fixed part (embedding, head, sampling) taken out by
+    the two layer counts."""
+    return _split(_per_layer(device, quick))
+
+
+def measure_cache_batch_overhead(device: str, quick: bool = False, batch_s: float = 0.0) -> float:
+    """Seconds per layer per step per GPU batch that a compressed cache adds to the host's
+    time (beyond ``batch_s``, the uncompressed share): there each GPU batch's cache is
+    quantized, expanded and attended on its own, where an uncompressed one is attended once
+    for all of them. The same probe with ``compress_cache``."""
+    return max(0.0, _split(_per_layer(device, quick, compress_cache=True))[1] - batch_s)

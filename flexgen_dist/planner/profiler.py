@@ -22,7 +22,7 @@ import torch
 from flexgen_dist.kernels import gemm
 from flexgen_dist.memory.disk import DiskStore, aligned_empty, drop_page_cache
 from flexgen_dist.planner.hardware import DEVICES, DTYPES, HardwareSpec
-from flexgen_dist.planner.host import measure_host_overhead
+from flexgen_dist.planner.host import measure_cache_batch_overhead, measure_host_overhead
 
 
 # Sizes are chosen to look like the work they stand for (a linear layer of a 7B-30B model, a
@@ -336,6 +336,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     ctog, gtoc = measure_copy_bw(device, quick)
     dtoc, ctod, disk_cpu = measure_disk_bw(offload_dir, quick, device)
     host_layer_s, host_batch_s = measure_host_overhead(device, quick)
+    host_cache_batch_s = measure_cache_batch_overhead(device, quick, host_batch_s)
     if net_bw is None or net_latency is None:
         lo_bw, lo_lat = measure_loopback(quick)
         net_bw = lo_bw if net_bw is None else net_bw
@@ -353,4 +354,5 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
-                        host_layer_s=host_layer_s, host_batch_s=host_batch_s)
+                        host_layer_s=host_layer_s, host_batch_s=host_batch_s,
+                        host_cache_batch_s=host_cache_batch_s)

@@ -153,6 +153,7 @@ class StageSizes:
     merged: bool = False  # decode runs each layer once for all GPU batches
     host_layer: float = 0.0  # host seconds to issue a layer: per step, and per step and GPU batch
     host_batch: float = 0.0
+    host_cache_batch: float = 0.0  # what a compressed cache adds per GPU batch (0 without one)
     host_row: int = HOST  # where host time goes: its own channel (a GPU runs ahead of the host), or compute
     # a product's weight stream and its arithmetic overlap (a GPU: the slower sets the pace) or
     # add up (a CPU: the same cores load and multiply)
@@ -244,6 +245,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         cpu_attention=cpu_attention, compress_cache=compress_cache, has_head=has_head,
         head_share=head_share, merged=merged, host_layer=hw.host_layer_s or 0.0,
         host_batch=hw.host_batch_s or 0.0,
+        host_cache_batch=(hw.host_cache_batch_s or 0.0) if compress_cache else 0.0,
         # a GPU computes while the host issues the next kernels (the slower of the two sets
         # the pace); a CPU device's host *is* the compute, one after the other
         host_row=COMP if hw.compute_device == "cpu" else HOST,
@@ -319,7 +321,7 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
                    + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
-    P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch)  # GPU batch by GPU batch
+    P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch + z.host_cache_batch)  # GPU batch by GPU batch
     _add_disk_cpu(P, hw)
     return P
 
@@ -358,7 +360,7 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     D[5, CONST] = z.net_d / z.l
     # the host issues each layer's linear part once per step where decode merges the GPU
     # batches, and its attention once per GPU batch either way
-    D[z.host_row, CONST] += z.host_layer * (1 if z.merged else z.num_gb) + z.host_batch * z.num_gb
+    D[z.host_row, CONST] += z.host_layer * (1 if z.merged else z.num_gb) + (z.host_batch + z.host_cache_batch) * z.num_gb
     _add_disk_cpu(D, hw)
     return D
 
