@@ -57,12 +57,11 @@ class DummySource(WeightSource):
             # a tied head ("tok.w" in the head) takes the embedding's values, as a checkpoint
             # of a tied model holds one matrix for both
             key = (f"{self.seed}/embed/None/{k}" if k == "tok.w" else f"{self.seed}/{part}/{layer}/{k}").encode()
-            if self.fill == "ones":
-                out[k] = torch.ones(shape)
-            elif k.endswith("norm.w"):
-                out[k] = torch.ones(shape)
+            # made in the source's dtype: ``get``'s conversion is then no second pass
+            if self.fill == "ones" or k.endswith("norm.w"):
+                out[k] = torch.ones(shape, dtype=self.dtype)
             elif k.endswith(".b"):
-                out[k] = torch.zeros(shape)
+                out[k] = torch.zeros(shape, dtype=self.dtype)
             else:
                 offset = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
                 out[k] = _from_pool(_dummy_pool(self.seed, self.dtype), shape, offset)
