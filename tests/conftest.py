@@ -228,6 +228,15 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def local_ranks(target: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``target`` (``["-m", module, *args]`` or a script and its arguments) under torchrun with
+    ``nproc`` ranks on this host (loopback rendezvous on a free port pair); the finished process,
+    its output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)), *target]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
 def free_port(pair: bool = False) -> int:
     """A free TCP port on loopback (with ``pair``, p and p + 1 both free: the failure monitor
     listens on MASTER_PORT + 1).

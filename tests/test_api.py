@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, left_padded, read_jsonl, reference_generate
+from conftest import PROMPTS, left_padded, local_ranks, read_jsonl, reference_generate
 from flexgen_dist import LLM, Completion, ConfigError, Policy, SamplingConfig
 from flexgen_dist.run import main
 
@@ -190,10 +190,7 @@ def test_api_under_torchrun_two_ranks(tiny_models, tmp_path: Path) -> None:
     script = tmp_path / "spmd.py"
     script.write_text(SPMD_SCRIPT)
     out = tmp_path / "res"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           str(script), json.dumps(PROMPTS), str(GEN), str(out), str(tm.path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = local_ranks([str(script), json.dumps(PROMPTS), str(GEN), str(out), str(tm.path)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     r0 = json.loads(Path(f"{out}.0.json").read_text())
     r1 = json.loads(Path(f"{out}.1.json").read_text())

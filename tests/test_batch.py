@@ -6,13 +6,11 @@ depending on its batch-mates."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, read_jsonl, reference_generate
+from conftest import PROMPTS, local_ranks, read_jsonl, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.batch import main as batch_main
 from flexgen_dist.models.loader import bundled_model_path
@@ -171,10 +169,7 @@ def test_the_command_on_two_ranks_writes_what_one_rank_writes(tmp_path: Path) ->
     outs = []
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-               "-m", "flexgen_dist.batch", "-i", str(inp), "-o", str(out), "--no-progress"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        r = local_ranks(["-m", "flexgen_dist.batch", "-i", str(inp), "-o", str(out), "--no-progress"], nproc=nproc, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append([(x["custom_id"], x["error"], x["response"]["body"].get("choices")) for x in read_jsonl(out)])
     lls = [o.pop()[2][0]["logprobs"] for o in outs]  # the echoed prompt's logprobs, from the last stage

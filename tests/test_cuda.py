@@ -11,14 +11,12 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import MODEL_KINDS, PROMPTS, TinyModel, free_port, left_padded, read_jsonl, write_jsonl
+from conftest import MODEL_KINDS, PROMPTS, TinyModel, left_padded, local_ranks, read_jsonl, write_jsonl
 from flexgen_dist.distributed.pipeline import generate
 from flexgen_dist.engine import kvcache
 from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
@@ -227,14 +225,11 @@ def test_two_ranks_share_one_gpu(tiny_models, gpu_device, tmp_path: Path) -> Non
     ref, _ = reference_on(tm, gpu_device, torch.float32, PROMPTS, GEN)
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           "-m", "flexgen_dist.run", "--no-progress", "--model", str(tm.path), "--prompts", str(p),
-           "--gen-len", str(GEN), "--ignore-eos", "--device", gpu_device.type, "--dtype", "float32",
-           "--backend", "gloo", "--gpu-batch-size", "1", "--num-gpu-batches", "2", "--num-micro-batches", "2",
-           "--percent", "50", "50", "50", "50", "100", "0", "--offload-dir", str(tmp_path / "off"),
-           "--output", str(out), "--metrics", str(met)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = local_ranks(["-m", "flexgen_dist.run", "--no-progress", "--model", str(tm.path), "--prompts", str(p),
+                     "--gen-len", str(GEN), "--ignore-eos", "--device", gpu_device.type, "--dtype", "float32",
+                     "--backend", "gloo", "--gpu-batch-size", "1", "--num-gpu-batches", "2", "--num-micro-batches", "2",
+                     "--percent", "50", "50", "50", "50", "100", "0", "--offload-dir", str(tmp_path / "off"),
+                     "--output", str(out), "--metrics", str(met)], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == ref
     m = json.loads(met.read_text())

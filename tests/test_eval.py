@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import local_ranks
 from flexgen_dist import LLM
 from flexgen_dist.eval import main, windows
 
@@ -173,18 +171,16 @@ def test_bad_input_is_one_line(tiny_models, tmp_path: Path, capsys) -> None:
 def test_ppl_on_two_ranks(tiny_models, tmp_path: Path) -> None:
     tm = tiny_models["opt-pre"]
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)), "-m", "flexgen_dist.eval",
-           "ppl", "--text", str(ids_file(tmp_path)), "--window", "32", "--stride", "16", "--model", str(tm.path),
-           "--gpu-batch-size", "2", "--json", str(out), "--no-progress"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    args = ["-m", "flexgen_dist.eval", "ppl", "--text", str(ids_file(tmp_path)), "--window", "32", "--stride", "16",
+            "--model", str(tm.path), "--gpu-batch-size", "2", "--json", str(out), "--no-progress"]
+    r = local_ranks(args, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     nll, count, _ = hf_reference(tm.model, IDS, windows(len(IDS), 32, 16))
     assert res["world_size"] == 2 and res["tokens_scored"] == count
     assert abs(res["ppl"] - math.exp(nll / count)) <= 1e-4 * math.exp(nll / count)
     # decode-side scoring on two ranks: stage 0 feeds the known ids, the last stage adds up
-    r = subprocess.run(cmd + ["--decode-tokens", "10"], capture_output=True, text=True, timeout=240)
+    r = local_ranks(args + ["--decode-tokens", "10"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     nll, count, _ = hf_reference(tm.model, IDS, decode_windows(len(IDS), 32, 16, 10))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, write_jsonl
+from conftest import free_port, local_ranks, write_jsonl
 from flexgen_dist.run import main
 
 PROMPTS = [[5 + i, 6 + i, 7 + i, 8 + (i % 3)] for i in range(10)]
@@ -148,10 +148,8 @@ def test_resume_on_another_number_of_ranks(tiny_models, tmp_path: Path, capsys) 
     assert _run(_job(tm, tmp_path, ref, "--gpu-batch-size", "2", *extra), capsys)[0] == 0
     assert _run(_job(tm, tmp_path, out, "--gpu-batch-size", "2", *extra), capsys)[0] == 0
     _cut(out, 5, torn=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)), "-m", "flexgen_dist.run",
-           *_job(tm, tmp_path, out, "--gpu-batch-size", "3", "--resume", *extra), "--no-progress"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = local_ranks(["-m", "flexgen_dist.run",
+                     *_job(tm, tmp_path, out, "--gpu-batch-size", "3", "--resume", *extra), "--no-progress"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.read_bytes() == ref.read_bytes()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, free_port, left_padded, read_jsonl
+from conftest import PROMPTS, left_padded, local_ranks, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig, TokenLogprobs
 from flexgen_dist.batch import main as batch_main
 from flexgen_dist.engine.sampling import token_logprobs
@@ -192,10 +192,7 @@ def test_two_ranks_write_the_logprobs_one_rank_writes(tiny_models, prompts_file:
     one = tmp_path / "one.jsonl"
     assert main([*args, "--output", str(one)]) == 0
     two = tmp_path / "two.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           "-m", "flexgen_dist.run", *args, "--output", str(two), "--num-micro-batches", "2"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = local_ranks(["-m", "flexgen_dist.run", *args, "--output", str(two), "--num-micro-batches", "2"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = read_jsonl(one), read_jsonl(two)
     assert [x["tokens"] for x in a] == [x["tokens"] for x in b]
@@ -302,11 +299,8 @@ def test_two_ranks_score_what_one_rank_scores(tiny_models, tmp_path: Path) -> No
     outs = []
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-               "-m", "flexgen_dist.batch", "-i", str(inp), "-o", str(out), "--no-progress", "--model", str(tm.path),
-               "--gpu-batch-size", "2", "--num-gpu-batches", "2"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        r = local_ranks(["-m", "flexgen_dist.batch", "-i", str(inp), "-o", str(out), "--no-progress", "--model", str(tm.path),
+                         "--gpu-batch-size", "2", "--num-gpu-batches", "2"], nproc=nproc, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append([x["response"]["body"]["choices"][0] for x in read_jsonl(out)])
     for a, b in zip(*outs):

@@ -5,14 +5,12 @@ of one GPU batch with different settings), on one rank and two."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import PROMPTS, free_port, read_jsonl
+from conftest import PROMPTS, local_ranks, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig
 from flexgen_dist.run import main
 
@@ -109,10 +107,7 @@ def test_two_ranks_apply_the_penalties_one_rank_applies(tiny_models, prompts_fil
             "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--frequency-penalty", "1.2",
             "--presence-penalty", "0.3", "--no-progress"]
     two = tmp_path / "two.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           "-m", "flexgen_dist.run", *args, "--output", str(two)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = local_ranks(["-m", "flexgen_dist.run", *args, "--output", str(two)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = SamplingConfig(frequency_penalty=1.2, presence_penalty=0.3)
     prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
@@ -192,10 +187,7 @@ def test_repetition_penalty_from_the_cli_the_batch_and_two_ranks(tiny_models, pr
     assert [x["tokens"] for x in read_jsonl(one)] == want
     assert json.loads((tmp_path / "one.jsonl.run.json").read_text())["repetition_penalty"] == 1.6
     two = tmp_path / "two.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           "-m", "flexgen_dist.run", *args, "--output", str(two)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = local_ranks(["-m", "flexgen_dist.run", *args, "--output", str(two)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(two)] == want  # the last stage got the prompts' ids
     assert main(["--model", str(tm.path), "--num-prompts", "2", "--repetition-penalty", "-1"]) == 2

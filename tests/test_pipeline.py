@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, read_jsonl, reference_generate, write_jsonl
+from conftest import PROMPTS, free_port, local_ranks, read_jsonl, reference_generate, write_jsonl
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 GEN = 5
@@ -22,10 +22,7 @@ STAGES_YAML = """stages:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)),
-           "-m", "flexgen_dist.run", "--no-progress"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return local_ranks(["-m", "flexgen_dist.run", "--no-progress", *args], nproc=nproc, timeout=timeout)
 
 
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
