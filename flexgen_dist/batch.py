@@ -93,7 +93,7 @@ def run(cfg: RunConfig, input_path: Path) -> int:
 
 
 def _custom_id(n: int, line: str) -> str:
-    """The id an output line names its request by (as ``openai_batch`` gives it)."""
+    """The id an output line names its request by (as ``openai_requests`` gives it)."""
     try:
         rec = json.loads(line)
     except json.JSONDecodeError:

@@ -1,0 +1,96 @@
+"""OpenAI Batch response lines: a request's response body in its endpoint's format (choices,
+logprobs, usage) or its error, with an id stable across a resumed job."""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from .engine.sampling import TokenLogprobs
+from .openai_requests import CHAT, Request
+
+def request_id(req: Request) -> str:
+    """A stable id of the request (its line and custom_id): a resumed job writes the same."""
+    return hashlib.sha256(f"{req.line}|{req.custom_id}".encode()).hexdigest()[:24]
+
+
+def output_line(req: Request, model: str, created: int | None = None, tokenizer: Any | None = None
+                ) -> dict[str, Any]:
+    """The output line of ``req``: its response (with ``req.choices``) or its error; the
+    tokenizer spells the tokens of its logprobs."""
+    rid = request_id(req)
+    if req.error is not None:
+        err = {"code": req.error.code, "message": str(req.error)}
+        return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+                "response": {"status_code": 400, "request_id": rid,
+                             "body": {"error": {**err, "type": "invalid_request_error"}}},
+                "error": err}
+    assert req.prompt is not None
+    created = int(time.time()) if created is None else created
+    chat = req.url == CHAT
+    echoed = req.prompt.text if req.prompt.text is not None else \
+        tokenizer.decode(req.prompt.ids) if tokenizer is not None else None
+    choices = []
+    for j, c in enumerate(req.choices):
+        choice: dict[str, Any] = {"index": j}
+        text = c.text if c.text is not None else ""
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = (echoed or "") + text if req.echo else text
+        if c.text is None:  # a model without a tokenizer: the ids are the answer
+            choice["token_ids"] = (req.prompt.ids if req.echo else []) + c.token_ids
+        choice["logprobs"] = None
+        if req.logprobs is not None and c.logprobs is not None:
+            choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), tokenizer)
+            if req.echo and req.prompt_logprobs is not None:
+                choice["logprobs"] = _echoed(req.prompt.ids, req.prompt_logprobs.trimmed(req.logprobs), tokenizer,
+                                             choice["logprobs"])
+        choice["finish_reason"] = c.finish_reason
+        choices.append(choice)
+    used = sum(len(c.token_ids) for c in req.choices)
+    prompt_tokens = len(req.prompt.ids)
+    body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
+    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _logprobs_object(chat: bool, ids: list[int], lps: TokenLogprobs, tokenizer: Any | None) -> dict[str, Any]:
+    """A choice's ``logprobs`` in the endpoint's format: chat, ``{"content": [{token, logprob,
+    bytes, top_logprobs}]}``; completions, ``{tokens, token_logprobs, top_logprobs,
+    text_offset}`` (offsets into the completion's text). A token is spelled as the tokenizer
+    decodes it alone (without one: its id as text)."""
+    def spell(i: int) -> str:
+        return tokenizer.decode([i]) if tokenizer is not None else str(i)
+
+    toks = [spell(i) for i in ids]
+    tops = [[(spell(i), lp) for i, lp in alts] for alts in lps.top]
+    if chat:
+        def entry(t: str, lp: float) -> dict[str, Any]:
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                            for t, lp, alts in zip(toks, lps.token_logprobs, tops)], "refusal": None}
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": lps.token_logprobs,
+            "top_logprobs": [dict(alts) for alts in tops], "text_offset": offsets}
+
+
+def _echoed(prompt_ids: list[int], lps: TokenLogprobs, tokenizer: Any | None, completion: dict[str, Any]
+            ) -> dict[str, Any]:
+    """A completions ``logprobs`` object with the prompt's tokens before the completion's, as
+    ``echo`` returns them: the first token has no prefix (its logprob and alternatives are
+    null), the offsets run over the echoed prompt and the completion."""
+    head = _logprobs_object(False, prompt_ids[1:], lps, tokenizer)
+    first = tokenizer.decode(prompt_ids[:1]) if tokenizer is not None else str(prompt_ids[0])
+    toks = [first, *head["tokens"], *completion["tokens"]]
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": [None, *head["token_logprobs"], *completion["token_logprobs"]],
+            "top_logprobs": [None, *head["top_logprobs"], *completion["top_logprobs"]], "text_offset": offsets}

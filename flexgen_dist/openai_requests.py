@@ -1,0 +1,280 @@
+"""OpenAI Batch request lines (``openai_batch.py`` runs them): each line parsed into a
+``Request``, what it asks for (prompt, limits, sampling, stops, ``n``, logprobs, echo) or the
+one-line error that keeps it from running (bad JSON, an unknown url, a body field that would
+change the output and is not computed, a prompt longer than the model's context)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConfigError
+from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
+from .prompts import Messages, Prompt, make_prompt
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MAX_N = 128  # choices per request
+# body fields that cannot change the output
+INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
+# fields accepted at the value that means "off" only: any other value would change the output
+OFF: dict[str, tuple[Any, ...]] = {
+    "stream": (False, None),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
+}
+USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+        "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+        "top_k", "min_p", "repetition_penalty",  # these three: vLLM's extensions
+        "echo"}  # completions only
+
+
+class RequestError(ValueError):
+    """What is wrong with one request: an OpenAI-style error code and a one-line message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Request:
+    """One input line: its place, id, endpoint and what to generate, or why it cannot run."""
+
+    line: int  # 0-based line of the input file
+    custom_id: str
+    url: str = CHAT
+    prompt: Prompt | None = None
+    max_tokens: int = 0
+    sampling: SamplingConfig = SamplingConfig()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
+    logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
+    echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
+    prompt_logprobs: TokenLogprobs | None = None  # echo with logprobs: the prompt's tokens 1.. (scored)
+    error: RequestError | None = None
+    choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
+                   default_max_tokens: int, seed: int = 0) -> list[Request]:
+    """One ``Request`` per non-blank line, in order; a duplicate ``custom_id`` is refused
+    before anything runs (``ConfigError``), a bad request gets its ``error``."""
+    out: list[Request] = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed)
+        if req.custom_id in seen:
+            raise ConfigError(f"line {n + 1}: custom_id {req.custom_id!r} is also on line {seen[req.custom_id] + 1}; "
+                              "each request needs its own custom_id")
+        seen[req.custom_id] = n
+        out.append(req)
+    if not out:
+        raise ConfigError("the batch file has no requests")
+    return out
+
+
+def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_positions: int,
+                  default_max_tokens: int, seed: int = 0) -> Request:
+    """Request of line ``n`` (0-based); a request that cannot run carries its error."""
+    req = Request(n, f"line-{n + 1}")
+    try:
+        rec = json.loads(raw)
+    except json.JSONDecodeError as e:
+        req.error = RequestError("invalid_json", f"line {n + 1} is not valid JSON ({e.msg})")
+        return req
+    if not isinstance(rec, dict):
+        req.error = RequestError("invalid_request", f"line {n + 1} is not a JSON object")
+        return req
+    if rec.get("custom_id") is not None:
+        req.custom_id = str(rec["custom_id"])
+    try:
+        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed)
+    except RequestError as e:
+        req.error = e
+    except ConfigError as e:  # what make_prompt refuses (ids outside the vocabulary, no template)
+        req.error = RequestError("invalid_request", str(e))
+    return req
+
+
+def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: int, max_positions: int,
+          default_max_tokens: int, seed: int) -> None:
+    method = rec.get("method", "POST")
+    if method != "POST":
+        raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
+    req.url = str(rec.get("url", ""))
+    if req.url not in (CHAT, COMPLETIONS):
+        raise RequestError("invalid_url", f"url {req.url!r} is not served: use {CHAT} or {COMPLETIONS}")
+    body = rec.get("body")
+    if not isinstance(body, dict):
+        raise RequestError("invalid_request", "the request has no 'body' object")
+    for k, v in body.items():
+        if k in USED or k in INERT:
+            continue
+        if k in OFF:
+            if v not in OFF[k]:
+                raise RequestError("unsupported_field", f"body field {k!r}={v!r} would change the output and is "
+                                                        "not supported (leave it out)")
+            continue
+        raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
+    req.echo = _echo(req.url, body.get("echo"))
+    req.prompt = _prompt(req, body, tokenizer, vocab_size)
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
+    req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
+    total = len(req.prompt.ids) + req.max_tokens
+    if total > max_positions:
+        raise RequestError("context_length_exceeded",
+                           f"the prompt has {len(req.prompt.ids)} tokens; with max_tokens {req.max_tokens} that "
+                           f"exceeds the model's {max_positions} positions: shorten it or lower max_tokens")
+    hot = any(k in body for k in ("top_p", "top_k", "min_p"))  # a sampling setting without a temperature
+    temp = _number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
+    top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
+    if top_p <= 0:
+        raise RequestError("invalid_value", "top_p must be in (0, 1]")
+    s = body.get("seed")
+    penalties = [_number(body.get(k) or 0.0, k, -MAX_PENALTY, MAX_PENALTY)
+                 for k in ("frequency_penalty", "presence_penalty")]
+    top_k = body.get("top_k")
+    top_k = 0 if top_k in (None, -1) else _int(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
+    req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
+                                  _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
+                                  min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
+                                  repetition_penalty=_repetition(body.get("repetition_penalty")))
+    req.seeded = s is not None
+    req.stop = _stops(body.get("stop"))
+    req.n = _int(body.get("n", 1), "n", 1)
+    if req.n > MAX_N:
+        raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
+    req.logprobs = _logprobs(req.url, body)
+
+
+def _repetition(v: Any) -> float:
+    if v is None:
+        return 1.0
+    p = _number(v, "repetition_penalty", 0.0, MAX_REPETITION)
+    if p <= 0:
+        raise RequestError("invalid_value", f"repetition_penalty must be in (0, {MAX_REPETITION:g}]")
+    return p
+
+
+def _echo(url: str, v: Any) -> bool:
+    if v in (None, False):
+        return False
+    if v is not True:
+        raise RequestError("invalid_value", f"echo {v!r}: true or false")
+    if url != COMPLETIONS:
+        raise RequestError("unsupported_field", "echo is a completions field: a chat request has no echo")
+    return True
+
+
+def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: ``{"token id": bias in [-100, 100]}`` (ids as strings, as JSON keys are)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise RequestError("invalid_value", "logit_bias must be an object of token ids to biases")
+    out = []
+    for k, b in v.items():
+        try:
+            i = int(k)
+        except (TypeError, ValueError):
+            raise RequestError("invalid_value", f"logit_bias key {k!r} is not a token id") from None
+        if not 0 <= i < vocab_size:
+            raise RequestError("invalid_value", f"logit_bias token id {i} is outside the vocabulary [0, {vocab_size})")
+        out.append((i, _number(b, f"logit_bias[{k!r}]", -MAX_BIAS, MAX_BIAS)))
+    return tuple(out)
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> int | None:
+    """The alternatives per token a request's logprobs ask for (None: no logprobs). Chat:
+    ``logprobs`` true, with ``top_logprobs`` 0-20; completions: ``logprobs`` an integer 0-20."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if url == CHAT:
+        if lp not in (None, False, True):
+            raise RequestError("invalid_value", f"logprobs {lp!r}: a chat request takes true or false "
+                                                "(top_logprobs sets the alternatives)")
+        k = 0 if top is None else _alternatives(top, "top_logprobs")
+        if k and not lp:
+            raise RequestError("invalid_value", "top_logprobs needs logprobs: true")
+        return k if lp else None
+    if top is not None:
+        raise RequestError("unsupported_field", "top_logprobs is a chat field: a completions request sets "
+                                                "logprobs to the number of alternatives")
+    return None if lp is None else _alternatives(lp, "logprobs")
+
+
+def _alternatives(v: Any, name: str) -> int:
+    k = _int(v, name, 0)
+    if k > MAX_LOGPROBS:
+        raise RequestError("invalid_value", f"{name} {k}: at most {MAX_LOGPROBS}")
+    return k
+
+
+def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int) -> Prompt:
+    if req.url == CHAT:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
+        return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs))
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt given as a list of one
+    if isinstance(p, str) and p:
+        return make_prompt(req.custom_id, p, None, tokenizer, vocab_size)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return make_prompt(req.custom_id, None, p, tokenizer, vocab_size)
+    raise RequestError("invalid_request", "a completions request needs 'prompt': a non-empty string or a list of "
+                                          "token ids (one prompt per request)")
+
+
+def _messages(msgs: list[Any]) -> Messages:
+    out: Messages = []
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+            raise RequestError("invalid_request", "each message needs a role of system, user or assistant "
+                                                  "and a content")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in c):
+                raise RequestError("unsupported_field", "message content parts other than text are not supported")
+            c = "".join(str(part.get("text", "")) for part in c)
+        if not isinstance(c, str):
+            raise RequestError("invalid_request", "a message's content must be a string or text parts")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": c})
+    return out
+
+
+def _int(v: Any, name: str, low: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise RequestError("invalid_value", f"{name} {v!r}: must be an integer >= {low}")
+    return v
+
+
+def _number(v: Any, name: str, low: float, high: float) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
+        raise RequestError("invalid_value", f"{name} {v!r}: must be a number in [{low:g}, {high:g}]")
+    return float(v)
+
+
+def _stops(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError("invalid_value", "stop must be a non-empty string or a list of them")
+    return tuple(stops)
+
+
+def sampling_key(req: Request, choice: int) -> int:
+    """The key of choice ``choice`` of ``req`` for its random draws: the choice alone for a
+    request with its own seed (the same request samples the same in any job), else its line
+    and choice (every request of a job draws apart, and a resumed job draws the same)."""
+    return choice if req.seeded else req.line * MAX_N + choice
