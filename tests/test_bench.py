@@ -472,6 +472,11 @@ def test_gpu_suite_compare_smoke_on_cpu(tmp_path: Path) -> None:
     assert res["accelerate"]["metrics"]["weight_bytes"] > 0
     assert res["ratios"] == {}
     assert not (tmp_path / "offload-tiny").exists()
+    alone = gpu_suite.parse_args(["--device", "cpu", "--dtype", "float32", "--skip-flexgen", "--skip-ours",
+                                  "--skip-auto", "--skip-accelerate", "--out", str(tmp_path / "b")])
+    (tmp_path / "b").mkdir()
+    res = gpu_suite.phase_compare(tmp_path / "b", [case], alone, hw)["tiny"]
+    assert res["ours"] == {"skipped": "--skip-ours"} and "ours_auto" not in res  # FlexGen's run alone
 
 
 def test_gpu_suite_tests_phase_runs_gpu_tests_then_the_rest(tmp_path: Path, monkeypatch) -> None:

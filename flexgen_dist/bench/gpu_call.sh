@@ -39,4 +39,9 @@ if [ "$L" -gt 70 ]; then
     $S --out /tmp/c2 --phases compare ${HW:+--hardware "$HW"} --cases opt-30b-split --skip-flexgen --skip-auto \
         --skip-accelerate --timeout $(( L - 15 )) --archive "$OUT/c2.tar.gz" 2>&1 | grep "^#"
 fi
+L=$(left); echo "## opt-30b split, FlexGen $(date +%T), $L s left"
+if [ "$L" -gt 90 ]; then
+    $S --out /tmp/c4 --phases compare --cases opt-30b-split --skip-ours --skip-auto --skip-accelerate \
+        --timeout $(( L - 15 )) --archive "$OUT/c4.tar.gz" 2>&1 | grep "^#"
+fi
 echo "## end $(date +%T), $(left) s left"

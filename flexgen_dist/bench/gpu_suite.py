@@ -310,6 +310,9 @@ def phase_compare(out: Path, cases: list[Case], args: argparse.Namespace, hardwa
                             "the flexgen package is not installed (pip install flexgen==0.1.8; "
                             "flexgen_dist/bench/fetch_gpu_wheels.sh for a machine without network)"}
                 continue
+            if tag == "ours" and args.skip_ours:  # measured in a call of its own
+                rec[tag] = {"skipped": "--skip-ours"}
+                continue
             off.mkdir(parents=True, exist_ok=True)
             rec[tag] = r = measure(tag, cmd, result[tag], out / f"{case.name}-{tag}.log", args.timeout,
                                    env=env if tag == "flexgen" else None)
@@ -368,6 +371,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="device of this engine's runs (cpu: a smoke run)")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--skip-flexgen", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true", help="leave out this engine's run at the case's "
+                    "policy (FlexGen alone, e.g. after a call that measured ours)")
     ap.add_argument("--skip-auto", action="store_true", help="leave out the --policy auto runs")
     ap.add_argument("--also-random", action="store_true",
                     help="also run this engine on random dummy weights (ours_random; the others use ones, as FlexGen)")
