@@ -5,6 +5,7 @@ several ranks, and in each endpoint's response format."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -330,3 +331,25 @@ def test_a_batch_that_scores_first_plans_for_its_generation(tiny_models) -> None
         scored_first = alone.plan.stages[0].policy
     assert plans[0] == plans[1]
     assert plans[0].block_size > scored_first.block_size  # what the scoring call alone would have planned
+
+
+@pytest.mark.bundled
+def test_the_perplexity_filter_example_keeps_the_natural_texts(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in [
+        "The capital of France is Paris, a city known for its museums and cafes.",
+        "qzx vvb plork ghh tnnn wq zzzp lorm vvvt xqq"]))
+    kept = tmp_path / "kept.jsonl"
+    r = subprocess.run([sys.executable, str(repo / "examples" / "perplexity_filter.py"), "--input", str(docs),
+                        "--output", str(kept)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = read_jsonl(kept)
+    assert [x["text"] for x in out] == ["The capital of France is Paris, a city known for its museums and cafes."]
+    assert 1 < out[0]["ppl"] < 200 and "kept 1 of 2 documents" in r.stdout
+    assert re.search(r"drop\s+ppl\s+\d+", r.stdout)  # the garbled one, with its figure
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": 1}\n')
+    r = subprocess.run([sys.executable, str(repo / "examples" / "perplexity_filter.py"), "--input", str(bad)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode != 0 and "must be a JSON object with a 'text' field" in r.stderr
