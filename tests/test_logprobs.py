@@ -206,7 +206,6 @@ def test_two_ranks_write_the_logprobs_one_rank_writes(tiny_models, prompts_file:
 
 @pytest.mark.bundled
 def test_the_multiple_choice_example_answers_within_its_options(tmp_path: Path) -> None:
-    import re
     repo = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(repo / "examples"))
     try:
