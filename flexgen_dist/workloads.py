@@ -73,5 +73,8 @@ def scored_workload(sequences: Sequence[PromptLike] | None, first_scored: Sequen
     work = build_workload(sequences, 1, None, cfg, spec, tokenizer, scoring=True)
     targets = score_targets([p.ids for p in work.prompts], first_scored)
     lens, steps = score_split(list(work.lens), decode_tokens)
-    return dataclasses.replace(work, lens=tuple(lens), gen_len=steps, targets=tuple(tuple(t) for t in targets),
-                               logprobs=None if logprobs is None else int(logprobs))
+    try:
+        return dataclasses.replace(work, lens=tuple(lens), gen_len=steps, targets=tuple(tuple(t) for t in targets),
+                                   logprobs=None if logprobs is None else int(logprobs))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -244,6 +244,9 @@ def test_scored_tokens_logprobs_match_transformers(kind: str, decode_tokens: int
         assert (sc.nll, sc.count, sc.correct) == (pl.nll, pl.count, pl.correct) and sc.count == len(seq) - f
         assert_matches(sc.logprobs, seq[f:], ref[f - 1:len(seq) - 1], 3)
         assert -sum(sc.logprobs.token_logprobs) == pytest.approx(sc.nll, abs=1e-9)
+    with LLM(str(tm.path), progress=False) as llm:
+        with pytest.raises(ConfigError, match="logprobs 21: give 0"):
+            llm.score(seqs, logprobs=21)
 
 
 def test_batch_echo_gives_the_prompts_logprobs_then_the_completions(tiny_models) -> None:
