@@ -222,18 +222,6 @@ class LLM:
                 yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
                        for n, toks in window]
 
-    def prepare(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
-                sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
-                max_new_tokens: Sequence[int] | None = None, logprobs: int | None = None) -> None:
-        """Plan and build for a workload like this one without running it (every rank calls
-        it; rank 0's arguments count). The plan is made at an LLM's first call and kept, so a
-        job that first scores and then generates plans here for the generation (its block
-        size, its cache) rather than for the shorter scoring call."""
-        self._check_open()
-        with self._guard():
-            self._start(lambda: self._workload(prompts, gen_len, sampling, max_new_tokens=max_new_tokens,
-                                               logprobs=logprobs))
-
     def batch(self, requests: Sequence[dict[str, Any] | str] | None = None,
               max_tokens: int | None = None) -> list[dict[str, Any]]:
         """OpenAI Batch requests (``{"custom_id", "method", "url", "body"}`` dicts or their JSON
@@ -264,6 +252,20 @@ class LLM:
             if left[blk.window] == 0:
                 yield sorted(pending.pop(blk.window), key=lambda r: r[0])
 
+    def prepare(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
+                sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
+                max_new_tokens: Sequence[int] | None = None, logprobs: int | None = None) -> Workload:
+        """Plan and build for a workload like this one without running it (every rank calls
+        it; rank 0's arguments count). The plan is made at an LLM's first call and kept, so a
+        job that first scores and then generates plans here for the generation (its block
+        size, its cache) rather than for the shorter scoring call. Returns the workload (its
+        header on ranks other than 0)."""
+        self._check_open()
+        with self._guard():
+            work, _ = self._start(lambda: self._workload(prompts, gen_len, sampling, max_new_tokens=max_new_tokens,
+                                                         logprobs=logprobs))
+        return work
+
     def warmup(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | None = None) -> None:
         """Place the weights for the workload of ``prompts`` (as the first ``generate`` call
@@ -272,9 +274,7 @@ class LLM:
         CUDA context, kernel loading, the allocator's first growth, the native CPU kernels)
         then stay out of the next call's clock, as benchmarks want. Every rank makes the same
         call; ``metrics`` is still the next call's."""
-        self._check_open()
-        with self._guard():
-            work, _ = self._start(lambda: self._workload(prompts, gen_len, sampling))
+        work = self.prepare(prompts, gen_len, sampling)
         short: list[list[int]] | None = None
         if self.is_driver:
             assert self.plan is not None
