@@ -316,8 +316,8 @@ class LLM:
             out: list[Score] = []
             for blk, rows in self._run(work, peaks):
                 for m, r in zip(blk.members, rows):
-                    r, lp = r if work.logprobs is not None else (r, None)
-                    out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp))
+                    r, lp, ranks = r if work.logprobs is not None else (r, None, None)
+                    out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp, ranks))
             return sorted(out, key=lambda sc: sc.index)
 
     def _check_open(self) -> None:

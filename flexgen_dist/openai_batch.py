@@ -59,12 +59,11 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                               default, llm.config.seed)[skip:]
         return any(r.ok for r in reqs)
 
-    def plan() -> tuple[bool, bool]:  # whether anything is scored (echo with logprobs), generated
+    def plan() -> tuple[bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), any generated
         if not parse():
             return False, False
         assert reqs is not None
-        return any(r.ok and r.echo and r.logprobs is not None for r in reqs), \
-            any(r.ok and r.max_tokens > 0 for r in reqs)
+        return any(r.prompt_alternatives is not None for r in reqs), any(r.ok and r.max_tokens > 0 for r in reqs)
 
     scores, runs = llm.on_driver(plan)
     if not llm.is_driver:
@@ -79,16 +78,16 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
     assert reqs is not None
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
     asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
-    if scores:  # the echoed prompts' logprobs: one scoring call, every token with a prefix
-        scored = [r for r in reqs if r.ok and r.echo and r.logprobs is not None]
+    if scores:  # the prompts' logprobs: one scoring call, every token with a prefix
+        scored = [r for r in reqs if r.prompt_alternatives is not None]
         if rows:  # the plan is the generation's, with the scored prompts among its rows
             llm.prepare([r.prompt for r, _ in rows] + [r.prompt for r in scored],
                         max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows] + [SamplingConfig()] * len(scored),
                         max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(scored),
                         logprobs=max(asked) if asked else None)
-        k = max(r.logprobs for r in scored)  # type: ignore[type-var]
+        k = max(r.prompt_alternatives for r in scored)  # type: ignore[type-var]
         for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k)):
-            r.prompt_logprobs = sc.logprobs
+            r.scored = (sc.logprobs, sc.ranks)  # type: ignore[assignment]
     for r in reqs:
         if r.ok and r.max_tokens == 0:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),

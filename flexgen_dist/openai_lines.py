@@ -43,9 +43,11 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         choice["logprobs"] = None
         if req.logprobs is not None and c.logprobs is not None:
             choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), tokenizer)
-            if req.echo and req.prompt_logprobs is not None:
-                choice["logprobs"] = _echoed(req.prompt.ids, req.prompt_logprobs.trimmed(req.logprobs), tokenizer,
+            if req.echo and req.scored is not None:
+                choice["logprobs"] = _echoed(req.prompt.ids, req.scored[0].trimmed(req.logprobs), tokenizer,
                                              choice["logprobs"])
+        if req.prompt_logprobs is not None and req.scored is not None and not chat:
+            choice["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
         choice["finish_reason"] = c.finish_reason
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
@@ -53,6 +55,8 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
+    if chat and req.prompt_logprobs is not None and req.scored is not None:  # vLLM: the response's, once
+        body["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
@@ -78,6 +82,24 @@ def _logprobs_object(chat: bool, ids: list[int], lps: TokenLogprobs, tokenizer: 
         at += len(t)
     return {"tokens": toks, "token_logprobs": lps.token_logprobs,
             "top_logprobs": [dict(alts) for alts in tops], "text_offset": offsets}
+
+
+def _prompt_logprobs(ids: list[int], scored: tuple[TokenLogprobs, list[int]], k: int, tokenizer: Any | None
+                     ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first (no prefix), else
+    ``{id: {"logprob", "rank", "decoded_token"}}`` for the token itself and its ``k`` most
+    likely alternatives (ids as JSON keys are, strings)."""
+    lps, ranks = scored
+
+    def entry(i: int, lp: float, rank: int) -> dict[str, Any]:
+        return {"logprob": lp, "rank": rank, "decoded_token": tokenizer.decode([i]) if tokenizer is not None else str(i)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for t, lp, rank, alts in zip(ids[1:], lps.token_logprobs, ranks, lps.top):
+        d = {str(i): entry(i, alp, n + 1) for n, (i, alp) in enumerate(alts[:k])}
+        d[str(t)] = entry(t, lp, rank)
+        out.append(d)
+    return out
 
 
 def _echoed(prompt_ids: list[int], lps: TokenLogprobs, tokenizer: Any | None, completion: dict[str, Any]

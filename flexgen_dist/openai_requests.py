@@ -24,7 +24,7 @@ OFF: dict[str, tuple[Any, ...]] = {
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
-        "top_k", "min_p", "repetition_penalty",  # these three: vLLM's extensions
+        "top_k", "min_p", "repetition_penalty", "prompt_logprobs",  # these four: vLLM's extensions
         "echo"}  # completions only
 
 
@@ -51,13 +51,22 @@ class Request:
     seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
     logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
     echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
-    prompt_logprobs: TokenLogprobs | None = None  # echo with logprobs: the prompt's tokens 1.. (scored)
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's tokens' logprobs, K alternatives
+    # the prompt's tokens 1.. scored (echo with logprobs, or prompt_logprobs): logprobs and ranks
+    scored: tuple[TokenLogprobs, list[int]] | None = None
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def prompt_alternatives(self) -> int | None:
+        """How many alternatives its prompt's scored tokens need (None: its prompt is not
+        scored): echo with logprobs, or vLLM's prompt_logprobs, the more of the two."""
+        asks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asks) if asks and self.ok else None
 
 
 def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
@@ -153,6 +162,8 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     req.logprobs = _logprobs(req.url, body)
+    pl = body.get("prompt_logprobs")
+    req.prompt_logprobs = None if pl is None else _alternatives(pl, "prompt_logprobs")
 
 
 def _repetition(v: Any) -> float:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .engine.footprint import HeadLoad
+from .engine.head import score_width
 from .engine.policy import Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig, choice_bytes
 from .prompts import Prompt
@@ -85,7 +86,7 @@ class Workload:
         ``HeadLoad``): the bytes choosing the next tokens holds per (row, vocabulary entry)
         (``engine.sampling.choice_bytes``), or scoring and its per-token rows."""
         if self.scoring:
-            return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else 1 + 2 * self.logprobs)
+            return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else score_width(self.logprobs))
         return HeadLoad(choice_bytes(self.samplings or (self.sampling,), self.logprobs))
 
     def header(self) -> Workload:

@@ -20,6 +20,7 @@ class Score:
     # score(logprobs=K): each scored token's log p and its K most likely alternatives (the
     # distribution its prefix gives), in order; None where not asked for
     logprobs: TokenLogprobs | None = None
+    ranks: list[int] | None = None  # with logprobs: each scored token's rank (1: the most likely)
 
     @property
     def accuracy(self) -> float:

@@ -171,9 +171,14 @@ def test_batch_chat_logprobs_with_the_bundled_model() -> None:
     from flexgen_dist.models.loader import bundled_model_path
     req = {"custom_id": "fr", "url": CHAT, "body": {"messages": [{"role": "user", "content":
                                                                    "What is the capital of France?"}],
-                                                     "max_tokens": 8, "logprobs": True, "top_logprobs": 2}}
+                                                     "max_tokens": 8, "logprobs": True, "top_logprobs": 2,
+                                                     "prompt_logprobs": 1}}
     with LLM(str(bundled_model_path()), progress=False) as llm:
         line = llm.batch([req])[0]
+    pl = line["response"]["body"]["prompt_logprobs"]  # vLLM's: the rendered chat's tokens, once per response
+    assert len(pl) == line["response"]["body"]["usage"]["prompt_tokens"] and pl[0] is None
+    assert all(1 <= len(d) <= 2 and all(e["rank"] >= 1 and isinstance(e["decoded_token"], str) for e in d.values())
+               for d in pl[1:])
     choice = line["response"]["body"]["choices"][0]
     content = choice["logprobs"]["content"]
     assert len(content) == line["response"]["body"]["usage"]["completion_tokens"]
@@ -244,6 +249,9 @@ def test_scored_tokens_logprobs_match_transformers(kind: str, decode_tokens: int
         assert (sc.nll, sc.count, sc.correct) == (pl.nll, pl.count, pl.correct) and sc.count == len(seq) - f
         assert_matches(sc.logprobs, seq[f:], ref[f - 1:len(seq) - 1], 3)
         assert -sum(sc.logprobs.token_logprobs) == pytest.approx(sc.nll, abs=1e-9)
+        rows = ref[f - 1:len(seq) - 1]
+        want = [int((r > r[t]).sum()) + 1 for r, t in zip(rows, seq[f:])]
+        assert sc.ranks == want and sc.correct == want.count(1) and pl.ranks is None
     with LLM(str(tm.path), progress=False) as llm:
         with pytest.raises(ConfigError, match="logprobs 21: give 0"):
             llm.score(seqs, logprobs=21)
@@ -355,3 +363,29 @@ def test_the_perplexity_filter_example_keeps_the_natural_texts(tmp_path: Path) -
     r = subprocess.run([sys.executable, str(repo / "examples" / "perplexity_filter.py"), "--input", str(bad)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode != 0 and "must be a JSON object with a 'text' field" in r.stderr
+
+
+def test_batch_prompt_logprobs_in_vllms_format(tiny_models) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token null for the first, then the token itself
+    and its K most likely alternatives, each ``{logprob, rank, decoded_token}`` (completions:
+    in each choice; chat: once in the response body); the completion is generated as usual."""
+    tm = tiny_models["llama-gqa"]
+    p = PROMPTS[2]
+    toks, _ = reference_logprobs(tm, [p], 2)
+    reqs = [{"custom_id": "c", "url": COMPL, "body": {"prompt": p, "max_tokens": 2, "prompt_logprobs": 2}},
+            {"custom_id": "big", "url": COMPL, "body": {"prompt": p, "prompt_logprobs": 21}}]
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    with torch.no_grad():
+        ref = tm.model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+    choice = out["c"]["response"]["body"]["choices"][0]
+    assert choice["token_ids"] == toks[0] and choice["logprobs"] is None
+    pl = choice["prompt_logprobs"]
+    assert len(pl) == len(p) and pl[0] is None
+    for j, d in enumerate(pl[1:], start=1):
+        own = d[str(p[j])]
+        assert own["logprob"] == pytest.approx(float(ref[j - 1, p[j]]), abs=1e-4)
+        assert own["rank"] == int((ref[j - 1] > ref[j - 1, p[j]]).sum()) + 1 and own["decoded_token"] == str(p[j])
+        top = ref[j - 1].topk(2).indices.tolist()
+        assert all(d[str(i)]["rank"] == n + 1 for n, i in enumerate(top)) and set(d) == {str(i) for i in top} | {str(p[j])}
+    assert out["big"]["error"]["code"] == "invalid_value" and "prompt_logprobs 21" in out["big"]["error"]["message"]

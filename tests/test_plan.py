@@ -267,6 +267,7 @@ def test_what_scoring_allocates_is_what_the_model_counts(k: int | None) -> None:
     import torch
 
     from flexgen_dist.engine import head as head_mod
+    from flexgen_dist.engine.head import score_width
     from flexgen_dist.engine.footprint import StageShape, _head_bytes
     from flexgen_dist.models.families import get_family
 
@@ -283,7 +284,7 @@ def test_what_scoring_allocates_is_what_the_model_counts(k: int | None) -> None:
     used = _peak_allocated(lambda: head_mod.score(get_family("opt"), spec, w, x, targets, k))
     z = StageShape(num_layers=1, has_embed=False, has_head=True, prompt_len=s, gen_len=1, dtype_bytes=2,
                    gpu_batch_size=b, num_gpu_batches=1, head=HeadLoad(scoring=True,
-                                                                    score_width=0 if k is None else 1 + 2 * k))
+                                                                    score_width=0 if k is None else score_width(k)))
     model = _head_bytes(spec, z, 0)
     held = b * (3 + (s + 1) * z.head.score_width) * 8  # the block's rows, held by the pipeline, not score()
     assert 0.6 * (model - held) <= used <= model, (k, used, model)

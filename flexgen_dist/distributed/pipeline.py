@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
+from ..engine.head import score_width
 from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..engine.stage import StageEngine
 from ..metrics import Timings
@@ -71,6 +72,8 @@ class Pipeline:
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
         self.logprobs = logprobs
         self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
+        # scoring's per-token rows (``head.score``): the same and each token's rank
+        self._score_w = 0 if logprobs is None else score_width(logprobs)
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
         self.seen = seen  # per sequence, its prompt's ids where a repetition penalty needs them
@@ -340,13 +343,14 @@ class Pipeline:
         with (per-token logprobs) the ``TokenLogprobs`` of its scored tokens, in order."""
         acc = acc.cpu()
         sums = acc[:, :3].tolist()
-        if not self._lp_width:
+        if not self._score_w:
             return sums
         blk = self.blocks[b]
         where = score_rows([self.targets[m] for m in blk.members], blk.lens, blk.prompt_len,  # type: ignore[index]
                            self._score_positions(b)) >= 0
-        per = acc[:, 3:].view(len(blk.lens), -1, self._lp_width)
-        return [(row, TokenLogprobs.of_rows(p[m], self.logprobs or 0)) for row, p, m in zip(sums, per, where)]
+        per = acc[:, 3:].view(len(blk.lens), -1, self._score_w)
+        return [(row, TokenLogprobs.of_rows(p[m], self.logprobs or 0), [int(r) for r in p[m][:, -1].tolist()])
+                for row, p, m in zip(sums, per, where)]
 
     def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
         """Pass the item's result on: hidden states to the next stage, or (last stage) the
@@ -359,7 +363,7 @@ class Pipeline:
         if self.targets is not None:  # summed over the block's steps, handed over after the last
             scores = torch.cat(outs)
             acc = self._scores.get(b)
-            w = self._lp_width
+            w = self._score_w
             if acc is None:  # the sums, then (per-token logprobs) each position's row
                 acc = self._scores[b] = torch.zeros((len(self.blocks[b].lens), 3 + self._score_positions(b) * w),
                                                     dtype=torch.float64, device=scores.device)
@@ -459,7 +463,7 @@ class Pipeline:
         if not self.first:
             return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
         if item.kind == COLLECT and self.targets is not None:
-            return self.ring.post_from_last((n, 3 + self._score_positions(item.block) * self._lp_width), torch.float64)
+            return self.ring.post_from_last((n, 3 + self._score_positions(item.block) * self._score_w), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
             return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
         return None

@@ -47,21 +47,27 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
 SCORE_CHUNK_BYTES = 64 << 20  # float32 logits of the positions the head scores at once
 
 
+def score_width(k: int) -> int:
+    """Values per scored position with k alternatives: its log-probability, k ids, k
+    log-probabilities, its rank (``score``)."""
+    return 2 + 2 * k
+
+
 def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor,
           targets: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """(b, 3) float64 per sequence: sum of -log p(target), positions scored, top-1 hits.
 
-    With ``k`` (per-token log-probabilities), (b, 3 + t * (1 + 2k)) for x of t positions: after
-    the sums, per position the log-probability of its target and the ids and
-    log-probabilities of its k most likely next tokens, most likely first (zeros where the
-    position is not scored). The head runs on the scored positions only, in chunks of ~64 MB
+    With ``k`` (per-token log-probabilities), (b, 3 + t * (2 + 2k)) for x of t positions: after
+    the sums, per position the log-probability of its target, the ids and log-probabilities
+    of its k most likely next tokens, most likely first, and the target's rank (1: the most
+    likely; zeros where the position is not scored). The head runs on the scored positions only, in chunks of ~64 MB
     of float32 logits, so a window of s positions never holds (b, s, vocab) logits at once."""
     b, s, h = x.shape
     device = x.device
     flat_x, flat_t = x.reshape(b * s, h), targets.reshape(-1).to(device)
     rows = torch.arange(b, device=device).repeat_interleave(s)
     out = torch.zeros((b, 3), dtype=torch.float64, device=device)
-    width = 0 if k is None else 1 + 2 * k
+    width = 0 if k is None else score_width(k)
     per = torch.zeros((b * s, width), dtype=torch.float64, device=device) if width else None
     step = max(1, SCORE_CHUNK_BYTES // (4 * spec.vocab_size))
     for a in range(0, b * s, step):
@@ -80,10 +86,11 @@ def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.
         if per is not None:
             where = torch.arange(a, a + t.shape[0], device=device)[keep]
             per[where, 0] = -nll.double()
+            per[where, -1] = (lg > lg.gather(-1, tk[:, None])).sum(-1).double() + 1
             if k:
                 vals, top = (lg - torch.logsumexp(lg, -1, keepdim=True)).topk(k, dim=-1)
                 per[where, 1:1 + k] = top.double()
-                per[where, 1 + k:] = vals.double()
+                per[where, 1 + k:1 + 2 * k] = vals.double()
     if per is None:
         return out
     return torch.cat([out, per.view(b, s * width)], dim=1)
