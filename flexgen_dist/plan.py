@@ -87,7 +87,8 @@ class Workload:
         (``engine.sampling.choice_bytes``), or scoring and its per-token rows."""
         if self.scoring:
             return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else score_width(self.logprobs))
-        return HeadLoad(choice_bytes(self.samplings or (self.sampling,), self.logprobs))
+        cfgs = self.samplings or (self.sampling,)
+        return HeadLoad(choice_bytes(cfgs, self.logprobs), sorts=any(not c.greedy and c.top_p < 1.0 for c in cfgs))
 
     def header(self) -> Workload:
         """What the other ranks need: everything but the prompts' ids and text."""

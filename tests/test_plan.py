@@ -208,6 +208,17 @@ def test_the_last_stage_counts_every_batchs_logits_and_what_choosing_holds() -> 
     assert sampled.head_load.choice_bytes == SAMPLE_BYTES
     assert biased.head_load.choice_bytes == max(ADJUST_BYTES, LOGPROB_BYTES)
     assert sampled.header().head_load == sampled.head_load  # every rank reads the same peaks
+    nucleus = Workload(lens=(5,), gen_len=4, sampling=SamplingConfig(temperature=0.5, top_p=0.9))
+    assert nucleus.head_load.sorts and not sampled.head_load.sorts
+    pol1 = Policy(gpu_batch_size=b, num_gpu_batches=1)
+
+    def peak(head: HeadLoad, cuda: bool) -> int:
+        return predict_peaks(spec, pol1, (30, 32), has_embed=False, has_head=True, prompt_len=64, gen_len=8,
+                             dtype_bytes=2, head=head, cuda=cuda)["gpu"]
+    from flexgen_dist.engine.footprint import CUDA_SORT_BYTES
+    sort_gpu = peak(nucleus.head_load, True) - peak(HeadLoad(SAMPLE_BYTES), True)
+    assert sort_gpu == b * V * CUDA_SORT_BYTES  # a GPU's sort holds its own buffers
+    assert peak(nucleus.head_load, False) == peak(HeadLoad(SAMPLE_BYTES), False)  # a CPU's does not
 
 
 def _peak_allocated(fn) -> int:  # noqa: ANN001

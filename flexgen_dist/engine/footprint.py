@@ -132,6 +132,13 @@ class HeadLoad:
     choice_bytes: int = 0
     scoring: bool = False
     score_width: int = 0
+    sorts: bool = False  # some row samples with top-p: its probabilities are sorted
+
+
+# A sort of (rows, vocab) float32 probabilities with int64 order on a GPU also holds its radix
+# sort's alternate keys and values and a copy of its input: 16 bytes per entry (on a CPU the
+# sort works in place of those; ``SAMPLE_BYTES`` counts what both hold).
+CUDA_SORT_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -264,7 +271,8 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
     rows of the step (float64) and each block's accumulated rows."""
     V, b, e, ngb, h = spec.vocab_size, z.gpu_batch_size, z.dtype_bytes, z.num_gpu_batches, z.head
     if not h.scoring:
-        return V * (ngb * b * e + b * ((4 if e < 4 else 0) + h.choice_bytes))
+        sort = CUDA_SORT_BYTES if h.sorts and z.cuda else 0
+        return V * (ngb * b * e + b * ((4 if e < 4 else 0) + h.choice_bytes + sort))
     rows = b * z.prompt_len if ph == 0 else ngb * b  # a prefill's head per GPU batch, decode's merged
     chunk = min(SCORE_CHUNK_BYTES, rows * V * 4)
     w = h.score_width
