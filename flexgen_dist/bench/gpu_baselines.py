@@ -111,8 +111,10 @@ def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, A
     the device (``percent[0]``), the rest in RAM behind accelerate's offload hooks (moved to
     the device for each forward), ``generate`` over the prompts in batches of the case's GPU
     batch size. Every weight 1, as FlexGen's dummy weights and this engine's ``--dummy-fill
-    ones`` (a GPU multiplies constant data faster than random data, so all three get the same values). Prefill is timed as a one-token ``generate`` of each batch, decode as the
-    rest of the batch's full ``generate``. Cases with weights on disk are not run."""
+    ones`` (a GPU multiplies constant data faster than random data, so all three get the same
+    values). Each batch's one ``generate`` is split where its first new token arrives (a
+    streamer notes the time): prefill before, decode after. Cases with weights on disk are not
+    run."""
     import torch
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from accelerate.utils import compute_module_sizes
@@ -148,27 +150,49 @@ def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, A
     ids = torch.randint(4, spec.vocab_size, (case.num_prompts, case.prompt_len), generator=g)
     dev = torch.device("cuda" if device == "cuda" else "cpu")
 
-    def gen(x: torch.Tensor, n: int) -> float:
+    class Clock:
+        """A ``generate`` streamer that notes when the first new token arrives: the prompt
+        comes first (``put``), then each generated token, so prefill and decode are timed in
+        one call (two calls timed apart left noise that could exceed a short decode)."""
+
+        def __init__(self) -> None:
+            self.puts, self.first = 0, None
+
+        def put(self, value: torch.Tensor) -> None:
+            self.puts += 1
+            if self.puts == 2:  # the first generated token
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                self.first = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    def gen(x: torch.Tensor, n: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of one greedy ``generate`` of n new tokens."""
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        clock = Clock()
         t0 = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=1)
+                           do_sample=False, pad_token_id=1, streamer=clock)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        first = clock.first if clock.first is not None else t1
+        return first - t0, t1 - first
 
     b = case.gpu_batch_size
     gen(ids[:b, :32].to(dev), 1)  # warm-up
     prefill = decode = 0.0
     for a in range(0, case.num_prompts, b):
-        x = ids[a:a + b].to(dev)
-        t1 = gen(x, 1)
-        prefill += t1
-        decode += max(gen(x, case.gen_len) - t1, 0.0)
+        p, d = gen(ids[a:a + b].to(dev), case.gen_len)
+        prefill += p
+        decode += d
     n = case.num_prompts
-    return {"prefill_throughput": n * case.prompt_len / prefill, "decode_throughput": n * (case.gen_len - 1) / decode,
+    return {"prefill_throughput": n * case.prompt_len / prefill,
+            "decode_throughput": n * (case.gen_len - 1) / decode if decode > 0 else 0.0,
             "total_throughput": n * case.gen_len / (prefill + decode), "prefill_time_s": prefill,
             "decode_time_s": decode, "modules_on_gpu": on_gpu, "modules": len(dmap), "weight_bytes": total}
 
