@@ -106,6 +106,27 @@ def accelerate_command(case: Case, metrics: Path, device: str = "cuda", dtype: s
             str(metrics), "--device", device, "--dtype", dtype]
 
 
+class _FirstToken:
+    """A ``generate`` streamer that notes when the first new token arrives: the prompt comes
+    first (``put``), then each generated token, so prefill and decode are timed in one call
+    (two calls timed apart left noise that could exceed a short decode)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.puts, self.first = cuda, 0, None
+
+    def put(self, value: Any) -> None:
+        import torch
+
+        self.puts += 1
+        if self.puts == 2:  # the first generated token
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, Any]:
     """Hugging Face accelerate at the case's budget: the case's share of the weight bytes on
     the device (``percent[0]``), the rest in RAM behind accelerate's offload hooks (moved to
@@ -150,29 +171,11 @@ def accelerate_baseline(case: Case, device: str, dtype_name: str) -> dict[str, A
     ids = torch.randint(4, spec.vocab_size, (case.num_prompts, case.prompt_len), generator=g)
     dev = torch.device("cuda" if device == "cuda" else "cpu")
 
-    class Clock:
-        """A ``generate`` streamer that notes when the first new token arrives: the prompt
-        comes first (``put``), then each generated token, so prefill and decode are timed in
-        one call (two calls timed apart left noise that could exceed a short decode)."""
-
-        def __init__(self) -> None:
-            self.puts, self.first = 0, None
-
-        def put(self, value: torch.Tensor) -> None:
-            self.puts += 1
-            if self.puts == 2:  # the first generated token
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                self.first = time.perf_counter()
-
-        def end(self) -> None:
-            pass
-
     def gen(x: torch.Tensor, n: int) -> tuple[float, float]:
         """(prefill seconds, decode seconds) of one greedy ``generate`` of n new tokens."""
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        clock = Clock()
+        clock = _FirstToken(dev.type == "cuda")
         t0 = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,

@@ -45,12 +45,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, score_rows, trim
-from ..engine.head import score_width
+from ..engine.blocks import BlockPlan, left_pad, pad_token, plan_blocks, trim
 from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
+from .scores import BlockScores
 from .ring import Ring
 from .topology import DistContext
 
@@ -72,8 +72,6 @@ class Pipeline:
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
         self.logprobs = logprobs
         self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
-        # scoring's per-token rows (``head.score``): the same and each token's rank
-        self._score_w = 0 if logprobs is None else score_width(logprobs)
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
         self.seen = seen  # per sequence, its prompt's ids where a repetition penalty needs them
@@ -102,7 +100,8 @@ class Pipeline:
         self._states: dict[int, Any] = {}
         self._tokens: dict[int, list[torch.Tensor]] = {}
         self._lps: dict[int, list[torch.Tensor]] = {}  # stage 0, logprobs: per step (b, width)
-        self._scores: dict[int, torch.Tensor] = {}  # last stage, scoring: (b, 3) sums
+        # scoring: each block's rows (sums, per-token rows) on the last stage, and their layout
+        self._scores = None if targets is None else BlockScores(blocks, targets, gen_len, logprobs)
         self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
         self._trackers: dict[int, list[EosTracker]] = {}
         self._samplers: dict[int, list[RowSampling]] = {}  # last stage: per GPU batch
@@ -248,16 +247,10 @@ class Pipeline:
     def _meta(self, blk: BlockPlan) -> Any:
         # scoring feeds gen_len - 1 known ids after the prefill and samples none after them
         meta = blk.meta(self.gbs, self.gen_len if self.targets is None else self.gen_len - 1)
-        if self.targets is not None and self.last:
-            mine = [self.targets[m] for m in blk.members]
-            rows = score_rows(mine, blk.lens, blk.prompt_len, blk.prompt_len + meta.gen_len)
-            meta.targets = list(rows.to(self.engine.device).split(self.gbs))
+        if self._scores is not None and self.last:
+            meta.targets = list(self._scores.targets_of(blk).to(self.engine.device).split(self.gbs))
             meta.score_k = self.logprobs
         return meta
-
-    def _score_positions(self, b: int) -> int:
-        """Scoring: the cache positions of block b whose targets are laid out (``score_rows``)."""
-        return self.blocks[b].prompt_len + self.gen_len - 1
 
     def _forced_inputs(self, blk: BlockPlan, prompts: list[list[int]]) -> torch.Tensor:
         """Scoring, stage 0: (b, gen_len - 1) ids fed at decode steps 1.. (padding past a sequence's end)."""
@@ -317,7 +310,8 @@ class Pipeline:
         self._forced.pop(b, None)
         watch = self._watch.pop(b, None)
         if self.targets is not None:
-            return self._score_outputs(b, tokens[0])
+            assert self._scores is not None
+            return self._scores.results(b, tokens[0])
         seqs = torch.stack(tokens, 1).tolist()
         outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
         members = self.blocks[b].members
@@ -338,20 +332,6 @@ class Pipeline:
             return [(o, TokenLogprobs.of_rows(r[:len(o)], k)) for o, r in zip(outs, rows)]
         return outs
 
-    def _score_outputs(self, b: int, acc: torch.Tensor) -> list[Any]:
-        """Stage 0, scoring: block b's rows [sum of -log p, positions scored, top-1 hits], each
-        with (per-token logprobs) the ``TokenLogprobs`` of its scored tokens, in order."""
-        acc = acc.cpu()
-        sums = acc[:, :3].tolist()
-        if not self._score_w:
-            return sums
-        blk = self.blocks[b]
-        where = score_rows([self.targets[m] for m in blk.members], blk.lens, blk.prompt_len,  # type: ignore[index]
-                           self._score_positions(b)) >= 0
-        per = acc[:, 3:].view(len(blk.lens), -1, self._score_w)
-        return [(row, TokenLogprobs.of_rows(p[m], self.logprobs or 0), [int(r) for r in p[m][:, -1].tolist()])
-                for row, p, m in zip(sums, per, where)]
-
     def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
         """Pass the item's result on: hidden states to the next stage, or (last stage) the
         sampled ids, with the early-stop flag, to stage 0. Returns whether the block has
@@ -360,20 +340,10 @@ class Pipeline:
         if not self.last:
             self.ring.send_hidden(outs[0] if len(outs) == 1 else torch.cat(outs))
             return False
-        if self.targets is not None:  # summed over the block's steps, handed over after the last
-            scores = torch.cat(outs)
-            acc = self._scores.get(b)
-            w = self._score_w
-            if acc is None:  # the sums, then (per-token logprobs) each position's row
-                acc = self._scores[b] = torch.zeros((len(self.blocks[b].lens), 3 + self._score_positions(b) * w),
-                                                    dtype=torch.float64, device=scores.device)
-            r0, r1 = self._rows(item)
-            acc[r0:r1, :3] += scores[:, :3]
-            if w:  # this step's positions: the prompt's at prefill, position s + i - 1 at step i
-                p0 = 0 if i == 0 else self.blocks[b].prompt_len + i - 1
-                acc[r0:r1, 3 + p0 * w:3 + p0 * w + scores.shape[1] - 3] = scores[:, 3:]
+        if self._scores is not None:  # summed over the block's steps, handed over after the last
+            self._scores.add(b, i, *self._rows(item), torch.cat(outs))
             if item.last and i == self.gen_len - 1:
-                del self._scores[b]
+                acc = self._scores.pop(b)
                 if self.first:
                     self._tokens[b] = [acc]
                 else:
@@ -462,8 +432,8 @@ class Pipeline:
         n = len(self.blocks[item.block].lens)
         if not self.first:
             return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
-        if item.kind == COLLECT and self.targets is not None:
-            return self.ring.post_from_last((n, 3 + self._score_positions(item.block) * self._score_w), torch.float64)
+        if item.kind == COLLECT and self._scores is not None:
+            return self.ring.post_from_last(self._scores.shape(item.block), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
             return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
         return None
@@ -484,7 +454,7 @@ def generate(engine: StageEngine, prompts: list[list[int]], gen_len: int, sampli
         raise ValueError(f"schedule={schedule!r}: 'sequential' or 'overlapped'")
     blocks = plan_blocks([len(p) for p in prompts], engine.policy.block_size)
     pipe = Pipeline(engine, blocks, gen_len=gen_len, sampling=sampling, keys=keys, num_groups=num_groups,
-                    ride=schedule == "overlapped", seen=[sorted(set(p)) for p in prompts] if sampling.repeats else None)
+                    ride=schedule == "overlapped", seen=prompts if sampling.repeats else None)
     outs: list[list[int]] = []
     for _, block_outs in pipe.run(prompts, progress):
         outs.extend(block_outs)

@@ -127,7 +127,7 @@ class HeadLoad:
     generation holds every GPU batch's logits and, one batch at a time, their float32 copy and
     what choosing a token holds per (row, vocab entry) (``choice_bytes``); scoring holds the
     head's chunk of float32 logits and its temporaries, and with per-token log-probabilities
-    (``score_width`` = 1 + 2K values per position) their rows."""
+    (``score_width`` = 2 + 2K values per position, ``head.score_width``) their rows."""
 
     choice_bytes: int = 0
     scoring: bool = False
@@ -267,7 +267,7 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
     their rows at once: prefill's head, merged decode), then one batch at a time their float32
     copy and what choosing holds. Scoring (``head.score``): a chunk of at most
     ``SCORE_CHUNK_BYTES`` of float32 logits with the head's own output being cast or a
-    temporary of the same size (the log-sum-exp's, the log-probabilities), then the per-token
+    temporary of the same size (the log-sum-exp's), then the per-token
     rows of the step (float64) and each block's accumulated rows."""
     V, b, e, ngb, h = spec.vocab_size, z.gpu_batch_size, z.dtype_bytes, z.num_gpu_batches, z.head
     if not h.scoring:
@@ -278,7 +278,7 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
     w = h.score_width
     held = z.blocks_in_flight * ngb * b * (3 + (z.prompt_len + z.gen_len) * w) * 8
     # the float32 chunk beside the head's output being cast, or beside the log-sum-exp's
-    # temporary (the log-probabilities): two chunks at most
+    # temporary: two chunks at most
     return chunk * 2 + rows * w * 8 + held
 
 

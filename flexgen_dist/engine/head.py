@@ -77,7 +77,8 @@ def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.
         if lg.shape[0] == 0:
             continue
         tk = t[keep]
-        nll = torch.logsumexp(lg, -1) - lg.gather(-1, tk[:, None]).squeeze(-1)
+        lse, own = torch.logsumexp(lg, -1), lg.gather(-1, tk[:, None])
+        nll = lse - own.squeeze(-1)
         hit = lg.max(-1).indices == tk
         r = rows[a:a + step][keep]
         out[:, 0].index_add_(0, r, nll.double())
@@ -86,11 +87,11 @@ def score(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.
         if per is not None:
             where = torch.arange(a, a + t.shape[0], device=device)[keep]
             per[where, 0] = -nll.double()
-            per[where, -1] = (lg > lg.gather(-1, tk[:, None])).sum(-1).double() + 1
-            if k:
-                vals, top = (lg - torch.logsumexp(lg, -1, keepdim=True)).topk(k, dim=-1)
+            per[where, -1] = (lg > own).sum(-1).double() + 1
+            if k:  # the top k of the logits are those of the log-probabilities: no (rows, vocab) copy
+                vals, top = lg.topk(k, dim=-1)
                 per[where, 1:1 + k] = top.double()
-                per[where, 1 + k:1 + 2 * k] = vals.double()
+                per[where, 1 + k:1 + 2 * k] = (vals - lse[:, None]).double()
     if per is None:
         return out
     return torch.cat([out, per.view(b, s * width)], dim=1)
