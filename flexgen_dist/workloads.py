@@ -5,6 +5,7 @@ its targets. Rank 0 builds it (it has the tokenizer); the other ranks get its he
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
@@ -15,6 +16,7 @@ from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
 from .scoring import score_split, score_targets
 
 PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
+log = logging.getLogger("flexgen_dist")
 
 
 def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
@@ -40,6 +42,8 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
             raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
+    if not scoring:
+        warn_longrope_crossing(spec, [len(p.ids) for p in ps], max_new_tokens or [gen_len] * len(ps))
     samp = (each[0] if each else sampling) or cfg.sampling
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
@@ -53,6 +57,25 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         seen=seen, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def warn_longrope_crossing(spec: ModelSpec, lens: Sequence[int], limits: Sequence[int]) -> int:
+    """Warn, once per call, of requests whose sequence grows past a LongRoPE model's original
+    context while decoding; returns how many. Their tokens up to that point are transformers';
+    after it, the new positions turn with the long frequencies over a cache turned with the
+    short ones (transformers' generate recomputes the whole cache there instead; vLLM turns
+    every position with the long ones whenever its context exceeds the original)."""
+    sc = spec.rope_scaling
+    if sc is None or sc.rope_type != "longrope":
+        return 0
+    old = sc.original_max_position_embeddings
+    n = sum(1 for length, limit in zip(lens, limits) if length <= old < length + limit - 1)
+    if n:
+        log.warning("%d request(s) grow past the original context of %d positions while decoding: after it, "
+                    "their new tokens use LongRoPE's long frequencies over a cache built with the short ones "
+                    "(transformers recomputes the cache there); keep prompt + max_tokens within %d, or send "
+                    "prompts longer than %d, for transformers' tokens exactly", n, old, old + 1, old)
+    return n
 
 
 def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int) -> Prompt:

@@ -140,9 +140,13 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "phi3":  # Phi3MiniModel writes its own set, with no key/value length
-        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
-        w.add_rope_dimension_count(head_dim)
+        old = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(old)
+        w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
         w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":  # with the factors as tensors (write_gguf)
+            scale = cfg["max_position_embeddings"] / old
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(old)) if scale > 1 else 1.0)
     elif cfg.get("head_dim") is not None:  # TextModel: written when the config has head_dim
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -217,6 +221,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
     tensors: dict[str, torch.Tensor] = {}
     if arch == "llama" and _rope(cfg).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
+    if arch == "phi3" and _rope(cfg).get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
+        tensors["rope_factors_long.weight"] = torch.tensor(_rope(cfg)["long_factor"], dtype=torch.float32)
+        tensors["rope_factors_short.weight"] = torch.tensor(_rope(cfg)["short_factor"], dtype=torch.float32)
     sd = dict(model.state_dict())
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, GGUF name) -> expert -> matrix
     for hf in [k for k in sd if ".experts." in k]:

@@ -60,7 +60,13 @@ def _qwen3() -> torch.nn.Module:
 def _phi3() -> torch.nn.Module:
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    return Phi3ForCausalLM(Phi3Config(**SMALL, original_max_position_embeddings=128, sliding_window=8))
+    # Phi-4-mini's shape of RoPE: LongRoPE (the short factors here: every sequence is within the
+    # original context, and its attention factor from 512 / 128) over 3/4 of each head
+    rope = {"rope_type": "longrope", "long_factor": [1.0 + 0.5 * i for i in range(6)],
+            "short_factor": [1.0 + 0.1 * i for i in range(6)]}
+    cfg = dict(SMALL, max_position_embeddings=512)
+    return Phi3ForCausalLM(Phi3Config(**cfg, original_max_position_embeddings=128, sliding_window=8,
+                                      rope_scaling=rope, partial_rotary_factor=0.75))
 
 
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {

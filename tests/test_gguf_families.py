@@ -364,8 +364,8 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
     bias = {"blk.0.attn_output.bias": np.zeros(64, np.float32)}
     _one_line(rewrite(path, tmp_path / "x.gguf", tensors=bias), r"tensor blk\.0\.attn_output\.bias is not read")
     _, phi, _ = built("phi3")
-    longrope = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
-    _one_line(rewrite(phi, tmp_path / "p.gguf", tensors=longrope), "longrope")
+    longrope = {"rope_factors_long.weight": np.ones(5, np.float32), "rope_factors_short.weight": np.ones(5, np.float32)}
+    _one_line(rewrite(phi, tmp_path / "p.gguf", tensors=longrope), "have 5/5 values for 16 rotated dims: expected 8")
 
 
 @pytest.mark.parametrize("change,arch,match", [
@@ -444,3 +444,49 @@ def test_a_file_that_is_not_whole_gguf_is_one_line(built, tmp_path: Path) -> Non
         with pytest.raises(ModelLoadError, match="cannot read GGUF .*the file is corrupt or not GGUF") as info:
             load_model(str(tmp_path / name), load_tokenizer=False)
         assert "\n" not in str(info.value), name
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_phi3_longrope_and_partial_rotary_files_run_as_their_directories(partial: float, tmp_path: Path) -> None:
+    """Phi-3 128k / Phi-3.5 and Phi-4-mini as llama.cpp writes them (``rope_factors_long/short``,
+    the original context and attention factor as keys, ``rope.dimension_count`` below the head
+    size): the spec equals the Hugging Face directory's, and greedy tokens equal transformers',
+    within the original context of 16 and past it."""
+    import transformers as tf
+
+    torch.manual_seed(31)
+    pairs = int(16 * partial) // 2
+    rope = {"rope_type": "longrope", "long_factor": [1.0 + 0.9 * i for i in range(pairs)],
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)]}
+    m = tf.Phi3ForCausalLM(tf.Phi3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=16,
+        rope_scaling=rope, partial_rotary_factor=partial, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8)
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / "phi.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    assert dataclasses.replace(ours, name=ref.name) == ref
+    assert ours.rope_scaling.rope_type == "longrope" and ours.rope_dim == int(16 * partial)
+    prompts = [PROMPTS[1], PROMPTS[2] * 2, PROMPTS[4] * 5]  # 3, 18 and 25 tokens
+    want = [reference_generate(TinyModel("phi3", path, m, 2), [p], 6)[0] for p in prompts]
+    with LLM(str(path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == want
+
+
+@pytest.mark.bundled
+def test_longrope_factors_outside_phi3_or_unpaired_are_refused(built, tmp_path: Path) -> None:
+    _, llama, _ = built("llama3")
+    bad = rewrite(llama, tmp_path / "l.gguf", tensors={"rope_factors_long.weight": np.ones(4, np.float32),
+                                                       "rope_factors_short.weight": np.ones(4, np.float32)})
+    with pytest.raises(ModelLoadError, match="LongRoPE.* in a llama file: supported for phi3 only"):
+        load_model(str(bad), load_tokenizer=False)
+    _, phi, _ = built("phi3")
+    half = rewrite(phi, tmp_path / "p.gguf", tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(ModelLoadError, match="rope_factors_long.weight without its pair"):
+        load_model(str(half), load_tokenizer=False)

@@ -94,7 +94,7 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, tied: bool, tmp_p
 
 
 @pytest.mark.parametrize("rope,match", [
-    ({"rope_type": "longrope", "factor": 4.0}, "rope scaling type 'longrope' is not supported"),
+    ({"rope_type": "su", "factor": 4.0}, "rope scaling type .su. is not supported"),
     ({"rope_type": "yarn", "factor": 4.0}, "'yarn' needs original_max_position_embeddings"),
     ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
     ({"rope_type": "linear", "factor": 0.0}, "factor 0.0: must be > 0"),
@@ -178,15 +178,6 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
     assert spec.fused_proj and spec.sliding_window == 5  # shorter than most sequences here
 
 
-def test_partial_rotary_is_refused_in_one_line(tmp_path: Path) -> None:
-    tm = _model(tmp_path / "m", SCALINGS["linear"])
-    cfg = json.loads((tm.path / "config.json").read_text())
-    cfg["partial_rotary_factor"] = 0.75
-    (tm.path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75 is not supported"):
-        load_model(str(tm.path), load_tokenizer=False)
-
-
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
@@ -230,3 +221,129 @@ def test_a_sharded_checkpoint_loads_whole(tmp_path: Path) -> None:
     with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), offload_dir=str(tmp_path / "off"),
              ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+
+
+def _phi3(tmp_path: Path, partial: float = 1.0, longrope: bool = True, legacy: bool = False) -> TinyModel:
+    """A small Phi-3 with LongRoPE over an original context of 16 (factors of its own per
+    frequency, long and short apart) and, below 1, a partial rotary embedding (Phi-4-mini's).
+    ``legacy``: config.json rewritten the way the published checkpoints have it (``rope_scaling``
+    of type "su", the original length and partial factor beside it)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(18)  # a seed where no greedy step's best token is eos (transformers' reference suppresses it)
+    pairs = int(16 * partial) // 2
+    rope = {"rope_type": "longrope", "long_factor": [1.0 + 0.9 * i for i in range(pairs)],
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)]} if longrope else None
+    cfg = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                     original_max_position_embeddings=16, rope_theta=5000.0, rope_scaling=rope,
+                     partial_rotary_factor=partial, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=False)
+    m = Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharp attention, so that the rotation (long or short, turned or passed) shows in the tokens
+        for layer in m.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8)
+    m.save_pretrained(tmp_path)
+    if legacy:
+        c = json.loads((tmp_path / "config.json").read_text())
+        params = c.pop("rope_parameters")
+        c.update(rope_theta=params["rope_theta"], partial_rotary_factor=partial)
+        if longrope:
+            c["rope_scaling"] = {"type": "su", "long_factor": params["long_factor"],
+                                 "short_factor": params["short_factor"]}
+        (tmp_path / "config.json").write_text(json.dumps(c))
+    return TinyModel("phi3", tmp_path, m, 0)
+
+
+@pytest.mark.parametrize("partial,legacy", [(1.0, False), (0.75, False), (0.75, True), (0.5, True)])
+def test_longrope_and_partial_rotary_match_transformers_per_request(partial: float, legacy: bool,
+                                                                    tmp_path: Path) -> None:
+    """Phi-3 128k / Phi-3.5 (LongRoPE) and Phi-4-mini (LongRoPE over 3/4 of each head): rows
+    within the original context of 16 throughout, and rows past it from the prompt on, give
+    transformers' tokens for the request run alone (its choice of long or short frequencies is
+    per forward over the batch; ours per row, so batching cannot change a request's tokens)."""
+    tm = _phi3(tmp_path / "m", partial, legacy=legacy)
+    prompts = [PROMPTS[1], PROMPTS[2] * 2, PROMPTS[0] + [7] * 5, PROMPTS[4] * 5]  # 3, 18, 11, 25 tokens
+    gen = 6
+    ref = [reference_generate(tm, [p], gen)[0] for p in prompts]
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        outs = llm.generate(prompts, gen_len=gen)
+    assert [c.token_ids for c in outs] == ref
+    assert spec.rope_scaling is not None and spec.rope_scaling.rope_type == "longrope"
+    assert spec.rope_dim == int(16 * partial) and spec.rotary_dim == (0 if partial == 1.0 else int(16 * partial))
+    rot = tm.model.model.rotary_emb
+    assert spec.rope_scaling.attention_factor == rot.attention_scaling != 1.0
+    short = rope_inv_freq(spec.rope_dim, spec.rope_theta, spec.rope_scaling)
+    assert torch.equal(short, rot.original_inv_freq)
+    assert not torch.equal(short, rope_inv_freq(spec.rope_dim, spec.rope_theta, spec.rope_scaling, long=True))
+
+
+def test_longrope_long_and_short_rows_in_one_batch_match_each_alone(tmp_path: Path) -> None:
+    """A batch holding a row past the original context and one within it: each row's tokens
+    are its own run's (frequencies chosen per row; the choice over the batch would turn the
+    short row with the long frequencies)."""
+    tm = _phi3(tmp_path / "m", 0.75)
+    prompts = [PROMPTS[1], PROMPTS[2] * 3]  # 3 and 27 tokens
+    ref = [reference_generate(tm, [p], 5)[0] for p in prompts]
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=1, ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=5)] == ref
+
+
+def _greedy_with_cache(m: torch.nn.Module, prompt: list[int], gen: int) -> list[int]:
+    """transformers' model run step by step over its own cache, never recomputed (its
+    ``generate`` for Phi-3 instead drops the cache where the sequence crosses the original
+    context)."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(config=m.config), []
+    with torch.no_grad():
+        logits = m(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+        for n in range(len(prompt), len(prompt) + gen):
+            out.append(int(logits[0, -1].argmax()))
+            if len(out) < gen:
+                logits = m(torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True,
+                           position_ids=torch.tensor([[n]])).logits
+    return out
+
+
+def test_longrope_crossing_while_decoding_keeps_the_cache_and_warns(tmp_path: Path, caplog) -> None:
+    """A request whose sequence grows past the original context while decoding: its new
+    positions turn with the long frequencies from there on, over the cache it has (the
+    model's own step-by-step result), and the run says so, once, naming the way to
+    transformers' tokens exactly."""
+    tm = _phi3(tmp_path / "m", 0.75)
+    prompt, gen = PROMPTS[0] * 2 + [7], 6  # 13 tokens: steps 4 and 5 run at positions 16 and 17
+    want = _greedy_with_cache(tm.model, prompt, gen)
+    assert want[:4] == reference_generate(tm, [prompt], gen)[0][:4]  # before the crossing, generate's own
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+            got = llm.generate([prompt, PROMPTS[1]], gen_len=gen)
+    assert got[0].token_ids == want
+    said = [r.getMessage() for r in caplog.records if "original context" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("1 request(s) grow past the original context of 16")
+
+
+def test_partial_rotary_without_scaling_matches_transformers(tmp_path: Path) -> None:
+    tm = _phi3(tmp_path / "m", 0.5, longrope=False)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        assert llm.model.spec.rope_scaling is None and llm.model.spec.rope_dim == 8
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"partial_rotary_factor": 0.5, "model_type": "llama"}, "partial_rotary_factor 0.5 is not supported for 'llama'"),
+    ({"rope_scaling": {"type": "longrope", "long_factor": [1.0] * 3, "short_factor": [1.0] * 6}},
+     "long_factor has 3 values for 12 rotated dims: expected 6"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6}}, "'longrope' needs long_factor"),
+])
+def test_bad_longrope_or_partial_configs_are_refused_in_one_line(change: dict, match: str, tmp_path: Path) -> None:
+    tm = _phi3(tmp_path / "m", 0.75, legacy=True)
+    cfg = json.loads((tm.path / "config.json").read_text())
+    cfg.update(change)
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(tm.path), load_tokenizer=False)
+    assert "\n" not in str(info.value)

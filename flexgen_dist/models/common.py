@@ -142,9 +142,18 @@ def as_positions(pos: "torch.Tensor | Positions") -> Positions:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
-                  device: torch.device | None = None) -> torch.Tensor:
+                  device: torch.device | None = None, long: bool = False) -> torch.Tensor:
     """The rotary inverse frequencies (head_dim / 2,), scaled as ``scaling`` says, computed
-    as the reference implementation computes them (float32, the same operations in order)."""
+    as the reference implementation computes them (float32, the same operations in order).
+    ``long``: longrope's frequencies for a sequence past the original context (else its short ones)."""
+    if scaling is not None and scaling.rope_type == "longrope":
+        ext = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32,
+                           device=device)
+        if ext.numel() * 2 != head_dim:
+            raise ValueError(f"longrope has {ext.numel()} factors for {head_dim} rotated dims: "
+                             f"expected {head_dim // 2}")
+        return 1.0 / (ext * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+                                      / head_dim))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
                                              dtype=torch.int64).float() / head_dim))
     if scaling is None or scaling.rope_type == "dynamic":  # dynamic: plain within max positions
@@ -184,12 +193,23 @@ def _yarn_inv_freq(dim: int, base: float, sc: RopeScaling, device: torch.device 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, pos.device)
+    """cos and sin of shape (b, t, 1, head_dim) for integer positions (b, t).
+
+    longrope picks its long frequencies for a row whose positions reach past the original
+    context (the reference's rule, ``max(position) + 1 > original``, taken per row: the
+    reference takes it over the whole batch, so a row's result would depend on its batch-mates;
+    per row, every request gets what it gets run alone), chosen on the device, no sync."""
+    if scaling is not None and scaling.rope_type == "longrope":
+        short = rope_inv_freq(head_dim, theta, scaling, pos.device)
+        long = rope_inv_freq(head_dim, theta, scaling, pos.device, long=True)
+        past = (pos.amax(dim=1, keepdim=True) + 1 > scaling.original_max_position_embeddings)[..., None]
+        inv_freq = torch.where(past, long, short)  # (b, 1, head_dim / 2)
+    else:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, pos.device)
     freqs = pos.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
     cos, sin = emb.cos(), emb.sin()
-    if scaling is not None and scaling.attention_factor != 1.0:  # yarn, in float32 as the reference
+    if scaling is not None and scaling.attention_factor != 1.0:  # yarn, longrope: float32 as the reference
         cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     return cos.to(dtype), sin.to(dtype)
 
@@ -198,8 +218,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotary embedding on x of shape (b, t, heads, head_dim), rotate-half convention.
 
     ``x * cos + rotate_half(x) * sin`` without building ``rotate_half(x)``: the two halves are
-    updated in place with fused multiply-adds (two passes over x instead of five).
+    updated in place with fused multiply-adds (two passes over x instead of five). cos/sin
+    narrower than a head (a partial rotary embedding, Phi-4-mini) turn its leading dims only;
+    the rest of the head passes through.
     """
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        half = rot // 2
+        x1, x2, s = x[..., :half], x[..., half:rot], sin[..., :half]
+        out = x.clone()
+        out[..., :rot].mul_(cos)
+        out[..., :half].addcmul_(x2, s, value=-1)
+        out[..., half:rot].addcmul_(x1, s)
+        return out
     if x.device.type == "cpu":
         y = kernels.rope(x, cos, sin)  # one pass
         if y is not None:

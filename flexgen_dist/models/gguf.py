@@ -76,7 +76,12 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: {arch}.vocab_size {key('vocab_size')} but token_embd.weight has "
                              f"{vocab} rows: corrupt file?")
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
-    for k in ("attention.value_length", "rope.dimension_count"):
+    rotary = int(key("rope.dimension_count", head_dim))
+    partial = arch == "phi3" and rotary != head_dim  # Phi-4-mini turns 3/4 of each head
+    if partial and (rotary % 2 or not 0 < rotary < head_dim):
+        raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
+                             f"head size {head_dim}: corrupt file?")
+    for k in ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
         if key(k, head_dim) != head_dim:
             what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
             raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
@@ -86,9 +91,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
-        scaling = _rope_scaling(key, tensors if llama_family else {}, head_dim, theta, name)
+        scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name)
         if llama_family:
             fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
+            fields["rotary_dim"] = rotary if partial else 0
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -116,9 +122,13 @@ def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[s
     if gguf_field(reader, "split.count", 1) > 1:
         raise ModelLoadError(f"{name}: one part of a GGUF split into {gguf_field(reader, 'split.count')} "
                              "files: merge them into one (llama-gguf-split --merge) and pass that")
-    if {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors):
-        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (Phi-3's long-context 'longrope' "
-                             "scaling) are not supported yet: use a 4k-context model")
+    factors = {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors)
+    if factors and arch != "phi3":
+        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short (LongRoPE) in a {arch} file: supported "
+                             "for phi3 only")
+    if len(factors) == 1:
+        raise ModelLoadError(f"{name}: GGUF tensor {factors.pop()} without its pair: the file is incomplete; "
+                             "convert the model again")
     unknown = sorted(k for k in reader.fields if k.startswith(f"{arch}.")
                      and k[len(arch) + 1:] not in USED | INERT | a.keys)
     if unknown:
@@ -165,6 +175,8 @@ def _check_tensors(spec: ModelSpec, a: GGUFArch, present: set[str], name: str) -
     """Every tensor the engine reads is in the file, and the file holds no other."""
     # rope_freqs: read into a llama file's RoPE scaling
     wanted = {"rope_freqs.weight"} & present if a.family == "llama" else set()
+    if spec.rope_scaling is not None and spec.rope_scaling.rope_type == "longrope":
+        wanted |= {"rope_factors_long.weight", "rope_factors_short.weight"}
     for part, layers in (("embed", [None]), ("layer", range(spec.num_layers)), ("head", [None])):
         for layer in layers:
             wanted.update(n.split("#")[0] for n in a.names(spec, part, layer).values())
@@ -187,9 +199,12 @@ def _tensor_order(n: str) -> tuple[int, str]:
 
 def _rope_scaling(key: Any, tensors: dict[str, Any], head_dim: int, theta: float,
                   name: str) -> RopeScaling | None:
-    """The RoPE scaling a file describes: ``rope.scaling.type`` linear, or Llama 3.1's
-    per-frequency divisors (``rope_freqs``); any other is refused in one line (Phi-3's
-    ``rope_factors_long/short`` before this)."""
+    """The RoPE scaling a file describes: ``rope.scaling.type`` linear, Llama 3.1's
+    per-frequency divisors (``rope_freqs``), or Phi-3's LongRoPE (``rope_factors_long/short``,
+    the original context and the attention factor); any other is refused in one line.
+    ``head_dim``: the dims RoPE turns."""
+    if "rope_factors_long.weight" in tensors:
+        return _longrope(key, tensors, head_dim, name)
     kind = key("rope.scaling.type", "none")
     if kind not in ("none", "linear"):
         raise ModelLoadError(f"{name}: GGUF rope scaling type {kind!r} is not supported (supported: none, "
@@ -208,6 +223,35 @@ def _rope_scaling(key: Any, tensors: dict[str, Any], head_dim: int, theta: float
 
     divisors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
     return llama3_from_divisors(divisors, head_dim, theta, name)
+
+
+def _longrope(key: Any, tensors: dict[str, Any], rotary: int, name: str) -> RopeScaling:
+    """Phi-3's LongRoPE from a file: the factors as llama.cpp's converter writes them, the
+    scaling factor the context's growth over the original (as transformers derives it), and
+    the attention factor transformers computes from it unless the file says another (a
+    checkpoint's own, or its converter's for an older type), so that a file and its
+    Hugging Face directory run alike."""
+    from gguf import dequantize
+
+    long, short = (tuple(decimal32(float(v)) for v in np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
+                   for t in (tensors["rope_factors_long.weight"], tensors["rope_factors_short.weight"]))
+    if len(long) != rotary // 2 or len(short) != rotary // 2:
+        raise ModelLoadError(f"{name}: GGUF rope_factors_long/short have {len(long)}/{len(short)} values for "
+                             f"{rotary} rotated dims: expected {rotary // 2}; corrupt file?")
+    old = int(key("rope.scaling.original_context_length", 0))
+    if old < 1:
+        raise ModelLoadError(f"{name}: GGUF with rope_factors_long/short but no rope.scaling.original_context_length: "
+                             "the file is incomplete; convert the model again")
+    factor = int(key("context_length")) / old
+    att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    said = key("rope.scaling.attn_factor", None)
+    if said is not None and abs(float(said) - att) > 1e-6 * att:
+        att = decimal32(float(said))
+    try:
+        return RopeScaling("longrope", factor, original_max_position_embeddings=old, attention_factor=att,
+                           long_factor=long, short_factor=short)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
 
 
 def llama3_divisors(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:

@@ -51,7 +51,8 @@ ARCHS: dict[str, GGUFArch] = {
     "qwen2moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
                                                                     "expert_shared_feed_forward_length"})),
     "qwen3moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
-    "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window"})),
+    "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window",
+                                                                "rope.scaling.attn_factor"})),
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }

@@ -74,21 +74,27 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    if partial != 1.0:
-        raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported yet")
+    if partial != 1.0 and mt != "phi3":
+        raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported for {mt!r} "
+                             "(it is for phi3)")
+    if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
+        if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+            rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
     if mt in MOE_REFUSED:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
     if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_TYPES):
-        scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0))
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         head_dim = cfg.get("head_dim") or 0
+        rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
+        scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
             head_dim = 0
         try:
-            return _llama_spec(cfg, mt, head_dim, theta, scaling, common)
+            return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
@@ -155,11 +161,13 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     return {"sliding_window": window if mt in ("mistral", "phi3", "mixtral") else 0}
 
 
-def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0) -> RopeScaling | None:
+def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0,
+                  rotary_dim: int = 0) -> RopeScaling | None:
     """A config's ``rope_scaling``/``rope_parameters`` as a ``RopeScaling`` (None: plain RoPE);
     a type or field this engine does not compute is refused in one line naming it.
-    ``max_positions``: the config's max_position_embeddings (yarn derives a missing factor
-    from it, as the reference does)."""
+    ``max_positions``: the config's max_position_embeddings (yarn and longrope derive a
+    missing factor from it, as the reference does); ``rotary_dim``: the dims RoPE turns
+    (longrope has a factor per pair of them)."""
     rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
     if rope_type == "default":
         return None
@@ -167,13 +175,16 @@ def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0) -> Ro
         raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
                              f"(supported: default, {', '.join(ROPE_TYPES)})")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    need = {"llama3": keys, "yarn": keys[3:]}.get(rope_type, keys[:1])
+    need = {"llama3": keys, "yarn": keys[3:], "longrope": ("long_factor", "short_factor", keys[3])}.get(
+        rope_type, keys[:1])
     missing = [k for k in need if rope.get(k) is None]
     if missing:
         raise ModelLoadError(f"{name}: rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
     args = {k: rope[k] for k in need}
     if rope_type == "yarn":
         args.update(_yarn_args(rope, max_positions))
+    if rope_type == "longrope":
+        args.update(_longrope_args(rope, max_positions, rotary_dim, name))
     try:
         return RopeScaling(rope_type, **args)
     except ValueError as e:
@@ -193,6 +204,23 @@ def _yarn_args(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
         att = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
     return {"factor": factor, "attention_factor": att, "beta_fast": rope.get("beta_fast") or 32,
             "beta_slow": rope.get("beta_slow") or 1, "truncate": rope.get("truncate", True)}
+
+
+def _longrope_args(rope: dict[str, Any], max_positions: int, rotary_dim: int, name: str) -> dict[str, Any]:
+    """LongRoPE's factor and attention factor resolved as the reference resolves them (the
+    factor, where absent, is the context's growth over the original; the attention factor
+    sqrt(1 + ln factor / ln original)), its per-frequency factors checked for length."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    att = rope.get("attention_factor")
+    if att is None:
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    for k in ("long_factor", "short_factor"):
+        if rotary_dim and len(rope[k]) != rotary_dim // 2:
+            raise ModelLoadError(f"{name}: rope scaling {k} has {len(rope[k])} values for {rotary_dim} rotated "
+                                 f"dims: expected {rotary_dim // 2}")
+    return {"factor": factor, "attention_factor": float(att), "long_factor": tuple(rope["long_factor"]),
+            "short_factor": tuple(rope["short_factor"])}
 
 
 # --------------------------------------------------------------------------------------

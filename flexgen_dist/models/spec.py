@@ -20,7 +20,10 @@ class RopeScaling:
     that turn ``beta_fast`` and ``beta_slow`` times in the original context, and multiplies cos
     and sin by ``attention_factor``; ``dynamic`` (NTK) raises the base only for positions past
     the model's ``max_position_embeddings``, which the engine never runs, so within them it is
-    plain RoPE, as in the reference."""
+    plain RoPE, as in the reference; ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini) divides
+    each frequency by its own factor, ``short_factor`` while a sequence is within
+    ``original_max_position_embeddings`` and ``long_factor`` once it reaches past it, and
+    multiplies cos and sin by ``attention_factor``."""
 
     rope_type: str
     factor: float
@@ -31,18 +34,28 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
     truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
+    long_factor: tuple[float, ...] = ()  # longrope: one divisor per frequency, past the original context
+    short_factor: tuple[float, ...] = ()  # longrope: ... within it
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope scaling type {self.rope_type!r}: supported are {', '.join(ROPE_TYPES)}")
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor {self.factor}: must be > 0")
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        if self.rope_type == "longrope":
+            if not self.long_factor or len(self.long_factor) != len(self.short_factor):
+                raise ValueError(f"longrope needs long_factor and short_factor of one length (got "
+                                 f"{len(self.long_factor)} and {len(self.short_factor)})")
+            if min(self.long_factor + self.short_factor) <= 0:
+                raise ValueError("longrope factors must be > 0")
         if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must exceed "
                              f"low_freq_factor {self.low_freq_factor}")
 
 
-ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn")
+ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -64,6 +77,7 @@ class ModelSpec:
     max_positions: int
     num_kv_heads: int = 0  # 0: same as num_heads
     head_dim_override: int = 0  # 0: hidden_size // num_heads
+    rotary_dim: int = 0  # the leading dims of each head RoPE turns (Phi-4-mini: 3/4); 0: all of them
     norm_eps: float = 1e-5
     # OPT conventions
     pre_layer_norm: bool = True  # False for opt-350m (post-LN, no final norm)
@@ -121,6 +135,9 @@ class ModelSpec:
         if self.head_dim_override == 0 and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"ModelSpec.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"ModelSpec.rotary_dim={self.rotary_dim}: must be even and at most "
+                             f"head_dim={self.head_dim}")
         if self.family == "opt" and self.num_kv_heads != self.num_heads:
             raise ValueError("ModelSpec: OPT models have no grouped-query attention; set num_kv_heads=0")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -157,6 +174,11 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden_size // self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dims of each q/k head RoPE turns (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_dim(self) -> int:
