@@ -369,7 +369,7 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: gemma2, gemma3, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"),
+    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: gemma2, gemma3, granite, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),
@@ -490,3 +490,32 @@ def test_longrope_factors_outside_phi3_or_unpaired_are_refused(built, tmp_path: 
     half = rewrite(phi, tmp_path / "p.gguf", tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
     with pytest.raises(ModelLoadError, match="rope_factors_long.weight without its pair"):
         load_model(str(half), load_tokenizer=False)
+
+
+@pytest.mark.bundled
+def test_granite_files_run_as_their_directories(tmp_path: Path) -> None:
+    """IBM Granite as llama.cpp writes it (architecture ``granite``: llama's tensors with q/k
+    permuted, the multipliers as ``embedding_scale``, ``residual_scale``, ``logit_scale`` and
+    ``attention.scale``): the spec equals the directory's, tokens and scores transformers'."""
+    import transformers as tf
+
+    torch.manual_seed(37)
+    m = tf.GraniteForCausalLM(tf.GraniteConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, embedding_multiplier=12.0, attention_multiplier=0.5,
+        residual_multiplier=0.22, logits_scaling=0.125, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True)).eval()
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / "granite.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    assert dataclasses.replace(ours, name=ref.name) == ref
+    want = reference_generate(TinyModel("granite", path, m, 2), PROMPTS, 6)
+    seqs = [p * 2 for p in PROMPTS]
+    with torch.no_grad():
+        nll = [-torch.log_softmax(m(input_ids=torch.tensor([q])).logits[0].double(), -1)[
+            torch.arange(len(q) - 1), torch.tensor(q[1:])].sum().item() for q in seqs]
+    with LLM(str(path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == want
+        assert [s.nll for s in llm.score(seqs)] == pytest.approx(nll, rel=1e-4)
+        assert llm.model.tokenizer is not None and llm.model.tokenizer("Hello world").input_ids == HELLO

@@ -158,7 +158,7 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
                                            ("qwen3-32b", 32.8), ("mistral-7b", 7.25),
-                                           ("phi-3-mini", 3.82), ("phi-3-medium", 13.96)])
+                                           ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
@@ -178,7 +178,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
     assert spec.fused_proj and spec.sliding_window == 5  # shorter than most sequences here
 
 
-@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text",
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -347,3 +347,31 @@ def test_bad_longrope_or_partial_configs_are_refused_in_one_line(change: dict, m
     with pytest.raises(ModelLoadError, match=match) as info:
         load_model(str(tm.path), load_tokenizer=False)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_granite_multipliers_match_transformers(tied: bool, tmp_path: Path) -> None:
+    """IBM Granite 3.x: the embedding times embedding_multiplier, attention scaled by
+    attention_multiplier, each sublayer's output times residual_multiplier, the logits divided
+    by logits_scaling (values far from Granite's, so that each one shows)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(23)
+    cfg = GraniteConfig(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        embedding_multiplier=12.0, attention_multiplier=0.5, residual_multiplier=0.22,
+                        logits_scaling=0.125, tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=None)
+    m = GraniteForCausalLM(cfg).eval()
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert (spec.embed_multiplier, spec.residual_multiplier, spec.logits_divisor, spec.softmax_scale) == \
+        (12.0, 0.22, 0.125, 0.5)
+    # the logits' divisor never changes a greedy token, but it does every log-probability
+    seqs = [p * 2 for p in PROMPTS]
+    with torch.no_grad():
+        want = []
+        for seq in seqs:
+            lp = torch.log_softmax(m(input_ids=torch.tensor([seq])).logits[0].double(), dim=-1)
+            want.append(-lp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].sum().item())
+    with LLM(str(tmp_path / "m"), progress=False) as llm:
+        assert [s.nll for s in llm.score(seqs, decode_tokens=3)] == pytest.approx(want, rel=1e-4)

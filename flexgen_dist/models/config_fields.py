@@ -39,6 +39,7 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+    "granite": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"},
     "mixtral": _LLAMA_USED | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
     "qwen2_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                                 "qkv_bias", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -71,8 +72,8 @@ INERT: dict[str, set[str]] = {
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
-                                             "qwen3_moe")},
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "mixtral",
+                                             "qwen2_moe", "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says
     "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,

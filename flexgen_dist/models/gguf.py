@@ -148,7 +148,20 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         qkv_bias=arch in QWEN2_ARCHS,
         attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
         qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-        mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors))
+        mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
+        **_granite_fields(arch, key))
+
+
+def _granite_fields(arch: str, key: Any) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp reads them: a key the converter left out (it writes
+    only non-zero ones) scales nothing, and the softmax scale is then head_dim ** -0.5."""
+    if arch != "granite":
+        return {}
+    out = {f: decimal32(float(key(k))) for f, k in (("embed_multiplier", "embedding_scale"),
+                                                    ("residual_multiplier", "residual_scale"),
+                                                    ("logits_divisor", "logit_scale"),
+                                                    ("attn_scale", "attention.scale")) if key(k, 0.0)}
+    return out
 
 
 def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:

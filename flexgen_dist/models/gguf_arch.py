@@ -53,6 +53,9 @@ ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window",
                                                                 "rope.scaling.attn_factor"})),
+    # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys
+    "granite": GGUFArch("llama", llama.gguf_names, permuted=True,
+                        keys=frozenset({"embedding_scale", "residual_scale", "logit_scale", "attention.scale"})),
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }

@@ -170,7 +170,13 @@ def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 
 def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
-    return embedding(ids, w["tok.w"])
+    x = embedding(ids, w["tok.w"])
+    return x.mul_(spec.embed_multiplier) if spec.embed_multiplier != 1.0 else x  # Granite
+
+
+def _residual(spec: ModelSpec, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + y * residual_multiplier`` (Granite), rounded as the reference rounds it."""
+    return y.mul_(spec.residual_multiplier).add_(residual)
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
@@ -188,12 +194,17 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     a = attend(q, k, v)
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
-    x = linear(a, w["o.w"], w.get("o.b"), residual)
+    scaled = spec.residual_multiplier != 1.0
+    x = _residual(spec, linear(a, w["o.w"], w.get("o.b")), residual) if scaled else \
+        linear(a, w["o.w"], w.get("o.b"), residual)
     residual = x
     x = rms_norm(x, w["mlp_norm.w"], eps)
     if spec.is_moe(layer):
-        return moe_mlp(spec, w, x).add_(residual)
+        y = moe_mlp(spec, w, x)
+        return _residual(spec, y, residual) if scaled else y.add_(residual)
     g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
+    if scaled:
+        return _residual(spec, linear(g, w["down.w"], w.get("down.b")), residual)
     return linear(g, w["down.w"], w.get("down.b"), residual)
 
 
@@ -237,7 +248,8 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     x = rms_norm(x, w["norm.w"], spec.norm_eps)
-    return linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+    logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+    return logits.div_(spec.logits_divisor) if spec.logits_divisor != 1.0 else logits  # Granite
 
 
 register(Family("llama", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,

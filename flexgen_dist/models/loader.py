@@ -86,7 +86,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if mt in MOE_REFUSED:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_TYPES):
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_TYPES):
         head_dim = cfg.get("head_dim") or 0
         rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
@@ -98,6 +98,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
+                         "granite, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
 
@@ -136,7 +137,17 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qk_norm=mt in ("qwen3", "qwen3_moe"), fused_proj=mt == "phi3",
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False),
-                     mlp_bias=cfg.get("mlp_bias", False), **common)
+                     mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **common)
+
+
+def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Granite's four multipliers (the softmax scale is its attention_multiplier, not head_dim ** -0.5)."""
+    if mt != "granite":
+        return {}
+    return dict(embed_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+                attn_scale=float(cfg.get("attention_multiplier", 1.0)))
 
 
 def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:

@@ -28,6 +28,11 @@ _MISTRAL = dict(family="llama", vocab_size=32768, max_positions=32768, bos_token
 _PHI3 = dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=1, eos_token_ids=(32000,),
              pad_token_id=32000, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=10000.0,
              fused_proj=True, sliding_window=2047)
+# IBM Granite 3.x: Llama's layers with four multipliers (embedding, residual, attention
+# softmax scale, logits divisor)
+_GRANITE = dict(family="llama", vocab_size=49155, max_positions=131072, bos_token_id=0, eos_token_ids=(0,),
+                pad_token_id=0, tie_word_embeddings=True, norm_eps=1e-5, rope_theta=10_000_000.0,
+                embed_multiplier=12.0, residual_multiplier=0.22)
 # Mixtures of experts: Mixtral (8 experts, top 2, routing weights kept in float32), Qwen2-MoE
 # (64 experts, top 8, not renormalised, one shared expert), Qwen3-MoE (128 experts, top 8,
 # renormalised), every layer sparse in the published configs
@@ -96,6 +101,8 @@ _SHAPES: dict[str, dict] = {
     "qwen3-32b": dict(_QWEN3, num_layers=64, hidden_size=5120, ffn_size=25600, num_heads=64, num_kv_heads=8),
     "mistral-7b": dict(_MISTRAL, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
                        num_kv_heads=8),
+    "granite-3.1-8b": dict(_GRANITE, num_layers=40, hidden_size=4096, ffn_size=12800, num_heads=32, num_kv_heads=8,
+                           attn_scale=0.0078125, logits_divisor=16.0),
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),

@@ -96,6 +96,11 @@ class ModelSpec:
     attn_scale: float = 0.0  # the softmax scale of q.k; 0: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     attn_softcap: float = 0.0  # > 0: scores become cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float = 0.0  # > 0: the same on the final logits (Gemma 2)
+    # Granite's multipliers: the embedding times embed_multiplier, each sublayer's output times
+    # residual_multiplier before its residual add, the logits divided by logits_divisor
+    embed_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
@@ -138,6 +143,11 @@ class ModelSpec:
         if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"ModelSpec.rotary_dim={self.rotary_dim}: must be even and at most "
                              f"head_dim={self.head_dim}")
+        for f in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"ModelSpec.{f}={getattr(self, f)}: must be > 0")
+        if self.family != "llama" and (self.embed_multiplier, self.residual_multiplier, self.logits_divisor) != (1, 1, 1):
+            raise ValueError(f"ModelSpec: the multipliers are the llama family's (Granite), not {self.family}'s")
         if self.family == "opt" and self.num_kv_heads != self.num_heads:
             raise ValueError("ModelSpec: OPT models have no grouped-query attention; set num_kv_heads=0")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
