@@ -21,7 +21,7 @@ import torch
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-        "qwen3_moe": "qwen3moe", "granite": "granite"}
+        "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -163,7 +163,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
                        (w.add_residual_scale, "residual_multiplier"), (w.add_logit_scale, "logits_scaling")):
             if cfg.get(k):
                 add(cfg[k])
-    if arch in ("llama", "granite"):
+    if arch in ("llama", "granite", "smollm3"):
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
         if rope.get("rope_type") == "linear":
@@ -251,9 +251,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
         t = t.detach().float()
         if arch.startswith("gemma") and hf.endswith("norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w): the converter stores 1 + w
-        if arch in ("llama", "granite") and ".self_attn.q_proj." in hf:
+        if arch in ("llama", "granite", "smollm3") and ".self_attn.q_proj." in hf:
             t = permute(t, n_head)
-        elif arch in ("llama", "granite") and ".self_attn.k_proj." in hf:
+        elif arch in ("llama", "granite", "smollm3") and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
         tensors[gguf_name(hf, arch)] = t
     for name, t in tensors.items():

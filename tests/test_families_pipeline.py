@@ -69,9 +69,22 @@ def _phi3() -> torch.nn.Module:
                                       rope_scaling=rope, partial_rotary_factor=0.75))
 
 
+def _granite() -> torch.nn.Module:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(**SMALL, embedding_multiplier=12.0, attention_multiplier=0.5,
+                                            residual_multiplier=0.22, logits_scaling=8.0))
+
+
+def _smollm3() -> torch.nn.Module:
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    return SmolLM3ForCausalLM(SmolLM3Config(**SMALL, use_sliding_window=True, sliding_window=8))
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama3.1": _llama31, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-    "gemma2": _gemma2, "gemma3": _gemma3,
+    "granite": _granite, "smollm3": _smollm3, "gemma2": _gemma2, "gemma3": _gemma3,
 }
 
 

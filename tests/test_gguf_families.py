@@ -519,3 +519,29 @@ def test_granite_files_run_as_their_directories(tmp_path: Path) -> None:
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == want
         assert [s.nll for s in llm.score(seqs)] == pytest.approx(nll, rel=1e-4)
         assert llm.model.tokenizer is not None and llm.model.tokenizer("Hello world").input_ids == HELLO
+
+
+@pytest.mark.bundled
+def test_smollm3_files_run_as_their_directories(tmp_path: Path) -> None:
+    """SmolLM3 as llama.cpp writes it (architecture ``smollm3``: llama's tensors, q/k permuted;
+    every fourth layer without RoPE, which llama.cpp fixes for the architecture): the spec
+    equals the directory's and greedy tokens transformers'."""
+    import transformers as tf
+
+    torch.manual_seed(41)
+    m = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True)).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / "smollm3.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    assert dataclasses.replace(ours, name=ref.name) == ref and ours.nope_layers == (False, False, False, True)
+    want = reference_generate(TinyModel("smollm3", path, m, 2), LONG, 6)
+    with LLM(str(path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want

@@ -158,7 +158,8 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
 
 @pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
                                            ("qwen3-32b", 32.8), ("mistral-7b", 7.25),
-                                           ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17)])
+                                           ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17),
+                                           ("smollm3-3b", 3.08)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
@@ -178,7 +179,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
     assert spec.fused_proj and spec.sliding_window == 5  # shorter than most sequences here
 
 
-@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "gemma2", "gemma3_text",
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -375,3 +376,33 @@ def test_granite_multipliers_match_transformers(tied: bool, tmp_path: Path) -> N
             want.append(-lp[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].sum().item())
     with LLM(str(tmp_path / "m"), progress=False) as llm:
         assert [s.nll for s in llm.score(seqs, decode_tokens=3)] == pytest.approx(want, rel=1e-4)
+
+
+def _smollm3(**extra) -> torch.nn.Module:
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(29)
+    cfg = SmolLM3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        rope_theta=5000.0, pad_token_id=0, bos_token_id=1, eos_token_id=None, **extra)
+    m = SmolLM3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharp attention, so that a layer turned that should not be (or not turned) shows
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return m
+
+
+@pytest.mark.parametrize("extra,nope", [
+    ({}, (False, False, False, True)),  # every fourth layer without RoPE, by default
+    ({"no_rope_layers": [0, 1, 0, 1], "tie_word_embeddings": False}, (True, False, True, False)),
+    ({"use_sliding_window": True, "sliding_window": 5}, (False, False, False, True)),  # the NoPE layer slides
+])
+def test_smollm3_nope_layers_match_transformers(extra: dict, nope: tuple, tmp_path: Path) -> None:
+    """SmolLM3: layers without position encoding (q and k not turned), where the config says;
+    with use_sliding_window, the window on those layers (its default layer_types)."""
+    spec = _matches_transformers_offloaded(_smollm3(**extra), tmp_path)
+    assert spec.nope_layers == nope
+    assert spec.sliding_window == extra.get("sliding_window", 0)
+    if spec.sliding_window:
+        assert [spec.window(j) for j in range(4)] == [0, 0, 0, 5]

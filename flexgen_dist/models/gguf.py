@@ -149,7 +149,9 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
         qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
-        **_granite_fields(arch, key))
+        **_granite_fields(arch, key),
+        **({"nope_layers": tuple((j + 1) % 4 == 0 for j in range(int(key("block_count"))))}
+           if arch == "smollm3" else {}))
 
 
 def _granite_fields(arch: str, key: Any) -> dict[str, Any]:

@@ -53,6 +53,8 @@ ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window",
                                                                 "rope.scaling.attn_factor"})),
+    # SmolLM3: llama's tensors (q/k permuted); every fourth layer without RoPE (llama.cpp's fixed step)
+    "smollm3": GGUFArch("llama", llama.gguf_names, permuted=True),
     # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys
     "granite": GGUFArch("llama", llama.gguf_names, permuted=True,
                         keys=frozenset({"embedding_scale", "residual_scale", "logit_scale", "attention.scale"})),

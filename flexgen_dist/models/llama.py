@@ -189,8 +189,9 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q, k, v = project_qkv(spec, w, x)
     if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
         q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
-    cos, sin = as_positions(pos).rope(spec.rope_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if spec.rotates(layer):
+        cos, sin = as_positions(pos).rope(spec.rope_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults

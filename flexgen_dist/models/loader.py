@@ -86,7 +86,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if mt in MOE_REFUSED:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_TYPES):
+    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *MOE_TYPES):
         head_dim = cfg.get("head_dim") or 0
         rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
@@ -98,7 +98,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
-                         "granite, "
+                         "granite, smollm3, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
 
@@ -137,7 +137,19 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qk_norm=mt in ("qwen3", "qwen3_moe"), fused_proj=mt == "phi3",
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False),
-                     mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **common)
+                     mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     **common)
+
+
+def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: the layer rotates), by default
+    every ``no_rope_layer_interval``-th layer (4) goes without."""
+    if mt != "smollm3":
+        return {}
+    n = cfg["num_hidden_layers"]
+    interval = cfg.get("no_rope_layer_interval") or 4
+    rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    return {"nope_layers": tuple(not r for r in rotates)}
 
 
 def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -156,6 +168,12 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     the layers its ``layer_types`` name (by default Qwen2/3's from ``max_window_layers`` on,
     Qwen2-MoE's odd-numbered ones below it, every Qwen3-MoE layer)."""
     window = int(cfg.get("sliding_window") or 0)
+    if mt == "smollm3":  # with use_sliding_window, by default on the layers without RoPE
+        if not cfg.get("use_sliding_window") or not window:
+            return {"sliding_window": 0}
+        nope = _nope(cfg, mt)["nope_layers"]
+        default = ["sliding_attention" if x else "full_attention" for x in nope]
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
     if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             return {"sliding_window": 0}

@@ -78,6 +78,9 @@ class ModelSpec:
     num_kv_heads: int = 0  # 0: same as num_heads
     head_dim_override: int = 0  # 0: hidden_size // num_heads
     rotary_dim: int = 0  # the leading dims of each head RoPE turns (Phi-4-mini: 3/4); 0: all of them
+    # per layer, True where the layer has no position encoding at all (SmolLM3's NoPE layers,
+    # every fourth); empty: every layer turns q and k
+    nope_layers: tuple[bool, ...] = ()
     norm_eps: float = 1e-5
     # OPT conventions
     pre_layer_norm: bool = True  # False for opt-350m (post-LN, no final norm)
@@ -161,6 +164,12 @@ class ModelSpec:
                                  f"(use {' or '.join(LAYER_TYPES)})")
             if "sliding_attention" in self.layer_types and self.sliding_window < 1:
                 raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
+        object.__setattr__(self, "nope_layers", tuple(bool(m) for m in self.nope_layers))
+        if self.nope_layers and len(self.nope_layers) != self.num_layers:
+            raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
+                             f"{self.num_layers} layers: give one per layer")
+        if any(self.nope_layers) and self.family != "llama":
+            raise ValueError(f"ModelSpec: layers without RoPE are the llama family's (SmolLM3), not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
         if self.num_experts:
             if self.family != "llama":
@@ -202,6 +211,10 @@ class ModelSpec:
     def softmax_scale(self) -> float:
         """The scale of q.k before the softmax."""
         return self.attn_scale or self.head_dim ** -0.5
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` turns q and k with RoPE (SmolLM3's NoPE layers do not)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def rope(self, layer: int) -> tuple[float, RopeScaling | None]:
         """(theta, scaling) of layer ``layer``'s rotary embedding."""
