@@ -21,7 +21,8 @@ import torch
 
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-        "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3"}
+        "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
+        "olmo2": "olmo2", "olmo3": "olmo2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -54,7 +55,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
         if module in _MOE:
             return f"blk.{parts[2]}.{_MOE[module]}.{suffix}"
-        table = _GEMMA_LAYER if arch.startswith("gemma") else _LAYER
+        table = _GEMMA_LAYER if arch.startswith("gemma") or arch == "olmo2" else _LAYER
         return f"blk.{parts[2]}.{table[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
 
@@ -82,7 +83,8 @@ def roundtrip_(model: torch.nn.Module, qtype: str) -> None:
 
 
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
-    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("full_attention", rope)  # per layer type (OLMo 3): the global layers' (the file has one)
 
 
 def llama3_rope_freqs(cfg: dict[str, Any]) -> torch.Tensor:
@@ -158,6 +160,9 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "olmo2" and "sliding_window" in cfg:  # Olmo2Model (also OLMo 3's): the window and its pattern
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "granite":  # GraniteModel: LlamaModel's set, then each non-zero multiplier
         for add, k in ((w.add_attention_scale, "attention_multiplier"), (w.add_embedding_scale, "embedding_multiplier"),
                        (w.add_residual_scale, "residual_multiplier"), (w.add_logit_scale, "logits_scaling")):

@@ -82,9 +82,15 @@ def _smollm3() -> torch.nn.Module:
     return SmolLM3ForCausalLM(SmolLM3Config(**SMALL, use_sliding_window=True, sliding_window=8))
 
 
+def _olmo3() -> torch.nn.Module:
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    return Olmo3ForCausalLM(Olmo3Config(**SMALL, sliding_window=8))
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama3.1": _llama31, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-    "granite": _granite, "smollm3": _smollm3, "gemma2": _gemma2, "gemma3": _gemma3,
+    "granite": _granite, "smollm3": _smollm3, "olmo3": _olmo3, "gemma2": _gemma2, "gemma3": _gemma3,
 }
 
 

@@ -545,3 +545,34 @@ def test_smollm3_files_run_as_their_directories(tmp_path: Path) -> None:
     want = reference_generate(TinyModel("smollm3", path, m, 2), LONG, 6)
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("kind", ["olmo2", "olmo3"])
+def test_olmo_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
+    """OLMo 2 and 3 as llama.cpp writes them (both as ``olmo2``: q/k not permuted, the norms
+    after each sublayer as post_attention_norm and post_ffw_norm, q/k norms over all heads;
+    OLMo 3's window and its per-layer pattern): spec and greedy tokens as the directory's."""
+    import transformers as tf
+
+    torch.manual_seed(47)
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    m = (tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)) if kind == "olmo2"
+         else tf.Olmo3ForCausalLM(tf.Olmo3Config(**common, sliding_window=5))).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / f"{kind}.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    if kind == "olmo3":  # the file has one RoPE for every layer: the same here, both layer types at the default
+        assert ref.local_rope_theta in (0.0, ref.rope_theta)
+        ref = dataclasses.replace(ref, local_rope_theta=ours.local_rope_theta)
+    assert dataclasses.replace(ours, name=ref.name) == ref and ours.post_norms and ours.qk_norm_whole
+    want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
+    with LLM(str(path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want

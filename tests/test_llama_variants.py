@@ -4,6 +4,7 @@ policy, every other scaling type refused in one line. Qwen2/3 and Phi-3 (sliding
 tests/test_sliding_window.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -159,11 +160,11 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
 @pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.62), ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19),
                                            ("qwen3-32b", 32.8), ("mistral-7b", 7.25),
                                            ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17),
-                                           ("smollm3-3b", 3.08)])
+                                           ("smollm3-3b", 3.08), ("olmo-2-7b", 7.30), ("olmo-2-13b", 13.7)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
-    assert spec.qkv_bias == name.startswith("qwen2") and spec.qk_norm == name.startswith("qwen3")
+    assert spec.qkv_bias == name.startswith("qwen2") and spec.qk_norm == name.startswith(("qwen3", "olmo"))
 
 
 def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
@@ -179,7 +180,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
     assert spec.fused_proj and spec.sliding_window == 5  # shorter than most sequences here
 
 
-@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma2", "gemma3_text",
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -406,3 +407,62 @@ def test_smollm3_nope_layers_match_transformers(extra: dict, nope: tuple, tmp_pa
     assert spec.sliding_window == extra.get("sliding_window", 0)
     if spec.sliding_window:
         assert [spec.window(j) for j in range(4)] == [0, 0, 0, 5]
+
+
+def _olmo(kind: str, **extra) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(43)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=None, **extra)
+    m = (tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)) if kind == "olmo2"
+         else tf.Olmo3ForCausalLM(tf.Olmo3Config(**common))).eval()
+    with torch.no_grad():  # norms away from 1, so that one skipped or misplaced would show
+        for layer in m.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm, layer.post_attention_layernorm,
+                         layer.post_feedforward_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+    return m
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("olmo2", {}),
+    ("olmo2", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                                "rope_theta": 5000.0}}),
+    ("olmo3", {"sliding_window": 4}),  # three sliding layers of four, their RoPE the global one
+    ("olmo3", {"sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"] * 2,
+               "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5000.0,
+                                                      "original_max_position_embeddings": 16},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 300.0}}}),
+])
+def test_olmo_matches_transformers(kind: str, extra: dict, tmp_path: Path) -> None:
+    """OLMo 2 and 3: norms on the sublayers' outputs (none before), q and k normalised over all
+    heads at once; OLMo 3's sliding layers with their own RoPE."""
+    spec = _matches_transformers_offloaded(_olmo(kind, **extra), tmp_path)
+    assert spec.post_norms and spec.qk_norm_whole
+    if kind == "olmo3":
+        sliding, full = (1, 0) if "layer_types" in extra else (0, 3)
+        assert (spec.window(sliding), spec.window(full)) == (4, 0)
+    if "rope_parameters" in extra and kind == "olmo3":
+        assert spec.rope(1) == (300.0, None) and spec.rope(0)[1].rope_type == "yarn"
+
+
+def test_olmo_norms_round_as_the_reference_in_bfloat16() -> None:
+    """OLMo's RMSNorm multiplies its weight in float32 and casts after (Llama's casts first):
+    in bfloat16 the two differ in the last bit, and ours is the reference's, bit for bit."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from flexgen_dist.models.llama import _norm
+
+    torch.manual_seed(5)
+    ref = Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 7, 64).to(torch.bfloat16)
+    olmo = ModelSpec(name="o", family="llama", num_layers=1, hidden_size=64, ffn_size=64, num_heads=4,
+                     vocab_size=8, max_positions=8, qk_norm=True, qk_norm_whole=True, post_norms=True)
+    with torch.no_grad():
+        assert torch.equal(_norm(olmo, x, ref.weight, 1e-6), ref(x))
+        llama_order = _norm(dataclasses.replace(olmo, post_norms=False, qk_norm_whole=False), x, ref.weight, 1e-6)
+    assert not torch.equal(llama_order, ref(x))  # the order matters here, so the test can tell

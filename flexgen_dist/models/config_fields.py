@@ -39,6 +39,8 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+    "olmo2": _LLAMA_USED,
+    "olmo3": _LLAMA_USED | {"sliding_window", "layer_types"},
     "smollm3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "no_rope_layers", "no_rope_layer_interval",
                               "layer_types"},
     "granite": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"},
@@ -74,7 +76,7 @@ INERT: dict[str, set[str]] = {
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "mixtral",
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "mixtral",
                                              "qwen2_moe", "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -94,6 +94,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name)
         if llama_family:
             fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
+            if arch == "olmo2":
+                fields.update(_olmo_fields(key, gguf_field(reader, "olmo2.attention.sliding_window_pattern"),
+                                           int(key("block_count"))))
             fields["rotary_dim"] = rotary if partial else 0
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
@@ -152,6 +155,18 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         **_granite_fields(arch, key),
         **({"nope_layers": tuple((j + 1) % 4 == 0 for j in range(int(key("block_count"))))}
            if arch == "smollm3" else {}))
+
+
+def _olmo_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
+    """OLMo 2/3's fields: the norms after the sublayers, q/k normalised over all heads, and
+    OLMo 3's window on the layers the pattern marks (one flag per layer, True: sliding)."""
+    out: dict[str, Any] = dict(post_norms=True, qk_norm=True, qk_norm_whole=True)
+    if int(key("attention.sliding_window", 0)) and pattern is not None:
+        flags = list(pattern) if isinstance(pattern, (list, tuple)) else [bool(pattern)] * layers
+        if len(flags) != layers:
+            raise ValueError(f"olmo2.attention.sliding_window_pattern has {len(flags)} flags for {layers} layers")
+        out["layer_types"] = tuple("sliding_attention" if f else "full_attention" for f in flags)
+    return out
 
 
 def _granite_fields(arch: str, key: Any) -> dict[str, Any]:

@@ -53,6 +53,10 @@ ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     "phi3": GGUFArch("llama", llama.gguf_names, keys=frozenset({"attention.sliding_window",
                                                                 "rope.scaling.attn_factor"})),
+    # OLMo 2 and 3 (llama.cpp writes both as olmo2): norms on the sublayers' outputs, q/k
+    # normalised over all heads, OLMo 3's sliding layers as a per-layer pattern
+    "olmo2": GGUFArch("llama", llama.gguf_names,
+                      keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
     # SmolLM3: llama's tensors (q/k permuted); every fourth layer without RoPE (llama.cpp's fixed step)
     "smollm3": GGUFArch("llama", llama.gguf_names, permuted=True),
     # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys

@@ -1,5 +1,6 @@
-"""LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense): RMSNorm, rotary positions,
-SwiGLU MLP, grouped-query attention, tied or untied LM head; and its mixtures of experts
+"""LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense, and the checkpoints that differ in
+small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3): RMSNorm, rotary positions, SwiGLU MLP,
+grouped-query attention, tied or untied LM head; and its mixtures of experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers route each token to a few SwiGLU experts.
 
 A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
@@ -9,6 +10,7 @@ engine passes one that reads only the experts the tokens chose, when they choose
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .common import (EXPERT_PARTS, EXPERTS, DictExperts, Positions, apply_rope, as_positions, embedding, linear,
                      project_qkv, rms_norm, silu_mul)
@@ -23,6 +25,9 @@ _LAYER_HF = {
     "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
     "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
     "mlp_norm.w": "post_attention_layernorm.weight",
+    # OLMo 2/3's norms on the sublayers' outputs (post_attention_layernorm names the one after
+    # attention there, the one before the MLP in Llama)
+    "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
     "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
     "gate.b": "mlp.gate_proj.bias", "up.b": "mlp.up_proj.bias", "down.b": "mlp.down_proj.bias",
 }
@@ -31,15 +36,17 @@ _LAYER_GGUF = {
     "v.w": "attn_v.weight", "o.w": "attn_output.weight", "q.b": "attn_q.bias",
     "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
     "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
-    "mlp_norm.w": "ffn_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
+    "mlp_norm.w": "ffn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
+    "post_mlp_norm.w": "post_ffw_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
     "down.w": "ffn_down.weight", "gate.b": "ffn_gate.bias", "up.b": "ffn_up.bias", "down.b": "ffn_down.bias",
 }
 
 
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
+    norms = ("post_attn_norm.w", "post_mlp_norm.w") if spec.post_norms else ("attn_norm.w", "mlp_norm.w")
     shapes: dict[str, tuple[int, ...]] = {
-        "attn_norm.w": (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd), "mlp_norm.w": (h,),
+        norms[0]: (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd), norms[1]: (h,),
     }
     if not spec.is_moe(layer):
         shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
@@ -57,7 +64,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     if spec.attention_bias:
         shapes["o.b"] = (h,)
     if spec.qk_norm:
-        shapes.update({"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
+        shapes.update({"q_norm.w": (qd,), "k_norm.w": (kvd,)} if spec.qk_norm_whole else
+                      {"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
     if spec.mlp_bias and not spec.is_moe(layer):
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
     return shapes
@@ -179,20 +187,51 @@ def _residual(spec: ModelSpec, y: torch.Tensor, residual: torch.Tensor) -> torch
     return y.mul_(spec.residual_multiplier).add_(residual)
 
 
+def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; OLMo's multiplies its weight in float32 before the cast (Llama's after it),
+    which differs in a half dtype only."""
+    if spec.post_norms and x.dtype != torch.float32:
+        return (w * F.rms_norm(x.float(), (x.shape[-1],), None, eps)).to(x.dtype)
+    return rms_norm(x, w, eps)
+
+
+def _olmo_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                attend: Attend, layer: int) -> torch.Tensor:
+    """OLMo 2/3: attention and the MLP see the residual stream itself; each one's output is
+    normalised, then added to it."""
+    eps = spec.norm_eps
+    a = attend(*_qkv(spec, w, x, pos, layer))
+    x = _norm(spec, linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
+    g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
+    return _norm(spec, linear(g, w["down.w"], w.get("down.b")), w["post_mlp_norm.w"], eps).add_(x)
+
+
+def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+         layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of the (normalised) input: projected, q/k normalised where the model does it
+    (Qwen3 per head, OLMo over all heads), turned where the layer has RoPE."""
+    q, k, v = project_qkv(spec, w, x)
+    eps = spec.norm_eps
+    if spec.qk_norm_whole:
+        q = _norm(spec, q.flatten(2), w["q_norm.w"], eps).view(q.shape)
+        k = _norm(spec, k.flatten(2), w["k_norm.w"], eps).view(k.shape)
+    elif spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
+        q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
+    if spec.rotates(layer):
+        theta, scaling = spec.rope(layer)
+        cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q, k, v
+
+
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend, layer: int = 0) -> torch.Tensor:
     """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
-    b, t, _ = x.shape
+    if spec.post_norms:
+        return _olmo_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
-    x = rms_norm(x, w["attn_norm.w"], eps)
-    q, k, v = project_qkv(spec, w, x)
-    if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
-        q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
-    if spec.rotates(layer):
-        cos, sin = as_positions(pos).rope(spec.rope_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = attend(q, k, v)
+    a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
     scaled = spec.residual_multiplier != 1.0
@@ -248,7 +287,7 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = rms_norm(x, w["norm.w"], spec.norm_eps)
+    x = _norm(spec, x, w["norm.w"], spec.norm_eps)
     logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
     return logits.div_(spec.logits_divisor) if spec.logits_divisor != 1.0 else logits  # Granite
 

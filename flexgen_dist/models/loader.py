@@ -74,6 +74,11 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
+    if mt in OLMO_TYPES:
+        try:
+            return _olmo_spec(cfg, mt, name, common)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0 and mt != "phi3":
@@ -98,11 +103,42 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
-                         "granite, smollm3, "
+                         "granite, smollm3, olmo2, olmo3, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+OLMO_TYPES = ("olmo2", "olmo3")
+
+
+def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """OLMo 2 and OLMo 3: Llama's layers with the norms on the sublayers' outputs and q/k
+    normalised over all heads; OLMo 3 slides on three layers of four (``layer_types``), each
+    layer type with its own RoPE (``rope_parameters`` per type, as Gemma 3's)."""
+    params = cfg.get("rope_parameters") or {}
+    nested = any(k in params for k in ("full_attention", "sliding_attention"))
+    glob = dict(params.get("full_attention") or {}) if nested else dict(params or cfg.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    theta = glob.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    window = int(cfg.get("sliding_window") or 0) if mt == "olmo3" else 0
+    extra: dict[str, Any] = {}
+    if window:
+        n = cfg["num_hidden_layers"]
+        extra["layer_types"] = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                                                for i in range(n)])
+        if local:
+            extra.update(local_rope_theta=float(local.get("rope_theta") or theta),
+                         local_rope_scaling=_rope_scaling(local, name, cfg.get("max_position_embeddings", 0)))
+    head_dim = cfg.get("head_dim") or 0
+    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        head_dim = 0
+    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+                     rope_scaling=_rope_scaling(glob, name, cfg.get("max_position_embeddings", 0)),
+                     sliding_window=window, qk_norm=True, qk_norm_whole=True, post_norms=True,
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                     attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
                "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "glm4_moe", "ernie4_5_moe", "jetmoe",

@@ -33,6 +33,10 @@ _PHI3 = dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=
 _GRANITE = dict(family="llama", vocab_size=49155, max_positions=131072, bos_token_id=0, eos_token_ids=(0,),
                 pad_token_id=0, tie_word_embeddings=True, norm_eps=1e-5, rope_theta=10_000_000.0,
                 embed_multiplier=12.0, residual_multiplier=0.22)
+# OLMo 2: norms after each sublayer, q/k normalised over all heads
+_OLMO2 = dict(family="llama", vocab_size=100352, max_positions=4096, bos_token_id=100257, eos_token_ids=(100257,),
+              pad_token_id=100277, tie_word_embeddings=False, norm_eps=1e-6, rope_theta=500000.0,
+              qk_norm=True, qk_norm_whole=True, post_norms=True)
 # Mixtures of experts: Mixtral (8 experts, top 2, routing weights kept in float32), Qwen2-MoE
 # (64 experts, top 8, not renormalised, one shared expert), Qwen3-MoE (128 experts, top 8,
 # renormalised), every layer sparse in the published configs
@@ -103,6 +107,8 @@ _SHAPES: dict[str, dict] = {
                        num_kv_heads=8),
     "granite-3.1-8b": dict(_GRANITE, num_layers=40, hidden_size=4096, ffn_size=12800, num_heads=32, num_kv_heads=8,
                            attn_scale=0.0078125, logits_divisor=16.0),
+    "olmo-2-7b": dict(_OLMO2, num_layers=32, hidden_size=4096, ffn_size=11008, num_heads=32),
+    "olmo-2-13b": dict(_OLMO2, num_layers=40, hidden_size=5120, ffn_size=13824, num_heads=40),
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),

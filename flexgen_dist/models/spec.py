@@ -108,6 +108,10 @@ class ModelSpec:
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over all of q's and all of k's heads together instead (OLMo 2/3)
+    # OLMo 2/3: no norm before attention or the MLP, one on each one's output before its
+    # residual add; and every RMSNorm's weight multiplies in float32, before the cast
+    post_norms: bool = False
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
@@ -164,6 +168,10 @@ class ModelSpec:
                                  f"(use {' or '.join(LAYER_TYPES)})")
             if "sliding_attention" in self.layer_types and self.sliding_window < 1:
                 raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
+        if (self.qk_norm_whole and not self.qk_norm) or ((self.post_norms or self.qk_norm_whole)
+                                                          and self.family != "llama"):
+            raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it and post_norms are the llama "
+                             "family's (OLMo 2/3)")
         object.__setattr__(self, "nope_layers", tuple(bool(m) for m in self.nope_layers))
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
@@ -291,7 +299,8 @@ class ModelSpec:
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
         norms = (4 if self.family == "gemma" else 2) * h  # Gemma: a norm before and after each block
-        return attn + mlp + biases + norms + 2 * self.head_dim * self.qk_norm
+        qk = (self.q_dim + self.kv_dim if self.qk_norm_whole else 2 * self.head_dim) * self.qk_norm
+        return attn + mlp + biases + norms + qk
 
     def mlp_numel(self, layer: int | None = None, experts: float | None = None) -> float:
         """Elements of layer ``layer``'s MLP: a dense SwiGLU, or the router, the shared expert
