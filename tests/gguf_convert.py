@@ -22,7 +22,7 @@ import torch
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
-        "olmo2": "olmo2", "olmo3": "olmo2"}
+        "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -176,6 +176,25 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_rope_scaling_factor(rope["factor"])
 
 
+def _cohere_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
+    """The metadata llama.cpp's CommandR2Model and Cohere2Model write: TextModel's set (with
+    the LayerNorm's epsilon), the logit scale; Cohere2Model also the window, the vocabulary
+    size and the rotated dims."""
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(_rope(cfg).get("rope_theta", 10000.0)))
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_logit_scale(cfg["logit_scale"])
+    if arch == "cohere2":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
 def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
     """The metadata llama.cpp's Gemma2Model and Gemma3Model write. Gemma2Model writes its own
     short set (no RoPE base: llama.cpp's 10000 is Gemma 2's); Gemma3Model the shared set (the
@@ -224,6 +243,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     if arch.startswith("gemma"):
         _gemma_keys(w, cfg, arch)
+    elif arch in ("command-r", "cohere2"):
+        _cohere_keys(w, cfg, arch)
     else:
         _llama_keys(w, cfg, arch, n_head, n_kv)
     copy_tokenizer(w)

@@ -88,9 +88,15 @@ def _olmo3() -> torch.nn.Module:
     return Olmo3ForCausalLM(Olmo3Config(**SMALL, sliding_window=8))
 
 
+def _cohere2() -> torch.nn.Module:
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    return Cohere2ForCausalLM(Cohere2Config(**SMALL, sliding_window=8, logit_scale=0.25))
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama3.1": _llama31, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-    "granite": _granite, "smollm3": _smollm3, "olmo3": _olmo3, "gemma2": _gemma2, "gemma3": _gemma3,
+    "granite": _granite, "smollm3": _smollm3, "olmo3": _olmo3, "cohere2": _cohere2, "gemma2": _gemma2, "gemma3": _gemma3,
 }
 
 

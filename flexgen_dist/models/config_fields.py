@@ -39,6 +39,14 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
+    "cohere": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "max_position_embeddings", "layer_norm_eps", "rope_parameters",
+                         "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias", "use_qk_norm",
+                         "logit_scale"},
+    "cohere2": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_norm_eps",
+                          "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
+                          "logit_scale", "sliding_window", "layer_types", "sliding_window_pattern"},
     "olmo2": _LLAMA_USED,
     "olmo3": _LLAMA_USED | {"sliding_window", "layer_types"},
     "smollm3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "no_rope_layers", "no_rope_layer_interval",
@@ -76,7 +84,8 @@ INERT: dict[str, set[str]] = {
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "mixtral",
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2",
+                                             "mixtral",
                                              "qwen2_moe", "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -1,4 +1,4 @@
-"""The table of model families: what each family (OPT, LLaMA, Gemma) does differently, by name.
+"""The table of model families: what each family (OPT, LLaMA, Gemma, Cohere) does differently, by name.
 
 A family module (``opt.py``, ``llama.py``) provides pure functions over weight dicts with
 canonical names and registers them here when it is imported (``register(Family(...))``);

@@ -22,7 +22,7 @@ import torch
 
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
-from .gguf_arch import ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, decimal32, gemma_fields
+from .gguf_arch import ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
@@ -98,6 +98,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                 fields.update(_olmo_fields(key, gguf_field(reader, "olmo2.attention.sliding_window_pattern"),
                                            int(key("block_count"))))
             fields["rotary_dim"] = rotary if partial else 0
+        elif a.family == "cohere":
+            fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -106,7 +108,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             name=name, family=a.family, num_layers=key("block_count"), hidden_size=hidden,
             ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
             vocab_size=vocab, max_positions=key("context_length", 2048),
-            norm_eps=decimal32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+            **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
+            rope_theta=theta,
             rope_scaling=scaling, bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=(eos,) if eos is not None else (),
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)

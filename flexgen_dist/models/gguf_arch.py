@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from . import gemma, llama
+from . import cohere, gemma, llama
 from .spec import RopeScaling
 
 Names = Callable[..., dict[str, str]]
@@ -62,6 +62,11 @@ ARCHS: dict[str, GGUFArch] = {
     # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys
     "granite": GGUFArch("llama", llama.gguf_names, permuted=True,
                         keys=frozenset({"embedding_scale", "residual_scale", "logit_scale", "attention.scale"})),
+    # Cohere: Command R / R+ / Aya (command-r) and Command R7B / A (cohere2): LayerNorm (its own
+    # epsilon key), interleaved RoPE as the checkpoint has it, the logit scale
+    "command-r": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon"})),
+    "cohere2": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon",
+                                                                     "attention.sliding_window"})),
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
@@ -80,6 +85,24 @@ INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetun
 # hidden // heads, every other size's by the head size
 _LAYERS_27B = {"gemma2": 46, "gemma3": 62}
 _SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # every n-th layer global, where the file gives no pattern
+
+
+def cohere_fields(arch: str, key: Key, tensors: set[str], layers: int) -> dict[str, Any]:
+    """A command-r / cohere2 file's ``ModelSpec`` fields beyond the shared ones, as llama.cpp
+    reads it: the logit scale, q/k norms and biases where the tensors are, the head tied unless
+    there is an output.weight; cohere2's window on three layers of four (llama.cpp's fixed
+    pattern), the fourth global and without RoPE."""
+    out: dict[str, Any] = dict(logit_scale=decimal32(key("logit_scale", 1.0)),
+                               norm_eps=decimal32(key("attention.layer_norm_epsilon", 1e-5)),
+                               qk_norm="blk.0.attn_q_norm.weight" in tensors,
+                               attention_bias="blk.0.attn_q.bias" in tensors,
+                               tie_word_embeddings="output.weight" not in tensors)
+    if arch == "cohere2":
+        window = int(key("attention.sliding_window"))
+        types = tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers))
+        out.update(sliding_window=window, layer_types=types,
+                   nope_layers=tuple(t == "full_attention" for t in types))
+    return out
 
 
 def decimal32(x: float) -> float:

@@ -74,6 +74,11 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
+    if mt in COHERE_TYPES:
+        try:
+            return _cohere_spec(cfg, mt, name, common)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
     if mt in OLMO_TYPES:
         try:
             return _olmo_spec(cfg, mt, name, common)
@@ -103,12 +108,40 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
-                         "granite, smollm3, olmo2, olmo3, "
+                         "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 OLMO_TYPES = ("olmo2", "olmo3")
+COHERE_TYPES = ("cohere", "cohere2")
+
+
+def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """Command R / R+ / Aya (``cohere``) and Command R7B / A (``cohere2``: three sliding layers
+    of four with RoPE, the global ones without)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    extra: dict[str, Any] = {}
+    if mt == "cohere2":
+        n = cfg["num_hidden_layers"]
+        every = cfg.get("sliding_window_pattern") or 4
+        types = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                                 for i in range(n)])
+        extra = dict(sliding_window=int(cfg.get("sliding_window") or 0), layer_types=types,
+                     nope_layers=tuple(t != "sliding_attention" for t in types))
+        if not extra["sliding_window"]:
+            raise ValueError("cohere2 without sliding_window: its sliding layers need one")
+    head_dim = cfg.get("head_dim") or 0
+    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        head_dim = 0
+    return ModelSpec(family="cohere", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("layer_norm_eps") or 1e-5,
+                     rope_theta=float(theta), rope_scaling=_rope_scaling(rope, name, cfg.get("max_position_embeddings", 0)),
+                     qk_norm=bool(cfg.get("use_qk_norm")), logit_scale=float(cfg.get("logit_scale") or 1.0),
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                     attention_bias=cfg.get("attention_bias", False), **extra, **common)
 
 
 def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:

@@ -37,6 +37,10 @@ _GRANITE = dict(family="llama", vocab_size=49155, max_positions=131072, bos_toke
 _OLMO2 = dict(family="llama", vocab_size=100352, max_positions=4096, bos_token_id=100257, eos_token_ids=(100257,),
               pad_token_id=100277, tie_word_embeddings=False, norm_eps=1e-6, rope_theta=500000.0,
               qk_norm=True, qk_norm_whole=True, post_norms=True)
+# Cohere: one LayerNorm feeding attention and the MLP side by side, interleaved RoPE, scaled
+# logits; Command R7B: three 4096-sliding layers of four, the global ones without RoPE
+_COHERE = dict(family="cohere", vocab_size=256000, bos_token_id=5, eos_token_ids=(255001,), pad_token_id=0,
+               tie_word_embeddings=True)
 # Mixtures of experts: Mixtral (8 experts, top 2, routing weights kept in float32), Qwen2-MoE
 # (64 experts, top 8, not renormalised, one shared expert), Qwen3-MoE (128 experts, top 8,
 # renormalised), every layer sparse in the published configs
@@ -109,6 +113,12 @@ _SHAPES: dict[str, dict] = {
                            attn_scale=0.0078125, logits_divisor=16.0),
     "olmo-2-7b": dict(_OLMO2, num_layers=32, hidden_size=4096, ffn_size=11008, num_heads=32),
     "olmo-2-13b": dict(_OLMO2, num_layers=40, hidden_size=5120, ffn_size=13824, num_heads=40),
+    "command-r-35b": dict(_COHERE, max_positions=131072, num_layers=40, hidden_size=8192, ffn_size=22528,
+                          num_heads=64, rope_theta=8_000_000.0, logit_scale=0.0625),
+    "command-r7b": dict(_COHERE, max_positions=131072, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
+                        num_kv_heads=8, rope_theta=50000.0, logit_scale=0.25, sliding_window=4096,
+                        layer_types=tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(32)),
+                        nope_layers=tuple((i + 1) % 4 == 0 for i in range(32))),
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("opt", "llama", "gemma")
+FAMILIES = ("opt", "llama", "gemma", "cohere")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a decoder-only transformer of the OPT, LLaMA or Gemma family.
+    """Shape of a decoder-only transformer of the OPT, LLaMA, Gemma or Cohere family.
 
     ``ffn_size`` is the MLP's inner width (OPT ``ffn_dim``, LLaMA ``intermediate_size``).
     ``num_kv_heads`` < ``num_heads`` means grouped-query attention (LLaMA and Gemma families).
@@ -104,6 +104,7 @@ class ModelSpec:
     embed_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
+    logit_scale: float = 1.0  # Cohere: the logits times this
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
@@ -150,7 +151,7 @@ class ModelSpec:
         if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"ModelSpec.rotary_dim={self.rotary_dim}: must be even and at most "
                              f"head_dim={self.head_dim}")
-        for f in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
+        for f in ("embed_multiplier", "residual_multiplier", "logits_divisor", "logit_scale"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"ModelSpec.{f}={getattr(self, f)}: must be > 0")
         if self.family != "llama" and (self.embed_multiplier, self.residual_multiplier, self.logits_divisor) != (1, 1, 1):
@@ -176,8 +177,11 @@ class ModelSpec:
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
                              f"{self.num_layers} layers: give one per layer")
-        if any(self.nope_layers) and self.family != "llama":
-            raise ValueError(f"ModelSpec: layers without RoPE are the llama family's (SmolLM3), not {self.family}'s")
+        if any(self.nope_layers) and self.family not in ("llama", "cohere"):
+            raise ValueError(f"ModelSpec: layers without RoPE are the llama and cohere families' (SmolLM3, "
+                             f"Command R7B), not {self.family}'s")
+        if self.logit_scale != 1.0 and self.family != "cohere":
+            raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
         if self.num_experts:
             if self.family != "llama":
@@ -298,8 +302,10 @@ class ModelSpec:
         mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
-        norms = (4 if self.family == "gemma" else 2) * h  # Gemma: a norm before and after each block
-        qk = (self.q_dim + self.kv_dim if self.qk_norm_whole else 2 * self.head_dim) * self.qk_norm
+        # Gemma: a norm before and after each block; Cohere: one for both, side by side
+        norms = {"gemma": 4, "cohere": 1}.get(self.family, 2) * h
+        whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
+        qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm
         return attn + mlp + biases + norms + qk
 
     def mlp_numel(self, layer: int | None = None, experts: float | None = None) -> float:
