@@ -55,9 +55,10 @@ def test_dynamic_ntk_is_plain_rope_within_the_context(tmp_path: Path) -> None:
         assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == ref
 
 
-def _matches_transformers_offloaded(m: torch.nn.Module, tmp_path: Path) -> ModelSpec:
+def _matches_transformers_offloaded(m: torch.nn.Module, tmp_path: Path, count: bool = True) -> ModelSpec:
     """Save ``m`` and generate greedily with half the weights on disk and the cache in RAM:
-    the tokens must equal transformers', and the loaded spec count m's parameters."""
+    the tokens must equal transformers', and (``count``: a text model) the loaded spec count
+    m's parameters."""
     m.save_pretrained(tmp_path / "m")
     tm = TinyModel(m.config.model_type, tmp_path / "m", m, 0)
     ref = reference_generate(tm, PROMPTS, 6)
@@ -65,7 +66,8 @@ def _matches_transformers_offloaded(m: torch.nn.Module, tmp_path: Path) -> Model
              offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
         spec = llm.model.spec
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
-    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+    if count:
+        assert spec.total_numel() == sum(p.numel() for p in m.parameters())
     return spec
 
 
@@ -161,7 +163,8 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
                                            ("qwen3-32b", 32.8), ("mistral-7b", 7.25),
                                            ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17),
                                            ("smollm3-3b", 3.08), ("olmo-2-7b", 7.30), ("olmo-2-13b", 13.7),
-                                           ("command-r-35b", 35.0), ("command-r7b", 8.03)])
+                                           ("command-r-35b", 35.0), ("command-r7b", 8.03),
+                                           ("mistral-small-24b", 23.57)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
@@ -181,7 +184,8 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
     assert spec.fused_proj and spec.sliding_window == 5  # shorter than most sequences here
 
 
-@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "gemma2", "gemma3_text",
+@pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
+                                        "mistral3", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -467,3 +471,62 @@ def test_olmo_norms_round_as_the_reference_in_bfloat16() -> None:
         assert torch.equal(_norm(olmo, x, ref.weight, 1e-6), ref(x))
         llama_order = _norm(dataclasses.replace(olmo, post_norms=False, qk_norm_whole=False), x, ref.weight, 1e-6)
     assert not torch.equal(llama_order, ref(x))  # the order matters here, so the test can tell
+
+
+_MISTRAL_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=None, head_dim=16)
+
+
+def test_ministral_sliding_layers_match_transformers(tmp_path: Path) -> None:
+    """Ministral 8B: the window on the layers its layer_types name."""
+    from transformers import MinistralConfig, MinistralForCausalLM
+
+    torch.manual_seed(59)
+    types = ["sliding_attention", "full_attention"] * 2
+    m = MinistralForCausalLM(MinistralConfig(**_MISTRAL_TEXT, sliding_window=3, layer_types=types)).eval()
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert [spec.window(j) for j in range(4)] == [3, 0, 3, 0]
+
+
+def test_ministral3_temperature_and_yarn_match_transformers(tmp_path: Path) -> None:
+    """Ministral 3: YaRN, and q scaled by 1 + beta ln(1 + floor(p / original)) past each
+    original length (16 here, so that the prompts of 18-27 tokens cross it)."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    torch.manual_seed(61)
+    rope = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.8}
+    m = Ministral3ForCausalLM(Ministral3Config(**_MISTRAL_TEXT, rope_parameters=rope, sliding_window=None)).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel("ministral3", tmp_path / "m", m, 0)
+    prompts = [p * 3 for p in PROMPTS]
+    ref = reference_generate(tm, prompts, 6)
+    with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=6)] == ref
+    assert (spec.attn_temp_beta, spec.attn_temp_len) == (0.8, 16) and spec.rope_scaling.rope_type == "yarn"
+
+
+@pytest.mark.parametrize("text_type,tied", [("mistral", False), ("ministral3", True)])
+def test_mistral3_image_text_checkpoint_runs_its_language_model(text_type: str, tied: bool, tmp_path: Path) -> None:
+    """Mistral Small 3.x (``mistral3``): the language model of an image-text checkpoint, on
+    token ids, with the weights under language_model.* as published, the head tied as the
+    top-level config says; tokens equal transformers' generate on the whole model."""
+    import transformers as tf
+
+    torch.manual_seed(67)
+    text = dict(_MISTRAL_TEXT, model_type=text_type, tie_word_embeddings=not tied, sliding_window=None)
+    if text_type == "ministral3":
+        text["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "mscale_all_dim": 1.0, "mscale": 1.0,
+                                   "llama_4_scaling_beta": 0.5}
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
+    m = tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(text_config=text, vision_config=vision,
+                                                              tie_word_embeddings=tied)).eval()
+    spec = _matches_transformers_offloaded(m, tmp_path, count=False)
+    assert spec.tie_word_embeddings == tied and bool(spec.attn_temp_beta) == (text_type == "ministral3")

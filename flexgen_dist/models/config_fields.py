@@ -36,6 +36,10 @@ USED: dict[str, set[str]] = {
                       "_remove_final_layer_norm", "tie_word_embeddings"},
     "llama": _LLAMA_USED,
     "mistral": _LLAMA_USED | {"sliding_window"},
+    "ministral": _LLAMA_USED | {"sliding_window", "layer_types"},
+    "ministral3": _LLAMA_USED | {"sliding_window"},
+    # the image-text model: its text_config is read as a mistral / ministral / ministral3 config
+    "mistral3": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
@@ -78,14 +82,17 @@ INERT: dict[str, set[str]] = {
     # read back to compute them
     "gemma3_text": {"cache_implementation", "hidden_act", "_sliding_window_pattern"},
     # the vision tower and the image tokens' ids: unused by prompts of token ids
+    "mistral3": {"vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
+                 "multimodal_projector_bias", "spatial_merge_size"},
     "gemma3": {"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
                "cache_implementation"},
 }
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2",
-                                             "mixtral",
+    "mistral3": {},
+    **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
+                                             "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "mixtral",
                                              "qwen2_moe", "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -86,8 +86,8 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
         at = f"model.layers.{layer}"
-        out = {k: [f"{at}.{_LAYER_HF[k]}"] if k in _LAYER_HF else _moe_hf_names(spec, at, k)
-               for k in layer_shapes(spec, layer)}
+        out = {k: [f"{p}layers.{layer}.{_LAYER_HF[k]}" for p in _PREFIXES] if k in _LAYER_HF
+               else _moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
         if spec.fused_proj:  # Phi-3 stores q|k|v and gate|up as one matrix each: their rows
             qd, kvd, f, at = spec.q_dim, spec.kv_dim, spec.ffn_size, f"model.layers.{layer}"
             for k, (name, r0, r1) in {"q.w": ("self_attn.qkv_proj", 0, qd),
@@ -97,15 +97,21 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
                                       "up.w": ("mlp.gate_up_proj", f, 2 * f)}.items():
                 out[k] = [f"{at}.{name}.weight{ROWS}{r0}:{r1}"]
         return out
+    embed = [f"{p}embed_tokens.weight" for p in _PREFIXES]
     if part == "embed":
-        return {"tok.w": ["model.embed_tokens.weight"]}
-    out = {"norm.w": ["model.norm.weight"]}
+        return {"tok.w": embed}
+    out = {"norm.w": [f"{p}norm.weight" for p in _PREFIXES]}
     if spec.tie_word_embeddings:
-        out["tok.w"] = ["model.embed_tokens.weight", "lm_head.weight"]
+        out["tok.w"] = embed + list(_LM_HEADS)
     else:
-        out["lm_head.w"] = ["lm_head.weight"]
+        out["lm_head.w"] = list(_LM_HEADS)
     return out
 
+
+# where the language model's weights live: a text model's, or an image-text checkpoint's
+# (Mistral 3: language_model.model.*, as published; model.language_model.*, transformers' own)
+_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 # Mixtral names its sparse block block_sparse_moe and its experts' matrices w1 (gate), w3 (up)
 # and w2 (down); Qwen's is mlp, with gate_proj/up_proj/down_proj. Checkpoints written in
@@ -221,6 +227,10 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
         theta, scaling = spec.rope(layer)
         cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if spec.attn_temp_beta:  # Ministral 3: a temperature on q growing past each attn_temp_len positions
+        ids = as_positions(pos).ids
+        temp = 1 + spec.attn_temp_beta * torch.log(1 + torch.floor(ids / spec.attn_temp_len))
+        q = q * temp[:, :, None, None].to(q.dtype)
     return q, k, v
 
 

@@ -55,6 +55,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     problem = field_problem(cfg, mt) if mt in USED else None
     if problem:
         raise ModelLoadError(f"{name}: {problem}")
+    if mt == "mistral3":  # an image-text checkpoint: its language model, on token ids
+        return _mistral3_text(cfg, name)
     if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
         try:
             return gemma_spec(cfg, name, _rope_scaling)
@@ -96,7 +98,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if mt in MOE_REFUSED:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
-    if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *MOE_TYPES):
+    if mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+              *MOE_TYPES):
         head_dim = cfg.get("head_dim") or 0
         rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
@@ -107,7 +110,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
             return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
-    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, qwen2, qwen3, phi3, "
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, ministral, "
+                         "ministral3, mistral3, qwen2, qwen3, phi3, "
                          "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
@@ -207,6 +211,7 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False),
                      mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     **_temperature(cfg, mt),
                      **common)
 
 
@@ -219,6 +224,33 @@ def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     interval = cfg.get("no_rope_layer_interval") or 4
     rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
     return {"nope_layers": tuple(not r for r in rotates)}
+
+
+def _mistral3_text(cfg: dict[str, Any], name: str) -> ModelSpec:
+    """Mistral Small 3.x / Magistral / Ministral 3 image-text checkpoints (``mistral3``): the
+    language model of ``text_config``, run on token ids (no images), with the checkpoint's
+    own head tying (transformers ties by the top level's ``tie_word_embeddings``, default
+    true) and token ids where it gives them."""
+    text = dict(cfg.get("text_config") or {})
+    tmt = text.setdefault("model_type", "mistral")
+    if tmt not in ("mistral", "ministral", "ministral3"):
+        raise ModelLoadError(f"{name}: mistral3 text_config of model_type {tmt!r}: supported are mistral, "
+                             "ministral, ministral3")
+    problem = field_problem(text, tmt)
+    if problem:
+        raise ModelLoadError(f"{name}: text_config: {problem}")
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+    text.update({k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None})
+    return spec_from_hf_config(text, name)
+
+
+def _temperature(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Ministral 3's attention temperature (Llama 4's), from its rope parameters."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    if mt != "ministral3" or not beta:
+        return {}
+    return {"attn_temp_beta": float(beta), "attn_temp_len": int(rope["original_max_position_embeddings"])}
 
 
 def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -243,6 +275,11 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         nope = _nope(cfg, mt)["nope_layers"]
         default = ["sliding_attention" if x else "full_attention" for x in nope]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
+    if mt == "ministral":  # layer_types name the sliding layers; by default all of them, given a window
+        if not window:
+            return {"sliding_window": 0}
+        return {"sliding_window": window,
+                "layer_types": tuple(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"])}
     if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             return {"sliding_window": 0}
@@ -256,7 +293,7 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
             default = ["sliding_attention" if i >= cfg.get("max_window_layers", n) else "full_attention"
                        for i in range(n)]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
-    return {"sliding_window": window if mt in ("mistral", "phi3", "mixtral") else 0}
+    return {"sliding_window": window if mt in ("mistral", "ministral3", "phi3", "mixtral") else 0}
 
 
 def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0,

@@ -119,6 +119,10 @@ _SHAPES: dict[str, dict] = {
                         num_kv_heads=8, rope_theta=50000.0, logit_scale=0.25, sliding_window=4096,
                         layer_types=tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(32)),
                         nope_layers=tuple((i + 1) % 4 == 0 for i in range(32))),
+    # Mistral Small 3.1 / 3.2 (24B): the language model of the image-text checkpoint
+    "mistral-small-24b": dict(_MISTRAL, vocab_size=131072, max_positions=131072, rope_theta=1_000_000_000.0,
+                              num_layers=40, hidden_size=5120, ffn_size=32768, num_heads=32, num_kv_heads=8,
+                              head_dim_override=128),
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),

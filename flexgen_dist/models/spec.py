@@ -105,6 +105,10 @@ class ModelSpec:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0
     logit_scale: float = 1.0  # Cohere: the logits times this
+    # Ministral 3 (Llama 4's attention temperature): q at position p times
+    # 1 + attn_temp_beta * ln(1 + floor(p / attn_temp_len)), after RoPE; 0: none
+    attn_temp_beta: float = 0.0
+    attn_temp_len: int = 0
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # biases on q, k, v and o
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
@@ -180,6 +184,9 @@ class ModelSpec:
         if any(self.nope_layers) and self.family not in ("llama", "cohere"):
             raise ValueError(f"ModelSpec: layers without RoPE are the llama and cohere families' (SmolLM3, "
                              f"Command R7B), not {self.family}'s")
+        if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
+            raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
+                             "the llama family")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
