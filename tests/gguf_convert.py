@@ -176,16 +176,21 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_rope_scaling_factor(rope["factor"])
 
 
-def _cohere_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
-    """The metadata llama.cpp's CommandR2Model and Cohere2Model write: TextModel's set (with
-    the LayerNorm's epsilon), the logit scale; Cohere2Model also the window, the vocabulary
-    size and the rotated dims."""
+def _shape_keys(w: Any, cfg: dict[str, Any]) -> None:
+    """The keys every converter writes of a model's shape (TextModel's first ones)."""
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+
+
+def _cohere_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
+    """The metadata llama.cpp's CommandR2Model and Cohere2Model write: TextModel's set (with
+    the LayerNorm's epsilon), the logit scale; Cohere2Model also the window, the vocabulary
+    size and the rotated dims."""
+    _shape_keys(w, cfg)
     w.add_rope_freq_base(float(_rope(cfg).get("rope_theta", 10000.0)))
     w.add_layer_norm_eps(cfg["layer_norm_eps"])
     w.add_logit_scale(cfg["logit_scale"])
@@ -202,12 +207,7 @@ def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
     Neither writes query_pre_attn_scalar nor the layer pattern: llama.cpp derives them."""
     import gguf
 
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
+    _shape_keys(w, cfg)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])

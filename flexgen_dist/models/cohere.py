@@ -16,27 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .common import Positions, as_positions, embedding, linear, project_qkv, silu_mul
+from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, Positions, as_positions, embed_shapes, embedding, head_shapes,
+                     linear, lm_gguf_names, lm_hf_names, project_qkv, silu_mul)
 from .families import Attend, Family, Weights, register
 from .spec import ModelSpec
 
-_LAYER_HF = {
-    "attn_norm.w": "input_layernorm.weight",
-    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
-    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
-    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
-    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
-    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
-    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
-}
-
-
-_LAYER_GGUF = {
-    "attn_norm.w": "attn_norm.weight", "q.w": "attn_q.weight", "k.w": "attn_k.weight", "v.w": "attn_v.weight",
-    "o.w": "attn_output.weight", "q.b": "attn_q.bias", "k.b": "attn_k.bias", "v.b": "attn_v.bias",
-    "o.b": "attn_output.bias", "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
-    "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight", "down.w": "ffn_down.weight",
-}
+_LAYER_HF = {**ATTN_MLP_HF, "attn_norm.w": "input_layernorm.weight"}
+_LAYER_GGUF = {**ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight"}
 
 
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -52,28 +38,9 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     return shapes
 
 
-def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
-
-
-def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
-    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
-    return shapes
-
-
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
-    if part == "layer":
-        return {k: [f"model.layers.{layer}.{_LAYER_HF[k]}"] for k in layer_shapes(spec, layer)}
-    if part == "embed":
-        return {"tok.w": ["model.embed_tokens.weight"]}
-    out = {"norm.w": ["model.norm.weight"]}
-    if spec.tie_word_embeddings:
-        out["tok.w"] = ["model.embed_tokens.weight", "lm_head.weight"]
-    else:
-        out["lm_head.w"] = ["lm_head.weight"]
-    return out
+    return lm_hf_names(spec, part, layer, _LAYER_HF, layer_shapes(spec, layer) if part == "layer" else ())
 
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
@@ -81,12 +48,7 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
     as the checkpoint has them: llama.cpp turns interleaved pairs for these too)."""
     if part == "layer":
         return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec, layer)}
-    if part == "embed":
-        return {"tok.w": "token_embd.weight"}
-    out = {"norm.w": "output_norm.weight"}
-    out["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = \
-        "token_embd.weight" if spec.tie_word_embeddings else "output.weight"
-    return out
+    return lm_gguf_names(spec, part)
 
 
 def layer_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ go to the native kernels (``flexgen_dist.kernels``).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,71 @@ from .spec import ModelSpec, RopeScaling
 
 
 Weight = torch.Tensor | QWeight  # a dense matrix, or one still packed in 4/8-bit groups
+
+
+# --------------------------------------------------------------------------------------
+# names and shapes the decoder families share (llama, gemma, cohere)
+# checkpoint names of attention and the gated MLP, the same in every such family
+ATTN_MLP_HF = {
+    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
+    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
+    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
+    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
+    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
+    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
+    "gate.b": "mlp.gate_proj.bias", "up.b": "mlp.up_proj.bias", "down.b": "mlp.down_proj.bias",
+}
+# ... and llama.cpp's
+ATTN_MLP_GGUF = {
+    "q.w": "attn_q.weight", "k.w": "attn_k.weight", "v.w": "attn_v.weight", "o.w": "attn_output.weight",
+    "q.b": "attn_q.bias", "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
+    "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
+    "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight", "down.w": "ffn_down.weight",
+    "gate.b": "ffn_gate.bias", "up.b": "ffn_up.bias", "down.b": "ffn_down.bias",
+}
+# where a checkpoint keeps its language model: a text model's, or an image-text one's
+# (Gemma 3, Mistral 3: language_model.model.* as published; model.language_model.* as
+# transformers writes it)
+LM_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
+
+
+def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The final norm's weight and the head (the embedding itself where they are tied)."""
+    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
+    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def lm_hf_names(spec: ModelSpec, part: str, layer: int | None, table: dict[str, str],
+                keys: Iterable[str]) -> dict[str, list[str]]:
+    """Candidate checkpoint names (first found wins) of ``part``: layer ``layer``'s ``keys``
+    through ``table`` (canonical -> name within the layer), or the embedding's, or the final
+    norm's and head's, under every prefix in ``LM_PREFIXES``."""
+    if part == "layer":
+        return {k: [f"{p}layers.{layer}.{table[k]}" for p in LM_PREFIXES] for k in keys}
+    embed = [f"{p}embed_tokens.weight" for p in LM_PREFIXES]
+    if part == "embed":
+        return {"tok.w": embed}
+    out = {"norm.w": [f"{p}norm.weight" for p in LM_PREFIXES]}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = embed + list(LM_HEADS)
+    else:
+        out["lm_head.w"] = list(LM_HEADS)
+    return out
+
+
+def lm_gguf_names(spec: ModelSpec, part: str) -> dict[str, str]:
+    """llama.cpp's names of the embedding (``part`` "embed") or of the final norm and head."""
+    if part == "embed":
+        return {"tok.w": "token_embd.weight"}
+    if spec.tie_word_embeddings:
+        return {"norm.w": "output_norm.weight", "tok.w": "token_embd.weight"}
+    return {"norm.w": "output_norm.weight", "lm_head.w": "output.weight"}
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None,

@@ -14,36 +14,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import Positions, apply_rope, as_positions, embedding, linear, project_qkv, rms_norm
+from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, Positions, apply_rope, as_positions, embed_shapes, embedding,
+                     head_shapes, linear, lm_gguf_names, lm_hf_names, project_qkv, rms_norm)
 from .families import Attend, Family, Weights, register
-from .llama import embed_shapes, head_shapes  # the same token embedding and RMSNorm head
 from .spec import ModelSpec
 
 _LAYER_HF = {
-    "attn_norm.w": "input_layernorm.weight", "post_attn_norm.w": "post_attention_layernorm.weight",
+    **ATTN_MLP_HF, "attn_norm.w": "input_layernorm.weight", "post_attn_norm.w": "post_attention_layernorm.weight",
     "mlp_norm.w": "pre_feedforward_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
-    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
-    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
-    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
-    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
-    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
-    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
 }
 # llama.cpp's names (its gemma2 / gemma3 architectures): the norm after attention is
 # ``post_attention_norm``, the one before the MLP ``ffn_norm``
 _LAYER_GGUF = {
-    "attn_norm.w": "attn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
+    **ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
     "mlp_norm.w": "ffn_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
-    "q.w": "attn_q.weight", "k.w": "attn_k.weight", "v.w": "attn_v.weight", "o.w": "attn_output.weight",
-    "q.b": "attn_q.bias", "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
-    "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
-    "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight", "down.w": "ffn_down.weight",
 }
-# Where the decoder lives: a causal-LM checkpoint's ``model.``; a Gemma 3 image-text one's
-# ``language_model.model.`` (as published and as transformers 5 saves it) or
-# ``model.language_model.`` (its in-memory module names)
-_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -62,17 +47,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
 
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
-    if part == "layer":
-        return {k: [f"{p}layers.{layer}.{_LAYER_HF[k]}" for p in _PREFIXES] for k in layer_shapes(spec)}
-    embed = [f"{p}embed_tokens.weight" for p in _PREFIXES]
-    if part == "embed":
-        return {"tok.w": embed}
-    out = {"norm.w": [f"{p}norm.weight" for p in _PREFIXES]}
-    if spec.tie_word_embeddings:
-        out["tok.w"] = embed + list(_LM_HEADS)
-    else:
-        out["lm_head.w"] = list(_LM_HEADS)
-    return out
+    return lm_hf_names(spec, part, layer, _LAYER_HF, layer_shapes(spec) if part == "layer" else ())
 
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
@@ -80,11 +55,7 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
     every Gemma norm weight as (1 + w); ``models/gguf.py`` takes the 1 back off on read."""
     if part == "layer":
         return {k: f"blk.{layer}.{_LAYER_GGUF[k]}" for k in layer_shapes(spec)}
-    if part == "embed":
-        return {"tok.w": "token_embd.weight"}
-    if spec.tie_word_embeddings:
-        return {"norm.w": "output_norm.weight", "tok.w": "token_embd.weight"}
-    return {"norm.w": "output_norm.weight", "lm_head.w": "output.weight"}
+    return lm_gguf_names(spec, part)
 
 
 def norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

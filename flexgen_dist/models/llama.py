@@ -12,33 +12,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import (EXPERT_PARTS, EXPERTS, DictExperts, Positions, apply_rope, as_positions, embedding, linear,
+from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, DictExperts, Positions, apply_rope,
+                     as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
 from .families import INDEX, ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
-    "attn_norm.w": "input_layernorm.weight",
-    "q.w": "self_attn.q_proj.weight", "k.w": "self_attn.k_proj.weight",
-    "v.w": "self_attn.v_proj.weight", "o.w": "self_attn.o_proj.weight",
-    "q.b": "self_attn.q_proj.bias", "k.b": "self_attn.k_proj.bias",
-    "v.b": "self_attn.v_proj.bias", "o.b": "self_attn.o_proj.bias",
-    "q_norm.w": "self_attn.q_norm.weight", "k_norm.w": "self_attn.k_norm.weight",
-    "mlp_norm.w": "post_attention_layernorm.weight",
+    **ATTN_MLP_HF, "attn_norm.w": "input_layernorm.weight", "mlp_norm.w": "post_attention_layernorm.weight",
     # OLMo 2/3's norms on the sublayers' outputs (post_attention_layernorm names the one after
     # attention there, the one before the MLP in Llama)
     "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
-    "gate.w": "mlp.gate_proj.weight", "up.w": "mlp.up_proj.weight", "down.w": "mlp.down_proj.weight",
-    "gate.b": "mlp.gate_proj.bias", "up.b": "mlp.up_proj.bias", "down.b": "mlp.down_proj.bias",
 }
 _LAYER_GGUF = {
-    "attn_norm.w": "attn_norm.weight", "q.w": "attn_q.weight", "k.w": "attn_k.weight",
-    "v.w": "attn_v.weight", "o.w": "attn_output.weight", "q.b": "attn_q.bias",
-    "k.b": "attn_k.bias", "v.b": "attn_v.bias", "o.b": "attn_output.bias",
-    "q_norm.w": "attn_q_norm.weight", "k_norm.w": "attn_k_norm.weight",
-    "mlp_norm.w": "ffn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
-    "post_mlp_norm.w": "post_ffw_norm.weight", "gate.w": "ffn_gate.weight", "up.w": "ffn_up.weight",
-    "down.w": "ffn_down.weight", "gate.b": "ffn_gate.bias", "up.b": "ffn_up.bias", "down.b": "ffn_down.bias",
+    **ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight", "mlp_norm.w": "ffn_norm.weight",
+    "post_attn_norm.w": "post_attention_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
 }
 
 
@@ -71,23 +59,12 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     return shapes
 
 
-def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
-
-
-def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
-    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
-    return shapes
-
-
-
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
         at = f"model.layers.{layer}"
-        out = {k: [f"{p}layers.{layer}.{_LAYER_HF[k]}" for p in _PREFIXES] if k in _LAYER_HF
-               else _moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
+        dense = lm_hf_names(spec, part, layer, _LAYER_HF, [k for k in layer_shapes(spec, layer) if k in _LAYER_HF])
+        out = {k: dense[k] if k in dense else _moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
         if spec.fused_proj:  # Phi-3 stores q|k|v and gate|up as one matrix each: their rows
             qd, kvd, f, at = spec.q_dim, spec.kv_dim, spec.ffn_size, f"model.layers.{layer}"
             for k, (name, r0, r1) in {"q.w": ("self_attn.qkv_proj", 0, qd),
@@ -97,21 +74,7 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
                                       "up.w": ("mlp.gate_up_proj", f, 2 * f)}.items():
                 out[k] = [f"{at}.{name}.weight{ROWS}{r0}:{r1}"]
         return out
-    embed = [f"{p}embed_tokens.weight" for p in _PREFIXES]
-    if part == "embed":
-        return {"tok.w": embed}
-    out = {"norm.w": [f"{p}norm.weight" for p in _PREFIXES]}
-    if spec.tie_word_embeddings:
-        out["tok.w"] = embed + list(_LM_HEADS)
-    else:
-        out["lm_head.w"] = list(_LM_HEADS)
-    return out
-
-
-# where the language model's weights live: a text model's, or an image-text checkpoint's
-# (Mistral 3: language_model.model.*, as published; model.language_model.*, transformers' own)
-_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
-_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+    return lm_hf_names(spec, part, layer, _LAYER_HF, ())
 
 # Mixtral names its sparse block block_sparse_moe and its experts' matrices w1 (gate), w3 (up)
 # and w2 (down); Qwen's is mlp, with gate_proj/up_proj/down_proj. Checkpoints written in
@@ -163,14 +126,7 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
                                       "gate.w": ("ffn_up", 0, f), "up.w": ("ffn_up", f, 2 * f)}.items():
                 out[k] = f"blk.{layer}.{name}.weight{ROWS}{r0}:{r1}"
         return out
-    if part == "embed":
-        return {"tok.w": "token_embd.weight"}
-    out = {"norm.w": "output_norm.weight"}
-    if spec.tie_word_embeddings:
-        out["tok.w"] = "token_embd.weight"
-    else:
-        out["lm_head.w"] = "output.weight"
-    return out
+    return lm_gguf_names(spec, part)
 
 
 def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
