@@ -15,7 +15,8 @@ from conftest import PROMPTS, TinyModel, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.gemma_config import DEFAULTS
-from flexgen_dist.models.loader import load_model, spec_from_hf_config
+from flexgen_dist.models.hf_config import spec_from_hf_config
+from flexgen_dist.models.loader import load_model
 from flexgen_dist.models.registry import get_spec
 
 WINDOW = 8

@@ -1,0 +1,323 @@
+"""A Hugging Face ``config.json`` as a ``ModelSpec``: which model types are read, and how each
+family's fields (RoPE scaling, sliding windows, experts, multipliers, layers without RoPE)
+become the spec's; everything a config holds that the engine does not compute is refused
+in one line naming it (``config_fields.py`` accounts for every field). Gemma's configs have
+a reader of their own (``gemma_config.py``), given this module's RoPE reader.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .config_fields import USED, field_problem
+from .gemma_config import GEMMA_TYPES, gemma_spec
+from .source import ModelLoadError
+from .spec import ROPE_TYPES, ModelSpec, RopeScaling
+
+
+def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
+    mt = cfg.get("model_type", "")
+    problem = field_problem(cfg, mt) if mt in USED else None
+    if problem:
+        raise ModelLoadError(f"{name}: {problem}")
+    if mt == "mistral3":  # an image-text checkpoint: its language model, on token ids
+        return _mistral3_text(cfg, name)
+    if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
+        try:
+            return gemma_spec(cfg, name, _rope_scaling)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
+                  hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+                  max_positions=cfg.get("max_position_embeddings", 2048),
+                  bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+                  pad_token_id=cfg.get("pad_token_id"))
+    if mt == "opt":
+        if cfg.get("_remove_final_layer_norm") and cfg.get("do_layer_norm_before", True):
+            raise ModelLoadError(f"{name}: OPT with _remove_final_layer_norm is not supported")
+        proj = cfg.get("word_embed_proj_dim") or cfg["hidden_size"]
+        return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
+                         pre_layer_norm=cfg.get("do_layer_norm_before", True),
+                         word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
+    if mt in COHERE_TYPES:
+        try:
+            return _cohere_spec(cfg, mt, name, common)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    if mt in OLMO_TYPES:
+        try:
+            return _olmo_spec(cfg, mt, name, common)
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if partial != 1.0 and mt != "phi3":
+        raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported for {mt!r} "
+                             "(it is for phi3)")
+    if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
+        if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+            rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
+    if mt in MOE_REFUSED:
+        raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
+                             f"{', '.join(MOE_TYPES)})")
+    if mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+              *MOE_TYPES):
+        head_dim = cfg.get("head_dim") or 0
+        rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
+        scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+            head_dim = 0
+        try:
+            return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
+        except ValueError as e:
+            raise ModelLoadError(f"{name}: {e}") from None
+    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, ministral, "
+                         "ministral3, mistral3, qwen2, qwen3, phi3, "
+                         "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
+                         f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
+
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+OLMO_TYPES = ("olmo2", "olmo3")
+COHERE_TYPES = ("cohere", "cohere2")
+
+
+def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """Command R / R+ / Aya (``cohere``) and Command R7B / A (``cohere2``: three sliding layers
+    of four with RoPE, the global ones without)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    extra: dict[str, Any] = {}
+    if mt == "cohere2":
+        n = cfg["num_hidden_layers"]
+        every = cfg.get("sliding_window_pattern") or 4
+        types = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                                 for i in range(n)])
+        extra = dict(sliding_window=int(cfg.get("sliding_window") or 0), layer_types=types,
+                     nope_layers=tuple(t != "sliding_attention" for t in types))
+        if not extra["sliding_window"]:
+            raise ValueError("cohere2 without sliding_window: its sliding layers need one")
+    head_dim = cfg.get("head_dim") or 0
+    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        head_dim = 0
+    return ModelSpec(family="cohere", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("layer_norm_eps") or 1e-5,
+                     rope_theta=float(theta), rope_scaling=_rope_scaling(rope, name, cfg.get("max_position_embeddings", 0)),
+                     qk_norm=bool(cfg.get("use_qk_norm")), logit_scale=float(cfg.get("logit_scale") or 1.0),
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                     attention_bias=cfg.get("attention_bias", False), **extra, **common)
+
+
+def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """OLMo 2 and OLMo 3: Llama's layers with the norms on the sublayers' outputs and q/k
+    normalised over all heads; OLMo 3 slides on three layers of four (``layer_types``), each
+    layer type with its own RoPE (``rope_parameters`` per type, as Gemma 3's)."""
+    params = cfg.get("rope_parameters") or {}
+    nested = any(k in params for k in ("full_attention", "sliding_attention"))
+    glob = dict(params.get("full_attention") or {}) if nested else dict(params or cfg.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    theta = glob.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    window = int(cfg.get("sliding_window") or 0) if mt == "olmo3" else 0
+    extra: dict[str, Any] = {}
+    if window:
+        n = cfg["num_hidden_layers"]
+        extra["layer_types"] = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                                                for i in range(n)])
+        if local:
+            extra.update(local_rope_theta=float(local.get("rope_theta") or theta),
+                         local_rope_scaling=_rope_scaling(local, name, cfg.get("max_position_embeddings", 0)))
+    head_dim = cfg.get("head_dim") or 0
+    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        head_dim = 0
+    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+                     rope_scaling=_rope_scaling(glob, name, cfg.get("max_position_embeddings", 0)),
+                     sliding_window=window, qk_norm=True, qk_norm_whole=True, post_norms=True,
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                     attention_bias=cfg.get("attention_bias", False), **extra, **common)
+# mixtures of experts whose routing or layers the engine does not compute: refused by name
+MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
+               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "glm4_moe", "ernie4_5_moe", "jetmoe",
+               "minimax", "hunyuan_v1_moe", "llama4", "gpt_oss", "switch_transformers", "nllb_moe")
+
+
+def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields: the experts, the routing, which layers are sparse."""
+    if mt not in MOE_TYPES:
+        return {}
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if mt == "mixtral":
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(j not in dense and experts > 0 and (j + 1) % step == 0 for j in range(n))
+    return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
+                expert_ffn_size=cfg.get("moe_intermediate_size", 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "qwen3_moe")),
+                shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0,
+                moe_layers=() if all(sparse) else sparse)
+
+
+def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
+                common: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"], **_moe_fields(cfg, mt),
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                     rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
+                     qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True)),
+                     qk_norm=mt in ("qwen3", "qwen3_moe"), fused_proj=mt == "phi3",
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                     attention_bias=cfg.get("attention_bias", False),
+                     mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     **_temperature(cfg, mt),
+                     **common)
+
+
+def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: the layer rotates), by default
+    every ``no_rope_layer_interval``-th layer (4) goes without."""
+    if mt != "smollm3":
+        return {}
+    n = cfg["num_hidden_layers"]
+    interval = cfg.get("no_rope_layer_interval") or 4
+    rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    return {"nope_layers": tuple(not r for r in rotates)}
+
+
+def _mistral3_text(cfg: dict[str, Any], name: str) -> ModelSpec:
+    """Mistral Small 3.x / Magistral / Ministral 3 image-text checkpoints (``mistral3``): the
+    language model of ``text_config``, run on token ids (no images), with the checkpoint's
+    own head tying (transformers ties by the top level's ``tie_word_embeddings``, default
+    true) and token ids where it gives them."""
+    text = dict(cfg.get("text_config") or {})
+    tmt = text.setdefault("model_type", "mistral")
+    if tmt not in ("mistral", "ministral", "ministral3"):
+        raise ModelLoadError(f"{name}: mistral3 text_config of model_type {tmt!r}: supported are mistral, "
+                             "ministral, ministral3")
+    problem = field_problem(text, tmt)
+    if problem:
+        raise ModelLoadError(f"{name}: text_config: {problem}")
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
+    text.update({k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None})
+    return spec_from_hf_config(text, name)
+
+
+def _temperature(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Ministral 3's attention temperature (Llama 4's), from its rope parameters."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    if mt != "ministral3" or not beta:
+        return {}
+    return {"attn_temp_beta": float(beta), "attn_temp_len": int(rope["original_max_position_embeddings"])}
+
+
+def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Granite's four multipliers (the softmax scale is its attention_multiplier, not head_dim ** -0.5)."""
+    if mt != "granite":
+        return {}
+    return dict(embed_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+                attn_scale=float(cfg.get("attention_multiplier", 1.0)))
+
+
+def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """``sliding_window`` and ``layer_types`` as the family's config means them: Mistral, Mixtral
+    and Phi-3 slide on every layer; Qwen2/3 and their MoE only with ``use_sliding_window``, on
+    the layers its ``layer_types`` name (by default Qwen2/3's from ``max_window_layers`` on,
+    Qwen2-MoE's odd-numbered ones below it, every Qwen3-MoE layer)."""
+    window = int(cfg.get("sliding_window") or 0)
+    if mt == "smollm3":  # with use_sliding_window, by default on the layers without RoPE
+        if not cfg.get("use_sliding_window") or not window:
+            return {"sliding_window": 0}
+        nope = _nope(cfg, mt)["nope_layers"]
+        default = ["sliding_attention" if x else "full_attention" for x in nope]
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
+    if mt == "ministral":  # layer_types name the sliding layers; by default all of them, given a window
+        if not window:
+            return {"sliding_window": 0}
+        return {"sliding_window": window,
+                "layer_types": tuple(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"])}
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if not cfg.get("use_sliding_window") or not window:
+            return {"sliding_window": 0}
+        n = cfg["num_hidden_layers"]
+        if mt == "qwen3_moe":  # every layer slides (its attention reads sliding_window alone)
+            return {"sliding_window": window}
+        if mt == "qwen2_moe":  # the odd-numbered layers below max_window_layers, by default
+            default = ["sliding_attention" if (i + 1) % 2 and i < cfg.get("max_window_layers", n)
+                       else "full_attention" for i in range(n)]
+        else:
+            default = ["sliding_attention" if i >= cfg.get("max_window_layers", n) else "full_attention"
+                       for i in range(n)]
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
+    return {"sliding_window": window if mt in ("mistral", "ministral3", "phi3", "mixtral") else 0}
+
+
+def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0,
+                  rotary_dim: int = 0) -> RopeScaling | None:
+    """A config's ``rope_scaling``/``rope_parameters`` as a ``RopeScaling`` (None: plain RoPE);
+    a type or field this engine does not compute is refused in one line naming it.
+    ``max_positions``: the config's max_position_embeddings (yarn and longrope derive a
+    missing factor from it, as the reference does); ``rotary_dim``: the dims RoPE turns
+    (longrope has a factor per pair of them)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
+                             f"(supported: default, {', '.join(ROPE_TYPES)})")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    need = {"llama3": keys, "yarn": keys[3:], "longrope": ("long_factor", "short_factor", keys[3])}.get(
+        rope_type, keys[:1])
+    missing = [k for k in need if rope.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"{name}: rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
+    args = {k: rope[k] for k in need}
+    if rope_type == "yarn":
+        args.update(_yarn_args(rope, max_positions))
+    if rope_type == "longrope":
+        args.update(_longrope_args(rope, max_positions, rotary_dim, name))
+    try:
+        return RopeScaling(rope_type, **args)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
+
+
+def _yarn_args(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """YaRN's factor and attention factor resolved as the reference resolves them."""
+    factor = rope.get("factor") or max_positions / rope["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    att = rope.get("attention_factor")
+    if att is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        att = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    return {"factor": factor, "attention_factor": att, "beta_fast": rope.get("beta_fast") or 32,
+            "beta_slow": rope.get("beta_slow") or 1, "truncate": rope.get("truncate", True)}
+
+
+def _longrope_args(rope: dict[str, Any], max_positions: int, rotary_dim: int, name: str) -> dict[str, Any]:
+    """LongRoPE's factor and attention factor resolved as the reference resolves them (the
+    factor, where absent, is the context's growth over the original; the attention factor
+    sqrt(1 + ln factor / ln original)), its per-frequency factors checked for length."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    att = rope.get("attention_factor")
+    if att is None:
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    for k in ("long_factor", "short_factor"):
+        if rotary_dim and len(rope[k]) != rotary_dim // 2:
+            raise ModelLoadError(f"{name}: rope scaling {k} has {len(rope[k])} values for {rotary_dim} rotated "
+                                 f"dims: expected {rotary_dim // 2}")
+    return {"factor": factor, "attention_factor": float(att), "long_factor": tuple(rope["long_factor"]),
+            "short_factor": tuple(rope["short_factor"])}
