@@ -185,7 +185,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
-                                        "mistral3", "gemma2", "gemma3_text",
+                                        "mistral3", "exaone4", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -466,10 +466,11 @@ def test_olmo_norms_round_as_the_reference_in_bfloat16() -> None:
         ref.weight.uniform_(0.5, 1.5)
     x = torch.randn(3, 7, 64).to(torch.bfloat16)
     olmo = ModelSpec(name="o", family="llama", num_layers=1, hidden_size=64, ffn_size=64, num_heads=4,
-                     vocab_size=8, max_positions=8, qk_norm=True, qk_norm_whole=True, post_norms=True)
+                     vocab_size=8, max_positions=8, qk_norm=True, qk_norm_whole=True, post_norms=True,
+                     norm_weight_fp32=True)
     with torch.no_grad():
         assert torch.equal(_norm(olmo, x, ref.weight, 1e-6), ref(x))
-        llama_order = _norm(dataclasses.replace(olmo, post_norms=False, qk_norm_whole=False), x, ref.weight, 1e-6)
+        llama_order = _norm(dataclasses.replace(olmo, norm_weight_fp32=False), x, ref.weight, 1e-6)
     assert not torch.equal(llama_order, ref(x))  # the order matters here, so the test can tell
 
 
@@ -530,3 +531,25 @@ def test_mistral3_image_text_checkpoint_runs_its_language_model(text_type: str, 
                                                               tie_word_embeddings=tied)).eval()
     spec = _matches_transformers_offloaded(m, tmp_path, count=False)
     assert spec.tie_word_embeddings == tied and bool(spec.attn_temp_beta) == (text_type == "ministral3")
+
+
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": None, "layer_types": ["full_attention"] * 4},
+                                   {"sliding_window": 3, "tie_word_embeddings": False}])
+def test_exaone4_matches_transformers(extra: dict, tmp_path: Path) -> None:
+    """EXAONE 4: norms after each sublayer, q/k RMSNorm per head; with a window, three sliding
+    layers of four with RoPE and the global ones without (without one, RoPE everywhere)."""
+    from transformers import Exaone4Config, Exaone4ForCausalLM
+
+    torch.manual_seed(71)
+    cfg = Exaone4Config(**{**_MISTRAL_TEXT, "sliding_window": 4, **extra})
+    m = Exaone4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    window = cfg.sliding_window or 0
+    assert spec.post_norms and spec.qk_norm and not spec.qk_norm_whole and not spec.norm_weight_fp32
+    assert [spec.window(j) for j in range(4)] == ([window] * 3 + [0] if window else [0] * 4)
+    assert spec.nope_layers == ((False, False, False, True) if window else ())

@@ -51,6 +51,7 @@ USED: dict[str, set[str]] = {
                           "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_norm_eps",
                           "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
                           "logit_scale", "sliding_window", "layer_types", "sliding_window_pattern"},
+    "exaone4": _LLAMA_USED | {"sliding_window", "sliding_window_pattern", "layer_types"},
     "olmo2": _LLAMA_USED,
     "olmo3": _LLAMA_USED | {"sliding_window", "layer_types"},
     "smollm3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "no_rope_layers", "no_rope_layer_interval",
@@ -92,7 +93,8 @@ PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
     "mistral3": {},
     **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
-                                             "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "mixtral",
+                                             "granite", "smollm3", "exaone4", "olmo2", "olmo3", "cohere", "cohere2",
+                                             "mixtral",
                                              "qwen2_moe", "qwen3_moe")},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

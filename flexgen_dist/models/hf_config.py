@@ -64,7 +64,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
     if mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-              *MOE_TYPES):
+              "exaone4", *MOE_TYPES):
         head_dim = cfg.get("head_dim") or 0
         rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
@@ -76,7 +76,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, ministral, "
-                         "ministral3, mistral3, qwen2, qwen3, phi3, "
+                         "ministral3, mistral3, qwen2, qwen3, phi3, exaone4, "
                          "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
@@ -138,7 +138,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
                      rope_scaling=_rope_scaling(glob, name, cfg.get("max_position_embeddings", 0)),
-                     sliding_window=window, qk_norm=True, qk_norm_whole=True, post_norms=True,
+                     sliding_window=window, qk_norm=True, qk_norm_whole=True, post_norms=True, norm_weight_fp32=True,
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
@@ -172,7 +172,7 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True)),
-                     qk_norm=mt in ("qwen3", "qwen3_moe"), fused_proj=mt == "phi3",
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4"), fused_proj=mt == "phi3", post_norms=mt == "exaone4",
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False),
                      mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
@@ -181,8 +181,13 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
 
 
 def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
-    """SmolLM3's layers without RoPE: ``no_rope_layers`` (1: the layer rotates), by default
-    every ``no_rope_layer_interval``-th layer (4) goes without."""
+    """Layers without RoPE: SmolLM3's ``no_rope_layers`` (1: the layer rotates), by default
+    every ``no_rope_layer_interval``-th layer (4); EXAONE 4's global layers, where it has
+    sliding ones."""
+    if mt == "exaone4":
+        windows = _windows(cfg, mt)
+        return {"nope_layers": tuple(t == "full_attention" for t in windows["layer_types"])} \
+            if windows["sliding_window"] else {}
     if mt != "smollm3":
         return {}
     n = cfg["num_hidden_layers"]
@@ -240,6 +245,13 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         nope = _nope(cfg, mt)["nope_layers"]
         default = ["sliding_attention" if x else "full_attention" for x in nope]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
+    if mt == "exaone4":  # three sliding layers of four by default (sliding_window_pattern)
+        if not window:
+            return {"sliding_window": 0}
+        every = cfg.get("sliding_window_pattern") or 4
+        n = cfg["num_hidden_layers"]
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])}
     if mt == "ministral":  # layer_types name the sliding layers; by default all of them, given a window
         if not window:
             return {"sliding_window": 0}

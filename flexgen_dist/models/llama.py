@@ -152,15 +152,15 @@ def _residual(spec: ModelSpec, y: torch.Tensor, residual: torch.Tensor) -> torch
 def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; OLMo's multiplies its weight in float32 before the cast (Llama's after it),
     which differs in a half dtype only."""
-    if spec.post_norms and x.dtype != torch.float32:
+    if spec.norm_weight_fp32 and x.dtype != torch.float32:
         return (w * F.rms_norm(x.float(), (x.shape[-1],), None, eps)).to(x.dtype)
     return rms_norm(x, w, eps)
 
 
-def _olmo_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
-                attend: Attend, layer: int) -> torch.Tensor:
-    """OLMo 2/3: attention and the MLP see the residual stream itself; each one's output is
-    normalised, then added to it."""
+def _post_norm_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                     attend: Attend, layer: int) -> torch.Tensor:
+    """OLMo 2/3, EXAONE 4: attention and the MLP see the residual stream itself; each one's
+    output is normalised, then added to it."""
     eps = spec.norm_eps
     a = attend(*_qkv(spec, w, x, pos, layer))
     x = _norm(spec, linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
@@ -194,7 +194,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
                   attend: Attend, layer: int = 0) -> torch.Tensor:
     """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
     if spec.post_norms:
-        return _olmo_layer(spec, w, x, pos, attend, layer)
+        return _post_norm_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
     a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))

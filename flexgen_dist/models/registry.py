@@ -36,7 +36,7 @@ _GRANITE = dict(family="llama", vocab_size=49155, max_positions=131072, bos_toke
 # OLMo 2: norms after each sublayer, q/k normalised over all heads
 _OLMO2 = dict(family="llama", vocab_size=100352, max_positions=4096, bos_token_id=100257, eos_token_ids=(100257,),
               pad_token_id=100277, tie_word_embeddings=False, norm_eps=1e-6, rope_theta=500000.0,
-              qk_norm=True, qk_norm_whole=True, post_norms=True)
+              qk_norm=True, qk_norm_whole=True, post_norms=True, norm_weight_fp32=True)
 # Cohere: one LayerNorm feeding attention and the MLP side by side, interleaved RoPE, scaled
 # logits; Command R7B: three 4096-sliding layers of four, the global ones without RoPE
 _COHERE = dict(family="cohere", vocab_size=256000, bos_token_id=5, eos_token_ids=(255001,), pad_token_id=0,

@@ -114,9 +114,10 @@ class ModelSpec:
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over all of q's and all of k's heads together instead (OLMo 2/3)
-    # OLMo 2/3: no norm before attention or the MLP, one on each one's output before its
-    # residual add; and every RMSNorm's weight multiplies in float32, before the cast
+    # OLMo 2/3, EXAONE 4: no norm before attention or the MLP, one on each one's output before
+    # its residual add
     post_norms: bool = False
+    norm_weight_fp32: bool = False  # OLMo: an RMSNorm's weight multiplies in float32, before the cast
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
@@ -173,10 +174,10 @@ class ModelSpec:
                                  f"(use {' or '.join(LAYER_TYPES)})")
             if "sliding_attention" in self.layer_types and self.sliding_window < 1:
                 raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
-        if (self.qk_norm_whole and not self.qk_norm) or ((self.post_norms or self.qk_norm_whole)
-                                                          and self.family != "llama"):
-            raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it and post_norms are the llama "
-                             "family's (OLMo 2/3)")
+        if (self.qk_norm_whole and not self.qk_norm) or (
+                (self.post_norms or self.qk_norm_whole or self.norm_weight_fp32) and self.family != "llama"):
+            raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it, post_norms and norm_weight_fp32 are "
+                             "the llama family's (OLMo 2/3, EXAONE 4)")
         object.__setattr__(self, "nope_layers", tuple(bool(m) for m in self.nope_layers))
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
