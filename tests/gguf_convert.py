@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2"}
@@ -55,7 +55,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
         if module in _MOE:
             return f"blk.{parts[2]}.{_MOE[module]}.{suffix}"
-        table = _GEMMA_LAYER if arch.startswith("gemma") or arch == "olmo2" else _LAYER
+        # Gemma 1's post_attention_layernorm is the norm before the MLP, as Llama's
+        table = _GEMMA_LAYER if arch in ("gemma2", "gemma3", "olmo2") else _LAYER
         return f"blk.{parts[2]}.{table[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
 
@@ -201,7 +202,8 @@ def _cohere_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
 
 
 def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
-    """The metadata llama.cpp's Gemma2Model and Gemma3Model write. Gemma2Model writes its own
+    """The metadata llama.cpp's GemmaModel, Gemma2Model and Gemma3Model write. GemmaModel
+    writes the shape, the norm's epsilon and the head size only. Gemma2Model writes its own
     short set (no RoPE base: llama.cpp's 10000 is Gemma 2's); Gemma3Model the shared set (the
     global layers' RoPE base and linear scaling, the sliding layers' base) and its own keys.
     Neither writes query_pre_attn_scalar nor the layer pattern: llama.cpp derives them."""
@@ -211,6 +213,8 @@ def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
+    if arch == "gemma":  # GemmaModel: nothing more (llama.cpp's RoPE base 10000 is Gemma's)
+        return
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])

@@ -5,6 +5,8 @@ parameters; the configs are read as transformers reads them; what the engine doe
 is refused in one line."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -277,3 +279,47 @@ def test_registry_shapes_have_the_published_sizes(name: str, billions: float) ->
     """Gemma 2 as published; Gemma 3 without its 0.42B vision encoder (its report's embedding
     plus non-embedding parameters)."""
     assert get_spec(name).total_numel() == pytest.approx(billions * 1e9, rel=0.01)
+
+
+def _gemma1(**over: object) -> torch.nn.Module:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(33)
+    cfg = {k: v for k, v in SMALL.items() if k not in ("sliding_window", "query_pre_attn_scalar")}
+    return _perturbed(GemmaForCausalLM(GemmaConfig(**{**cfg, **over})))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_gemma1_matches_transformers(policy: str, tmp_path: Path) -> None:
+    """Gemma 1 (``gemma``): a norm before attention and before the MLP only, head_dim ** -0.5,
+    no soft-caps and no window; the legacy ``hidden_act: gelu`` means the tanh GELU, as
+    transformers reads it."""
+    import json
+
+    m = _gemma1(hidden_act="gelu_pytorch_tanh")
+    m.save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    ref = reference_generate(TinyModel("gemma", tmp_path / "m", m, 0), LONG, GEN)
+    tokens, spec = _generate(tmp_path / "m", tmp_path, **POLICIES[policy])
+    assert tokens == ref
+    assert not spec.sandwich_norms and spec.sliding_window == 0 and spec.softmax_scale == 32 ** -0.5
+    assert spec.total_numel() == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.bundled
+def test_gemma1_gguf_runs_as_its_directory(tmp_path: Path) -> None:
+    """A Gemma 1 file (llama.cpp's ``gemma``: norm weights stored as 1 + w, the head the
+    embedding): the spec equals the directory's, the tokens transformers'."""
+    from gguf_convert import write_gguf
+
+    m = _gemma1(vocab_size=49152)  # the bundled tokenizer's vocabulary, which the file carries
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / "g1.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    same = dict(name=ref.name, bos_token_id=ref.bos_token_id, eos_token_ids=ref.eos_token_ids,
+                pad_token_id=ref.pad_token_id)  # the file's token ids are the bundled tokenizer's
+    assert dataclasses.replace(ours, **same) == ref
+    tokens, _ = _generate(path, tmp_path, **POLICIES["disk"])
+    assert tokens == reference_generate(TinyModel("g1", path, m, 0), LONG, GEN)

@@ -369,8 +369,8 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "gemma", r"GGUF architecture 'gemma' is not supported \(supported: cohere2, command-r, gemma2, gemma3, granite, llama, "
-               r"olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3; Mistral"),
+    ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, gemma, gemma2, gemma3, "
+                r"granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3; Mistral"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),

@@ -164,7 +164,7 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
                                            ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17),
                                            ("smollm3-3b", 3.08), ("olmo-2-7b", 7.30), ("olmo-2-13b", 13.7),
                                            ("command-r-35b", 35.0), ("command-r7b", 8.03),
-                                           ("mistral-small-24b", 23.57)])
+                                           ("mistral-small-24b", 23.57), ("gemma-2b", 2.51), ("gemma-7b", 8.54)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
@@ -185,7 +185,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
-                                        "mistral3", "exaone4", "gemma2", "gemma3_text",
+                                        "mistral3", "exaone4", "gemma", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has

@@ -65,6 +65,10 @@ USED: dict[str, set[str]] = {
     "qwen3_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "num_experts", "num_local_experts",
                                 "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                                 "decoder_sparse_step", "mlp_only_layers"},
+    "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                        "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
+                        "hidden_act"},  # "gelu" (legacy) or "gelu_pytorch_tanh": both the tanh GELU
     "gemma2": _GEMMA_USED | {"attn_logit_softcapping"},
     "gemma3_text": _GEMMA_USED | {"rope_local_base_freq", "sliding_window_pattern"},
     # the image-text model: its text_config is read as a gemma3_text config (models/gemma_config.py)
@@ -96,6 +100,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granite", "smollm3", "exaone4", "olmo2", "olmo3", "cohere", "cohere2",
                                              "mixtral",
                                              "qwen2_moe", "qwen3_moe")},
+    "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says
     "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False,

@@ -25,6 +25,8 @@ _LAYER_HF = {
 }
 # llama.cpp's names (its gemma2 / gemma3 architectures): the norm after attention is
 # ``post_attention_norm``, the one before the MLP ``ffn_norm``
+# Gemma 1 has no norms after the sublayers: its post_attention_layernorm is the one before the MLP
+_LAYER_HF_V1 = {**_LAYER_HF, "mlp_norm.w": "post_attention_layernorm.weight"}
 _LAYER_GGUF = {
     **ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight", "post_attn_norm.w": "post_attention_norm.weight",
     "mlp_norm.w": "ffn_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
@@ -38,6 +40,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         "post_attn_norm.w": (h,), "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h),
         "down.w": (h, f), "post_mlp_norm.w": (h,),
     }
+    if not spec.sandwich_norms:  # Gemma 1
+        del shapes["post_attn_norm.w"], shapes["post_mlp_norm.w"]
     if spec.attention_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
     if spec.qk_norm:
@@ -47,7 +51,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
 
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
-    return lm_hf_names(spec, part, layer, _LAYER_HF, layer_shapes(spec) if part == "layer" else ())
+    table = _LAYER_HF if spec.sandwich_norms else _LAYER_HF_V1
+    return lm_hf_names(spec, part, layer, table, layer_shapes(spec) if part == "layer" else ())
 
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
@@ -90,6 +95,11 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     cos, sin = as_positions(pos).rope(d, theta, x.dtype, scaling)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
+    if not spec.sandwich_norms:  # Gemma 1: the sublayers' outputs added as they are
+        x = linear(a, w["o.w"], w.get("o.b"), residual)
+        h = norm(x, w["mlp_norm.w"], eps)
+        g = F.gelu(linear(h, w["gate.w"]), approximate="tanh").mul_(linear(h, w["up.w"]))
+        return linear(g, w["down.w"], None, x)
     # residual + norm(out): the same sum as norm(out) + residual, so the add may be in place
     x = norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(residual)
     residual = x

@@ -67,6 +67,7 @@ ARCHS: dict[str, GGUFArch] = {
     "command-r": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon"})),
     "cohere2": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon",
                                                                      "attention.sliding_window"})),
+    "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
@@ -113,11 +114,14 @@ def decimal32(x: float) -> float:
 
 def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, heads: int, head_dim: int,
                  theta: float, scaling: RopeScaling | None, has_output: bool) -> dict[str, Any]:
-    """The ``ModelSpec`` fields of a gemma2 / gemma3 file beyond the shared ones, as llama.cpp
+    """The ``ModelSpec`` fields of a gemma / gemma2 / gemma3 file beyond the shared ones, as llama.cpp
     reads the file (a ValueError names what is not computed). ``key`` reads ``{arch}.*``
     keys; ``pattern``: the raw ``attention.sliding_window_pattern`` value (None: absent);
     ``theta`` and ``scaling``: the global layers' RoPE; ``has_output``: an ``output.weight``
     tensor is in the file."""
+    if arch == "gemma":  # Gemma 1: its head is the embedding, q.k scaled by the head size, nothing slides
+        return dict(head_dim_override=head_dim, attn_scale=float(head_dim) ** -0.5, sandwich_norms=False,
+                    tie_word_embeddings=True)
     # the file has no query_pre_attn_scalar; llama.cpp's rule gives what every published
     # config holds (256 = head_dim; the 27B models' 144 and 168 = hidden // heads)
     scalar = hidden // heads if layers == _LAYERS_27B[arch] else head_dim

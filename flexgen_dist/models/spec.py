@@ -118,6 +118,7 @@ class ModelSpec:
     # its residual add
     post_norms: bool = False
     norm_weight_fp32: bool = False  # OLMo: an RMSNorm's weight multiplies in float32, before the cast
+    sandwich_norms: bool = True  # Gemma 2/3: norms before and after attention and the MLP; False: Gemma 1's before only
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     mlp_bias: bool = False
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
@@ -188,6 +189,8 @@ class ModelSpec:
         if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
             raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
                              "the llama family")
+        if not self.sandwich_norms and self.family != "gemma":
+            raise ValueError(f"ModelSpec.sandwich_norms=False is the gemma family's (Gemma 1), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
@@ -311,7 +314,7 @@ class ModelSpec:
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
-        norms = {"gemma": 4, "cohere": 1}.get(self.family, 2) * h
+        norms = {"gemma": 4 if self.sandwich_norms else 2, "cohere": 1}.get(self.family, 2) * h
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
         qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm
         return attn + mlp + biases + norms + qk
