@@ -86,12 +86,12 @@ def test_interleaved_rope_is_not_llamas(models: dict) -> None:
     spec = load_model(str(tm.path), load_tokenizer=False).spec
     x = torch.randn(1, 3, 4, 16)
     pos = torch.arange(3)[None]
-    from flexgen_dist.models.common import apply_rope, as_positions
+    from flexgen_dist.models.common import apply_rope, apply_rope_interleaved, as_positions
 
     cos, sin = as_positions(pos).rope(16, spec.rope_theta, torch.float32)
-    assert not torch.allclose(cohere.rope_interleaved(x, cos, sin), apply_rope(x, cos, sin))
+    assert not torch.allclose(apply_rope_interleaved(x, cos, sin, True), apply_rope(x, cos, sin))
     # a pair (2i, 2i+1) turns by position x frequency i, its norm kept
-    y = cohere.rope_interleaved(x, cos, sin)
+    y = apply_rope_interleaved(x, cos, sin, True)
     torch.testing.assert_close(y[..., 0::2] ** 2 + y[..., 1::2] ** 2, x[..., 0::2] ** 2 + x[..., 1::2] ** 2)
 
 

@@ -94,9 +94,15 @@ def _cohere2() -> torch.nn.Module:
     return Cohere2ForCausalLM(Cohere2Config(**SMALL, sliding_window=8, logit_scale=0.25))
 
 
+def _glm4() -> torch.nn.Module:
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    return Glm4ForCausalLM(Glm4Config(**SMALL, head_dim=16))
+
+
 FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "llama3.1": _llama31, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "phi3": _phi3,
-    "granite": _granite, "smollm3": _smollm3, "olmo3": _olmo3, "cohere2": _cohere2, "gemma2": _gemma2, "gemma3": _gemma3,
+    "granite": _granite, "smollm3": _smollm3, "olmo3": _olmo3, "cohere2": _cohere2, "glm4": _glm4, "gemma2": _gemma2, "gemma3": _gemma3,
 }
 
 

@@ -303,7 +303,7 @@ def test_gemma1_matches_transformers(policy: str, tmp_path: Path) -> None:
     ref = reference_generate(TinyModel("gemma", tmp_path / "m", m, 0), LONG, GEN)
     tokens, spec = _generate(tmp_path / "m", tmp_path, **POLICIES[policy])
     assert tokens == ref
-    assert not spec.sandwich_norms and spec.sliding_window == 0 and spec.softmax_scale == 32 ** -0.5
+    assert spec.norm_layout == "pre" and spec.sliding_window == 0 and spec.softmax_scale == 32 ** -0.5
     assert spec.total_numel() == sum(p.numel() for p in m.parameters())
 
 

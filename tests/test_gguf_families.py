@@ -573,7 +573,7 @@ def test_olmo_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
     if kind == "olmo3":  # the file has one RoPE for every layer: the same here, both layer types at the default
         assert ref.local_rope_theta in (0.0, ref.rope_theta)
         ref = dataclasses.replace(ref, local_rope_theta=ours.local_rope_theta)
-    assert dataclasses.replace(ours, name=ref.name) == ref and ours.post_norms and ours.qk_norm_whole
+    assert dataclasses.replace(ours, name=ref.name) == ref and ours.norm_layout == "post" and ours.qk_norm_whole
     want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want

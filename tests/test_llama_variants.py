@@ -164,11 +164,12 @@ def test_qwen3_with_qk_norms_and_its_own_head_dim_matches_transformers(tmp_path:
                                            ("phi-3-mini", 3.82), ("phi-3-medium", 13.96), ("granite-3.1-8b", 8.17),
                                            ("smollm3-3b", 3.08), ("olmo-2-7b", 7.30), ("olmo-2-13b", 13.7),
                                            ("command-r-35b", 35.0), ("command-r7b", 8.03),
-                                           ("mistral-small-24b", 23.57), ("gemma-2b", 2.51), ("gemma-7b", 8.54)])
+                                           ("mistral-small-24b", 23.57), ("gemma-2b", 2.51), ("gemma-7b", 8.54),
+                                           ("glm-4-9b", 9.40), ("glm-4-32b", 32.6)])
 def test_registry_shapes_have_the_published_sizes(name: str, billions: float) -> None:
     spec = get_spec(name)
     assert spec.total_numel() == pytest.approx(billions * 1e9, rel=0.01)
-    assert spec.qkv_bias == name.startswith("qwen2") and spec.qk_norm == name.startswith(("qwen3", "olmo"))
+    assert spec.qkv_bias == name.startswith(("qwen2", "glm")) and spec.qk_norm == name.startswith(("qwen3", "olmo"))
 
 
 def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
@@ -185,7 +186,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
-                                        "mistral3", "exaone4", "gemma", "gemma2", "gemma3_text",
+                                        "mistral3", "exaone4", "glm", "glm4", "gemma", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
@@ -445,7 +446,7 @@ def test_olmo_matches_transformers(kind: str, extra: dict, tmp_path: Path) -> No
     """OLMo 2 and 3: norms on the sublayers' outputs (none before), q and k normalised over all
     heads at once; OLMo 3's sliding layers with their own RoPE."""
     spec = _matches_transformers_offloaded(_olmo(kind, **extra), tmp_path)
-    assert spec.post_norms and spec.qk_norm_whole
+    assert spec.norm_layout == "post" and spec.qk_norm_whole
     if kind == "olmo3":
         sliding, full = (1, 0) if "layer_types" in extra else (0, 3)
         assert (spec.window(sliding), spec.window(full)) == (4, 0)
@@ -466,7 +467,7 @@ def test_olmo_norms_round_as_the_reference_in_bfloat16() -> None:
         ref.weight.uniform_(0.5, 1.5)
     x = torch.randn(3, 7, 64).to(torch.bfloat16)
     olmo = ModelSpec(name="o", family="llama", num_layers=1, hidden_size=64, ffn_size=64, num_heads=4,
-                     vocab_size=8, max_positions=8, qk_norm=True, qk_norm_whole=True, post_norms=True,
+                     vocab_size=8, max_positions=8, qk_norm=True, qk_norm_whole=True, norm_layout="post",
                      norm_weight_fp32=True)
     with torch.no_grad():
         assert torch.equal(_norm(olmo, x, ref.weight, 1e-6), ref(x))
@@ -550,6 +551,33 @@ def test_exaone4_matches_transformers(extra: dict, tmp_path: Path) -> None:
             layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
     spec = _matches_transformers_offloaded(m, tmp_path)
     window = cfg.sliding_window or 0
-    assert spec.post_norms and spec.qk_norm and not spec.qk_norm_whole and not spec.norm_weight_fp32
+    assert spec.norm_layout == "post" and spec.qk_norm and not spec.qk_norm_whole and not spec.norm_weight_fp32
     assert [spec.window(j) for j in range(4)] == ([window] * 3 + [0] if window else [0] * 4)
     assert spec.nope_layers == ((False, False, False, True) if window else ())
+
+
+@pytest.mark.parametrize("kind,extra", [("glm4", {}), ("glm4", {"partial_rotary_factor": 1.0}), ("glm", {}),
+                                        ("glm4", {"attention_bias": False, "tie_word_embeddings": True})])
+def test_glm_matches_transformers(kind: str, extra: dict, tmp_path: Path) -> None:
+    """GLM-4 (``glm4``: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf
+    (``glm``: before only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of the
+    first half of each head (all of it at factor 1)."""
+    import transformers as tf
+
+    torch.manual_seed(73)
+    common = {**_MISTRAL_TEXT, "head_dim": 16, **extra}
+    m = (tf.Glm4ForCausalLM(tf.Glm4Config(**common)) if kind == "glm4" else tf.GlmForCausalLM(tf.GlmConfig(**common)))
+    m = m.eval()
+    with torch.no_grad():  # sharp attention, biases and norms away from their start
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+            if layer.self_attn.q_proj.bias is not None:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+            for n, p in layer.named_parameters():
+                if "layernorm" in n:
+                    p.uniform_(0.5, 1.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.rope_interleaved and spec.fused_mlp and spec.norm_layout == ("sandwich" if kind == "glm4" else "pre")
+    assert spec.rope_dim == (16 if extra.get("partial_rotary_factor") == 1.0 else 8)
+    assert spec.qkv_bias == extra.get("attention_bias", True) and not spec.attention_bias

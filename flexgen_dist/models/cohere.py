@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, Positions, as_positions, embed_shapes, embedding, head_shapes,
+from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, Positions, apply_rope_interleaved, as_positions, embed_shapes, embedding, head_shapes,
                      linear, lm_gguf_names, lm_hf_names, project_qkv, silu_mul)
 from .families import Attend, Family, Weights, register
 from .spec import ModelSpec
@@ -61,18 +61,6 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (w.float() * (centred * torch.rsqrt(var + eps))).to(x.dtype)
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on interleaved pairs of x (b, t, heads, d), in float32 as the reference; cos/sin
-    (b, t, 1, d) as ``Positions.rope`` gives them (each frequency twice, halves
-    concatenated), in x's dtype."""
-    half = x.shape[-1] // 2
-    c = cos[..., :half].repeat_interleave(2, dim=-1).float()
-    s = sin[..., :half].repeat_interleave(2, dim=-1).float()
-    xf = x.float()
-    turned = torch.stack((-xf[..., 1::2], xf[..., 0::2]), dim=-1).flatten(-2)
-    return (xf * c + turned * s).to(x.dtype)
-
-
 def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
     return embedding(ids, w["tok.w"])
 
@@ -87,7 +75,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         q, k = layer_norm(q, w["q_norm.w"], eps), layer_norm(k, w["k_norm.w"], eps)
     if spec.rotates(layer):
         cos, sin = as_positions(pos).rope(spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
-        q, k = rope_interleaved(q, cos, sin), rope_interleaved(k, cos, sin)
+        q, k = apply_rope_interleaved(q, cos, sin, True), apply_rope_interleaved(k, cos, sin, True)
     a = attend(q, k, v)
     mlp = linear(silu_mul(linear(h, w["gate.w"]), linear(h, w["up.w"])), w["down.w"])
     return linear(a, w["o.w"], w.get("o.b"), x).add_(mlp)  # (x + attention) + MLP, the reference's order

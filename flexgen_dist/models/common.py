@@ -279,6 +279,23 @@ def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
     return cos.to(dtype), sin.to(dtype)
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           in_float32: bool = False) -> torch.Tensor:
+    """RoPE on interleaved pairs (dims 2i and 2i+1 turn together; ``apply_rope`` turns i and
+    i + d/2) of x (b, t, heads, d), with cos/sin (b, t, 1, r) as ``Positions.rope`` gives them
+    (each frequency twice, halves concatenated); r < d turns the leading r dims only (GLM-4).
+    ``in_float32``: computed in float32 and cast back (Cohere), else in x's dtype (GLM-4)."""
+    rot = cos.shape[-1]
+    c = cos[..., : rot // 2].repeat_interleave(2, dim=-1)
+    s = sin[..., : rot // 2].repeat_interleave(2, dim=-1)
+    xr = x[..., :rot]
+    if in_float32:
+        xr, c, s = xr.float(), c.float(), s.float()
+    turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    out = (xr * c + turned * s).to(x.dtype)
+    return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on x of shape (b, t, heads, head_dim), rotate-half convention.
 

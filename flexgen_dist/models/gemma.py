@@ -40,7 +40,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         "post_attn_norm.w": (h,), "mlp_norm.w": (h,), "gate.w": (f, h), "up.w": (f, h),
         "down.w": (h, f), "post_mlp_norm.w": (h,),
     }
-    if not spec.sandwich_norms:  # Gemma 1
+    if spec.norm_layout == "pre":  # Gemma 1
         del shapes["post_attn_norm.w"], shapes["post_mlp_norm.w"]
     if spec.attention_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
@@ -51,7 +51,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
 
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
-    table = _LAYER_HF if spec.sandwich_norms else _LAYER_HF_V1
+    table = _LAYER_HF_V1 if spec.norm_layout == "pre" else _LAYER_HF
     return lm_hf_names(spec, part, layer, table, layer_shapes(spec) if part == "layer" else ())
 
 
@@ -95,7 +95,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     cos, sin = as_positions(pos).rope(d, theta, x.dtype, scaling)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
-    if not spec.sandwich_norms:  # Gemma 1: the sublayers' outputs added as they are
+    if spec.norm_layout == "pre":  # Gemma 1: the sublayers' outputs added as they are
         x = linear(a, w["o.w"], w.get("o.b"), residual)
         h = norm(x, w["mlp_norm.w"], eps)
         g = F.gelu(linear(h, w["gate.w"]), approximate="tanh").mul_(linear(h, w["up.w"]))

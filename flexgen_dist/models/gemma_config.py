@@ -92,7 +92,7 @@ def gemma_spec(raw: dict[str, Any], name: str, rope_scaling: RopeReader) -> Mode
         attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),  # pinned None for Gemma 3
         final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         tie_word_embeddings=bool(cfg["tie_word_embeddings"]), attention_bias=bool(cfg["attention_bias"]),
-        qk_norm=kind == "gemma3_text", sandwich_norms=kind != "gemma", bos_token_id=cfg.get("bos_token_id"),
+        qk_norm=kind == "gemma3_text", norm_layout="pre" if kind == "gemma" else "sandwich", bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
         pad_token_id=cfg.get("pad_token_id"))
 

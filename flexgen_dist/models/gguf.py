@@ -163,7 +163,7 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
 def _olmo_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
     """OLMo 2/3's fields: the norms after the sublayers, q/k normalised over all heads, and
     OLMo 3's window on the layers the pattern marks (one flag per layer, True: sliding)."""
-    out: dict[str, Any] = dict(post_norms=True, norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
+    out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
     if int(key("attention.sliding_window", 0)) and pattern is not None:
         flags = list(pattern) if isinstance(pattern, (list, tuple)) else [bool(pattern)] * layers
         if len(flags) != layers:

@@ -120,7 +120,7 @@ def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, he
     ``theta`` and ``scaling``: the global layers' RoPE; ``has_output``: an ``output.weight``
     tensor is in the file."""
     if arch == "gemma":  # Gemma 1: its head is the embedding, q.k scaled by the head size, nothing slides
-        return dict(head_dim_override=head_dim, attn_scale=float(head_dim) ** -0.5, sandwich_norms=False,
+        return dict(head_dim_override=head_dim, attn_scale=float(head_dim) ** -0.5, norm_layout="pre",
                     tie_word_embeddings=True)
     # the file has no query_pre_attn_scalar; llama.cpp's rule gives what every published
     # config holds (256 = head_dim; the 27B models' 144 and 168 = hidden // heads)

@@ -52,10 +52,12 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    if partial != 1.0 and mt != "phi3":
+    # GLM's configs turn half of each head unless they say otherwise (transformers' default)
+    partial = (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+               or (0.5 if mt in GLM_TYPES else 1.0))
+    if partial != 1.0 and mt not in ("phi3", *GLM_TYPES):
         raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported for {mt!r} "
-                             "(it is for phi3)")
+                             "(it is for phi3, glm and glm4)")
     if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
@@ -64,7 +66,7 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
                              f"{', '.join(MOE_TYPES)})")
     if mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-              "exaone4", *MOE_TYPES):
+              "exaone4", *GLM_TYPES, *MOE_TYPES):
         head_dim = cfg.get("head_dim") or 0
         rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
         scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
@@ -76,12 +78,15 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         except ValueError as e:
             raise ModelLoadError(f"{name}: {e}") from None
     raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, ministral, "
-                         "ministral3, mistral3, qwen2, qwen3, phi3, exaone4, "
+                         "ministral3, mistral3, qwen2, qwen3, phi3, exaone4, glm, glm4, "
                          "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
                          f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
 
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
+# only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
+GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
 
@@ -138,7 +143,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
                      rope_scaling=_rope_scaling(glob, name, cfg.get("max_position_embeddings", 0)),
-                     sliding_window=window, qk_norm=True, qk_norm_whole=True, post_norms=True, norm_weight_fp32=True,
+                     sliding_window=window, qk_norm=True, qk_norm_whole=True, norm_layout="post", norm_weight_fp32=True,
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
@@ -171,10 +176,13 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
-                     qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True)),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4"), fused_proj=mt == "phi3", post_norms=mt == "exaone4",
+                     qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
+                     or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True))),
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4"), fused_proj=mt == "phi3",
+                     fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in GLM_TYPES,
+                     norm_layout={"exaone4": "post", "glm4": "sandwich"}.get(mt, "pre"),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                     attention_bias=cfg.get("attention_bias", False),
+                     attention_bias=cfg.get("attention_bias", False) and mt not in GLM_TYPES,
                      mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt),
                      **common)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, DictExperts, Positions, apply_rope,
-                     as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
+from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, LM_PREFIXES, DictExperts, Positions,
+                     apply_rope, apply_rope_interleaved, as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
 from .families import INDEX, ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
@@ -24,6 +24,10 @@ _LAYER_HF = {
     # attention there, the one before the MLP in Llama)
     "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
 }
+# GLM-4's four norms: post_self_attn_layernorm after attention, post_attention_layernorm
+# before the MLP (as Llama's), post_mlp_layernorm after it
+_LAYER_HF_SANDWICH = {**_LAYER_HF, "post_attn_norm.w": "post_self_attn_layernorm.weight",
+                      "post_mlp_norm.w": "post_mlp_layernorm.weight"}
 _LAYER_GGUF = {
     **ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight", "mlp_norm.w": "ffn_norm.weight",
     "post_attn_norm.w": "post_attention_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
@@ -32,10 +36,12 @@ _LAYER_GGUF = {
 
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
-    norms = ("post_attn_norm.w", "post_mlp_norm.w") if spec.post_norms else ("attn_norm.w", "mlp_norm.w")
-    shapes: dict[str, tuple[int, ...]] = {
-        norms[0]: (h,), "q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd), norms[1]: (h,),
-    }
+    pre, post = spec.norm_layout != "post", spec.norm_layout != "pre"  # where the norms sit
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm.w": (h,)} if pre else {}
+    shapes.update({"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
+    shapes.update({"post_attn_norm.w": (h,)} if post else {})
+    shapes.update({"mlp_norm.w": (h,)} if pre else {})
+    shapes.update({"post_mlp_norm.w": (h,)} if post else {})
     if not spec.is_moe(layer):
         shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
     else:  # the router, the shared expert, then each routed expert's three matrices
@@ -63,16 +69,18 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
         at = f"model.layers.{layer}"
-        dense = lm_hf_names(spec, part, layer, _LAYER_HF, [k for k in layer_shapes(spec, layer) if k in _LAYER_HF])
+        table = _LAYER_HF_SANDWICH if spec.norm_layout == "sandwich" else _LAYER_HF
+        dense = lm_hf_names(spec, part, layer, table, [k for k in layer_shapes(spec, layer) if k in table])
         out = {k: dense[k] if k in dense else _moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
-        if spec.fused_proj:  # Phi-3 stores q|k|v and gate|up as one matrix each: their rows
-            qd, kvd, f, at = spec.q_dim, spec.kv_dim, spec.ffn_size, f"model.layers.{layer}"
-            for k, (name, r0, r1) in {"q.w": ("self_attn.qkv_proj", 0, qd),
-                                      "k.w": ("self_attn.qkv_proj", qd, qd + kvd),
-                                      "v.w": ("self_attn.qkv_proj", qd + kvd, qd + 2 * kvd),
-                                      "gate.w": ("mlp.gate_up_proj", 0, f),
-                                      "up.w": ("mlp.gate_up_proj", f, 2 * f)}.items():
-                out[k] = [f"{at}.{name}.weight{ROWS}{r0}:{r1}"]
+        qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
+        fused = {}
+        if spec.fused_proj:  # Phi-3 stores q|k|v as one matrix: its rows
+            fused = {"q.w": ("self_attn.qkv_proj", 0, qd), "k.w": ("self_attn.qkv_proj", qd, qd + kvd),
+                     "v.w": ("self_attn.qkv_proj", qd + kvd, qd + 2 * kvd)}
+        if spec.fused_proj or spec.fused_mlp:  # ... and gate|up (Phi-3, GLM-4)
+            fused.update({"gate.w": ("mlp.gate_up_proj", 0, f), "up.w": ("mlp.gate_up_proj", f, 2 * f)})
+        for k, (name, r0, r1) in fused.items():
+            out[k] = [f"{p}layers.{layer}.{name}.weight{ROWS}{r0}:{r1}" for p in LM_PREFIXES]
         return out
     return lm_hf_names(spec, part, layer, _LAYER_HF, ())
 
@@ -168,6 +176,18 @@ def _post_norm_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Te
     return _norm(spec, linear(g, w["down.w"], w.get("down.b")), w["post_mlp_norm.w"], eps).add_(x)
 
 
+def _sandwich_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                    attend: Attend, layer: int) -> torch.Tensor:
+    """GLM-4: a norm before and after attention and the MLP each, the outputs' norms before
+    the residual adds."""
+    eps = spec.norm_eps
+    a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))
+    x = rms_norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
+    h = rms_norm(x, w["mlp_norm.w"], eps)
+    g = silu_mul(linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b")))
+    return rms_norm(linear(g, w["down.w"], w.get("down.b")), w["post_mlp_norm.w"], eps).add_(x)
+
+
 def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
          layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v of the (normalised) input: projected, q/k normalised where the model does it
@@ -182,7 +202,8 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
     if spec.rotates(layer):
         theta, scaling = spec.rope(layer)
         cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        turn = apply_rope_interleaved if spec.rope_interleaved else apply_rope
+        q, k = turn(q, cos, sin), turn(k, cos, sin)
     if spec.attn_temp_beta:  # Ministral 3: a temperature on q growing past each attn_temp_len positions
         ids = as_positions(pos).ids
         temp = 1 + spec.attn_temp_beta * torch.log(1 + torch.floor(ids / spec.attn_temp_len))
@@ -193,8 +214,10 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend, layer: int = 0) -> torch.Tensor:
     """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
-    if spec.post_norms:
+    if spec.norm_layout == "post":
         return _post_norm_layer(spec, w, x, pos, attend, layer)
+    if spec.norm_layout == "sandwich":
+        return _sandwich_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
     a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))

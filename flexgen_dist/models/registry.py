@@ -36,11 +36,17 @@ _GRANITE = dict(family="llama", vocab_size=49155, max_positions=131072, bos_toke
 # OLMo 2: norms after each sublayer, q/k normalised over all heads
 _OLMO2 = dict(family="llama", vocab_size=100352, max_positions=4096, bos_token_id=100257, eos_token_ids=(100257,),
               pad_token_id=100277, tie_word_embeddings=False, norm_eps=1e-6, rope_theta=500000.0,
-              qk_norm=True, qk_norm_whole=True, post_norms=True, norm_weight_fp32=True)
+              qk_norm=True, qk_norm_whole=True, norm_layout="post", norm_weight_fp32=True)
 # Cohere: one LayerNorm feeding attention and the MLP side by side, interleaved RoPE, scaled
 # logits; Command R7B: three 4096-sliding layers of four, the global ones without RoPE
 _COHERE = dict(family="cohere", vocab_size=256000, bos_token_id=5, eos_token_ids=(255001,), pad_token_id=0,
                tie_word_embeddings=True)
+# GLM-4 (0414): norms before and after attention and the MLP, gate|up fused, q/k/v biases,
+# interleaved RoPE on half of each head
+_GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_id=None,
+             eos_token_ids=(151329, 151336, 151338), pad_token_id=151329, tie_word_embeddings=False,
+             norm_eps=1e-5, rope_theta=10000.0, head_dim_override=128, rotary_dim=64, rope_interleaved=True,
+             fused_mlp=True, qkv_bias=True, norm_layout="sandwich")
 # Mixtures of experts: Mixtral (8 experts, top 2, routing weights kept in float32), Qwen2-MoE
 # (64 experts, top 8, not renormalised, one shared expert), Qwen3-MoE (128 experts, top 8,
 # renormalised), every layer sparse in the published configs
@@ -123,14 +129,16 @@ _SHAPES: dict[str, dict] = {
     "mistral-small-24b": dict(_MISTRAL, vocab_size=131072, max_positions=131072, rope_theta=1_000_000_000.0,
                               num_layers=40, hidden_size=5120, ffn_size=32768, num_heads=32, num_kv_heads=8,
                               head_dim_override=128),
+    "glm-4-9b": dict(_GLM4, num_layers=40, hidden_size=4096, ffn_size=13696, num_heads=32, num_kv_heads=2),
+    "glm-4-32b": dict(_GLM4, num_layers=61, hidden_size=6144, ffn_size=23040, num_heads=48, num_kv_heads=2),
     "phi-3-mini": dict(_PHI3, num_layers=32, hidden_size=3072, ffn_size=8192, num_heads=32),
     "phi-3-medium": dict(_PHI3, num_layers=40, hidden_size=5120, ffn_size=17920, num_heads=40,
                          num_kv_heads=10),
     "gemma-2b": dict(_GEMMA2, num_layers=18, hidden_size=2048, ffn_size=16384, num_heads=8, num_kv_heads=1,
-                     head_dim_override=256, attn_scale=256 ** -0.5, sandwich_norms=False, sliding_window=0,
+                     head_dim_override=256, attn_scale=256 ** -0.5, norm_layout="pre", sliding_window=0,
                      attn_softcap=0.0, final_softcap=0.0),
     "gemma-7b": dict(_GEMMA2, num_layers=28, hidden_size=3072, ffn_size=24576, num_heads=16, head_dim_override=256,
-                     attn_scale=256 ** -0.5, sandwich_norms=False, sliding_window=0, attn_softcap=0.0,
+                     attn_scale=256 ** -0.5, norm_layout="pre", sliding_window=0, attn_softcap=0.0,
                      final_softcap=0.0),
     "gemma-2-9b": dict(_GEMMA2, num_layers=42, hidden_size=3584, ffn_size=14336, num_heads=16, num_kv_heads=8,
                        head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(42, 2)),

@@ -114,12 +114,15 @@ class ModelSpec:
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over all of q's and all of k's heads together instead (OLMo 2/3)
-    # OLMo 2/3, EXAONE 4: no norm before attention or the MLP, one on each one's output before
-    # its residual add
-    post_norms: bool = False
+    # where a layer's norms sit: "pre" (before attention and the MLP: Llama, Gemma 1), "post"
+    # (on each one's output, before its residual add: OLMo 2/3, EXAONE 4) or "sandwich" (both:
+    # Gemma 2/3, GLM-4); "": the family's own (llama pre, gemma sandwich; OPT and Cohere
+    # have layouts of their own)
+    norm_layout: str = ""
     norm_weight_fp32: bool = False  # OLMo: an RMSNorm's weight multiplies in float32, before the cast
-    sandwich_norms: bool = True  # Gemma 2/3: norms before and after attention and the MLP; False: Gemma 1's before only
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
+    fused_mlp: bool = False  # ... gate|up only (GLM-4)
+    rope_interleaved: bool = False  # RoPE turns pairs (2i, 2i+1), not (i, i + d/2) (GLM-4; the cohere family always)
     mlp_bias: bool = False
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
     # (hidden -> num_experts logits, softmax in float32, the top experts_per_tok kept) and
@@ -176,9 +179,14 @@ class ModelSpec:
             if "sliding_attention" in self.layer_types and self.sliding_window < 1:
                 raise ValueError("ModelSpec.layer_types has sliding layers but sliding_window is 0")
         if (self.qk_norm_whole and not self.qk_norm) or (
-                (self.post_norms or self.qk_norm_whole or self.norm_weight_fp32) and self.family != "llama"):
-            raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it, post_norms and norm_weight_fp32 are "
-                             "the llama family's (OLMo 2/3, EXAONE 4)")
+                (self.qk_norm_whole or self.norm_weight_fp32) and self.family != "llama"):
+            raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it and norm_weight_fp32 are the llama "
+                             "family's (OLMo 2/3)")
+        layouts = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}.get(self.family, ("",))
+        object.__setattr__(self, "norm_layout", self.norm_layout or layouts[-1 if self.family == "gemma" else 0])
+        if self.norm_layout not in layouts:
+            raise ValueError(f"ModelSpec.norm_layout={self.norm_layout!r}: the {self.family} family takes "
+                             f"{', '.join(map(repr, layouts))}")
         object.__setattr__(self, "nope_layers", tuple(bool(m) for m in self.nope_layers))
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
@@ -189,8 +197,6 @@ class ModelSpec:
         if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
             raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
                              "the llama family")
-        if not self.sandwich_norms and self.family != "gemma":
-            raise ValueError(f"ModelSpec.sandwich_norms=False is the gemma family's (Gemma 1), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
@@ -314,7 +320,7 @@ class ModelSpec:
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
-        norms = {"gemma": 4 if self.sandwich_norms else 2, "cohere": 1}.get(self.family, 2) * h
+        norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
         qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm
         return attn + mlp + biases + norms + qk
