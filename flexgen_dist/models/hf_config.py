@@ -16,17 +16,28 @@ from .spec import ROPE_TYPES, ModelSpec, RopeScaling
 
 
 def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
+    """The spec of a parsed ``config.json``; what is not computed is a one-line ModelLoadError
+    prefixed with ``name``."""
     mt = cfg.get("model_type", "")
     problem = field_problem(cfg, mt) if mt in USED else None
     if problem:
         raise ModelLoadError(f"{name}: {problem}")
+    if mt in MOE_REFUSED:
+        raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
+                             f"{', '.join(MOE_TYPES)})")
+    if mt not in SUPPORTED:
+        raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    try:
+        return _spec(cfg, mt, name)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
+
+
+def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     if mt == "mistral3":  # an image-text checkpoint: its language model, on token ids
         return _mistral3_text(cfg, name)
     if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
-        try:
-            return gemma_spec(cfg, name, _rope_scaling)
-        except ValueError as e:
-            raise ModelLoadError(f"{name}: {e}") from None
+        return gemma_spec(cfg, name, _rope_scaling)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
@@ -36,51 +47,32 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                   pad_token_id=cfg.get("pad_token_id"))
     if mt == "opt":
         if cfg.get("_remove_final_layer_norm") and cfg.get("do_layer_norm_before", True):
-            raise ModelLoadError(f"{name}: OPT with _remove_final_layer_norm is not supported")
+            raise ValueError("OPT with _remove_final_layer_norm is not supported")
         proj = cfg.get("word_embed_proj_dim") or cfg["hidden_size"]
         return ModelSpec(family="opt", ffn_size=cfg["ffn_dim"],
                          pre_layer_norm=cfg.get("do_layer_norm_before", True),
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
     if mt in COHERE_TYPES:
-        try:
-            return _cohere_spec(cfg, mt, name, common)
-        except ValueError as e:
-            raise ModelLoadError(f"{name}: {e}") from None
+        return _cohere_spec(cfg, mt, name, common)
     if mt in OLMO_TYPES:
-        try:
-            return _olmo_spec(cfg, mt, name, common)
-        except ValueError as e:
-            raise ModelLoadError(f"{name}: {e}") from None
+        return _olmo_spec(cfg, mt, name, common)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     # GLM's configs turn half of each head unless they say otherwise (transformers' default)
     partial = (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                or (0.5 if mt in GLM_TYPES else 1.0))
     if partial != 1.0 and mt not in ("phi3", *GLM_TYPES):
-        raise ModelLoadError(f"{name}: partial_rotary_factor {partial} is not supported for {mt!r} "
-                             "(it is for phi3, glm and glm4)")
+        raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm and glm4)")
     if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
         rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
-    if mt in MOE_REFUSED:
-        raise ModelLoadError(f"{name}: the mixture-of-experts family {mt!r} is not supported (supported: "
-                             f"{', '.join(MOE_TYPES)})")
-    if mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-              "exaone4", *GLM_TYPES, *MOE_TYPES):
-        head_dim = cfg.get("head_dim") or 0
-        rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
-        scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
-        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
-            head_dim = 0
-        try:
-            return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
-        except ValueError as e:
-            raise ModelLoadError(f"{name}: {e}") from None
-    raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: opt, llama, mistral, ministral, "
-                         "ministral3, mistral3, qwen2, qwen3, phi3, exaone4, glm, glm4, "
-                         "granite, smollm3, olmo2, olmo3, cohere, cohere2, "
-                         f"{', '.join(GEMMA_TYPES)}, {', '.join(MOE_TYPES)})")
+    head_dim = cfg.get("head_dim") or 0
+    rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
+    scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        head_dim = 0
+    return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -89,6 +81,10 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
+# read as the llama family's, each with what differs from Llama (``_llama_spec``)
+LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+               "exaone4", *GLM_TYPES, *MOE_TYPES)
+SUPPORTED = tuple(sorted({"opt", "mistral3", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
 def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
