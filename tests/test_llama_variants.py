@@ -581,3 +581,29 @@ def test_glm_matches_transformers(kind: str, extra: dict, tmp_path: Path) -> Non
     assert spec.rope_interleaved and spec.fused_mlp and spec.norm_layout == ("sandwich" if kind == "glm4" else "pre")
     assert spec.rope_dim == (16 if extra.get("partial_rotary_factor") == 1.0 else 8)
     assert spec.qkv_bias == extra.get("attention_bias", True) and not spec.attention_bias
+
+
+def test_a_head_the_file_holds_apart_stays_apart_as_in_transformers(tmp_path: Path, caplog) -> None:
+    """A config that ties the head (the top level of Mistral Small 3.x's, by its default) over
+    a checkpoint holding a head of other values: transformers keeps the file's head, and so
+    does the engine (saying so); a file whose head equals the embedding stays tied."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(79)
+    m = LlamaForCausalLM(LlamaConfig(**{**_MISTRAL_TEXT, "tie_word_embeddings": False})).eval()
+    m.save_pretrained(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert torch.equal(ref_model.lm_head.weight, m.lm_head.weight)  # the reference kept the file's head
+    tm = TinyModel("llama", tmp_path / "m", ref_model, 0)
+    with caplog.at_level("INFO", logger="flexgen_dist"):
+        with LLM(str(tm.path), ignore_eos=True, progress=False) as llm:
+            assert not llm.model.spec.tie_word_embeddings
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == reference_generate(tm, PROMPTS, 6)
+    assert any("kept apart" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():  # the same head as the embedding: tied
+        m.lm_head.weight.copy_(m.model.embed_tokens.weight)
+    m.save_pretrained(tmp_path / "same")
+    (tmp_path / "same" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert load_model(str(tmp_path / "same"), load_tokenizer=False).spec.tie_word_embeddings

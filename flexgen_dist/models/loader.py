@@ -7,6 +7,7 @@ model never materialises whole in RAM.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ import torch
 
 from ..kernels import cache_root
 from .dummy import DummySource
+from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, ROWS
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
@@ -100,6 +102,23 @@ class HFDirSource(WeightSource):
                 t = t[r0:r1]
             out[k] = t
         return out
+
+    def own_head(self) -> str | None:
+        """Where the config ties the head to the embedding but the checkpoint holds a head of
+        other values, that head's name: transformers then keeps them apart (it ties only what
+        the file does not contradict), and so does the engine (``untie_if_the_file_differs``)."""
+        if not self.spec.tie_word_embeddings:
+            return None
+        head = next((n for n in LM_HEADS if n in self.index), None)
+        embed = next((n for n in (f"{p}embed_tokens.weight" for p in LM_PREFIXES) if n in self.index), None)
+        if head is None or embed is None:
+            return None
+        h, e = (self._open(self.index[n]) for n in (head, embed))
+        a, b = (x.get_tensor(n) if hasattr(x, "get_tensor") else x[n] for x, n in ((h, head), (e, embed)))
+        if a.shape != b.shape:
+            return head
+        step = max(1, (64 << 20) // max(1, a[0].numel() * a.element_size()))  # ~64 MB of rows at a time
+        return None if all(torch.equal(a[i:i + step], b[i:i + step]) for i in range(0, a.shape[0], step)) else head
 
     def _likeliest(self, candidates: list[str]) -> str:
         """Of the names a missing tensor may have, the one in this checkpoint's own naming (its
@@ -224,7 +243,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
         spec = spec_from_hf_config(_read_config(p), p.name)
         tok = _load_tokenizer(p) if load_tokenizer else None
-        return LoadedModel(spec, HFDirSource(spec, dtype, p), tok, str(p))
+        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p)), tok, str(p))
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
     try:
@@ -233,6 +252,18 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         raise ModelLoadError(str(e.args[0])) from None
     raise ModelLoadError(f"{model} is a registry shape with no weights here: add --dummy-weights, "
                          "or pass a model directory or .gguf file")
+
+
+def untie_if_the_file_differs(src: HFDirSource) -> tuple[ModelSpec, HFDirSource]:
+    """The spec and source of a directory whose config ties the head but whose checkpoint
+    holds a head of its own values: untied, as transformers loads it (a note says so)."""
+    head = src.own_head()
+    if head is None:
+        return src.spec, src
+    log.info("%s: the config ties the head to the embedding, but the checkpoint's %s differs from it: "
+             "kept apart, as transformers does", src.path.name, head)
+    src.spec = dataclasses.replace(src.spec, tie_word_embeddings=False)
+    return src.spec, src
 
 
 def _read_config(p: Path) -> dict[str, Any]:
