@@ -607,3 +607,19 @@ def test_a_head_the_file_holds_apart_stays_apart_as_in_transformers(tmp_path: Pa
     m.save_pretrained(tmp_path / "same")
     (tmp_path / "same" / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     assert load_model(str(tmp_path / "same"), load_tokenizer=False).spec.tie_word_embeddings
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"norm_layout": "post", "num_experts": 2, "experts_per_tok": 1, "expert_ffn_size": 4}, "with experts"),
+    ({"norm_layout": "sideways"}, "the llama family takes 'pre', 'post', 'sandwich'"),
+    ({"family": "gemma", "norm_layout": "post"}, "the gemma family takes 'pre', 'sandwich'"),
+    ({"qk_norm_whole": True}, "qk_norm_whole needs qk_norm"),
+    ({"rotary_dim": 3}, "rotary_dim=3: must be even"),
+    ({"nope_layers": (True,)}, "nope_layers has 1 entries for 2 layers"),
+])
+def test_spec_fields_no_model_combines_are_refused(fields: dict, match: str) -> None:
+    """A spec the family's math would compute wrongly is refused where it is made."""
+    base = dict(name="x", family="llama", num_layers=2, hidden_size=16, ffn_size=16, num_heads=2, vocab_size=8,
+                max_positions=8)
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**{**base, **fields})

@@ -187,6 +187,10 @@ class ModelSpec:
         if self.norm_layout not in layouts:
             raise ValueError(f"ModelSpec.norm_layout={self.norm_layout!r}: the {self.family} family takes "
                              f"{', '.join(map(repr, layouts))}")
+        if self.family == "llama" and self.norm_layout != "pre" and (
+                self.num_experts or self.residual_multiplier != 1.0 or self.fused_proj):
+            raise ValueError(f"ModelSpec.norm_layout={self.norm_layout!r} with experts, a residual multiplier or "
+                             "fused q|k|v is not computed (no such model exists yet)")
         object.__setattr__(self, "nope_layers", tuple(bool(m) for m in self.nope_layers))
         if self.nope_layers and len(self.nope_layers) != self.num_layers:
             raise ValueError(f"ModelSpec.nope_layers has {len(self.nope_layers)} entries for "
