@@ -2,12 +2,14 @@
 a user can fix each by changing an input, a flag or the machine's state."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from typing import Any, Callable
 
 from .config import ConfigError
+from .interrupts import STOP_SIGNALS, stuck_threads
 from .distributed.comm import PeerFailure
 from .memory.disk import DiskStoreError
 from .memory.tiers import MemoryBudgetError
@@ -16,9 +18,6 @@ from .models.source import ModelLoadError
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ModelLoadError, DiskStoreError, MemoryBudgetError,
                                                 ValueError, FileNotFoundError, PermissionError,
                                                 PeerFailure)  # a dead peer: one line naming it
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's "stop now" (Slurm: --signal=USR1@60)
 
 
 class Stopped(BaseException):
@@ -33,6 +32,18 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
+def _exit_unless_stuck(code: int) -> int:
+    """``code``, to return; but where a thread the stop left stuck (``interrupts``) would hold
+    the interpreter's exit forever, exit now, outputs already closed and flushed."""
+    stuck = stuck_threads(10.0)
+    if stuck:
+        print(f"error: {len(stuck)} I/O thread(s) stuck after the stop; exiting without them", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 def exit_code_of(body: Callable[[], int]) -> int:
     """Run an entry point's body: a user error is one ``error:`` line and exit 1; Ctrl-C
     exits 130, SIGTERM 143 and SIGUSR1 138, each after one line, with the outputs written so
@@ -44,12 +55,12 @@ def exit_code_of(body: Callable[[], int]) -> int:
         return body()
     except KeyboardInterrupt:
         print("error: interrupted; outputs written so far are kept (rerun with --resume to finish)", file=sys.stderr)
-        return 130
+        return _exit_unless_stuck(130)
     except Stopped as e:
         name = signal.Signals(e.signum).name
         print(f"error: stopped by {name}; outputs written so far are kept (rerun with --resume to finish)",
               file=sys.stderr)
-        return 128 + e.signum
+        return _exit_unless_stuck(128 + e.signum)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

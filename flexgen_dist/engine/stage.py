@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .. import kernels
+from ..interrupts import submit
 from ..kernels import gemm
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor
@@ -208,7 +209,7 @@ class StageEngine:
             elif slot in self.weights.resident:
                 self._wbuf[s.j] = self.weights.load(slot)
             else:
-                fut = self._pool.submit(self.weights.load, slot, self.weights.next_buffers())
+                fut = submit(self._pool, self.weights.load, slot, self.weights.next_buffers())
                 self._wbuf[s.j] = fut
                 if not self.policy.overlap:
                     self._wait([fut])
@@ -232,7 +233,7 @@ class StageEngine:
     def _prefetch_first(self) -> None:
         """Start reading the first slot's weights for the next sweep (see ``run_sweep``)."""
         if self._ahead is None and self.slots[0] not in self.weights.resident:
-            self._ahead = self._pool.submit(self.weights.load, self.slots[0], self.weights.next_buffers())
+            self._ahead = submit(self._pool, self.weights.load, self.slots[0], self.weights.next_buffers())
 
     def drop_prefetch(self) -> None:
         """Wait out and release a first-slot read that no sweep used (the end of a run)."""

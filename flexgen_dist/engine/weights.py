@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..interrupts import submit
 from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
@@ -343,7 +344,7 @@ class SlotExperts:
                 st.experts_loaded += 1
                 st.bytes_moved += moved
                 # bytes to read go to the I/O threads; an expert already in place is a view
-                self.loaded[e] = pool.submit(self._read, e) if pool is not None and moved else self._read(e)
+                self.loaded[e] = submit(pool, self._read, e) if pool is not None and moved else self._read(e)
 
     def note_routing(self, tokens: int, chosen: int, expected: float) -> None:
         """One product's routing: ``tokens`` routed, ``chosen`` distinct experts, ``expected``

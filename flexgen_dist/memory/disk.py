@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexgen_dist.interrupts import submit
 from flexgen_dist.memory.owners import reclaim_stale_dirs, remove_at_exit, write_owner
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
 from flexgen_dist.memory.units import format_bytes
@@ -317,13 +318,13 @@ class DiskStore:
                     rows: tuple[int, int] | None = None) -> Future[torch.Tensor]:
         if self._closed:
             raise DiskStoreError(f"DiskStore {self.dir} is closed")
-        return self._executor.submit(dt.read, out, rows)
+        return submit(self._executor, dt.read, out, rows)
 
     def submit_write(self, dt: DiskTensor, src: torch.Tensor,
                      rows: tuple[int, int] | None = None) -> Future[None]:
         if self._closed:
             raise DiskStoreError(f"DiskStore {self.dir} is closed")
-        return self._executor.submit(dt.write, src, rows)
+        return submit(self._executor, dt.write, src, rows)
 
     # byte I/O -------------------------------------------------------------------------
     def _staging(self) -> np.ndarray:

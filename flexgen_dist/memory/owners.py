@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from flexgen_dist.interrupts import join_bounded
 from flexgen_dist.memory.units import format_bytes
 
 log = logging.getLogger("flexgen_dist")
@@ -126,7 +127,10 @@ def _install_sigterm_handler() -> None:
 def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor) -> None:
     if os.getpid() != pid:  # a forked child must not delete its parent's files
         return
-    executor.shutdown(wait=True, cancel_futures=True)
+    stuck = join_bounded(executor, 30.0)  # pending I/O first; a stuck worker must not hold the exit
+    if stuck:
+        log.warning("offload dir %s: %d I/O thread(s) stuck after a stop; removing the files without them",
+                    path, len(stuck))
     shutil.rmtree(path, ignore_errors=True)
     with _LIVE_LOCK:
         _LIVE_DIRS.discard((path, pid))
