@@ -89,9 +89,10 @@ def test_interleaved_rope_is_not_llamas(models: dict) -> None:
     from flexgen_dist.models.common import apply_rope, apply_rope_interleaved, as_positions
 
     cos, sin = as_positions(pos).rope(16, spec.rope_theta, torch.float32)
-    assert not torch.allclose(apply_rope_interleaved(x, cos, sin, True), apply_rope(x, cos, sin))
+    ci, si = as_positions(pos).rope(16, spec.rope_theta, torch.float32, interleaved=True)
+    assert not torch.allclose(apply_rope_interleaved(x, ci, si, True), apply_rope(x, cos, sin))
     # a pair (2i, 2i+1) turns by position x frequency i, its norm kept
-    y = apply_rope_interleaved(x, cos, sin, True)
+    y = apply_rope_interleaved(x, ci, si, True)
     torch.testing.assert_close(y[..., 0::2] ** 2 + y[..., 1::2] ** 2, x[..., 0::2] ** 2 + x[..., 1::2] ** 2)
 
 

@@ -623,3 +623,14 @@ def test_spec_fields_no_model_combines_are_refused(fields: dict, match: str) -> 
                 max_positions=8)
     with pytest.raises(ValueError, match=match):
         ModelSpec(**{**base, **fields})
+
+
+def test_exaone4_pattern_written_as_letters() -> None:
+    """EXAONE 4.0's published configs write the pattern as letters ("LLLG": local, global)."""
+    from flexgen_dist.models.hf_config import spec_from_hf_config
+
+    cfg = {**_MISTRAL_TEXT, "model_type": "exaone4", "num_hidden_layers": 8, "sliding_window": 4,
+           "sliding_window_pattern": "LLLG"}
+    spec = spec_from_hf_config(cfg, "e")
+    assert [spec.window(j) for j in range(8)] == [4, 4, 4, 0] * 2
+    assert spec.nope_layers == (False, False, False, True) * 2

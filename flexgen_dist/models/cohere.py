@@ -74,7 +74,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     if spec.qk_norm:
         q, k = layer_norm(q, w["q_norm.w"], eps), layer_norm(k, w["k_norm.w"], eps)
     if spec.rotates(layer):
-        cos, sin = as_positions(pos).rope(spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
+        cos, sin = as_positions(pos).rope(spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling, interleaved=True)
         q, k = apply_rope_interleaved(q, cos, sin, True), apply_rope_interleaved(k, cos, sin, True)
     a = attend(q, k, v)
     mlp = linear(silu_mul(linear(h, w["gate.w"]), linear(h, w["up.w"])), w["down.w"])

@@ -6,6 +6,7 @@ go to the native kernels (``flexgen_dist.kernels``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Protocol
 
@@ -194,11 +195,19 @@ class Positions:
         self.ids = ids
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def rope(self, head_dim: int, theta: float, dtype: torch.dtype,
-             scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (head_dim, theta, dtype, scaling)
+    def rope(self, head_dim: int, theta: float, dtype: torch.dtype, scaling: RopeScaling | None = None,
+             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (b, t, 1, head_dim): each frequency twice, the halves concatenated
+        (``apply_rope``), or, ``interleaved``, each repeated in place (``apply_rope_interleaved``)."""
+        key = (head_dim, theta, dtype, scaling, interleaved)
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.ids, head_dim, theta, dtype, scaling)
+            if interleaved:
+                cos, sin = self.rope(head_dim, theta, dtype, scaling)
+                half = head_dim // 2
+                self._rope[key] = (cos[..., :half].repeat_interleave(2, dim=-1),
+                                   sin[..., :half].repeat_interleave(2, dim=-1))
+            else:
+                self._rope[key] = rope_cos_sin(self.ids, head_dim, theta, dtype, scaling)
         return self._rope[key]
 
 
@@ -206,11 +215,13 @@ def as_positions(pos: "torch.Tensor | Positions") -> Positions:
     return pos if isinstance(pos, Positions) else Positions(pos)
 
 
+@functools.lru_cache(maxsize=64)
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
                   device: torch.device | None = None, long: bool = False) -> torch.Tensor:
     """The rotary inverse frequencies (head_dim / 2,), scaled as ``scaling`` says, computed
     as the reference implementation computes them (float32, the same operations in order).
-    ``long``: longrope's frequencies for a sequence past the original context (else its short ones)."""
+    ``long``: longrope's frequencies for a sequence past the original context (else its short ones).
+    Kept per arguments (every step's tables start from them): the tensor is shared, never written."""
     if scaling is not None and scaling.rope_type == "longrope":
         ext = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32,
                            device=device)
@@ -282,17 +293,15 @@ def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dt
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            in_float32: bool = False) -> torch.Tensor:
     """RoPE on interleaved pairs (dims 2i and 2i+1 turn together; ``apply_rope`` turns i and
-    i + d/2) of x (b, t, heads, d), with cos/sin (b, t, 1, r) as ``Positions.rope`` gives them
-    (each frequency twice, halves concatenated); r < d turns the leading r dims only (GLM-4).
-    ``in_float32``: computed in float32 and cast back (Cohere), else in x's dtype (GLM-4)."""
+    i + d/2) of x (b, t, heads, d), with cos/sin (b, t, 1, r) from ``Positions.rope(...,
+    interleaved=True)``; r < d turns the leading r dims only (GLM-4). ``in_float32``: computed
+    in float32 and cast back (Cohere), else in x's dtype (GLM-4)."""
     rot = cos.shape[-1]
-    c = cos[..., : rot // 2].repeat_interleave(2, dim=-1)
-    s = sin[..., : rot // 2].repeat_interleave(2, dim=-1)
     xr = x[..., :rot]
     if in_float32:
-        xr, c, s = xr.float(), c.float(), s.float()
+        xr, cos, sin = xr.float(), cos.float(), sin.float()
     turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
-    out = (xr * c + turned * s).to(x.dtype)
+    out = (xr * cos + turned * sin).to(x.dtype)
     return out if rot == x.shape[-1] else torch.cat((out, x[..., rot:]), dim=-1)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .config_fields import field_problem
-from .spec import ModelSpec, RopeScaling
+from .spec import ModelSpec, RopeScaling, alternating
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 # the config classes' defaults of the fields read here (Gemma2Config, Gemma3TextConfig)
@@ -106,7 +106,7 @@ def _layer_types(cfg: dict[str, Any], kind: str) -> tuple[str, ...]:
     if cfg.get("layer_types"):
         return tuple(cfg["layer_types"])
     every = cfg.get("sliding_window_pattern", _PATTERN[kind]) if kind == "gemma3_text" else _PATTERN[kind]
-    return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
+    return alternating(n, every)
 
 
 def _ropes(raw: dict[str, Any], kind: str) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -22,11 +22,12 @@ import torch
 
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
-from .gguf_arch import ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields
+from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
+                        sliding_layer_types)
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
-from .spec import ModelSpec, RopeScaling
+from .spec import ModelSpec, RopeScaling, every_nth
 
 log = logging.getLogger("flexgen_dist")
 
@@ -156,8 +157,7 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
-        **({"nope_layers": tuple((j + 1) % 4 == 0 for j in range(int(key("block_count"))))}
-           if arch == "smollm3" else {}))
+        **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}))
 
 
 def _olmo_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
@@ -165,10 +165,7 @@ def _olmo_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
     OLMo 3's window on the layers the pattern marks (one flag per layer, True: sliding)."""
     out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
     if int(key("attention.sliding_window", 0)) and pattern is not None:
-        flags = list(pattern) if isinstance(pattern, (list, tuple)) else [bool(pattern)] * layers
-        if len(flags) != layers:
-            raise ValueError(f"olmo2.attention.sliding_window_pattern has {len(flags)} flags for {layers} layers")
-        out["layer_types"] = tuple("sliding_attention" if f else "full_attention" for f in flags)
+        out["layer_types"] = sliding_layer_types("olmo2", pattern, layers)
     return out
 
 
@@ -177,11 +174,10 @@ def _granite_fields(arch: str, key: Any) -> dict[str, Any]:
     only non-zero ones) scales nothing, and the softmax scale is then head_dim ** -0.5."""
     if arch != "granite":
         return {}
-    out = {f: decimal32(float(key(k))) for f, k in (("embed_multiplier", "embedding_scale"),
-                                                    ("residual_multiplier", "residual_scale"),
-                                                    ("logits_divisor", "logit_scale"),
-                                                    ("attn_scale", "attention.scale")) if key(k, 0.0)}
-    return out
+    return {f: decimal32(float(key(k))) for f, k in (("embed_multiplier", "embedding_scale"),
+                                                     ("residual_multiplier", "residual_scale"),
+                                                     ("logits_divisor", "logit_scale"),
+                                                     ("attn_scale", "attention.scale")) if key(k, 0.0)}
 
 
 def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:

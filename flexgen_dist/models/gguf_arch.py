@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import cohere, gemma, llama
-from .spec import RopeScaling
+from .spec import RopeScaling, alternating
 
 Names = Callable[..., dict[str, str]]
 Key = Callable[..., Any]
@@ -100,7 +100,7 @@ def cohere_fields(arch: str, key: Key, tensors: set[str], layers: int) -> dict[s
                                tie_word_embeddings="output.weight" not in tensors)
     if arch == "cohere2":
         window = int(key("attention.sliding_window"))
-        types = tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers))
+        types = alternating(layers, 4)
         out.update(sliding_window=window, layer_types=types,
                    nope_layers=tuple(t == "full_attention" for t in types))
     return out
@@ -144,7 +144,7 @@ def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, he
         if arch == "gemma2":
             raise ValueError("gemma2.attention.sliding_window 0 is not supported: every other Gemma 2 layer slides")
         return out
-    out.update(sliding_window=window, layer_types=_layer_types(arch, pattern, layers))
+    out.update(sliding_window=window, layer_types=sliding_layer_types(arch, pattern, layers))
     swa_base = key("rope.freq_base_swa", None)
     if arch == "gemma2":  # its sliding layers rotate as the global ones unless the file gives them a base
         if swa_base is not None and decimal32(swa_base) != theta:
@@ -155,7 +155,7 @@ def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, he
     return out
 
 
-def _layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]:
+def sliding_layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]:
     """llama.cpp's sliding layers: ``pattern`` a period n (layer i slides unless i % n == n - 1;
     n = 0: every layer slides) or one flag per layer (true: sliding); absent, the
     architecture's own period (Gemma 2's 2, Gemma 3's 6, as their configs' defaults)."""

@@ -12,7 +12,7 @@ from typing import Any
 from .config_fields import USED, field_problem
 from .gemma_config import GEMMA_TYPES, gemma_spec
 from .source import ModelLoadError
-from .spec import ROPE_TYPES, ModelSpec, RopeScaling
+from .spec import ROPE_TYPES, ModelSpec, RopeScaling, alternating, every_nth
 
 
 def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -66,12 +66,10 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
         rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
-    head_dim = cfg.get("head_dim") or 0
+    head_dim = _head_dim(cfg)
     rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
     scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
-        head_dim = 0
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
@@ -94,20 +92,14 @@ def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]
     theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
     extra: dict[str, Any] = {}
     if mt == "cohere2":
-        n = cfg["num_hidden_layers"]
-        every = cfg.get("sliding_window_pattern") or 4
-        types = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
-                                                 for i in range(n)])
+        types = _layer_types(cfg, 4)
         extra = dict(sliding_window=int(cfg.get("sliding_window") or 0), layer_types=types,
                      nope_layers=tuple(t != "sliding_attention" for t in types))
         if not extra["sliding_window"]:
             raise ValueError("cohere2 without sliding_window: its sliding layers need one")
-    head_dim = cfg.get("head_dim") or 0
-    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
-        head_dim = 0
-    return ModelSpec(family="cohere", ffn_size=cfg["intermediate_size"],
+    return ModelSpec(family="cohere", head_dim_override=_head_dim(cfg), ffn_size=cfg["intermediate_size"],
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                     head_dim_override=head_dim, norm_eps=cfg.get("layer_norm_eps") or 1e-5,
+                     norm_eps=cfg.get("layer_norm_eps") or 1e-5,
                      rope_theta=float(theta), rope_scaling=_rope_scaling(rope, name, cfg.get("max_position_embeddings", 0)),
                      qk_norm=bool(cfg.get("use_qk_norm")), logit_scale=float(cfg.get("logit_scale") or 1.0),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", True),
@@ -126,18 +118,13 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
     window = int(cfg.get("sliding_window") or 0) if mt == "olmo3" else 0
     extra: dict[str, Any] = {}
     if window:
-        n = cfg["num_hidden_layers"]
-        extra["layer_types"] = tuple(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention"
-                                                                for i in range(n)])
+        extra["layer_types"] = _layer_types(cfg, 4)
         if local:
             extra.update(local_rope_theta=float(local.get("rope_theta") or theta),
                          local_rope_scaling=_rope_scaling(local, name, cfg.get("max_position_embeddings", 0)))
-    head_dim = cfg.get("head_dim") or 0
-    if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"]:
-        head_dim = 0
     return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"],
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                     head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
+                     head_dim_override=_head_dim(cfg), norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(theta),
                      rope_scaling=_rope_scaling(glob, name, cfg.get("max_position_embeddings", 0)),
                      sliding_window=window, qk_norm=True, qk_norm_whole=True, norm_layout="post", norm_weight_fp32=True,
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -194,10 +181,9 @@ def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
             if windows["sliding_window"] else {}
     if mt != "smollm3":
         return {}
-    n = cfg["num_hidden_layers"]
-    interval = cfg.get("no_rope_layer_interval") or 4
-    rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
-    return {"nope_layers": tuple(not r for r in rotates)}
+    rotates = cfg.get("no_rope_layers")
+    return {"nope_layers": tuple(not r for r in rotates) if rotates else
+            every_nth(cfg["num_hidden_layers"], cfg.get("no_rope_layer_interval") or 4)}
 
 
 def _mistral3_text(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -216,6 +202,25 @@ def _mistral3_text(cfg: dict[str, Any], name: str) -> ModelSpec:
     text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", True)
     text.update({k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None})
     return spec_from_hf_config(text, name)
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    """``head_dim_override``: the config's head size where it is not hidden / heads, else 0."""
+    head_dim = cfg.get("head_dim") or 0
+    return 0 if head_dim == cfg["hidden_size"] // cfg["num_attention_heads"] else head_dim
+
+
+def _layer_types(cfg: dict[str, Any], every: int) -> tuple[str, ...]:
+    """The config's ``layer_types``, or every ``sliding_window_pattern``-th layer global (by
+    default every ``every``-th; a pattern written as letters, EXAONE 4's "LLLG", marks the
+    global layers G)."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    pattern = cfg.get("sliding_window_pattern") or every
+    if isinstance(pattern, str):
+        return tuple("full_attention" if pattern[i % len(pattern)] == "G" else "sliding_attention"
+                     for i in range(cfg["num_hidden_layers"]))
+    return alternating(cfg["num_hidden_layers"], int(pattern))
 
 
 def _temperature(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -252,10 +257,7 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "exaone4":  # three sliding layers of four by default (sliding_window_pattern)
         if not window:
             return {"sliding_window": 0}
-        every = cfg.get("sliding_window_pattern") or 4
-        n = cfg["num_hidden_layers"]
-        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)])}
+        return {"sliding_window": window, "layer_types": _layer_types(cfg, 4)}
     if mt == "ministral":  # layer_types name the sliding layers; by default all of them, given a window
         if not window:
             return {"sliding_window": 0}

@@ -201,7 +201,7 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
         q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     if spec.rotates(layer):
         theta, scaling = spec.rope(layer)
-        cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling)
+        cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling, spec.rope_interleaved)
         turn = apply_rope_interleaved if spec.rope_interleaved else apply_rope
         q, k = turn(q, cos, sin), turn(k, cos, sin)
     if spec.attn_temp_beta:  # Ministral 3: a temperature on q growing past each attn_temp_len positions

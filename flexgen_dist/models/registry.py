@@ -5,7 +5,7 @@ shape matters here.
 """
 from __future__ import annotations
 
-from .spec import ModelSpec, RopeScaling
+from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
 _OPT = dict(family="opt", vocab_size=50272, max_positions=2048, bos_token_id=2,
             eos_token_ids=(2,), pad_token_id=1)
@@ -68,11 +68,6 @@ _GEMMA3 = dict(family="gemma", vocab_size=262208, max_positions=131072, bos_toke
                qk_norm=True)
 
 
-def _alternating(num_layers: int, every: int) -> tuple[str, ...]:
-    """Every ``every``-th layer global, the others sliding (the Gemma configs' default)."""
-    return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers))
-
-
 _SHAPES: dict[str, dict] = {
     # name: (layers, hidden, ffn, heads) + extras
     "opt-125m": dict(_OPT, num_layers=12, hidden_size=768, ffn_size=3072, num_heads=12),
@@ -123,8 +118,7 @@ _SHAPES: dict[str, dict] = {
                           num_heads=64, rope_theta=8_000_000.0, logit_scale=0.0625),
     "command-r7b": dict(_COHERE, max_positions=131072, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32,
                         num_kv_heads=8, rope_theta=50000.0, logit_scale=0.25, sliding_window=4096,
-                        layer_types=tuple("sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(32)),
-                        nope_layers=tuple((i + 1) % 4 == 0 for i in range(32))),
+                        layer_types=alternating(32, 4), nope_layers=every_nth(32, 4)),
     # Mistral Small 3.1 / 3.2 (24B): the language model of the image-text checkpoint
     "mistral-small-24b": dict(_MISTRAL, vocab_size=131072, max_positions=131072, rope_theta=1_000_000_000.0,
                               num_layers=40, hidden_size=5120, ffn_size=32768, num_heads=32, num_kv_heads=8,
@@ -141,13 +135,13 @@ _SHAPES: dict[str, dict] = {
                      attn_scale=256 ** -0.5, norm_layout="pre", sliding_window=0, attn_softcap=0.0,
                      final_softcap=0.0),
     "gemma-2-9b": dict(_GEMMA2, num_layers=42, hidden_size=3584, ffn_size=14336, num_heads=16, num_kv_heads=8,
-                       head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(42, 2)),
+                       head_dim_override=256, attn_scale=256 ** -0.5, layer_types=alternating(42, 2)),
     "gemma-2-27b": dict(_GEMMA2, num_layers=46, hidden_size=4608, ffn_size=36864, num_heads=32, num_kv_heads=16,
-                        head_dim_override=128, attn_scale=144 ** -0.5, layer_types=_alternating(46, 2)),
+                        head_dim_override=128, attn_scale=144 ** -0.5, layer_types=alternating(46, 2)),
     "gemma-3-12b": dict(_GEMMA3, num_layers=48, hidden_size=3840, ffn_size=15360, num_heads=16, num_kv_heads=8,
-                        head_dim_override=256, attn_scale=256 ** -0.5, layer_types=_alternating(48, 6)),
+                        head_dim_override=256, attn_scale=256 ** -0.5, layer_types=alternating(48, 6)),
     "gemma-3-27b": dict(_GEMMA3, num_layers=62, hidden_size=5376, ffn_size=21504, num_heads=32, num_kv_heads=16,
-                        head_dim_override=128, attn_scale=168 ** -0.5, layer_types=_alternating(62, 6)),
+                        head_dim_override=128, attn_scale=168 ** -0.5, layer_types=alternating(62, 6)),
     "mixtral-8x7b": dict(_MIXTRAL, num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32, num_kv_heads=8,
                          num_experts=8, experts_per_tok=2, expert_ffn_size=14336),
     "mixtral-8x22b": dict(_MIXTRAL, vocab_size=32768, max_positions=65536, num_layers=56, hidden_size=6144,
@@ -163,7 +157,7 @@ _SHAPES: dict[str, dict] = {
     "smollm3-3b": dict(family="llama", vocab_size=128256, max_positions=65536, bos_token_id=128000,
                        eos_token_ids=(128001,), pad_token_id=128004, tie_word_embeddings=True, norm_eps=1e-6,
                        rope_theta=5_000_000.0, num_layers=36, hidden_size=2048, ffn_size=11008, num_heads=16,
-                       num_kv_heads=4, nope_layers=tuple((j + 1) % 4 == 0 for j in range(36))),
+                       num_kv_heads=4, nope_layers=every_nth(36, 4)),
     "smollm2-135m": dict(_SMOL, num_layers=30, hidden_size=576, ffn_size=1536, num_heads=9,
                          num_kv_heads=3, rope_theta=100000.0),
     "smollm2-360m": dict(_SMOL, num_layers=32, hidden_size=960, ffn_size=2560, num_heads=15,

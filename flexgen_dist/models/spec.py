@@ -57,6 +57,19 @@ class RopeScaling:
 
 ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+_NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
+_DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
+
+
+def every_nth(num_layers: int, every: int) -> tuple[bool, ...]:
+    """True on every ``every``-th layer (the every-th, the 2·every-th, ...), False elsewhere."""
+    return tuple((i + 1) % every == 0 for i in range(num_layers))
+
+
+def alternating(num_layers: int, every: int) -> tuple[str, ...]:
+    """``layer_types`` with every ``every``-th layer global and the others sliding (the default
+    of Gemma 2/3, OLMo 3, EXAONE 4, Command R7B)."""
+    return tuple("full_attention" if g else "sliding_attention" for g in every_nth(num_layers, every))
 
 
 @dataclass(frozen=True)
@@ -182,8 +195,8 @@ class ModelSpec:
                 (self.qk_norm_whole or self.norm_weight_fp32) and self.family != "llama"):
             raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it and norm_weight_fp32 are the llama "
                              "family's (OLMo 2/3)")
-        layouts = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}.get(self.family, ("",))
-        object.__setattr__(self, "norm_layout", self.norm_layout or layouts[-1 if self.family == "gemma" else 0])
+        layouts = _NORM_LAYOUTS.get(self.family, ("",))
+        object.__setattr__(self, "norm_layout", self.norm_layout or _DEFAULT_LAYOUT.get(self.family, ""))
         if self.norm_layout not in layouts:
             raise ValueError(f"ModelSpec.norm_layout={self.norm_layout!r}: the {self.family} family takes "
                              f"{', '.join(map(repr, layouts))}")
