@@ -22,7 +22,8 @@ import torch
 ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
-        "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2"}
+        "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
+        "glm4_moe": "glm4moe", "exaone4": "exaone4"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -33,6 +34,17 @@ _GEMMA_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+# GLM-4's four norms: post_self_attn_layernorm after attention, post_attention_layernorm before
+# the MLP (ffn_norm), post_mlp_layernorm after it; GLM-4.5 names its norm before the MLP
+# post_attention_norm (by the HF name), and its shared experts in the plural
+_GLM4_LAYER = {**_LAYER, "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm"}
+_GLM4MOE_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                  "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                  "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+_TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
+           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER}
+
+
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
 # stacked into one 3-D tensor each (experts x rows x cols), as llama.cpp's converter writes them
 _MOE = {"block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
@@ -40,6 +52,9 @@ _MOE = {"block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
         "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _EXPERT = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "gate_proj": "ffn_gate_exps",
            "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+NEXTN = 1  # GLM-4.5 files: one multi-token-prediction block after the last layer, as published
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str | None:
@@ -53,11 +68,12 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
     parts = hf.split(".")
     if parts[:2] == ["model", "layers"]:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
+        if suffix == "e_score_correction_bias":  # GLM-4.5's choice bias
+            return f"blk.{parts[2]}.exp_probs_b.bias"
         if module in _MOE:
             return f"blk.{parts[2]}.{_MOE[module]}.{suffix}"
         # Gemma 1's post_attention_layernorm is the norm before the MLP, as Llama's
-        table = _GEMMA_LAYER if arch in ("gemma2", "gemma3", "olmo2") else _LAYER
-        return f"blk.{parts[2]}.{table[module]}.{suffix}"
+        return f"blk.{parts[2]}.{_TABLES.get(arch, _LAYER)[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
 
 
@@ -134,7 +150,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
 
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = _rope(cfg)
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(cfg["num_hidden_layers"] + (NEXTN if arch == "glm4moe" else 0))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -153,11 +169,11 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     elif cfg.get("head_dim") is not None:  # TextModel: written when the config has head_dim
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:  # LlamaModel (Mixtral), Qwen2MoeModel, Qwen3MoeModel
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if arch != "llama":
+        if arch not in ("llama", "glm4moe"):
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
@@ -169,6 +185,24 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
                        (w.add_residual_scale, "residual_multiplier"), (w.add_logit_scale, "logits_scaling")):
             if cfg.get(k):
                 add(cfg[k])
+    if arch in ("glm4", "glm4moe"):  # Glm4Model, Glm4MoeModel: the rotated dims of each head
+        w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 0.5)))
+    if arch == "glm4moe":  # and the experts' set, the dense layers, the prediction layers
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        if cfg.get("n_group", 1) > 1:  # not written by llama.cpp (its GLM-4.5 files have one group)
+            w.add_expert_group_count(cfg["n_group"])
+            w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_nextn_predict_layers(NEXTN)
+    if arch == "exaone4":  # Exaone4Model: the vocabulary, the window and its per-layer pattern
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg.get("sliding_window") is not None:
+            w.add_sliding_window(cfg["sliding_window"])
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch in ("llama", "granite", "smollm3"):
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
@@ -286,6 +320,15 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
         elif arch in ("llama", "granite", "smollm3") and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
         tensors[gguf_name(hf, arch)] = t
+    if arch == "glm4moe":  # a prediction layer after the last: its tensors as a converted file holds them
+        last = cfg["num_hidden_layers"] - 1
+        for name in [n for n in tensors if n.startswith(f"blk.{last}.")]:
+            tensors[f"blk.{last + 1}." + name.split(".", 2)[2]] = tensors[name].clone()
+        h = cfg["hidden_size"]
+        tensors.update({f"blk.{last + 1}.nextn.eh_proj.weight": torch.zeros(h, 2 * h),
+                        f"blk.{last + 1}.nextn.enorm.weight": torch.ones(h),
+                        f"blk.{last + 1}.nextn.hnorm.weight": torch.ones(h),
+                        f"blk.{last + 1}.nextn.shared_head_norm.weight": torch.ones(h)})
     for name, t in tensors.items():
         a = t.contiguous().numpy()
         if qtype and quantizable(t):

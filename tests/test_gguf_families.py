@@ -369,8 +369,9 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, gemma, gemma2, gemma3, "
-                r"granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, smollm3; Mistral"),
+    ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, exaone4, gemma, "
+                r"gemma2, gemma3, glm4, glm4moe, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
+                r"smollm3; Mistral"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),
@@ -574,6 +575,39 @@ def test_olmo_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
         assert ref.local_rope_theta in (0.0, ref.rope_theta)
         ref = dataclasses.replace(ref, local_rope_theta=ours.local_rope_theta)
     assert dataclasses.replace(ours, name=ref.name) == ref and ours.norm_layout == "post" and ours.qk_norm_whole
+    want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
+    with LLM(str(path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("kind", ["glm4", "exaone4"])
+def test_glm4_and_exaone4_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
+    """GLM-4 as llama.cpp writes it (``glm4``: gate|up fused as ffn_up, four norms a layer, q/k
+    not permuted, RoPE on interleaved pairs of half of each head) and EXAONE 4 (``exaone4``: the
+    norms after each sublayer, q/k norms per head, the window and its per-layer pattern, the
+    global layers without RoPE): spec and greedy tokens as the directory's."""
+    import transformers as tf
+
+    torch.manual_seed(53)
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    m = (tf.Glm4ForCausalLM(tf.Glm4Config(**common, head_dim=32)) if kind == "glm4"
+         else tf.Exaone4ForCausalLM(tf.Exaone4Config(**common, sliding_window=5, sliding_window_pattern=4))).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    m.save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / f"{kind}.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    assert dataclasses.replace(ours, name=ref.name) == ref
+    assert (ours.rotary_dim, ours.rope_interleaved, ours.fused_mlp) == ((16, True, True) if kind == "glm4" else
+                                                                        (0, False, False))
+    if kind == "exaone4":
+        assert ours.nope_layers == (False, False, False, True) and ours.norm_layout == "post"
     want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want

@@ -26,7 +26,11 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    # experts 64 wide: every matrix splits into 32-element blocks, so a Q8_0 file holds them all packed
+    glm = dict(_COMMON, head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+               n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True)
 
     return {
         "mixtral": MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2),
@@ -37,6 +41,11 @@ def _configs() -> dict:
                                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0, 2]),
         "qwen3_moe-step": Qwen3MoeConfig(**_COMMON, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
                                          decoder_sparse_step=2),
+        # GLM-4.5: sigmoid routing with a choice bias, shared experts, layer 0 dense, half of
+        # each head turned; -groups: 4 groups of 2 experts, the best one kept; q/k normalised
+        "glm4_moe": Glm4MoeConfig(**glm, n_group=1, topk_group=1),
+        "glm4_moe-groups": Glm4MoeConfig(**{**glm, "num_experts_per_tok": 2, "norm_topk_prob": False},
+                                         n_group=4, topk_group=1, use_qk_norm=True),
     }
 
 
@@ -45,6 +54,10 @@ def _model(kind: str, path: Path) -> TinyModel:
 
     torch.manual_seed(11)
     m = AutoModelForCausalLM.from_config(_configs()[kind]).eval()
+    with torch.no_grad():  # GLM-4.5's choice bias starts at zero: give it values that change choices
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.3)
     m.save_pretrained(path)
     return TinyModel(kind, path, m, 0)
 
@@ -54,7 +67,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     return {k: _model(k, tmp_path_factory.mktemp(k)) for k in _configs()}
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
+                                  "glm4_moe-groups"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -65,7 +79,8 @@ def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: st
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
         spec = llm.model.spec
         experts = llm.metrics["experts"][0]
-    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+    bias = sum(b.numel() for n, b in tm.model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters()) + bias
     assert experts["routings"] > 0 and experts["experts_chosen"] > 0
     if placement == "offloaded":
         assert experts["bytes_moved"] > 0
@@ -118,6 +133,18 @@ def test_registry_shapes_have_the_published_sizes(name: str, total: float, activ
     assert act / 1e9 == pytest.approx(active, abs=0.1)
 
 
+@pytest.mark.parametrize("name,total,active", [("glm-4.5-air", 106, 12), ("glm-4.5", 355, 32), ("glm-4.6", 355, 32)])
+def test_glm_moe_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
+    """GLM-4.5-Air: 106B parameters, 12B active; GLM-4.5 / 4.6: 355B, 32B active (the model
+    cards' rounded figures, within 1 %: the shapes leave out the multi-token-prediction layer,
+    which generation never runs; the active count is without the embedding and head)."""
+    s = get_spec(name)
+    assert s.total_numel() / 1e9 == pytest.approx(total, rel=0.01)
+    act = sum(s.active_layer_numel(j) for j in range(s.num_layers))
+    assert act / 1e9 == pytest.approx(active, abs=0.5)
+    assert s.router_scoring == "sigmoid" and not s.is_moe(0) and s.is_moe(s.num_layers - 1)
+
+
 def test_layers_are_split_by_what_they_weigh() -> None:
     """Dense and sparse layers weigh differently: the split balances bytes and compute; a model
     whose layers are alike keeps the equal split."""
@@ -168,7 +195,7 @@ def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts),
@@ -180,6 +207,10 @@ def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: P
     cfg = _configs()[kind]
     cfg.vocab_size = 49152  # the GGUF's tokenizer is the bundled one
     m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, b in m.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.3)
     if qtype:
         roundtrip_(m, qtype)
     path = write_gguf(m, tmp_path / f"{kind}.gguf", qtype)

@@ -67,6 +67,9 @@ USED: dict[str, set[str]] = {
     "qwen3_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "num_experts", "num_local_experts",
                                 "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                                 "decoder_sparse_step", "mlp_only_layers"},
+    "glm4_moe": _LLAMA_USED | {"use_qk_norm", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
+                               "n_routed_experts", "num_local_experts", "routed_scaling_factor", "n_group",
+                               "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
@@ -82,6 +85,9 @@ _ROUTER_TRAINING = {"router_aux_loss_coef", "output_router_logits", "router_jitt
 # inert for one model type only (field -> why, in the comments)
 INERT: dict[str, set[str]] = {
     "mixtral": _ROUTER_TRAINING, "qwen2_moe": _ROUTER_TRAINING, "qwen3_moe": _ROUTER_TRAINING,
+    # GLM-4.5's multi-token-prediction layers (stored after the last layer) serve speculative
+    # decoding; transformers' generation never runs them
+    "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -102,7 +108,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granite", "smollm3", "exaone4", "glm", "glm4", "olmo2", "olmo3", "cohere",
                                              "cohere2",
                                              "mixtral",
-                                             "qwen2_moe", "qwen3_moe")},
+                                             "qwen2_moe", "qwen3_moe", "glm4_moe")},
     "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -65,7 +65,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if experts and arch not in MOE_ARCHS:
         raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
                              f"{', '.join(sorted(MOE_ARCHS))})")
-    if arch in ("qwen2moe", "qwen3moe") and not experts:
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe") and not experts:
         raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
                              "convert the model again")
     if "token_embd.weight" not in tensors:
@@ -78,7 +78,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                              f"{vocab} rows: corrupt file?")
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
-    partial = arch == "phi3" and rotary != head_dim  # Phi-4-mini turns 3/4 of each head
+    # Phi-4-mini turns 3/4 of each head, GLM-4 and GLM-4.5 half
+    partial = arch in ("phi3", "glm4", "glm4moe") and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")
@@ -95,9 +96,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name)
         if llama_family:
             fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
-            if arch == "olmo2":
-                fields.update(_olmo_fields(key, gguf_field(reader, "olmo2.attention.sliding_window_pattern"),
-                                           int(key("block_count"))))
+            if arch in ("olmo2", "exaone4"):
+                fields.update(_post_norm_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
+                                                int(key("block_count"))))
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":
             fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))
@@ -106,7 +107,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
                                   "output.weight" in tensors)
         spec = ModelSpec(
-            name=name, family=a.family, num_layers=key("block_count"), hidden_size=hidden,
+            name=name, family=a.family, num_layers=key("block_count") - _nextn(key, arch), hidden_size=hidden,
             ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
             vocab_size=vocab, max_positions=key("context_length", 2048),
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
@@ -116,11 +117,22 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
-    _check_tensors(spec, a, set(tensors), name)
+    # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
+    _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec
 
 
+def _nextn(key: Any, arch: str) -> int:
+    """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
+    serve speculative decoding and which generation never runs."""
+    n = int(key("nextn_predict_layers", 0)) if arch == "glm4moe" else 0
+    if not 0 <= n < int(key("block_count")):
+        raise ModelLoadError(f"{arch}.nextn_predict_layers {n} of {key('block_count')} blocks: corrupt file?")
+    return n
+
+
 QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
+GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never an output bias
 
 
 def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[str, Any], name: str) -> None:
@@ -152,20 +164,32 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         tie_word_embeddings="output.weight" not in tensors,
         # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file has
         # biases or not
-        qkv_bias=arch in QWEN2_ARCHS,
-        attention_bias=arch not in QWEN2_ARCHS and "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe"), fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+        qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
+        attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
+        qk_norm=arch in ("qwen3", "qwen3moe") or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
+        fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+        **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}))
 
 
-def _olmo_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
-    """OLMo 2/3's fields: the norms after the sublayers, q/k normalised over all heads, and
-    OLMo 3's window on the layers the pattern marks (one flag per layer, True: sliding)."""
-    out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
+def _post_norm_fields(arch: str, key: Any, pattern: Any, layers: int) -> dict[str, Any]:
+    """The fields of the files whose norms follow the sublayers: OLMo 2/3 (q/k normalised over
+    all heads, OLMo 3's window on the layers the pattern marks, one flag per layer, True:
+    sliding) and EXAONE 4 (q/k per head; with a window, the layers the pattern leaves global
+    turn no RoPE, as the reference)."""
+    if arch == "olmo2":
+        out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
+    else:
+        out = dict(norm_layout="post", qk_norm=True)
+    if int(key("attention.sliding_window", 0)) and pattern is None and arch == "exaone4":
+        raise ValueError("exaone4 file with a sliding window but no attention.sliding_window_pattern: which layers "
+                         "slide is unknown; convert the model again")
     if int(key("attention.sliding_window", 0)) and pattern is not None:
-        out["layer_types"] = sliding_layer_types("olmo2", pattern, layers)
+        out["layer_types"] = sliding_layer_types(arch, pattern, layers)
+        if arch == "exaone4":
+            out["nope_layers"] = tuple(t == "full_attention" for t in out["layer_types"])
     return out
 
 
@@ -189,12 +213,21 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
     if not experts:
         return {}
     fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
-                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch == "llama")
+                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
     fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch != "llama"
                                     else key("feed_forward_length"))
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
-    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(int(key("block_count"))))
+    if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
+        if int(key("expert_gating_func", 2)) != 2:
+            raise ValueError(f"glm4moe.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
+        fields.update(router_scoring="sigmoid", norm_topk_prob=bool(key("expert_weights_norm", False)),
+                      routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
+                      expert_groups=int(key("expert_group_count", 1)) or 1,
+                      expert_groups_used=int(key("expert_group_used_count", 1)) or 1,
+                      shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
+                      shared_expert_gated=False)
+    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(int(key("block_count")) - _nextn(key, arch)))
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields

@@ -67,12 +67,26 @@ ARCHS: dict[str, GGUFArch] = {
     "command-r": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon"})),
     "cohere2": GGUFArch("cohere", cohere.gguf_names, keys=frozenset({"logit_scale", "attention.layer_norm_epsilon",
                                                                      "attention.sliding_window"})),
+    # GLM-4 (glm4): four norms a layer, gate|up fused (ffn_up), RoPE on interleaved pairs of
+    # part of each head, as the checkpoint has it (llama.cpp's "normal" RoPE)
+    "glm4": GGUFArch("llama", llama.gguf_names),
+    # GLM-4.5 / 4.6 / 4.7 (glm4moe): sigmoid routing with a choice bias (exp_probs_b), shared
+    # experts, the first layers dense, RoPE on halves of part of each head; the file's last
+    # nextn_predict_layers blocks are multi-token-prediction layers generation never runs
+    "glm4moe": GGUFArch("llama", llama.glm4moe_gguf_names,
+                        keys=frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
+                                        "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
+                                        "expert_group_count", "expert_group_used_count", "nextn_predict_layers"})),
+    # EXAONE 4: norms after the sublayers, q/k normalised per head, sliding layers by a per-layer
+    # pattern, the global ones without RoPE
+    "exaone4": GGUFArch("llama", llama.gguf_names,
+                        keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
     "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
-MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe"})
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "glm4moe"})
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",

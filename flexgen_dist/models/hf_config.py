@@ -59,9 +59,10 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     # GLM's configs turn half of each head unless they say otherwise (transformers' default)
     partial = (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
-               or (0.5 if mt in GLM_TYPES else 1.0))
-    if partial != 1.0 and mt not in ("phi3", *GLM_TYPES):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm and glm4)")
+               or (0.5 if mt in (*GLM_TYPES, "glm4_moe") else 1.0))
+    if partial != 1.0 and mt not in ("phi3", "glm4_moe", *GLM_TYPES):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm, glm4 "
+                         "and glm4_moe)")
     if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
@@ -73,7 +74,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
 GLM_TYPES = ("glm", "glm4")
@@ -131,7 +132,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
-               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "glm4_moe", "ernie4_5_moe", "jetmoe",
+               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "ernie4_5_moe", "jetmoe",
                "minimax", "hunyuan_v1_moe", "llama4", "gpt_oss", "switch_transformers", "nllb_moe")
 
 
@@ -143,6 +144,18 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "glm4_moe":  # GLM-4.5 / 4.6 / 4.7: DeepSeek-V3's routing, the first layers dense
+        experts = cfg.get("n_routed_experts") or experts
+        sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
+        shared = cfg.get("n_shared_experts", 1) or 0
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    expert_ffn_size=cfg.get("moe_intermediate_size", 1408),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router_weights_fp32=True,
+                    router_scoring="sigmoid", expert_groups=cfg.get("n_group", 1) or 1,
+                    expert_groups_used=cfg.get("topk_group", 1) or 1,
+                    routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                    shared_expert_ffn_size=shared * cfg.get("moe_intermediate_size", 1408), shared_expert_gated=False,
+                    moe_layers=() if all(sparse) else sparse)
     n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or [])
     sparse = tuple(j not in dense and experts > 0 and (j + 1) % step == 0 for j in range(n))
@@ -160,12 +173,14 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
-                     or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True))),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4"), fused_proj=mt == "phi3",
+                     or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
+                     or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4") or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
+                     fused_proj=mt == "phi3",
                      fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in GLM_TYPES,
                      norm_layout={"exaone4": "post", "glm4": "sandwich"}.get(mt, "pre"),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                     attention_bias=cfg.get("attention_bias", False) and mt not in GLM_TYPES,
+                     attention_bias=cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"),
                      mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt),
                      **common)

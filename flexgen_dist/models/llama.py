@@ -1,12 +1,15 @@
 """LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense, and the checkpoints that differ in
 small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3): RMSNorm, rotary positions, SwiGLU MLP,
 grouped-query attention, tied or untied LM head; and its mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE), whose sparse layers route each token to a few SwiGLU experts.
+(Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5), whose sparse layers route each token to a few SwiGLU
+experts.
 
 A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
 ``.up.w`` and ``.down.w`` for each routed expert e, and for Qwen2-MoE ``shared.{gate,up,down}.w``
-and ``shared_gate.w``. The math reads the experts through an ``Experts`` (``common.py``): the
-engine passes one that reads only the experts the tokens chose, when they choose them."""
+and ``shared_gate.w`` (GLM-4.5: the shared expert ungated, and ``router.choice_b``, the bias
+its sigmoid routing adds to the scores to choose). The math reads the experts through an
+``Experts`` (``common.py``): the engine passes one that reads only the experts the tokens
+chose, when they choose them."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, LM_PREFIXES, DictExperts, Positions,
                      apply_rope, apply_rope_interleaved, as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
+from ..kernels.qweight import QWeight
 from .families import INDEX, ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
 
@@ -46,10 +50,13 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
     else:  # the router, the shared expert, then each routed expert's three matrices
         shapes["router.w"] = (spec.num_experts, h)
+        if spec.router_scoring == "sigmoid":  # GLM-4.5: the bias its choice adds to the scores
+            shapes["router.choice_b"] = (spec.num_experts,)
         if spec.shared_expert_ffn_size:
             sf = spec.shared_expert_ffn_size
-            shapes.update({"shared.gate.w": (sf, h), "shared.up.w": (sf, h), "shared.down.w": (h, sf),
-                           "shared_gate.w": (1, h)})
+            shapes.update({"shared.gate.w": (sf, h), "shared.up.w": (sf, h), "shared.down.w": (h, sf)})
+            if spec.shared_expert_gated:
+                shapes["shared_gate.w"] = (1, h)
         ef = spec.expert_ffn_size
         for e in range(spec.num_experts):
             shapes.update({f"experts.{e}.{k}": s for k, s in zip(EXPERT_PARTS, ((ef, h), (ef, h), (h, ef)))})
@@ -95,10 +102,13 @@ def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
     """Candidate checkpoint names of a sparse layer's canonical weight ``k``."""
     if k == "router.w":
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
+    if k == "router.choice_b":
+        return [f"{at}.mlp.gate.e_score_correction_bias"]
     if k == "shared_gate.w":
         return [f"{at}.mlp.shared_expert_gate.weight"]
-    if k.startswith("shared."):
-        return [f"{at}.mlp.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight"]
+    if k.startswith("shared."):  # Qwen2-MoE's one shared expert; GLM-4.5's n_shared_experts as one
+        return [f"{at}.mlp.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight",
+                f"{at}.mlp.shared_experts.{_QWEN_EXPERT[k[7:]]}.weight"]
     _, e, part = k.split(".", 2)
     f = spec.expert_ffn_size
     fused = {"gate.w": f"gate_up_proj{INDEX}{e}{ROWS}0:{f}", "up.w": f"gate_up_proj{INDEX}{e}{ROWS}{f}:{2 * f}",
@@ -108,7 +118,8 @@ def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
 
 
 # llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)
-_MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "shared.gate.w": "ffn_gate_shexp.weight",
+_MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "router.choice_b": "exp_probs_b.bias",
+             "shared.gate.w": "ffn_gate_shexp.weight",
              "shared.up.w": "ffn_up_shexp.weight", "shared.down.w": "ffn_down_shexp.weight",
              "shared_gate.w": "ffn_gate_inp_shexp.weight"}
 _EXPERT_GGUF = {"gate.w": "ffn_gate_exps.weight", "up.w": "ffn_up_exps.weight", "down.w": "ffn_down_exps.weight"}
@@ -127,14 +138,26 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
     if part == "layer":
         out = {k: f"blk.{layer}.{_LAYER_GGUF[k] if k in _LAYER_GGUF else _moe_gguf_name(k)}"
                for k in layer_shapes(spec, layer)}
+        qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
+        fused = {}
         if spec.fused_proj:  # Phi-3: llama.cpp keeps HF's qkv_proj as attn_qkv, gate_up_proj as ffn_up
-            qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
-            for k, (name, r0, r1) in {"q.w": ("attn_qkv", 0, qd), "k.w": ("attn_qkv", qd, qd + kvd),
-                                      "v.w": ("attn_qkv", qd + kvd, qd + 2 * kvd),
-                                      "gate.w": ("ffn_up", 0, f), "up.w": ("ffn_up", f, 2 * f)}.items():
-                out[k] = f"blk.{layer}.{name}.weight{ROWS}{r0}:{r1}"
+            fused = {"q.w": ("attn_qkv", 0, qd), "k.w": ("attn_qkv", qd, qd + kvd),
+                     "v.w": ("attn_qkv", qd + kvd, qd + 2 * kvd)}
+        if (spec.fused_proj or spec.fused_mlp) and not spec.is_moe(layer):  # ... and GLM-4's gate|up
+            fused.update({"gate.w": ("ffn_up", 0, f), "up.w": ("ffn_up", f, 2 * f)})
+        for k, (name, r0, r1) in fused.items():
+            out[k] = f"blk.{layer}.{name}.weight{ROWS}{r0}:{r1}"
         return out
     return lm_gguf_names(spec, part)
+
+
+def glm4moe_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """llama.cpp's ``glm4moe`` names: llama's, with the norm before the MLP called
+    ``post_attention_norm`` (HF's post_attention_layernorm, mapped by name)."""
+    out = gguf_names(spec, part, layer)
+    if part == "layer":
+        out["mlp_norm.w"] = f"blk.{layer}.post_attention_norm.weight"
+    return out
 
 
 def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
@@ -237,15 +260,40 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     return linear(g, w["down.w"], w.get("down.b"), residual)
 
 
-def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
+          choice_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and their weights from the router's logits (tokens, experts): the
     softmax in float32, the top ``experts_per_tok`` kept (renormalised to sum to 1 where the
-    model does), the weights in float32 (Mixtral) or ``dtype`` (Qwen), as the reference."""
+    model does), the weights in float32 (Mixtral) or ``dtype`` (Qwen), as the reference.
+    Sigmoid routing (GLM-4.5): ``_sigmoid_route``."""
+    if spec.router_scoring == "sigmoid":
+        return _sigmoid_route(spec, logits, choice_bias)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, spec.experts_per_tok, dim=-1)
     if spec.norm_topk_prob:
         top_w /= top_w.sum(dim=-1, keepdim=True)
     return (top_w if spec.router_weights_fp32 else top_w.to(dtype)), top_i
+
+
+def _sigmoid_route(spec: ModelSpec, logits: torch.Tensor,
+                   choice_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's (DeepSeek-V3's) routing of float32 logits: sigmoid scores; the choice made on
+    the scores plus the per-expert bias, within the best ``expert_groups_used`` groups (a group
+    ranked by the sum of its two best); the weights the chosen experts' scores, renormalised
+    where the model does, times ``routed_scaling``; float32 throughout, as the reference."""
+    scores = logits.sigmoid()
+    choice = scores if choice_bias is None else scores + choice_bias.float()
+    g = spec.expert_groups
+    if g > 1:
+        per = spec.num_experts // g
+        best = choice.view(-1, g, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(spec.expert_groups_used, dim=-1, sorted=False)[1], 1)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(per, dim=1), float("-inf"))
+    top_i = torch.topk(choice, spec.experts_per_tok, dim=-1, sorted=False)[1]
+    top_w = scores.gather(1, top_i)
+    if spec.norm_topk_prob:
+        top_w /= top_w.sum(dim=-1, keepdim=True) + 1e-20
+    return top_w * spec.routed_scaling, top_i
 
 
 def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +303,12 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     order of the sums), plus the shared expert's gated output where there is one."""
     shape, h = x.shape, x.shape[-1]
     x = x.reshape(-1, h)
-    top_w, top_i = route(spec, linear(x, w["router.w"]), x.dtype)
+    if spec.router_scoring == "sigmoid":  # the router in float32, as the reference keeps it
+        r = w["router.w"]
+        r = r.dense() if isinstance(r, QWeight) else r
+        top_w, top_i = route(spec, F.linear(x.float(), r.float()), x.dtype, w["router.choice_b"])
+    else:
+        top_w, top_i = route(spec, linear(x, w["router.w"]), x.dtype)
     experts = w.get(EXPERTS) or DictExperts(w)
     chosen = torch.unique(top_i).tolist()  # sorted
     experts.prefetch(chosen)
@@ -271,7 +324,7 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
         out.index_add_(0, tok, y.to(out.dtype))
     if spec.shared_expert_ffn_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), added after the experts
         s = linear(silu_mul(linear(x, w["shared.gate.w"]), linear(x, w["shared.up.w"])), w["shared.down.w"])
-        out = out + torch.sigmoid(linear(x, w["shared_gate.w"])) * s
+        out = out + (torch.sigmoid(linear(x, w["shared_gate.w"])) * s if spec.shared_expert_gated else s)
     return out.view(shape)
 
 

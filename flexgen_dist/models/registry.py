@@ -53,6 +53,13 @@ _GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_i
 _MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
 _QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
 _QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
+# GLM-4.5 / 4.6 (glm4_moe): DeepSeek-V3's sigmoid routing with a choice bias, one shared expert,
+# the first layers dense, q/k/v biases, RoPE on the halves of half of each head
+_GLM4_MOE = dict(family="llama", vocab_size=151552, max_positions=131072, bos_token_id=None,
+                 eos_token_ids=(151329, 151336, 151338), pad_token_id=151329, tie_word_embeddings=False,
+                 norm_eps=1e-5, rope_theta=1_000_000.0, head_dim_override=128, rotary_dim=64, qkv_bias=True,
+                 num_heads=96, num_kv_heads=8, num_experts=128, experts_per_tok=8, expert_ffn_size=1408,
+                 router_scoring="sigmoid", router_weights_fp32=True, shared_expert_gated=False)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -154,6 +161,14 @@ _SHAPES: dict[str, dict] = {
                           num_experts=128, experts_per_tok=8, expert_ffn_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_size=12288, num_heads=64,
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
+    "glm-4.5-air": dict(_GLM4_MOE, num_layers=46, hidden_size=4096, ffn_size=10944, shared_expert_ffn_size=1408,
+                        moe_layers=tuple(j >= 1 for j in range(46))),
+    "glm-4.5": dict(_GLM4_MOE, num_layers=92, hidden_size=5120, ffn_size=12288, num_experts=160,
+                    expert_ffn_size=1536, shared_expert_ffn_size=1536, routed_scaling=2.5, qk_norm=True,
+                    moe_layers=tuple(j >= 3 for j in range(92))),
+    "glm-4.6": dict(_GLM4_MOE, max_positions=202752, num_layers=92, hidden_size=5120, ffn_size=12288,
+                    num_experts=160, expert_ffn_size=1536, shared_expert_ffn_size=1536, routed_scaling=2.5,
+                    qk_norm=True, moe_layers=tuple(j >= 3 for j in range(92))),
     "smollm3-3b": dict(family="llama", vocab_size=128256, max_positions=65536, bos_token_id=128000,
                        eos_token_ids=(128001,), pad_token_id=128004, tie_word_embeddings=True, norm_eps=1e-6,
                        rope_theta=5_000_000.0, num_layers=36, hidden_size=2048, ffn_size=11008, num_heads=16,

@@ -57,6 +57,9 @@ class RopeScaling:
 
 ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# how a router scores its experts: a softmax over them (Mixtral, Qwen), or a sigmoid each with a
+# per-expert choice bias (GLM-4.5, DeepSeek-V3)
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 _NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
 _DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
 
@@ -147,6 +150,16 @@ class ModelSpec:
     norm_topk_prob: bool = True  # the kept routing weights renormalised to sum to 1
     router_weights_fp32: bool = False  # Mixtral: the routing weights stay float32 (Qwen: the model dtype)
     shared_expert_ffn_size: int = 0  # Qwen2-MoE: one shared SwiGLU expert on every token, gated by a sigmoid
+    shared_expert_gated: bool = True  # False: the shared expert's output added as is (GLM-4.5)
+    # GLM-4.5 (DeepSeek-V3's routing): router_scoring "sigmoid" scores each expert with a sigmoid
+    # of its float32 logit; the choice adds a per-expert bias (router.choice_b) to the scores, keeps
+    # the expert_groups_used best of expert_groups groups (a group's worth: its two best), then
+    # the top experts_per_tok of those; the weights are the chosen scores (without the bias),
+    # renormalised where norm_topk_prob, times routed_scaling
+    router_scoring: str = "softmax"
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    routed_scaling: float = 1.0
     # per layer, whether its MLP is sparse (Qwen's mlp_only_layers, decoder_sparse_step); empty:
     # every layer is, where there are experts
     moe_layers: tuple[bool, ...] = ()
@@ -225,6 +238,17 @@ class ModelSpec:
                                  f"num_experts={self.num_experts} (num_experts_per_tok > experts?)")
             if self.expert_ffn_size < 1:
                 raise ValueError(f"ModelSpec.expert_ffn_size={self.expert_ffn_size}: must be >= 1")
+            if self.router_scoring not in ROUTER_SCORINGS:
+                raise ValueError(f"ModelSpec.router_scoring={self.router_scoring!r}: use one of {ROUTER_SCORINGS}")
+            g, used = self.expert_groups, self.expert_groups_used
+            if g < 1 or self.num_experts % g or not 1 <= used <= g or (g > 1 and self.router_scoring != "sigmoid"):
+                raise ValueError(f"ModelSpec.expert_groups={g}, expert_groups_used={used}: the groups must divide "
+                                 f"num_experts={self.num_experts}, at least 1 of them used (sigmoid routing only)")
+            if used * (self.num_experts // g) < self.experts_per_tok:
+                raise ValueError(f"ModelSpec: {used} expert groups of {self.num_experts // g} hold fewer experts "
+                                 f"than experts_per_tok={self.experts_per_tok}")
+            if not self.routed_scaling > 0:
+                raise ValueError(f"ModelSpec.routed_scaling={self.routed_scaling}: must be > 0")
             if self.moe_layers and len(self.moe_layers) != self.num_layers:
                 raise ValueError(f"ModelSpec.moe_layers has {len(self.moe_layers)} entries for "
                                  f"{self.num_layers} layers: give one per layer")
@@ -349,8 +373,10 @@ class ModelSpec:
         if not self.is_moe(layer):
             return 3 * h * self.ffn_size
         n = self.num_experts if experts is None else experts
-        shared = 3 * h * self.shared_expert_ffn_size + h if self.shared_expert_ffn_size else 0
-        return self.num_experts * h + shared + n * self.expert_numel()
+        shared = (3 * h * self.shared_expert_ffn_size + h * self.shared_expert_gated
+                  if self.shared_expert_ffn_size else 0)
+        router = self.num_experts * (h + (self.router_scoring == "sigmoid"))  # + the choice bias
+        return router + shared + n * self.expert_numel()
 
     def active_layer_numel(self, layer: int | None = None) -> float:
         """Elements of one layer one token computes with: every weight of a dense layer; a
