@@ -223,7 +223,7 @@ def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.multinode
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4_moe-groups"])
 def test_two_ranks_match_transformers(models: dict, kind: str, tmp_path: Path) -> None:
     from test_pipeline import torchrun
 

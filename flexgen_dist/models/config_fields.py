@@ -129,8 +129,22 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
     for field, value in PINNED[model_type].items():
         if cfg.get(field) is not None and cfg[field] != value:
             return f"{model_type} with {field}={cfg[field]!r} is not supported (only {value!r})"
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
-        return (f"a {method!r}-quantized checkpoint is not supported: use the full-precision weights "
-                "(--compress-weight quantizes them) or a .gguf file")
+    q = cfg.get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?")
+        if method == "fp8" and q.get("weight_block_size") and q.get("fmt", "e4m3") == "e4m3":
+            return None  # block-scaled FP8 weights: expanded at load (fp8_block)
+        what = "per-tensor or per-channel 'fp8' (without weight_block_size)" if method == "fp8" else repr(method)
+        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is): use the full-precision "
+                "weights (--compress-weight quantizes them) or a .gguf file")
     return None
+
+
+def fp8_block(cfg: dict[str, Any]) -> tuple[int, int] | None:
+    """The (rows, cols) block of a block-scaled FP8 checkpoint's ``weight_scale_inv`` grid
+    (DeepSeek-V3's format: ``quant_method: fp8``, ``weight_block_size``); None: not one."""
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+    if q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
+        return None
+    rows, cols = (int(b) for b in q["weight_block_size"])
+    return rows, cols

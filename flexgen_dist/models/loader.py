@@ -24,6 +24,7 @@ from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, ROWS
+from .config_fields import fp8_block
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -50,10 +51,31 @@ def bundled_model_path() -> Path:
 
 # --------------------------------------------------------------------------------------
 # weight sources
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """A block-scaled FP8 matrix (..., rows, cols) in float32: each element times the scale of
+    its (block[0] x block[1]) block, ``scale`` (..., ceil(rows / b0), ceil(cols / b1)) holding
+    them (E8M0 bytes: 2^(byte - 127)), computed as transformers computes it (float32 product)."""
+    rows, cols = w.shape[-2:]
+    grid = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)
+    if rows % grid[0] == 0 and cols % grid[1] == 0:  # the block the grid gives (transformers' rule)
+        block = (rows // grid[0], cols // grid[1])
+    if (-(-rows // block[0]), -(-cols // block[1])) != tuple(grid):
+        raise ModelLoadError(f"{name}: FP8 weight of shape {tuple(w.shape)} with a scale grid of {tuple(grid)} "
+                             f"does not fit blocks of {block[0]}x{block[1]}: corrupt checkpoint?")
+    s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
+    s = s.reshape(*w.shape[:-2], *grid).repeat_interleave(block[0], -2)[..., :rows, :]
+    return w.float() * s.repeat_interleave(block[1], -1)[..., :cols]
+
+
 class HFDirSource(WeightSource):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path,
+                 fp8: tuple[int, int] | None = None) -> None:
         super().__init__(spec, dtype)
         self.path = path
+        self.fp8 = fp8  # a block-scaled FP8 checkpoint's block: its matrices are expanded on read
         self.index: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, Any] = {}
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
@@ -88,13 +110,14 @@ class HFDirSource(WeightSource):
                 raise ModelLoadError(f"{self.path}: tensor {self._likeliest(candidates)} missing from the checkpoint")
             name, _, rows = name.partition(ROWS)
             name, _, index = name.partition(INDEX)
-            h = self._open(self.index[name])
-            t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+            t = self._tensor(name)
             if index:  # one expert of a 3-D tensor holding all (a view)
                 if t.dim() != 3 or t.shape[0] <= int(index):
                     raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape)}, expected "
                                          f"more than {index} experts: corrupt checkpoint?")
                 t = t[int(index)]
+            if t.dtype in FP8_DTYPES:  # block-scaled FP8: times its blocks' scales, before any cut
+                t = self._expand_fp8(name, t, int(index) if index else None)
             if rows:  # rows of a fused tensor (a view; ``get`` converts and copies it)
                 r0, r1 = (int(r) for r in rows.split(":"))
                 if t.shape[0] < r1:
@@ -102,6 +125,19 @@ class HFDirSource(WeightSource):
                 t = t[r0:r1]
             out[k] = t
         return out
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        h = self._open(self.index[name])
+        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+    def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        scale_name = name + "_scale_inv"
+        if self.fp8 is None or scale_name not in self.index:
+            raise ModelLoadError(f"{self.path}: tensor {name} is FP8 but "
+                                 + ("the config has no block-scaled 'fp8' quantization_config" if self.fp8 is None
+                                    else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
+        scale = self._tensor(scale_name)
+        return dequantize_fp8(t, scale[index] if index is not None else scale, self.fp8, f"{self.path}: {name}")
 
     def own_head(self) -> str | None:
         """Where the config ties the head to the embedding but the checkpoint holds a head of
@@ -113,8 +149,7 @@ class HFDirSource(WeightSource):
         embed = next((n for n in (f"{p}embed_tokens.weight" for p in LM_PREFIXES) if n in self.index), None)
         if head is None or embed is None:
             return None
-        h, e = (self._open(self.index[n]) for n in (head, embed))
-        a, b = (x.get_tensor(n) if hasattr(x, "get_tensor") else x[n] for x, n in ((h, head), (e, embed)))
+        a, b = self._tensor(head), self._tensor(embed)
         if a.shape != b.shape:
             return head
         step = max(1, (64 << 20) // max(1, a[0].numel() * a.element_size()))  # ~64 MB of rows at a time
@@ -241,9 +276,14 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
-        spec = spec_from_hf_config(_read_config(p), p.name)
+        cfg = _read_config(p)
+        spec = spec_from_hf_config(cfg, p.name)
         tok = _load_tokenizer(p) if load_tokenizer else None
-        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p)), tok, str(p))
+        fp8 = fp8_block(cfg)
+        if fp8:
+            log.info("%s: FP8 checkpoint (blocks of %dx%d): its weights are expanded to %s as they are read",
+                     p.name, fp8[0], fp8[1], str(dtype).replace("torch.", ""))
+        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8)), tok, str(p))
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
     try:
