@@ -41,8 +41,16 @@ def mask_to_rows(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return mask[:, None, None].expand(b, kv_heads, 1, t, L).reshape(b * kv_heads, 1, t, L)
 
 
+def sink_rows(sinks: torch.Tensor | None, batch: int, kv_heads: int) -> torch.Tensor | None:
+    """Per-head attention sinks (nh,) as the rows of ``q_to_rows``: (b * kvh, G)."""
+    if sinks is None:
+        return None
+    return sinks.view(1, kv_heads, -1).expand(batch, -1, -1).reshape(batch * kv_heads, -1)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+                      scale: float | None = None, softcap: float = 0.0,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt attention on the compute device over the fresh k, v (no cache read).
 
     q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d). A fused
@@ -51,11 +59,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     kernels (on a GPU flash attention, which skips the masked half; an explicit mask rules
     it out). ``scale``: of q.k (None: d ** -0.5). ``softcap`` > 0 caps the scores
     (cap * tanh(s / cap), Gemma 2), which no fused kernel does: those scores are
-    materialised, one sequence at a time.
+    materialised, one sequence at a time; so are they with ``sinks`` (nh,), gpt-oss's logit
+    per head that joins each softmax's denominator and is then dropped.
     """
     b, t, nh, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    if softcap > 0:
+    if softcap > 0 or sinks is not None:
         if mask is None:
             mask = torch.ones((t, t), dtype=torch.bool, device=q.device).tril_()[None, None].expand(b, 1, t, t)
         kvh = k.shape[2]
@@ -63,7 +72,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         for i in range(b):  # per sequence: the (heads, t, t) scores of one at a time
             o = attend_rows(q_to_rows(q[i:i + 1], kvh), to_rows(k[i:i + 1]), to_rows(v[i:i + 1]),
                             mask[i:i + 1].expand(1, kvh, t, t).reshape(kvh, 1, t, t),
-                            scale=scale, softcap=softcap)
+                            scale=scale, softcap=softcap, sinks=sink_rows(sinks, 1, kvh))
             out[i:i + 1] = rows_to_out(o, 1)
         return out
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -73,21 +82,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                sparsity: float = 1.0, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+                sparsity: float = 1.0, scale: float | None = None, softcap: float = 0.0,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for rows: q (R, G, t, d), k/v (R, L, d), mask (R, 1, t, L) -> (R, G, t, d).
 
     Every query row must have at least one visible key (the engine guarantees it: padding
     queries see themselves). With ``sparsity`` < 1, each query keeps only its top-k keys
     (k = ceil(sparsity * L)) and reads only those V rows. ``scale`` and ``softcap`` as for
-    ``prefill_attention``. The keys may come in any order (a ring-buffer cache holds a sliding
-    window's positions rotated): attention over a set does not depend on it.
+    ``prefill_attention``; ``sinks`` (R, G) as ``sink_rows`` lays them out. The keys may come
+    in any order (a ring-buffer cache holds a sliding window's positions rotated): attention
+    over a set does not depend on it.
     """
     r, g, t, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     if sparsity < 1.0:
-        return _sparse_attend(q, k, v, mask, sparsity, scale, softcap)
-    if softcap > 0:
-        return _bmm_attend(q, k, v, mask, scale, softcap)
+        return _sparse_attend(q, k, v, mask, sparsity, scale, softcap, sinks)
+    if softcap > 0 or sinks is not None:
+        return _bmm_attend(q, k, v, mask, scale, softcap, sinks)
     if t == 1 and q.device.type == "cpu":
         # Decode on the CPU: the native kernel reads each cache row once, in place (strided
         # rows of a row-major chunk or a position-major staged disk chunk), for the G query
@@ -131,15 +142,24 @@ def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 def _bmm_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                scale: float, softcap: float) -> torch.Tensor:
+                scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Two batched matmuls over rows. k and v may be strided views of a preallocated cache
     (each row contiguous): bmm reads them in place, where SDPA's broadcast over the G query
     heads would first copy the whole cache."""
     r, g, t, d = q.shape
     L = k.shape[1]
     scores = _scores(q, k, scale, softcap).masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(probs.view(r, g * t, L), v).view(r, g, t, d)
+    probs = _softmax(scores, sinks).to(v.dtype)
+    return torch.bmm(probs.reshape(r, g * t, L), v).view(r, g, t, d)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The float32 softmax of (R, G, t, n) scores over their last dim; with ``sinks`` (R, G),
+    over the scores and the row's sink together, the sink's share then dropped (gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.to(scores.device, scores.dtype)[:, :, None, None].expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -152,13 +172,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float) -> t
 
 
 def _sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sparsity: float, scale: float, softcap: float) -> torch.Tensor:
+                   sparsity: float, scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     r, g, t, d = q.shape
     L = k.shape[1]
     scores = _scores(q, k, scale, softcap).masked_fill_(~mask, float("-inf"))
     top = max(1, math.ceil(sparsity * L))
     vals, idx = scores.topk(min(top, L), dim=-1)
-    probs = torch.softmax(vals.float(), dim=-1).to(v.dtype)  # (r, g, t, top)
+    probs = _softmax(vals.float(), sinks).to(v.dtype)  # (r, g, t, top)
     picked = torch.gather(v[:, None, None].expand(r, g, t, L, d), 3,
                           idx[..., None].expand(*idx.shape, d))
     return (probs[..., None] * picked).sum(dim=3)

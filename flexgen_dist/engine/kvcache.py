@@ -268,14 +268,15 @@ class BlockCache:
 
     def attend(self, j: int, kb: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                mask: torch.Tensor, pos0: int, sparsity: float = 1.0, scale: float | None = None,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: write k_new/v_new (rows, 1, d) at pos0 and attend over [0, pos0] (a ring:
         over the slots it holds, in slot order).
 
         q (rows, G, 1, d), mask (rows, 1, 1, L) over what the chunks hold (L = ``held``). Each
-        chunk is attended where it lives. ``scale``, ``softcap``: see ``attend_rows``.
+        chunk is attended where it lives. ``scale``, ``softcap``, ``sinks`` (rows, G): see
+        ``attend_rows``.
         """
-        outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap))
+        outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks))
                 for ch in self.chunks[(j, kb)]]
         return merge_partial(outs, q.shape[0], self.device)
 
@@ -287,27 +288,28 @@ class BlockCache:
 
     def attend_layer(self, j: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      mask: torch.Tensor, pos0: int, sparsity: float = 1.0, scale: float | None = None,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attend`` for the rows of every GPU batch of the block at once (merged decode, where
         ``whole_layer(j)``): one cache write and one attention over the layer's buffer, the
         batches' rows in batch order."""
-        out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap)
+        out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks)
         return out.to(self.device, non_blocking=True)
 
     def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       mask: torch.Tensor, pos0: int, sparsity: float, scale: float | None,
-                      softcap: float) -> torch.Tensor:
+                      softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write the chunk's rows of k_new/v_new at pos0 and attend its rows where it lives."""
         length = pos0 + k_new.shape[1]
         kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
         qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
+        sinks = None if sinks is None else sinks[ch.r0:ch.r1]
         kc, vc, pos_major = self._append(ch, kn, vn, pos0, length)
         dev = self.device
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
             qr, m = qr.to(dev), m.to(dev)
         kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
-        return attend_rows(qr, kd, vd, m, sparsity, scale, softcap)
+        return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``_dense``, into a reused buffer where a compressed chunk expands on the CPU."""

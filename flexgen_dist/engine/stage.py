@@ -26,7 +26,7 @@ from ..models.source import WeightSource
 from ..models.spec import ModelSpec
 from . import head
 from .activations import ActStore
-from .attention import prefill_attention, q_to_rows, rows_to_out, to_rows
+from .attention import prefill_attention, q_to_rows, rows_to_out, sink_rows, to_rows
 from .block_state import BlockState, merged_mask, merged_positions, step_inputs, step_targets
 from .blocks import BlockMeta
 from .kvcache import BlockCache
@@ -302,8 +302,9 @@ class StageEngine:
                     _, mrows, pos0 = self._step_inputs(st, i, kk, window)
                     fns.append(self._attend_fn(st, layer, kk, mrows, pos0))  # type: ignore[arg-type]
 
-                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                    return torch.cat([f(q[a:b], k[a:b], v[a:b]) for f, (a, b) in zip(fns, spans)])
+                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    return torch.cat([f(q[a:b], k[a:b], v[a:b], sinks) for f, (a, b) in zip(fns, spans)])
 
             pos = merged_positions(st, i, num_gb, spec.num_kv_heads, self.device)
             y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
@@ -323,9 +324,10 @@ class StageEngine:
         cache, sparsity = st.cache, self.policy.attn_sparsity
         assert cache is not None
 
-        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
             o = cache.attend_layer(layer, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
-                                   sparsity, scale, softcap)
+                                   sparsity, scale, softcap, sink_rows(sinks, q.shape[0], kvh))
             return rows_to_out(o, q.shape[0])
 
         return attend
@@ -368,15 +370,17 @@ class StageEngine:
         assert cache is not None
 
         if pos0 == 0:
-            def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+            def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
                 cache.write_prefill(layer, k, kk, vv)
-                return prefill_attention(q, kk, vv, mask, scale, softcap)
+                return prefill_attention(q, kk, vv, mask, scale, softcap, sinks)
 
             return prefill
 
-        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
             o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
-                             self.policy.attn_sparsity, scale, softcap)
+                             self.policy.attn_sparsity, scale, softcap, sink_rows(sinks, q.shape[0], kvh))
             return rows_to_out(o, q.shape[0])
 
         return attend

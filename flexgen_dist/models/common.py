@@ -121,6 +121,7 @@ def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 
 EXPERTS = "experts"  # the weights key under which a sparse layer's routed experts come, when not in place
 EXPERT_PARTS = ("gate.w", "up.w", "down.w")  # a routed expert's matrices (``experts.{e}.<part>``)
+EXPERT_BIASES = ("gate.b", "up.b", "down.b")  # ... and its biases, where it has them (gpt-oss)
 
 
 class Experts(Protocol):
@@ -143,7 +144,7 @@ class DictExperts:
         pass
 
     def get(self, e: int) -> dict[str, Weight]:
-        return {k: self.w[f"experts.{e}.{k}"] for k in EXPERT_PARTS}
+        return {k: self.w[f"experts.{e}.{k}"] for k in EXPERT_PARTS + EXPERT_BIASES if f"experts.{e}.{k}" in self.w}
 
 
 def embedding(ids: torch.Tensor, w: Weight) -> torch.Tensor:

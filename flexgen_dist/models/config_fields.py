@@ -70,6 +70,8 @@ USED: dict[str, set[str]] = {
     "glm4_moe": _LLAMA_USED | {"use_qk_norm", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
                                "n_routed_experts", "num_local_experts", "routed_scaling_factor", "n_group",
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
+    "gpt_oss": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
+                              "swiglu_alpha", "swiglu_limit"},
     "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
@@ -88,6 +90,7 @@ INERT: dict[str, set[str]] = {
     # GLM-4.5's multi-token-prediction layers (stored after the last layer) serve speculative
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
+    "gpt_oss": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -108,7 +111,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granite", "smollm3", "exaone4", "glm", "glm4", "olmo2", "olmo3", "cohere",
                                              "cohere2",
                                              "mixtral",
-                                             "qwen2_moe", "qwen3_moe", "glm4_moe")},
+                                             "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")},
     "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -29,12 +29,17 @@ from ..kernels.qweight import QWeight
 from .spec import ModelSpec
 
 Weights = dict[str, torch.Tensor | QWeight]  # a compressed matrix stays packed on a CPU device
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(q, k, v) or attend(q, k, v, sinks): the engine's cache write + attention; sinks (heads,)
+# are gpt-oss's per-head logits joining the softmax's denominator
+Attend = Callable[..., torch.Tensor]
 Shapes = Callable[..., dict[str, tuple[int, ...]]]  # (spec) for embed/head; (spec, layer) for layer
 
 
 ROWS = "#rows="  # in ``hf_names``, "name#rows=a:b" is rows [a, b) of a fused checkpoint tensor
 INDEX = "#index="  # "name#index=e" is entry e of a 3-D tensor (one expert of all); before any #rows=
+# "name#index=e#T" is that entry transposed (a checkpoint storing in x out), before any #rows=;
+# "#rows=a:b:s" takes every s-th row of [a, b) (gate and up interleaved)
+TRANSPOSED = "#T"
 
 @dataclass
 class Family:

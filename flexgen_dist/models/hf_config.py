@@ -74,7 +74,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
 GLM_TYPES = ("glm", "glm4")
@@ -133,7 +133,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
                "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "ernie4_5_moe", "jetmoe",
-               "minimax", "hunyuan_v1_moe", "llama4", "gpt_oss", "switch_transformers", "nllb_moe")
+               "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
 
 
 def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -144,6 +144,11 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "gpt_oss":  # every layer sparse: the top logits' softmax, biases, the clamped gate
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 4),
+                    expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax", router_bias=True,
+                    expert_bias=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     if mt == "glm4_moe":  # GLM-4.5 / 4.6 / 4.7: DeepSeek-V3's routing, the first layers dense
         experts = cfg.get("n_routed_experts") or experts
         sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
@@ -182,8 +187,14 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"),
                      mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
-                     **_temperature(cfg, mt),
+                     **_temperature(cfg, mt), **_gpt_oss(mt),
                      **common)
+
+
+def _gpt_oss(mt: str) -> dict[str, Any]:
+    """gpt-oss's attention sinks, and its RMSNorm multiplying its weight in float32 (transformers
+    keeps the norms' weights in float32 and casts after the product)."""
+    return dict(attn_sinks=True, norm_weight_fp32=True) if mt == "gpt_oss" else {}
 
 
 def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -273,6 +284,10 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         if not window:
             return {"sliding_window": 0}
         return {"sliding_window": window, "layer_types": _layer_types(cfg, 4)}
+    if mt == "gpt_oss":  # layer_types name the sliding layers; by default the even-numbered ones
+        if not window:
+            return {"sliding_window": 0}
+        return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or _layer_types(cfg, 2))}
     if mt == "ministral":  # layer_types name the sliding layers; by default all of them, given a window
         if not window:
             return {"sliding_window": 0}

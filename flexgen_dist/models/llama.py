@@ -19,7 +19,7 @@ from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, LM_PREFI
                      apply_rope, apply_rope_interleaved, as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
 from ..kernels.qweight import QWeight
-from .families import INDEX, ROWS, Attend, Family, Weights, register
+from .families import INDEX, ROWS, TRANSPOSED, Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -27,6 +27,7 @@ _LAYER_HF = {
     # OLMo 2/3's norms on the sublayers' outputs (post_attention_layernorm names the one after
     # attention there, the one before the MLP in Llama)
     "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
+    "sinks": "self_attn.sinks",  # gpt-oss
 }
 # GLM-4's four norms: post_self_attn_layernorm after attention, post_attention_layernorm
 # before the MLP (as Llama's), post_mlp_layernorm after it
@@ -50,6 +51,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
     else:  # the router, the shared expert, then each routed expert's three matrices
         shapes["router.w"] = (spec.num_experts, h)
+        if spec.router_bias:  # gpt-oss
+            shapes["router.b"] = (spec.num_experts,)
         if spec.router_scoring == "sigmoid":  # GLM-4.5: the bias its choice adds to the scores
             shapes["router.choice_b"] = (spec.num_experts,)
         if spec.shared_expert_ffn_size:
@@ -60,6 +63,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         ef = spec.expert_ffn_size
         for e in range(spec.num_experts):
             shapes.update({f"experts.{e}.{k}": s for k, s in zip(EXPERT_PARTS, ((ef, h), (ef, h), (h, ef)))})
+            if spec.expert_bias:  # gpt-oss
+                shapes.update({f"experts.{e}.gate.b": (ef,), f"experts.{e}.up.b": (ef,), f"experts.{e}.down.b": (h,)})
     if spec.attention_bias or spec.qkv_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
     if spec.attention_bias:
@@ -69,6 +74,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
                       {"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
     if spec.mlp_bias and not spec.is_moe(layer):
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
+    if spec.attn_sinks:  # gpt-oss: one logit per query head
+        shapes["sinks"] = (spec.num_heads,)
     return shapes
 
 
@@ -100,6 +107,8 @@ _QWEN_EXPERT = {"gate.w": "gate_proj", "up.w": "up_proj", "down.w": "down_proj"}
 
 def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
     """Candidate checkpoint names of a sparse layer's canonical weight ``k``."""
+    if spec.router_scoring == "topk_softmax":
+        return _gpt_oss_hf_names(spec, at, k)
     if k == "router.w":
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
     if k == "router.choice_b":
@@ -115,6 +124,23 @@ def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
              "down.w": f"down_proj{INDEX}{e}"}[part]
     return [f"{at}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[part]}.weight",
             f"{at}.mlp.experts.{e}.{_QWEN_EXPERT[part]}.weight", f"{at}.mlp.experts.{fused}"]
+
+
+def _gpt_oss_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
+    """gpt-oss's names: ``mlp.router`` (with a bias); all experts in 3-D tensors stored
+    transposed (experts x in x out), gate and up interleaved in the columns of
+    ``gate_up_proj`` (gate the even ones), each with a bias."""
+    if k.startswith("router."):
+        return [f"{at}.mlp.router.{'weight' if k == 'router.w' else 'bias'}"]
+    _, e, part = k.split(".", 2)
+    f2 = 2 * spec.expert_ffn_size
+    name = {"gate.w": f"gate_up_proj{INDEX}{e}{TRANSPOSED}{ROWS}0:{f2}:2",
+            "up.w": f"gate_up_proj{INDEX}{e}{TRANSPOSED}{ROWS}1:{f2}:2",
+            "down.w": f"down_proj{INDEX}{e}{TRANSPOSED}",
+            "gate.b": f"gate_up_proj_bias{INDEX}{e}{ROWS}0:{f2}:2",
+            "up.b": f"gate_up_proj_bias{INDEX}{e}{ROWS}1:{f2}:2",
+            "down.b": f"down_proj_bias{INDEX}{e}"}[part]
+    return [f"{at}.mlp.experts.{name}"]
 
 
 # llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)
@@ -204,7 +230,7 @@ def _sandwich_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Ten
     """GLM-4: a norm before and after attention and the MLP each, the outputs' norms before
     the residual adds."""
     eps = spec.norm_eps
-    a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))
+    a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
     x = rms_norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
     h = rms_norm(x, w["mlp_norm.w"], eps)
     g = silu_mul(linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b")))
@@ -234,6 +260,11 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
     return q, k, v
 
 
+def _sinks(spec: ModelSpec, w: Weights) -> tuple[torch.Tensor, ...]:
+    """``attend``'s extra argument: gpt-oss's sinks, where the model has them."""
+    return (w["sinks"],) if spec.attn_sinks else ()
+
+
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
                   attend: Attend, layer: int = 0) -> torch.Tensor:
     """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
@@ -243,14 +274,14 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         return _sandwich_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
-    a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer))
+    a = attend(*_qkv(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
     scaled = spec.residual_multiplier != 1.0
     x = _residual(spec, linear(a, w["o.w"], w.get("o.b")), residual) if scaled else \
         linear(a, w["o.w"], w.get("o.b"), residual)
     residual = x
-    x = rms_norm(x, w["mlp_norm.w"], eps)
+    x = _norm(spec, x, w["mlp_norm.w"], eps)
     if spec.is_moe(layer):
         y = moe_mlp(spec, w, x)
         return _residual(spec, y, residual) if scaled else y.add_(residual)
@@ -268,6 +299,9 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     Sigmoid routing (GLM-4.5): ``_sigmoid_route``."""
     if spec.router_scoring == "sigmoid":
         return _sigmoid_route(spec, logits, choice_bias)
+    if spec.router_scoring == "topk_softmax":  # gpt-oss: the top logits, then their softmax (logits' dtype)
+        top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
+        return torch.softmax(top_l, dim=1, dtype=top_l.dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, spec.experts_per_tok, dim=-1)
     if spec.norm_topk_prob:
@@ -308,7 +342,7 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
         r = r.dense() if isinstance(r, QWeight) else r
         top_w, top_i = route(spec, F.linear(x.float(), r.float()), x.dtype, w["router.choice_b"])
     else:
-        top_w, top_i = route(spec, linear(x, w["router.w"]), x.dtype)
+        top_w, top_i = route(spec, linear(x, w["router.w"], w.get("router.b")), x.dtype)
     experts = w.get(EXPERTS) or DictExperts(w)
     chosen = torch.unique(top_i).tolist()  # sorted
     experts.prefetch(chosen)
@@ -319,13 +353,22 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
         slot, tok = torch.where(top_i.t() == e)  # the reference's row order: by top-k slot, then token
         ew = experts.get(e)
         xe = x[tok]
-        g = silu_mul(linear(xe, ew["gate.w"]), linear(xe, ew["up.w"]))
-        y = linear(g, ew["down.w"]) * top_w[tok, slot, None]
+        g = _expert_gate(spec, linear(xe, ew["gate.w"], ew.get("gate.b")), linear(xe, ew["up.w"], ew.get("up.b")))
+        y = linear(g, ew["down.w"], ew.get("down.b")) * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     if spec.shared_expert_ffn_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), added after the experts
         s = linear(silu_mul(linear(x, w["shared.gate.w"]), linear(x, w["shared.up.w"])), w["shared.down.w"])
         out = out + (torch.sigmoid(linear(x, w["shared_gate.w"])) * s if spec.shared_expert_gated else s)
     return out.view(shape)
+
+
+def _expert_gate(spec: ModelSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """An expert's gated activation: SwiGLU, or gpt-oss's clamped form (``swiglu_alpha``)."""
+    if not spec.swiglu_alpha:
+        return silu_mul(gate, up)
+    limit = spec.swiglu_limit
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
-from .families import INDEX, ROWS
+from .families import INDEX, ROWS, TRANSPOSED
 from .config_fields import fp8_block
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
@@ -109,20 +109,23 @@ class HFDirSource(WeightSource):
             if name is None:
                 raise ModelLoadError(f"{self.path}: tensor {self._likeliest(candidates)} missing from the checkpoint")
             name, _, rows = name.partition(ROWS)
+            name, transposed, _ = name.partition(TRANSPOSED)
             name, _, index = name.partition(INDEX)
             t = self._tensor(name)
             if index:  # one expert of a 3-D tensor holding all (a view)
-                if t.dim() != 3 or t.shape[0] <= int(index):
+                if t.dim() < 2 or t.shape[0] <= int(index):  # experts x rows x cols, or experts x biases
                     raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape)}, expected "
                                          f"more than {index} experts: corrupt checkpoint?")
                 t = t[int(index)]
             if t.dtype in FP8_DTYPES:  # block-scaled FP8: times its blocks' scales, before any cut
                 t = self._expand_fp8(name, t, int(index) if index else None)
-            if rows:  # rows of a fused tensor (a view; ``get`` converts and copies it)
-                r0, r1 = (int(r) for r in rows.split(":"))
+            if transposed:  # stored in x out (gpt-oss's experts)
+                t = t.transpose(-2, -1)
+            if rows:  # rows of a fused tensor, every step-th (a view; ``get`` converts and copies it)
+                r0, r1, step = (int(r) for r in (rows + ":1").split(":")[:3])
                 if t.shape[0] < r1:
                     raise ModelLoadError(f"{self.path}: tensor {name} has {t.shape[0]} rows, expected >= {r1}")
-                t = t[r0:r1]
+                t = t[r0:r1:step]
             out[k] = t
         return out
 

@@ -5,6 +5,8 @@ shape matters here.
 """
 from __future__ import annotations
 
+import math
+
 from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
 _OPT = dict(family="opt", vocab_size=50272, max_positions=2048, bos_token_id=2,
@@ -53,6 +55,16 @@ _GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_i
 _MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
 _QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
 _QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
+# gpt-oss: every layer sparse (softmax over the top 4 biased logits, biased experts with a
+# clamped gate), attention sinks, 128-position sliding layers alternating with global ones, YaRN
+_GPT_OSS = dict(family="llama", vocab_size=201088, max_positions=131072, bos_token_id=199998,
+                eos_token_ids=(200002,), pad_token_id=199999, tie_word_embeddings=False, norm_eps=1e-5,
+                rope_theta=150000.0, hidden_size=2880, ffn_size=2880, num_heads=64, num_kv_heads=8,
+                head_dim_override=64, sliding_window=128, attention_bias=True, attn_sinks=True,
+                norm_weight_fp32=True, experts_per_tok=4, expert_ffn_size=2880, router_scoring="topk_softmax",
+                router_bias=True, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+                rope_scaling=RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
+                                         attention_factor=0.1 * math.log(32.0) + 1.0, truncate=False))
 # GLM-4.5 / 4.6 (glm4_moe): DeepSeek-V3's sigmoid routing with a choice bias, one shared expert,
 # the first layers dense, q/k/v biases, RoPE on the halves of half of each head
 _GLM4_MOE = dict(family="llama", vocab_size=151552, max_positions=131072, bos_token_id=None,
@@ -161,6 +173,8 @@ _SHAPES: dict[str, dict] = {
                           num_experts=128, experts_per_tok=8, expert_ffn_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_size=12288, num_heads=64,
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32, layer_types=alternating(24, 2)),
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, layer_types=alternating(36, 2)),
     "glm-4.5-air": dict(_GLM4_MOE, num_layers=46, hidden_size=4096, ffn_size=10944, shared_expert_ffn_size=1408,
                         moe_layers=tuple(j >= 1 for j in range(46))),
     "glm-4.5": dict(_GLM4_MOE, num_layers=92, hidden_size=5120, ffn_size=12288, num_experts=160,

@@ -57,9 +57,9 @@ class RopeScaling:
 
 ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# how a router scores its experts: a softmax over them (Mixtral, Qwen), or a sigmoid each with a
-# per-expert choice bias (GLM-4.5, DeepSeek-V3)
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+# how a router scores its experts: a softmax over them (Mixtral, Qwen), a sigmoid each with a
+# per-expert choice bias (GLM-4.5, DeepSeek-V3), or a softmax over the top logits only (gpt-oss)
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 _NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
 _DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
 
@@ -160,6 +160,15 @@ class ModelSpec:
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scaling: float = 1.0
+    # gpt-oss: router_scoring "topk_softmax" (the top experts_per_tok logits, then a softmax over
+    # them), a bias on the router (router.b) and on each expert's matrices (experts.{e}.*.b), and
+    # the clamped gate of swiglu_alpha > 0: gate = min(gate, limit), up = clamp(up, +-limit),
+    # (up + 1) * gate * sigmoid(alpha * gate)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head (sinks) joins each softmax's denominator
     # per layer, whether its MLP is sparse (Qwen's mlp_only_layers, decoder_sparse_step); empty:
     # every layer is, where there are experts
     moe_layers: tuple[bool, ...] = ()
@@ -227,6 +236,8 @@ class ModelSpec:
         if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
             raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
                              "the llama family")
+        if self.attn_sinks and self.family != "llama":
+            raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
@@ -247,6 +258,9 @@ class ModelSpec:
             if used * (self.num_experts // g) < self.experts_per_tok:
                 raise ValueError(f"ModelSpec: {used} expert groups of {self.num_experts // g} hold fewer experts "
                                  f"than experts_per_tok={self.experts_per_tok}")
+            if self.swiglu_alpha < 0 or (self.swiglu_alpha > 0) != (self.swiglu_limit > 0):
+                raise ValueError(f"ModelSpec.swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}: "
+                                 "both > 0 (gpt-oss's clamped gate) or both 0")
             if not self.routed_scaling > 0:
                 raise ValueError(f"ModelSpec.routed_scaling={self.routed_scaling}: must be > 0")
             if self.moe_layers and len(self.moe_layers) != self.num_layers:
@@ -310,8 +324,8 @@ class ModelSpec:
         return all(self.moe_layers) if layer is None else self.moe_layers[layer]
 
     def expert_numel(self) -> int:
-        """Elements of one routed expert (gate, up and down)."""
-        return 3 * self.hidden_size * self.expert_ffn_size
+        """Elements of one routed expert (gate, up and down, and their biases where it has them)."""
+        return 3 * self.hidden_size * self.expert_ffn_size + (2 * self.expert_ffn_size + self.hidden_size) * self.expert_bias
 
     def experts_touched(self, tokens: float) -> float:
         """Expected routed experts a sparse layer uses for ``tokens`` tokens, each choosing
@@ -359,7 +373,7 @@ class ModelSpec:
             return attn + mlp + biases + norms
         mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
-                  + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)))
+                  + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)) + self.num_heads * self.attn_sinks)
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
         norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
@@ -375,7 +389,7 @@ class ModelSpec:
         n = self.num_experts if experts is None else experts
         shared = (3 * h * self.shared_expert_ffn_size + h * self.shared_expert_gated
                   if self.shared_expert_ffn_size else 0)
-        router = self.num_experts * (h + (self.router_scoring == "sigmoid"))  # + the choice bias
+        router = self.num_experts * (h + (self.router_scoring == "sigmoid") + self.router_bias)  # + its biases
         return router + shared + n * self.expert_numel()
 
     def active_layer_numel(self, layer: int | None = None) -> float:

@@ -1,0 +1,107 @@
+"""gpt-oss (``gpt_oss``): attention sinks (a learned logit per head joining each softmax's
+denominator), sliding and global layers alternating, YaRN, q/k/v/o biases; every layer a
+mixture of experts routed by a softmax over the top logits of a biased router, experts with
+biases and a clamped gate, stored transposed with gate and up interleaved. Greedy tokens equal
+transformers' in float32 from a Hugging Face directory, resident and offloaded, with prompts
+past the window, at 1 rank and 2."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TinyModel, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.registry import get_spec
+
+GEN = 6
+LONG = [p * 3 for p in PROMPTS]  # 6 to 27 tokens: past the window of 5
+OFFLOAD = (0, 40, 0, 100, 100, 0)
+
+
+def _config(**kw):
+    from transformers import GptOssConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_local_experts=8,
+                num_experts_per_tok=2, sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=255,
+                swiglu_limit=0.5,  # low enough that the clamps bite in a tiny model's activations
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+    return GptOssConfig(**{**base, **kw})
+
+
+def _model(path: Path, **kw) -> TinyModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(17)
+    m = AutoModelForCausalLM.from_config(_config(**kw)).eval()
+    with torch.no_grad():  # sinks and biases that matter (some start at zero)
+        for name, p in m.named_parameters():
+            if name.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias")):
+                p.copy_(torch.randn(p.shape) * (2.0 if name.endswith("sinks") else 0.5))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6)
+    m.save_pretrained(path)
+    return TinyModel("gpt_oss", path, m, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return _model(tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.mark.parametrize("placement", ["resident", "offloaded"])
+def test_greedy_tokens_match_transformers(tiny: TinyModel, placement: str, tmp_path: Path) -> None:
+    ref = reference_generate(tiny, LONG, GEN)
+    pct = (100, 0, 100, 0, 100, 0) if placement == "resident" else OFFLOAD
+    with LLM(str(tiny.path), percent=pct, gpu_batch_size=2, num_gpu_batches=2, offload_dir=str(tmp_path / "off"),
+             ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == ref
+        spec = llm.model.spec
+    assert spec.total_numel() == sum(p.numel() for p in tiny.model.parameters())
+
+
+def test_the_spec_carries_what_the_config_says(tiny: TinyModel) -> None:
+    s = load_model(str(tiny.path), load_tokenizer=False).spec
+    assert (s.router_scoring, s.router_bias, s.expert_bias, s.attn_sinks, s.attention_bias) == (
+        "topk_softmax", True, True, True, True)
+    assert (s.swiglu_alpha, s.swiglu_limit, s.num_experts, s.experts_per_tok) == (1.702, 0.5, 8, 2)
+    assert s.layer_types == ("sliding_attention", "full_attention") * 2 and s.sliding_window == 5
+    assert s.rope_scaling is not None and s.rope_scaling.rope_type == "yarn" and not s.rope_scaling.truncate
+
+
+def test_sinks_are_in_every_attention_path(tiny: TinyModel, tmp_path: Path) -> None:
+    """Prefill (materialised per sequence), decode on the cache's tier, merged decode over the
+    whole layer, and the cache on disk: each with the sinks (no sinks: other tokens)."""
+    ref = reference_generate(tiny, PROMPTS, GEN)
+    for pct, gbs in (((100, 0, 0, 0, 100, 0), 1), ((100, 0, 0, 100, 100, 0), 3), ((0, 100, 50, 50, 100, 0), 2)):
+        with LLM(str(tiny.path), percent=pct, gpu_batch_size=gbs, num_gpu_batches=len(PROMPTS) // gbs,
+                 offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS[:gbs * (len(PROMPTS) // gbs)], gen_len=GEN)] == \
+                ref[:gbs * (len(PROMPTS) // gbs)], pct
+
+
+@pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)])
+def test_registry_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
+    """OpenAI's model card: 20.91B parameters (3.61B active), 116.83B (5.13B active), the
+    active count with the unembedding and without the embedding."""
+    s = get_spec(name)
+    assert s.total_numel() / 1e9 == pytest.approx(total, abs=0.01)
+    act = s.head_numel() + sum(s.active_layer_numel(j) for j in range(s.num_layers))
+    assert act / 1e9 == pytest.approx(active, abs=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_ranks_match_transformers(tiny: TinyModel, tmp_path: Path) -> None:
+    from test_pipeline import torchrun
+
+    out = tmp_path / "o.jsonl"
+    r = torchrun(2, ["--model", str(tiny.path), "--prompts", str(write_jsonl(tmp_path / "p.jsonl", LONG)),
+                     "--gen-len", str(GEN), "--ignore-eos", "--gpu-batch-size", "2", "--num-gpu-batches", "2",
+                     "--percent", *map(str, OFFLOAD), "--offload-dir", str(tmp_path / "off"), "--output", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tiny, LONG, GEN)
