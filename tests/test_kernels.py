@@ -171,6 +171,27 @@ def test_native_attention_matches_softmax_reference(dtype: torch.dtype, layout: 
     torch.testing.assert_close(out.float(), ref, rtol=ATT_TOL[dtype], atol=ATT_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_attention_with_sinks_matches_softmax_reference(dtype: torch.dtype) -> None:
+    """gpt-oss's sinks: a logit per (row, query head) joins the softmax's denominator, its share
+    dropped; large sinks (taking most of the mass) and small ones both."""
+    _native_library()
+    gen = torch.Generator().manual_seed(7)
+    r, g, d, L = 6, 4, 64, 37
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((r, g, 1, d), (r, L, d), (r, L, d)))
+    mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
+    mask[..., -1] = True
+    sinks = torch.randn(r, g, generator=gen) * 4
+    out = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5, sinks)
+    assert out is not None
+    scores = torch.einsum("rgtd,rld->rgtl", q.float(), k.float()).div(d ** 0.5).masked_fill(~mask, float("-inf"))
+    probs = torch.cat([scores, sinks[:, :, None, None]], -1).softmax(-1)[..., :-1]
+    ref = torch.einsum("rgtl,rld->rgtd", probs, v.float())
+    torch.testing.assert_close(out.float(), ref, rtol=ATT_TOL[dtype], atol=ATT_TOL[dtype])
+    plain = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5)
+    assert plain is not None and not torch.allclose(plain.float(), ref, rtol=1e-2, atol=1e-2)
+
+
 def test_native_attention_declines_other_layouts() -> None:
     _native_library()
     q, k, v = torch.randn(4, 2, 1, 64), torch.randn(4, 10, 64), torch.randn(4, 10, 64)

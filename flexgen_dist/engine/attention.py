@@ -97,16 +97,18 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     scale = d ** -0.5 if scale is None else scale
     if sparsity < 1.0:
         return _sparse_attend(q, k, v, mask, sparsity, scale, softcap, sinks)
-    if softcap > 0 or sinks is not None:
+    if softcap > 0:
         return _bmm_attend(q, k, v, mask, scale, softcap, sinks)
     if t == 1 and q.device.type == "cpu":
         # Decode on the CPU: the native kernel reads each cache row once, in place (strided
         # rows of a row-major chunk or a position-major staged disk chunk), for the G query
         # heads of its kv head, in float32 arithmetic whatever the dtype (None where it does
         # not apply). bfloat16, 8 x 32 rows x 256 positions x 64: 5.3 ms for torch's SDPA.
-        o = kernels.attention(q, k, v, mask, scale)
+        o = kernels.attention(q, k, v, mask, scale, sinks)
         if o is not None:
             return o
+    if sinks is not None:  # no fused kernel takes them
+        return _bmm_attend(q, k, v, mask, scale, softcap, sinks)
     if t == 1 and (q.device.type != "cpu" or q.dtype in (torch.bfloat16, torch.float16)):
         # On the CPU without the kernel, in a half type: bmm would first copy the strided
         # cache rows (measured 2.1 ms vs 0.4 ms for SDPA's fused kernel on 128 rows x 264

@@ -122,8 +122,8 @@ def _load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_f32.restype = None
-    lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_float,
-                                 ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
+                                 ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_attention.restype = None
     lib.fg_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_rms_norm.restype = None
@@ -216,13 +216,14 @@ def _dense(fn: Any, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              scale: float) -> torch.Tensor | None:
+              scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Decode attention over cache rows, in float32, bfloat16 or float16 (float32 arithmetic,
     the output rounded once): q (R, G, 1, d) contiguous, k/v (R, L, d) with each position's d
     elements contiguous and rows and positions evenly strided (strided views of a
     preallocated cache, row-major or position-major, are read in place), mask (R, 1, 1, L)
     bool -> (R, G, 1, d); or None where the kernel does not apply (no library, another dtype,
-    device or layout, head_dim not a multiple of the vector width)."""
+    device or layout, head_dim not a multiple of the vector width). ``sinks`` (R, G): a logit
+    per query head joining each softmax's denominator (gpt-oss)."""
     lib = library()
     if lib is None:
         return None
@@ -235,9 +236,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             or k.shape[0] != r or any(x.stride(2) != 1 for x in (k, v))):
         return None
     out = torch.empty((r, g, 1, d), dtype=dt)
+    if sinks is not None:
+        sinks = sinks.to("cpu", torch.float32).contiguous()
+        if sinks.shape != (r, g):
+            return None
     lib.fg_attention(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                     v.stride(1), L, mask.data_ptr(), mask.stride(0), scale, out.data_ptr(), _DT[dt],
-                     torch.get_num_threads())
+                     v.stride(1), L, mask.data_ptr(), mask.stride(0), None if sinks is None else sinks.data_ptr(),
+                     scale, out.data_ptr(), _DT[dt], torch.get_num_threads())
     return out
 
 

@@ -120,11 +120,12 @@ extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx,
 // output: q (R, G, d) contiguous; position l of row r of k at k + r * ldk + l * ldl (v alike:
 // ldv, ldvl), positions [0, L) (a row-major chunk has ldl = d, a position-major staged disk
 // chunk ldl = rows * d); mask (R, L) with row stride ldm (nonzero = visible; every row must
-// see at least one position). d must be a multiple of the vector width.
+// see at least one position). d must be a multiple of the vector width. sinks (R, G) float32,
+// or null: a logit per query head that joins the softmax's denominator only (gpt-oss).
 template <int DT>
 static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
                       const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
-                      float scale, void* out, int nthreads) {
+                      const float* sinks, float scale, void* out, int nthreads) {
     const int esz = DT == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -156,13 +157,16 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void
                 float* sg = s.data() + g * Lp;
                 vf mv = _set1(-INFINITY);
                 for (int64_t l = 0; l < Lp; l += VW) mv = vmax(mv, vload(sg + l));
-                vf mx = _set1(hmax(mv)), sv = vzero();
+                float m = hmax(mv);
+                const float sink = sinks ? sinks[r * G + g] : -INFINITY;
+                if (sink > m) m = sink;
+                vf mx = _set1(m), sv = vzero();
                 for (int64_t l = 0; l < Lp; l += VW) {
                     vf e = vexp(vload(sg + l) - mx);
                     vstore(sg + l, e);
                     sv = sv + e;
                 }
-                vf inv = _set1(1.f / hsum(sv));
+                vf inv = _set1(1.f / (hsum(sv) + (sinks ? expf(sink - m) : 0.f)));
                 for (int64_t l = 0; l < Lp; l += VW) vstore(sg + l, vload(sg + l) * inv);
             }
             // out = p v, reading each position of v once, in order (G * d sums in L1)
@@ -294,11 +298,13 @@ extern "C" {
 
 // fg_attention for a dtype code dt (0 float32, 1 bfloat16, 2 float16); see attention above.
 void fg_attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
-                  const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm, float scale,
-                  void* out, int dt, int nthreads) {
-    if (dt == DT_BF16) attention<DT_BF16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, scale, out, nthreads);
-    else if (dt == DT_F16) attention<DT_F16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, scale, out, nthreads);
-    else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, scale, out, nthreads);
+                  const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
+                  const float* sinks, float scale, void* out, int dt, int nthreads) {
+    if (dt == DT_BF16)
+        attention<DT_BF16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
+    else if (dt == DT_F16)
+        attention<DT_F16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
+    else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
 }
 
 // The elementwise kernels for a dtype code dt (0 float32, 1 bfloat16, 2 float16), as
