@@ -84,6 +84,48 @@ def test_sinks_are_in_every_attention_path(tiny: TinyModel, tmp_path: Path) -> N
                 ref[:gbs * (len(PROMPTS) // gbs)], pct
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks, scales, the values they hold) of a (..., rows, cols) matrix in MXFP4: groups of
+    32 along cols, each a power-of-two scale (its largest value fits 6) and e2m1 codes, two a
+    byte, the low nibble first."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    e = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0)).to(torch.int32)
+    x = g / torch.pow(2.0, e.float())[..., None]
+    code = (x.abs()[..., None] - E2M1).abs().argmin(-1) + 8 * (x < 0)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    values = (E2M1[code % 8] * torch.where(code >= 8, -1.0, 1.0) * torch.pow(2.0, e.float())[..., None])
+    return blocks, (e + 127).to(torch.uint8), values.reshape(w.shape)
+
+
+def test_openai_mxfp4_checkpoints_match_transformers(tmp_path: Path) -> None:
+    """gpt-oss as OpenAI ships it: the experts' matrices MXFP4 (``*_blocks`` and ``*_scales``,
+    out x in), the rest as is; expanded on read to the values transformers expands."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tm = _model(tmp_path / "m")
+    sd = {k: v.detach().clone().contiguous() for k, v in tm.model.state_dict().items()}
+    for name in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales, values = _mxfp4(sd.pop(name).transpose(1, 2))  # stored out x in
+        sd[name + "_blocks"], sd[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            tm.model.get_parameter(name).copy_(values.transpose(1, 2))
+    for f in tm.path.glob("*.safetensors"):
+        f.unlink()
+    save_file(sd, str(tm.path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tm.path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    ref = reference_generate(tm, LONG, GEN)
+    with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=2, num_gpu_batches=2, offload_dir=str(tmp_path / "off"),
+             ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == ref
+
+
 @pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)])
 def test_registry_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
     """OpenAI's model card: 20.91B parameters (3.61B active), 116.83B (5.13B active), the
@@ -105,3 +147,17 @@ def test_two_ranks_match_transformers(tiny: TinyModel, tmp_path: Path) -> None:
                      "--percent", *map(str, OFFLOAD), "--offload-dir", str(tmp_path / "off"), "--output", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tiny, LONG, GEN)
+
+
+def test_mxfp4_expansion_is_transformers_own() -> None:
+    """The expansion against transformers' (``convert_moe_packed_tensors``, which also
+    transposes to in x out), on random codes and scales of every e2m1 value."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from flexgen_dist.models.loader import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 10, 4), generator=gen, dtype=torch.uint8)
+    ours = dequantize_mxfp4(blocks, scales, "w")
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))

@@ -137,8 +137,11 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
         method = q.get("quant_method", "?")
         if method == "fp8" and q.get("weight_block_size") and q.get("fmt", "e4m3") == "e4m3":
             return None  # block-scaled FP8 weights: expanded at load (fp8_block)
+        if method == "mxfp4" and model_type == "gpt_oss":
+            return None  # gpt-oss's experts as OpenAI ships them: expanded at load
         what = "per-tensor or per-channel 'fp8' (without weight_block_size)" if method == "fp8" else repr(method)
-        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is): use the full-precision "
+        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is, and gpt-oss's 'mxfp4'): "
+                "use the full-precision "
                 "weights (--compress-weight quantizes them) or a .gguf file")
     return None
 

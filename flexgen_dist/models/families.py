@@ -40,6 +40,9 @@ INDEX = "#index="  # "name#index=e" is entry e of a 3-D tensor (one expert of al
 # "name#index=e#T" is that entry transposed (a checkpoint storing in x out), before any #rows=;
 # "#rows=a:b:s" takes every s-th row of [a, b) (gate and up interleaved)
 TRANSPOSED = "#T"
+# "name_blocks#mxfp4..." is an MXFP4 tensor (gpt-oss's experts as OpenAI ships them): the 4-bit
+# codes in name_blocks, their power-of-two scales in name_scales, expanded on read
+MXFP4 = "#mxfp4"
 
 @dataclass
 class Family:

@@ -19,7 +19,7 @@ from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, EXPERT_PARTS, EXPERTS, LM_PREFI
                      apply_rope, apply_rope_interleaved, as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
 from ..kernels.qweight import QWeight
-from .families import INDEX, ROWS, TRANSPOSED, Attend, Family, Weights, register
+from .families import INDEX, MXFP4, ROWS, TRANSPOSED, Attend, Family, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -140,7 +140,11 @@ def _gpt_oss_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
             "gate.b": f"gate_up_proj_bias{INDEX}{e}{ROWS}0:{f2}:2",
             "up.b": f"gate_up_proj_bias{INDEX}{e}{ROWS}1:{f2}:2",
             "down.b": f"down_proj_bias{INDEX}{e}"}[part]
-    return [f"{at}.mlp.experts.{name}"]
+    # OpenAI's own checkpoints: the matrices MXFP4, stored out x in (not transposed)
+    packed = {"gate.w": f"gate_up_proj_blocks{MXFP4}{INDEX}{e}{ROWS}0:{f2}:2",
+              "up.w": f"gate_up_proj_blocks{MXFP4}{INDEX}{e}{ROWS}1:{f2}:2",
+              "down.w": f"down_proj_blocks{MXFP4}{INDEX}{e}"}.get(part)
+    return [f"{at}.mlp.experts.{n}" for n in (name, packed) if n]
 
 
 # llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)

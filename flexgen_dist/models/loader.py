@@ -23,7 +23,7 @@ import torch
 from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
-from .families import INDEX, ROWS, TRANSPOSED
+from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .config_fields import fp8_block
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
@@ -70,6 +70,24 @@ def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     return w.float() * s.repeat_interleave(block[1], -1)[..., :cols]
 
 
+# e2m1: the 16 values of a 4-bit code (sign, two exponent bits, one mantissa bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """An MXFP4 matrix in float32: ``blocks`` (..., rows, groups, 16) bytes, two e2m1 codes each
+    (the low nibble first), ``scales`` (..., rows, groups) E8M0 bytes, each group of 32 values
+    times 2^(scale - 127): (..., rows, groups * 32), the values transformers expands."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ModelLoadError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
+                             f"{tuple(scales.shape)}: expected uint8 (..., groups, 16) and (..., groups); corrupt "
+                             "checkpoint?")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    out = torch.ldexp(vals.reshape(*scales.shape, 32), scales.to(torch.int32)[..., None] - 127)
+    return out.reshape(*scales.shape[:-1], -1)
+
+
 class HFDirSource(WeightSource):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path,
                  fp8: tuple[int, int] | None = None) -> None:
@@ -111,7 +129,11 @@ class HFDirSource(WeightSource):
             name, _, rows = name.partition(ROWS)
             name, transposed, _ = name.partition(TRANSPOSED)
             name, _, index = name.partition(INDEX)
+            name, mxfp4, _ = name.partition(MXFP4)
             t = self._tensor(name)
+            if mxfp4:  # codes and scales of all experts: one expert's, expanded
+                t = self._expand_mxfp4(name, int(index) if index else None)
+                index = ""
             if index:  # one expert of a 3-D tensor holding all (a view)
                 if t.dim() < 2 or t.shape[0] <= int(index):  # experts x rows x cols, or experts x biases
                     raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape)}, expected "
@@ -141,6 +163,19 @@ class HFDirSource(WeightSource):
                                     else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
         scale = self._tensor(scale_name)
         return dequantize_fp8(t, scale[index] if index is not None else scale, self.fp8, f"{self.path}: {name}")
+
+    def _expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
+        scale_name = name.removesuffix("_blocks") + "_scales"
+        if scale_name not in self.index:
+            raise ModelLoadError(f"{self.path}: tensor {name} is MXFP4 but its scales {scale_name} are missing: "
+                                 "corrupt checkpoint?")
+        blocks, scales = self._tensor(name), self._tensor(scale_name)
+        if index is not None:
+            if blocks.dim() < 3 or blocks.shape[0] <= index:
+                raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(blocks.shape)}, expected more than "
+                                     f"{index} experts: corrupt checkpoint?")
+            blocks, scales = blocks[index], scales[index]
+        return dequantize_mxfp4(blocks, scales, f"{self.path}: {name}")
 
     def own_head(self) -> str | None:
         """Where the config ties the head to the embedding but the checkpoint holds a head of
