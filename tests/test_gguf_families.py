@@ -549,19 +549,37 @@ def test_smollm3_files_run_as_their_directories(tmp_path: Path) -> None:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want
 
 
-@pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["olmo2", "olmo3"])
-def test_olmo_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
-    """OLMo 2 and 3 as llama.cpp writes them (both as ``olmo2``: q/k not permuted, the norms
-    after each sublayer as post_attention_norm and post_ffw_norm, q/k norms over all heads;
-    OLMo 3's window and its per-layer pattern): spec and greedy tokens as the directory's."""
+def _norm_layout_model(kind: str) -> torch.nn.Module:
     import transformers as tf
 
-    torch.manual_seed(47)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    m = (tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)) if kind == "olmo2"
-         else tf.Olmo3ForCausalLM(tf.Olmo3Config(**common, sliding_window=5))).eval()
+    return {"olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**common)),
+            "olmo3": lambda: tf.Olmo3ForCausalLM(tf.Olmo3Config(**common, sliding_window=5)),
+            "glm4": lambda: tf.Glm4ForCausalLM(tf.Glm4Config(**common, head_dim=32)),
+            "exaone4": lambda: tf.Exaone4ForCausalLM(tf.Exaone4Config(**common, sliding_window=5,
+                                                                      sliding_window_pattern=4))}[kind]().eval()
+
+
+# what each file's spec must say beyond equalling its directory's
+_NORM_LAYOUT_FACTS = {
+    "olmo2": dict(norm_layout="post", qk_norm_whole=True), "olmo3": dict(norm_layout="post", qk_norm_whole=True),
+    "glm4": dict(norm_layout="sandwich", rotary_dim=16, rope_interleaved=True, fused_mlp=True),
+    "exaone4": dict(norm_layout="post", qk_norm_whole=False, nope_layers=(False, False, False, True)),
+}
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("kind", ["olmo2", "olmo3", "glm4", "exaone4"])
+def test_files_with_norms_after_the_sublayers_run_as_their_directories(kind: str, tmp_path: Path) -> None:
+    """OLMo 2 and 3 as llama.cpp writes them (both as ``olmo2``: q/k not permuted, the norms
+    after each sublayer as post_attention_norm and post_ffw_norm, q/k norms over all heads;
+    OLMo 3's window and its per-layer pattern), EXAONE 4 (``exaone4``: the same norms, q/k norms
+    per head, the window's per-layer pattern, the global layers without RoPE) and GLM-4
+    (``glm4``: four norms a layer, gate|up fused as ffn_up, q/k not permuted, RoPE on
+    interleaved pairs of half of each head): spec and greedy tokens as the directory's."""
+    torch.manual_seed(47)
+    m = _norm_layout_model(kind)
     with torch.no_grad():
         for layer in m.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
@@ -574,40 +592,8 @@ def test_olmo_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
     if kind == "olmo3":  # the file has one RoPE for every layer: the same here, both layer types at the default
         assert ref.local_rope_theta in (0.0, ref.rope_theta)
         ref = dataclasses.replace(ref, local_rope_theta=ours.local_rope_theta)
-    assert dataclasses.replace(ours, name=ref.name) == ref and ours.norm_layout == "post" and ours.qk_norm_whole
-    want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
-    with LLM(str(path), ignore_eos=True, progress=False) as llm:
-        assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want
-
-
-@pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["glm4", "exaone4"])
-def test_glm4_and_exaone4_files_run_as_their_directories(kind: str, tmp_path: Path) -> None:
-    """GLM-4 as llama.cpp writes it (``glm4``: gate|up fused as ffn_up, four norms a layer, q/k
-    not permuted, RoPE on interleaved pairs of half of each head) and EXAONE 4 (``exaone4``: the
-    norms after each sublayer, q/k norms per head, the window and its per-layer pattern, the
-    global layers without RoPE): spec and greedy tokens as the directory's."""
-    import transformers as tf
-
-    torch.manual_seed(53)
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    m = (tf.Glm4ForCausalLM(tf.Glm4Config(**common, head_dim=32)) if kind == "glm4"
-         else tf.Exaone4ForCausalLM(tf.Exaone4Config(**common, sliding_window=5, sliding_window_pattern=4))).eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
-    m.save_pretrained(tmp_path / "hf")
-    path = write_gguf(m, tmp_path / f"{kind}.gguf")
-    ours = load_model(str(path), load_tokenizer=False).spec
-    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
     assert dataclasses.replace(ours, name=ref.name) == ref
-    assert (ours.rotary_dim, ours.rope_interleaved, ours.fused_mlp) == ((16, True, True) if kind == "glm4" else
-                                                                        (0, False, False))
-    if kind == "exaone4":
-        assert ours.nope_layers == (False, False, False, True) and ours.norm_layout == "post"
+    assert {k: getattr(ours, k) for k in _NORM_LAYOUT_FACTS[kind]} == _NORM_LAYOUT_FACTS[kind]
     want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want

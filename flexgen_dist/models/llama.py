@@ -370,9 +370,9 @@ def _expert_gate(spec: ModelSpec, gate: torch.Tensor, up: torch.Tensor) -> torch
     """An expert's gated activation: SwiGLU, or gpt-oss's clamped form (``swiglu_alpha``)."""
     if not spec.swiglu_alpha:
         return silu_mul(gate, up)
-    limit = spec.swiglu_limit
-    gate = gate.clamp(max=limit)
-    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+    limit = spec.swiglu_limit  # in place on the fresh products; each product as the reference's
+    gate = gate.clamp_(max=limit)
+    return torch.sigmoid(gate * spec.swiglu_alpha).mul_(gate).mul_(up.clamp_(-limit, limit).add_(1))
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
