@@ -26,7 +26,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     # experts 64 wide: every matrix splits into 32-element blocks, so a Q8_0 file holds them all packed
     glm = dict(_COMMON, head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
@@ -46,6 +46,10 @@ def _configs() -> dict:
         "glm4_moe": Glm4MoeConfig(**glm, n_group=1, topk_group=1),
         "glm4_moe-groups": Glm4MoeConfig(**{**glm, "num_experts_per_tok": 2, "norm_topk_prob": False},
                                          n_group=4, topk_group=1, use_qk_norm=True),
+        # MiniMax-M2: sigmoid routing with a choice bias in the model's dtype, q/k normalised over
+        # all heads, half of each head turned (its configs' legacy rotary_dim)
+        "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
+                                      rotary_dim=16),
     }
 
 
@@ -68,7 +72,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
-                                  "glm4_moe-groups"])
+                                  "glm4_moe-groups", "minimax_m2"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -96,6 +100,14 @@ def test_the_spec_carries_what_the_config_says(models: dict) -> None:
     assert q3.moe_layers == (False, True, False, True) and q3.qk_norm and q3.norm_topk_prob
     step = load_model(str(models["qwen3_moe-step"].path), load_tokenizer=False).spec
     assert step.moe_layers == (False, True, False, True)
+    glm = load_model(str(models["glm4_moe-groups"].path), load_tokenizer=False).spec
+    assert (glm.router_scoring, glm.router_fp32, glm.expert_groups, glm.expert_groups_used, glm.routed_scaling) == (
+        "sigmoid", True, 4, 1, 2.5)
+    assert (glm.shared_expert_ffn_size, glm.shared_expert_gated, glm.moe_layers, glm.rotary_dim, glm.qkv_bias) == (
+        128, False, (False, True, True, True), 16, True) and glm.qk_norm and not glm.norm_topk_prob
+    mm = load_model(str(models["minimax_m2"].path), load_tokenizer=False).spec
+    assert (mm.router_scoring, mm.router_fp32, mm.rotary_dim, mm.qk_norm_whole, mm.norm_topk_prob) == (
+        "sigmoid", False, 16, True, True)
 
 
 def test_a_small_batch_reads_only_the_chosen_experts(models: dict, tmp_path: Path) -> None:
@@ -133,16 +145,18 @@ def test_registry_shapes_have_the_published_sizes(name: str, total: float, activ
     assert act / 1e9 == pytest.approx(active, abs=0.1)
 
 
-@pytest.mark.parametrize("name,total,active", [("glm-4.5-air", 106, 12), ("glm-4.5", 355, 32), ("glm-4.6", 355, 32)])
-def test_glm_moe_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
-    """GLM-4.5-Air: 106B parameters, 12B active; GLM-4.5 / 4.6: 355B, 32B active (the model
-    cards' rounded figures, within 1 %: the shapes leave out the multi-token-prediction layer,
-    which generation never runs; the active count is without the embedding and head)."""
+@pytest.mark.parametrize("name,total,active", [("glm-4.5-air", 106, 12), ("glm-4.5", 355, 32), ("glm-4.6", 355, 32),
+                                               ("minimax-m2", 230, 10)])
+def test_sigmoid_routed_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
+    """GLM-4.5-Air: 106B parameters, 12B active; GLM-4.5 / 4.6: 355B, 32B active; MiniMax-M2:
+    230B, 10B active (the model cards' rounded figures, within 1 %: the shapes leave out the
+    multi-token-prediction layers, which generation never runs; the active count is without
+    the embedding and head). GLM's first layers are dense."""
     s = get_spec(name)
     assert s.total_numel() / 1e9 == pytest.approx(total, rel=0.01)
     act = sum(s.active_layer_numel(j) for j in range(s.num_layers))
     assert act / 1e9 == pytest.approx(active, abs=0.5)
-    assert s.router_scoring == "sigmoid" and not s.is_moe(0) and s.is_moe(s.num_layers - 1)
+    assert s.router_scoring == "sigmoid" and s.is_moe(0) == name.startswith("minimax") and s.is_moe(s.num_layers - 1)
 
 
 def test_layers_are_split_by_what_they_weigh() -> None:

@@ -70,6 +70,7 @@ USED: dict[str, set[str]] = {
     "glm4_moe": _LLAMA_USED | {"use_qk_norm", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
                                "n_routed_experts", "num_local_experts", "routed_scaling_factor", "n_group",
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
+    "minimax_m2": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok"},
     "gpt_oss": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                               "swiglu_alpha", "swiglu_limit"},
     "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -90,7 +91,7 @@ INERT: dict[str, set[str]] = {
     # GLM-4.5's multi-token-prediction layers (stored after the last layer) serve speculative
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
-    "gpt_oss": _ROUTER_TRAINING,
+    "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -111,7 +112,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granite", "smollm3", "exaone4", "glm", "glm4", "olmo2", "olmo3", "cohere",
                                              "cohere2",
                                              "mixtral",
-                                             "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")},
+                                             "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")},
     "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says
@@ -135,7 +136,7 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
     q = cfg.get("quantization_config")
     if q:
         method = q.get("quant_method", "?")
-        if method == "fp8" and q.get("weight_block_size") and q.get("fmt", "e4m3") == "e4m3":
+        if method == "fp8" and q.get("weight_block_size") and q.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn"):
             return None  # block-scaled FP8 weights: expanded at load (fp8_block)
         if method == "mxfp4" and model_type == "gpt_oss":
             return None  # gpt-oss's experts as OpenAI ships them: expanded at load

@@ -221,7 +221,7 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
     if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
         if int(key("expert_gating_func", 2)) != 2:
             raise ValueError(f"glm4moe.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
-        fields.update(router_scoring="sigmoid", norm_topk_prob=bool(key("expert_weights_norm", False)),
+        fields.update(router_scoring="sigmoid", router_fp32=True, norm_topk_prob=bool(key("expert_weights_norm", False)),
                       routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
                       expert_groups=int(key("expert_group_count", 1)) or 1,
                       expert_groups_used=int(key("expert_group_used_count", 1)) or 1,

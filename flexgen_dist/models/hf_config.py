@@ -60,9 +60,11 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     # GLM's configs turn half of each head unless they say otherwise (transformers' default)
     partial = (cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                or (0.5 if mt in (*GLM_TYPES, "glm4_moe") else 1.0))
-    if partial != 1.0 and mt not in ("phi3", "glm4_moe", *GLM_TYPES):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm, glm4 "
-                         "and glm4_moe)")
+    if mt == "minimax_m2" and cfg.get("rotary_dim") and partial == 1.0:  # its released configs' legacy name
+        partial = cfg["rotary_dim"] / (_head_dim(cfg) or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if partial != 1.0 and mt not in ("phi3", "glm4_moe", "minimax_m2", *GLM_TYPES):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm, glm4, "
+                         "glm4_moe and minimax_m2)")
     if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
@@ -74,7 +76,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
 GLM_TYPES = ("glm", "glm4")
@@ -144,6 +146,9 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "minimax_m2":  # every layer sparse: sigmoid scores, their choice bias, renormalised
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    expert_ffn_size=cfg["intermediate_size"], router_scoring="sigmoid", router_weights_fp32=True)
     if mt == "gpt_oss":  # every layer sparse: the top logits' softmax, biases, the clamped gate
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 4),
                     expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax", router_bias=True,
@@ -156,7 +161,7 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
                     expert_ffn_size=cfg.get("moe_intermediate_size", 1408),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router_weights_fp32=True,
-                    router_scoring="sigmoid", expert_groups=cfg.get("n_group", 1) or 1,
+                    router_scoring="sigmoid", router_fp32=True, expert_groups=cfg.get("n_group", 1) or 1,
                     expert_groups_used=cfg.get("topk_group", 1) or 1,
                     routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
                     shared_expert_ffn_size=shared * cfg.get("moe_intermediate_size", 1408), shared_expert_gated=False,
@@ -180,7 +185,8 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
                      or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
                      or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4") or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2")
+                     or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                      fused_proj=mt == "phi3",
                      fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in GLM_TYPES,
                      norm_layout={"exaone4": "post", "glm4": "sandwich"}.get(mt, "pre"),
@@ -193,7 +199,9 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
 
 def _gpt_oss(mt: str) -> dict[str, Any]:
     """gpt-oss's attention sinks, and its RMSNorm multiplying its weight in float32 (transformers
-    keeps the norms' weights in float32 and casts after the product)."""
+    keeps the norms' weights in float32 and casts after the product); MiniMax-M2's q/k norms."""
+    if mt == "minimax_m2":  # q and k normalised over all heads (as OLMo, its weights in the model's dtype)
+        return dict(qk_norm_whole=True)
     return dict(attn_sinks=True, norm_weight_fp32=True) if mt == "gpt_oss" else {}
 
 

@@ -1,8 +1,8 @@
 """LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense, and the checkpoints that differ in
 small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3): RMSNorm, rotary positions, SwiGLU MLP,
 grouped-query attention, tied or untied LM head; and its mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5), whose sparse layers route each token to a few SwiGLU
-experts.
+(Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, gpt-oss), whose sparse layers route each
+token to a few SwiGLU experts.
 
 A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
 ``.up.w`` and ``.down.w`` for each routed expert e, and for Qwen2-MoE ``shared.{gate,up,down}.w``
@@ -111,8 +111,9 @@ def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
         return _gpt_oss_hf_names(spec, at, k)
     if k == "router.w":
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
-    if k == "router.choice_b":
-        return [f"{at}.mlp.gate.e_score_correction_bias"]
+    if k == "router.choice_b":  # GLM-4.5's beside the router; MiniMax-M2's on the block
+        return [f"{at}.mlp.gate.e_score_correction_bias", f"{at}.mlp.e_score_correction_bias",
+                f"{at}.block_sparse_moe.e_score_correction_bias"]
     if k == "shared_gate.w":
         return [f"{at}.mlp.shared_expert_gate.weight"]
     if k.startswith("shared."):  # Qwen2-MoE's one shared expert; GLM-4.5's n_shared_experts as one
@@ -341,10 +342,12 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     order of the sums), plus the shared expert's gated output where there is one."""
     shape, h = x.shape, x.shape[-1]
     x = x.reshape(-1, h)
-    if spec.router_scoring == "sigmoid":  # the router in float32, as the reference keeps it
+    if spec.router_fp32:  # the router in float32, as the reference keeps it (GLM-4.5)
         r = w["router.w"]
         r = r.dense() if isinstance(r, QWeight) else r
-        top_w, top_i = route(spec, F.linear(x.float(), r.float()), x.dtype, w["router.choice_b"])
+        top_w, top_i = route(spec, F.linear(x.float(), r.float()), x.dtype, w.get("router.choice_b"))
+    elif spec.router_scoring == "sigmoid":  # MiniMax-M2: in the model's dtype, scored in float32
+        top_w, top_i = route(spec, linear(x, w["router.w"]).float(), x.dtype, w["router.choice_b"])
     else:
         top_w, top_i = route(spec, linear(x, w["router.w"], w.get("router.b")), x.dtype)
     experts = w.get(EXPERTS) or DictExperts(w)

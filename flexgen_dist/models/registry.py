@@ -71,7 +71,7 @@ _GLM4_MOE = dict(family="llama", vocab_size=151552, max_positions=131072, bos_to
                  eos_token_ids=(151329, 151336, 151338), pad_token_id=151329, tie_word_embeddings=False,
                  norm_eps=1e-5, rope_theta=1_000_000.0, head_dim_override=128, rotary_dim=64, qkv_bias=True,
                  num_heads=96, num_kv_heads=8, num_experts=128, experts_per_tok=8, expert_ffn_size=1408,
-                 router_scoring="sigmoid", router_weights_fp32=True, shared_expert_gated=False)
+                 router_scoring="sigmoid", router_fp32=True, router_weights_fp32=True, shared_expert_gated=False)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -175,6 +175,13 @@ _SHAPES: dict[str, dict] = {
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32, layer_types=alternating(24, 2)),
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, layer_types=alternating(36, 2)),
+    # MiniMax-M2 / M2.1 (minimax_m2): sigmoid routing with a choice bias over 256 experts, top 8,
+    # q/k normalised over all heads, half of each head turned
+    "minimax-m2": dict(family="llama", vocab_size=200064, max_positions=196608, bos_token_id=200034,
+                       eos_token_ids=(200020,), tie_word_embeddings=False, norm_eps=1e-6, rope_theta=5_000_000.0,
+                       num_layers=62, hidden_size=3072, ffn_size=1536, num_heads=48, num_kv_heads=8,
+                       head_dim_override=128, rotary_dim=64, qk_norm=True, qk_norm_whole=True, num_experts=256,
+                       experts_per_tok=8, expert_ffn_size=1536, router_scoring="sigmoid", router_weights_fp32=True),
     "glm-4.5-air": dict(_GLM4_MOE, num_layers=46, hidden_size=4096, ffn_size=10944, shared_expert_ffn_size=1408,
                         moe_layers=tuple(j >= 1 for j in range(46))),
     "glm-4.5": dict(_GLM4_MOE, num_layers=92, hidden_size=5120, ffn_size=12288, num_experts=160,

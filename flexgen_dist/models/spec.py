@@ -151,12 +151,13 @@ class ModelSpec:
     router_weights_fp32: bool = False  # Mixtral: the routing weights stay float32 (Qwen: the model dtype)
     shared_expert_ffn_size: int = 0  # Qwen2-MoE: one shared SwiGLU expert on every token, gated by a sigmoid
     shared_expert_gated: bool = True  # False: the shared expert's output added as is (GLM-4.5)
-    # GLM-4.5 (DeepSeek-V3's routing): router_scoring "sigmoid" scores each expert with a sigmoid
-    # of its float32 logit; the choice adds a per-expert bias (router.choice_b) to the scores, keeps
+    # GLM-4.5 and MiniMax-M2 (DeepSeek-V3's routing): router_scoring "sigmoid" scores each expert
+    # with a sigmoid of its logit in float32; the choice adds a per-expert bias (router.choice_b) to the scores, keeps
     # the expert_groups_used best of expert_groups groups (a group's worth: its two best), then
     # the top experts_per_tok of those; the weights are the chosen scores (without the bias),
     # renormalised where norm_topk_prob, times routed_scaling
     router_scoring: str = "softmax"
+    router_fp32: bool = False  # the router's product in float32 from float32 copies (GLM-4.5; MiniMax-M2: its dtype)
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scaling: float = 1.0
