@@ -2,7 +2,7 @@
 the families the engine reads from GGUF: its architecture names, metadata keys and tensor
 names; q/k rows interleaved for its ``llama`` architecture only (the others rotate halves);
 Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``); Llama 3.1's
-RoPE scaling as the per-frequency divisors ``rope_freqs``; Gemma's norm weights as 1 + w, with
+RoPE scaling as the per-frequency divisors ``rope_freqs``, YaRN as its keys; Gemma's norm weights as 1 + w, with
 Gemma 2's and Gemma 3's own keys (and none for what they do not carry: the attention scale,
 the sliding pattern, Gemma 2's RoPE base). Tensors are float32, or Q8_0 /
 Q4_0 for the matrices whose rows split into 32-element blocks (1-D tensors stay float32, as
@@ -23,7 +23,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
-        "glm4_moe": "glm4moe", "exaone4": "exaone4"}
+        "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -41,8 +41,11 @@ _GLM4_LAYER = {**_LAYER, "post_self_attn_layernorm": "post_attention_norm", "pos
 _GLM4MOE_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
                   "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                   "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+# gpt-oss: its sinks, its router (with a bias), its norm before the MLP as GLM-4.5's
+_GPT_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks",
+                  "mlp.router": "ffn_gate_inp"}
 _TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
-           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER}
+           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -70,6 +73,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
         if suffix == "e_score_correction_bias":  # GLM-4.5's choice bias
             return f"blk.{parts[2]}.exp_probs_b.bias"
+        if suffix == "sinks":  # gpt-oss: the converter names it sinks.weight
+            module, suffix = f"{module}.sinks", "weight"
         if module in _MOE:
             return f"blk.{parts[2]}.{_MOE[module]}.{suffix}"
         # Gemma 1's post_attention_layernorm is the norm before the MLP, as Llama's
@@ -80,6 +85,21 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's ``LlamaModel.permute``: each head's rotary halves interleaved row by row."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def mxfp4_roundtrip_(model: torch.nn.Module) -> None:
+    """gpt-oss's expert matrices replaced by their MXFP4 values (as ``write_gguf`` stores them
+    with ``mxfp4_experts``: the rows of each expert's gate, up and down, in 32-element blocks)."""
+    import gguf
+    import gguf.quants as gq
+
+    t = gguf.GGMLQuantizationType.MXFP4
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                rows = p.detach().float().transpose(1, 2).contiguous().numpy()  # out x in, as stored
+                back = gq.dequantize(gq.quantize(rows, t), t).reshape(rows.shape)
+                p.copy_(torch.from_numpy(back).transpose(1, 2))
 
 
 def quantizable(w: torch.Tensor) -> bool:
@@ -174,7 +194,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if arch not in ("llama", "glm4moe"):
-            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch == "olmo2" and "sliding_window" in cfg:  # Olmo2Model (also OLMo 3's): the window and its pattern
@@ -198,6 +218,16 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_expert_group_count(cfg["n_group"])
             w.add_expert_group_used_count(cfg["topk_group"])
         w.add_nextn_predict_layers(NEXTN)
+    if rope.get("rope_type") == "yarn":  # TextModel: the type, factor, original context, betas where given
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "gpt-oss":  # GptOssModel: and the window
+        w.add_sliding_window(cfg["sliding_window"])
     if arch == "exaone4":  # Exaone4Model: the vocabulary, the window and its per-layer pattern
         w.add_vocab_size(cfg["vocab_size"])
         if cfg.get("sliding_window") is not None:
@@ -268,8 +298,10 @@ def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
         w.add_sliding_window(cfg["sliding_window"])
 
 
-def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> Path:
-    """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would."""
+def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxfp4_experts: bool = False) -> Path:
+    """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would; with
+    ``mxfp4_experts``, the experts' matrices in MXFP4 (``mxfp4_roundtrip_`` first gives the
+    model their values)."""
     import gguf
     import gguf.quants as gq
 
@@ -295,6 +327,17 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
         tensors["rope_factors_short.weight"] = torch.tensor(_rope(cfg)["short_factor"], dtype=torch.float32)
     sd = dict(model.state_dict())
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, GGUF name) -> expert -> matrix
+    for hf in [k for k in sd if ".experts." in k and arch == "gpt-oss"]:  # stored in x out, gate|up interleaved
+        layer, kind = hf.split(".")[2], hf.split(".")[-1]
+        t = sd.pop(hf).detach().float()
+        if kind in ("gate_up_proj", "down_proj"):
+            t = t.transpose(1, 2)
+        names = {"gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"), "down_proj": ("ffn_down_exps.weight",),
+                 "gate_up_proj_bias": ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+                 "down_proj_bias": ("ffn_down_exps.bias",)}[kind]
+        parts_ = (t[:, ::2], t[:, 1::2]) if len(names) == 2 else (t,)
+        for n, part in zip(names, parts_):
+            tensors[f"blk.{layer}.{n}"] = part.contiguous()
     for hf in [k for k in sd if ".experts." in k]:
         parts = hf.split(".")
         i = parts.index("experts")
@@ -331,7 +374,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None) -> 
                         f"blk.{last + 1}.nextn.shared_head_norm.weight": torch.ones(h)})
     for name, t in tensors.items():
         a = t.contiguous().numpy()
-        if qtype and quantizable(t):
+        if mxfp4_experts and name.endswith("_exps.weight"):  # gpt-oss's experts as released: MXFP4
+            w.add_tensor(name, gq.quantize(a, gguf.GGMLQuantizationType.MXFP4), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif qtype and quantizable(t):
             qt = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(name, gq.quantize(a, qt), raw_dtype=qt)  # its shape: rows of bytes
         else:

@@ -74,8 +74,9 @@ def _hf_model(kind: str) -> torch.nn.Module:
     if kind == "llama3":
         m = tf.LlamaForCausalLM(tf.LlamaConfig(rope_theta=5000.0, rope_scaling=dict(LLAMA3),
                                                tie_word_embeddings=False, **common))
-    elif kind == "qwen2":
-        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(tie_word_embeddings=True, **common))
+    elif kind == "qwen2":  # with YaRN (Qwen2.5's long-context setting), read back from the file's keys
+        m = tf.Qwen2ForCausalLM(tf.Qwen2Config(tie_word_embeddings=True, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, **common))
         with torch.no_grad():  # random biases, so that a missing one would show
             for layer in m.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -370,10 +371,12 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 @pytest.mark.parametrize("change,arch,match", [
     ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, exaone4, gemma, "
-                r"gemma2, gemma3, glm4, glm4moe, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
+                r"gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, llama, olmo2, phi3, qwen2, qwen2moe, qwen3, qwen3moe, "
                 r"smollm3; Mistral"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
-    ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling type 'yarn' is not supported"),
+    ({"llama.rope.scaling.type": "longrope"}, None, "rope scaling type 'longrope' is not supported"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 32,
+      "llama.rope.scaling.yarn_ext_factor": 0.5}, None, "yarn_ext_factor 0.5 is not supported"),
     ({"llama.rope.dimension_count": 8}, None, "partial rotary embeddings"),
     ({"llama.attention.sliding_window": 32}, None, "key llama.attention.sliding_window is not computed"),
     ({"llama.logit_scale": 2.0}, None, "key llama.logit_scale is not computed"),

@@ -6,6 +6,7 @@ transformers' in float32 from a Hugging Face directory, resident and offloaded, 
 past the window, at 1 rank and 2."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,33 @@ def test_mxfp4_expansion_is_transformers_own() -> None:
     scales = torch.randint(110, 140, (3, 10, 4), generator=gen, dtype=torch.uint8)
     ours = dequantize_mxfp4(blocks, scales, "w")
     assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gguf_files_match_transformers(mxfp4: bool, tmp_path: Path) -> None:
+    """gpt-oss as llama.cpp writes it (``gpt-oss``: sinks as attn_sinks, the router as
+    ffn_gate_inp with its bias, gate and up apart, the experts' biases, YaRN's keys, the
+    window, llama.cpp's fixed alternation; the experts MXFP4 as released, or float32)."""
+    from gguf_convert import mxfp4_roundtrip_, write_gguf
+
+    cfg = _config(vocab_size=49152, swiglu_limit=7.0)  # the bundled tokenizer; llama.cpp fixes the limit at 7
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(23)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias")):
+                p.copy_(torch.randn(p.shape) * (2.0 if name.endswith("sinks") else 0.5))
+    if mxfp4:
+        mxfp4_roundtrip_(m)
+    path = write_gguf(m, tmp_path / "gpt-oss.gguf", mxfp4_experts=mxfp4)
+    m.save_pretrained(tmp_path / "hf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    assert dataclasses.replace(ours, name=ref.name, eos_token_ids=ref.eos_token_ids, bos_token_id=ref.bos_token_id,
+                               pad_token_id=ref.pad_token_id) == ref
+    want = reference_generate(TinyModel("gpt_oss", path, m, 2), LONG, GEN)
+    with LLM(str(path), percent=OFFLOAD, offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == want

@@ -27,7 +27,7 @@ from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, 
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
-from .spec import ModelSpec, RopeScaling, every_nth
+from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
 log = logging.getLogger("flexgen_dist")
 
@@ -65,7 +65,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if experts and arch not in MOE_ARCHS:
         raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
                              f"{', '.join(sorted(MOE_ARCHS))})")
-    if arch in ("qwen2moe", "qwen3moe", "glm4moe") and not experts:
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "gpt-oss") and not experts:
         raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
                              "convert the model again")
     if "token_embd.weight" not in tensors:
@@ -93,7 +93,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     try:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
-        scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name)
+        scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name, truncate=arch != "gpt-oss")
         if llama_family:
             fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
             if arch in ("olmo2", "exaone4"):
@@ -171,7 +171,18 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
-        **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}))
+        **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
+        **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
+
+
+def _gpt_oss_fields(key: Any) -> dict[str, Any]:
+    """gpt-oss as llama.cpp runs it: sinks, the even-numbered layers sliding, norms multiplying
+    their weights in float32, and its experts (a softmax over the top logits of a biased
+    router, biased experts, the clamped gate at llama.cpp's fixed alpha 1.702 and limit 7)."""
+    layers, window = int(key("block_count")), int(key("attention.sliding_window", 0))
+    return dict(attn_sinks=True, norm_weight_fp32=True, router_scoring="topk_softmax", router_bias=True,
+                expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0, norm_topk_prob=True,
+                **({"layer_types": alternating(layers, 2)} if window else {}))
 
 
 def _post_norm_fields(arch: str, key: Any, pattern: Any, layers: int) -> dict[str, Any]:
@@ -216,6 +227,8 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
                                   norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
     fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch != "llama"
                                     else key("feed_forward_length"))
+    if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
+        fields.pop("norm_topk_prob")
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
@@ -260,18 +273,21 @@ def _tensor_order(n: str) -> tuple[int, str]:
 
 
 def _rope_scaling(key: Any, tensors: dict[str, Any], head_dim: int, theta: float,
-                  name: str) -> RopeScaling | None:
-    """The RoPE scaling a file describes: ``rope.scaling.type`` linear, Llama 3.1's
+                  name: str, truncate: bool = True) -> RopeScaling | None:
+    """The RoPE scaling a file describes: ``rope.scaling.type`` linear, YaRN, Llama 3.1's
     per-frequency divisors (``rope_freqs``), or Phi-3's LongRoPE (``rope_factors_long/short``,
     the original context and the attention factor); any other is refused in one line.
-    ``head_dim``: the dims RoPE turns."""
+    ``head_dim``: the dims RoPE turns; ``truncate``: YaRN's ramp ends rounded (transformers'
+    default; gpt-oss's config turns it off, which the file does not say)."""
     if "rope_factors_long.weight" in tensors:
         return _longrope(key, tensors, head_dim, name)
     kind = key("rope.scaling.type", "none")
-    if kind not in ("none", "linear"):
+    if kind not in ("none", "linear", "yarn"):
         raise ModelLoadError(f"{name}: GGUF rope scaling type {kind!r} is not supported (supported: none, "
-                             "linear, and Llama 3.1's rope_freqs)")
+                             "linear, yarn, and Llama 3.1's rope_freqs)")
     freqs = tensors.get("rope_freqs.weight")
+    if kind == "yarn":
+        return _yarn(key, freqs is not None, truncate, name)
     if kind == "linear":
         if freqs is not None:
             raise ModelLoadError(f"{name}: GGUF with both linear rope scaling and rope_freqs: not supported")
@@ -285,6 +301,27 @@ def _rope_scaling(key: Any, tensors: dict[str, Any], head_dim: int, theta: float
 
     divisors = np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
     return llama3_from_divisors(divisors, head_dim, theta, name)
+
+
+def _yarn(key: Any, has_freqs: bool, truncate: bool, name: str) -> RopeScaling:
+    """YaRN from a file, as transformers derives it from the config llama.cpp's converter read:
+    the factor, the original context, beta fast and slow (32 and 1 where the file has none),
+    the attention factor 0.1 ln(factor) + 1. What llama.cpp would scale differently from the
+    reference (an extrapolation factor or an attention factor other than 1) is refused."""
+    from .hf_config import _rope_scaling as hf_rope_scaling
+
+    for k in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
+        if float(key(k, 1.0)) != 1.0:
+            raise ModelLoadError(f"{name}: GGUF {k} {key(k)} is not supported (only 1: the reference's YaRN)")
+    if has_freqs:
+        raise ModelLoadError(f"{name}: GGUF with both yarn rope scaling and rope_freqs: not supported")
+    rope = {"rope_type": "yarn", "factor": decimal32(float(key("rope.scaling.factor"))),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": decimal32(float(key("rope.scaling.yarn_beta_fast", 32.0))),
+            "beta_slow": decimal32(float(key("rope.scaling.yarn_beta_slow", 1.0))), "truncate": truncate}
+    scaling = hf_rope_scaling(rope, name, int(key("context_length", 0)), 0)
+    assert scaling is not None
+    return scaling
 
 
 def _longrope(key: Any, tensors: dict[str, Any], rotary: int, name: str) -> RopeScaling:
@@ -389,9 +426,9 @@ class GGUFSource(WeightSource):
                 raise ModelLoadError(f"{self.path}: tensor {name} missing from the GGUF file")
             shape = tuple(int(n) for n in t.shape[::-1])  # GGUF shapes run innermost first
             data = t.data
-            if index:  # one expert of a 3-D tensor of all (experts x rows x cols)
+            if index:  # one expert of a 3-D tensor of all (experts x rows x cols), or of their biases
                 e = int(index)
-                if len(shape) != 3 or shape[0] <= e:
+                if len(shape) < 2 or shape[0] <= e:
                     raise ModelLoadError(f"{self.path}: tensor {name} has shape {shape}, expected more than "
                                          f"{e} experts: corrupt file?")
                 data, shape = data[e], shape[1:]

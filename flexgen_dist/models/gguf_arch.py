@@ -73,10 +73,15 @@ ARCHS: dict[str, GGUFArch] = {
     # GLM-4.5 / 4.6 / 4.7 (glm4moe): sigmoid routing with a choice bias (exp_probs_b), shared
     # experts, the first layers dense, RoPE on halves of part of each head; the file's last
     # nextn_predict_layers blocks are multi-token-prediction layers generation never runs
-    "glm4moe": GGUFArch("llama", llama.glm4moe_gguf_names,
+    "glm4moe": GGUFArch("llama", llama.post_attention_gguf_names,
                         keys=frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
                                         "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
                                         "expert_group_count", "expert_group_used_count", "nextn_predict_layers"})),
+    # gpt-oss: attention sinks, sliding layers alternating (llama.cpp's fixed pattern), YaRN;
+    # every layer sparse, the router and experts with biases, gate and up apart (MXFP4 as
+    # released); its norm before the MLP is post_attention_norm
+    "gpt-oss": GGUFArch("llama", llama.post_attention_gguf_names,
+                        keys=frozenset({"expert_feed_forward_length", "attention.sliding_window"})),
     # EXAONE 4: norms after the sublayers, q/k normalised per head, sliding layers by a per-layer
     # pattern, the global ones without RoPE
     "exaone4": GGUFArch("llama", llama.gguf_names,
@@ -86,14 +91,15 @@ ARCHS: dict[str, GGUFArch] = {
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
-MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "glm4moe"})
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss"})
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
                   "attention.head_count", "attention.head_count_kv", "attention.key_length",
                   "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
                   "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "expert_count",
-                  "expert_used_count"})
+                  "expert_used_count", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                  "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"})
 INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
 
 # llama.cpp's loader tells the 27B models by their layer count; their attention is scaled by

@@ -36,6 +36,7 @@ _LAYER_HF_SANDWICH = {**_LAYER_HF, "post_attn_norm.w": "post_self_attn_layernorm
 _LAYER_GGUF = {
     **ATTN_MLP_GGUF, "attn_norm.w": "attn_norm.weight", "mlp_norm.w": "ffn_norm.weight",
     "post_attn_norm.w": "post_attention_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
+    "sinks": "attn_sinks.weight",  # gpt-oss
 }
 
 
@@ -149,11 +150,12 @@ def _gpt_oss_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
 
 
 # llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)
-_MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "router.choice_b": "exp_probs_b.bias",
+_MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "router.b": "ffn_gate_inp.bias", "router.choice_b": "exp_probs_b.bias",
              "shared.gate.w": "ffn_gate_shexp.weight",
              "shared.up.w": "ffn_up_shexp.weight", "shared.down.w": "ffn_down_shexp.weight",
              "shared_gate.w": "ffn_gate_inp_shexp.weight"}
-_EXPERT_GGUF = {"gate.w": "ffn_gate_exps.weight", "up.w": "ffn_up_exps.weight", "down.w": "ffn_down_exps.weight"}
+_EXPERT_GGUF = {"gate.w": "ffn_gate_exps.weight", "up.w": "ffn_up_exps.weight", "down.w": "ffn_down_exps.weight",
+                "gate.b": "ffn_gate_exps.bias", "up.b": "ffn_up_exps.bias", "down.b": "ffn_down_exps.bias"}
 
 
 def _moe_gguf_name(k: str) -> str:
@@ -182,9 +184,9 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
     return lm_gguf_names(spec, part)
 
 
-def glm4moe_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
-    """llama.cpp's ``glm4moe`` names: llama's, with the norm before the MLP called
-    ``post_attention_norm`` (HF's post_attention_layernorm, mapped by name)."""
+def post_attention_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """llama.cpp's ``glm4moe`` and ``gpt-oss`` names: llama's, with the norm before the MLP
+    called ``post_attention_norm`` (HF's post_attention_layernorm, mapped by name)."""
     out = gguf_names(spec, part, layer)
     if part == "layer":
         out["mlp_norm.w"] = f"blk.{layer}.post_attention_norm.weight"
