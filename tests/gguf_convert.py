@@ -375,7 +375,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
     for name, t in tensors.items():
         a = t.contiguous().numpy()
         if mxfp4_experts and name.endswith("_exps.weight"):  # gpt-oss's experts as released: MXFP4
-            w.add_tensor(name, gq.quantize(a, gguf.GGMLQuantizationType.MXFP4), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            mx = gguf.GGMLQuantizationType.MXFP4
+            w.add_tensor(name, gq.quantize(a, mx), raw_dtype=mx)
         elif qtype and quantizable(t):
             qt = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(name, gq.quantize(a, qt), raw_dtype=qt)  # its shape: rows of bytes

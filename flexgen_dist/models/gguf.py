@@ -97,8 +97,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         if llama_family:
             fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
             if arch in ("olmo2", "exaone4"):
-                fields.update(_post_norm_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
-                                                int(key("block_count"))))
+                pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+                fields.update(_post_norm_fields(arch, key, pattern, int(key("block_count"))))
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":
             fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))
@@ -234,13 +234,15 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
     if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
         if int(key("expert_gating_func", 2)) != 2:
             raise ValueError(f"glm4moe.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
-        fields.update(router_scoring="sigmoid", router_fp32=True, norm_topk_prob=bool(key("expert_weights_norm", False)),
+        fields.update(router_scoring="sigmoid", router_fp32=True,
+                      norm_topk_prob=bool(key("expert_weights_norm", False)),
                       routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
                       expert_groups=int(key("expert_group_count", 1)) or 1,
                       expert_groups_used=int(key("expert_group_used_count", 1)) or 1,
                       shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
                       shared_expert_gated=False)
-    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(int(key("block_count")) - _nextn(key, arch)))
+    layers = int(key("block_count")) - _nextn(key, arch)
+    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(layers))
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields

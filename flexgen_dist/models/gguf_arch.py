@@ -74,9 +74,10 @@ ARCHS: dict[str, GGUFArch] = {
     # experts, the first layers dense, RoPE on halves of part of each head; the file's last
     # nextn_predict_layers blocks are multi-token-prediction layers generation never runs
     "glm4moe": GGUFArch("llama", llama.post_attention_gguf_names,
-                        keys=frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
-                                        "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
-                                        "expert_group_count", "expert_group_used_count", "nextn_predict_layers"})),
+                        keys=frozenset({"expert_feed_forward_length", "expert_shared_count",
+                                        "leading_dense_block_count", "expert_gating_func", "expert_weights_scale",
+                                        "expert_weights_norm", "expert_group_count", "expert_group_used_count",
+                                        "nextn_predict_layers"})),
     # gpt-oss: attention sinks, sliding layers alternating (llama.cpp's fixed pattern), YaRN;
     # every layer sparse, the router and experts with biases, gate and up apart (MXFP4 as
     # released); its norm before the MLP is post_attention_norm

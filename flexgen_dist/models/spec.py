@@ -326,7 +326,8 @@ class ModelSpec:
 
     def expert_numel(self) -> int:
         """Elements of one routed expert (gate, up and down, and their biases where it has them)."""
-        return 3 * self.hidden_size * self.expert_ffn_size + (2 * self.expert_ffn_size + self.hidden_size) * self.expert_bias
+        h, f = self.hidden_size, self.expert_ffn_size
+        return 3 * h * f + (2 * f + h) * self.expert_bias
 
     def experts_touched(self, tokens: float) -> float:
         """Expected routed experts a sparse layer uses for ``tokens`` tokens, each choosing
