@@ -23,7 +23,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
-        "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss"}
+        "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -207,6 +207,9 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
                 add(cfg[k])
     if arch in ("glm4", "glm4moe"):  # Glm4Model, Glm4MoeModel: the rotated dims of each head
         w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 0.5)))
+    if arch == "minimax-m2":  # MiniMaxM2Model: the rotated dims (its rotary_dim), sigmoid gating
+        w.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or 1.0)))
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch == "glm4moe":  # and the experts' set, the dense layers, the prediction layers
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_shared_count(cfg["n_shared_experts"])

@@ -209,7 +209,7 @@ def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts),

@@ -65,7 +65,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if experts and arch not in MOE_ARCHS:
         raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
                              f"{', '.join(sorted(MOE_ARCHS))})")
-    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "gpt-oss") and not experts:
+    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "gpt-oss", "minimax-m2") and not experts:
         raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
                              "convert the model again")
     if "token_embd.weight" not in tensors:
@@ -78,8 +78,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                              f"{vocab} rows: corrupt file?")
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
-    # Phi-4-mini turns 3/4 of each head, GLM-4 and GLM-4.5 half
-    partial = arch in ("phi3", "glm4", "glm4moe") and rotary != head_dim
+    # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2") and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")
@@ -166,7 +166,9 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         # biases or not
         qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe") or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2")
+        or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
+        qk_norm_whole=arch == "minimax-m2",
         fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
@@ -231,9 +233,11 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
         fields.pop("norm_topk_prob")
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
+    if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
+        raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
+    if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
+        fields.update(router_scoring="sigmoid", router_weights_fp32=True)
     if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
-        if int(key("expert_gating_func", 2)) != 2:
-            raise ValueError(f"glm4moe.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
         fields.update(router_scoring="sigmoid", router_fp32=True,
                       norm_topk_prob=bool(key("expert_weights_norm", False)),
                       routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
