@@ -26,7 +26,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     # experts 64 wide: every matrix splits into 32-element blocks, so a Q8_0 file holds them all packed
     glm = dict(_COMMON, head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
@@ -48,6 +48,8 @@ def _configs() -> dict:
                                          n_group=4, topk_group=1, use_qk_norm=True),
         # MiniMax-M2: sigmoid routing with a choice bias in the model's dtype, q/k normalised over
         # all heads, half of each head turned (its configs' legacy rotary_dim)
+        # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
+        "olmoe": OlmoeConfig(**{**_COMMON, "rms_norm_eps": 1e-5}, num_experts=8, num_experts_per_tok=2),
         "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
                                       rotary_dim=16),
     }
@@ -72,7 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
-                                  "glm4_moe-groups", "minimax_m2"])
+                                  "glm4_moe-groups", "minimax_m2", "olmoe"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -137,7 +139,7 @@ def test_cost_model_expected_experts() -> None:
 
 @pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7, 12.9), ("mixtral-8x22b", 140.6, 39.2),
                                                ("qwen2-57b-a14b", 57.4, 14.3), ("qwen3-30b-a3b", 30.5, 3.3),
-                                               ("qwen3-235b-a22b", 235.1, 22.2)])
+                                               ("qwen3-235b-a22b", 235.1, 22.2), ("olmoe-1b-7b", 6.92, 1.28)])
 def test_registry_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
     s = get_spec(name)
     assert s.total_numel() / 1e9 == pytest.approx(total, abs=0.1)
@@ -175,7 +177,7 @@ def test_layers_are_split_by_what_they_weigh() -> None:
 
 @pytest.mark.parametrize("edit,match", [
     ({"model_type": "deepseek_v3"}, "mixture-of-experts family 'deepseek_v3' is not supported"),
-    ({"model_type": "olmoe"}, "mixture-of-experts family 'olmoe' is not supported"),
+    ({"model_type": "granitemoe"}, "mixture-of-experts family 'granitemoe' is not supported"),
     ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
     ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
 ])
@@ -209,7 +211,8 @@ def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2",
+                                  "olmoe"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts),

@@ -71,6 +71,7 @@ USED: dict[str, set[str]] = {
                                "n_routed_experts", "num_local_experts", "routed_scaling_factor", "n_group",
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "minimax_m2": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok"},
+    "olmoe": _LLAMA_USED | {"num_experts", "num_experts_per_tok", "norm_topk_prob"},
     "gpt_oss": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                               "swiglu_alpha", "swiglu_limit"},
     "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -91,7 +92,7 @@ INERT: dict[str, set[str]] = {
     # GLM-4.5's multi-token-prediction layers (stored after the last layer) serve speculative
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
-    "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING,
+    "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -113,6 +114,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "cohere2",
                                              "mixtral",
                                              "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")},
+    "olmoe": {"hidden_act": "silu", "clip_qkv": None},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -65,7 +65,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if experts and arch not in MOE_ARCHS:
         raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
                              f"{', '.join(sorted(MOE_ARCHS))})")
-    if arch in ("qwen2moe", "qwen3moe", "glm4moe", "gpt-oss", "minimax-m2") and not experts:
+    if arch in ("qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2") and not experts:
         raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
                              "convert the model again")
     if "token_embd.weight" not in tensors:
@@ -166,9 +166,9 @@ def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_overrid
         # biases or not
         qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2")
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe")
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
-        qk_norm_whole=arch == "minimax-m2",
+        qk_norm_whole=arch in ("minimax-m2", "olmoe"),
         fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
@@ -227,8 +227,10 @@ def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> d
         return {}
     fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
                                   norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
-    fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch != "llama"
-                                    else key("feed_forward_length"))
+    fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch not in ("llama", "olmoe")
+                                    else key("expert_feed_forward_length", key("feed_forward_length")))
+    if arch == "olmoe":  # llama.cpp never renormalises OLMoE's routing weights (its config's default)
+        fields["norm_topk_prob"] = False
     if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
         fields.pop("norm_topk_prob")
     if arch == "qwen2moe":

@@ -83,6 +83,8 @@ ARCHS: dict[str, GGUFArch] = {
     # released); its norm before the MLP is post_attention_norm
     "gpt-oss": GGUFArch("llama", llama.post_attention_gguf_names,
                         keys=frozenset({"expert_feed_forward_length", "attention.sliding_window"})),
+    # OLMoE: Qwen's softmax routing, never renormalised (llama.cpp's), q/k normalised over all heads
+    "olmoe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     # MiniMax-M2: sigmoid routing with its choice bias (exp_probs_b), q/k normalised over all
     # heads, RoPE on part of each head
     "minimax-m2": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
@@ -96,7 +98,7 @@ ARCHS: dict[str, GGUFArch] = {
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
-MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "glm4moe", "gpt-oss", "minimax-m2"})
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2"})
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",

@@ -76,7 +76,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2")
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
 GLM_TYPES = ("glm", "glm4")
@@ -133,7 +133,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "olmoe", "granitemoe", "granitemoeshared",
+MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe", "granitemoeshared",
                "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "ernie4_5_moe", "jetmoe",
                "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
 
@@ -146,6 +146,9 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "olmoe":  # every layer sparse: Qwen's softmax routing (by default not renormalised)
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
+                    expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
     if mt == "minimax_m2":  # every layer sparse: sigmoid scores, their choice bias, renormalised
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
                     expert_ffn_size=cfg["intermediate_size"], router_scoring="sigmoid", router_weights_fp32=True)
@@ -185,7 +188,7 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
                      or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
                      or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2")
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2", "olmoe")
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                      fused_proj=mt == "phi3",
                      fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in GLM_TYPES,
@@ -200,7 +203,7 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
 def _gpt_oss(mt: str) -> dict[str, Any]:
     """gpt-oss's attention sinks, and its RMSNorm multiplying its weight in float32 (transformers
     keeps the norms' weights in float32 and casts after the product); MiniMax-M2's q/k norms."""
-    if mt == "minimax_m2":  # q and k normalised over all heads (as OLMo, its weights in the model's dtype)
+    if mt in ("minimax_m2", "olmoe"):  # q and k normalised over all heads (as OLMo, its weights in the model's dtype)
         return dict(qk_norm_whole=True)
     return dict(attn_sinks=True, norm_weight_fp32=True) if mt == "gpt_oss" else {}
 

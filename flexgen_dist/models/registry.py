@@ -175,6 +175,12 @@ _SHAPES: dict[str, dict] = {
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32, layer_types=alternating(24, 2)),
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, layer_types=alternating(36, 2)),
+    # OLMoE-1B-7B (olmoe): 64 experts, top 8, not renormalised; q/k normalised over all heads
+    "olmoe-1b-7b": dict(family="llama", vocab_size=50304, max_positions=4096, bos_token_id=None,
+                        eos_token_ids=(50279,), pad_token_id=1, tie_word_embeddings=False, norm_eps=1e-5,
+                        num_layers=16, hidden_size=2048, ffn_size=1024, num_heads=16, qk_norm=True,
+                        qk_norm_whole=True, num_experts=64, experts_per_tok=8, expert_ffn_size=1024,
+                        norm_topk_prob=False),
     # MiniMax-M2 / M2.1 (minimax_m2): sigmoid routing with a choice bias over 256 experts, top 8,
     # q/k normalised over all heads, half of each head turned
     "minimax-m2": dict(family="llama", vocab_size=200064, max_positions=196608, bos_token_id=200034,
