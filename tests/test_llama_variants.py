@@ -187,7 +187,8 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
                                         "mistral3", "exaone4", "glm", "glm4", "gemma", "gemma2", "gemma3_text",
-                                        "gemma3", "mixtral", "qwen2_moe", "qwen3_moe"])
+                                        "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe",
+                                        "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""
@@ -634,3 +635,24 @@ def test_exaone4_pattern_written_as_letters() -> None:
     spec = spec_from_hf_config(cfg, "e")
     assert [spec.window(j) for j in range(8)] == [4, 4, 4, 0] * 2
     assert spec.nope_layers == (False, False, False, True) * 2
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_ernie45_matches_transformers(use_bias: bool, tmp_path: Path) -> None:
+    """ERNIE 4.5 (``ernie4_5``): RoPE on interleaved pairs, turned in float32 from float32
+    tables, its own head size, biases on every projection with ``use_bias``, a tied head."""
+    import transformers as tf
+
+    torch.manual_seed(79)
+    m = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**{**_MISTRAL_TEXT, "head_dim": 16, "use_bias": use_bias,
+                                                    "tie_word_embeddings": True})).eval()
+    with torch.no_grad():  # sharp attention, biases away from zero
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+            for n, p in layer.named_parameters():
+                if n.endswith("bias"):
+                    p.normal_(0, 0.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.rope_interleaved and spec.rope_fp32 and spec.head_dim == 16 and spec.tie_word_embeddings
+    assert (spec.attention_bias, spec.mlp_bias) == (use_bias, use_bias)

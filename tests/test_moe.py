@@ -26,7 +26,8 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
+                              Qwen2MoeConfig, Qwen3MoeConfig)
 
     # experts 64 wide: every matrix splits into 32-element blocks, so a Q8_0 file holds them all packed
     glm = dict(_COMMON, head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
@@ -48,6 +49,10 @@ def _configs() -> dict:
                                          n_group=4, topk_group=1, use_qk_norm=True),
         # MiniMax-M2: sigmoid routing with a choice bias in the model's dtype, q/k normalised over
         # all heads, half of each head turned (its configs' legacy rotary_dim)
+        # ERNIE 4.5: softmax scores with a choice bias, a shared expert, layer 0 dense, RoPE on
+        # interleaved pairs in float32
+        "ernie4_5_moe": Ernie4_5_MoeConfig(**{**_COMMON, "tie_word_embeddings": False}, moe_num_experts=8, moe_k=3,
+                                           moe_intermediate_size=48, moe_num_shared_experts=1, moe_layer_start_index=1),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
         "olmoe": OlmoeConfig(**{**_COMMON, "rms_norm_eps": 1e-5}, num_experts=8, num_experts_per_tok=2),
         "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
@@ -60,8 +65,8 @@ def _model(kind: str, path: Path) -> TinyModel:
 
     torch.manual_seed(11)
     m = AutoModelForCausalLM.from_config(_configs()[kind]).eval()
-    with torch.no_grad():  # GLM-4.5's choice bias starts at zero: give it values that change choices
-        for name, b in m.named_buffers():
+    with torch.no_grad():  # the choice biases start at zero: give them values that change choices
+        for name, b in [*m.named_buffers(), *m.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * 0.3)
     m.save_pretrained(path)
@@ -74,7 +79,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
-                                  "glm4_moe-groups", "minimax_m2", "olmoe"])
+                                  "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -107,6 +112,10 @@ def test_the_spec_carries_what_the_config_says(models: dict) -> None:
         "sigmoid", True, 4, 1, 2.5)
     assert (glm.shared_expert_ffn_size, glm.shared_expert_gated, glm.moe_layers, glm.rotary_dim, glm.qkv_bias) == (
         128, False, (False, True, True, True), 16, True) and glm.qk_norm and not glm.norm_topk_prob
+    er = load_model(str(models["ernie4_5_moe"].path), load_tokenizer=False).spec
+    assert (er.router_scoring, er.router_choice_bias, er.router_fp32, er.router_norm_min, er.moe_layers) == (
+        "softmax", True, True, 1e-12, (False, True, True, True))
+    assert er.rope_interleaved and er.rope_fp32 and (er.shared_expert_ffn_size, er.shared_expert_gated) == (48, False)
     mm = load_model(str(models["minimax_m2"].path), load_tokenizer=False).spec
     assert (mm.router_scoring, mm.router_fp32, mm.rotary_dim, mm.qk_norm_whole, mm.norm_topk_prob) == (
         "sigmoid", False, 16, True, True)
@@ -159,6 +168,15 @@ def test_sigmoid_routed_shapes_have_the_published_sizes(name: str, total: float,
     act = sum(s.active_layer_numel(j) for j in range(s.num_layers))
     assert act / 1e9 == pytest.approx(active, abs=0.5)
     assert s.router_scoring == "sigmoid" and s.is_moe(0) == name.startswith("minimax") and s.is_moe(s.num_layers - 1)
+
+
+def test_ernie_shape_has_the_published_size() -> None:
+    """ERNIE-4.5-21B-A3B: 21.8B parameters (the checkpoint's count), 3B active without the
+    (tied) embedding."""
+    s = get_spec("ernie-4.5-21b-a3b")
+    assert s.total_numel() / 1e9 == pytest.approx(21.8, abs=0.05)
+    assert sum(s.active_layer_numel(j) for j in range(s.num_layers)) / 1e9 == pytest.approx(3.0, abs=0.1)
+    assert s.has_choice_bias and s.router_scoring == "softmax" and not s.is_moe(0)
 
 
 def test_layers_are_split_by_what_they_weigh() -> None:

@@ -72,6 +72,10 @@ USED: dict[str, set[str]] = {
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "minimax_m2": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok"},
     "olmoe": _LLAMA_USED | {"num_experts", "num_experts_per_tok", "norm_topk_prob"},
+    "ernie4_5": _LLAMA_USED | {"use_bias"},
+    "ernie4_5_moe": _LLAMA_USED | {"moe_intermediate_size", "moe_k", "moe_num_experts", "moe_num_shared_experts",
+                                   "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
+                                   "moe_norm_min"},
     "gpt_oss": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                               "swiglu_alpha", "swiglu_limit"},
     "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -93,6 +97,7 @@ INERT: dict[str, set[str]] = {
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
+    "ernie4_5_moe": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -114,7 +119,10 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "cohere2",
                                              "mixtral",
                                              "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")},
-    "olmoe": {"hidden_act": "silu", "clip_qkv": None},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
+    "olmoe": {"hidden_act": "silu", "clip_qkv": None},
+    "ernie4_5": {"hidden_act": "silu"},
+    # use_bias would put biases on the shared experts too, which no released checkpoint has
+    "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},
     "gemma2": {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False},
     # Gemma 3's attention never soft-caps in transformers, whatever this field says

@@ -76,7 +76,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe")
+ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pairs in float32, use_bias
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
 GLM_TYPES = ("glm", "glm4")
@@ -84,7 +85,7 @@ OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
 # read as the llama family's, each with what differs from Llama (``_llama_spec``)
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-               "exaone4", *GLM_TYPES, *MOE_TYPES)
+               "exaone4", "ernie4_5", *GLM_TYPES, *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
@@ -134,7 +135,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe", "granitemoeshared",
-               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "ernie4_5_moe", "jetmoe",
+               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "jetmoe",
                "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
 
 
@@ -146,6 +147,17 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "ernie4_5_moe":  # softmax scores with a choice bias, shared experts, sparse from a start layer
+        n, step = cfg["num_hidden_layers"], cfg.get("moe_layer_interval", 1) or 1
+        start, end = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_end_index", -1)
+        end = n - 1 if end is None or end == -1 else end
+        sparse = tuple((j + 1) % step == 0 and start <= j <= end for j in range(n))
+        ef = cfg.get("moe_intermediate_size", 1536)
+        return dict(num_experts=cfg.get("moe_num_experts", 64), experts_per_tok=cfg.get("moe_k", 6),
+                    expert_ffn_size=ef, norm_topk_prob=True, router_fp32=True, router_choice_bias=True,
+                    router_norm_min=float(cfg.get("moe_norm_min", 1e-12)),
+                    shared_expert_ffn_size=(cfg.get("moe_num_shared_experts", 2) or 0) * ef, shared_expert_gated=False,
+                    moe_layers=() if all(sparse) else sparse)
     if mt == "olmoe":  # every layer sparse: Qwen's softmax routing (by default not renormalised)
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
@@ -191,11 +203,13 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2", "olmoe")
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                      fused_proj=mt == "phi3",
-                     fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in GLM_TYPES,
+                     fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in (*GLM_TYPES, *ERNIE_TYPES),
+                     rope_fp32=mt in ERNIE_TYPES,
                      norm_layout={"exaone4": "post", "glm4": "sandwich"}.get(mt, "pre"),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                     attention_bias=cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"),
-                     mlp_bias=cfg.get("mlp_bias", False), **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     attention_bias=(cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"))
+                     or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
+                     mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt), **_gpt_oss(mt),
                      **common)
 

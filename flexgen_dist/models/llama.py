@@ -54,7 +54,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         shapes["router.w"] = (spec.num_experts, h)
         if spec.router_bias:  # gpt-oss
             shapes["router.b"] = (spec.num_experts,)
-        if spec.router_scoring == "sigmoid":  # GLM-4.5: the bias its choice adds to the scores
+        if spec.has_choice_bias:  # GLM-4.5, MiniMax-M2, ERNIE 4.5: the bias its choice adds to the scores
             shapes["router.choice_b"] = (spec.num_experts,)
         if spec.shared_expert_ffn_size:
             sf = spec.shared_expert_ffn_size
@@ -112,9 +112,10 @@ def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
         return _gpt_oss_hf_names(spec, at, k)
     if k == "router.w":
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
-    if k == "router.choice_b":  # GLM-4.5's beside the router; MiniMax-M2's on the block
+    if k == "router.choice_b":  # GLM-4.5's beside the router; MiniMax-M2's on the block; ERNIE's (1 x experts)
         return [f"{at}.mlp.gate.e_score_correction_bias", f"{at}.mlp.e_score_correction_bias",
-                f"{at}.block_sparse_moe.e_score_correction_bias"]
+                f"{at}.block_sparse_moe.e_score_correction_bias",
+                f"{at}.mlp.moe_statics.e_score_correction_bias{INDEX}0"]
     if k == "shared_gate.w":
         return [f"{at}.mlp.shared_expert_gate.weight"]
     if k.startswith("shared."):  # Qwen2-MoE's one shared expert; GLM-4.5's n_shared_experts as one
@@ -257,9 +258,12 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
         q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     if spec.rotates(layer):
         theta, scaling = spec.rope(layer)
-        cos, sin = as_positions(pos).rope(spec.rope_dim, theta, x.dtype, scaling, spec.rope_interleaved)
-        turn = apply_rope_interleaved if spec.rope_interleaved else apply_rope
-        q, k = turn(q, cos, sin), turn(k, cos, sin)
+        dt = torch.float32 if spec.rope_fp32 else x.dtype  # ERNIE 4.5: the tables and the turn in float32
+        cos, sin = as_positions(pos).rope(spec.rope_dim, theta, dt, scaling, spec.rope_interleaved)
+        if spec.rope_interleaved:
+            q, k = (apply_rope_interleaved(t, cos, sin, spec.rope_fp32) for t in (q, k))
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if spec.attn_temp_beta:  # Ministral 3: a temperature on q growing past each attn_temp_len positions
         ids = as_positions(pos).ids
         temp = 1 + spec.attn_temp_beta * torch.log(1 + torch.floor(ids / spec.attn_temp_len))
@@ -310,9 +314,14 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
         return torch.softmax(top_l, dim=1, dtype=top_l.dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top_w, top_i = torch.topk(probs, spec.experts_per_tok, dim=-1)
+    if choice_bias is not None:  # ERNIE 4.5: chosen by probability + bias, weighted by probability
+        top_i = torch.topk(probs + choice_bias.float(), spec.experts_per_tok, dim=-1)[1]
+        top_w = probs.gather(1, top_i)
+    else:
+        top_w, top_i = torch.topk(probs, spec.experts_per_tok, dim=-1)
     if spec.norm_topk_prob:
-        top_w /= top_w.sum(dim=-1, keepdim=True)
+        total = top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w / total.clamp(min=spec.router_norm_min) if spec.router_norm_min else top_w.div_(total)
     return (top_w if spec.router_weights_fp32 else top_w.to(dtype)), top_i
 
 

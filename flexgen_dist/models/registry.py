@@ -175,6 +175,15 @@ _SHAPES: dict[str, dict] = {
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32, layer_types=alternating(24, 2)),
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, layer_types=alternating(36, 2)),
+    # ERNIE-4.5-21B-A3B (ernie4_5_moe): softmax scores with a choice bias, 64 experts, top 6, two
+    # shared, layer 0 dense, RoPE on interleaved pairs in float32
+    "ernie-4.5-21b-a3b": dict(family="llama", vocab_size=103424, max_positions=131072, bos_token_id=1,
+                              eos_token_ids=(2,), pad_token_id=0, tie_word_embeddings=True, norm_eps=1e-5,
+                              rope_theta=500000.0, rope_interleaved=True, rope_fp32=True, num_layers=28,
+                              hidden_size=2560, ffn_size=12288, num_heads=20, num_kv_heads=4, num_experts=64,
+                              experts_per_tok=6, expert_ffn_size=1536, router_fp32=True, router_choice_bias=True,
+                              router_norm_min=1e-12, shared_expert_ffn_size=3072, shared_expert_gated=False,
+                              moe_layers=tuple(j >= 1 for j in range(28))),
     # OLMoE-1B-7B (olmoe): 64 experts, top 8, not renormalised; q/k normalised over all heads
     "olmoe-1b-7b": dict(family="llama", vocab_size=50304, max_positions=4096, bos_token_id=None,
                         eos_token_ids=(50279,), pad_token_id=1, tie_word_embeddings=False, norm_eps=1e-5,

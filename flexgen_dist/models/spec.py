@@ -139,6 +139,7 @@ class ModelSpec:
     fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
     fused_mlp: bool = False  # ... gate|up only (GLM-4)
     rope_interleaved: bool = False  # RoPE turns pairs (2i, 2i+1), not (i, i + d/2) (GLM-4; the cohere family always)
+    rope_fp32: bool = False  # ... in float32 from float32 tables, then cast back (ERNIE 4.5)
     mlp_bias: bool = False
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
     # (hidden -> num_experts logits, softmax in float32, the top experts_per_tok kept) and
@@ -158,6 +159,10 @@ class ModelSpec:
     # renormalised where norm_topk_prob, times routed_scaling
     router_scoring: str = "softmax"
     router_fp32: bool = False  # the router's product in float32 from float32 copies (GLM-4.5; MiniMax-M2: its dtype)
+    # ERNIE 4.5: softmax scores with a choice bias (router.choice_b, as sigmoid routing has), the
+    # kept weights divided by their sum clamped below at router_norm_min
+    router_choice_bias: bool = False
+    router_norm_min: float = 0.0
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scaling: float = 1.0
@@ -237,6 +242,8 @@ class ModelSpec:
         if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
             raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
                              "the llama family")
+        if self.rope_fp32 and not (self.rope_interleaved and self.family == "llama"):
+            raise ValueError("ModelSpec.rope_fp32 is for the llama family's interleaved RoPE (ERNIE 4.5)")
         if self.attn_sinks and self.family != "llama":
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
@@ -324,6 +331,11 @@ class ModelSpec:
             return True
         return all(self.moe_layers) if layer is None else self.moe_layers[layer]
 
+    @property
+    def has_choice_bias(self) -> bool:
+        """Whether a sparse layer has ``router.choice_b``: sigmoid routing always, ERNIE's softmax."""
+        return self.router_scoring == "sigmoid" or self.router_choice_bias
+
     def expert_numel(self) -> int:
         """Elements of one routed expert (gate, up and down, and their biases where it has them)."""
         h, f = self.hidden_size, self.expert_ffn_size
@@ -391,7 +403,7 @@ class ModelSpec:
         n = self.num_experts if experts is None else experts
         shared = (3 * h * self.shared_expert_ffn_size + h * self.shared_expert_gated
                   if self.shared_expert_ffn_size else 0)
-        router = self.num_experts * (h + (self.router_scoring == "sigmoid") + self.router_bias)  # + its biases
+        router = self.num_experts * (h + self.has_choice_bias + self.router_bias)  # + its biases
         return router + shared + n * self.expert_numel()
 
     def active_layer_numel(self, layer: int | None = None) -> float:
