@@ -1,13 +1,14 @@
 """LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense, and the checkpoints that differ in
-small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3): RMSNorm, rotary positions, SwiGLU MLP,
-grouped-query attention, tied or untied LM head; and its mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, gpt-oss), whose sparse layers route each
-token to a few SwiGLU experts.
+small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3, EXAONE 4, GLM-4, ERNIE 4.5): RMSNorm,
+rotary positions, SwiGLU MLP, grouped-query attention, tied or untied LM head; and its mixtures
+of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5, GLM-4.5, MiniMax-M2, gpt-oss),
+whose sparse layers route each token to a few SwiGLU experts.
 
 A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
 ``.up.w`` and ``.down.w`` for each routed expert e, and for Qwen2-MoE ``shared.{gate,up,down}.w``
-and ``shared_gate.w`` (GLM-4.5: the shared expert ungated, and ``router.choice_b``, the bias
-its sigmoid routing adds to the scores to choose). The math reads the experts through an
+and ``shared_gate.w`` (GLM-4.5 and ERNIE: the shared expert ungated; GLM-4.5, MiniMax-M2 and
+ERNIE: ``router.choice_b``, the bias their routing adds to the scores to choose; gpt-oss:
+``router.b`` and each expert's ``gate.b``, ``up.b``, ``down.b``). The math reads the experts through an
 ``Experts`` (``common.py``): the engine passes one that reads only the experts the tokens
 chose, when they choose them."""
 from __future__ import annotations
