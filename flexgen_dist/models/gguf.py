@@ -23,11 +23,11 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        sliding_layer_types)
+                        llama_fields, nextn, post_norm_fields)
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
-from .spec import ModelSpec, RopeScaling, alternating, every_nth
+from .spec import ModelSpec, RopeScaling
 
 log = logging.getLogger("flexgen_dist")
 
@@ -95,10 +95,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name, truncate=arch != "gpt-oss")
         if llama_family:
-            fields = _llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
+            fields = llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
             if arch in ("olmo2", "exaone4"):
                 pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
-                fields.update(_post_norm_fields(arch, key, pattern, int(key("block_count"))))
+                fields.update(post_norm_fields(arch, key, pattern, int(key("block_count"))))
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":
             fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))
@@ -107,7 +107,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
                                   "output.weight" in tensors)
         spec = ModelSpec(
-            name=name, family=a.family, num_layers=key("block_count") - _nextn(key, arch), hidden_size=hidden,
+            name=name, family=a.family, num_layers=key("block_count") - nextn(key, arch), hidden_size=hidden,
             ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
             vocab_size=vocab, max_positions=key("context_length", 2048),
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
@@ -120,19 +120,6 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec
-
-
-def _nextn(key: Any, arch: str) -> int:
-    """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
-    serve speculative decoding and which generation never runs."""
-    n = int(key("nextn_predict_layers", 0)) if arch == "glm4moe" else 0
-    if not 0 <= n < int(key("block_count")):
-        raise ModelLoadError(f"{arch}.nextn_predict_layers {n} of {key('block_count')} blocks: corrupt file?")
-    return n
-
-
-QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
-GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never an output bias
 
 
 def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[str, Any], name: str) -> None:
@@ -153,105 +140,6 @@ def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[s
     if unknown:
         raise ModelLoadError(f"{name}: GGUF key {unknown[0]} is not computed by this engine: a {arch} "
                              "file with it is not supported")
-
-
-def _llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override: int, experts: int
-                  ) -> dict[str, Any]:
-    """The LLaMA family's ModelSpec fields of a file, beyond the shared ones."""
-    return dict(
-        head_dim_override=head_dim_override,
-        sliding_window=int(key("attention.sliding_window", 0)),
-        tie_word_embeddings="output.weight" not in tensors,
-        # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file has
-        # biases or not
-        qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
-        attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe")
-        or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
-        qk_norm_whole=arch in ("minimax-m2", "olmoe"),
-        fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
-        **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
-        mlp_bias="blk.0.ffn_up.bias" in tensors, **_moe_fields(arch, key, experts, tensors),
-        **_granite_fields(arch, key),
-        **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
-        **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
-
-
-def _gpt_oss_fields(key: Any) -> dict[str, Any]:
-    """gpt-oss as llama.cpp runs it: sinks, the even-numbered layers sliding, norms multiplying
-    their weights in float32, and its experts (a softmax over the top logits of a biased
-    router, biased experts, the clamped gate at llama.cpp's fixed alpha 1.702 and limit 7)."""
-    layers, window = int(key("block_count")), int(key("attention.sliding_window", 0))
-    return dict(attn_sinks=True, norm_weight_fp32=True, router_scoring="topk_softmax", router_bias=True,
-                expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0, norm_topk_prob=True,
-                **({"layer_types": alternating(layers, 2)} if window else {}))
-
-
-def _post_norm_fields(arch: str, key: Any, pattern: Any, layers: int) -> dict[str, Any]:
-    """The fields of the files whose norms follow the sublayers: OLMo 2/3 (q/k normalised over
-    all heads, OLMo 3's window on the layers the pattern marks, one flag per layer, True:
-    sliding) and EXAONE 4 (q/k per head; with a window, the layers the pattern leaves global
-    turn no RoPE, as the reference)."""
-    if arch == "olmo2":
-        out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
-    else:
-        out = dict(norm_layout="post", qk_norm=True)
-    if int(key("attention.sliding_window", 0)) and pattern is None and arch == "exaone4":
-        raise ValueError("exaone4 file with a sliding window but no attention.sliding_window_pattern: which layers "
-                         "slide is unknown; convert the model again")
-    if int(key("attention.sliding_window", 0)) and pattern is not None:
-        out["layer_types"] = sliding_layer_types(arch, pattern, layers)
-        if arch == "exaone4":
-            out["nope_layers"] = tuple(t == "full_attention" for t in out["layer_types"])
-    return out
-
-
-def _granite_fields(arch: str, key: Any) -> dict[str, Any]:
-    """Granite's multipliers as llama.cpp reads them: a key the converter left out (it writes
-    only non-zero ones) scales nothing, and the softmax scale is then head_dim ** -0.5."""
-    if arch != "granite":
-        return {}
-    return {f: decimal32(float(key(k))) for f, k in (("embed_multiplier", "embedding_scale"),
-                                                     ("residual_multiplier", "residual_scale"),
-                                                     ("logits_divisor", "logit_scale"),
-                                                     ("attn_scale", "attention.scale")) if key(k, 0.0)}
-
-
-def _moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' ModelSpec fields from a GGUF file, as llama.cpp runs it: Mixtral
-    (``llama`` with experts) renormalises the chosen experts' weights and keeps them in float32,
-    Qwen2-MoE does not renormalise and has a shared expert, Qwen3-MoE renormalises. A layer is
-    sparse where the file holds its router (a file from a config with dense layers keeps their
-    plain MLP)."""
-    if not experts:
-        return {}
-    fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
-                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
-    fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch not in ("llama", "olmoe")
-                                    else key("expert_feed_forward_length", key("feed_forward_length")))
-    if arch == "olmoe":  # llama.cpp never renormalises OLMoE's routing weights (its config's default)
-        fields["norm_topk_prob"] = False
-    if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
-        fields.pop("norm_topk_prob")
-    if arch == "qwen2moe":
-        fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
-    if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
-        raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
-    if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
-        fields.update(router_scoring="sigmoid", router_weights_fp32=True)
-    if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
-        fields.update(router_scoring="sigmoid", router_fp32=True,
-                      norm_topk_prob=bool(key("expert_weights_norm", False)),
-                      routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
-                      expert_groups=int(key("expert_group_count", 1)) or 1,
-                      expert_groups_used=int(key("expert_group_used_count", 1)) or 1,
-                      shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
-                      shared_expert_gated=False)
-    layers = int(key("block_count")) - _nextn(key, arch)
-    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(layers))
-    if not all(sparse):
-        fields["moe_layers"] = sparse
-    return fields
 
 
 def _check_tensors(spec: ModelSpec, a: GGUFArch, present: set[str], name: str) -> None:

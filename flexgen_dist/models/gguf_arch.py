@@ -3,7 +3,8 @@ family each computes as, which metadata keys it may carry, and, for Gemma 2 and 
 what their files say beyond the shared keys, read as llama.cpp's loader reads it.
 
 ``models/gguf.py`` reads what every architecture shares and the tensors; this module is the
-per-architecture table it consults.
+per-architecture table it consults, and the ``ModelSpec`` fields each architecture's keys and
+tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``cohere_fields``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from . import cohere, gemma, llama
-from .spec import RopeScaling, alternating
+from .source import ModelLoadError
+from .spec import RopeScaling, alternating, every_nth
 
 Names = Callable[..., dict[str, str]]
 Key = Callable[..., Any]
@@ -195,3 +197,115 @@ def sliding_layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]
         n = _SWA_PERIOD[arch] if pattern is None else int(pattern)
         slides = [n == 0 or i % n < n - 1 for i in range(layers)]
     return tuple("sliding_attention" if s else "full_attention" for s in slides)
+
+
+def nextn(key: Any, arch: str) -> int:
+    """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
+    serve speculative decoding and which generation never runs."""
+    n = int(key("nextn_predict_layers", 0)) if arch == "glm4moe" else 0
+    if not 0 <= n < int(key("block_count")):
+        raise ModelLoadError(f"{arch}.nextn_predict_layers {n} of {key('block_count')} blocks: corrupt file?")
+    return n
+
+
+QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
+GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never an output bias
+
+
+def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override: int, experts: int
+                  ) -> dict[str, Any]:
+    """The LLaMA family's ModelSpec fields of a file, beyond the shared ones."""
+    return dict(
+        head_dim_override=head_dim_override,
+        sliding_window=int(key("attention.sliding_window", 0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file has
+        # biases or not
+        qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
+        attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe")
+        or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
+        qk_norm_whole=arch in ("minimax-m2", "olmoe"),
+        fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
+        **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
+        mlp_bias="blk.0.ffn_up.bias" in tensors, **moe_fields(arch, key, experts, tensors),
+        **_granite_fields(arch, key),
+        **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
+        **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
+
+
+def _gpt_oss_fields(key: Any) -> dict[str, Any]:
+    """gpt-oss as llama.cpp runs it: sinks, the even-numbered layers sliding, norms multiplying
+    their weights in float32, and its experts (a softmax over the top logits of a biased
+    router, biased experts, the clamped gate at llama.cpp's fixed alpha 1.702 and limit 7)."""
+    layers, window = int(key("block_count")), int(key("attention.sliding_window", 0))
+    return dict(attn_sinks=True, norm_weight_fp32=True, router_scoring="topk_softmax", router_bias=True,
+                expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0, norm_topk_prob=True,
+                **({"layer_types": alternating(layers, 2)} if window else {}))
+
+
+def post_norm_fields(arch: str, key: Any, pattern: Any, layers: int) -> dict[str, Any]:
+    """The fields of the files whose norms follow the sublayers: OLMo 2/3 (q/k normalised over
+    all heads, OLMo 3's window on the layers the pattern marks, one flag per layer, True:
+    sliding) and EXAONE 4 (q/k per head; with a window, the layers the pattern leaves global
+    turn no RoPE, as the reference)."""
+    if arch == "olmo2":
+        out: dict[str, Any] = dict(norm_layout="post", norm_weight_fp32=True, qk_norm=True, qk_norm_whole=True)
+    else:
+        out = dict(norm_layout="post", qk_norm=True)
+    if int(key("attention.sliding_window", 0)) and pattern is None and arch == "exaone4":
+        raise ValueError("exaone4 file with a sliding window but no attention.sliding_window_pattern: which layers "
+                         "slide is unknown; convert the model again")
+    if int(key("attention.sliding_window", 0)) and pattern is not None:
+        out["layer_types"] = sliding_layer_types(arch, pattern, layers)
+        if arch == "exaone4":
+            out["nope_layers"] = tuple(t == "full_attention" for t in out["layer_types"])
+    return out
+
+
+def _granite_fields(arch: str, key: Any) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp reads them: a key the converter left out (it writes
+    only non-zero ones) scales nothing, and the softmax scale is then head_dim ** -0.5."""
+    if arch != "granite":
+        return {}
+    return {f: decimal32(float(key(k))) for f, k in (("embed_multiplier", "embedding_scale"),
+                                                     ("residual_multiplier", "residual_scale"),
+                                                     ("logits_divisor", "logit_scale"),
+                                                     ("attn_scale", "attention.scale")) if key(k, 0.0)}
+
+
+def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' ModelSpec fields from a GGUF file, as llama.cpp runs it: Mixtral
+    (``llama`` with experts) renormalises the chosen experts' weights and keeps them in float32,
+    Qwen2-MoE does not renormalise and has a shared expert, Qwen3-MoE renormalises. A layer is
+    sparse where the file holds its router (a file from a config with dense layers keeps their
+    plain MLP)."""
+    if not experts:
+        return {}
+    fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
+                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
+    fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch not in ("llama", "olmoe")
+                                    else key("expert_feed_forward_length", key("feed_forward_length")))
+    if arch == "olmoe":  # llama.cpp never renormalises OLMoE's routing weights (its config's default)
+        fields["norm_topk_prob"] = False
+    if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
+        fields.pop("norm_topk_prob")
+    if arch == "qwen2moe":
+        fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
+    if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
+        raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
+    if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
+        fields.update(router_scoring="sigmoid", router_weights_fp32=True)
+    if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
+        fields.update(router_scoring="sigmoid", router_fp32=True,
+                      norm_topk_prob=bool(key("expert_weights_norm", False)),
+                      routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
+                      expert_groups=int(key("expert_group_count", 1)) or 1,
+                      expert_groups_used=int(key("expert_group_used_count", 1)) or 1,
+                      shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
+                      shared_expert_gated=False)
+    layers = int(key("block_count")) - nextn(key, arch)
+    sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(layers))
+    if not all(sparse):
+        fields["moe_layers"] = sparse
+    return fields
