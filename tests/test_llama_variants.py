@@ -188,7 +188,8 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("model_type", ["opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "olmo3", "cohere", "cohere2", "ministral", "ministral3",
                                         "mistral3", "exaone4", "glm", "glm4", "gemma", "gemma2", "gemma3_text",
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe",
-                                        "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe"])
+                                        "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe", "granitemoe",
+                                        "granitemoeshared"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""

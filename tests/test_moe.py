@@ -26,8 +26,11 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig,
-                              Qwen2MoeConfig, Qwen3MoeConfig)
+    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+
+    granite = dict(_COMMON, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=6.0,
+                   residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.0)
 
     # experts 64 wide: every matrix splits into 32-element blocks, so a Q8_0 file holds them all packed
     glm = dict(_COMMON, head_dim=32, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
@@ -53,6 +56,10 @@ def _configs() -> dict:
         # interleaved pairs in float32
         "ernie4_5_moe": Ernie4_5_MoeConfig(**{**_COMMON, "tie_word_embeddings": False}, moe_num_experts=8, moe_k=3,
                                            moe_intermediate_size=48, moe_num_shared_experts=1, moe_layer_start_index=1),
+        # Granite 3.x MoE: a softmax over the top logits, Granite's multipliers; -shared: an
+        # ungated shared expert
+        "granitemoe": GraniteMoeConfig(**granite),
+        "granitemoeshared": GraniteMoeSharedConfig(**granite, shared_intermediate_size=80),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
         "olmoe": OlmoeConfig(**{**_COMMON, "rms_norm_eps": 1e-5}, num_experts=8, num_experts_per_tok=2),
         "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
@@ -79,7 +86,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
-                                  "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe"])
+                                  "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
+                                  "granitemoeshared"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -195,7 +203,7 @@ def test_layers_are_split_by_what_they_weigh() -> None:
 
 @pytest.mark.parametrize("edit,match", [
     ({"model_type": "deepseek_v3"}, "mixture-of-experts family 'deepseek_v3' is not supported"),
-    ({"model_type": "granitemoe"}, "mixture-of-experts family 'granitemoe' is not supported"),
+    ({"model_type": "phimoe"}, "mixture-of-experts family 'phimoe' is not supported"),
     ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
     ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
 ])

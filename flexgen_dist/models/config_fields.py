@@ -72,6 +72,11 @@ USED: dict[str, set[str]] = {
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "minimax_m2": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok"},
     "olmoe": _LLAMA_USED | {"num_experts", "num_experts_per_tok", "norm_topk_prob"},
+    "granitemoe": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
+                                 "attention_multiplier", "num_local_experts", "num_experts_per_tok"},
+    "granitemoeshared": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
+                                       "attention_multiplier", "num_local_experts", "num_experts_per_tok",
+                                       "shared_intermediate_size"},
     "ernie4_5": _LLAMA_USED | {"use_bias"},
     "ernie4_5_moe": _LLAMA_USED | {"moe_intermediate_size", "moe_k", "moe_num_experts", "moe_num_shared_experts",
                                    "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
@@ -97,7 +102,7 @@ INERT: dict[str, set[str]] = {
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
-    "ernie4_5_moe": _ROUTER_TRAINING,
+    "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -118,7 +123,8 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granite", "smollm3", "exaone4", "glm", "glm4", "olmo2", "olmo3", "cohere",
                                              "cohere2",
                                              "mixtral",
-                                             "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2")},
+                                             "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2",
+                                             "granitemoe", "granitemoeshared")},
     "olmoe": {"hidden_act": "silu", "clip_qkv": None},
     "ernie4_5": {"hidden_act": "silu"},
     # use_bias would put biases on the shared experts too, which no released checkpoint has

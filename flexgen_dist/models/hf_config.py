@@ -76,7 +76,9 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe")
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # Granite 3.x MoE: its multipliers, top-k softmax routing
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
+             *GRANITE_MOE_TYPES)
 ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pairs in float32, use_bias
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
@@ -134,9 +136,8 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoe", "granitemoeshared",
-               "granitemoehybrid", "phimoe", "qwen3_next", "qwen3_5_moe", "jetmoe",
-               "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
+MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
+               "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
 
 
 def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -158,6 +159,11 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
                     router_norm_min=float(cfg.get("moe_norm_min", 1e-12)),
                     shared_expert_ffn_size=(cfg.get("moe_num_shared_experts", 2) or 0) * ef, shared_expert_gated=False,
                     moe_layers=() if all(sparse) else sparse)
+    if mt in GRANITE_MOE_TYPES:  # every layer sparse: a softmax over the top logits; an ungated shared expert
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax",
+                    shared_expert_ffn_size=cfg.get("shared_intermediate_size", 0) if mt == "granitemoeshared" else 0,
+                    shared_expert_gated=False)
     if mt == "olmoe":  # every layer sparse: Qwen's softmax routing (by default not renormalised)
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
@@ -209,7 +215,8 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=(cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"))
                      or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
-                     mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))), **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
+                     **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt), **_gpt_oss(mt),
                      **common)
 
@@ -285,7 +292,7 @@ def _temperature(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
 
 def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     """Granite's four multipliers (the softmax scale is its attention_multiplier, not head_dim ** -0.5)."""
-    if mt != "granite":
+    if mt not in ("granite", *GRANITE_MOE_TYPES):
         return {}
     return dict(embed_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),

@@ -1,7 +1,7 @@
 """LLaMA family (Llama 2/3, SmolLM2, Mistral-style dense, and the checkpoints that differ in
 small ways: Qwen, Phi-3, Granite, SmolLM3, OLMo 2/3, EXAONE 4, GLM-4, ERNIE 4.5): RMSNorm,
 rotary positions, SwiGLU MLP, grouped-query attention, tied or untied LM head; and its mixtures
-of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5, GLM-4.5, MiniMax-M2, gpt-oss),
+of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, ERNIE 4.5, GLM-4.5, MiniMax-M2, gpt-oss),
 whose sparse layers route each token to a few SwiGLU experts.
 
 A sparse layer's canonical weights are ``router.w`` (experts x hidden), ``experts.{e}.gate.w``,
@@ -109,25 +109,33 @@ _QWEN_EXPERT = {"gate.w": "gate_proj", "up.w": "up_proj", "down.w": "down_proj"}
 
 def _moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
     """Candidate checkpoint names of a sparse layer's canonical weight ``k``."""
-    if spec.router_scoring == "topk_softmax":
+    if spec.router_scoring == "topk_softmax" and spec.expert_bias:
         return _gpt_oss_hf_names(spec, at, k)
-    if k == "router.w":
-        return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight"]
+    if k == "router.w":  # Mixtral's, Qwen's; Granite's as released and as transformers saves it
+        return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight",
+                f"{at}.block_sparse_moe.router.layer.weight", f"{at}.block_sparse_moe.router.weight"]
     if k == "router.choice_b":  # GLM-4.5's beside the router; MiniMax-M2's on the block; ERNIE's (1 x experts)
         return [f"{at}.mlp.gate.e_score_correction_bias", f"{at}.mlp.e_score_correction_bias",
                 f"{at}.block_sparse_moe.e_score_correction_bias",
                 f"{at}.mlp.moe_statics.e_score_correction_bias{INDEX}0"]
     if k == "shared_gate.w":
         return [f"{at}.mlp.shared_expert_gate.weight"]
-    if k.startswith("shared."):  # Qwen2-MoE's one shared expert; GLM-4.5's n_shared_experts as one
+    if k.startswith("shared."):  # Qwen2-MoE's one shared expert; GLM-4.5's n_shared_experts as one; Granite's
+        sf = spec.shared_expert_ffn_size
+        granite = {"gate.w": f"input_linear.weight{ROWS}0:{sf}", "up.w": f"input_linear.weight{ROWS}{sf}:{2 * sf}",
+                   "down.w": "output_linear.weight"}[k[7:]]
         return [f"{at}.mlp.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight",
-                f"{at}.mlp.shared_experts.{_QWEN_EXPERT[k[7:]]}.weight"]
+                f"{at}.mlp.shared_experts.{_QWEN_EXPERT[k[7:]]}.weight", f"{at}.shared_mlp.{granite}"]
     _, e, part = k.split(".", 2)
     f = spec.expert_ffn_size
     fused = {"gate.w": f"gate_up_proj{INDEX}{e}{ROWS}0:{f}", "up.w": f"gate_up_proj{INDEX}{e}{ROWS}{f}:{2 * f}",
              "down.w": f"down_proj{INDEX}{e}"}[part]
+    released = {"gate.w": f"input_linear.weight{INDEX}{e}{ROWS}0:{f}",  # Granite's as released
+                "up.w": f"input_linear.weight{INDEX}{e}{ROWS}{f}:{2 * f}",
+                "down.w": f"output_linear.weight{INDEX}{e}"}[part]
     return [f"{at}.block_sparse_moe.experts.{e}.{_MIXTRAL_EXPERT[part]}.weight",
-            f"{at}.mlp.experts.{e}.{_QWEN_EXPERT[part]}.weight", f"{at}.mlp.experts.{fused}"]
+            f"{at}.mlp.experts.{e}.{_QWEN_EXPERT[part]}.weight", f"{at}.mlp.experts.{fused}",
+            f"{at}.block_sparse_moe.experts.{fused}", f"{at}.block_sparse_moe.{released}"]
 
 
 def _gpt_oss_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
@@ -311,9 +319,9 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     Sigmoid routing (GLM-4.5): ``_sigmoid_route``."""
     if spec.router_scoring == "sigmoid":
         return _sigmoid_route(spec, logits, choice_bias)
-    if spec.router_scoring == "topk_softmax":  # gpt-oss: the top logits, then their softmax (logits' dtype)
+    if spec.router_scoring == "topk_softmax":  # gpt-oss, Granite: the top logits, then their softmax
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
-        return torch.softmax(top_l, dim=1, dtype=top_l.dtype), top_i
+        return torch.softmax(top_l, dim=1, dtype=torch.float32).to(dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if choice_bias is not None:  # ERNIE 4.5: chosen by probability + bias, weighted by probability
         top_i = torch.topk(probs + choice_bias.float(), spec.experts_per_tok, dim=-1)[1]
