@@ -259,7 +259,8 @@ def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("name", [*sorted(FAMILIES), "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe-groups", "gpt_oss"])
+@pytest.mark.parametrize("name", [*sorted(FAMILIES), "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe-groups", "gpt_oss",
+                                  "deepseek_v3"])
 def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_device, tmp_path: Path) -> None:
     """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the mixtures of experts in float32 on
     the device: half the weights there and half in RAM, the cache and activations there,

@@ -5,6 +5,7 @@ model's expected count beside the measured one; bad configurations refused in on
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,13 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
+
+    deepseek = dict({**_COMMON, "num_key_value_heads": 4}, moe_intermediate_size=48, n_routed_experts=8,
+                    num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                    routed_scaling_factor=2.5, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
     granite = dict(_COMMON, num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=6.0,
                    residual_multiplier=0.4, attention_multiplier=0.2, logits_scaling=2.0)
@@ -56,6 +62,13 @@ def _configs() -> dict:
         # interleaved pairs in float32
         "ernie4_5_moe": Ernie4_5_MoeConfig(**{**_COMMON, "tie_word_embeddings": False}, moe_num_experts=8, moe_k=3,
                                            moe_intermediate_size=48, moe_num_shared_experts=1, moe_layer_start_index=1),
+        # DeepSeek-V3: latent attention (q through a rank-24 bottleneck; RoPE on interleaved pairs),
+        # GLM-4.5's grouped sigmoid routing; -yarn: q straight from x, RoPE on halves, YaRN with
+        # mscale_all_dim (the softmax scale grows with it)
+        "deepseek_v3": DeepseekV3Config(**deepseek, q_lora_rank=24),
+        "deepseek_v3-yarn": DeepseekV3Config(**deepseek, q_lora_rank=None, rope_interleave=False, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}),
         # Granite 3.x MoE: a softmax over the top logits, Granite's multipliers; -shared: an
         # ungated shared expert
         "granitemoe": GraniteMoeConfig(**granite),
@@ -76,6 +89,8 @@ def _model(kind: str, path: Path) -> TinyModel:
         for name, b in [*m.named_buffers(), *m.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * 0.3)
+            if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight", "kv_b_proj.weight")) and "deepseek" in kind:
+                b.mul_(4)  # sharp latent attention, so that positions and scales show
     m.save_pretrained(path)
     return TinyModel(kind, path, m, 0)
 
@@ -87,7 +102,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
                                   "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
-                                  "granitemoeshared"])
+                                  "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -124,6 +139,9 @@ def test_the_spec_carries_what_the_config_says(models: dict) -> None:
     assert (er.router_scoring, er.router_choice_bias, er.router_fp32, er.router_norm_min, er.moe_layers) == (
         "softmax", True, True, 1e-12, (False, True, True, True))
     assert er.rope_interleaved and er.rope_fp32 and (er.shared_expert_ffn_size, er.shared_expert_gated) == (48, False)
+    ds = load_model(str(models["deepseek_v3-yarn"].path), load_tokenizer=False).spec
+    assert (ds.kv_lora_rank, ds.q_lora_rank, ds.num_kv_heads, ds.head_dim, ds.rope_interleaved) == (32, 0, 1, 40, False)
+    assert ds.attn_scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(4.0) + 1) ** 2) and ds.expert_groups == 2
     mm = load_model(str(models["minimax_m2"].path), load_tokenizer=False).spec
     assert (mm.router_scoring, mm.router_fp32, mm.rotary_dim, mm.qk_norm_whole, mm.norm_topk_prob) == (
         "sigmoid", False, 16, True, True)
@@ -156,7 +174,8 @@ def test_cost_model_expected_experts() -> None:
 
 @pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7, 12.9), ("mixtral-8x22b", 140.6, 39.2),
                                                ("qwen2-57b-a14b", 57.4, 14.3), ("qwen3-30b-a3b", 30.5, 3.3),
-                                               ("qwen3-235b-a22b", 235.1, 22.2), ("olmoe-1b-7b", 6.92, 1.28)])
+                                               ("qwen3-235b-a22b", 235.1, 22.2), ("olmoe-1b-7b", 6.92, 1.28),
+                                               ("deepseek-v3", 671.0, 37.6), ("kimi-k2", 1026.4, 32.9)])
 def test_registry_shapes_have_the_published_sizes(name: str, total: float, active: float) -> None:
     s = get_spec(name)
     assert s.total_numel() / 1e9 == pytest.approx(total, abs=0.1)
@@ -202,7 +221,7 @@ def test_layers_are_split_by_what_they_weigh() -> None:
 
 
 @pytest.mark.parametrize("edit,match", [
-    ({"model_type": "deepseek_v3"}, "mixture-of-experts family 'deepseek_v3' is not supported"),
+    ({"model_type": "deepseek_v2"}, "mixture-of-experts family 'deepseek_v2' is not supported"),
     ({"model_type": "phimoe"}, "mixture-of-experts family 'phimoe' is not supported"),
     ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
     ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
@@ -266,7 +285,7 @@ def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.multinode
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4_moe-groups"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4_moe-groups", "deepseek_v3"])
 def test_two_ranks_match_transformers(models: dict, kind: str, tmp_path: Path) -> None:
     from test_pipeline import torchrun
 

@@ -72,6 +72,10 @@ USED: dict[str, set[str]] = {
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "minimax_m2": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok"},
     "olmoe": _LLAMA_USED | {"num_experts", "num_experts_per_tok", "norm_topk_prob"},
+    "deepseek_v3": _LLAMA_USED | {"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                  "qk_head_dim", "rope_interleave", "moe_intermediate_size", "num_experts_per_tok",
+                                  "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
+                                  "topk_group", "first_k_dense_replace", "norm_topk_prob"},
     "granitemoe": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
                                  "attention_multiplier", "num_local_experts", "num_experts_per_tok"},
     "granitemoeshared": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -101,6 +105,7 @@ INERT: dict[str, set[str]] = {
     # GLM-4.5's multi-token-prediction layers (stored after the last layer) serve speculative
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
+    "deepseek_v3": _ROUTER_TRAINING | {"num_nextn_predict_layers"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
@@ -126,6 +131,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "qwen2_moe", "qwen3_moe", "glm4_moe", "gpt_oss", "minimax_m2",
                                              "granitemoe", "granitemoeshared")},
     "olmoe": {"hidden_act": "silu", "clip_qkv": None},
+    "deepseek_v3": {"hidden_act": "silu", "attention_bias": False},
     "ernie4_5": {"hidden_act": "silu"},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)

@@ -65,6 +65,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     if partial != 1.0 and mt not in ("phi3", "glm4_moe", "minimax_m2", *GLM_TYPES):
         raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm, glm4, "
                          "glm4_moe and minimax_m2)")
+    if mt in MLA_TYPES:
+        return _mla_spec(cfg, mt, name, rope, common)
     if mt == "phi3":  # Phi-3's older names for longrope; its pretraining length lives beside rope_scaling
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
             rope["rope_type"] = "longrope"
@@ -76,9 +78,10 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
+MLA_TYPES = ("deepseek_v3",)  # DeepSeek-V3 / R1, Kimi K2: latent attention, GLM-4.5's routing
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # Granite 3.x MoE: its multipliers, top-k softmax routing
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
-             *GRANITE_MOE_TYPES)
+             *GRANITE_MOE_TYPES, *MLA_TYPES)
 ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pairs in float32, use_bias
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
@@ -89,6 +92,24 @@ COHERE_TYPES = ("cohere", "cohere2")
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                "exaone4", "ernie4_5", *GLM_TYPES, *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
+
+
+def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelSpec:
+    """DeepSeek-V3: latent attention (its cache one kv head of kv_lora_rank + qk_rope_head_dim),
+    RoPE on qk_rope_head_dim dims (on interleaved pairs with rope_interleave), the softmax scale
+    qk_head_dim ** -0.5 times YaRN's mscale_all_dim factor squared, as the reference."""
+    r, dr, dn = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
+    scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), dr)
+    scale = (dn + dr) ** -0.5
+    m_all = rope.get("mscale_all_dim") if scaling is not None else 0
+    if m_all and scaling.factor > 1:
+        m = 0.1 * m_all * math.log(scaling.factor) + 1.0
+        scale = scale * m * m
+    theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    return _llama_spec(cfg, mt, r + dr, float(theta), scaling,
+                       dict(common, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=cfg.get("q_lora_rank") or 0,
+                            qk_nope_dim=dn, qk_rope_dim=dr, v_head_dim=cfg["v_head_dim"], attn_scale=scale,
+                            rope_interleaved=bool(cfg.get("rope_interleave", True))))
 
 
 def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
@@ -136,7 +157,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("deepseek_v2", "deepseek_v3", "dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
+MOE_REFUSED = ("deepseek_v2", "dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
                "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
 
 
@@ -175,7 +196,7 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
                     expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax", router_bias=True,
                     expert_bias=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    if mt == "glm4_moe":  # GLM-4.5 / 4.6 / 4.7: DeepSeek-V3's routing, the first layers dense
+    if mt in ("glm4_moe", *MLA_TYPES):  # GLM-4.5 / 4.6 / 4.7 and DeepSeek-V3: its routing, the first layers dense
         experts = cfg.get("n_routed_experts") or experts
         sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
         shared = cfg.get("n_shared_experts", 1) or 0
@@ -199,7 +220,7 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
 
 def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
                 common: dict[str, Any]) -> ModelSpec:
-    return ModelSpec(family="llama", ffn_size=cfg["intermediate_size"], **_moe_fields(cfg, mt),
+    kw = dict(family="llama", ffn_size=cfg["intermediate_size"], **_moe_fields(cfg, mt),
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
@@ -217,8 +238,8 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
                      mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
                      **_granite_fields(cfg, mt), **_nope(cfg, mt),
-                     **_temperature(cfg, mt), **_gpt_oss(mt),
-                     **common)
+                     **_temperature(cfg, mt), **_gpt_oss(mt))
+    return ModelSpec(**{**kw, **common})  # common: the shared fields, and what a caller's reader decided (MLA)
 
 
 def _gpt_oss(mt: str) -> dict[str, Any]:

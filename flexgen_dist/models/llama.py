@@ -45,7 +45,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
     pre, post = spec.norm_layout != "post", spec.norm_layout != "pre"  # where the norms sit
     shapes: dict[str, tuple[int, ...]] = {"attn_norm.w": (h,)} if pre else {}
-    shapes.update({"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
+    shapes.update(_mla_shapes(spec) if spec.kv_lora_rank else
+                  {"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
     shapes.update({"post_attn_norm.w": (h,)} if post else {})
     shapes.update({"mlp_norm.w": (h,)} if pre else {})
     shapes.update({"post_mlp_norm.w": (h,)} if post else {})
@@ -81,11 +82,28 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     return shapes
 
 
+def _mla_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """A latent-attention layer's projections (DeepSeek-V3): q (through q_a, its norm and q_b
+    where q_lora_rank > 0), kv_a (the latent and the shared key), its norm, kv_b (each head's
+    key and value rows from the latent), o."""
+    h, nh, r, dr = spec.hidden_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_dim
+    qk = nh * (spec.qk_nope_dim + dr)
+    q = ({"q_a.w": (spec.q_lora_rank, h), "q_a_norm.w": (spec.q_lora_rank,), "q_b.w": (qk, spec.q_lora_rank)}
+         if spec.q_lora_rank else {"q.w": (qk, h)})
+    return {**q, "kv_a.w": (r + dr, h), "kv_a_norm.w": (r,), "kv_b.w": (nh * (spec.qk_nope_dim + spec.v_head_dim), r),
+            "o.w": (h, nh * spec.v_head_dim)}
+
+
+_MLA_HF = {"q_a.w": "self_attn.q_a_proj.weight", "q_a_norm.w": "self_attn.q_a_layernorm.weight",
+           "q_b.w": "self_attn.q_b_proj.weight", "kv_a.w": "self_attn.kv_a_proj_with_mqa.weight",
+           "kv_a_norm.w": "self_attn.kv_a_layernorm.weight", "kv_b.w": "self_attn.kv_b_proj.weight"}
+
+
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
         at = f"model.layers.{layer}"
-        table = _LAYER_HF_SANDWICH if spec.norm_layout == "sandwich" else _LAYER_HF
+        table = _LAYER_HF_SANDWICH if spec.norm_layout == "sandwich" else {**_LAYER_HF, **_MLA_HF}
         dense = lm_hf_names(spec, part, layer, table, [k for k in layer_shapes(spec, layer) if k in table])
         out = {k: dense[k] if k in dense else _moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
         qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
@@ -280,6 +298,37 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
     return q, k, v
 
 
+def _mla_attend(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                attend: Attend, layer: int) -> torch.Tensor:
+    """DeepSeek-V3's latent attention of the normalised x (b, t, hidden) -> (b, t, heads *
+    v_head_dim), for o_proj. The cache holds, per token, the normalised latent c and the
+    turned shared key (one kv head); each head's q absorbs its key projection (q_nope . W_uk
+    is a latent-sized query), so q'.k' = q_nope . (W_uk c) + q_rot . k_rot, the reference's
+    score; the attention's latent output times each head's W_uv is its value. Those norms use
+    transformers' fixed epsilon 1e-6."""
+    b, t, _ = x.shape
+    nh, dn, dr, dv, r = spec.num_heads, spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
+    if spec.q_lora_rank:
+        q = linear(rms_norm(linear(x, w["q_a.w"]), w["q_a_norm.w"], 1e-6), w["q_b.w"])
+    else:
+        q = linear(x, w["q.w"])
+    q_nope, q_rot = q.view(b, t, nh, dn + dr).split([dn, dr], dim=-1)
+    c, k_rot = linear(x, w["kv_a.w"]).split([r, dr], dim=-1)
+    c = rms_norm(c.contiguous(), w["kv_a_norm.w"], 1e-6)
+    k_rot = k_rot.reshape(b, t, 1, dr)
+    theta, scaling = spec.rope(layer)
+    cos, sin = as_positions(pos).rope(dr, theta, x.dtype, scaling, spec.rope_interleaved)
+    turn = apply_rope_interleaved if spec.rope_interleaved else apply_rope
+    q_rot, k_rot = turn(q_rot.contiguous(), cos, sin), turn(k_rot, cos, sin)
+    kv_b = w["kv_b.w"]
+    kv_b = (kv_b.dense() if isinstance(kv_b, QWeight) else kv_b).view(nh, dn + dv, r)
+    q_lat = torch.einsum("btnd,ndr->btnr", q_nope, kv_b[:, :dn])
+    kv = torch.cat([c.view(b, t, 1, r), k_rot], dim=-1)
+    a = attend(torch.cat([q_lat, q_rot], dim=-1), kv, kv)
+    o = torch.einsum("btnr,nvr->btnv", a.view(b, t, nh, r + dr)[..., :r], kv_b[:, dn:])
+    return o.reshape(b, t, nh * dv)
+
+
 def _sinks(spec: ModelSpec, w: Weights) -> tuple[torch.Tensor, ...]:
     """``attend``'s extra argument: gpt-oss's sinks, where the model has them."""
     return (w["sinks"],) if spec.attn_sinks else ()
@@ -294,7 +343,10 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         return _sandwich_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
-    a = attend(*_qkv(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
+    if spec.kv_lora_rank:  # DeepSeek-V3
+        a = _mla_attend(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, attend, layer)
+    else:
+        a = attend(*_qkv(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
     scaled = spec.residual_multiplier != 1.0

@@ -175,6 +175,16 @@ class ModelSpec:
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
     attn_sinks: bool = False  # gpt-oss: a learned logit per head (sinks) joins each softmax's denominator
+    # DeepSeek-V3's multi-head latent attention (kv_lora_rank > 0): q from x (through a rank-
+    # q_lora_rank bottleneck where > 0), heads of qk_nope_dim + qk_rope_dim for q.k and v_head_dim
+    # for v, k and v made from one latent of kv_lora_rank per token plus a shared turned key of
+    # qk_rope_dim; the engine caches the latent and the key as one kv head of head_dim =
+    # kv_lora_rank + qk_rope_dim (num_kv_heads 1), q absorbing each head's key projection
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
     # per layer, whether its MLP is sparse (Qwen's mlp_only_layers, decoder_sparse_step); empty:
     # every layer is, where there are experts
     moe_layers: tuple[bool, ...] = ()
@@ -244,6 +254,13 @@ class ModelSpec:
                              "the llama family")
         if self.rope_fp32 and not (self.rope_interleaved and self.family == "llama"):
             raise ValueError("ModelSpec.rope_fp32 is for the llama family's interleaved RoPE (ERNIE 4.5)")
+        if self.kv_lora_rank and (self.family != "llama" or self.num_kv_heads != 1 or self.norm_layout != "pre"
+                                  or self.head_dim != self.kv_lora_rank + self.qk_rope_dim or self.qk_rope_dim % 2
+                                  or min(self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) < 1
+                                  or self.attention_bias or self.qkv_bias or self.qk_norm):
+            raise ValueError("ModelSpec: latent attention (kv_lora_rank) needs the llama family's pre-norm layer, "
+                             "num_kv_heads 1, head_dim kv_lora_rank + qk_rope_dim, even qk_rope_dim, positive "
+                             "head sizes and no q/k/v biases or norms")
         if self.attn_sinks and self.family != "llama":
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
@@ -331,6 +348,13 @@ class ModelSpec:
             return True
         return all(self.moe_layers) if layer is None else self.moe_layers[layer]
 
+    def mla_numel(self) -> int:
+        """Elements of a latent-attention layer's projections and their norms (q, kv_a, kv_b, o)."""
+        h, nh, r, dr = self.hidden_size, self.num_heads, self.kv_lora_rank, self.qk_rope_dim
+        qk = nh * (self.qk_nope_dim + dr)
+        q = self.q_lora_rank * (h + 1 + qk) if self.q_lora_rank else h * qk
+        return q + h * (r + dr) + r + r * nh * (self.qk_nope_dim + self.v_head_dim) + nh * self.v_head_dim * h
+
     @property
     def has_choice_bias(self) -> bool:
         """Whether a sparse layer has ``router.choice_b``: sigmoid routing always, ERNIE's softmax."""
@@ -379,7 +403,7 @@ class ModelSpec:
                 return sum(self.layer_numel(j) for j in range(self.num_layers)) / self.num_layers
             layer = 0
         h, f = self.hidden_size, self.ffn_size
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        attn = self.mla_numel() if self.kv_lora_rank else h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.family == "opt":
             mlp = 2 * h * f
             biases = self.q_dim + 2 * self.kv_dim + h + f + h
