@@ -52,6 +52,41 @@ def test_per_rank_dir_files_exist_during_use_and_go_at_close(tmp_path: Path) -> 
         store.allocate("x", (1,), torch.float32)
 
 
+def test_a_store_closed_while_another_thread_allocates_leaves_nothing(tmp_path: Path) -> None:
+    """A dead peer's monitor (or a stop) closes the store from another thread while weights are
+    still being placed: whatever the interleaving, the dir is gone after the close (a file
+    created during the removal used to keep it alive, with no owner left to reclaim it), and
+    the placing thread is told the store is closed."""
+    import threading
+    import time
+
+    outcomes = []
+    for i in range(40):
+        store = DiskStore(tmp_path / "off", rank=0, num_workers=1, direct_io="off")
+        started, errors = threading.Event(), []
+
+        def place() -> None:
+            n = 0
+            while True:
+                try:
+                    store.allocate(f"w{n}", (256,), torch.float32)
+                except DiskStoreError as e:
+                    errors.append(str(e))
+                    return
+                n += 1
+                started.set()
+
+        t = threading.Thread(target=place)
+        t.start()
+        started.wait(5)
+        time.sleep(0.0005 * (i % 5))
+        store.close()
+        t.join(10)
+        outcomes.append((not t.is_alive(), Path(store.dir).exists(), bool(errors) and "closed" in errors[0]))
+    assert all(o == (True, False, True) for o in outcomes), outcomes
+    assert not any((tmp_path / "off").iterdir())
+
+
 def test_exception_inside_with_removes_files(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         with DiskStore(tmp_path) as store:

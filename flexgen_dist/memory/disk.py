@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from flexgen_dist.interrupts import submit
-from flexgen_dist.memory.owners import reclaim_stale_dirs, remove_at_exit, write_owner
+from flexgen_dist.memory.owners import FileGate, reclaim_stale_dirs, remove_at_exit, write_owner
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
 from flexgen_dist.memory.units import format_bytes
 
@@ -199,7 +199,8 @@ class DiskStore:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=num_workers,
                                             thread_name_prefix=f"flexgen-disk-r{rank}")
-        self._finalizer = remove_at_exit(self, self.dir, self._executor)
+        self._gate = FileGate()  # allocate and the removal of the dir, one at a time
+        self._finalizer = remove_at_exit(self, self.dir, self._executor, self._gate)
         self.direct = False
         if direct_io != "off":
             reason = self._probe_direct()
@@ -257,13 +258,21 @@ class DiskStore:
     def allocate(self, name: str, shape: tuple[int, ...] | torch.Size,
                  dtype: torch.dtype) -> DiskTensor:
         """A new file-backed tensor (contents unspecified until written)."""
-        if self._closed:
-            raise DiskStoreError(f"DiskStore {self.dir} is closed")
         with self._stats_lock:
             self._count += 1
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100]
         path = os.path.join(self.dir, f"{self._count:06d}-{safe}.bin")
         dt = DiskTensor(self, path, torch.Size(shape), dtype)
+        with self._gate.lock:  # never a file created while (or after) the dir is removed
+            if self._closed or self._gate.closed:
+                raise DiskStoreError(f"DiskStore {self.dir} is closed")
+            self._create(dt, path, name)
+        with self._stats_lock:
+            self.allocated_bytes += dt.file_bytes
+        return dt
+
+    def _create(self, dt: DiskTensor, path: str, name: str) -> None:
+        """The file of ``dt``, its bytes reserved (sparse where the fs cannot)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if dt.file_bytes:
@@ -282,9 +291,6 @@ class DiskStore:
                                      ) from None
             raise
         os.close(fd)
-        with self._stats_lock:
-            self.allocated_bytes += dt.file_bytes
-        return dt
 
     def allocate_qtensor(self, name: str, shape: tuple[int, ...] | torch.Size,
                          dtype: torch.dtype, bits: int = 4, group_size: int = 64,

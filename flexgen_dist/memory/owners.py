@@ -124,22 +124,40 @@ def _install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _sigterm_handler)
 
 
-def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor) -> None:
+class FileGate:
+    """Creating a file in an offload dir and removing the dir, one at a time: once the dir is
+    being removed no file is created in it. (A file created while ``rmtree`` runs, by a thread
+    still placing weights when a dead peer's monitor or a stop closes the store, kept the dir
+    alive after its ``.owner`` was gone: an orphan no later run would reclaim.)"""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+
+def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor, gate: FileGate | None = None) -> None:
     if os.getpid() != pid:  # a forked child must not delete its parent's files
         return
     stuck = join_bounded(executor, 30.0)  # pending I/O first; a stuck worker must not hold the exit
     if stuck:
         log.warning("offload dir %s: %d I/O thread(s) stuck after a stop; removing the files without them",
                     path, len(stuck))
-    shutil.rmtree(path, ignore_errors=True)
+    if gate is None:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with gate.lock:  # no file is created from here on
+            gate.closed = True
+            shutil.rmtree(path, ignore_errors=True)
     with _LIVE_LOCK:
         _LIVE_DIRS.discard((path, pid))
 
 
-def remove_at_exit(owner: object, path: str, executor: ThreadPoolExecutor) -> weakref.finalize:
+def remove_at_exit(owner: object, path: str, executor: ThreadPoolExecutor,
+                   gate: FileGate | None = None) -> weakref.finalize:
     """Remove ``path`` (after ``executor``'s pending I/O) when ``owner`` is collected, at
-    exit, or on SIGTERM; call the returned finalizer to remove it now."""
-    fin = weakref.finalize(owner, _cleanup, path, os.getpid(), executor)
+    exit, or on SIGTERM; call the returned finalizer to remove it now. With ``gate``, files
+    created under it are never left behind by the removal."""
+    fin = weakref.finalize(owner, _cleanup, path, os.getpid(), executor, gate)
     with _LIVE_LOCK:
         _LIVE_DIRS.add((path, os.getpid()))
     _install_sigterm_handler()
