@@ -238,11 +238,11 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
                      mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
                      **_granite_fields(cfg, mt), **_nope(cfg, mt),
-                     **_temperature(cfg, mt), **_gpt_oss(mt))
+                     **_temperature(cfg, mt), **_attention_extras(mt))
     return ModelSpec(**{**kw, **common})  # common: the shared fields, and what a caller's reader decided (MLA)
 
 
-def _gpt_oss(mt: str) -> dict[str, Any]:
+def _attention_extras(mt: str) -> dict[str, Any]:
     """gpt-oss's attention sinks, and its RMSNorm multiplying its weight in float32 (transformers
     keeps the norms' weights in float32 and casts after the product); MiniMax-M2's q/k norms."""
     if mt in ("minimax_m2", "olmoe"):  # q and k normalised over all heads (as OLMo, its weights in the model's dtype)

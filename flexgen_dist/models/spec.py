@@ -7,55 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .rope_scaling import ROPE_TYPES, RopeScaling
+
+__all__ = ["FAMILIES", "LAYER_TYPES", "ROPE_TYPES", "ROUTER_SCORINGS", "ModelSpec", "RopeScaling", "alternating",
+           "every_nth"]
+
 FAMILIES = ("opt", "llama", "gemma", "cohere")
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """A rotary embedding's frequency scaling, as a checkpoint's ``rope_scaling`` (or
-    ``rope_parameters``) gives it: ``linear`` divides every frequency by ``factor``; ``llama3``
-    (Llama 3.1 and later) divides the low frequencies by ``factor``, keeps the high ones and
-    interpolates between, by the wavelength against ``original_max_position_embeddings``;
-    ``yarn`` blends interpolated and original frequencies over a ramp between the dimensions
-    that turn ``beta_fast`` and ``beta_slow`` times in the original context, and multiplies cos
-    and sin by ``attention_factor``; ``dynamic`` (NTK) raises the base only for positions past
-    the model's ``max_position_embeddings``, which the engine never runs, so within them it is
-    plain RoPE, as in the reference; ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini) divides
-    each frequency by its own factor, ``short_factor`` while a sequence is within
-    ``original_max_position_embeddings`` and ``long_factor`` once it reaches past it, and
-    multiplies cos and sin by ``attention_factor``."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by it
-    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
-    long_factor: tuple[float, ...] = ()  # longrope: one divisor per frequency, past the original context
-    short_factor: tuple[float, ...] = ()  # longrope: ... within it
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope scaling type {self.rope_type!r}: supported are {', '.join(ROPE_TYPES)}")
-        if self.factor <= 0:
-            raise ValueError(f"rope scaling factor {self.factor}: must be > 0")
-        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
-        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
-        if self.rope_type == "longrope":
-            if not self.long_factor or len(self.long_factor) != len(self.short_factor):
-                raise ValueError(f"longrope needs long_factor and short_factor of one length (got "
-                                 f"{len(self.long_factor)} and {len(self.short_factor)})")
-            if min(self.long_factor + self.short_factor) <= 0:
-                raise ValueError("longrope factors must be > 0")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must exceed "
-                             f"low_freq_factor {self.low_freq_factor}")
-
-
-ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # how a router scores its experts: a softmax over them (Mixtral, Qwen), a sigmoid each with a
 # per-expert choice bias (GLM-4.5, DeepSeek-V3), or a softmax over the top logits only (gpt-oss)
@@ -194,6 +153,17 @@ class ModelSpec:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_shape()
+        self._check_layers()
+        self._check_features()
+        self._check_experts()
+        if isinstance(self.eos_token_ids, int):
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
+        else:
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def _check_shape(self) -> None:
+        """The family, the sizes, the heads, the multipliers."""
         if self.family not in FAMILIES:
             raise ValueError(f"ModelSpec.family={self.family!r}: use one of {FAMILIES}")
         for f in ("num_layers", "hidden_size", "ffn_size", "num_heads", "vocab_size", "max_positions"):
@@ -218,6 +188,9 @@ class ModelSpec:
             raise ValueError(f"ModelSpec: the multipliers are the llama family's (Granite), not {self.family}'s")
         if self.family == "opt" and self.num_kv_heads != self.num_heads:
             raise ValueError("ModelSpec: OPT models have no grouped-query attention; set num_kv_heads=0")
+
+    def _check_layers(self) -> None:
+        """What is given per layer (types, layers without RoPE) and where the norms sit."""
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.layer_types:
             if len(self.layer_types) != self.num_layers:
@@ -249,6 +222,10 @@ class ModelSpec:
         if any(self.nope_layers) and self.family not in ("llama", "cohere"):
             raise ValueError(f"ModelSpec: layers without RoPE are the llama and cohere families' (SmolLM3, "
                              f"Command R7B), not {self.family}'s")
+
+    def _check_features(self) -> None:
+        """The attention and RoPE features each family alone has (temperature, float32 RoPE,
+        latent attention, sinks, logit scale)."""
         if self.attn_temp_beta and (self.attn_temp_len < 1 or self.family != "llama"):
             raise ValueError(f"ModelSpec.attn_temp_beta needs attn_temp_len >= 1 (got {self.attn_temp_len}) and "
                              "the llama family")
@@ -265,6 +242,9 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
+
+    def _check_experts(self) -> None:
+        """A mixture of experts' fields: counts, routing, groups, the sparse layers."""
         object.__setattr__(self, "moe_layers", tuple(bool(m) for m in self.moe_layers))
         if self.num_experts:
             if self.family != "llama":
@@ -293,10 +273,6 @@ class ModelSpec:
                                  f"{self.num_layers} layers: give one per layer")
         elif self.moe_layers and any(self.moe_layers):
             raise ValueError("ModelSpec.moe_layers marks sparse layers but num_experts is 0")
-        if isinstance(self.eos_token_ids, int):
-            object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
-        else:
-            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     # derived shape ---------------------------------------------------------------
     @property
