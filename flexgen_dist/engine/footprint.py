@@ -216,11 +216,11 @@ def cache_positions(spec: ModelSpec, first_layer: int, num_layers: int, total: i
 
 def _cache_rows(spec: ModelSpec, z: StageShape) -> tuple[int, int, int]:
     """(rows, bytes per row over every layer of the stage, copies): a row of a layer holds K and
-    V of what ``cache_positions`` says."""
+    V (or the latent alone: ``spec.cache_tensors``) of what ``cache_positions`` says."""
     per_pos = cache_bytes_per_position(spec.head_dim, z.dtype_bytes, z.compress_cache, z.comp_bits,
                                        z.comp_group_size)
     held = sum(cache_positions(spec, z.first_layer, z.num_layers, z.prompt_len + z.gen_len))
-    return (z.gpu_batch_size * spec.num_kv_heads, 2 * held * per_pos,
+    return (z.gpu_batch_size * spec.num_kv_heads, spec.cache_tensors * held * per_pos,
             z.num_gpu_batches * z.blocks_in_flight)
 
 
@@ -233,7 +233,7 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     if spec.num_experts:  # an expert's (or the shared one's) gate and up, the gathered rows, the sums,
         # the router's float32 probabilities
         mlp = max(mlp, 2 * max(spec.expert_ffn_size, spec.shared_expert_ffn_size) + 3 * h + 2 * spec.num_experts)
-    seq_cache = 2 * kv * e  # one position's K and V of one sequence, expanded
+    seq_cache = spec.cache_tensors * kv * e  # one position's K and V (or latent) of one sequence, expanded
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)
     held = max(cache_positions(spec, z.first_layer, z.num_layers, s + n), default=s + n)

@@ -16,6 +16,10 @@ independently. New k/v are quantized on the compute device before they move anyw
 compressed on every tier (disk included), and a chunk is dequantized on the device that runs
 its attention, right before use. The group is capped at head_dim: a group never spans
 positions, so a larger one would only store padding.
+
+With ``shared`` the values are the keys (latent attention: DeepSeek-V3 caches one latent per
+token and attends it as both), so a chunk stores K alone and its V is the same tensor: half
+the memory, half the disk traffic, one write and one expansion per step.
 """
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ class Chunk:
     r0: int
     r1: int
     k: Stored  # (rows, cap, d) in RAM / on device, (cap, rows, d) on disk; QTensor when compressed
-    v: Stored
+    v: Stored  # k itself where the values are the keys (``BlockCache.shared``)
     cap: int  # positions held: the block's length, or a sliding layer's window (a ring)
     staged: tuple[Stored, Stored] | None = None  # disk: slots [0, p] in RAM
     pending: list[tuple[int, Stored, Stored]] = field(default_factory=list)  # disk: (slot0, k, v) to write
@@ -101,8 +105,10 @@ class BlockCache:
                  head_dim: int, fractions: tuple[float, float, float], device: torch.device,
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
                  cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
-                 group_size: int = 64, windows: dict[int, int] | None = None) -> None:
+                 group_size: int = 64, windows: dict[int, int] | None = None,
+                 shared: bool = False) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
+        self.shared = shared
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
         self.cpu_attention = cpu_attention
         self.compress, self.bits = compress, bits
@@ -132,8 +138,9 @@ class BlockCache:
                         continue
                     buf, a = bufs[tier], at[tier]
                     at[tier] += r1 - r0
-                    parts.append(Chunk(tier, r0, r1, _positions(buf.k, a, a + r1 - r0, 0),
-                                       _positions(buf.v, a, a + r1 - r0, 0), cap))
+                    k = _positions(buf.k, a, a + r1 - r0, 0)
+                    parts.append(Chunk(tier, r0, r1, k, k if self.shared else _positions(buf.v, a, a + r1 - r0, 0),
+                                       cap))
                 self.chunks[(j, kb)] = parts
             if len(bufs) == 1 and all(len(sp) == 1 and sp[0][0] != Tier.DISK for sp in splits):
                 self._whole[j] = next(iter(bufs.values()))
@@ -144,14 +151,17 @@ class BlockCache:
         n = r1 - r0
         if tier == Tier.DISK:
             shape = (cap, n, self.head_dim)
-            k, v = self._disk(name + "-k", shape), self._disk(name + "-v", shape)
+            k = self._disk(name + "-k", shape)
+            v = k if self.shared else self._disk(name + "-v", shape)
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
             # never read before written: prefill fills [0, s), each decode step its position
-            k, v = (self._empty((n, cap, self.head_dim), dev) for _ in range(2))
+            k = self._empty((n, cap, self.head_dim), dev)
+            v = k if self.shared else self._empty(k.shape, dev)
             if tier == Tier.CPU:
-                k, v = _pin(k, self.device), _pin(v, self.device)
-        nbytes = int(k.nbytes + v.nbytes)
+                k = _pin(k, self.device)
+                v = k if self.shared else _pin(v, self.device)
+        nbytes = int(k.nbytes + (0 if v is k else v.nbytes))
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
         return Chunk(tier, r0, r1, k, v, cap)
@@ -196,7 +206,7 @@ class BlockCache:
                 for f in ch.futures:
                     f.cancel()
                 if ch.tier == Tier.DISK and self._disk_store is not None:
-                    for p in _parts(ch.k) + _parts(ch.v):
+                    for p in _parts(ch.k) + (() if ch.v is ch.k else _parts(ch.v)):
                         self._disk_store.free(p)
         self.chunks.clear()
 
@@ -207,12 +217,13 @@ class BlockCache:
             if ch.tier != Tier.DISK or length == 0:
                 continue
             shape = (ch.held(length + 1), ch.r1 - ch.r0, self.head_dim)
-            kbuf, vbuf = self._empty(shape, torch.device("cpu")), self._empty(shape, torch.device("cpu"))
-            self.tracker.add(Tier.CPU, kbuf.nbytes + vbuf.nbytes)
+            kbuf = self._empty(shape, torch.device("cpu"))
+            vbuf = kbuf if self.shared else self._empty(shape, torch.device("cpu"))
+            self.tracker.add(Tier.CPU, _staged_nbytes((kbuf, vbuf)))
             ch.staged = (kbuf, vbuf)
             n = ch.held(length)
             ch.futures = [p.store.submit_read(p, out=b[:n], rows=(0, n))
-                          for src, buf in ((ch.k, kbuf), (ch.v, vbuf))
+                          for src, buf in _pairs(ch.k, kbuf, ch.v, vbuf)
                           for p, b in zip(_parts(src), _parts(buf))]
 
     def store(self, j: int, kb: int) -> list[Future]:
@@ -221,12 +232,12 @@ class BlockCache:
         for ch in self.chunks.get((j, kb), []):
             for slot0, kk, vv in ch.pending:
                 rows = (slot0, slot0 + kk.shape[0])
-                for dst, src in ((ch.k, kk), (ch.v, vv)):
+                for dst, src in _pairs(ch.k, kk, ch.v, vv):
                     futs += [p.store.submit_write(p, s, rows=rows)
                              for p, s in zip(_parts(dst), _parts(src))]
             ch.pending = []
             if ch.staged is not None:
-                self.tracker.sub(Tier.CPU, ch.staged[0].nbytes + ch.staged[1].nbytes)
+                self.tracker.sub(Tier.CPU, _staged_nbytes(ch.staged))
                 ch.staged = None
         return futs
 
@@ -243,26 +254,28 @@ class BlockCache:
         (one copy, not a row-major copy first and then the cache write)."""
         s = k_new.shape[1]
         if self.compress:  # quantization works on rows
-            k_rows, v_rows = to_rows(k_new), to_rows(v_new)
+            k_rows = to_rows(k_new)
+            v_rows = k_rows if self.shared else to_rows(v_new)
         for ch in self.chunks[(j, kb)]:
             for p0, slot0, n in ring_pieces(s, ch.cap):
                 if self.compress:
                     kn, vn = (x[ch.r0:ch.r1, p0:p0 + n] for x in (k_rows, v_rows))
                     if ch.tier == Tier.DISK:
-                        ch.pending.append((slot0, _host(self._encode(kn.transpose(0, 1))),
-                                           _host(self._encode(vn.transpose(0, 1)))))
+                        kk = _host(self._encode(kn.transpose(0, 1)))
+                        ch.pending.append((slot0, kk, kk if self.shared else _host(self._encode(vn.transpose(0, 1)))))
                     else:
-                        for dst, src in ((ch.k, kn), (ch.v, vn)):
+                        for dst, src in _pairs(ch.k, kn, ch.v, vn):
                             copy_between(_positions(dst, slot0, slot0 + n, 1), self._encode(src),
                                          non_blocking=self._non_blocking(ch))
                 elif ch.tier == Tier.DISK:
                     # position-major host buffers an async disk write can own
-                    bufs = [torch.empty((n, ch.r1 - ch.r0, self.head_dim), dtype=self.dtype) for _ in range(2)]
+                    bufs = [torch.empty((n, ch.r1 - ch.r0, self.head_dim), dtype=self.dtype)
+                            for _ in range(1 if self.shared else 2)]
                     for buf, src in zip(bufs, (k_new, v_new)):
                         copy_rows(buf.transpose(0, 1), src[:, p0:p0 + n], ch.r0, ch.r1)
-                    ch.pending.append((slot0, bufs[0], bufs[1]))
+                    ch.pending.append((slot0, bufs[0], bufs[-1]))
                 else:
-                    for dst, src in ((ch.k, k_new), (ch.v, v_new)):
+                    for dst, src in _pairs(ch.k, k_new, ch.v, v_new):
                         copy_rows(dst.narrow(1, slot0, n), src[:, p0:p0 + n], ch.r0, ch.r1,
                                   non_blocking=self._non_blocking(ch))
 
@@ -308,7 +321,8 @@ class BlockCache:
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
             qr, m = qr.to(dev), m.to(dev)
-        kd, vd = self._expand(kc, dev, pos_major, "k"), self._expand(vc, dev, pos_major, "v")
+        kd = self._expand(kc, dev, pos_major, "k")
+        vd = kd if vc is kc else self._expand(vc, dev, pos_major, "v")
         return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
@@ -337,14 +351,17 @@ class BlockCache:
                 f.result()
             ch.futures = []
             kbuf, vbuf = ch.staged  # type: ignore[misc]
-            copy_between(_positions(kbuf, a, b, 0), self._encode(kn.transpose(0, 1)))
-            copy_between(_positions(vbuf, a, b, 0), self._encode(vn.transpose(0, 1)))
-            ch.pending.append((a, _positions(kbuf, a, b, 0), _positions(vbuf, a, b, 0)))
-            return _positions(kbuf, 0, n, 0), _positions(vbuf, 0, n, 0), True
+            for dst, src in _pairs(kbuf, kn, vbuf, vn):
+                copy_between(_positions(dst, a, b, 0), self._encode(src.transpose(0, 1)))
+            kw = _positions(kbuf, a, b, 0)
+            ch.pending.append((a, kw, kw if vbuf is kbuf else _positions(vbuf, a, b, 0)))
+            kc = _positions(kbuf, 0, n, 0)
+            return kc, kc if vbuf is kbuf else _positions(vbuf, 0, n, 0), True
         nb = self._non_blocking(ch)
-        copy_between(_positions(ch.k, a, b, 1), self._encode(kn), non_blocking=nb)
-        copy_between(_positions(ch.v, a, b, 1), self._encode(vn), non_blocking=nb)
-        return _positions(ch.k, 0, n, 1), _positions(ch.v, 0, n, 1), False
+        for dst, src in _pairs(ch.k, kn, ch.v, vn):
+            copy_between(_positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
+        kc = _positions(ch.k, 0, n, 1)
+        return kc, kc if ch.v is ch.k else _positions(ch.v, 0, n, 1), False
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocking: bool = False) -> None:
@@ -364,6 +381,16 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocki
             n = min(kvh - h, r1 - r)
             dst[r - r0: r - r0 + n].copy_(src[bi, :, h:h + n].transpose(0, 1), non_blocking=non_blocking)
             r += n
+
+
+def _pairs(k: Stored, k_src: Any, v: Stored, v_src: Any) -> tuple[tuple[Stored, Any], ...]:
+    """(K, what goes into it), and (V, its own) unless V is K (a shared cache: written once)."""
+    return ((k, k_src),) if v is k else ((k, k_src), (v, v_src))
+
+
+def _staged_nbytes(staged: tuple[Stored, Stored]) -> int:
+    k, v = staged
+    return int(k.nbytes + (0 if v is k else v.nbytes))
 
 
 def _parts(x: Stored) -> tuple[Any, ...]:

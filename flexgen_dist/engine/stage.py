@@ -126,7 +126,8 @@ class StageEngine:
                                self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
                                compress=self.policy.compress_cache, bits=self.policy.comp_bits,
                                group_size=self.policy.comp_group_size,
-                               windows={j: self.spec.window(j) for j in self.layers})
+                               windows={j: self.spec.window(j) for j in self.layers},
+                               shared=self.spec.cache_tensors == 1)
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []

@@ -293,6 +293,12 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def cache_tensors(self) -> int:
+        """What the cache stores per kv head: K and V (2), or one latent that attention reads
+        as both (1: DeepSeek-V3's latent attention, its values are its keys)."""
+        return 1 if self.kv_lora_rank else 2
+
+    @property
     def softmax_scale(self) -> float:
         """The scale of q.k before the softmax."""
         return self.attn_scale or self.head_dim ** -0.5
@@ -442,5 +448,5 @@ class ModelSpec:
         return int(self.embed_numel() + sum(self.layer_numel(j) for j in range(self.num_layers)) + self.head_numel())
 
     def kv_numel_per_token(self) -> int:
-        """K and V elements per token per layer."""
-        return 2 * self.kv_dim
+        """Cache elements per token per layer: K and V, or the latent alone."""
+        return self.cache_tensors * self.kv_dim

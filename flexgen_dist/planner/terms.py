@@ -211,7 +211,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # engine reads a sparse layer's experts when chosen, once per sweep for every GPU batch),
     # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
     dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
-    kv_tok = 2 * spec.kv_dim  # K and V elements per token per sequence per layer
+    kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
     a_pre, a_dec = bls * s * spec.hidden_size * b, bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
