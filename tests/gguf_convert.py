@@ -24,7 +24,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
-        "olmoe": "olmoe"}
+        "olmoe": "olmoe", "deepseek_v3": "deepseek2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -45,8 +45,14 @@ _GLM4MOE_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
 # gpt-oss: its sinks, its router (with a bias), its norm before the MLP as GLM-4.5's
 _GPT_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks",
                   "mlp.router": "ffn_gate_inp"}
+# DeepSeek-V3 (deepseek2): the latent attention's projections and norms, the shared experts
+_DEEPSEEK2_LAYER = {**_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+                    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+                    "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                    "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 _TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
-           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER}
+           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -245,6 +251,54 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_rope_scaling_factor(rope["factor"])
 
 
+def _deepseek2_keys(w: Any, cfg: dict[str, Any], split: bool) -> None:
+    """The metadata llama.cpp's DeepseekV2Model writes for DeepSeek-V3: TextModel's set with
+    one kv head, then the latent attention's sizes (``split``: as newer converters write them,
+    the cache's sizes in key/value_length and the heads' in *_length_mla; else the heads' in
+    key/value_length and every head a kv head, as older ones did), the experts' set, the
+    rope dims, YaRN with its log multiplier (0.1 mscale_all_dim)."""
+    import gguf
+
+    r, dr, dn, dv = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    _shape_keys(w, {**cfg, "num_key_value_heads": 1 if split else cfg["num_attention_heads"]})
+    rope = _rope(cfg)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(r)
+    if split:
+        w.add_key_length(r + dr)
+        w.add_value_length(r)
+        w.add_key_length_mla(dn + dr)
+        w.add_value_length_mla(dv)
+    else:
+        w.add_key_length(dn + dr)
+        w.add_value_length(dv)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(dr)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for add, k in ((w.add_rope_scaling_yarn_beta_fast, "beta_fast"), (w.add_rope_scaling_yarn_beta_slow, "beta_slow")):
+            if rope.get(k) is not None:
+                add(rope[k])
+        if rope.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def _shape_keys(w: Any, cfg: dict[str, Any]) -> None:
     """The keys every converter writes of a model's shape (TextModel's first ones)."""
     w.add_context_length(cfg["max_position_embeddings"])
@@ -302,10 +356,12 @@ def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
         w.add_sliding_window(cfg["sliding_window"])
 
 
-def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxfp4_experts: bool = False) -> Path:
+def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxfp4_experts: bool = False,
+               mla_split: bool = True) -> Path:
     """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would; with
     ``mxfp4_experts``, the experts' matrices in MXFP4 (``mxfp4_roundtrip_`` first gives the
-    model their values)."""
+    model their values); DeepSeek-V3's kv_b split into attn_k_b (transposed) and attn_v_b as
+    newer converters write it, or whole with ``mla_split=False``."""
     import gguf
     import gguf.quants as gq
 
@@ -319,6 +375,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         _gemma_keys(w, cfg, arch)
     elif arch in ("command-r", "cohere2"):
         _cohere_keys(w, cfg, arch)
+    elif arch == "deepseek2":
+        _deepseek2_keys(w, cfg, mla_split)
     else:
         _llama_keys(w, cfg, arch, n_head, n_kv)
     copy_tokenizer(w)
@@ -366,6 +424,12 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
             t = permute(t, n_head)
         elif arch in ("llama", "granite", "smollm3") and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
+        if arch == "deepseek2" and hf.endswith("kv_b_proj.weight") and mla_split:  # the converter's split
+            nh, dn = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+            k_b, v_b = t.view(nh, dn + cfg["v_head_dim"], -1).split([dn, cfg["v_head_dim"]], dim=1)
+            tensors[gguf_name(hf, arch).replace("attn_kv_b", "attn_k_b")] = k_b.transpose(1, 2)
+            tensors[gguf_name(hf, arch).replace("attn_kv_b", "attn_v_b")] = v_b
+            continue
         tensors[gguf_name(hf, arch)] = t
     if arch == "glm4moe":  # a prediction layer after the last: its tensors as a converted file holds them
         last = cfg["num_hidden_layers"] - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,17 +81,21 @@ def _configs() -> dict:
     }
 
 
-def _model(kind: str, path: Path) -> TinyModel:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(11)
-    m = AutoModelForCausalLM.from_config(_configs()[kind]).eval()
+def _sharpen_(m: torch.nn.Module, kind: str) -> torch.nn.Module:
     with torch.no_grad():  # the choice biases start at zero: give them values that change choices
         for name, b in [*m.named_buffers(), *m.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape) * 0.3)
             if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight", "kv_b_proj.weight")) and "deepseek" in kind:
                 b.mul_(4)  # sharp latent attention, so that positions and scales show
+    return m
+
+
+def _model(kind: str, path: Path) -> TinyModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    m = _sharpen_(AutoModelForCausalLM.from_config(_configs()[kind]).eval(), kind)
     m.save_pretrained(path)
     return TinyModel(kind, path, m, 0)
 
@@ -255,31 +260,36 @@ def test_a_missing_expert_is_named(models: dict, tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2",
-                                  "olmoe"])
-@pytest.mark.parametrize("qtype", [None, "Q8_0"])
-def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
-    """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts),
-    float32 or Q8_0 (kept packed under --compress-weight, transformers run on the same values)."""
+def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
     from gguf_convert import roundtrip_, write_gguf
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(5)
     cfg = _configs()[kind]
     cfg.vocab_size = 49152  # the GGUF's tokenizer is the bundled one
-    m = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for n, b in m.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.3)
+    if "deepseek" in kind:  # llama.cpp turns interleaved pairs (its converter leaves the rows as they are)
+        cfg.rope_interleave = True
+    path.mkdir(parents=True, exist_ok=True)
+    m = _sharpen_(AutoModelForCausalLM.from_config(cfg).eval(), kind)
     if qtype:
         roundtrip_(m, qtype)
-    path = write_gguf(m, tmp_path / f"{kind}.gguf", qtype)
-    tm = TinyModel(kind, path, m, 0)
+    return TinyModel(kind, write_gguf(m, path / f"{kind}.gguf", qtype, **write), m, 0)
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2",
+                                  "olmoe", "deepseek_v3", "deepseek_v3-yarn"])
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
+    """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts;
+    DeepSeek-V3's kv_b split in two), float32 or Q8_0 (kept packed under --compress-weight,
+    transformers run on the same values; the tiny DeepSeek's q_b, whose rows of 24 are no
+    Q8_0 blocks, stays float32 and would be compressed by the engine: its Q8_0 file runs
+    without --compress-weight)."""
+    tm = _gguf_model(kind, qtype, tmp_path)
     ref = reference_generate(tm, PROMPTS[:3], 4)
-    with LLM(str(path), percent=OFFLOAD, gpu_batch_size=1, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
-             compress_weight=bool(qtype), ignore_eos=True, progress=False) as llm:
+    with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=1, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
+             compress_weight=bool(qtype) and "deepseek" not in kind, ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS[:3], gen_len=4)] == ref
 
 
@@ -299,3 +309,58 @@ def test_two_ranks_match_transformers(models: dict, kind: str, tmp_path: Path) -
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, PROMPTS, GEN)
     experts = json.loads((tmp_path / "m.json").read_text())["experts"]
     assert len(experts) == 2 and all(e["routings"] > 0 for e in experts)
+
+
+@pytest.mark.bundled
+def test_an_older_deepseek2_file_with_kv_b_whole_reads_alike(tmp_path: Path) -> None:
+    """Files from before llama.cpp's converter split kv_b: attn_kv_b whole, the heads' sizes in
+    key/value_length, every head a kv head; the same spec, the same tokens."""
+    from flexgen_dist.models.gguf_file import GGUFFile
+
+    old = _gguf_model("deepseek_v3-yarn", None, tmp_path / "old", mla_split=False)
+    new = _gguf_model("deepseek_v3-yarn", None, tmp_path / "new")
+    names = {t.name for t in GGUFFile(old.path).tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    specs = [replace(load_model(str(t.path), load_tokenizer=False).spec, name="") for t in (old, new)]
+    assert specs[0] == specs[1]
+    assert (specs[0].kv_lora_rank, specs[0].num_kv_heads, specs[0].head_dim, specs[0].v_head_dim) == (32, 1, 40, 16)
+    hf = load_model(str(_hf_dir(tmp_path)), load_tokenizer=False).spec  # the config's own YaRN and scale
+    assert specs[0].attn_scale == pytest.approx(hf.attn_scale, rel=1e-6) and specs[0].attn_scale != 24 ** -0.5
+    assert specs[0].rope_scaling == hf.rope_scaling
+    with LLM(str(old.path), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS[:3], gen_len=4)] == reference_generate(old, PROMPTS[:3], 4)
+
+
+def _hf_dir(tmp_path: Path) -> Path:
+    """The yarn DeepSeek-V3 config as a directory, for the spec a config gives."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _configs()["deepseek_v3-yarn"]
+    cfg.vocab_size, cfg.rope_interleave = 49152, True
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("change,match", [
+    ({"deepseek2.expert_gating_func": 1}, "softmax routing .DeepSeek-V2"),
+    ({"deepseek2.attention.value_length": 40}, "key/value_length 40/40 with kv_lora_rank 32"),
+])
+def test_deepseek2_files_we_would_misread_are_refused(tmp_path: Path, change: dict, match: str) -> None:
+    from gguf_convert import rewrite
+
+    src = _gguf_model("deepseek_v3", None, tmp_path)
+    bad = rewrite(src.path, tmp_path / "bad.gguf", change, tokenizer=True)
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(bad), load_tokenizer=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.bundled
+def test_a_deepseek2_file_missing_half_of_kv_b_is_named(tmp_path: Path) -> None:
+    from gguf_convert import rewrite
+
+    src = _gguf_model("deepseek_v3", None, tmp_path)
+    bad = rewrite(src.path, tmp_path / "bad.gguf", drop=("blk.2.attn_v_b.weight",), tokenizer=True)
+    with pytest.raises(ModelLoadError, match="blk.2.attn_k_b.weight without blk.2.attn_v_b.weight"):
+        load_model(str(bad), load_tokenizer=False)

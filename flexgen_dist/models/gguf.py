@@ -23,7 +23,7 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        llama_fields, nextn, post_norm_fields)
+                        join_kv_b, llama_fields, nextn, post_norm_fields)
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
@@ -49,7 +49,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                              f"{', '.join(sorted(ARCHS))}; Mistral is written as llama): use a file of "
                              "one of these, or the model's Hugging Face directory")
     a = ARCHS[arch]
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = _tensors(reader, arch)
     _refuse_what_is_not_computed(reader, arch, a, tensors, name)
 
     def key(k: str, default: Any = _MISSING) -> Any:
@@ -65,7 +65,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if experts and arch not in MOE_ARCHS:
         raise ModelLoadError(f"{name}: a mixture-of-experts {arch} file is not supported (supported: "
                              f"{', '.join(sorted(MOE_ARCHS))})")
-    if arch in ("qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2") and not experts:
+    if arch in MOE_ARCHS - {"llama"} and not experts:
         raise ModelLoadError(f"{name}: GGUF key {arch}.expert_count is missing: the file is incomplete; "
                              "convert the model again")
     if "token_embd.weight" not in tensors:
@@ -83,7 +83,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")
-    for k in ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
+    # DeepSeek's latent attention has heads of its own sizes (gguf_arch.mla_fields)
+    for k in () if arch == "deepseek2" else ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
         if key(k, head_dim) != head_dim:
             what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
             raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
@@ -106,9 +107,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
                                   "output.weight" in tensors)
+        kv_heads = fields.pop("num_kv_heads", None) or key("attention.head_count_kv", 0)
         spec = ModelSpec(
             name=name, family=a.family, num_layers=key("block_count") - nextn(key, arch), hidden_size=hidden,
-            ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=key("attention.head_count_kv", 0),
+            ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=kv_heads,
             vocab_size=vocab, max_positions=key("context_length", 2048),
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
             rope_theta=theta,
@@ -120,6 +122,12 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec
+
+
+def _tensors(reader: Any, arch: str) -> dict[str, Any]:
+    """The file's tensors by name; a deepseek2 file's split kv_b joined back (``join_kv_b``)."""
+    tensors = {t.name: t for t in reader.tensors}
+    return join_kv_b(tensors) if arch == "deepseek2" else tensors
 
 
 def _refuse_what_is_not_computed(reader: Any, arch: str, a: Any, tensors: dict[str, Any], name: str) -> None:
@@ -215,6 +223,9 @@ def _yarn(key: Any, has_freqs: bool, truncate: bool, name: str) -> RopeScaling:
             "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
             "beta_fast": decimal32(float(key("rope.scaling.yarn_beta_fast", 32.0))),
             "beta_slow": decimal32(float(key("rope.scaling.yarn_beta_slow", 1.0))), "truncate": truncate}
+    log_mul = decimal32(float(key("rope.scaling.yarn_log_multiplier", 0.0)))
+    if log_mul:  # DeepSeek's 0.1 mscale_all_dim; its mscale is taken equal (as in every published model)
+        rope["mscale"] = rope["mscale_all_dim"] = log_mul / 0.1
     scaling = hf_rope_scaling(rope, name, int(key("context_length", 0)), 0)
     assert scaling is not None
     return scaling
@@ -306,8 +317,9 @@ class GGUFSource(WeightSource):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, reader: Any, path: Path) -> None:
         super().__init__(spec, dtype)
         self.reader, self.path = reader, path
-        self.tensors = {t.name: t for t in reader.tensors}
-        self.arch = ARCHS[gguf_field(reader, "general.architecture")]
+        arch = gguf_field(reader, "general.architecture")
+        self.tensors = _tensors(reader, arch)
+        self.arch = ARCHS[arch]
         self._said: set[str] = set()  # tensor types already reported as not native
 
     def _names(self, part: str, layer: int | None) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:

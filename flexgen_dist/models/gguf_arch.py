@@ -8,6 +8,7 @@ tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``c
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,9 @@ class GGUFArch:
     norm_shift: float = 0.0
 
 
+_GLM4MOE_KEYS = frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
+                           "expert_gating_func", "expert_weights_scale", "expert_weights_norm", "expert_group_count",
+                           "expert_group_used_count", "nextn_predict_layers"})
 _GEMMA_KEYS = frozenset({"final_logit_softcapping", "attention.sliding_window",
                          "attention.sliding_window_pattern", "rope.freq_base_swa"})
 ARCHS: dict[str, GGUFArch] = {
@@ -75,11 +79,7 @@ ARCHS: dict[str, GGUFArch] = {
     # GLM-4.5 / 4.6 / 4.7 (glm4moe): sigmoid routing with a choice bias (exp_probs_b), shared
     # experts, the first layers dense, RoPE on halves of part of each head; the file's last
     # nextn_predict_layers blocks are multi-token-prediction layers generation never runs
-    "glm4moe": GGUFArch("llama", llama.post_attention_gguf_names,
-                        keys=frozenset({"expert_feed_forward_length", "expert_shared_count",
-                                        "leading_dense_block_count", "expert_gating_func", "expert_weights_scale",
-                                        "expert_weights_norm", "expert_group_count", "expert_group_used_count",
-                                        "nextn_predict_layers"})),
+    "glm4moe": GGUFArch("llama", llama.post_attention_gguf_names, keys=_GLM4MOE_KEYS),
     # gpt-oss: attention sinks, sliding layers alternating (llama.cpp's fixed pattern), YaRN;
     # every layer sparse, the router and experts with biases, gate and up apart (MXFP4 as
     # released); its norm before the MLP is post_attention_norm
@@ -87,6 +87,11 @@ ARCHS: dict[str, GGUFArch] = {
                         keys=frozenset({"expert_feed_forward_length", "attention.sliding_window"})),
     # OLMoE: Qwen's softmax routing, never renormalised (llama.cpp's), q/k normalised over all heads
     "olmoe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
+    # DeepSeek-V3 / R1 / V3.1 and Kimi K2 (deepseek2): latent attention (as one kv head of
+    # kv_lora_rank + rope dims; kv_b split in two by newer converters), GLM-4.5's routing
+    "deepseek2": GGUFArch("llama", llama.gguf_names, keys=_GLM4MOE_KEYS | {
+        "attention.q_lora_rank", "attention.kv_lora_rank", "attention.key_length_mla", "attention.value_length_mla",
+        "rope.scaling.yarn_log_multiplier"}),
     # MiniMax-M2: sigmoid routing with its choice bias (exp_probs_b), q/k normalised over all
     # heads, RoPE on part of each head
     "minimax-m2": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
@@ -100,7 +105,8 @@ ARCHS: dict[str, GGUFArch] = {
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
-MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2"})
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2"})
+SIGMOID_ARCHS = ("glm4moe", "deepseek2")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
@@ -202,7 +208,7 @@ def sliding_layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]
 def nextn(key: Any, arch: str) -> int:
     """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
     serve speculative decoding and which generation never runs."""
-    n = int(key("nextn_predict_layers", 0)) if arch == "glm4moe" else 0
+    n = int(key("nextn_predict_layers", 0)) if arch in SIGMOID_ARCHS else 0
     if not 0 <= n < int(key("block_count")):
         raise ModelLoadError(f"{arch}.nextn_predict_layers {n} of {key('block_count')} blocks: corrupt file?")
     return n
@@ -215,7 +221,7 @@ GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never a
 def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override: int, experts: int
                   ) -> dict[str, Any]:
     """The LLaMA family's ModelSpec fields of a file, beyond the shared ones."""
-    return dict(
+    fields = dict(
         head_dim_override=head_dim_override,
         sliding_window=int(key("attention.sliding_window", 0)),
         tie_word_embeddings="output.weight" not in tensors,
@@ -232,6 +238,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
+    return {**fields, **mla_fields(key)} if arch == "deepseek2" else fields
 
 
 def _gpt_oss_fields(key: Any) -> dict[str, Any]:
@@ -294,9 +301,13 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
         raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
+    if arch == "deepseek2" and int(key("expert_gating_func", 1)) != 2:  # llama.cpp's default: softmax
+        raise ValueError("deepseek2 file with softmax routing (DeepSeek-V2 / V2.5, expert_gating_func "
+                         f"{key('expert_gating_func', 1)}): not supported; DeepSeek-V3/R1/V3.1 and Kimi K2 files "
+                         "(sigmoid routing, 2) are")
     if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
         fields.update(router_scoring="sigmoid", router_weights_fp32=True)
-    if arch == "glm4moe":  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
+    if arch in SIGMOID_ARCHS:  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
         fields.update(router_scoring="sigmoid", router_fp32=True,
                       norm_topk_prob=bool(key("expert_weights_norm", False)),
                       routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
@@ -309,3 +320,72 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields
+
+
+def mla_fields(key: Any) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention from a ``deepseek2`` file, as the Hugging Face config it
+    was converted from gives it (``hf_config._mla_spec``). Newer converters describe the cache
+    llama.cpp keeps (key_length = kv_lora_rank + rope dims, value_length = kv_lora_rank, one
+    kv head) and the heads in ``*_length_mla``; older ones the heads in key/value_length.
+    The softmax scale is the q.k head size ** -0.5 times YaRN's mscale_all_dim factor squared,
+    that factor from ``yarn_log_multiplier`` (0.1 mscale_all_dim, as the converter writes it)."""
+    r, dr = int(key("attention.kv_lora_rank")), int(key("rope.dimension_count"))
+    if key("attention.key_length_mla", None) is not None:
+        if (int(key("attention.key_length")), int(key("attention.value_length"))) != (r + dr, r):
+            raise ValueError(f"deepseek2 key/value_length {key('attention.key_length')}/"
+                             f"{key('attention.value_length')} with kv_lora_rank {r} and {dr} rope dims: expected "
+                             f"{r + dr}/{r}; corrupt file?")
+        qk, dv = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
+    else:
+        qk, dv = int(key("attention.key_length")), int(key("attention.value_length"))
+    scale = qk ** -0.5
+    factor, log_mul = float(key("rope.scaling.factor", 1.0)), decimal32(float(key("rope.scaling.yarn_log_multiplier", 0.0)))
+    if key("rope.scaling.type", "none") == "yarn" and log_mul and factor > 1:
+        m = log_mul * math.log(factor) + 1.0
+        scale *= m * m
+    return dict(head_dim_override=r + dr, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=int(key("attention.q_lora_rank", 0)),
+                qk_nope_dim=qk - dr, qk_rope_dim=dr, v_head_dim=dv, attn_scale=scale, rope_interleaved=True)
+
+
+class JoinedKVB:
+    """A ``deepseek2`` layer's kv_b as the Hugging Face checkpoint holds it, (heads x (nope +
+    v), kv_lora_rank), from the two tensors newer converters split it into: attn_k_b (each
+    head's key rows, transposed: heads x rank x nope) and attn_v_b (heads x v x rank).
+    Quacks as the reader's tensor (name, shape innermost first, type, data), read when asked."""
+
+    def __init__(self, name: str, k_b: Any, v_b: Any) -> None:
+        from gguf import GGMLQuantizationType
+
+        self.name, self._k, self._v = name, k_b, v_b
+        heads, r, nope = (int(n) for n in k_b.shape[::-1])
+        vh, dv, vr = (int(n) for n in v_b.shape[::-1])
+        if (vh, vr) != (heads, r):
+            raise ModelLoadError(f"GGUF {k_b.name} {(heads, r, nope)} and {v_b.name} {(vh, dv, vr)} do not pair: "
+                                 "corrupt file?")
+        self.shape = np.array([r, heads * (nope + dv)])
+        self.tensor_type = GGMLQuantizationType.F32
+
+    @property
+    def data(self) -> np.ndarray:
+        from gguf import dequantize
+
+        k = np.asarray(dequantize(self._k.data, self._k.tensor_type), dtype=np.float32)
+        v = np.asarray(dequantize(self._v.data, self._v.tensor_type), dtype=np.float32)
+        heads, r = k.shape[0], k.shape[1]
+        k = k.reshape(heads, r, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(np.concatenate([k, v.reshape(heads, -1, r)], axis=1).reshape(-1, r))
+
+
+def join_kv_b(tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` with each layer's attn_k_b and attn_v_b replaced by one attn_kv_b (a
+    ``JoinedKVB``, or the file's own where it keeps both forms)."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".attn_k_b.weight")]:
+        at = name[: -len("attn_k_b.weight")]
+        v_b = out.pop(at + "attn_v_b.weight", None)
+        if v_b is None:
+            raise ModelLoadError(f"GGUF tensor {name} without {at}attn_v_b.weight: the file is incomplete; "
+                                 "convert the model again")
+        k_b = out.pop(name)
+        out.setdefault(at + "attn_kv_b.weight", JoinedKVB(at + "attn_kv_b.weight", k_b, v_b))
+    return out
