@@ -260,7 +260,7 @@ def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype
 
 
 @pytest.mark.parametrize("name", [*sorted(FAMILIES), "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe-groups", "gpt_oss",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "llama4"])
 def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_device, tmp_path: Path) -> None:
     """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the mixtures of experts in float32 on
     the device: half the weights there and half in RAM, the cache and activations there,
@@ -275,9 +275,15 @@ def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_devic
     elif name == "gpt_oss":  # attention sinks: the materialised softmax on the device
         from test_gpt_oss import _model as gpt_oss_model
         tm = gpt_oss_model(tmp_path / "m")
+    elif name == "llama4":  # chunked attention, the temperature: each prompt's reference alone (test_llama4)
+        from test_llama4 import _model as llama4_model
+        tm = llama4_model("interleaved", tmp_path / "m")
     else:
         tm = moe_model(name, tmp_path / "m")
-    ref, _ = reference_on(tm, gpu_device, torch.float32, LONG, GEN)
+    if name == "llama4":
+        ref = [reference_on(tm, gpu_device, torch.float32, [p], GEN)[0][0] for p in LONG]
+    else:
+        ref, _ = reference_on(tm, gpu_device, torch.float32, LONG, GEN)
     assert run(tm, (50, 50, 100, 0, 100, 0), gpu_device, torch.float32, tmp_path / "off", prompts=LONG) == ref
 
 

@@ -27,11 +27,11 @@ class BlockState:
     acts: ActStore
     valid: list[torch.Tensor]  # per GPU batch: (b, s + n) bool, key positions that are real
     outputs: list[Any] = field(default_factory=list)
-    # per (GPU batch, window): (token, positions, mask, cache offset) of the last token asked
-    step_inputs: dict[tuple[int, int], tuple[int, Any, torch.Tensor | None, int]] = field(default_factory=dict)
+    # per (GPU batch, window, chunked): (token, positions, mask, cache offset) of the last token asked
+    step_inputs: dict[tuple[int, int, bool], tuple[int, Any, torch.Tensor | None, int]] = field(default_factory=dict)
     merged_pos: tuple[int, Positions] | None = None  # (token, positions of every batch's rows)
-    # window -> (token, mask rows of every batch, cache offset)
-    merged_masks: dict[int, tuple[int, torch.Tensor, int]] = field(default_factory=dict)
+    # (window, chunked) -> (token, mask rows of every batch, cache offset)
+    merged_masks: dict[tuple[int, bool], tuple[int, torch.Tensor, int]] = field(default_factory=dict)
     merged_out: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the last merged slot's (batch views, output)
     out_base: int = 0  # the first GPU batch of the current run (outputs[k - out_base])
     # Prefill on a last stage: each GPU batch's last-position hidden rows wait here for the
@@ -42,11 +42,13 @@ class BlockState:
 
 
 def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
-                device: torch.device) -> tuple[Positions, torch.Tensor | None, int]:
+                device: torch.device, chunked: bool = False) -> tuple[Positions, torch.Tensor | None, int]:
     """Positions, attention mask rows and cache offset of (token i, batch k), shared by all
-    layers that attend to ``window`` positions (0: all). The prefill mask is None where the
-    batch is unpadded and has no window (plainly causal: ``attention.prefill_attention``)."""
-    cached = st.step_inputs.get((k, window))
+    layers that attend to ``window`` positions (0: all), or (``chunked``) within their chunk
+    of ``window`` positions, chunks counted from each sequence's first token (Llama 4). The
+    prefill mask is None where the batch is unpadded and has no window (plainly causal:
+    ``attention.prefill_attention``)."""
+    cached = st.step_inputs.get((k, window, chunked))
     if cached is not None and cached[0] == i:
         return cached[1], cached[2], cached[3]
     s = st.meta.prompt_len
@@ -58,13 +60,15 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
         # device) and no window: plainly causal, no mask built
         if not (all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s)):
             causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_()
-            if window and window < s:  # a key more than window - 1 positions back is out of sight
+            if window and window < s and not chunked:  # a key more than window - 1 positions back is out of sight
                 causal.triu_(1 - window)
             m = causal[None] & valid[:, None, :s]
+            if chunked and window < s:  # a key in an earlier chunk than the query's is out of sight
+                m &= (pos[:, :, None] // window) == (pos[:, None, :] // window)
             m |= torch.eye(s, dtype=torch.bool, device=device)[None]  # padding sees itself
             mask = m[:, None]
         out = (Positions(pos), mask, 0)
-        st.step_inputs[(k, window)] = (i, *out)
+        st.step_inputs[(k, window, chunked)] = (i, *out)
         return out
     pos0 = s + i - 1
     pos_ids = valid[:, : s + i].sum(-1, keepdim=True) - 1
@@ -75,9 +79,13 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
         held = pos0 - torch.remainder(pos0 - slots, window)
         keys = valid[:, held.clamp(min=0)] & (held >= 0)[None]
     else:
+        held = torch.arange(s + i, device=device)
         keys = valid[:, : s + i]
+    if chunked:  # only the keys of the query's own chunk: at or after its start
+        pad = s - torch.tensor(st.meta.prompt_lens[k], device=device)[:, None]
+        keys = keys & (held[None] - pad >= pos_ids - pos_ids % window)
     out = (Positions(pos_ids), mask_to_rows(keys[:, None], kv_heads), pos0)
-    st.step_inputs[(k, window)] = (i, *out)
+    st.step_inputs[(k, window, chunked)] = (i, *out)
     return out
 
 
@@ -90,12 +98,13 @@ def merged_positions(st: BlockState, i: int, num_gb: int, kv_heads: int, device:
 
 
 def merged_mask(st: BlockState, i: int, num_gb: int, window: int, kv_heads: int,
-                device: torch.device) -> tuple[torch.Tensor, int]:
+                device: torch.device, chunked: bool = False) -> tuple[torch.Tensor, int]:
     """(mask rows of every GPU batch side by side, cache offset) of decode token i."""
-    got = st.merged_masks.get(window)
+    got = st.merged_masks.get((window, chunked))
     if got is None or got[0] != i:
-        parts = [step_inputs(st, i, kk, window, kv_heads, device) for kk in range(num_gb)]
-        got = st.merged_masks[window] = (i, torch.cat([m for _, m, _ in parts]), parts[0][2])  # type: ignore[misc]
+        parts = [step_inputs(st, i, kk, window, kv_heads, device, chunked) for kk in range(num_gb)]
+        got = st.merged_masks[(window, chunked)] = (i, torch.cat([m for _, m, _ in parts]),  # type: ignore[misc]
+                                                    parts[0][2])
     return got[1], got[2]
 
 

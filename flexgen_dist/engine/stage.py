@@ -294,13 +294,13 @@ class StageEngine:
                            st.meta.score_k)
         else:
             assert st.cache is not None
-            layer, window = slot[1], spec.window(slot[1])  # type: ignore[arg-type]
+            layer = slot[1]
             if st.cache.whole_layer(layer):  # type: ignore[arg-type]
-                attend = self._attend_layer_fn(st, layer, i, num_gb, window)  # type: ignore[arg-type]
+                attend = self._attend_layer_fn(st, layer, i, num_gb)  # type: ignore[arg-type]
             else:
                 fns = []
                 for kk in range(num_gb):
-                    _, mrows, pos0 = self._step_inputs(st, i, kk, window)
+                    _, mrows, pos0 = self._step_inputs(st, i, kk, layer)  # type: ignore[arg-type]
                     fns.append(self._attend_fn(st, layer, kk, mrows, pos0))  # type: ignore[arg-type]
 
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -316,11 +316,12 @@ class StageEngine:
             st.acts.put(kk, yk)
         st.merged_out = (views, y)
 
-    def _attend_layer_fn(self, st: BlockState, layer: int, i: int, num_gb: int, window: int):  # noqa: ANN202
+    def _attend_layer_fn(self, st: BlockState, layer: int, i: int, num_gb: int):  # noqa: ANN202
         """Merged decode's ``attend`` where the layer's cache is one buffer for every GPU
         batch (``BlockCache.whole_layer``): one cache write and one attention over the rows
         of all of them, with the batches' masks side by side (built once per token)."""
-        mask, pos0 = merged_mask(st, i, num_gb, window, self.spec.num_kv_heads, self.device)
+        mask, pos0 = merged_mask(st, i, num_gb, self.spec.window(layer), self.spec.num_kv_heads, self.device,
+                                 self.spec.chunked(layer))
         kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
         cache, sparsity = st.cache, self.policy.attn_sparsity
         assert cache is not None
@@ -343,7 +344,7 @@ class StageEngine:
             return
         x = st.acts.get(k)
         spec = self.spec
-        pos, mrows, pos0 = self._step_inputs(st, i, k, spec.window(slot[1]) if slot[0] == "layer" else 0)  # type: ignore[arg-type]
+        pos, mrows, pos0 = self._step_inputs(st, i, k, slot[1] if slot[0] == "layer" else None)  # type: ignore[arg-type]
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head" and i == 0 and st.meta.targets is None:
@@ -359,8 +360,13 @@ class StageEngine:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
 
-    def _step_inputs(self, st: BlockState, i: int, k: int, window: int = 0) -> tuple[Positions, torch.Tensor | None, int]:
-        return step_inputs(st, i, k, window, self.spec.num_kv_heads, self.device)
+    def _step_inputs(self, st: BlockState, i: int, k: int,
+                     layer: int | None = None) -> tuple[Positions, torch.Tensor | None, int]:
+        """``step_inputs`` for layer ``layer``'s window (None: the embedding's and head's, all positions)."""
+        if layer is None:
+            return step_inputs(st, i, k, 0, self.spec.num_kv_heads, self.device)
+        return step_inputs(st, i, k, self.spec.window(layer), self.spec.num_kv_heads, self.device,
+                           self.spec.chunked(layer))
 
     prefill_logits = staticmethod(head.prefill_logits)
 

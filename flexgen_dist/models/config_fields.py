@@ -82,6 +82,12 @@ USED: dict[str, set[str]] = {
                                        "attention_multiplier", "num_local_experts", "num_experts_per_tok",
                                        "shared_intermediate_size"},
     "ernie4_5": _LLAMA_USED | {"use_bias"},
+    "llama4_text": _LLAMA_USED | {"intermediate_size_mlp", "num_local_experts", "num_experts_per_tok", "moe_layers",
+                                  "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers", "no_rope_layer_interval",
+                                  "attention_chunk_size", "layer_types", "attn_temperature_tuning", "floor_scale",
+                                  "attn_scale"},
+    # the image-text model: its text_config is read as a llama4_text config (models/llama4_config.py)
+    "llama4": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
     "ernie4_5_moe": _LLAMA_USED | {"moe_intermediate_size", "moe_k", "moe_num_experts", "moe_num_shared_experts",
                                    "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
                                    "moe_norm_min"},
@@ -108,6 +114,8 @@ INERT: dict[str, set[str]] = {
     "deepseek_v3": _ROUTER_TRAINING | {"num_nextn_predict_layers"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
+    "llama4_text": _ROUTER_TRAINING,
+    "llama4": {"vision_config", "boi_token_index", "eoi_token_index", "image_token_index"},
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
     "gemma2": {"cache_implementation", "hidden_act"},
@@ -132,7 +140,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granitemoe", "granitemoeshared")},
     "olmoe": {"hidden_act": "silu", "clip_qkv": None},
     "deepseek_v3": {"hidden_act": "silu", "attention_bias": False},
-    "ernie4_5": {"hidden_act": "silu"},
+    "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},

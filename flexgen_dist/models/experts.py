@@ -54,6 +54,8 @@ def moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
     """Candidate checkpoint names of a sparse layer's canonical weight ``k``."""
     if spec.router_scoring == "topk_softmax" and spec.expert_bias:
         return _gpt_oss_hf_names(spec, at, k)
+    if spec.router_scoring == "top_sigmoid":
+        return _llama4_hf_names(spec, at, k)
     if k == "router.w":  # Mixtral's, Qwen's; Granite's as released and as transformers saves it
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight",
                 f"{at}.block_sparse_moe.router.layer.weight", f"{at}.block_sparse_moe.router.weight"]
@@ -102,6 +104,22 @@ def _gpt_oss_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
     return [f"{at}.mlp.experts.{n}" for n in (name, packed) if n]
 
 
+def _llama4_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
+    """Llama 4's names: ``feed_forward.router``, one ``shared_expert``, all experts in 3-D
+    tensors stored transposed (experts x in x out), gate then up in the columns of
+    ``gate_up_proj``."""
+    if k == "router.w":
+        return [f"{at}.feed_forward.router.weight"]
+    if k.startswith("shared."):
+        return [f"{at}.feed_forward.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight"]
+    _, e, part = k.split(".", 2)
+    f = spec.expert_ffn_size
+    name = {"gate.w": f"gate_up_proj{INDEX}{e}{TRANSPOSED}{ROWS}0:{f}",
+            "up.w": f"gate_up_proj{INDEX}{e}{TRANSPOSED}{ROWS}{f}:{2 * f}",
+            "down.w": f"down_proj{INDEX}{e}{TRANSPOSED}"}[part]
+    return [f"{at}.feed_forward.experts.{name}"]
+
+
 # llama.cpp keeps a sparse layer's experts as 3-D tensors (experts x rows x cols)
 _MOE_GGUF = {"router.w": "ffn_gate_inp.weight", "router.b": "ffn_gate_inp.bias", "router.choice_b": "exp_probs_b.bias",
              "shared.gate.w": "ffn_gate_shexp.weight",
@@ -129,6 +147,9 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     if spec.router_scoring == "topk_softmax":  # gpt-oss, Granite: the top logits, then their softmax
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
         return torch.softmax(top_l, dim=1, dtype=torch.float32).to(dtype), top_i
+    if spec.router_scoring == "top_sigmoid":  # Llama 4: the top logits' sigmoids (in float32, cast back)
+        top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
+        return torch.sigmoid(top_l.float()).to(dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if choice_bias is not None:  # ERNIE 4.5: chosen by probability + bias, weighted by probability
         top_i = torch.topk(probs + choice_bias.float(), spec.experts_per_tok, dim=-1)[1]
@@ -185,8 +206,12 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
         slot, tok = torch.where(top_i.t() == e)  # the reference's row order: by top-k slot, then token
         ew = experts.get(e)
         xe = x[tok]
+        if spec.router_scoring == "top_sigmoid":  # Llama 4: the weight scales the expert's input
+            xe = xe * top_w[tok, slot, None]
         g = _expert_gate(spec, linear(xe, ew["gate.w"], ew.get("gate.b")), linear(xe, ew["up.w"], ew.get("up.b")))
-        y = linear(g, ew["down.w"], ew.get("down.b")) * top_w[tok, slot, None]
+        y = linear(g, ew["down.w"], ew.get("down.b"))
+        if spec.router_scoring != "top_sigmoid":
+            y = y * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     if spec.shared_expert_ffn_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), added after the experts
         s = linear(silu_mul(linear(x, w["shared.gate.w"]), linear(x, w["shared.up.w"])), w["shared.down.w"])

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config_fields import USED, field_problem
 from .gemma_config import GEMMA_TYPES, gemma_spec
+from .llama4_config import llama4_fields, llama4_text_config
 from .source import ModelLoadError
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling, alternating, every_nth
 
@@ -27,6 +28,8 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                              f"{', '.join(MOE_TYPES)})")
     if mt not in SUPPORTED:
         raise ModelLoadError(f"{name}: model_type {mt!r} is not supported (supported: {', '.join(SUPPORTED)})")
+    if "chunked_attention" in (cfg.get("layer_types") or ()) and mt != "llama4_text":
+        raise ModelLoadError(f"{name}: layer_types chunked_attention not supported for {mt!r} (Llama 4's alone)")
     try:
         return _spec(cfg, mt, name)
     except ValueError as e:
@@ -36,6 +39,12 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
 def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     if mt == "mistral3":  # an image-text checkpoint: its language model, on token ids
         return _mistral3_text(cfg, name)
+    if mt == "llama4":  # the same for Llama 4's
+        text = llama4_text_config(cfg)
+        problem = field_problem(text, "llama4_text")
+        if problem:
+            raise ModelLoadError(f"{name}: text_config: {problem}")
+        return spec_from_hf_config(text, name)
     if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
         return gemma_spec(cfg, name, _rope_scaling)
     eos = cfg.get("eos_token_id")
@@ -75,6 +84,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
     scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    if mt == "llama4_text":  # chunked and NoPE layers, its own routing and temperature (llama4_config)
+        common.update(llama4_fields(cfg))
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
@@ -90,8 +101,8 @@ OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
 # read as the llama family's, each with what differs from Llama (``_llama_spec``)
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-               "exaone4", "ernie4_5", *GLM_TYPES, *MOE_TYPES)
-SUPPORTED = tuple(sorted({"opt", "mistral3", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
+               "exaone4", "ernie4_5", "llama4_text", *GLM_TYPES, *MOE_TYPES)
+SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
 def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelSpec:
@@ -158,7 +169,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("deepseek_v2", "dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
-               "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "llama4", "switch_transformers", "nllb_moe")
+               "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "switch_transformers", "nllb_moe")
 
 
 def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:

@@ -85,10 +85,10 @@ _MLA_HF = {"q_a.w": "self_attn.q_a_proj.weight", "q_a_norm.w": "self_attn.q_a_la
 def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
     """Canonical name -> candidate checkpoint names (first found wins)."""
     if part == "layer":
-        at = f"model.layers.{layer}"
         table = _LAYER_HF_SANDWICH if spec.norm_layout == "sandwich" else {**_LAYER_HF, **_MLA_HF}
         dense = lm_hf_names(spec, part, layer, table, [k for k in layer_shapes(spec, layer) if k in table])
-        out = {k: dense[k] if k in dense else moe_hf_names(spec, at, k) for k in layer_shapes(spec, layer)}
+        out = {k: dense[k] if k in dense else [n for p in LM_PREFIXES for n in moe_hf_names(spec, f"{p}layers.{layer}", k)]
+               for k in layer_shapes(spec, layer)}
         qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
         fused = {}
         if spec.fused_proj:  # Phi-3 stores q|k|v as one matrix: its rows
@@ -98,6 +98,9 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
             fused.update({"gate.w": ("mlp.gate_up_proj", 0, f), "up.w": ("mlp.gate_up_proj", f, 2 * f)})
         for k, (name, r0, r1) in fused.items():
             out[k] = [f"{p}layers.{layer}.{name}.weight{ROWS}{r0}:{r1}" for p in LM_PREFIXES]
+        for k in ("gate.w", "up.w", "down.w"):  # Llama 4 names a dense layer's MLP feed_forward
+            if k in out and not fused:
+                out[k] = out[k] + [n.replace(".mlp.", ".feed_forward.") for n in out[k]]
         return out
     return lm_hf_names(spec, part, layer, _LAYER_HF, ())
 
@@ -199,7 +202,14 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
             q, k = (apply_rope_interleaved(t, cos, sin, spec.rope_fp32) for t in (q, k))
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if spec.attn_temp_beta:  # Ministral 3: a temperature on q growing past each attn_temp_len positions
+        if spec.qk_l2_norm:  # Llama 4: each turned head RMS-normalised in float32, without a weight
+            q, k = (F.rms_norm(t.float(), (t.shape[-1],), None, eps).to(t.dtype) for t in (q, k))
+    if spec.attn_temp_nope and not spec.rotates(layer):  # Llama 4: positions counted from 1, q cast back
+        ids = as_positions(pos).ids.float()
+        temp = torch.log1p(torch.floor((ids + 1.0) / spec.attn_temp_len)) * spec.attn_temp_beta + 1.0
+        q = (q * temp[:, :, None, None]).to(q.dtype)
+    elif spec.attn_temp_beta and not spec.attn_temp_nope:
+        # Ministral 3: a temperature on q growing past each attn_temp_len positions
         ids = as_positions(pos).ids
         temp = 1 + spec.attn_temp_beta * torch.log(1 + torch.floor(ids / spec.attn_temp_len))
         q = q * temp[:, :, None, None].to(q.dtype)

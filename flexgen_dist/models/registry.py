@@ -82,6 +82,13 @@ _GLM4_MOE = dict(family="llama", vocab_size=151552, max_positions=131072, bos_to
                  norm_eps=1e-5, rope_theta=1_000_000.0, head_dim_override=128, rotary_dim=64, qkv_bias=True,
                  num_heads=96, num_kv_heads=8, num_experts=128, experts_per_tok=8, expert_ffn_size=1408,
                  router_scoring="sigmoid", router_fp32=True, router_weights_fp32=True, shared_expert_gated=False)
+_LLAMA4 = dict(family="llama", vocab_size=202048, bos_token_id=200000, eos_token_ids=(200001, 200007, 200008),
+               pad_token_id=200018, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=500000.0, num_layers=48,
+               hidden_size=5120, ffn_size=16384, num_heads=40, num_kv_heads=8, rope_interleaved=True, nope_layers=every_nth(48, 4), sliding_window=8192,
+               layer_types=tuple("full_attention" if g else "chunked_attention" for g in every_nth(48, 4)),
+               attn_temp_nope=True, attn_temp_beta=0.1, attn_temp_len=8192, experts_per_tok=1,
+               expert_ffn_size=8192, shared_expert_ffn_size=8192, shared_expert_gated=False,
+               router_scoring="top_sigmoid", norm_topk_prob=False)
 _SMOL = dict(family="llama", vocab_size=49152, max_positions=8192, bos_token_id=1,
              eos_token_ids=(2,), pad_token_id=2, tie_word_embeddings=True, norm_eps=1e-5)
 
@@ -210,6 +217,14 @@ _SHAPES: dict[str, dict] = {
                     rope_scaling=RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
                                              attention_factor=1.0, truncate=True),
                     attn_scale=192 ** -0.5 * (0.1 * math.log(32.0) + 1.0) ** 2),
+    # Llama 4 (llama4): chunks of 8192 positions on the layers with RoPE (interleaved pairs), every
+    # fourth layer global without RoPE and with the attention temperature; the top expert by
+    # logit scaling its input by its sigmoid, one shared expert; Scout every layer sparse with
+    # q/k norms and Llama 3.1's scaling (equal factors), Maverick every second layer, no q/k norms
+    "llama-4-scout-17b-16e": dict(_LLAMA4, num_experts=16, qk_l2_norm=True, max_positions=10485760,
+                                  rope_scaling=RopeScaling("llama3", 16.0, 1.0, 1.0, 8192)),
+    "llama-4-maverick-17b-128e": dict(_LLAMA4, num_experts=128, max_positions=1048576,
+                                      moe_layers=tuple(j % 2 == 1 for j in range(48))),
     # MiniMax-M2 / M2.1 (minimax_m2): sigmoid routing with a choice bias over 256 experts, top 8,
     # q/k normalised over all heads, half of each head turned
     "minimax-m2": dict(family="llama", vocab_size=200064, max_positions=196608, bos_token_id=200034,

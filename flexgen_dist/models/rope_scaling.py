@@ -45,8 +45,9 @@ class RopeScaling:
                                  f"{len(self.long_factor)} and {len(self.short_factor)})")
             if min(self.long_factor + self.short_factor) <= 0:
                 raise ValueError("longrope factors must be > 0")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must exceed "
+        # equal factors (Llama 4 Scout's): no band between, the low frequencies divided, the rest kept
+        if self.rope_type == "llama3" and self.high_freq_factor < self.low_freq_factor:
+            raise ValueError(f"rope scaling high_freq_factor {self.high_freq_factor} must be at least "
                              f"low_freq_factor {self.low_freq_factor}")
 
 
