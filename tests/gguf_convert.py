@@ -24,7 +24,8 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "qwen3_moe": "qwen3moe", "granite": "granite", "smollm3": "smollm3",
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
-        "olmoe": "olmoe", "deepseek_v3": "deepseek2"}
+        "olmoe": "olmoe", "deepseek_v3": "deepseek2",
+        "deepseek_v2": "deepseek2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -252,7 +253,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
 
 
 def _deepseek2_keys(w: Any, cfg: dict[str, Any], split: bool) -> None:
-    """The metadata llama.cpp's DeepseekV2Model writes for DeepSeek-V3: TextModel's set with
+    """The metadata llama.cpp's DeepseekV2Model writes for DeepSeek-V3 and V2: TextModel's set with
     one kv head, then the latent attention's sizes (``split``: as newer converters write them,
     the cache's sizes in key/value_length and the heads' in *_length_mla; else the heads' in
     key/value_length and every head a kv head, as older ones did), the experts' set, the
@@ -265,9 +266,11 @@ def _deepseek2_keys(w: Any, cfg: dict[str, Any], split: bool) -> None:
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_group_count(cfg["n_group"])
-    w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg["model_type"] == "deepseek_v3":  # its scoring_func: DeepSeek-V2's configs name none (softmax)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.get("n_group"):
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
     w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("q_lora_rank"):

@@ -28,7 +28,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
                               Qwen3MoeConfig)
 
@@ -72,6 +72,13 @@ def _configs() -> dict:
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}),
         # Granite 3.x MoE: a softmax over the top logits, Granite's multipliers; -shared: an
         # ungated shared expert
+        # DeepSeek-V2: the same latent attention (q straight from x, as V2-Lite), softmax routing
+        # never renormalised, times the scaling; -groups: within the best 2 of 4 groups, a group
+        # ranked by its best score (group_limited_greedy), q through its bottleneck
+        "deepseek_v2": DeepseekV2Config(**{k: v for k, v in deepseek.items() if k not in ("n_group", "topk_group")},
+                                        q_lora_rank=None, topk_method="greedy"),
+        "deepseek_v2-groups": DeepseekV2Config(**{**deepseek, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3},
+                                               q_lora_rank=24, topk_method="group_limited_greedy"),
         "granitemoe": GraniteMoeConfig(**granite),
         "granitemoeshared": GraniteMoeSharedConfig(**granite, shared_intermediate_size=80),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
@@ -88,6 +95,8 @@ def _sharpen_(m: torch.nn.Module, kind: str) -> torch.nn.Module:
                 b.copy_(torch.randn(b.shape) * 0.3)
             if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight", "kv_b_proj.weight")) and "deepseek" in kind:
                 b.mul_(4)  # sharp latent attention, so that positions and scales show
+            if name.endswith("mlp.gate.weight") and "deepseek_v2" in kind:  # its router starts at zero
+                b.normal_(0, 0.5)
     return m
 
 
@@ -107,7 +116,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
                                   "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
-                                  "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn"])
+                                  "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2",
+                                  "deepseek_v2-groups"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]
@@ -226,7 +236,8 @@ def test_layers_are_split_by_what_they_weigh() -> None:
 
 
 @pytest.mark.parametrize("edit,match", [
-    ({"model_type": "deepseek_v2"}, "mixture-of-experts family 'deepseek_v2' is not supported"),
+    ({"model_type": "dbrx"}, "mixture-of-experts family 'dbrx' is not supported"),
+    ({"model_type": "deepseek_v2"}, "config.json has no 'kv_lora_rank', which a deepseek_v2 model needs"),
     ({"model_type": "phimoe"}, "mixture-of-experts family 'phimoe' is not supported"),
     ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
     ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
@@ -267,7 +278,7 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
     torch.manual_seed(5)
     cfg = _configs()[kind]
     cfg.vocab_size = 49152  # the GGUF's tokenizer is the bundled one
-    if "deepseek" in kind:  # llama.cpp turns interleaved pairs (its converter leaves the rows as they are)
+    if kind.startswith("deepseek_v3"):  # llama.cpp turns interleaved pairs (its converter leaves the rows as they are)
         cfg.rope_interleave = True
     path.mkdir(parents=True, exist_ok=True)
     m = _sharpen_(AutoModelForCausalLM.from_config(cfg).eval(), kind)
@@ -278,7 +289,7 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
 
 @pytest.mark.bundled
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2",
-                                  "olmoe", "deepseek_v3", "deepseek_v3-yarn"])
+                                  "olmoe", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts;
@@ -343,7 +354,8 @@ def _hf_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.bundled
 @pytest.mark.parametrize("change,match", [
-    ({"deepseek2.expert_gating_func": 1}, "softmax routing .DeepSeek-V2"),
+    ({"deepseek2.expert_gating_func": 1}, "softmax routing in 2 expert groups .DeepSeek-V2 / V2.5.: not supported"),
+    ({"deepseek2.expert_gating_func": 3}, "deepseek2.expert_gating_func 3 is not supported"),
     ({"deepseek2.attention.value_length": 40}, "key/value_length 40/40 with kv_lora_rank 32"),
 ])
 def test_deepseek2_files_we_would_misread_are_refused(tmp_path: Path, change: dict, match: str) -> None:
@@ -364,3 +376,32 @@ def test_a_deepseek2_file_missing_half_of_kv_b_is_named(tmp_path: Path) -> None:
     bad = rewrite(src.path, tmp_path / "bad.gguf", drop=("blk.2.attn_v_b.weight",), tokenizer=True)
     with pytest.raises(ModelLoadError, match="blk.2.attn_k_b.weight without blk.2.attn_v_b.weight"):
         load_model(str(bad), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("name,total,active", [("deepseek-v2-lite", 15.7, 2.66), ("deepseek-v2", 235.7, 21.4)])
+def test_deepseek_v2_registry_shapes(name: str, total: float, active: float) -> None:
+    """DeepSeek-V2-Lite: 15.7B parameters (2.4B active without the embedding and head);
+    DeepSeek-V2: 236B, 21B active (the model cards)."""
+    s = get_spec(name)
+    assert s.total_numel() / 1e9 == pytest.approx(total, abs=0.1)
+    act = s.embed_numel() + s.head_numel() + sum(s.active_layer_numel(j) for j in range(s.num_layers))
+    assert act / 1e9 == pytest.approx(active, abs=0.1)
+
+
+def test_the_deepseek_v2_lite_entry_is_what_its_config_gives() -> None:
+    """The registry's DeepSeek-V2-Lite equals the spec its published config gives."""
+    from transformers import DeepseekV2Config
+
+    from flexgen_dist.models.hf_config import spec_from_hf_config
+
+    cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                           num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                           n_shared_experts=2, moe_intermediate_size=1408, num_experts_per_tok=6,
+                           first_k_dense_replace=1, routed_scaling_factor=1.0, topk_method="greedy",
+                           max_position_embeddings=163840, bos_token_id=100000, eos_token_id=100001,
+                           rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                                            "rope_theta": 10000.0})
+    got = spec_from_hf_config(cfg.to_dict(), "v2-lite")
+    assert replace(got, name="") == replace(get_spec("deepseek-v2-lite"), name="")

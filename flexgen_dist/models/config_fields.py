@@ -76,6 +76,10 @@ USED: dict[str, set[str]] = {
                                   "qk_head_dim", "rope_interleave", "moe_intermediate_size", "num_experts_per_tok",
                                   "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
                                   "topk_group", "first_k_dense_replace", "norm_topk_prob"},
+    "deepseek_v2": _LLAMA_USED | {"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                  "qk_head_dim", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
+                                  "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
+                                  "first_k_dense_replace", "topk_method"},
     "granitemoe": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
                                  "attention_multiplier", "num_local_experts", "num_experts_per_tok"},
     "granitemoeshared": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -112,6 +116,8 @@ INERT: dict[str, set[str]] = {
     # decoding; transformers' generation never runs them
     "glm4_moe": _ROUTER_TRAINING | {"num_nextn_predict_layers", "num_mtp_layers"},
     "deepseek_v3": _ROUTER_TRAINING | {"num_nextn_predict_layers"},
+    # its router never reads norm_topk_prob (the weights are not renormalised, whatever it says)
+    "deepseek_v2": _ROUTER_TRAINING | {"norm_topk_prob"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
     "llama4_text": _ROUTER_TRAINING,
@@ -140,6 +146,7 @@ PINNED: dict[str, dict[str, Any]] = {
                                              "granitemoe", "granitemoeshared")},
     "olmoe": {"hidden_act": "silu", "clip_qkv": None},
     "deepseek_v3": {"hidden_act": "silu", "attention_bias": False},
+    "deepseek_v2": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)

@@ -151,6 +151,11 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
         return torch.sigmoid(top_l.float()).to(dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if spec.expert_groups > 1:  # DeepSeek-V2: within the best groups, a group ranked by its best
+        g, per = spec.expert_groups, spec.num_experts // spec.expert_groups
+        best = probs.view(-1, g, per).max(dim=-1).values
+        keep = torch.zeros_like(best).scatter_(1, best.topk(spec.expert_groups_used, dim=-1, sorted=False)[1], 1)
+        probs = probs.masked_fill(~keep.bool().repeat_interleave(per, dim=1), 0.0)
     if choice_bias is not None:  # ERNIE 4.5: chosen by probability + bias, weighted by probability
         top_i = torch.topk(probs + choice_bias.float(), spec.experts_per_tok, dim=-1)[1]
         top_w = probs.gather(1, top_i)
@@ -159,6 +164,8 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     if spec.norm_topk_prob:
         total = top_w.sum(dim=-1, keepdim=True)
         top_w = top_w / total.clamp(min=spec.router_norm_min) if spec.router_norm_min else top_w.div_(total)
+    if spec.routed_scaling != 1.0:  # DeepSeek-V2
+        top_w = top_w * spec.routed_scaling
     return (top_w if spec.router_weights_fp32 else top_w.to(dtype)), top_i
 
 

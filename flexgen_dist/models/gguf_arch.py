@@ -301,13 +301,14 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
         raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
-    if arch == "deepseek2" and int(key("expert_gating_func", 1)) != 2:  # llama.cpp's default: softmax
-        raise ValueError("deepseek2 file with softmax routing (DeepSeek-V2 / V2.5, expert_gating_func "
-                         f"{key('expert_gating_func', 1)}): not supported; DeepSeek-V3/R1/V3.1 and Kimi K2 files "
-                         "(sigmoid routing, 2) are")
+    gating = int(key("expert_gating_func", 1 if arch == "deepseek2" else 2))  # llama.cpp's default for deepseek2: softmax
+    if arch == "deepseek2" and gating not in (1, 2):
+        raise ValueError(f"deepseek2.expert_gating_func {gating} is not supported (1: softmax, 2: sigmoid)")
     if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
         fields.update(router_scoring="sigmoid", router_weights_fp32=True)
-    if arch in SIGMOID_ARCHS:  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
+    if arch == "deepseek2" and gating == 1:  # DeepSeek-V2 / V2-Lite
+        fields.update(_deepseek_v2_fields(key, fields))
+    elif arch in SIGMOID_ARCHS:  # sigmoid scores (gating function 2), their choice bias, shared experts ungated
         fields.update(router_scoring="sigmoid", router_fp32=True,
                       norm_topk_prob=bool(key("expert_weights_norm", False)),
                       routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
@@ -320,6 +321,22 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields
+
+
+def _deepseek_v2_fields(key: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V2-Lite from a ``deepseek2`` file (gating function 1, or none: softmax):
+    a float32 router's softmax, the top experts' weights renormalised where
+    ``expert_weights_norm`` says (never, in its files) and times ``expert_weights_scale``; shared
+    experts ungated (the dense first layers: where the file has no router). Its group-limited
+    choice (DeepSeek-V2 / V2.5's ``n_group``) is refused: a file that names groups would be
+    routed as llama.cpp ranks them, which the reference's does not check."""
+    if int(key("expert_group_count", 1) or 1) > 1:
+        raise ValueError(f"deepseek2 file with softmax routing in {key('expert_group_count')} expert groups "
+                         "(DeepSeek-V2 / V2.5): not supported; use the Hugging Face directory")
+    return dict(router_fp32=True, router_weights_fp32=True, norm_topk_prob=bool(key("expert_weights_norm", False)),
+                routed_scaling=decimal32(float(key("expert_weights_scale", 1.0))),
+                shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
+                shared_expert_gated=False)
 
 
 def mla_fields(key: Any) -> dict[str, Any]:

@@ -34,6 +34,9 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         return _spec(cfg, mt, name)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{name}: config.json has no {e.args[0]!r}, which a {mt} model needs: the config is "
+                             "incomplete; take it from the model's own release") from None
 
 
 def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
@@ -89,7 +92,9 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-MLA_TYPES = ("deepseek_v3",)  # DeepSeek-V3 / R1, Kimi K2: latent attention, GLM-4.5's routing
+# DeepSeek-V3 / R1, Kimi K2: latent attention, GLM-4.5's routing; DeepSeek-V2 / V2.5 / V2-Lite:
+# the same attention, softmax routing (within groups ranked by their best score)
+MLA_TYPES = ("deepseek_v3", "deepseek_v2")
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # Granite 3.x MoE: its multipliers, top-k softmax routing
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
              *GRANITE_MOE_TYPES, *MLA_TYPES)
@@ -121,6 +126,26 @@ def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], com
                        dict(common, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=cfg.get("q_lora_rank") or 0,
                             qk_nope_dim=dn, qk_rope_dim=dr, v_head_dim=cfg["v_head_dim"], attn_scale=scale,
                             rope_interleaved=bool(cfg.get("rope_interleave", True))))
+
+
+def _deepseek_v2_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's routing as transformers computes it: a float32 router's softmax, the top
+    ``num_experts_per_tok`` (``topk_method`` group_limited_greedy: within the best ``topk_group``
+    of ``n_group`` groups, a group ranked by its best score), never renormalised (its router
+    reads no norm_topk_prob), times ``routed_scaling_factor``; shared experts ungated; the first
+    ``first_k_dense_replace`` layers dense."""
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = method == "group_limited_greedy" and (cfg.get("n_group") or 1) > 1
+    n, ef = cfg["num_hidden_layers"], cfg.get("moe_intermediate_size", 1407)
+    sparse = tuple(j >= (cfg.get("first_k_dense_replace") or 0) for j in range(n))
+    return dict(num_experts=cfg.get("n_routed_experts", 64), experts_per_tok=cfg.get("num_experts_per_tok") or 6,
+                expert_ffn_size=ef, norm_topk_prob=False, router_fp32=True, router_weights_fp32=True,
+                expert_groups=cfg["n_group"] if grouped else 1, expert_groups_used=cfg["topk_group"] if grouped else 1,
+                routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+                shared_expert_ffn_size=(cfg.get("n_shared_experts", 2) or 0) * ef, shared_expert_gated=False,
+                moe_layers=() if all(sparse) else sparse)
 
 
 def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
@@ -168,7 +193,7 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("deepseek_v2", "dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
+MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
                "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "switch_transformers", "nllb_moe")
 
 
@@ -207,7 +232,9 @@ def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
                     expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax", router_bias=True,
                     expert_bias=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    if mt in ("glm4_moe", *MLA_TYPES):  # GLM-4.5 / 4.6 / 4.7 and DeepSeek-V3: its routing, the first layers dense
+    if mt == "deepseek_v2":
+        return _deepseek_v2_moe(cfg)
+    if mt in ("glm4_moe", "deepseek_v3"):  # GLM-4.5 / 4.6 / 4.7 and DeepSeek-V3: its routing, the first layers dense
         experts = cfg.get("n_routed_experts") or experts
         sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
         shared = cfg.get("n_shared_experts", 1) or 0

@@ -55,16 +55,33 @@ _GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_i
 _MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
 _QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
 _QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
+def _mla_scale(factor: float, mscale_all_dim: float, qk_dim: int = 192) -> float:
+    """DeepSeek's softmax scale: qk_dim ** -0.5 times YaRN's mscale_all_dim factor squared, in
+    the config reader's order of operations (``hf_config._mla_spec``)."""
+    m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return qk_dim ** -0.5 * m * m
+
+
 _DEEPSEEK_V3 = dict(family="llama", vocab_size=129280, max_positions=163840, bos_token_id=0, eos_token_ids=(1,),
                     tie_word_embeddings=False, norm_eps=1e-6, rope_theta=10000.0, hidden_size=7168, ffn_size=18432,
                     num_heads=128, num_kv_heads=1, head_dim_override=576, kv_lora_rank=512, q_lora_rank=1536,
                     qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, rope_interleaved=True,
                     rope_scaling=RopeScaling("yarn", 40.0, original_max_position_embeddings=4096, attention_factor=1.0,
                                              truncate=True),
-                    attn_scale=192 ** -0.5 * (0.1 * math.log(40.0) + 1.0) ** 2, num_experts=256, experts_per_tok=8,
+                    attn_scale=_mla_scale(40.0, 1.0), num_experts=256, experts_per_tok=8,
                     expert_ffn_size=2048, router_scoring="sigmoid", router_fp32=True, router_weights_fp32=True,
                     expert_groups=8, expert_groups_used=4, routed_scaling=2.5, shared_expert_ffn_size=2048,
                     shared_expert_gated=False)
+# DeepSeek-V2 (deepseek_v2): V3's latent attention (YaRN with mscale 0.707), softmax routing
+# never renormalised, times the scaling; layer 0 dense
+_DEEPSEEK_V2 = dict(family="llama", vocab_size=102400, max_positions=163840, bos_token_id=100000,
+                    eos_token_ids=(100001,), tie_word_embeddings=False, norm_eps=1e-6, rope_theta=10000.0,
+                    num_kv_heads=1, head_dim_override=576, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
+                    v_head_dim=128, rope_interleaved=True,
+                    rope_scaling=RopeScaling("yarn", 40.0, original_max_position_embeddings=4096, attention_factor=1.0,
+                                             truncate=True),
+                    attn_scale=_mla_scale(40.0, 0.707), experts_per_tok=6,
+                    router_fp32=True, router_weights_fp32=True, norm_topk_prob=False, shared_expert_gated=False)
 # gpt-oss: every layer sparse (softmax over the top 4 biased logits, biased experts with a
 # clamped gate), attention sinks, 128-position sliding layers alternating with global ones, YaRN
 _GPT_OSS = dict(family="llama", vocab_size=201088, max_positions=131072, bos_token_id=199998,
@@ -209,6 +226,12 @@ _SHAPES: dict[str, dict] = {
                         norm_topk_prob=False),
     # DeepSeek-V3 / R1 and Kimi K2 (deepseek_v3): latent attention (the cache one kv head of 512 + 64),
     # GLM-4.5's grouped sigmoid routing, the first layers dense
+    "deepseek-v2-lite": dict(_DEEPSEEK_V2, num_layers=27, hidden_size=2048, ffn_size=10944, num_heads=16,
+                             num_experts=64, expert_ffn_size=1408, shared_expert_ffn_size=2816,
+                             moe_layers=tuple(j >= 1 for j in range(27))),
+    "deepseek-v2": dict(_DEEPSEEK_V2, num_layers=60, hidden_size=5120, ffn_size=12288, num_heads=128, q_lora_rank=1536,
+                        num_experts=160, expert_ffn_size=1536, shared_expert_ffn_size=3072, expert_groups=8,
+                        expert_groups_used=3, routed_scaling=16.0, moe_layers=tuple(j >= 1 for j in range(60))),
     "deepseek-v3": dict(_DEEPSEEK_V3, num_layers=61, moe_layers=tuple(j >= 3 for j in range(61))),
     "kimi-k2": dict(_DEEPSEEK_V3, vocab_size=163840, max_positions=131072, bos_token_id=163584,
                     eos_token_ids=(163585,), pad_token_id=163839, rope_theta=50000.0, num_layers=61, num_heads=64,
@@ -216,7 +239,7 @@ _SHAPES: dict[str, dict] = {
                     moe_layers=tuple(j >= 1 for j in range(61)),
                     rope_scaling=RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
                                              attention_factor=1.0, truncate=True),
-                    attn_scale=192 ** -0.5 * (0.1 * math.log(32.0) + 1.0) ** 2),
+                    attn_scale=_mla_scale(32.0, 1.0)),
     # Llama 4 (llama4): chunks of 8192 positions on the layers with RoPE (interleaved pairs), every
     # fourth layer global without RoPE and with the attention temperature; the top expert by
     # logit scaling its input by its sigmoid, one shared expert; Scout every layer sparse with

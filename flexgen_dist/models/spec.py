@@ -117,6 +117,8 @@ class ModelSpec:
     # kept weights divided by their sum clamped below at router_norm_min
     router_choice_bias: bool = False
     router_norm_min: float = 0.0
+    # DeepSeek-V2: softmax scores with groups (a group's worth: its best score), the weights
+    # not renormalised, times routed_scaling
     expert_groups: int = 1
     expert_groups_used: int = 1
     routed_scaling: float = 1.0

@@ -122,9 +122,10 @@ def check_experts(spec: ModelSpec) -> None:
         if spec.router_scoring not in ROUTER_SCORINGS:
             raise ValueError(f"ModelSpec.router_scoring={spec.router_scoring!r}: use one of {ROUTER_SCORINGS}")
         g, used = spec.expert_groups, spec.expert_groups_used
-        if g < 1 or spec.num_experts % g or not 1 <= used <= g or (g > 1 and spec.router_scoring != "sigmoid"):
+        if g < 1 or spec.num_experts % g or not 1 <= used <= g or (
+                g > 1 and spec.router_scoring not in ("sigmoid", "softmax")):
             raise ValueError(f"ModelSpec.expert_groups={g}, expert_groups_used={used}: the groups must divide "
-                             f"num_experts={spec.num_experts}, at least 1 of them used (sigmoid routing only)")
+                             f"num_experts={spec.num_experts}, at least 1 of them used (sigmoid or softmax routing)")
         if used * (spec.num_experts // g) < spec.experts_per_tok:
             raise ValueError(f"ModelSpec: {used} expert groups of {spec.num_experts // g} hold fewer experts "
                              f"than experts_per_tok={spec.experts_per_tok}")
