@@ -190,7 +190,8 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
                                         "gemma3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe",
                                         "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe", "granitemoe",
                                         "granitemoeshared", "deepseek_v3", "deepseek_v2", "llama4_text",
-                                        "llama4"])
+                                        "llama4", "internlm3", "seed_oss", "hunyuan_v1_dense",
+                                        "hunyuan_v1_moe", "dots1"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""
@@ -658,3 +659,59 @@ def test_ernie45_matches_transformers(use_bias: bool, tmp_path: Path) -> None:
     spec = _matches_transformers_offloaded(m, tmp_path)
     assert spec.rope_interleaved and spec.rope_fp32 and spec.head_dim == 16 and spec.tie_word_embeddings
     assert (spec.attention_bias, spec.mlp_bias) == (use_bias, use_bias)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_internlm3_matches_transformers(bias: bool, tmp_path: Path) -> None:
+    """InternLM3 (``internlm3``): Llama's computation under its own model type, its qkv_bias
+    and bias (one setting for both) on every projection."""
+    import transformers as tf
+
+    torch.manual_seed(83)
+    m = tf.AutoModelForCausalLM.from_config(tf.InternLM3Config(**{**_MISTRAL_TEXT, "head_dim": 16,
+                                                                   "attention_bias": bias, "mlp_bias": bias})).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert (spec.attention_bias, spec.mlp_bias, spec.head_dim) == (bias, bias, 16)
+
+
+@pytest.mark.parametrize("out_bias", [False, True])
+def test_seed_oss_matches_transformers(out_bias: bool, tmp_path: Path) -> None:
+    """Seed-OSS (``seed_oss``): biases on q, k and v (``attention_bias``), on o only with
+    ``attention_out_bias`` (its released 36B has none there)."""
+    import transformers as tf
+
+    torch.manual_seed(89)
+    m = tf.SeedOssForCausalLM(tf.SeedOssConfig(**{**_MISTRAL_TEXT, "head_dim": 16, "attention_bias": True,
+                                                  "attention_out_bias": out_bias})).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert (spec.qkv_bias, spec.attention_bias) == (not out_bias, out_bias)
+
+
+@pytest.mark.parametrize("alpha", [None, 1000.0])
+def test_hunyuan_dense_matches_transformers(alpha: float | None, tmp_path: Path) -> None:
+    """HunYuan dense (``hunyuan_v1_dense``): q and k normalised per head *after* RoPE, and its
+    NTK-alpha RoPE (``rope_type`` dynamic with ``alpha``: a fixed stretch of the base)."""
+    import transformers as tf
+
+    torch.manual_seed(97)
+    rope = {"rope_type": "default", "rope_theta": 10000.0} if alpha is None else \
+        {"rope_type": "dynamic", "alpha": alpha, "factor": 1.0, "rope_theta": 10000.0}
+    m = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(**{**_MISTRAL_TEXT, "head_dim": 16,
+                                                                "rope_parameters": rope})).eval()
+    with torch.no_grad():  # the norms' weights away from one, so that where they act shows
+        for n, p in m.named_parameters():
+            if n.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                p.normal_(1, 0.5)
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.qk_norm and spec.qk_norm_after_rope and spec.rope_scaling is None
+    assert torch.equal(rope_inv_freq(spec.head_dim, spec.rope_theta), m.model.rotary_emb.inv_freq)
+    if alpha:
+        assert spec.rope_theta == 10000.0 * alpha ** (16 / 14)

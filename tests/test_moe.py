@@ -28,7 +28,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Dots1Config, HunYuanMoEV1Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
                               Qwen3MoeConfig)
 
@@ -79,6 +79,15 @@ def _configs() -> dict:
                                         q_lora_rank=None, topk_method="greedy"),
         "deepseek_v2-groups": DeepseekV2Config(**{**deepseek, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3},
                                                q_lora_rank=24, topk_method="group_limited_greedy"),
+        # dots.llm1: Qwen3's attention (q/k norms) with DeepSeek-V3's routing, a dense first layer
+        "dots1": Dots1Config(**{**_COMMON, "rms_norm_eps": 1e-6}, moe_intermediate_size=48, n_routed_experts=8,
+                             num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                             first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+        # Hunyuan-A13B: a float32 router's softmax, renormalised, a shared MLP; q/k normalised
+        # after RoPE, NTK-alpha RoPE
+        "hunyuan_v1_moe": HunYuanMoEV1Config(**{**_COMMON, "head_dim": 16}, num_experts=8, moe_topk=2,
+                                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                              "rope_theta": 10000.0}),
         "granitemoe": GraniteMoeConfig(**granite),
         "granitemoeshared": GraniteMoeSharedConfig(**granite, shared_intermediate_size=80),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
@@ -117,7 +126,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
                                   "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
                                   "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2",
-                                  "deepseek_v2-groups"])
+                                  "deepseek_v2-groups", "dots1", "hunyuan_v1_moe"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]

@@ -80,6 +80,13 @@ USED: dict[str, set[str]] = {
                                   "qk_head_dim", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
                                   "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
                                   "first_k_dense_replace", "topk_method"},
+    "internlm3": _LLAMA_USED,
+    "seed_oss": _LLAMA_USED | {"attention_out_bias"},
+    "hunyuan_v1_dense": _LLAMA_USED,
+    "hunyuan_v1_moe": _LLAMA_USED | {"num_experts", "moe_topk"},
+    "dots1": _LLAMA_USED | {"sliding_window", "max_window_layers", "layer_types", "moe_intermediate_size",
+                            "n_shared_experts", "n_routed_experts", "n_group", "topk_group", "num_experts_per_tok",
+                            "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor"},
     "granitemoe": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
                                  "attention_multiplier", "num_local_experts", "num_experts_per_tok"},
     "granitemoeshared": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -120,7 +127,11 @@ INERT: dict[str, set[str]] = {
     "deepseek_v2": _ROUTER_TRAINING | {"norm_topk_prob"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
-    "llama4_text": _ROUTER_TRAINING,
+    "llama4_text": _ROUTER_TRAINING, "dots1": _ROUTER_TRAINING,
+    "seed_oss": {"residual_dropout"},  # dropout: nothing in inference
+    # HunYuan's end-of-document and separator ids: pretraining's markers, not generation's stop
+    # (its eos_token_id is)
+    "hunyuan_v1_dense": {"eod_token_id"}, "hunyuan_v1_moe": _ROUTER_TRAINING | {"eod_token_id", "sep_token_id"},
     "llama4": {"vision_config", "boi_token_index", "eoi_token_index", "image_token_index"},
     # cache_implementation: transformers' cache class ("hybrid"), not the math; hidden_act: older
     # configs carry it beside hidden_activation, which is the one transformers 5 reads
@@ -148,6 +159,7 @@ PINNED: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"hidden_act": "silu", "attention_bias": False},
     "deepseek_v2": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
+    **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},

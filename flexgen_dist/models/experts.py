@@ -56,9 +56,10 @@ def moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
         return _gpt_oss_hf_names(spec, at, k)
     if spec.router_scoring == "top_sigmoid":
         return _llama4_hf_names(spec, at, k)
-    if k == "router.w":  # Mixtral's, Qwen's; Granite's as released and as transformers saves it
+    if k == "router.w":  # Mixtral's, Qwen's; Granite's as released and as transformers saves it; HunYuan's
         return [f"{at}.block_sparse_moe.gate.weight", f"{at}.mlp.gate.weight",
-                f"{at}.block_sparse_moe.router.layer.weight", f"{at}.block_sparse_moe.router.weight"]
+                f"{at}.block_sparse_moe.router.layer.weight", f"{at}.block_sparse_moe.router.weight",
+                f"{at}.mlp.gate.wg.weight"]
     if k == "router.choice_b":  # GLM-4.5's beside the router; MiniMax-M2's on the block; ERNIE's (1 x experts)
         return [f"{at}.mlp.gate.e_score_correction_bias", f"{at}.mlp.e_score_correction_bias",
                 f"{at}.block_sparse_moe.e_score_correction_bias",
@@ -70,7 +71,8 @@ def moe_hf_names(spec: ModelSpec, at: str, k: str) -> list[str]:
         granite = {"gate.w": f"input_linear.weight{ROWS}0:{sf}", "up.w": f"input_linear.weight{ROWS}{sf}:{2 * sf}",
                    "down.w": "output_linear.weight"}[k[7:]]
         return [f"{at}.mlp.shared_expert.{_QWEN_EXPERT[k[7:]]}.weight",
-                f"{at}.mlp.shared_experts.{_QWEN_EXPERT[k[7:]]}.weight", f"{at}.shared_mlp.{granite}"]
+                f"{at}.mlp.shared_experts.{_QWEN_EXPERT[k[7:]]}.weight", f"{at}.shared_mlp.{granite}",
+                f"{at}.mlp.shared_mlp.{_QWEN_EXPERT[k[7:]]}.weight"]
     _, e, part = k.split(".", 2)
     f = spec.expert_ffn_size
     fused = {"gate.w": f"gate_up_proj{INDEX}{e}{ROWS}0:{f}", "up.w": f"gate_up_proj{INDEX}{e}{ROWS}{f}:{2 * f}",

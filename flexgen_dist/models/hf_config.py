@@ -12,6 +12,7 @@ from typing import Any
 from .config_fields import USED, field_problem
 from .gemma_config import GEMMA_TYPES, gemma_spec
 from .llama4_config import llama4_fields, llama4_text_config
+from .moe_config import GRANITE_MOE_TYPES, MLA_TYPES, MOE_REFUSED, MOE_TYPES, moe_fields
 from .source import ModelLoadError
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling, alternating, every_nth
 
@@ -85,19 +86,22 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings", 4096)
     head_dim = _head_dim(cfg)
     rotary = int((head_dim or cfg["hidden_size"] // cfg["num_attention_heads"]) * partial)
-    scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    if mt in HUNYUAN_TYPES and rope.get("rope_type", rope.get("type")) == "dynamic" and rope.get("alpha"):
+        # HunYuan's NTK-alpha RoPE: a fixed alpha only stretches the base (transformers' ntk_alpha)
+        theta, rope = theta * rope["alpha"] ** (rotary / (rotary - 2)), {}
+    scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
     if mt == "llama4_text":  # chunked and NoPE layers, its own routing and temperature (llama4_config)
         common.update(llama4_fields(cfg))
+    if mt == "seed_oss":  # Seed-OSS: attention_bias puts biases on q, k, v; attention_out_bias on o
+        qkv, out = bool(cfg.get("attention_bias", True)), bool(cfg.get("attention_out_bias", False))
+        if out and not qkv:
+            raise ValueError("seed_oss with attention_out_bias but no attention_bias (a bias on o alone) is not "
+                             "supported")
+        common.update(attention_bias=qkv and out, qkv_bias=qkv and not out)
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
-# DeepSeek-V3 / R1, Kimi K2: latent attention, GLM-4.5's routing; DeepSeek-V2 / V2.5 / V2-Lite:
-# the same attention, softmax routing (within groups ranked by their best score)
-MLA_TYPES = ("deepseek_v3", "deepseek_v2")
-GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # Granite 3.x MoE: its multipliers, top-k softmax routing
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
-             *GRANITE_MOE_TYPES, *MLA_TYPES)
 ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pairs in float32, use_bias
 # GLM-4 (glm4: a norm before and after attention and the MLP) and GLM-4-9B-chat-hf (glm: before
 # only): gate|up fused, q/k/v biases, RoPE on interleaved pairs of half of each head
@@ -105,8 +109,10 @@ GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
 # read as the llama family's, each with what differs from Llama (``_llama_spec``)
+HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-               "exaone4", "ernie4_5", "llama4_text", *GLM_TYPES, *MOE_TYPES)
+               "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", *GLM_TYPES,
+               *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
@@ -126,26 +132,6 @@ def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], com
                        dict(common, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=cfg.get("q_lora_rank") or 0,
                             qk_nope_dim=dn, qk_rope_dim=dr, v_head_dim=cfg["v_head_dim"], attn_scale=scale,
                             rope_interleaved=bool(cfg.get("rope_interleave", True))))
-
-
-def _deepseek_v2_moe(cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V2's routing as transformers computes it: a float32 router's softmax, the top
-    ``num_experts_per_tok`` (``topk_method`` group_limited_greedy: within the best ``topk_group``
-    of ``n_group`` groups, a group ranked by its best score), never renormalised (its router
-    reads no norm_topk_prob), times ``routed_scaling_factor``; shared experts ungated; the first
-    ``first_k_dense_replace`` layers dense."""
-    method = cfg.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
-    grouped = method == "group_limited_greedy" and (cfg.get("n_group") or 1) > 1
-    n, ef = cfg["num_hidden_layers"], cfg.get("moe_intermediate_size", 1407)
-    sparse = tuple(j >= (cfg.get("first_k_dense_replace") or 0) for j in range(n))
-    return dict(num_experts=cfg.get("n_routed_experts", 64), experts_per_tok=cfg.get("num_experts_per_tok") or 6,
-                expert_ffn_size=ef, norm_topk_prob=False, router_fp32=True, router_weights_fp32=True,
-                expert_groups=cfg["n_group"] if grouped else 1, expert_groups_used=cfg["topk_group"] if grouped else 1,
-                routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-                shared_expert_ffn_size=(cfg.get("n_shared_experts", 2) or 0) * ef, shared_expert_gated=False,
-                moe_layers=() if all(sparse) else sparse)
 
 
 def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
@@ -192,81 +178,20 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
                      sliding_window=window, qk_norm=True, qk_norm_whole=True, norm_layout="post", norm_weight_fp32=True,
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
-# mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
-               "qwen3_5_moe", "jetmoe", "minimax", "hunyuan_v1_moe", "switch_transformers", "nllb_moe")
-
-
-def _moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
-    """A mixture of experts' ModelSpec fields: the experts, the routing, which layers are sparse."""
-    if mt not in MOE_TYPES:
-        return {}
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    if mt == "mixtral":
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                    expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
-    if mt == "ernie4_5_moe":  # softmax scores with a choice bias, shared experts, sparse from a start layer
-        n, step = cfg["num_hidden_layers"], cfg.get("moe_layer_interval", 1) or 1
-        start, end = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_end_index", -1)
-        end = n - 1 if end is None or end == -1 else end
-        sparse = tuple((j + 1) % step == 0 and start <= j <= end for j in range(n))
-        ef = cfg.get("moe_intermediate_size", 1536)
-        return dict(num_experts=cfg.get("moe_num_experts", 64), experts_per_tok=cfg.get("moe_k", 6),
-                    expert_ffn_size=ef, norm_topk_prob=True, router_fp32=True, router_choice_bias=True,
-                    router_norm_min=float(cfg.get("moe_norm_min", 1e-12)),
-                    shared_expert_ffn_size=(cfg.get("moe_num_shared_experts", 2) or 0) * ef, shared_expert_gated=False,
-                    moe_layers=() if all(sparse) else sparse)
-    if mt in GRANITE_MOE_TYPES:  # every layer sparse: a softmax over the top logits; an ungated shared expert
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
-                    expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax",
-                    shared_expert_ffn_size=cfg.get("shared_intermediate_size", 0) if mt == "granitemoeshared" else 0,
-                    shared_expert_gated=False)
-    if mt == "olmoe":  # every layer sparse: Qwen's softmax routing (by default not renormalised)
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
-                    expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
-    if mt == "minimax_m2":  # every layer sparse: sigmoid scores, their choice bias, renormalised
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
-                    expert_ffn_size=cfg["intermediate_size"], router_scoring="sigmoid", router_weights_fp32=True)
-    if mt == "gpt_oss":  # every layer sparse: the top logits' softmax, biases, the clamped gate
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 4),
-                    expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax", router_bias=True,
-                    expert_bias=True, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    if mt == "deepseek_v2":
-        return _deepseek_v2_moe(cfg)
-    if mt in ("glm4_moe", "deepseek_v3"):  # GLM-4.5 / 4.6 / 4.7 and DeepSeek-V3: its routing, the first layers dense
-        experts = cfg.get("n_routed_experts") or experts
-        sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
-        shared = cfg.get("n_shared_experts", 1) or 0
-        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
-                    expert_ffn_size=cfg.get("moe_intermediate_size", 1408),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router_weights_fp32=True,
-                    router_scoring="sigmoid", router_fp32=True, expert_groups=cfg.get("n_group", 1) or 1,
-                    expert_groups_used=cfg.get("topk_group", 1) or 1,
-                    routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-                    shared_expert_ffn_size=shared * cfg.get("moe_intermediate_size", 1408), shared_expert_gated=False,
-                    moe_layers=() if all(sparse) else sparse)
-    n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
-    sparse = tuple(j not in dense and experts > 0 and (j + 1) % step == 0 for j in range(n))
-    return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
-                expert_ffn_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "qwen3_moe")),
-                shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0,
-                moe_layers=() if all(sparse) else sparse)
 
 
 def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
                 common: dict[str, Any]) -> ModelSpec:
-    kw = dict(family="llama", ffn_size=cfg["intermediate_size"], **_moe_fields(cfg, mt),
+    kw = dict(family="llama", ffn_size=cfg["intermediate_size"], **moe_fields(cfg, mt),
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
                      or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
                      or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2", "olmoe")
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2", "olmoe", "dots1", *HUNYUAN_TYPES)
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
+                     qk_norm_after_rope=mt in HUNYUAN_TYPES,
                      fused_proj=mt == "phi3",
                      fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in (*GLM_TYPES, *ERNIE_TYPES),
                      rope_fp32=mt in ERNIE_TYPES,
@@ -384,6 +309,12 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
             return {"sliding_window": 0}
         return {"sliding_window": window,
                 "layer_types": tuple(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"])}
+    if mt == "dots1":  # Qwen3's attention: the layers its layer_types name, by default from max_window_layers on
+        n = cfg["num_hidden_layers"]
+        types = tuple(cfg.get("layer_types") or ["sliding_attention" if window and i >= cfg.get("max_window_layers", n)
+                                                 else "full_attention" for i in range(n)])
+        return {"sliding_window": window, "layer_types": types} if window and "sliding_attention" in types else \
+            {"sliding_window": 0}
     if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             return {"sliding_window": 0}

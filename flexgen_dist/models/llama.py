@@ -101,6 +101,9 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
         for k in ("gate.w", "up.w", "down.w"):  # Llama 4 names a dense layer's MLP feed_forward
             if k in out and not fused:
                 out[k] = out[k] + [n.replace(".mlp.", ".feed_forward.") for n in out[k]]
+        for k, name in (("q_norm.w", "query_layernorm"), ("k_norm.w", "key_layernorm")):  # HunYuan's
+            if k in out:
+                out[k] = out[k] + [n.replace(f".{k[0]}_norm.", f".{name}.") for n in out[k]]
         return out
     return lm_hf_names(spec, part, layer, _LAYER_HF, ())
 
@@ -192,7 +195,7 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
     if spec.qk_norm_whole:
         q = _norm(spec, q.flatten(2), w["q_norm.w"], eps).view(q.shape)
         k = _norm(spec, k.flatten(2), w["k_norm.w"], eps).view(k.shape)
-    elif spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotation
+    elif spec.qk_norm and not spec.qk_norm_after_rope:  # Qwen3: RMSNorm over each head's q and k, before the rotation
         q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     if spec.rotates(layer):
         theta, scaling = spec.rope(layer)
@@ -204,6 +207,8 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if spec.qk_l2_norm:  # Llama 4: each turned head RMS-normalised in float32, without a weight
             q, k = (F.rms_norm(t.float(), (t.shape[-1],), None, eps).to(t.dtype) for t in (q, k))
+    if spec.qk_norm_after_rope:  # HunYuan: each head's RMSNorm after the rotation
+        q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
     if spec.attn_temp_nope and not spec.rotates(layer):  # Llama 4: positions counted from 1, q cast back
         ids = as_positions(pos).ids.float()
         temp = torch.log1p(torch.floor((ids + 1.0) / spec.attn_temp_len)) * spec.attn_temp_beta + 1.0

@@ -84,6 +84,7 @@ class ModelSpec:
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3, Gemma 3)
     qk_norm_whole: bool = False  # ... over all of q's and all of k's heads together instead (OLMo 2/3)
+    qk_norm_after_rope: bool = False  # ... per head after the rotation, not before it (HunYuan)
     # where a layer's norms sit: "pre" (before attention and the MLP: Llama, Gemma 1), "post"
     # (on each one's output, before its residual add: OLMo 2/3, EXAONE 4) or "sandwich" (both:
     # Gemma 2/3, GLM-4); "": the family's own (llama pre, gemma sandwich; OPT and Cohere

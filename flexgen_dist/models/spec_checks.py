@@ -68,6 +68,8 @@ def check_layers(spec: ModelSpec) -> None:
             (spec.qk_norm_whole or spec.norm_weight_fp32) and spec.family != "llama"):
         raise ValueError("ModelSpec: qk_norm_whole needs qk_norm, and it and norm_weight_fp32 are the llama "
                          "family's (OLMo 2/3)")
+    if spec.qk_norm_after_rope and (not spec.qk_norm or spec.qk_norm_whole or spec.family != "llama"):
+        raise ValueError("ModelSpec: qk_norm_after_rope needs qk_norm per head in the llama family (HunYuan)")
     layouts = NORM_LAYOUTS.get(spec.family, ("",))
     object.__setattr__(spec, "norm_layout", spec.norm_layout or DEFAULT_LAYOUT.get(spec.family, ""))
     if spec.norm_layout not in layouts:
