@@ -9,7 +9,7 @@ import torch
 
 from conftest import PROMPTS, read_jsonl, write_jsonl
 from flexgen_dist.engine.footprint import predict_peaks
-from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.distributed.local import generate
 from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig

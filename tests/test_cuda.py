@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import MODEL_KINDS, PROMPTS, TinyModel, left_padded, local_ranks, read_jsonl, write_jsonl
-from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.distributed.local import generate
 from flexgen_dist.engine import kvcache
 from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
 from flexgen_dist.engine.policy import Policy

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import MODEL_KINDS, PROMPTS, read_jsonl, reference_generate
-from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.distributed.local import generate
 from flexgen_dist.engine.blocks import left_pad, pad_token, plan_blocks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig

@@ -14,7 +14,7 @@ import torch
 
 from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist.engine.footprint import predict_peaks
-from flexgen_dist.distributed.pipeline import generate
+from flexgen_dist.distributed.local import generate
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.sampling import SamplingConfig
 from flexgen_dist.engine.stage import StageEngine

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.pipeline import generate
+from ..distributed.local import generate
 from ..kernels import gemm
 from ..engine.policy import Policy
 from ..engine.sampling import SamplingConfig

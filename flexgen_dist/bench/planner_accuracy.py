@@ -61,7 +61,7 @@ def rel_err(pred: float, meas: float) -> float:
 def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offload: Path) -> dict[str, Any]:
     import torch
 
-    from ..distributed.pipeline import generate
+    from ..distributed.local import generate
     from ..engine.sampling import SamplingConfig
     from ..engine.stage import StageEngine
     from ..memory.disk import DiskStore

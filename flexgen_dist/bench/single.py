@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.pipeline import generate
+from ..distributed.local import generate
 from ..engine.policy import Policy
 from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine

@@ -18,7 +18,7 @@ def _per_layer(device: str, quick: bool, **policy: bool) -> dict[int, float]:
     """Seconds per layer per decode step of the tiny model at each of ``_HOST_GBS`` GPU
     batches (the two layer counts take the step's fixed part out), under ``policy``'s knobs."""
     # the engine is imported here: the planner's modules are imported by it
-    from flexgen_dist.distributed.pipeline import generate
+    from flexgen_dist.distributed.local import generate
     from flexgen_dist.engine.policy import Policy
     from flexgen_dist.engine.sampling import SamplingConfig
     from flexgen_dist.engine.stage import StageEngine
