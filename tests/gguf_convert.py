@@ -25,7 +25,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
-        "deepseek_v2": "deepseek2"}
+        "deepseek_v2": "deepseek2", "llama4_text": "llama4"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -52,8 +52,15 @@ _DEEPSEEK2_LAYER = {**_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_l
                     "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
                     "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                     "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+# Llama 4: its MLPs under feed_forward (the router, the shared expert, a dense layer's)
+_LLAMA4_LAYER = {**_LAYER, "feed_forward.gate_proj": "ffn_gate", "feed_forward.up_proj": "ffn_up",
+                 "feed_forward.down_proj": "ffn_down", "feed_forward.router": "ffn_gate_inp",
+                 "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+                 "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
+                 "feed_forward.shared_expert.down_proj": "ffn_down_shexp"}
 _TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
-           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER}
+           "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
+           "llama4": _LLAMA4_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -181,7 +188,8 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     w.add_block_count(cfg["num_hidden_layers"] + (NEXTN if arch == "glm4moe" else 0))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    # Llama4Model: the dense layers' width (intermediate_size_mlp) as the feed-forward length
+    w.add_feed_forward_length(cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
@@ -244,7 +252,9 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         if cfg.get("sliding_window") is not None:
             w.add_sliding_window(cfg["sliding_window"])
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
-    if arch in ("llama", "granite", "smollm3"):
+    if arch == "llama4":  # Llama4Model: the sparse layers' step
+        w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+    if arch in ("llama", "granite", "smollm3", "llama4"):
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
         if rope.get("rope_type") == "linear":
@@ -385,7 +395,7 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
     copy_tokenizer(w)
 
     tensors: dict[str, torch.Tensor] = {}
-    if arch == "llama" and _rope(cfg).get("rope_type") == "llama3":
+    if arch in ("llama", "llama4") and _rope(cfg).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
     if arch == "phi3" and _rope(cfg).get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
         tensors["rope_factors_long.weight"] = torch.tensor(_rope(cfg)["long_factor"], dtype=torch.float32)
@@ -407,11 +417,13 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         parts = hf.split(".")
         i = parts.index("experts")
         if parts[i + 1] == "gate_up_proj":  # transformers' fused layout: (experts, 2 x width, hidden)
-            gate, up = sd.pop(hf).chunk(2, dim=1)
+            t = sd.pop(hf)
+            gate, up = (t.transpose(1, 2) if arch == "llama4" else t).chunk(2, dim=1)  # Llama 4's: in x out
             tensors[f"blk.{parts[2]}.ffn_gate_exps.weight"] = gate.detach().float()
             tensors[f"blk.{parts[2]}.ffn_up_exps.weight"] = up.detach().float()
         elif parts[i + 1] == "down_proj":
-            tensors[f"blk.{parts[2]}.ffn_down_exps.weight"] = sd.pop(hf).detach().float()
+            t = sd.pop(hf).detach().float()
+            tensors[f"blk.{parts[2]}.ffn_down_exps.weight"] = t.transpose(1, 2).contiguous() if arch == "llama4" else t
         else:  # model.layers.L.<block>.experts.E.<proj>.weight
             experts.setdefault((parts[2], _EXPERT[parts[i + 2]]), {})[int(parts[i + 1])] = sd.pop(hf)
     for (layer, name), by_e in experts.items():

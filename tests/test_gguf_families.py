@@ -371,9 +371,8 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 @pytest.mark.parametrize("change,arch,match", [
     ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, deepseek2, exaone4, gemma, "
-                r"gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, llama, minimax-m2, olmo2, olmoe, phi3, qwen2, qwen2moe, "
-                r"qwen3, "
-                r"qwen3moe, smollm3; Mistral"),
+                r"gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, llama, llama4, minimax-m2, olmo2, olmoe, phi3, qwen2, "
+                r"qwen2moe, qwen3, qwen3moe, smollm3; Mistral"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "longrope"}, None, "rope scaling type 'longrope' is not supported"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,

@@ -174,3 +174,47 @@ def test_the_scout_entry_is_what_its_config_gives() -> None:
                                                                  "original_max_position_embeddings": 8192})
     got = spec_from_hf_config(cfg.to_dict(), "scout")
     assert replace(got, name="") == replace(get_spec("llama-4-scout-17b-16e"), name="")
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_gguf_files_match_transformers(qtype: str | None, tmp_path: Path) -> None:
+    """A ``llama4`` GGUF file as llama.cpp's converter writes it (experts split from gate_up,
+    the dense width as the feed-forward length, Scout's RoPE scaling as ``rope_freqs``), read
+    with what llama.cpp's loader fixes (chunks of 8192, every fourth layer NoPE with the
+    temperature at floor 8192, q/k norms but on 128 experts): the same tokens as transformers
+    with those values, float32 or Q8_0 kept packed under --compress-weight."""
+    from gguf_convert import roundtrip_, write_gguf
+    from transformers import Llama4ForCausalLM
+
+    torch.manual_seed(37)
+    cfg = _config(vocab_size=49152, intermediate_size=64, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1,
+                  no_rope_layer_interval=4, rope_parameters=CONFIGS["scout-like"]["rope_parameters"])
+    m = Llama4ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "experts." in name:
+                p.normal_(0, 0.1)
+    if qtype:
+        roundtrip_(m, qtype)
+    path = write_gguf(m, tmp_path / "l4.gguf", qtype)
+    tm = TinyModel("llama4", path, m, 0)
+    spec = load_model(str(path), load_tokenizer=False).spec
+    hf = load_model(str(_saved(m, tmp_path / "hf")), load_tokenizer=False).spec
+    from flexgen_dist.models.common import rope_inv_freq
+
+    # the file keeps the divisors: any original length giving the same bands gives the same frequencies
+    assert torch.equal(rope_inv_freq(16, spec.rope_theta, spec.rope_scaling), rope_inv_freq(16, hf.rope_theta,
+                                                                                              hf.rope_scaling))
+    assert spec.rope_scaling.high_freq_factor == 1.0 and spec.layer_types == hf.layer_types
+    assert (spec.qk_l2_norm, spec.attn_temp_nope, spec.attn_temp_len, spec.moe_layers) == (True, True, 8192,
+                                                                                            (False, True) * 2)
+    ref = [reference_generate(tm, [p], 4)[0] for p in PROMPTS[:3]]
+    with LLM(str(path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=1, num_gpu_batches=3,
+             offload_dir=str(tmp_path / "off"), compress_weight=bool(qtype), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS[:3], gen_len=4)] == ref
+
+
+def _saved(m, path: Path) -> Path:
+    m.save_pretrained(path)
+    return path

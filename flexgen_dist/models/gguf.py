@@ -278,8 +278,9 @@ def llama3_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, name
     frequencies from the parameters, as transformers does from the HF config (bit for bit).
     So they are recovered: ``factor`` is the divisor of the low band, low/high_freq_factor
     are 1 and 4 (every Llama 3.1+ model's), and the original context length is solved from
-    the interpolated divisors (with none, 8192 or any length giving the same bands). The rule
-    with them must give back every divisor of the file, or the file is refused.
+    the interpolated divisors (with none between the bands: Llama 4 Scout's factors 1 and 1 at
+    8192 first, then any length giving the same bands). The rule with them must give back
+    every divisor of the file, or the file is refused.
     """
     if divisors.shape != (head_dim // 2,):
         raise ModelLoadError(f"{name}: GGUF rope_freqs has {divisors.size} values, expected {head_dim // 2} "
@@ -287,26 +288,27 @@ def llama3_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, name
     if np.all(divisors == 1):
         return None
     factor = decimal32(divisors.max())
-    lo, hi = 1.0, 4.0
     wavelen = (2 * math.pi / rope_inv_freq(head_dim, theta)).double().numpy()
     mid = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
-    if mid.any():  # 1/d = (1 - s)/factor + s, s = (old/wavelen - lo)/(hi - lo): solve for old
+    if mid.any():  # 1/d = (1 - s)/factor + s, s = (old/wavelen - lo)/(hi - lo): solve for old (lo 1, hi 4)
         smooth = (1 / divisors[mid].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
-        candidates = [round(float(np.median(wavelen[mid] * (smooth * (hi - lo) + lo))))]
-    else:  # any length putting each frequency in the same band gives the same frequencies
+        candidates = [(4.0, round(float(np.median(wavelen[mid] * (smooth * 3.0 + 1.0)))))]
+    else:  # no band between: Llama 4 Scout's equal factors (1 and 1) at 8192, or any length putting
+        # each frequency in the same band (equal factors, or 1 and 4), which gives the same frequencies
         high = divisors <= 1 + 1e-6
-        low_end = hi * wavelen[high].max() if high.any() else 0.0
-        high_end = lo * wavelen[~high].min()
-        candidates = [8192, round((low_end + high_end) / 2)]
-    for old in candidates:
+        low_end = wavelen[high].max() if high.any() else 0.0
+        high_end = wavelen[~high].min()
+        candidates = [(1.0, 8192), (1.0, round((low_end + high_end) / 2)), (4.0, 8192),
+                      (4.0, round((4 * low_end + high_end) / 2))]
+    for hi, old in candidates:
         try:
-            s = RopeScaling("llama3", factor, lo, hi, max(int(old), 1))
+            s = RopeScaling("llama3", factor, 1.0, hi, max(int(old), 1))
         except ValueError:
             continue
         if np.allclose(llama3_divisors(head_dim, theta, s).numpy(), divisors, rtol=1e-5, atol=0):
             return s
     raise ModelLoadError(f"{name}: GGUF rope_freqs do not follow Llama 3.1's rule (low_freq_factor 1, "
-                         "high_freq_factor 4): not supported; use the Hugging Face directory")
+                         "high_freq_factor 4, or both 1 as Llama 4's): not supported; use the Hugging Face directory")
 
 
 class GGUFSource(WeightSource):

@@ -85,6 +85,11 @@ ARCHS: dict[str, GGUFArch] = {
     # released); its norm before the MLP is post_attention_norm
     "gpt-oss": GGUFArch("llama", llama.post_attention_gguf_names,
                         keys=frozenset({"expert_feed_forward_length", "attention.sliding_window"})),
+    # Llama 4: llama's names (q/k as the checkpoint has them), chunked layers, NoPE layers and the
+    # temperature at llama.cpp's fixed values (llama4_gguf_fields)
+    "llama4": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
+                                                                  "interleave_moe_layer_step",
+                                                                  "attention.sliding_window"})),
     # OLMoE: Qwen's softmax routing, never renormalised (llama.cpp's), q/k normalised over all heads
     "olmoe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     # DeepSeek-V3 / R1 / V3.1 and Kimi K2 (deepseek2): latent attention (as one kv head of
@@ -105,7 +110,8 @@ ARCHS: dict[str, GGUFArch] = {
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
-MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2"})
+MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
+                       "llama4"})
 SIGMOID_ARCHS = ("glm4moe", "deepseek2")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
@@ -238,7 +244,25 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
+    if arch == "llama4":
+        fields.update(llama4_gguf_fields(key, experts))
     return {**fields, **mla_fields(key)} if arch == "deepseek2" else fields
+
+
+def llama4_gguf_fields(key: Any, experts: int) -> dict[str, Any]:
+    """Llama 4 as llama.cpp's loader fixes what the file does not say: chunks of 8192 on three
+    layers of four, the fourth global without RoPE and with the attention temperature (floor
+    8192, scale 0.1, positions from 1); q/k normalised after RoPE except on the 128-expert
+    model (Maverick); RoPE on interleaved pairs. A file whose window is 0 has neither chunks
+    nor NoPE layers (every layer turns)."""
+    n = int(key("block_count"))
+    out: dict[str, Any] = dict(rope_interleaved=True, qk_l2_norm=experts != 128)
+    if int(key("attention.sliding_window", 8192)) == 0:
+        return out
+    out.update(nope_layers=every_nth(n, 4), sliding_window=8192,
+               layer_types=tuple("full_attention" if g else "chunked_attention" for g in every_nth(n, 4)),
+               attn_temp_nope=True, attn_temp_beta=0.1, attn_temp_len=8192)
+    return out
 
 
 def _gpt_oss_fields(key: Any) -> dict[str, Any]:
@@ -297,6 +321,9 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
         fields["norm_topk_prob"] = False
     if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
         fields.pop("norm_topk_prob")
+    if arch == "llama4":  # the top logits' sigmoids scaling the experts' inputs, one ungated shared expert
+        fields.update(router_scoring="top_sigmoid", norm_topk_prob=False, shared_expert_gated=False,
+                      shared_expert_ffn_size=fields["expert_ffn_size"])
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
