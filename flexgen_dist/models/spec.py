@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .rope_scaling import ROPE_TYPES, RopeScaling
-from .spec_checks import (FAMILIES, LAYER_TYPES, ROUTER_SCORINGS, check_experts, check_features, check_layers,
-                          check_shape)
+from .spec_checks import FAMILIES, LAYER_TYPES, ROUTER_SCORINGS, SpecChecks
 
 __all__ = ["FAMILIES", "LAYER_TYPES", "ROPE_TYPES", "ROUTER_SCORINGS", "ModelSpec", "RopeScaling", "alternating",
            "every_nth"]
@@ -27,7 +26,7 @@ def alternating(num_layers: int, every: int) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(SpecChecks):
     """Shape of a decoder-only transformer of the OPT, LLaMA, Gemma or Cohere family.
 
     ``ffn_size`` is the MLP's inner width (OPT ``ffn_dim``, LLaMA ``intermediate_size``).
@@ -151,10 +150,10 @@ class ModelSpec:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        check_shape(self)
-        check_layers(self)
-        check_features(self)
-        check_experts(self)
+        self._check_shape()
+        self._check_layers()
+        self._check_features()
+        self._check_experts()
         if isinstance(self.eos_token_ids, int):
             object.__setattr__(self, "eos_token_ids", (self.eos_token_ids,))
         else:
