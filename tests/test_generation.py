@@ -137,3 +137,35 @@ def test_eos_stops_each_sequence(tiny_models, tmp_path: Path) -> None:
         n = gbs * ngb
         assert tm.token_steps == sum(max(len(o) for o in outs[a:a + n]) for a in range(0, len(outs), n))
     assert tm.token_steps < 16 * len(PROMPTS)  # the first prompt's block stopped early
+
+
+def test_generation_config_names_the_stop_ids(tiny_models, tmp_path: Path) -> None:
+    """A directory's ``generation_config.json`` gives the stop ids, as transformers' generate
+    takes them (an instruct model's end-of-turn token is often there alone): the outputs stop
+    at its token; an unparsable file or an id outside the vocabulary is refused in one line."""
+    import json
+    import shutil
+
+    from flexgen_dist import LLM
+    from flexgen_dist.errors import ModelLoadError
+
+    tm = tiny_models["llama-tied"]
+    ref = reference_generate(tm, PROMPTS, 16)
+    eos = ref[0][3]
+    d = tmp_path / "m"
+    shutil.copytree(tm.path, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 10 ** 6 % 97]}))
+    spec = load_model(str(d), load_tokenizer=False).spec
+    assert spec.eos_token_ids == (eos, 10 ** 6 % 97) and load_model(str(tm.path)).spec.eos_token_ids != spec.eos_token_ids
+    with LLM(str(d), progress=False) as llm:
+        outs = [c.token_ids for c in llm.generate(PROMPTS, gen_len=16)]
+    for o, r in zip(outs, ref):
+        stops = [i for i, t in enumerate(r) if t in spec.eos_token_ids]
+        assert o == r[:stops[0] + 1] if stops else o == r
+    assert len(outs[0]) < 16  # the reference emits the stop token early in the first prompt
+    for text, match in (("{not json", "generation_config.json: cannot parse"),
+                        (json.dumps({"eos_token_id": 10 ** 9}), "is not a token id")):
+        (d / "generation_config.json").write_text(text)
+        with pytest.raises(ModelLoadError, match=match) as info:
+            load_model(str(d), load_tokenizer=False)
+        assert "\n" not in str(info.value)

@@ -601,3 +601,18 @@ def test_files_with_norms_after_the_sublayers_run_as_their_directories(kind: str
     want = reference_generate(TinyModel(kind, path, m, 2), LONG, 6)
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] == want
+
+
+@pytest.mark.bundled
+def test_every_end_of_generation_id_stops(tmp_path: Path) -> None:
+    """A file's end-of-turn and end-of-message ids stop generation beside its end-of-sequence
+    id, as llama.cpp stops at each (an instruct model's turn ends at its eot token)."""
+    from gguf_convert import rewrite
+
+    from flexgen_dist.models.loader import bundled_model_path
+
+    src = bundled_model_path()
+    assert load_model(str(src), load_tokenizer=False).spec.eos_token_ids == (2,)
+    f = rewrite(src, tmp_path / "eot.gguf", {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2},
+                tokenizer=True)
+    assert load_model(str(f), load_tokenizer=False).spec.eos_token_ids == (2, 7)

@@ -91,7 +91,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
                                  f"({what}): not supported")
     theta = decimal32(key("rope.freq_base", 10000.0))
     llama_family = a.family == "llama"
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    # llama.cpp stops at every end-of-generation id the file names: end of sequence, of turn, of message
+    stops = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos_ids = tuple(dict.fromkeys(int(i) for i in stops if i is not None))
     try:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name, truncate=arch != "gpt-oss")
@@ -115,7 +117,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
             rope_theta=theta,
             rope_scaling=scaling, bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(eos,) if eos is not None else (),
+            eos_token_ids=eos_ids,
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None

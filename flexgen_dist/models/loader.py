@@ -315,7 +315,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         if not (p / "config.json").exists():
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
         cfg = _read_config(p)
-        spec = spec_from_hf_config(cfg, p.name)
+        spec = _generation_eos(p, spec_from_hf_config(cfg, p.name))
         tok = _load_tokenizer(p) if load_tokenizer else None
         fp8 = fp8_block(cfg)
         if fp8:
@@ -342,6 +342,28 @@ def untie_if_the_file_differs(src: HFDirSource) -> tuple[ModelSpec, HFDirSource]
              "kept apart, as transformers does", src.path.name, head)
     src.spec = dataclasses.replace(src.spec, tie_word_embeddings=False)
     return src.spec, src
+
+
+def _generation_eos(p: Path, spec: ModelSpec) -> ModelSpec:
+    """The spec with the stop ids transformers' ``generate`` uses: ``generation_config.json``'s
+    ``eos_token_id`` where the directory has one (an instruct model's end-of-turn token is
+    often there alone), else ``config.json``'s."""
+    f = p / "generation_config.json"
+    if not f.exists():
+        return spec
+    try:
+        eos = json.loads(f.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"{f}: cannot parse ({e}); fix or remove the file") from e
+    ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+    if not ids or ids == spec.eos_token_ids:
+        return spec
+    if not all(isinstance(i, int) and 0 <= i < spec.vocab_size for i in ids):
+        raise ModelLoadError(f"{f}: eos_token_id {eos!r} is not a token id of the {spec.vocab_size}-token "
+                             "vocabulary; fix or remove the file")
+    log.info("%s: stop ids %s from generation_config.json (config.json: %s), as transformers' generate",
+             p.name, list(ids), list(spec.eos_token_ids))
+    return dataclasses.replace(spec, eos_token_ids=ids)
 
 
 def _read_config(p: Path) -> dict[str, Any]:
