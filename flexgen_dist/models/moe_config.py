@@ -113,6 +113,13 @@ def _hunyuan_moe(cfg: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"hunyuan_v1_moe {key} {v!r}: one count for every layer is supported")
         counts[key] = int(vals.pop())
     width = cfg["intermediate_size"]
+    # the released configs also carry the experts' width and the shared experts per layer, which
+    # transformers does not read (its experts and shared MLP take intermediate_size, one of it)
+    widths, shared = cfg.get("moe_intermediate_size"), cfg.get("num_shared_expert")
+    if any(w != width for w in (widths if isinstance(widths, list) else [widths] if widths else [])) or any(
+            n != 1 for n in (shared if isinstance(shared, list) else [shared] if shared is not None else [])):
+        raise ValueError(f"hunyuan_v1_moe with moe_intermediate_size {widths!r} / num_shared_expert {shared!r} "
+                         f"other than intermediate_size {width} / 1: not what transformers computes; not supported")
     return dict(num_experts=counts["num_experts"], experts_per_tok=counts["moe_topk"], expert_ffn_size=width,
                 norm_topk_prob=True, router_fp32=True, router_weights_fp32=True, shared_expert_ffn_size=width,
                 shared_expert_gated=False)
