@@ -25,7 +25,8 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "olmo2": "olmo2", "olmo3": "olmo2", "cohere": "command-r", "cohere2": "cohere2", "glm4": "glm4",
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
-        "deepseek_v2": "deepseek2", "llama4_text": "llama4"}
+        "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
+        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -58,9 +59,18 @@ _LLAMA4_LAYER = {**_LAYER, "feed_forward.gate_proj": "ffn_gate", "feed_forward.u
                  "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
                  "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
                  "feed_forward.shared_expert.down_proj": "ffn_down_shexp"}
+# HunYuan: its q/k norms, Hunyuan-A13B's router (gate.wg) and shared MLP; Seed-OSS: its norm
+# before the MLP by the HF name; dots.llm1: its shared experts in the plural
+_HUNYUAN_LAYER = {**_LAYER, "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm",
+                  "mlp.gate.wg": "ffn_gate_inp", "mlp.shared_mlp.gate_proj": "ffn_gate_shexp",
+                  "mlp.shared_mlp.up_proj": "ffn_up_shexp", "mlp.shared_mlp.down_proj": "ffn_down_shexp"}
+_SEED_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm"}
+_DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 _TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
-           "llama4": _LLAMA4_LAYER}
+           "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
+           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -192,7 +202,13 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     w.add_feed_forward_length(cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    base = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if arch.startswith("hunyuan") and rope.get("rope_type") == "dynamic":  # HunYuanModel: the NTK-alpha base
+        base = base * rope["alpha"] ** (head_dim / (head_dim - 2))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+    w.add_rope_freq_base(base)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "phi3":  # Phi3MiniModel writes its own set, with no key/value length
         old = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
@@ -208,7 +224,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:  # LlamaModel (Mixtral), Qwen2MoeModel, Qwen3MoeModel
         w.add_expert_count(experts)
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_used_count(cfg.get("num_experts_per_tok") or cfg.get("moe_topk"))
         if arch not in ("llama", "glm4moe", "olmoe"):  # OlmoeModel: the feed-forward length is the experts'
             w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if arch == "qwen2moe":
@@ -245,6 +261,15 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         if rope.get("beta_slow") is not None:
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "hunyuan-moe":  # HunYuanMoEModel: the shared MLP's width and count
+        w.add_expert_shared_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_shared_count(1)
+    if arch == "dots1":  # Dots1Model: DeepSeek-V3's routing keys
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if arch == "gpt-oss":  # GptOssModel: and the window
         w.add_sliding_window(cfg["sliding_window"])
     if arch == "exaone4":  # Exaone4Model: the vocabulary, the window and its per-layer pattern

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.common import rope_inv_freq
 from flexgen_dist.models.gguf import llama3_from_divisors
-from flexgen_dist.models.gguf_arch import gemma_fields
+from flexgen_dist.models.gguf_arch import ARCHS, gemma_fields
 from flexgen_dist.models.loader import GGUF_TOKENIZER_SINCE, _transformers_version, load_model
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
@@ -370,9 +371,8 @@ def test_a_tensor_the_engine_would_not_read_is_refused(built, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change,arch,match", [
-    ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: cohere2, command-r, deepseek2, exaone4, gemma, "
-                r"gemma2, gemma3, glm4, glm4moe, gpt-oss, granite, llama, llama4, minimax-m2, olmo2, olmoe, phi3, qwen2, "
-                r"qwen2moe, qwen3, qwen3moe, smollm3; Mistral"),
+    ({}, "falcon", r"GGUF architecture 'falcon' is not supported \(supported: " + re.escape(", ".join(sorted(ARCHS)))
+     + r"; Mistral"),
     ({}, "mistral3", "architecture 'mistral3' is not supported"),
     ({"llama.rope.scaling.type": "longrope"}, None, "rope scaling type 'longrope' is not supported"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
@@ -616,3 +616,44 @@ def test_every_end_of_generation_id_stops(tmp_path: Path) -> None:
     f = rewrite(src, tmp_path / "eot.gguf", {"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2},
                 tokenizer=True)
     assert load_model(str(f), load_tokenizer=False).spec.eos_token_ids == (2, 7)
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense"])
+def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None:
+    """``seed_oss`` (q/k/v biases, an o bias where the file has one, its norm before the MLP
+    as post_attention_norm) and ``hunyuan-dense`` (q/k norms after RoPE, the NTK-alpha base as
+    the converter writes it): the HF directory's spec and transformers' tokens."""
+    import transformers as tf
+
+    torch.manual_seed(43)
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=2, tie_word_embeddings=False)
+    if kind.startswith("seed_oss"):
+        m = tf.SeedOssForCausalLM(tf.SeedOssConfig(attention_bias=True, attention_out_bias=kind.endswith("bias"),
+                                                   **common))
+    else:
+        m = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(rope_parameters={
+            "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, **common))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+            if n.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+                p.uniform_(0.5, 1.5)
+            if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(12)  # sharp attention, so that where the norms and RoPE act shows
+    m.eval().save_pretrained(tmp_path / "hf")
+    path = write_gguf(m, tmp_path / f"{kind}.gguf")
+    ours = load_model(str(path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    # the file holds the base in float32: the same frequencies (float32 tables) from the rounded base
+    from flexgen_dist.models.common import rope_inv_freq
+
+    assert torch.equal(rope_inv_freq(16, ours.rope_theta), rope_inv_freq(16, ref.rope_theta))
+    assert dataclasses.replace(ours, name=ref.name, max_positions=ref.max_positions, rope_theta=ref.rope_theta) == ref
+    with LLM(str(path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == reference_generate(
+            TinyModel(kind, path, m, 0), PROMPTS, 6)

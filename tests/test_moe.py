@@ -292,6 +292,8 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
     cfg.vocab_size = 49152  # the GGUF's tokenizer is the bundled one
     if kind.startswith("deepseek_v3"):  # llama.cpp turns interleaved pairs (its converter leaves the rows as they are)
         cfg.rope_interleave = True
+    if kind == "dots1":  # one group, as dots.llm1 has it (its converter writes no group keys)
+        cfg.n_group = cfg.topk_group = 1
     path.mkdir(parents=True, exist_ok=True)
     m = _sharpen_(AutoModelForCausalLM.from_config(cfg).eval(), kind)
     if qtype:
@@ -301,7 +303,8 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
 
 @pytest.mark.bundled
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe-groups", "minimax_m2",
-                                  "olmoe", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2"])
+                                  "olmoe", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2", "dots1",
+                                  "hunyuan_v1_moe"])
 @pytest.mark.parametrize("qtype", [None, "Q8_0"])
 def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """llama.cpp's layout (experts stacked in 3-D tensors, Mixtral as ``llama`` with experts;

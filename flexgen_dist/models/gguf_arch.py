@@ -90,6 +90,16 @@ ARCHS: dict[str, GGUFArch] = {
     "llama4": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
                                                                   "interleave_moe_layer_step",
                                                                   "attention.sliding_window"})),
+    # Seed-OSS: biases on q, k, v (and on o where the file has them), its norm before the MLP
+    # post_attention_norm; HunYuan: q/k normalised per head after RoPE (its NTK-alpha base written
+    # as the base), Hunyuan-A13B's float32 softmax router and one shared MLP; dots.llm1: Qwen3's
+    # attention with GLM-4.5's (DeepSeek-V3's) routing
+    "seed_oss": GGUFArch("llama", llama.post_attention_gguf_names),
+    "hunyuan-dense": GGUFArch("llama", llama.gguf_names),
+    "hunyuan-moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
+                                                                       "expert_shared_feed_forward_length",
+                                                                       "expert_shared_count"})),
+    "dots1": GGUFArch("llama", llama.gguf_names, keys=_GLM4MOE_KEYS | {"expert_shared_feed_forward_length"}),
     # OLMoE: Qwen's softmax routing, never renormalised (llama.cpp's), q/k normalised over all heads
     "olmoe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length"})),
     # DeepSeek-V3 / R1 / V3.1 and Kimi K2 (deepseek2): latent attention (as one kv head of
@@ -111,8 +121,8 @@ ARCHS: dict[str, GGUFArch] = {
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
 MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
-                       "llama4"})
-SIGMOID_ARCHS = ("glm4moe", "deepseek2")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
+                       "llama4", "hunyuan-moe", "dots1"})
+SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
@@ -221,6 +231,7 @@ def nextn(key: Any, arch: str) -> int:
 
 
 QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
+HUNYUAN_ARCHS = ("hunyuan-dense", "hunyuan-moe")  # q/k normalised per head after RoPE
 GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never an output bias
 
 
@@ -233,10 +244,13 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         tie_word_embeddings="output.weight" not in tensors,
         # Qwen2's (and Qwen2-MoE's) q/k/v biases are part of the architecture; a llama file has
         # biases or not
-        qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors),
-        attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors,
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe")
+        qkv_bias=arch in QWEN2_ARCHS or (arch in GLM_ARCHS and "blk.0.attn_q.bias" in tensors)
+        or (arch == "seed_oss" and "blk.0.attn_q.bias" in tensors and "blk.0.attn_output.bias" not in tensors),
+        attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors
+        and (arch != "seed_oss" or "blk.0.attn_output.bias" in tensors),
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", *HUNYUAN_ARCHS)
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
+        qk_norm_after_rope=arch in HUNYUAN_ARCHS,
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
         fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
@@ -321,12 +335,17 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
         fields["norm_topk_prob"] = False
     if arch == "gpt-oss":  # its routing and expert fields come with the rest (_gpt_oss_fields)
         fields.pop("norm_topk_prob")
+    if arch == "hunyuan-moe":  # a float32 router's softmax, renormalised; one ungated shared MLP
+        if int(key("expert_shared_count", 1)) != 1:
+            raise ValueError(f"hunyuan-moe.expert_shared_count {key('expert_shared_count')} is not supported (1)")
+        fields.update(norm_topk_prob=True, router_fp32=True, router_weights_fp32=True, shared_expert_gated=False,
+                      shared_expert_ffn_size=int(key("expert_shared_feed_forward_length")))
     if arch == "llama4":  # the top logits' sigmoids scaling the experts' inputs, one ungated shared expert
         fields.update(router_scoring="top_sigmoid", norm_topk_prob=False, shared_expert_gated=False,
                       shared_expert_ffn_size=fields["expert_ffn_size"])
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
-    if arch in ("glm4moe", "minimax-m2") and int(key("expert_gating_func", 2)) != 2:
+    if arch in ("glm4moe", "minimax-m2", "dots1") and int(key("expert_gating_func", 2)) != 2:
         raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
     gating = int(key("expert_gating_func", 1 if arch == "deepseek2" else 2))  # llama.cpp's default for deepseek2: softmax
     if arch == "deepseek2" and gating not in (1, 2):
