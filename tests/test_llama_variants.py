@@ -191,7 +191,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
                                         "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe", "granitemoe",
                                         "granitemoeshared", "deepseek_v3", "deepseek_v2", "llama4_text",
                                         "llama4", "internlm3", "seed_oss", "hunyuan_v1_dense",
-                                        "hunyuan_v1_moe", "dots1"])
+                                        "hunyuan_v1_moe", "dots1", "granite_swa", "granitemoe_swa"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""
@@ -715,3 +715,33 @@ def test_hunyuan_dense_matches_transformers(alpha: float | None, tmp_path: Path)
     assert torch.equal(rope_inv_freq(spec.head_dim, spec.rope_theta), m.model.rotary_emb.inv_freq)
     if alpha:
         assert spec.rope_theta == 10000.0 * alpha ** (16 / 14)
+
+
+@pytest.mark.parametrize("thetas", [[0, 10000.0, 10000.0, 10000.0], [500000.0, 1000.0, 1000.0, 1000.0]])
+def test_granite_swa_matches_transformers(thetas: list, tmp_path: Path) -> None:
+    """Granite SWA (``granite_swa``): Granite's multipliers, three sliding layers of four with
+    a 5-position window, attention sinks, and a RoPE base per layer (0: none; the global and
+    the sliding layers' bases apart), on prompts longer than the window."""
+    import transformers as tf
+
+    torch.manual_seed(101)
+    cfg = tf.GraniteSWAConfig(**{**_MISTRAL_TEXT, "head_dim": 16}, sliding_window=5, layer_rope_theta=thetas,
+                              embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                              logits_scaling=2.0)
+    m = tf.GraniteSWAForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.normal_(0, 1.0)
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel("granite_swa", tmp_path / "m", m, 0)
+    long = [p * 3 for p in PROMPTS]
+    ref = reference_generate(tm, long, 6)
+    with LLM(str(tm.path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        spec = llm.model.spec
+        assert [c.token_ids for c in llm.generate(long, gen_len=6)] == ref
+    assert spec.attn_sinks and spec.sliding_window == 5 and spec.nope_layers == tuple(not t for t in thetas)
+    assert spec.window(0) == 0 and spec.window(1) == 5
+    assert spec.rope(1)[0] == thetas[1] and (spec.rope(0)[0] == thetas[0] or not thetas[0])

@@ -28,7 +28,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Dots1Config, HunYuanMoEV1Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Dots1Config, GraniteMoeSWAConfig, HunYuanMoEV1Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
                               Qwen3MoeConfig)
 
@@ -90,6 +90,9 @@ def _configs() -> dict:
                                                               "rope_theta": 10000.0}),
         "granitemoe": GraniteMoeConfig(**granite),
         "granitemoeshared": GraniteMoeSharedConfig(**granite, shared_intermediate_size=80),
+        # Granite MoE SWA: and sliding layers with sinks, the global layer without RoPE
+        "granitemoe_swa": GraniteMoeSWAConfig(**granite, shared_intermediate_size=80, sliding_window=4,
+                                              layer_rope_theta=[0, 10000.0, 10000.0, 10000.0]),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
         "olmoe": OlmoeConfig(**{**_COMMON, "rms_norm_eps": 1e-5}, num_experts=8, num_experts_per_tok=2),
         "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
@@ -106,6 +109,8 @@ def _sharpen_(m: torch.nn.Module, kind: str) -> torch.nn.Module:
                 b.mul_(4)  # sharp latent attention, so that positions and scales show
             if name.endswith("mlp.gate.weight") and "deepseek_v2" in kind:  # its router starts at zero
                 b.normal_(0, 0.5)
+            if name.endswith("self_attn.sinks"):  # zero-initialised: give them values
+                b.normal_(0, 1.0)
     return m
 
 
@@ -126,7 +131,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
                                   "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
                                   "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2",
-                                  "deepseek_v2-groups", "dots1", "hunyuan_v1_moe"])
+                                  "deepseek_v2-groups", "dots1", "hunyuan_v1_moe", "granitemoe_swa"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]

@@ -59,6 +59,11 @@ USED: dict[str, set[str]] = {
     "smollm3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "no_rope_layers", "no_rope_layer_interval",
                               "layer_types"},
     "granite": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"},
+    "granite_swa": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
+                                  "sliding_window", "layer_types", "layer_rope_theta"},
+    "granitemoe_swa": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
+                                     "attention_multiplier", "num_local_experts", "num_experts_per_tok",
+                                     "shared_intermediate_size", "sliding_window", "layer_types", "layer_rope_theta"},
     "mixtral": _LLAMA_USED | {"sliding_window", "num_local_experts", "num_experts_per_tok"},
     "qwen2_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
                                 "qkv_bias", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -127,7 +132,7 @@ INERT: dict[str, set[str]] = {
     "deepseek_v2": _ROUTER_TRAINING | {"norm_topk_prob"},
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
-    "llama4_text": _ROUTER_TRAINING, "dots1": _ROUTER_TRAINING,
+    "llama4_text": _ROUTER_TRAINING, "dots1": _ROUTER_TRAINING, "granitemoe_swa": _ROUTER_TRAINING,
     "seed_oss": {"residual_dropout"},  # dropout: nothing in inference
     # HunYuan's end-of-document and separator ids: pretraining's markers, not generation's stop
     # (its eos_token_id is)
@@ -159,7 +164,8 @@ PINNED: dict[str, dict[str, Any]] = {
     "deepseek_v3": {"hidden_act": "silu", "attention_bias": False},
     "deepseek_v2": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
-    **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")},
+    **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1",
+                                             "granite_swa", "granitemoe_swa")},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},

@@ -93,6 +93,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary)
     if mt == "llama4_text":  # chunked and NoPE layers, its own routing and temperature (llama4_config)
         common.update(llama4_fields(cfg))
+    if mt in GRANITE_SWA_TYPES:
+        common.update(_layer_thetas(cfg, float(theta), scaling))
     if mt == "seed_oss":  # Seed-OSS: attention_bias puts biases on q, k, v; attention_out_bias on o
         qkv, out = bool(cfg.get("attention_bias", True)), bool(cfg.get("attention_out_bias", False))
         if out and not qkv:
@@ -109,9 +111,12 @@ GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
 # read as the llama family's, each with what differs from Llama (``_llama_spec``)
-HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")  # q/k normalised per head after RoPE; NTK-alpha RoPE
+HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+# Granite with sliding layers, attention sinks and a RoPE base per layer (0: none)
+GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-               "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", *GLM_TYPES,
+               "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
+               *GLM_TYPES,
                *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
@@ -210,6 +215,8 @@ def _attention_extras(mt: str) -> dict[str, Any]:
     keeps the norms' weights in float32 and casts after the product); MiniMax-M2's q/k norms."""
     if mt in ("minimax_m2", "olmoe"):  # q and k normalised over all heads (as OLMo, its weights in the model's dtype)
         return dict(qk_norm_whole=True)
+    if mt in GRANITE_SWA_TYPES:  # sinks: a logit per head in each softmax's denominator, as gpt-oss's
+        return dict(attn_sinks=True)
     return dict(attn_sinks=True, norm_weight_fp32=True) if mt == "gpt_oss" else {}
 
 
@@ -274,9 +281,30 @@ def _temperature(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     return {"attn_temp_beta": float(beta), "attn_temp_len": int(rope["original_max_position_embeddings"])}
 
 
+def _layer_thetas(cfg: dict[str, Any], theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """Granite SWA's ``layer_rope_theta`` (a RoPE base per layer, 0: no RoPE) as the spec's:
+    the layers without RoPE, one base for the global layers and one for the sliding ones
+    (``local_rope_theta``, scaled alike); more bases than that are refused."""
+    n = cfg["num_hidden_layers"]
+    thetas = cfg.get("layer_rope_theta") or [theta] * n
+    types = _windows(cfg, "granite_swa").get("layer_types") or ("full_attention",) * n
+    if len(thetas) != n:
+        raise ValueError(f"layer_rope_theta has {len(thetas)} entries for {n} layers")
+    full = {float(t) for t, k in zip(thetas, types) if t and k == "full_attention"}
+    local = {float(t) for t, k in zip(thetas, types) if t and k == "sliding_attention"}
+    if len(full) > 1 or len(local) > 1:
+        raise ValueError(f"layer_rope_theta {sorted(full | local)}: one base for the global layers and one for the "
+                         "sliding ones are supported")
+    base = next(iter(full or local), theta)
+    out: dict[str, Any] = dict(rope_theta=base, nope_layers=tuple(not t for t in thetas))
+    if local and local != {base}:
+        out.update(local_rope_theta=next(iter(local)), local_rope_scaling=scaling)
+    return out
+
+
 def _granite_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     """Granite's four multipliers (the softmax scale is its attention_multiplier, not head_dim ** -0.5)."""
-    if mt not in ("granite", *GRANITE_MOE_TYPES):
+    if mt not in ("granite", "granite_swa", *GRANITE_MOE_TYPES):
         return {}
     return dict(embed_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
@@ -300,6 +328,11 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         if not window:
             return {"sliding_window": 0}
         return {"sliding_window": window, "layer_types": _layer_types(cfg, 4)}
+    if mt in GRANITE_SWA_TYPES:  # layer_types name the sliding layers; by default all but every fourth from 0
+        n = cfg["num_hidden_layers"]
+        types = tuple(cfg.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention"
+                                                 for i in range(n)])
+        return {"sliding_window": window, "layer_types": types} if window else {"sliding_window": 0}
     if mt == "gpt_oss":  # layer_types name the sliding layers; by default the even-numbered ones
         if not window:
             return {"sliding_window": 0}

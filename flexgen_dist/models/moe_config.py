@@ -8,7 +8,8 @@ from typing import Any
 # DeepSeek-V3 / R1, Kimi K2: latent attention, GLM-4.5's routing; DeepSeek-V2 / V2.5 / V2-Lite:
 # the same attention, softmax routing (within groups ranked by their best score)
 MLA_TYPES = ("deepseek_v3", "deepseek_v2")
-GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared")  # Granite 3.x MoE: its multipliers, top-k softmax routing
+# Granite 3.x MoE: its multipliers, top-k softmax routing (granitemoe_swa: with sliding layers and sinks)
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # dots.llm1 (dots1): Qwen3's attention with DeepSeek-V3's routing; Hunyuan-A13B (hunyuan_v1_moe):
 # a float32 router's softmax, renormalised, one shared MLP
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
@@ -41,7 +42,7 @@ def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt in GRANITE_MOE_TYPES:  # every layer sparse: a softmax over the top logits; an ungated shared expert
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], router_scoring="topk_softmax",
-                    shared_expert_ffn_size=cfg.get("shared_intermediate_size", 0) if mt == "granitemoeshared" else 0,
+                    shared_expert_ffn_size=cfg.get("shared_intermediate_size", 0) if mt != "granitemoe" else 0,
                     shared_expert_gated=False)
     if mt == "olmoe":  # every layer sparse: Qwen's softmax routing (by default not renormalised)
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
