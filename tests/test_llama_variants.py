@@ -191,7 +191,8 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
                                         "minimax_m2", "gpt_oss", "ernie4_5", "ernie4_5_moe", "granitemoe",
                                         "granitemoeshared", "deepseek_v3", "deepseek_v2", "llama4_text",
                                         "llama4", "internlm3", "seed_oss", "hunyuan_v1_dense",
-                                        "hunyuan_v1_moe", "dots1", "granite_swa", "granitemoe_swa"])
+                                        "hunyuan_v1_moe", "dots1", "granite_swa", "granitemoe_swa",
+                                        "exaone_moe"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""

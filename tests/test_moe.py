@@ -28,7 +28,8 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def _configs() -> dict:
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Dots1Config, GraniteMoeSWAConfig, HunYuanMoEV1Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Dots1Config, ExaoneMoeConfig, GraniteMoeSWAConfig,
+                              HunYuanMoEV1Config, Ernie4_5_MoeConfig, Glm4MoeConfig, GraniteMoeConfig,
                               GraniteMoeSharedConfig, MiniMaxM2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
                               Qwen3MoeConfig)
 
@@ -88,6 +89,11 @@ def _configs() -> dict:
         "hunyuan_v1_moe": HunYuanMoEV1Config(**{**_COMMON, "head_dim": 16}, num_experts=8, moe_topk=2,
                                              rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                               "rope_theta": 10000.0}),
+        # K-EXAONE: EXAONE 4's attention (q/k norms, three sliding layers of four, the global
+        # ones without RoPE) in pre-norm layers, DeepSeek-V3's routing
+        "exaone_moe": ExaoneMoeConfig(**_COMMON, sliding_window=4, moe_intermediate_size=48, num_experts=8,
+                                      num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                                      topk_group=1, routed_scaling_factor=2.5),
         "granitemoe": GraniteMoeConfig(**granite),
         "granitemoeshared": GraniteMoeSharedConfig(**granite, shared_intermediate_size=80),
         # Granite MoE SWA: and sliding layers with sinks, the global layer without RoPE
@@ -131,7 +137,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-step", "glm4_moe",
                                   "glm4_moe-groups", "minimax_m2", "olmoe", "ernie4_5_moe", "granitemoe",
                                   "granitemoeshared", "deepseek_v3", "deepseek_v3-yarn", "deepseek_v2",
-                                  "deepseek_v2-groups", "dots1", "hunyuan_v1_moe", "granitemoe_swa"])
+                                  "deepseek_v2-groups", "dots1", "hunyuan_v1_moe", "granitemoe_swa", "exaone_moe"])
 @pytest.mark.parametrize("placement", ["resident", "offloaded"])
 def test_greedy_tokens_match_transformers(models: dict, kind: str, placement: str, tmp_path: Path) -> None:
     tm = models[kind]

@@ -92,6 +92,10 @@ USED: dict[str, set[str]] = {
     "dots1": _LLAMA_USED | {"sliding_window", "max_window_layers", "layer_types", "moe_intermediate_size",
                             "n_shared_experts", "n_routed_experts", "n_group", "topk_group", "num_experts_per_tok",
                             "first_k_dense_replace", "norm_topk_prob", "routed_scaling_factor"},
+    "exaone_moe": _LLAMA_USED | {"sliding_window", "sliding_window_pattern", "layer_types", "mlp_layer_types",
+                                 "first_k_dense_replace", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                 "num_shared_experts", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                                 "topk_group"},
     "granitemoe": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
                                  "attention_multiplier", "num_local_experts", "num_experts_per_tok"},
     "granitemoeshared": _LLAMA_USED | {"embedding_multiplier", "logits_scaling", "residual_multiplier",
@@ -133,6 +137,7 @@ INERT: dict[str, set[str]] = {
     "gpt_oss": _ROUTER_TRAINING, "minimax_m2": _ROUTER_TRAINING, "olmoe": _ROUTER_TRAINING,
     "ernie4_5_moe": _ROUTER_TRAINING, "granitemoe": _ROUTER_TRAINING, "granitemoeshared": _ROUTER_TRAINING,
     "llama4_text": _ROUTER_TRAINING, "dots1": _ROUTER_TRAINING, "granitemoe_swa": _ROUTER_TRAINING,
+    "exaone_moe": _ROUTER_TRAINING,
     "seed_oss": {"residual_dropout"},  # dropout: nothing in inference
     # HunYuan's end-of-document and separator ids: pretraining's markers, not generation's stop
     # (its eos_token_id is)
@@ -165,7 +170,7 @@ PINNED: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1",
-                                             "granite_swa", "granitemoe_swa")},
+                                             "granite_swa", "granitemoe_swa", "exaone_moe")},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},

@@ -194,7 +194,8 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
                      or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
                      or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
-                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "minimax_m2", "olmoe", "dots1", *HUNYUAN_TYPES)
+                     qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "exaone_moe", "minimax_m2", "olmoe", "dots1",
+                                    *HUNYUAN_TYPES)
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                      qk_norm_after_rope=mt in HUNYUAN_TYPES,
                      fused_proj=mt == "phi3",
@@ -224,7 +225,7 @@ def _nope(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     """Layers without RoPE: SmolLM3's ``no_rope_layers`` (1: the layer rotates), by default
     every ``no_rope_layer_interval``-th layer (4); EXAONE 4's global layers, where it has
     sliding ones."""
-    if mt == "exaone4":
+    if mt in ("exaone4", "exaone_moe"):
         windows = _windows(cfg, mt)
         return {"nope_layers": tuple(t == "full_attention" for t in windows["layer_types"])} \
             if windows["sliding_window"] else {}
@@ -324,7 +325,7 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         nope = _nope(cfg, mt)["nope_layers"]
         default = ["sliding_attention" if x else "full_attention" for x in nope]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
-    if mt == "exaone4":  # three sliding layers of four by default (sliding_window_pattern)
+    if mt in ("exaone4", "exaone_moe"):  # three sliding layers of four by default (sliding_window_pattern)
         if not window:
             return {"sliding_window": 0}
         return {"sliding_window": window, "layer_types": _layer_types(cfg, 4)}

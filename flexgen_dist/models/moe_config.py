@@ -13,7 +13,7 @@ GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # dots.llm1 (dots1): Qwen3's attention with DeepSeek-V3's routing; Hunyuan-A13B (hunyuan_v1_moe):
 # a float32 router's softmax, renormalised, one shared MLP
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
-             "dots1", "hunyuan_v1_moe", *GRANITE_MOE_TYPES, *MLA_TYPES)
+             "dots1", "hunyuan_v1_moe", "exaone_moe", *GRANITE_MOE_TYPES, *MLA_TYPES)
 
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
 MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
@@ -59,10 +59,13 @@ def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
         return _deepseek_v2_moe(cfg)
     if mt == "hunyuan_v1_moe":
         return _hunyuan_moe(cfg)
-    if mt in ("glm4_moe", "deepseek_v3", "dots1"):  # GLM-4.5 / 4.6 / 4.7, DeepSeek-V3, dots.llm1: the first layers dense
+    if mt in ("glm4_moe", "deepseek_v3", "dots1", "exaone_moe"):  # GLM-4.5 / 4.6 / 4.7, DeepSeek-V3, dots.llm1,
+        # K-EXAONE: the first layers dense (EXAONE's mlp_layer_types name them)
         experts = cfg.get("n_routed_experts") or experts
         sparse = tuple(j >= cfg.get("first_k_dense_replace", 1) for j in range(cfg["num_hidden_layers"]))
-        shared = cfg.get("n_shared_experts", 1) or 0
+        if cfg.get("mlp_layer_types"):
+            sparse = tuple(t == "sparse" for t in cfg["mlp_layer_types"])
+        shared = cfg.get("n_shared_experts", cfg.get("num_shared_experts", 1)) or 0
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 8),
                     expert_ffn_size=cfg.get("moe_intermediate_size", 1408),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router_weights_fp32=True,
