@@ -192,7 +192,7 @@ def test_phi3_fused_projections_match_transformers(tmp_path: Path) -> None:
                                         "granitemoeshared", "deepseek_v3", "deepseek_v2", "llama4_text",
                                         "llama4", "internlm3", "seed_oss", "hunyuan_v1_dense",
                                         "hunyuan_v1_moe", "dots1", "granite_swa", "granitemoe_swa",
-                                        "exaone_moe"])
+                                        "exaone_moe", "arcee", "apertus"])
 def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
     """transformers' config class of each supported model type has no field this engine has
     not accounted for: a new field that changes the output cannot slip through unnoticed."""
@@ -746,3 +746,29 @@ def test_granite_swa_matches_transformers(thetas: list, tmp_path: Path) -> None:
     assert spec.attn_sinks and spec.sliding_window == 5 and spec.nope_layers == tuple(not t for t in thetas)
     assert spec.window(0) == 0 and spec.window(1) == 5
     assert spec.rope(1)[0] == thetas[1] and (spec.rope(0)[0] == thetas[0] or not thetas[0])
+
+
+@pytest.mark.parametrize("kind", ["arcee", "apertus"])
+def test_ungated_mlps_match_transformers(kind: str, tmp_path: Path) -> None:
+    """Arcee AFM (``arcee``: down(relu(up(x))²)) and Apertus (``apertus``: xIELU with two learned
+    scalars a layer, per-head q/k norms, Llama 3.1's RoPE scaling): MLPs without a gate."""
+    import transformers as tf
+
+    torch.manual_seed(107)
+    if kind == "arcee":
+        m = tf.ArceeForCausalLM(tf.ArceeConfig(**_MISTRAL_TEXT, mlp_bias=True)).eval()
+    else:
+        m = tf.ApertusForCausalLM(tf.ApertusConfig(**_MISTRAL_TEXT, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 12000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0})).eval()
+    with torch.no_grad():  # biases and the xIELU scalars away from their initial values
+        for n, p in m.named_parameters():
+            if n.endswith(("bias", "alpha_p", "alpha_n")):
+                p.normal_(0, 0.5)
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+            if n.endswith(("up_proj.weight", "down_proj.weight")):
+                p.mul_(6)  # an MLP that weighs in the output, so that its activation shows
+    spec = _matches_transformers_offloaded(m, tmp_path)
+    assert spec.mlp_activation == {"arcee": "relu2", "apertus": "xielu"}[kind] and not spec.mlp_gated
+    assert spec.qk_norm == (kind == "apertus")

@@ -229,7 +229,7 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     W = np.zeros((2, 3, 10))
     b, s, n, e = z.gpu_batch_size, z.prompt_len, z.gen_len, z.dtype_bytes
     h, q, kv, nh = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_heads
-    mlp = spec.ffn_size * (1 if spec.family == "opt" else 2)  # gate and up (SwiGLU, GeGLU)
+    mlp = spec.ffn_size * (1 if spec.family == "opt" or not spec.mlp_gated else 2)  # gate and up (SwiGLU, GeGLU)
     if spec.num_experts:  # an expert's (or the shared one's) gate and up, the gathered rows, the sums,
         # the router's float32 probabilities
         mlp = max(mlp, 2 * max(spec.expert_ffn_size, spec.shared_expert_ffn_size) + 3 * h + 2 * spec.num_experts)

@@ -86,6 +86,7 @@ USED: dict[str, set[str]] = {
                                   "n_routed_experts", "routed_scaling_factor", "n_group", "topk_group",
                                   "first_k_dense_replace", "topk_method"},
     "internlm3": _LLAMA_USED,
+    "arcee": _LLAMA_USED, "apertus": _LLAMA_USED,
     "seed_oss": _LLAMA_USED | {"attention_out_bias"},
     "hunyuan_v1_dense": _LLAMA_USED,
     "hunyuan_v1_moe": _LLAMA_USED | {"num_experts", "moe_topk"},
@@ -171,6 +172,7 @@ PINNED: dict[str, dict[str, Any]] = {
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1",
                                              "granite_swa", "granitemoe_swa", "exaone_moe")},
+    "arcee": {"hidden_act": "relu2"}, "apertus": {"hidden_act": "xielu"},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)
     "gemma": {"use_bidirectional_attention": False},

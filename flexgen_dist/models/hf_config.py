@@ -116,6 +116,7 @@ HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
+               "arcee", "apertus",
                *GLM_TYPES,
                *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
@@ -195,9 +196,11 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
                      or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
                      qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "exaone_moe", "minimax_m2", "olmoe", "dots1",
-                                    *HUNYUAN_TYPES)
+                                    "apertus", *HUNYUAN_TYPES)
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
                      qk_norm_after_rope=mt in HUNYUAN_TYPES,
+                     # Arcee AFM: relu squared, Apertus: xIELU, both ungated (their pinned hidden_act)
+                     mlp_activation={"arcee": "relu2", "apertus": "xielu"}.get(mt, "swiglu"),
                      fused_proj=mt == "phi3",
                      fused_mlp=mt in GLM_TYPES, rope_interleaved=mt in (*GLM_TYPES, *ERNIE_TYPES),
                      rope_fp32=mt in ERNIE_TYPES,

@@ -22,6 +22,7 @@ _LAYER_HF = {
     # attention there, the one before the MLP in Llama)
     "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
     "sinks": "self_attn.sinks",  # gpt-oss
+    "act.alpha_p": "mlp.act_fn.alpha_p", "act.alpha_n": "mlp.act_fn.alpha_n",  # Apertus's xIELU
 }
 # GLM-4's four norms: post_self_attn_layernorm after attention, post_attention_layernorm
 # before the MLP (as Llama's), post_mlp_layernorm after it
@@ -48,7 +49,10 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     shapes.update({"mlp_norm.w": (h,)} if pre else {})
     shapes.update({"post_mlp_norm.w": (h,)} if post else {})
     if not spec.is_moe(layer):
-        shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)})
+        shapes.update({"gate.w": (f, h), "up.w": (f, h), "down.w": (h, f)} if spec.mlp_gated else
+                      {"up.w": (f, h), "down.w": (h, f)})
+        if spec.mlp_activation == "xielu":  # its two learned scalars
+            shapes.update({"act.alpha_p": (1,), "act.alpha_n": (1,)})
     else:  # the router, the shared expert, then each routed expert's (experts.py)
         shapes.update(moe_shapes(spec))
     if spec.attention_bias or spec.qkv_bias:
@@ -59,7 +63,7 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
         shapes.update({"q_norm.w": (qd,), "k_norm.w": (kvd,)} if spec.qk_norm_whole else
                       {"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
     if spec.mlp_bias and not spec.is_moe(layer):
-        shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)})
+        shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)} if spec.mlp_gated else {"up.b": (f,), "down.b": (h,)})
     if spec.attn_sinks:  # gpt-oss: one logit per query head
         shapes["sinks"] = (spec.num_heads,)
     return shapes
@@ -77,6 +81,12 @@ def _mla_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             "o.w": (h, nh * spec.v_head_dim)}
 
 
+# other names of the same weights, tried after the usual ones: Llama 4's MLP (feed_forward),
+# HunYuan's q/k norms, Apertus's layer norms
+_HF_ALIASES = (("gate.w", ".mlp.", ".feed_forward."), ("up.w", ".mlp.", ".feed_forward."),
+               ("down.w", ".mlp.", ".feed_forward."), ("q_norm.w", ".q_norm.", ".query_layernorm."),
+               ("k_norm.w", ".k_norm.", ".key_layernorm."), ("attn_norm.w", ".input_layernorm.", ".attention_layernorm."),
+               ("mlp_norm.w", ".post_attention_layernorm.", ".feedforward_layernorm."))
 _MLA_HF = {"q_a.w": "self_attn.q_a_proj.weight", "q_a_norm.w": "self_attn.q_a_layernorm.weight",
            "q_b.w": "self_attn.q_b_proj.weight", "kv_a.w": "self_attn.kv_a_proj_with_mqa.weight",
            "kv_a_norm.w": "self_attn.kv_a_layernorm.weight", "kv_b.w": "self_attn.kv_b_proj.weight"}
@@ -98,12 +108,9 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
             fused.update({"gate.w": ("mlp.gate_up_proj", 0, f), "up.w": ("mlp.gate_up_proj", f, 2 * f)})
         for k, (name, r0, r1) in fused.items():
             out[k] = [f"{p}layers.{layer}.{name}.weight{ROWS}{r0}:{r1}" for p in LM_PREFIXES]
-        for k in ("gate.w", "up.w", "down.w"):  # Llama 4 names a dense layer's MLP feed_forward
-            if k in out and not fused:
-                out[k] = out[k] + [n.replace(".mlp.", ".feed_forward.") for n in out[k]]
-        for k, name in (("q_norm.w", "query_layernorm"), ("k_norm.w", "key_layernorm")):  # HunYuan's
-            if k in out:
-                out[k] = out[k] + [n.replace(f".{k[0]}_norm.", f".{name}.") for n in out[k]]
+        for k, old, new in _HF_ALIASES:
+            if k in out and k not in fused:
+                out[k] = out[k] + [n.replace(old, new) for n in out[k]]
         return out
     return lm_hf_names(spec, part, layer, _LAYER_HF, ())
 
@@ -280,10 +287,24 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     if spec.is_moe(layer):
         y = moe_mlp(spec, w, x)
         return _residual(spec, y, residual) if scaled else y.add_(residual)
-    g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
+    g = _mlp_hidden(spec, w, x)
     if scaled:
         return _residual(spec, linear(g, w["down.w"], w.get("down.b")), residual)
     return linear(g, w["down.w"], w.get("down.b"), residual)
+
+
+def _mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    """A dense MLP's inner activations: silu(gate) * up, or the ungated act(up) (Arcee's relu
+    squared; Apertus's xIELU, its scalars softplus'd as the reference, beta 0.5, eps -1e-6)."""
+    if spec.mlp_gated:
+        return silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
+    u = linear(x, w["up.w"], w.get("up.b"))
+    if spec.mlp_activation == "relu2":
+        return torch.square(F.relu(u))
+    beta, eps = torch.tensor(0.5, dtype=u.dtype), torch.tensor(-1e-6, dtype=u.dtype, device=u.device)
+    alpha_p = F.softplus(w["act.alpha_p"])
+    alpha_n = beta + F.softplus(w["act.alpha_n"])
+    return torch.where(u > 0, alpha_p * u * u + beta * u, (torch.expm1(torch.min(u, eps)) - u) * alpha_n + beta * u)
 
 
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:

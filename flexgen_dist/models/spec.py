@@ -95,6 +95,9 @@ class ModelSpec(SpecChecks):
     rope_interleaved: bool = False  # RoPE turns pairs (2i, 2i+1), not (i, i + d/2) (GLM-4; the cohere family always)
     rope_fp32: bool = False  # ... in float32 from float32 tables, then cast back (ERNIE 4.5)
     mlp_bias: bool = False
+    # a dense layer's MLP: "swiglu" (down(silu(gate) * up)), or ungated down(act(up)) with act
+    # "relu2" (relu squared: Arcee AFM) or "xielu" (Apertus: two learned scalars a layer)
+    mlp_activation: str = "swiglu"
     # Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): a sparse layer's MLP is a router
     # (hidden -> num_experts logits, softmax in float32, the top experts_per_tok kept) and
     # num_experts SwiGLU experts of width expert_ffn_size, each token's output the weighted sum
@@ -176,6 +179,11 @@ class ModelSpec(SpecChecks):
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_gated(self) -> bool:
+        """Whether a dense layer's MLP has a gate projection (SwiGLU) or only up and down."""
+        return self.mlp_activation == "swiglu"
 
     @property
     def cache_tensors(self) -> int:
@@ -284,7 +292,8 @@ class ModelSpec(SpecChecks):
             return attn + mlp + biases + norms
         mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
-                  + (2 * f + h) * self.mlp_bias * (not self.is_moe(layer)) + self.num_heads * self.attn_sinks)
+                  + ((1 + self.mlp_gated) * f + h) * self.mlp_bias * (not self.is_moe(layer))
+                  + self.num_heads * self.attn_sinks)
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
         norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
@@ -296,7 +305,7 @@ class ModelSpec(SpecChecks):
         and ``experts`` routed experts (default: all of them)."""
         h = self.hidden_size
         if not self.is_moe(layer):
-            return 3 * h * self.ffn_size
+            return (3 if self.mlp_gated else 2) * h * self.ffn_size + 2 * (self.mlp_activation == "xielu")
         n = self.num_experts if experts is None else experts
         shared = (3 * h * self.shared_expert_ffn_size + h * self.shared_expert_gated
                   if self.shared_expert_ffn_size else 0)

@@ -14,6 +14,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # per-expert choice bias (GLM-4.5, DeepSeek-V3), a softmax over the top logits only
 # (gpt-oss), or a sigmoid of the top logits scaling the expert's input (Llama 4)
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "top_sigmoid")
+MLP_ACTIVATIONS = ("swiglu", "relu2", "xielu")  # a dense MLP's: gated SiLU, or ungated relu² / xIELU
 NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
 DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
 
@@ -101,6 +102,10 @@ class SpecChecks:
             raise ValueError("ModelSpec: latent attention (kv_lora_rank) needs the llama family's pre-norm layer, "
                              "num_kv_heads 1, head_dim kv_lora_rank + qk_rope_dim, even qk_rope_dim, positive "
                              "head sizes and no q/k/v biases or norms")
+        if self.mlp_activation not in MLP_ACTIVATIONS or (self.mlp_activation != "swiglu" and (
+                self.family != "llama" or self.norm_layout != "pre")):
+            raise ValueError(f"ModelSpec.mlp_activation={self.mlp_activation!r}: one of {MLP_ACTIVATIONS}, the "
+                             "ungated ones in the llama family's pre-norm layer")
         if self.attn_sinks and self.family != "llama":
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
