@@ -207,6 +207,21 @@ def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) ->
     return out[:, s:].tolist()
 
 
+def copy_with_eos(src: Path, dst: Path, eos: int) -> Path:
+    """A copy of the model directory ``src`` whose stop id is ``eos``: in config.json and, where
+    the directory has one, generation_config.json (which the loader reads first, as transformers)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for name in ("config.json", "generation_config.json"):
+        f = dst / name
+        if f.exists():
+            cfg = json.loads(f.read_text())
+            cfg["eos_token_id"] = eos
+            f.write_text(json.dumps(cfg))
+    return dst
+
+
 def write_jsonl(path: Path, prompts: list[list[int]]) -> Path:
     path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
     return path

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, read_jsonl, reference_generate, write_jsonl
+from conftest import PROMPTS, copy_with_eos, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.distributed.local import generate
 from flexgen_dist.engine.policy import Policy
@@ -346,18 +346,11 @@ def test_overlapped_schedule_stops_at_eos(tiny_models, tmp_path: Path) -> None:
     """A riding block whose sequences all end at their first token leaves the stream at once,
     and blocks that end early leave their next block's unridden pieces to run alone: the
     outputs are the reference cut at EOS."""
-    import json
-    import shutil
-
     tm = tiny_models["llama-gqa"]
     gen = 8
     ref = reference_generate(tm, PROMPTS, gen)
     for eos in (ref[2][0], ref[0][3]):  # block 2 ends at its prefill (a rider); block 0 after step 3
-        model = tmp_path / f"model-{eos}"
-        shutil.copytree(tm.path, model)
-        cfg = json.loads((model / "config.json").read_text())
-        cfg["eos_token_id"] = eos
-        (model / "config.json").write_text(json.dumps(cfg))
+        model = copy_with_eos(tm.path, tmp_path / f"model-{eos}", eos)
         lm = load_model(str(model), load_tokenizer=False)
         eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
                           policy=Policy(1, 1, 0, 100, 100, 0, 100, 0), device=torch.device("cpu"),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROMPTS, free_port, local_ranks, read_jsonl, reference_generate, write_jsonl
+from conftest import PROMPTS, copy_with_eos, free_port, local_ranks, read_jsonl, reference_generate, write_jsonl
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 GEN = 5
@@ -143,17 +143,12 @@ def test_eos_stops_a_group_on_every_stage(nproc: int, num_gb: int, schedule: str
     outputs equal the reference cut at EOS, and each stage computes fewer (token, group) items.
     Overlapped: the prefill pieces that were to ride on the dropped steps run on their own."""
     import json
-    import shutil
 
     tm = tiny_models["llama-gqa"]
     gen = 10
     ref = reference_generate(tm, PROMPTS, gen)
     eos = ref[0][2]  # the first prompt's third token: its group (one prompt) ends after step 2
-    model = tmp_path / "model"
-    shutil.copytree(tm.path, model)
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["eos_token_id"] = eos
-    (model / "config.json").write_text(json.dumps(cfg))
+    model = copy_with_eos(tm.path, tmp_path / "model", eos)
     p = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     out, met = tmp_path / "o.jsonl", tmp_path / "m.json"
     args = ["--model", str(model), "--prompts", str(p), "--gen-len", str(gen), "--gpu-batch-size", "1",
