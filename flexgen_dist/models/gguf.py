@@ -23,7 +23,8 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        join_kv_b, llama_fields, nextn, post_norm_fields)
+                        llama_fields, nextn, post_norm_fields)
+from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
@@ -83,7 +84,7 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")
-    # DeepSeek's latent attention has heads of its own sizes (gguf_arch.mla_fields)
+    # DeepSeek's latent attention has heads of its own sizes (gguf_deepseek.mla_fields)
     for k in () if arch == "deepseek2" else ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
         if key(k, head_dim) != head_dim:
             what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"

@@ -171,3 +171,9 @@ class GGUFFile:
         a = np.frombuffer(self._buf, np.dtype(np_type).newbyteorder("<"), n, self._off)
         self._off += a.nbytes
         return a.tolist()
+
+
+def decimal32(x: float) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it: the value the
+    config held (1e-6, not 9.99999997e-07)."""
+    return float(str(np.float32(x)))

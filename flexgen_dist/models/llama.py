@@ -33,7 +33,7 @@ _LAYER_GGUF = {
     "post_attn_norm.w": "post_attention_norm.weight", "post_mlp_norm.w": "post_ffw_norm.weight",
     "sinks": "attn_sinks.weight",  # gpt-oss
     # DeepSeek-V3's latent attention (deepseek2); kv_b is the file's attn_kv_b, or its attn_k_b
-    # and attn_v_b joined back (``gguf_arch.join_kv_b``)
+    # and attn_v_b joined back (``gguf_deepseek.join_kv_b``)
     "q_a.w": "attn_q_a.weight", "q_a_norm.w": "attn_q_a_norm.weight", "q_b.w": "attn_q_b.weight",
     "kv_a.w": "attn_kv_a_mqa.weight", "kv_a_norm.w": "attn_kv_a_norm.weight", "kv_b.w": "attn_kv_b.weight",
 }
