@@ -26,7 +26,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
-        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1"}
+        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -279,7 +279,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "llama4":  # Llama4Model: the sparse layers' step
         w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
-    if arch in ("llama", "granite", "smollm3", "llama4"):
+    if arch in ("llama", "granite", "smollm3", "llama4", "arcee"):
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
         if rope.get("rope_type") == "linear":
@@ -460,9 +460,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         t = t.detach().float()
         if arch.startswith("gemma") and hf.endswith("norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w): the converter stores 1 + w
-        if arch in ("llama", "granite", "smollm3") and ".self_attn.q_proj." in hf:
+        if arch in ("llama", "granite", "smollm3", "arcee") and ".self_attn.q_proj." in hf:
             t = permute(t, n_head)
-        elif arch in ("llama", "granite", "smollm3") and ".self_attn.k_proj." in hf:
+        elif arch in ("llama", "granite", "smollm3", "arcee") and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
         if arch == "deepseek2" and hf.endswith("kv_b_proj.weight") and mla_split:  # the converter's split
             nh, dn = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]

@@ -619,7 +619,7 @@ def test_every_end_of_generation_id_stops(tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense"])
+@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense", "arcee"])
 def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None:
     """``seed_oss`` (q/k/v biases, an o bias where the file has one, its norm before the MLP
     as post_attention_norm) and ``hunyuan-dense`` (q/k norms after RoPE, the NTK-alpha base as
@@ -633,6 +633,8 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
     if kind.startswith("seed_oss"):
         m = tf.SeedOssForCausalLM(tf.SeedOssConfig(attention_bias=True, attention_out_bias=kind.endswith("bias"),
                                                    **common))
+    elif kind == "arcee":  # llama's layout (q/k rows permuted by the converter), an ungated relu² MLP
+        m = tf.ArceeForCausalLM(tf.ArceeConfig(**common))
     else:
         m = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(rope_parameters={
             "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, **common))
@@ -644,6 +646,8 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
                 p.uniform_(0.5, 1.5)
             if n.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(12)  # sharp attention, so that where the norms and RoPE act shows
+            if kind == "arcee" and n.endswith(("up_proj.weight", "down_proj.weight")):
+                p.mul_(6)  # an MLP that weighs in the output
     m.eval().save_pretrained(tmp_path / "hf")
     path = write_gguf(m, tmp_path / f"{kind}.gguf")
     ours = load_model(str(path), load_tokenizer=False).spec

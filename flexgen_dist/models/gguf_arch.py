@@ -62,6 +62,8 @@ ARCHS: dict[str, GGUFArch] = {
     # normalised over all heads, OLMo 3's sliding layers as a per-layer pattern
     "olmo2": GGUFArch("llama", llama.gguf_names,
                       keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
+    # Arcee AFM: llama's tensors (q/k permuted), an MLP of up and down only (relu squared)
+    "arcee": GGUFArch("llama", llama.gguf_names, permuted=True),
     # SmolLM3: llama's tensors (q/k permuted); every fourth layer without RoPE (llama.cpp's fixed step)
     "smollm3": GGUFArch("llama", llama.gguf_names, permuted=True),
     # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys
@@ -250,6 +252,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         mlp_bias="blk.0.ffn_up.bias" in tensors, **moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
+        **({"mlp_activation": "relu2"} if arch == "arcee" else {}),
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
     if arch == "llama4":
         fields.update(llama4_gguf_fields(key, experts))
