@@ -81,9 +81,9 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
     else:
         held = torch.arange(s + i, device=device)
         keys = valid[:, : s + i]
-    if chunked:  # only the keys of the query's own chunk: at or after its start
-        pad = s - torch.tensor(st.meta.prompt_lens[k], device=device)[:, None]
-        keys = keys & (held[None] - pad >= pos_ids - pos_ids % window)
+    if chunked:  # only the keys of the query's own chunk: the query's slot pos0 is its position
+        # pos_ids plus the row's padding, so the chunk starts pos_ids % window slots back
+        keys = keys & (held[None] >= pos0 - pos_ids % window)
     out = (Positions(pos_ids), mask_to_rows(keys[:, None], kv_heads), pos0)
     st.step_inputs[(k, window, chunked)] = (i, *out)
     return out

@@ -138,9 +138,8 @@ class BlockCache:
                         continue
                     buf, a = bufs[tier], at[tier]
                     at[tier] += r1 - r0
-                    k = _positions(buf.k, a, a + r1 - r0, 0)
-                    parts.append(Chunk(tier, r0, r1, k, k if self.shared else _positions(buf.v, a, a + r1 - r0, 0),
-                                       cap))
+                    k, v = _kv(buf.k, buf.v, lambda x: _positions(x, a, a + r1 - r0, 0))
+                    parts.append(Chunk(tier, r0, r1, k, v, cap))
                 self.chunks[(j, kb)] = parts
             if len(bufs) == 1 and all(len(sp) == 1 and sp[0][0] != Tier.DISK for sp in splits):
                 self._whole[j] = next(iter(bufs.values()))
@@ -259,10 +258,9 @@ class BlockCache:
         for ch in self.chunks[(j, kb)]:
             for p0, slot0, n in ring_pieces(s, ch.cap):
                 if self.compress:
-                    kn, vn = (x[ch.r0:ch.r1, p0:p0 + n] for x in (k_rows, v_rows))
+                    kn, vn = _kv(k_rows, v_rows, lambda x: x[ch.r0:ch.r1, p0:p0 + n])
                     if ch.tier == Tier.DISK:
-                        kk = _host(self._encode(kn.transpose(0, 1)))
-                        ch.pending.append((slot0, kk, kk if self.shared else _host(self._encode(vn.transpose(0, 1)))))
+                        ch.pending.append((slot0, *_kv(kn, vn, lambda x: _host(self._encode(x.transpose(0, 1))))))
                     else:
                         for dst, src in _pairs(ch.k, kn, ch.v, vn):
                             copy_between(_positions(dst, slot0, slot0 + n, 1), self._encode(src),
@@ -353,15 +351,12 @@ class BlockCache:
             kbuf, vbuf = ch.staged  # type: ignore[misc]
             for dst, src in _pairs(kbuf, kn, vbuf, vn):
                 copy_between(_positions(dst, a, b, 0), self._encode(src.transpose(0, 1)))
-            kw = _positions(kbuf, a, b, 0)
-            ch.pending.append((a, kw, kw if vbuf is kbuf else _positions(vbuf, a, b, 0)))
-            kc = _positions(kbuf, 0, n, 0)
-            return kc, kc if vbuf is kbuf else _positions(vbuf, 0, n, 0), True
+            ch.pending.append((a, *_kv(kbuf, vbuf, lambda x: _positions(x, a, b, 0))))
+            return (*_kv(kbuf, vbuf, lambda x: _positions(x, 0, n, 0)), True)
         nb = self._non_blocking(ch)
         for dst, src in _pairs(ch.k, kn, ch.v, vn):
             copy_between(_positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
-        kc = _positions(ch.k, 0, n, 1)
-        return kc, kc if ch.v is ch.k else _positions(ch.v, 0, n, 1), False
+        return (*_kv(ch.k, ch.v, lambda x: _positions(x, 0, n, 1)), False)
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocking: bool = False) -> None:
@@ -386,6 +381,12 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocki
 def _pairs(k: Stored, k_src: Any, v: Stored, v_src: Any) -> tuple[tuple[Stored, Any], ...]:
     """(K, what goes into it), and (V, its own) unless V is K (a shared cache: written once)."""
     return ((k, k_src),) if v is k else ((k, k_src), (v, v_src))
+
+
+def _kv(k: Any, v: Any, f: Any) -> tuple[Any, Any]:
+    """(f(k), f(v)), with f applied once where V is K (a shared cache keeps V the same object)."""
+    fk = f(k)
+    return fk, fk if v is k else f(v)
 
 
 def _staged_nbytes(staged: tuple[Stored, Stored]) -> int:

@@ -13,6 +13,8 @@ tokens chose, when they choose them.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -141,9 +143,10 @@ def moe_gguf_name(k: str) -> str:
 def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
           choice_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and their weights from the router's logits (tokens, experts): the
-    softmax in float32, the top ``experts_per_tok`` kept (renormalised to sum to 1 where the
-    model does), the weights in float32 (Mixtral) or ``dtype`` (Qwen), as the reference.
-    Sigmoid routing (GLM-4.5): ``_sigmoid_route``."""
+    softmax in float32, the top ``experts_per_tok`` kept (within the best groups, a group
+    ranked by its best: DeepSeek-V2), renormalised to sum to 1 where the model does, times
+    ``routed_scaling``, in float32 (Mixtral) or ``dtype`` (Qwen), as the reference. Sigmoid
+    routing (GLM-4.5): ``_sigmoid_route``; the top logits' softmax or sigmoid (gpt-oss, Llama 4)."""
     if spec.router_scoring == "sigmoid":
         return _sigmoid_route(spec, logits, choice_bias)
     if spec.router_scoring == "topk_softmax":  # gpt-oss, Granite: the top logits, then their softmax
@@ -154,10 +157,7 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
         return torch.sigmoid(top_l.float()).to(dtype), top_i
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if spec.expert_groups > 1:  # DeepSeek-V2: within the best groups, a group ranked by its best
-        g, per = spec.expert_groups, spec.num_experts // spec.expert_groups
-        best = probs.view(-1, g, per).max(dim=-1).values
-        keep = torch.zeros_like(best).scatter_(1, best.topk(spec.expert_groups_used, dim=-1, sorted=False)[1], 1)
-        probs = probs.masked_fill(~keep.bool().repeat_interleave(per, dim=1), 0.0)
+        probs = _in_best_groups(spec, probs, lambda grouped: grouped.max(dim=-1).values, 0.0)
     if choice_bias is not None:  # ERNIE 4.5: chosen by probability + bias, weighted by probability
         top_i = torch.topk(probs + choice_bias.float(), spec.experts_per_tok, dim=-1)[1]
         top_w = probs.gather(1, top_i)
@@ -179,17 +179,25 @@ def _sigmoid_route(spec: ModelSpec, logits: torch.Tensor,
     where the model does, times ``routed_scaling``; float32 throughout, as the reference."""
     scores = logits.float().sigmoid()  # MiniMax-M2's logits come in the model's dtype
     choice = scores if choice_bias is None else scores + choice_bias.float()
-    g = spec.expert_groups
-    if g > 1:
-        per = spec.num_experts // g
-        best = choice.view(-1, g, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)
-        keep = torch.zeros_like(best).scatter_(1, best.topk(spec.expert_groups_used, dim=-1, sorted=False)[1], 1)
-        choice = choice.masked_fill(~keep.bool().repeat_interleave(per, dim=1), float("-inf"))
+    if spec.expert_groups > 1:  # a group ranked by the sum of its two best
+        choice = _in_best_groups(spec, choice, lambda grouped: grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0]
+                                 .sum(dim=-1), float("-inf"))
     top_i = torch.topk(choice, spec.experts_per_tok, dim=-1, sorted=False)[1]
     top_w = scores.gather(1, top_i)
     if spec.norm_topk_prob:
         top_w /= top_w.sum(dim=-1, keepdim=True) + 1e-20
     return top_w * spec.routed_scaling, top_i
+
+
+def _in_best_groups(spec: ModelSpec, scores: torch.Tensor, rank: Any, fill: float) -> torch.Tensor:
+    """``scores`` (tokens, experts) with every expert outside its token's best
+    ``expert_groups_used`` of ``expert_groups`` groups set to ``fill``; ``rank`` gives each group
+    its worth from its experts' scores (tokens, groups, per group) -> (tokens, groups)."""
+    g = spec.expert_groups
+    per = spec.num_experts // g
+    worth = rank(scores.view(-1, g, per))
+    keep = torch.zeros_like(worth).scatter_(1, worth.topk(spec.expert_groups_used, dim=-1, sorted=False)[1], 1)
+    return scores.masked_fill(~keep.bool().repeat_interleave(per, dim=1), fill)
 
 
 def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -211,15 +219,16 @@ def moe_mlp(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     if hasattr(experts, "note_routing"):  # the engine counts what was routed (metrics)
         experts.note_routing(x.shape[0], len(chosen), spec.experts_touched(x.shape[0]))
     out = torch.zeros_like(x)
+    input_weighted = spec.router_scoring == "top_sigmoid"  # Llama 4: the weight scales the expert's input
     for e in chosen:
         slot, tok = torch.where(top_i.t() == e)  # the reference's row order: by top-k slot, then token
         ew = experts.get(e)
         xe = x[tok]
-        if spec.router_scoring == "top_sigmoid":  # Llama 4: the weight scales the expert's input
+        if input_weighted:
             xe = xe * top_w[tok, slot, None]
         g = _expert_gate(spec, linear(xe, ew["gate.w"], ew.get("gate.b")), linear(xe, ew["up.w"], ew.get("up.b")))
         y = linear(g, ew["down.w"], ew.get("down.b"))
-        if spec.router_scoring != "top_sigmoid":
+        if not input_weighted:
             y = y * top_w[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     if spec.shared_expert_ffn_size:  # Qwen2-MoE: sigmoid(gate(x)) * shared(x), added after the experts

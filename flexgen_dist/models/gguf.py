@@ -77,24 +77,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     if key("vocab_size", vocab) != vocab:
         raise ModelLoadError(f"{name}: {arch}.vocab_size {key('vocab_size')} but token_embd.weight has "
                              f"{vocab} rows: corrupt file?")
-    head_dim = key("attention.key_length", hidden // heads if heads else 0)
-    rotary = int(key("rope.dimension_count", head_dim))
-    # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
-    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2") and rotary != head_dim
-    if partial and (rotary % 2 or not 0 < rotary < head_dim):
-        raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
-                             f"head size {head_dim}: corrupt file?")
-    # DeepSeek's latent attention has heads of its own sizes (gguf_deepseek.mla_fields)
-    for k in () if arch == "deepseek2" else ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
-        if key(k, head_dim) != head_dim:
-            what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
-            raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
-                                 f"({what}): not supported")
+    head_dim, rotary, partial = _head_sizes(key, arch, hidden, heads, name)
     theta = decimal32(key("rope.freq_base", 10000.0))
     llama_family = a.family == "llama"
-    # llama.cpp stops at every end-of-generation id the file names: end of sequence, of turn, of message
-    stops = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos_ids = tuple(dict.fromkeys(int(i) for i in stops if i is not None))
     try:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name, truncate=arch != "gpt-oss")
@@ -118,13 +103,39 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
             rope_theta=theta,
             rope_scaling=scaling, bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_stop_ids(reader),
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec
+
+
+def _head_sizes(key: Any, arch: str, hidden: int, heads: int, name: str) -> tuple[int, int, bool]:
+    """(head size, the dims RoPE turns, whether that is part of the head) of a file, checked:
+    the value heads as the keys', partial rotary only where the architecture has it."""
+    head_dim = key("attention.key_length", hidden // heads if heads else 0)
+    rotary = int(key("rope.dimension_count", head_dim))
+    # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2") and rotary != head_dim
+    if partial and (rotary % 2 or not 0 < rotary < head_dim):
+        raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
+                             f"head size {head_dim}: corrupt file?")
+    # DeepSeek's latent attention has heads of its own sizes (gguf_deepseek.mla_fields)
+    for k in () if arch == "deepseek2" else ("attention.value_length",) + (() if partial else ("rope.dimension_count",)):
+        if key(k, head_dim) != head_dim:
+            what = "partial rotary embeddings" if k.startswith("rope") else "a value head size"
+            raise ModelLoadError(f"{name}: {arch}.{k} {key(k)} differs from the head size {head_dim} "
+                                 f"({what}): not supported")
+    return head_dim, rotary, partial
+
+
+def _stop_ids(reader: Any) -> tuple[int, ...]:
+    """Every end-of-generation id the file names (end of sequence, of turn, of message), as
+    llama.cpp stops at each."""
+    stops = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return tuple(dict.fromkeys(int(i) for i in stops if i is not None))
 
 
 def _tensors(reader: Any, arch: str) -> dict[str, Any]:

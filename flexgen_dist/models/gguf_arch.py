@@ -341,11 +341,13 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
                       shared_expert_ffn_size=fields["expert_ffn_size"])
     if arch == "qwen2moe":
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
-    if arch in ("glm4moe", "minimax-m2", "dots1") and int(key("expert_gating_func", 2)) != 2:
-        raise ValueError(f"{arch}.expert_gating_func {key('expert_gating_func')} is not supported (2: sigmoid)")
-    gating = int(key("expert_gating_func", 1 if arch == "deepseek2" else 2))  # llama.cpp's default for deepseek2: softmax
-    if arch == "deepseek2" and gating not in (1, 2):
-        raise ValueError(f"deepseek2.expert_gating_func {gating} is not supported (1: softmax, 2: sigmoid)")
+    # the gating function (1: softmax, 2: sigmoid) where it is a key: llama.cpp's default for
+    # deepseek2 is softmax (DeepSeek-V2), the others' sigmoid, and these compute no other
+    gating = int(key("expert_gating_func", 1 if arch == "deepseek2" else 2))
+    allowed = {"deepseek2": (1, 2), "glm4moe": (2,), "minimax-m2": (2,), "dots1": (2,)}.get(arch, (gating,))
+    if gating not in allowed:
+        raise ValueError(f"{arch}.expert_gating_func {gating} is not supported "
+                         f"({', '.join({1: '1: softmax', 2: '2: sigmoid'}[g] for g in allowed)})")
     if arch == "minimax-m2":  # sigmoid scores, their choice bias, renormalised; the router in the model's dtype
         fields.update(router_scoring="sigmoid", router_weights_fp32=True)
     if arch == "deepseek2" and gating == 1:  # DeepSeek-V2 / V2-Lite

@@ -4,12 +4,12 @@ beyond the shared keys: its latent attention (``mla_fields``), DeepSeek-V2's sof
 (``join_kv_b``). ``gguf_arch`` and ``gguf`` call these for that architecture alone."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from .gguf_file import decimal32
+from .rope_scaling import mla_softmax_scale
 from .source import ModelLoadError
 
 
@@ -45,11 +45,9 @@ def mla_fields(key: Any) -> dict[str, Any]:
         qk, dv = int(key("attention.key_length_mla")), int(key("attention.value_length_mla"))
     else:
         qk, dv = int(key("attention.key_length")), int(key("attention.value_length"))
-    scale = qk ** -0.5
-    factor, log_mul = float(key("rope.scaling.factor", 1.0)), decimal32(float(key("rope.scaling.yarn_log_multiplier", 0.0)))
-    if key("rope.scaling.type", "none") == "yarn" and log_mul and factor > 1:
-        m = log_mul * math.log(factor) + 1.0
-        scale *= m * m
+    yarn = key("rope.scaling.type", "none") == "yarn"
+    scale = mla_softmax_scale(qk, float(key("rope.scaling.factor", 1.0)),
+                              decimal32(float(key("rope.scaling.yarn_log_multiplier", 0.0))) if yarn else 0.0)
     return dict(head_dim_override=r + dr, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=int(key("attention.q_lora_rank", 0)),
                 qk_nope_dim=qk - dr, qk_rope_dim=dr, v_head_dim=dv, attn_scale=scale, rope_interleaved=True)
 

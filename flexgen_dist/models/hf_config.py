@@ -14,6 +14,7 @@ from .gemma_config import GEMMA_TYPES, gemma_spec
 from .llama4_config import llama4_fields, llama4_text_config
 from .moe_config import GRANITE_MOE_TYPES, MLA_TYPES, MOE_REFUSED, MOE_TYPES, moe_fields
 from .source import ModelLoadError
+from .rope_scaling import mla_softmax_scale
 from .spec import ROPE_TYPES, ModelSpec, RopeScaling, alternating, every_nth
 
 
@@ -95,12 +96,6 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         common.update(llama4_fields(cfg))
     if mt in GRANITE_SWA_TYPES:
         common.update(_layer_thetas(cfg, float(theta), scaling))
-    if mt == "seed_oss":  # Seed-OSS: attention_bias puts biases on q, k, v; attention_out_bias on o
-        qkv, out = bool(cfg.get("attention_bias", True)), bool(cfg.get("attention_out_bias", False))
-        if out and not qkv:
-            raise ValueError("seed_oss with attention_out_bias but no attention_bias (a bias on o alone) is not "
-                             "supported")
-        common.update(attention_bias=qkv and out, qkv_bias=qkv and not out)
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
@@ -110,15 +105,13 @@ ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pai
 GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
-# read as the llama family's, each with what differs from Llama (``_llama_spec``)
-HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 # Granite with sliding layers, attention sinks and a RoPE base per layer (0: none)
-GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")  # q/k normalised per head after RoPE; NTK-alpha RoPE
+GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
+# read as the llama family's, each with what differs from Llama (``_llama_spec``)
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
-               "arcee", "apertus",
-               *GLM_TYPES,
-               *MOE_TYPES)
+               "arcee", "apertus", *GLM_TYPES, *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
@@ -128,11 +121,8 @@ def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], com
     qk_head_dim ** -0.5 times YaRN's mscale_all_dim factor squared, as the reference."""
     r, dr, dn = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"]
     scaling = _rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), dr)
-    scale = (dn + dr) ** -0.5
     m_all = rope.get("mscale_all_dim") if scaling is not None else 0
-    if m_all and scaling.factor > 1:
-        m = 0.1 * m_all * math.log(scaling.factor) + 1.0
-        scale = scale * m * m
+    scale = mla_softmax_scale(dn + dr, scaling.factor if scaling is not None else 1.0, 0.1 * m_all if m_all else 0.0)
     theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
     return _llama_spec(cfg, mt, r + dr, float(theta), scaling,
                        dict(common, num_kv_heads=1, kv_lora_rank=r, q_lora_rank=cfg.get("q_lora_rank") or 0,
@@ -192,9 +182,6 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),
-                     qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
-                     or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True)))
-                     or (mt == "glm4_moe" and bool(cfg.get("attention_bias", False))),
                      qk_norm=mt in ("qwen3", "qwen3_moe", "exaone4", "exaone_moe", "minimax_m2", "olmoe", "dots1",
                                     "apertus", *HUNYUAN_TYPES)
                      or (mt == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
@@ -206,12 +193,27 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      rope_fp32=mt in ERNIE_TYPES,
                      norm_layout={"exaone4": "post", "glm4": "sandwich"}.get(mt, "pre"),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                     attention_bias=(cfg.get("attention_bias", False) and mt not in (*GLM_TYPES, "glm4_moe"))
-                     or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
-                     mlp_bias=cfg.get("mlp_bias", False) or (mt in ERNIE_TYPES and bool(cfg.get("use_bias"))),
-                     **_granite_fields(cfg, mt), **_nope(cfg, mt),
+                     **_biases(cfg, mt), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt), **_attention_extras(mt))
     return ModelSpec(**{**kw, **common})  # common: the shared fields, and what a caller's reader decided (MLA)
+
+
+def _biases(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Where the projections have biases: on q, k and v only (``qkv_bias``: Qwen2's always,
+    GLM's by ``attention_bias``, Seed-OSS's unless ``attention_out_bias`` puts one on o too),
+    on q, k, v and o (``attention_bias``; ERNIE's ``use_bias``), on the MLP."""
+    bias = bool(cfg.get("attention_bias", False))
+    if mt == "seed_oss":
+        qkv, out = bool(cfg.get("attention_bias", True)), bool(cfg.get("attention_out_bias", False))
+        if out and not qkv:
+            raise ValueError("seed_oss with attention_out_bias but no attention_bias (a bias on o alone) is not "
+                             "supported")
+        return dict(qkv_bias=qkv and not out, attention_bias=qkv and out, mlp_bias=bool(cfg.get("mlp_bias", False)))
+    ernie = mt in ERNIE_TYPES and bool(cfg.get("use_bias"))
+    return dict(qkv_bias=mt == "qwen2" or (mt == "qwen2_moe" and cfg.get("qkv_bias", True))
+                or (mt in GLM_TYPES and bool(cfg.get("attention_bias", True))) or (mt == "glm4_moe" and bias),
+                attention_bias=(bias and mt not in (*GLM_TYPES, "glm4_moe")) or ernie,
+                mlp_bias=bool(cfg.get("mlp_bias", False)) or ernie)
 
 
 def _attention_extras(mt: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from .rope_scaling import mla_softmax_scale
 from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
 _OPT = dict(family="opt", vocab_size=50272, max_positions=2048, bos_token_id=2,
@@ -55,11 +56,9 @@ _GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_i
 _MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
 _QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
 _QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
-def _mla_scale(factor: float, mscale_all_dim: float, qk_dim: int = 192) -> float:
-    """DeepSeek's softmax scale: qk_dim ** -0.5 times YaRN's mscale_all_dim factor squared, in
-    the config reader's order of operations (``hf_config._mla_spec``)."""
-    m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
-    return qk_dim ** -0.5 * m * m
+def _mla_scale(factor: float, mscale_all_dim: float) -> float:
+    """DeepSeek's softmax scale (heads of 192 for q.k) as its config gives it."""
+    return mla_softmax_scale(192, factor, 0.1 * mscale_all_dim)
 
 
 _DEEPSEEK_V3 = dict(family="llama", vocab_size=129280, max_positions=163840, bos_token_id=0, eos_token_ids=(1,),

@@ -2,6 +2,7 @@
 ``ModelSpec`` field; ``common.rope_inv_freq`` computes its frequencies)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -52,3 +53,14 @@ class RopeScaling:
 
 
 ROPE_TYPES = ("linear", "llama3", "dynamic", "yarn", "longrope")
+
+
+def mla_softmax_scale(qk_dim: int, factor: float, log_mul: float) -> float:
+    """Latent attention's softmax scale (DeepSeek): qk_dim ** -0.5, times the square of YaRN's
+    m = log_mul · ln(factor) + 1 where the RoPE is stretched (log_mul: 0.1 · mscale_all_dim,
+    as a GGUF file's ``yarn_log_multiplier`` holds it; 0: none), in the reference's order."""
+    scale = qk_dim ** -0.5
+    if not log_mul or factor <= 1:
+        return scale
+    m = log_mul * math.log(factor) + 1.0
+    return scale * m * m
