@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..models.common import Positions
+from ..models.families import Recurrent
 from .activations import ActStore
 from .attention import mask_to_rows
 from .blocks import BlockMeta
@@ -39,6 +40,24 @@ class BlockState:
     # logits of batches outside the sweep that ran it wait in ``logits`` for ``prefill_logits``.
     head_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # linear-attention layer -> (convolution state, delta-rule state) of every row of the block,
+    # GPU batches in order (``recurrent``)
+    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
+    """The state a linear-attention layer computes with for token i of GPU batches ``ks`` (one,
+    or every batch of a merged decode): views of the block's buffers over those rows, and the
+    prefill's padding (None where those rows are unpadded)."""
+    rows = [0]
+    for n in st.meta.batch_sizes:
+        rows.append(rows[-1] + n)
+    a, b = rows[ks[0]], rows[ks[-1] + 1]
+    conv, ssm = st.states[layer]
+    valid = None
+    if i == 0 and any(n != st.meta.prompt_len for k in ks for n in st.meta.prompt_lens[k]):
+        valid = torch.cat([st.valid[k][:, :st.meta.prompt_len] for k in ks])
+    return Recurrent(conv[a:b], ssm[a:b], fresh=i == 0, valid=valid)
 
 
 def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,

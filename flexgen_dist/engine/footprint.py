@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..memory.tiers import Tier
+from ..models.deltanet import CHUNK
 from ..models.families import part_shapes
 from ..models.spec import ModelSpec
 from .head import SCORE_CHUNK_BYTES
@@ -210,8 +211,28 @@ def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_he
 
 def cache_positions(spec: ModelSpec, first_layer: int, num_layers: int, total: int) -> list[int]:
     """Positions each of the layers keeps in its cache for a sequence of ``total``: all of
-    them, or a sliding layer's window (a ring)."""
-    return [min(total, spec.window(j) or total) for j in range(first_layer, first_layer + num_layers)]
+    them, or a sliding layer's window (a ring); a linear-attention layer none (its state is
+    ``recurrent_bytes``'s)."""
+    return [0 if spec.linear(j) else min(total, spec.window(j) or total)
+            for j in range(first_layer, first_layer + num_layers)]
+
+
+def recurrent_bytes(spec: ModelSpec, z: StageShape) -> int:
+    """The linear-attention layers' states of every sequence in flight, on the compute device:
+    per layer and sequence the convolution's (the dtype) and the delta rule's (float32)."""
+    conv, ssm = spec.recurrent_numel()
+    layers = sum(spec.linear(j) for j in range(z.first_layer, z.first_layer + z.num_layers))
+    return layers * z.gpu_batch_size * z.num_gpu_batches * z.blocks_in_flight * (conv * z.dtype_bytes + 4 * ssm)
+
+
+def _linear_prefill_bytes(spec: ModelSpec, z: StageShape) -> int:
+    """One GPU batch's temporaries of a linear layer's prefill (``deltanet.chunked_rule``): the
+    chunk-square decay, system and attention matrices and the float32 q, k, v and outputs."""
+    if not any(spec.linear(j) for j in range(z.first_layer, z.first_layer + z.num_layers)):
+        return 0
+    s = z.prompt_len + (-z.prompt_len) % CHUNK
+    hv, dk, dv = spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim
+    return z.gpu_batch_size * s * 4 * (3 * hv * CHUNK + hv * (4 * dk + 4 * dv) + 2 * spec.lin_conv_dim)
 
 
 def _cache_rows(spec: ModelSpec, z: StageShape) -> tuple[int, int, int]:
@@ -237,8 +258,11 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)
     held = max(cache_positions(spec, z.first_layer, z.num_layers, s + n), default=s + n)
+    W[:, 0, 9] += recurrent_bytes(spec, z)
     for ph, toks, ctx in ((0, s, s), (1, 1, held)):
-        W[ph, 0, 9] += b * toks * e * (2 * h + max(q + 2 * kv, mlp)) + b * nh * toks * ctx * 4
+        # attention's scores, or (prefill) a linear layer's temporaries: never both at once
+        mixer = max(b * nh * toks * ctx * 4, _linear_prefill_bytes(spec, z) if ph == 0 else 0)
+        W[ph, 0, 9] += b * toks * e * (2 * h + max(q + 2 * kv, mlp)) + mixer
         W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
         if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
             W[ph, 0, 9] += b * held * seq_cache

@@ -27,7 +27,7 @@ from ..models.spec import ModelSpec
 from . import head
 from .activations import ActStore
 from .attention import prefill_attention, q_to_rows, rows_to_out, sink_rows, to_rows
-from .block_state import BlockState, merged_mask, merged_positions, step_inputs, step_targets
+from .block_state import BlockState, merged_mask, merged_positions, recurrent, step_inputs, step_targets
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
@@ -121,7 +121,8 @@ class StageEngine:
                              f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
         cache = None
         if self.layers:
-            cache = BlockCache(self.layers, meta.batch_sizes, self.spec.num_kv_heads, total,
+            # a linear-attention layer keeps a state per sequence instead (``_new_states``)
+            cache = BlockCache([j for j in self.layers if not self.spec.linear(j)], meta.batch_sizes, self.spec.num_kv_heads, total,
                                self.spec.head_dim, self.policy.fractions("cache"), self.device,
                                self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
                                compress=self.policy.compress_cache, bits=self.policy.comp_bits,
@@ -136,12 +137,29 @@ class StageEngine:
             for r, n in enumerate(lens):
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
-        return BlockState(meta, cache, acts, valid)
+        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
+
+    def _new_states(self, rows: int, tag: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each linear-attention layer's states for ``rows`` sequences, on the compute device:
+        the convolution's last inputs (the model's dtype) and the delta rule's (float32), both
+        written before they are read (a prefill starts from zeros without reading them)."""
+        sp, out = self.spec, {}
+        for j in self.layers:
+            if sp.linear(j):
+                conv = torch.empty((rows, sp.lin_conv_dim, sp.lin_conv_kernel - 1), dtype=self.dtype, device=self.device)
+                ssm = torch.empty((rows, sp.lin_v_heads, sp.lin_k_dim, sp.lin_v_dim), dtype=torch.float32,
+                                  device=self.device)
+                self.tracker.add(Tier.GPU, conv.nbytes + ssm.nbytes)
+                out[j] = (conv, ssm)
+        return out
 
     def free_block(self, st: BlockState) -> None:
         if st.cache is not None:
             st.cache.free()
         st.acts.free()
+        for conv, ssm in st.states.values():
+            self.tracker.sub(Tier.GPU, conv.nbytes + ssm.nbytes)
+        st.states.clear()
 
     # --- one token of one block ---------------------------------------------------------
     @torch.no_grad()
@@ -218,7 +236,7 @@ class StageEngine:
             if st.cache is not None and i > 0 and self.slots[s.j][0] == "layer":
                 st.cache.load(self.slots[s.j][1], k, st.meta.prompt_len + i - 1)  # type: ignore[arg-type]
                 if not self.policy.overlap:
-                    self._wait([f for ch in st.cache.chunks[(self.slots[s.j][1], k)] for f in ch.futures])
+                    self._wait([f for ch in st.cache.chunks.get((self.slots[s.j][1], k), []) for f in ch.futures])
         elif kind == "store_cache":
             if st.cache is not None and self.slots[s.j][0] == "layer":
                 self._pending += st.cache.store(self.slots[s.j][1], k)  # type: ignore[arg-type]
@@ -295,7 +313,9 @@ class StageEngine:
         else:
             assert st.cache is not None
             layer = slot[1]
-            if st.cache.whole_layer(layer):  # type: ignore[arg-type]
+            if spec.linear(layer):  # type: ignore[arg-type]
+                attend = recurrent(st, layer, i, range(num_gb))  # type: ignore[arg-type,assignment]
+            elif st.cache.whole_layer(layer):  # type: ignore[arg-type]
                 attend = self._attend_layer_fn(st, layer, i, num_gb)  # type: ignore[arg-type]
             else:
                 fns = []
@@ -354,6 +374,8 @@ class StageEngine:
             y = self.family.head(spec, w, x[:, -1]) if st.meta.targets is None else \
                 head.score(self.family, spec, w, x, step_targets(st, i, k), st.meta.score_k)
             st.outputs[k - st.out_base] = y
+        elif spec.linear(slot[1]):  # type: ignore[arg-type]
+            y = self.family.layer_forward(spec, w, x, pos, recurrent(st, slot[1], i, range(k, k + 1)), slot[1])  # type: ignore[arg-type]
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
         if slot[0] != "head" and j == len(self.slots) - 1:

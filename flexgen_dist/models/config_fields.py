@@ -30,6 +30,9 @@ _GEMMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers"
                          "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
                          "final_logit_softcapping"}
 
+_LINEAR = {"layer_types", "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
+           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
+
 USED: dict[str, set[str]] = {
     "opt": _TOKENS | {"hidden_size", "ffn_dim", "num_hidden_layers", "num_attention_heads",
                       "max_position_embeddings", "do_layer_norm_before", "word_embed_proj_dim",
@@ -72,6 +75,16 @@ USED: dict[str, set[str]] = {
     "qwen3_moe": _LLAMA_USED | {"use_sliding_window", "sliding_window", "num_experts", "num_local_experts",
                                 "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                                 "decoder_sparse_step", "mlp_only_layers"},
+    # Qwen3-Next / Qwen3.5: linear-attention layers beside full ones (qwen_next_config.py)
+    "qwen3_next": _LLAMA_USED | _LINEAR | {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                           "shared_expert_intermediate_size", "norm_topk_prob",
+                                           "decoder_sparse_step", "mlp_only_layers"},
+    "qwen3_5_text": _LLAMA_USED | _LINEAR,
+    "qwen3_5_moe_text": _LLAMA_USED | _LINEAR | {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                 "shared_expert_intermediate_size"},
+    # the image-text models: their text_config is read as the text model's config
+    "qwen3_5": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
+    "qwen3_5_moe": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
     "glm4_moe": _LLAMA_USED | {"use_qk_norm", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts",
                                "n_routed_experts", "num_local_experts", "routed_scaling_factor", "n_group",
                                "topk_group", "first_k_dense_replace", "norm_topk_prob"},
@@ -153,6 +166,9 @@ INERT: dict[str, set[str]] = {
     # the vision tower and the image tokens' ids: unused by prompts of token ids
     "mistral3": {"vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
                  "multimodal_projector_bias", "spatial_merge_size"},
+    "qwen3_next": _ROUTER_TRAINING, "qwen3_5_moe_text": _ROUTER_TRAINING,
+    **{mt: {"vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
+       for mt in ("qwen3_5", "qwen3_5_moe")},
     "gemma3": {"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
                "cache_implementation"},
 }
@@ -172,6 +188,8 @@ PINNED: dict[str, dict[str, Any]] = {
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1",
                                              "granite_swa", "granitemoe_swa", "exaone_moe")},
+    **{mt: {"hidden_act": "silu"} for mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "qwen3_5": {}, "qwen3_5_moe": {},
     "arcee": {"hidden_act": "relu2"}, "apertus": {"hidden_act": "xielu"},
     # use_bias would put biases on the shared experts too, which no released checkpoint has
     "ernie4_5_moe": {"hidden_act": "silu", "use_bias": False},  # clip_qkv: q, k, v clamped (no released OLMoE sets it)

@@ -17,6 +17,10 @@ index (for what differs by layer, such as a local layer's RoPE base). The engine
 it, on the compute device or on the CPU. Rows of x are independent outside ``attend``, so
 the engine may pass the rows of several GPU batches at once with an ``attend`` that splits
 them again (merged decode, see ``engine/stage.py``).
+
+A linear-attention layer (``spec.linear(layer)``: Qwen3-Next's gated delta rule) has no KV
+cache; it receives a ``Recurrent`` in place of ``attend``: the state its rows carry from token
+to token, which the layer reads and overwrites in place.
 """
 from __future__ import annotations
 
@@ -32,13 +36,28 @@ Weights = dict[str, torch.Tensor | QWeight]  # a compressed matrix stays packed 
 # attend(q, k, v) or attend(q, k, v, sinks): the engine's cache write + attention; sinks (heads,)
 # are gpt-oss's per-head logits joining the softmax's denominator
 Attend = Callable[..., torch.Tensor]
-Shapes = Callable[..., dict[str, tuple[int, ...]]]  # (spec) for embed/head; (spec, layer) for layer
+Shapes = Callable[..., dict[str, tuple[int, ...]]]
+
+
+@dataclass
+class Recurrent:
+    """What a linear-attention layer carries per sequence, for the rows it is given: ``conv``
+    (b, conv channels, kernel - 1), the convolution's last inputs in the model's dtype, and
+    ``ssm`` (b, v heads, k dim, v dim) float32, the delta rule's state; both views of the
+    engine's buffers, written in place. ``fresh``: the rows start from zero (a prefill).
+    ``valid``: (b, t) True at real positions where a prefill is left-padded (else None): padded
+    inputs are zeroed, so the state they leave is zero."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    fresh: bool
+    valid: torch.Tensor | None = None  # (spec) for embed/head; (spec, layer) for layer
 
 
 ROWS = "#rows="  # in ``hf_names``, "name#rows=a:b" is rows [a, b) of a fused checkpoint tensor
 INDEX = "#index="  # "name#index=e" is entry e of a 3-D tensor (one expert of all); before any #rows=
 # "name#index=e#T" is that entry transposed (a checkpoint storing in x out), before any #rows=;
-# "#rows=a:b:s" takes every s-th row of [a, b) (gate and up interleaved)
+# "#rows=a:b:s" takes every s-th row of [a, b) (gate and up interleaved), "#rows=a:b,c:d" rows [a, b) then [c, d)
 TRANSPOSED = "#T"
 # "name_blocks#mxfp4..." is an MXFP4 tensor (gpt-oss's experts as OpenAI ships them): the 4-bit
 # codes in name_blocks, their power-of-two scales in name_scales, expanded on read

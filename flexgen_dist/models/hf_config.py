@@ -12,6 +12,7 @@ from typing import Any
 from .config_fields import USED, field_problem
 from .gemma_config import GEMMA_TYPES, gemma_spec
 from .llama4_config import llama4_fields, llama4_text_config
+from .qwen_next_config import QWEN_NEXT_IMAGE_TEXT, QWEN_NEXT_TYPES, qwen_next_fields
 from .moe_config import GRANITE_MOE_TYPES, MLA_TYPES, MOE_REFUSED, MOE_TYPES, moe_fields
 from .source import ModelLoadError
 from .rope_scaling import mla_softmax_scale
@@ -50,6 +51,14 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         if problem:
             raise ModelLoadError(f"{name}: text_config: {problem}")
         return spec_from_hf_config(text, name)
+    if mt in QWEN_NEXT_IMAGE_TEXT:  # Qwen3.5's image-text checkpoints: the language model
+        text = dict(cfg["text_config"])
+        text.setdefault("model_type", QWEN_NEXT_IMAGE_TEXT[mt])
+        if text["model_type"] != QWEN_NEXT_IMAGE_TEXT[mt]:
+            raise ValueError(f"text_config model_type {text['model_type']!r}: a {mt} model's is "
+                             f"{QWEN_NEXT_IMAGE_TEXT[mt]!r}")
+        text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        return spec_from_hf_config(text, name)
     if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
         return gemma_spec(cfg, name, _rope_scaling)
     eos = cfg.get("eos_token_id")
@@ -76,7 +85,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
                or (0.5 if mt in (*GLM_TYPES, "glm4_moe") else 1.0))
     if mt == "minimax_m2" and cfg.get("rotary_dim") and partial == 1.0:  # its released configs' legacy name
         partial = cfg["rotary_dim"] / (_head_dim(cfg) or cfg["hidden_size"] // cfg["num_attention_heads"])
-    if partial != 1.0 and mt not in ("phi3", "glm4_moe", "minimax_m2", *GLM_TYPES):
+    if partial != 1.0 and mt not in ("phi3", "glm4_moe", "minimax_m2", *GLM_TYPES, *QWEN_NEXT_TYPES):
         raise ValueError(f"partial_rotary_factor {partial} is not supported for {mt!r} (it is for phi3, glm, glm4, "
                          "glm4_moe and minimax_m2)")
     if mt in MLA_TYPES:
@@ -96,6 +105,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         common.update(llama4_fields(cfg))
     if mt in GRANITE_SWA_TYPES:
         common.update(_layer_thetas(cfg, float(theta), scaling))
+    if mt in QWEN_NEXT_TYPES:  # linear-attention layers, the gated output, (1 + w) norms (qwen_next_config)
+        common.update(qwen_next_fields(cfg))
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
@@ -111,8 +122,8 @@ GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
 # read as the llama family's, each with what differs from Llama (``_llama_spec``)
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
-               "arcee", "apertus", *GLM_TYPES, *MOE_TYPES)
-SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
+               "arcee", "apertus", "qwen3_5_text", *GLM_TYPES, *MOE_TYPES)
+SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *QWEN_NEXT_IMAGE_TEXT, *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
 
 
 def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelSpec:
@@ -178,7 +189,9 @@ def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
 
 def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scaling: RopeScaling | None,
                 common: dict[str, Any]) -> ModelSpec:
-    kw = dict(family="llama", ffn_size=cfg["intermediate_size"], **moe_fields(cfg, mt),
+    # Qwen3.5-MoE's layers are all sparse: it has no dense width (the experts' stands in)
+    ffn = cfg["moe_intermediate_size"] if mt == "qwen3_5_moe_text" else cfg["intermediate_size"]
+    kw = dict(family="llama", ffn_size=ffn, **moe_fields(cfg, mt),
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
                      head_dim_override=head_dim, norm_eps=cfg.get("rms_norm_eps", 1e-6),
                      rope_theta=float(theta), rope_scaling=scaling, **_windows(cfg, mt),

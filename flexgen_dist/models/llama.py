@@ -12,8 +12,9 @@ from ..kernels.qweight import QWeight
 from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, LM_PREFIXES, Positions, apply_rope, apply_rope_interleaved,
                      as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
+from .deltanet import lin_hf_names, lin_shapes, linear_attention
 from .experts import moe_gguf_name, moe_hf_names, moe_mlp, moe_shapes
-from .families import ROWS, Attend, Family, Weights, register
+from .families import ROWS, Attend, Family, Recurrent, Weights, register
 from .spec import ModelSpec
 
 _LAYER_HF = {
@@ -43,8 +44,14 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
     pre, post = spec.norm_layout != "post", spec.norm_layout != "pre"  # where the norms sit
     shapes: dict[str, tuple[int, ...]] = {"attn_norm.w": (h,)} if pre else {}
-    shapes.update(_mla_shapes(spec) if spec.kv_lora_rank else
-                  {"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
+    linear = layer is not None and spec.linear(layer)
+    if linear:  # Qwen3-Next's gated delta rule in place of attention
+        shapes.update(lin_shapes(spec))
+    else:
+        shapes.update(_mla_shapes(spec) if spec.kv_lora_rank else
+                      {"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
+    if spec.attn_output_gate and not linear:  # Qwen3-Next: q_proj's other half, a gate on the output
+        shapes["q_gate.w"] = (qd, h)
     shapes.update({"post_attn_norm.w": (h,)} if post else {})
     shapes.update({"mlp_norm.w": (h,)} if pre else {})
     shapes.update({"post_mlp_norm.w": (h,)} if post else {})
@@ -55,11 +62,11 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
             shapes.update({"act.alpha_p": (1,), "act.alpha_n": (1,)})
     else:  # the router, the shared expert, then each routed expert's (experts.py)
         shapes.update(moe_shapes(spec))
-    if spec.attention_bias or spec.qkv_bias:
+    if (spec.attention_bias or spec.qkv_bias) and not linear:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,)})
-    if spec.attention_bias:
+    if spec.attention_bias and not linear:
         shapes["o.b"] = (h,)
-    if spec.qk_norm:
+    if spec.qk_norm and not linear:
         shapes.update({"q_norm.w": (qd,), "k_norm.w": (kvd,)} if spec.qk_norm_whole else
                       {"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
     if spec.mlp_bias and not spec.is_moe(layer):
@@ -97,6 +104,16 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     if part == "layer":
         table = _LAYER_HF_SANDWICH if spec.norm_layout == "sandwich" else {**_LAYER_HF, **_MLA_HF}
         dense = lm_hf_names(spec, part, layer, table, [k for k in layer_shapes(spec, layer) if k in table])
+        if spec.linear(layer):  # the gated delta rule's weights (deltanet.py)
+            lin = [lin_hf_names(spec, f"{p}layers.{layer}.") for p in LM_PREFIXES]
+            dense.update({k: [n for names in lin for n in names[k]] for k in lin[0]})
+        elif spec.attn_output_gate:  # Qwen3-Next's q_proj: each head's q rows, then its gate's
+            d = spec.head_dim
+
+            def heads(offset: int) -> str:
+                return ",".join(f"{hh * 2 * d + offset}:{hh * 2 * d + offset + d}" for hh in range(spec.num_heads))
+            for k, offset in (("q.w", 0), ("q_gate.w", d)):
+                dense[k] = [f"{p}layers.{layer}.self_attn.q_proj.weight{ROWS}{heads(offset)}" for p in LM_PREFIXES]
         out = {k: dense[k] if k in dense else [n for p in LM_PREFIXES for n in moe_hf_names(spec, f"{p}layers.{layer}", k)]
                for k in layer_shapes(spec, layer)}
         qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
@@ -165,6 +182,8 @@ def _residual(spec: ModelSpec, y: torch.Tensor, residual: torch.Tensor) -> torch
 def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; OLMo's multiplies its weight in float32 before the cast (Llama's after it),
     which differs in a half dtype only."""
+    if spec.norm_unit_offset:  # Qwen3-Next: (1 + w) in float32, then the cast
+        return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + w.float())).to(x.dtype)
     if spec.norm_weight_fp32 and x.dtype != torch.float32:
         return (w * F.rms_norm(x.float(), (x.shape[-1],), None, eps)).to(x.dtype)
     return rms_norm(x, w, eps)
@@ -203,7 +222,7 @@ def _qkv(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Posit
         q = _norm(spec, q.flatten(2), w["q_norm.w"], eps).view(q.shape)
         k = _norm(spec, k.flatten(2), w["k_norm.w"], eps).view(k.shape)
     elif spec.qk_norm and not spec.qk_norm_after_rope:  # Qwen3: RMSNorm over each head's q and k, before the rotation
-        q, k = rms_norm(q, w["q_norm.w"], eps), rms_norm(k, w["k_norm.w"], eps)
+        q, k = _norm(spec, q, w["q_norm.w"], eps), _norm(spec, k, w["k_norm.w"], eps)
     if spec.rotates(layer):
         theta, scaling = spec.rope(layer)
         dt = torch.float32 if spec.rope_fp32 else x.dtype  # ERNIE 4.5: the tables and the turn in float32
@@ -273,15 +292,27 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         return _sandwich_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
+    if isinstance(attend, Recurrent):  # a linear-attention layer (Qwen3-Next)
+        h = linear_attention(spec, w, _norm(spec, x, w["attn_norm.w"], eps), attend)
+        return _mlp_block(spec, w, linear(h, w["lin_o.w"], None, residual), layer)
     if spec.kv_lora_rank:  # DeepSeek-V3
         a = _mla_attend(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, attend, layer)
     else:
-        a = attend(*_qkv(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
+        xn = _norm(spec, x, w["attn_norm.w"], eps)
+        a = attend(*_qkv(spec, w, xn, pos, layer), *_sinks(spec, w))
+        if spec.attn_output_gate:  # Qwen3-Next: the output times sigmoid of q_proj's gate half
+            a = a * torch.sigmoid(linear(xn, w["q_gate.w"]))
     # in-place adds and activations: these temporaries are the size of the whole batch, and
     # on the CPU every fresh one costs page faults
     scaled = spec.residual_multiplier != 1.0
     x = _residual(spec, linear(a, w["o.w"], w.get("o.b")), residual) if scaled else \
         linear(a, w["o.w"], w.get("o.b"), residual)
+    return _mlp_block(spec, w, x, layer)
+
+
+def _mlp_block(spec: ModelSpec, w: Weights, x: torch.Tensor, layer: int) -> torch.Tensor:
+    """The MLP half of a pre-norm layer: its norm, the dense MLP or the experts, the residual add."""
+    eps, scaled = spec.norm_eps, spec.residual_multiplier != 1.0
     residual = x
     x = _norm(spec, x, w["mlp_norm.w"], eps)
     if spec.is_moe(layer):

@@ -143,11 +143,15 @@ class HFDirSource(WeightSource):
                 t = self._expand_fp8(name, t, int(index) if index else None)
             if transposed:  # stored in x out (gpt-oss's experts)
                 t = t.transpose(-2, -1)
-            if rows:  # rows of a fused tensor, every step-th (a view; ``get`` converts and copies it)
-                r0, r1, step = (int(r) for r in (rows + ":1").split(":")[:3])
-                if t.shape[0] < r1:
-                    raise ModelLoadError(f"{self.path}: tensor {name} has {t.shape[0]} rows, expected >= {r1}")
-                t = t[r0:r1:step]
+            if rows:  # rows of a fused tensor, every step-th (a view; ``get`` converts and copies it),
+                # or several ranges "a:b,c:d" joined (Qwen3-Next's projections interleaved by head)
+                parts = []
+                for rng in rows.split(","):
+                    r0, r1, step = (int(r) for r in (rng + ":1").split(":")[:3])
+                    if t.shape[0] < r1:
+                        raise ModelLoadError(f"{self.path}: tensor {name} has {t.shape[0]} rows, expected >= {r1}")
+                    parts.append(t[r0:r1:step])
+                t = parts[0] if len(parts) == 1 else torch.cat(parts)
             out[k] = t
         return out
 

@@ -13,11 +13,11 @@ GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # dots.llm1 (dots1): Qwen3's attention with DeepSeek-V3's routing; Hunyuan-A13B (hunyuan_v1_moe):
 # a float32 router's softmax, renormalised, one shared MLP
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
-             "dots1", "hunyuan_v1_moe", "exaone_moe", *GRANITE_MOE_TYPES, *MLA_TYPES)
+             "dots1", "hunyuan_v1_moe", "exaone_moe", "qwen3_next", "qwen3_5_moe_text", *GRANITE_MOE_TYPES,
+             *MLA_TYPES)
 
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "qwen3_next",
-               "qwen3_5_moe", "jetmoe", "minimax", "switch_transformers", "nllb_moe")
+MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "jetmoe", "minimax", "switch_transformers", "nllb_moe")
 
 
 def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -77,10 +77,12 @@ def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or [])
     sparse = tuple(j not in dense and experts > 0 and (j + 1) % step == 0 for j in range(n))
+    # Qwen3-Next's and Qwen3.5-MoE's: Qwen2-MoE's sigmoid-gated shared expert, renormalised (3.5: always)
+    shared = mt in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
     return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
                 expert_ffn_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "qwen3_moe")),
-                shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0,
+                norm_topk_prob=mt == "qwen3_5_moe_text" or bool(cfg.get("norm_topk_prob", mt in ("qwen3_moe", "qwen3_next"))),
+                shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0,
                 moe_layers=() if all(sparse) else sparse)
 
 

@@ -206,6 +206,15 @@ _SHAPES: dict[str, dict] = {
                           num_experts=128, experts_per_tok=8, expert_ffn_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_size=12288, num_heads=64,
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
+    # Qwen3-Next-80B-A3B (qwen3_next): three gated-delta-rule layers of four, 512 experts, top 10,
+    # a gated shared expert; gated attention on a quarter-turned head of 256, (1 + w) norms
+    "qwen3-next-80b-a3b": dict(_QWEN3_MOE, max_positions=262144, rope_theta=10000000.0, num_layers=48,
+                               hidden_size=2048, ffn_size=5120, num_heads=16, num_kv_heads=2, head_dim_override=256,
+                               rotary_dim=64, norm_eps=1e-6, num_experts=512, experts_per_tok=10, expert_ffn_size=512,
+                               shared_expert_ffn_size=512, layer_types=tuple(
+                                   "full_attention" if (j + 1) % 4 == 0 else "linear_attention" for j in range(48)),
+                               lin_k_heads=16, lin_v_heads=32, lin_k_dim=128, lin_v_dim=128, lin_conv_kernel=4,
+                               attn_output_gate=True, norm_unit_offset=True),
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32, layer_types=alternating(24, 2)),
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, layer_types=alternating(36, 2)),
     # ERNIE-4.5-21B-A3B (ernie4_5_moe): softmax scores with a choice bias, 64 experts, top 6, two

@@ -147,6 +147,17 @@ class ModelSpec(SpecChecks):
     # per layer, whether its MLP is sparse (Qwen's mlp_only_layers, decoder_sparse_step); empty:
     # every layer is, where there are experts
     moe_layers: tuple[bool, ...] = ()
+    # Qwen3-Next / Qwen3.5: the "linear_attention" layers of layer_types mix tokens with a gated
+    # delta rule instead of attention: q, k (lin_k_heads heads of lin_k_dim), v and the output
+    # gate z (lin_v_heads of lin_v_dim) through a causal depthwise convolution of lin_conv_kernel
+    # taps, a state of (lin_v_heads, lin_k_dim, lin_v_dim) per sequence carried token to token
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_conv_kernel: int = 0
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a gate; attention's output times sigmoid(gate)
+    norm_unit_offset: bool = False  # Qwen3-Next: every RMSNorm multiplies by (1 + w), in float32
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -220,6 +231,31 @@ class ModelSpec(SpecChecks):
         alike, counted from each sequence's first token)."""
         return bool(self.layer_types) and self.layer_types[layer] == "chunked_attention"
 
+    def linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a linear-attention layer (a gated delta rule, no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def lin_conv_dim(self) -> int:
+        """Channels of a linear layer's convolution: q, k and v side by side."""
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+    def recurrent_numel(self) -> tuple[int, int]:
+        """Per sequence, per linear layer: the convolution's state (its last lin_conv_kernel - 1
+        inputs, in the model's dtype) and the delta rule's (float32) elements."""
+        if not self.lin_v_heads:
+            return 0, 0
+        return (self.lin_conv_dim * (self.lin_conv_kernel - 1),
+                self.lin_v_heads * self.lin_k_dim * self.lin_v_dim)
+
+    def lin_numel(self) -> int:
+        """Elements of a linear layer's mixer: qkv, z, b, a, the convolution, dt_bias, A_log,
+        the gated norm, out_proj."""
+        h, vd = self.hidden_size, self.lin_v_heads * self.lin_v_dim
+        conv = self.lin_conv_dim
+        return h * (conv + vd + 2 * self.lin_v_heads) + conv * self.lin_conv_kernel + 2 * self.lin_v_heads \
+            + self.lin_v_dim + vd * h
+
     def is_moe(self, layer: int | None) -> bool:
         """Whether layer ``layer``'s MLP is a mixture of experts (None: any layer of a model
         whose layers all are)."""
@@ -280,11 +316,14 @@ class ModelSpec(SpecChecks):
         """Elements of one decoder layer's weights (attention + MLP + norms + biases); with
         ``layer`` None, the mean over the layers (they differ where only some are sparse)."""
         if layer is None:
-            if self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1:
+            if self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1 or self.lin_v_heads:
                 return sum(self.layer_numel(j) for j in range(self.num_layers)) / self.num_layers
             layer = 0
         h, f = self.hidden_size, self.ffn_size
-        attn = self.mla_numel() if self.kv_lora_rank else h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        attn = self.mla_numel() if self.kv_lora_rank else \
+            h * self.q_dim * (1 + self.attn_output_gate) + 2 * h * self.kv_dim + self.q_dim * h
+        if self.linear(layer):
+            attn = self.lin_numel()
         if self.family == "opt":
             mlp = 2 * h * f
             biases = self.q_dim + 2 * self.kv_dim + h + f + h
@@ -297,7 +336,9 @@ class ModelSpec(SpecChecks):
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
         norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
-        qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm
+        qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm * (not self.linear(layer))
+        if self.linear(layer):
+            biases -= (self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
         return attn + mlp + biases + norms + qk
 
     def mlp_numel(self, layer: int | None = None, experts: float | None = None) -> float:
@@ -323,7 +364,7 @@ class ModelSpec(SpecChecks):
         """What each layer weighs for splitting the layers into stages (its bytes and the
         compute of a token through it, each as a share of the model's), where the layers
         differ (some dense, some sparse); None where they are all alike."""
-        if not (self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1):
+        if not (self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1 or self.lin_v_heads):
             return None
         size = [self.layer_numel(j) for j in range(self.num_layers)]
         work = [self.active_layer_numel(j) for j in range(self.num_layers)]

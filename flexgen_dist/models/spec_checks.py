@@ -9,7 +9,7 @@ FAMILIES = ("opt", "llama", "gemma", "cohere")
 
 
 # a chunked layer (Llama 4) attends within its chunk of sliding_window positions only
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 # how a router scores its experts: a softmax over them (Mixtral, Qwen), a sigmoid each with a
 # per-expert choice bias (GLM-4.5, DeepSeek-V3), a softmax over the top logits only
 # (gpt-oss), or a sigmoid of the top logits scaling the expert's input (Llama 4)
@@ -110,6 +110,23 @@ class SpecChecks:
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        """Linear-attention layers (Qwen3-Next) and the features that come with them."""
+        sizes = (self.lin_k_heads, self.lin_v_heads, self.lin_k_dim, self.lin_v_dim)
+        linear = "linear_attention" in self.layer_types
+        if linear and (min(sizes) < 1 or self.lin_conv_kernel < 2 or self.lin_v_heads % self.lin_k_heads):
+            raise ValueError(f"ModelSpec: linear_attention layers need lin_k_heads, lin_v_heads (a multiple of "
+                             f"lin_k_heads), lin_k_dim, lin_v_dim >= 1 and lin_conv_kernel >= 2, got {sizes} and "
+                             f"{self.lin_conv_kernel}")
+        if not linear and (max(sizes) or self.lin_conv_kernel):
+            raise ValueError("ModelSpec: lin_* sizes are given but no layer_types entry is linear_attention")
+        if (linear or self.attn_output_gate or self.norm_unit_offset) and (
+                self.family != "llama" or self.norm_layout != "pre" or self.kv_lora_rank
+                or self.residual_multiplier != 1.0):
+            raise ValueError("ModelSpec: linear_attention layers, attn_output_gate and norm_unit_offset are the "
+                             "llama family's pre-norm layer's (Qwen3-Next)")
 
     def _check_experts(self) -> None:
         """A mixture of experts' fields: counts, routing, groups, the sparse layers."""

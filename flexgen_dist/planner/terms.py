@@ -234,7 +234,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         c_pre=bls * cbytes(_held(spec, s) * kv_tok),  # cache written by a block's prefill, per layer
         c_avg=bls * cbytes(_held(spec, s + n / 2) * kv_tok),  # cache read per decode step, per layer
         ctx=_held(spec, s + n / 2),
-        c_new=bls * cbytes(kv_tok),  # cache written per decode step, per layer
+        # cache written per decode step, per layer (a linear-attention layer writes none)
+        c_new=bls * cbytes(kv_tok) * sum(not spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers,
         a_pre=a_pre, a_dec=a_dec, hop=hop,
         # How often a decode step streams each weight matrix through the compute units: once
         # per GPU batch, or once per block where the engine runs the GPU batches of a block
@@ -254,8 +255,10 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
 
 def _held(spec: ModelSpec, length: float) -> float:
     """Cache positions a layer holds at ``length``, averaged over the model's layers (a sliding
-    layer holds at most its window)."""
-    return sum(min(length, spec.window(j) or length) for j in range(spec.num_layers)) / spec.num_layers
+    layer holds at most its window, a linear-attention layer none: its state stays on the compute
+    device, read and written there)."""
+    return sum(0 if spec.linear(j) else min(length, spec.window(j) or length)
+               for j in range(spec.num_layers)) / spec.num_layers
 
 
 def _mean(spec: ModelSpec, f: Callable[[int], float]) -> float:

@@ -1,0 +1,168 @@
+"""The gated delta rule: Qwen3-Next's and Qwen3.5's linear-attention layers.
+
+Per sequence and value head the layer keeps a state S (k dim x v dim) instead of a cache of
+keys and values. Token t decays it, corrects what it predicts for the token's key towards the
+token's value, and reads it with the token's query:
+
+    S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - k_t^T S));  o_t = q_t^T S
+
+with q and k L2-normalised, q also scaled by k_dim ** -0.5, g_t <= 0 a learned decay (from
+``A_log`` and ``dt_bias``) and beta_t = sigmoid(b_t) the step size. q, k and v come from one
+projection through a causal depthwise convolution (kernel ``lin_conv_kernel``) and SiLU, so the
+layer also keeps the convolution's last kernel - 1 inputs. The output is RMS-normalised per
+head, gated by silu(z) and projected back.
+
+A prefill computes the rule over chunks of 64 positions (``chunked_rule``: within a chunk the
+corrections are solved as one triangular system, from chunk to chunk the state is carried),
+the form transformers' reference computes and the same operations in the same order, so the
+float32 results agree with it; a decode step is the recurrence itself (``step_rule``), as
+batched matrix products over every (sequence, head). Left padding is harmless: padded inputs are
+zeroed (``Recurrent.valid``), which leaves q, k, v zero there, so the state stays zero until the
+sequence's first token, whose convolution then sees zeros before it as a sequence alone does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import linear
+from .families import Recurrent, Weights
+from .spec import ModelSpec
+
+CHUNK = 64  # positions per chunk of a prefill (the reference's)
+
+
+def lin_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """A linear layer's mixer weights under canonical names."""
+    h, vd, hv = spec.hidden_size, spec.lin_v_heads * spec.lin_v_dim, spec.lin_v_heads
+    return {"lin_qkv.w": (spec.lin_conv_dim, h), "lin_z.w": (vd, h), "lin_b.w": (hv, h), "lin_a.w": (hv, h),
+            "lin_conv.w": (spec.lin_conv_dim, 1, spec.lin_conv_kernel), "lin_dt.b": (hv,), "lin_A_log": (hv,),
+            "lin_norm.w": (spec.lin_v_dim,), "lin_o.w": (h, vd)}
+
+
+def lin_hf_names(spec: ModelSpec, prefix: str) -> dict[str, list[str]]:
+    """Checkpoint names of a linear layer's weights under ``prefix`` (``model.layers.{j}.``):
+    Qwen3.5's separate projections, or Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba``,
+    whose rows interleave by key head (q, k, then the head's share of v and z; b then a), taken
+    apart here by row ranges."""
+    p = prefix + "linear_attn."
+    hk, dk, dv, r = spec.lin_k_heads, spec.lin_k_dim, spec.lin_v_dim, spec.lin_v_heads // spec.lin_k_heads
+    per = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+
+    def rows(name: str, offset: int, n: int, stride: int) -> str:
+        return f"{p}{name}.weight#rows=" + ",".join(f"{g * stride + offset}:{g * stride + offset + n}"
+                                                     for g in range(hk))
+
+    q, k = rows("in_proj_qkvz", 0, dk, per), rows("in_proj_qkvz", dk, dk, per)
+    v, z = rows("in_proj_qkvz", 2 * dk, r * dv, per), rows("in_proj_qkvz", 2 * dk + r * dv, r * dv, per)
+    fused_qkv = ",".join(part.split("#rows=")[1] for part in (q, k, v))
+    return {"lin_qkv.w": [f"{p}in_proj_qkv.weight", f"{p}in_proj_qkvz.weight#rows={fused_qkv}"],
+            "lin_z.w": [f"{p}in_proj_z.weight", z],
+            "lin_b.w": [f"{p}in_proj_b.weight", rows("in_proj_ba", 0, r, 2 * r)],
+            "lin_a.w": [f"{p}in_proj_a.weight", rows("in_proj_ba", r, r, 2 * r)],
+            "lin_conv.w": [f"{p}conv1d.weight"], "lin_dt.b": [f"{p}dt_bias"], "lin_A_log": [f"{p}A_log"],
+            "lin_norm.w": [f"{p}norm.weight"], "lin_o.w": [f"{p}out_proj.weight"]}
+
+
+def linear_attention(spec: ModelSpec, w: Weights, x: torch.Tensor, rec: Recurrent) -> torch.Tensor:
+    """The mixer of the normalised x (b, t, hidden) -> (b, t, v heads * v dim), before
+    ``lin_o.w``; reads and overwrites ``rec``'s states."""
+    b, t, _ = x.shape
+    hk, hv, dk, dv = spec.lin_k_heads, spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim
+    if rec.valid is not None:
+        x = x * rec.valid[:, -t:, None].to(x.dtype)
+    mixed = _conv(linear(x, w["lin_qkv.w"]).transpose(1, 2), w["lin_conv.w"], rec).transpose(1, 2)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(b, t, hk, dk), k.reshape(b, t, hk, dk), v.reshape(b, t, hv, dv)
+    beta = linear(x, w["lin_b.w"]).sigmoid()
+    g = -w["lin_A_log"].float().exp() * F.softplus(linear(x, w["lin_a.w"]).float() + w["lin_dt.b"])
+    if t == 1 and not rec.fresh:
+        o = step_rule(q, k, v, g, beta, rec.ssm)
+    else:
+        o = chunked_rule(q, k, v, g, beta, None if rec.fresh else rec.ssm, rec.ssm)
+    z = linear(x, w["lin_z.w"]).view(b, t, hv, dv)
+    return _gated_norm(o, z, w["lin_norm.w"], spec.norm_eps).reshape(b, t, hv * dv)
+
+
+def _conv(xc: torch.Tensor, weight: torch.Tensor, rec: Recurrent) -> torch.Tensor:
+    """SiLU of the causal depthwise convolution of xc (b, channels, t), continuing from
+    ``rec.conv`` (zeros where ``fresh``), whose last kernel - 1 inputs are then kept there."""
+    taps = weight.shape[-1]
+    t = xc.shape[-1]
+    full = F.pad(xc, (taps - 1, 0)) if rec.fresh else torch.cat([rec.conv, xc], dim=-1)
+    rec.conv.copy_(full[..., -(taps - 1):])
+    out = F.conv1d(full.to(weight.dtype), weight, None, groups=xc.shape[1])[..., -t:]
+    return F.silu(out).to(xc.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    """(b, t, heads, d) inputs as float32 (b, v heads, t, d), q and k repeated for the value
+    heads that share them and L2-normalised."""
+    rep = v.shape[2] // q.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k, v, beta, g = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                        for a in (q, k, v, beta, g))
+    return _l2norm(q), _l2norm(k), v, g, beta
+
+
+def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor | None, out_state: torch.Tensor) -> torch.Tensor:
+    """The rule over t positions from ``state`` (None: zero), in chunks of ``CHUNK``: q, k
+    (b, t, k heads, k dim), v (b, t, v heads, v dim), g and beta (b, t, v heads). Returns the
+    outputs (b, t, v heads, v dim) in v's dtype; the final state goes to ``out_state``."""
+    dtype, t = v.dtype, q.shape[1]
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    q = q * q.shape[-1] ** -0.5
+    pad = (CHUNK - t % CHUNK) % CHUNK
+    q, k, v = (F.pad(a, (0, 0, 0, pad)) for a in (q, k, v))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    b, h, n = q.shape[0], q.shape[1], (t + pad) // CHUNK
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    q, k, kb, vb = (a.reshape(b, h, n, CHUNK, a.shape[-1]) for a in (q, k, kb, vb))
+    cum = g.reshape(b, h, n, CHUNK).cumsum(dim=-1)  # log of the decay from each chunk's start
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (kb @ k.transpose(-1, -2)) * decay  # the corrections' unit lower-triangular system
+    intra = (q @ k.transpose(-1, -2)) * decay  # attention within the chunk
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w_ = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    s = torch.zeros(b, h, k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device) if state is None \
+        else state.to(torch.float32)
+    out = torch.zeros_like(u)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    last = cum[..., -1].exp()[..., None, None]
+    for c in range(n):  # chunk to chunk: the state read, corrected and carried
+        v_new = u[:, :, c] - w_[:, :, c] @ s
+        out[:, :, c] = q[:, :, c] @ s + intra[:, :, c] @ v_new
+        s = s * last[:, :, c] + k[:, :, c].transpose(-1, -2) @ v_new
+    out_state.copy_(s)
+    out = out.reshape(b, h, -1, v.shape[-1])[:, :, :t]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def step_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor) -> torch.Tensor:
+    """One decode position (t = 1) from ``state`` (b, v heads, k dim, v dim), updated in place."""
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (b, h, 1, d); g, beta (b, h, 1)
+    q = q / q.shape[-1] ** 0.5
+    state.mul_(g.exp()[..., None])  # (b, h, 1, 1) over (b, h, dk, dv)
+    delta = (v - k @ state) * beta[..., None]  # (b, h, 1, dv)
+    state.add_(k.transpose(-1, -2) @ delta)
+    return (q @ state).transpose(1, 2).to(dtype)
+
+
+def _gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each head's output (float32, cast back before its weight), times silu(z) in
+    float32, cast to the model's dtype."""
+    dtype = o.dtype
+    o32 = o.float()
+    o = w * (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (o * F.silu(z.float())).to(dtype)

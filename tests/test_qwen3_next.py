@@ -1,0 +1,259 @@
+"""Qwen3-Next and Qwen3.5 (``qwen3_next``; ``qwen3_5_text``, ``qwen3_5_moe_text`` and the
+image-text ``qwen3_5`` on token ids): three layers of four mix tokens with the gated delta rule
+(a state per sequence, no KV cache), the full-attention layers gate their output, every norm
+multiplies by (1 + w). Greedy tokens equal transformers' in float32 on every placement, for
+prompts that are left-padded in their batch and longer than the prefill's chunk of 64 positions
+(so the state is carried from chunk to chunk, and from prefill to decode)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.engine.footprint import StageShape, recurrent_bytes, stage_footprint
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.models.deltanet import CHUNK, chunked_rule, step_rule
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.source import ModelLoadError
+
+GEN = 6
+_g = torch.Generator().manual_seed(1)
+# 5 to 150 tokens: padded in their batches of two, two of them past one and two chunks
+PROMPTS = [torch.randint(1, 256, (n,), generator=_g).tolist() for n in (5, 70, 150, 3)]
+
+_BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, max_position_embeddings=512, pad_token_id=0)
+_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+
+
+def _build(kind: str):  # noqa: ANN202
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    if kind == "next":  # Qwen3-Next: fused projections interleaved by head, one dense layer
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**_BASE, **_MOE, intermediate_size=96, mlp_only_layers=[1],
+                                                    rope_parameters=rope))
+    if kind == "3.5":  # Qwen3.5 dense, multimodal RoPE sections (plain RoPE on text)
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_BASE, intermediate_size=96, rope_parameters={
+            **rope, "mrope_section": [1, 1, 2], "mrope_interleaved": True}))
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_BASE, **_MOE, rope_parameters=rope))
+
+
+KINDS = ["next", "3.5", "3.5-moe"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TinyModel, list[list[int]]]]:
+    out = {}
+    for kind in KINDS:
+        torch.manual_seed(7)
+        m = _build(kind).eval()
+        with torch.no_grad():  # zero-initialised norms, gates, experts and pad embedding: give them weights
+            for name, p in m.named_parameters():
+                if "norm" in name or "experts" in name or "gate" in name:
+                    p.normal_(0, 0.1)
+            m.get_input_embeddings().weight[0].normal_(0, 1.0)  # padding that is not zero already
+            for name, p in m.named_parameters():  # slow decays: the state remembers the whole prompt
+                if name.endswith("A_log"):
+                    p.uniform_(-6.0, -3.0)
+                elif name.endswith("dt_bias"):
+                    p.uniform_(-3.0, -1.0)
+                elif "linear_attn.in_proj" in name:  # a state that weighs in the layer's output
+                    p.normal_(0, 0.3)
+        path = tmp_path_factory.mktemp(kind)
+        m.save_pretrained(path)
+        tm = TinyModel(kind, path, m, 0)
+        ref = reference_generate(tm, PROMPTS, GEN)
+        # the padded batch's tokens are each prompt's alone: padding leaves the state at zero
+        assert ref == [reference_generate(tm, [p], GEN)[0] for p in PROMPTS]
+        out[kind] = (tm, ref)
+    return out
+
+
+POLICIES = [
+    dict(percent=(100, 0, 100, 0, 100, 0)),                                 # all on the device
+    dict(percent=(0, 50, 0, 50, 100, 0), cpu_attention=True),              # weights and cache half on disk
+    dict(percent=(0, 100, 0, 100, 100, 0), num_gpu_batches=2),             # merged decode
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_tokens_match_transformers(models: dict, kind: str, policy: dict, tmp_path: Path) -> None:
+    tm, ref = models[kind]
+    opts = dict(gpu_batch_size=2, num_gpu_batches=1, offload_dir=str(tmp_path / "off"), ignore_eos=True,
+                progress=False)
+    with LLM(str(tm.path), **{**opts, **policy}) as llm:
+        spec = llm.model.spec
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
+    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+
+
+def test_the_spec_carries_what_the_config_says(models: dict) -> None:
+    spec = load_model(str(models["next"][0].path), load_tokenizer=False).spec
+    assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert [spec.linear(j) for j in range(4)] == [True, True, True, False]
+    assert (spec.lin_k_heads, spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim, spec.lin_conv_kernel) == (2, 4, 16, 8, 4)
+    assert spec.lin_conv_dim == 2 * 2 * 16 + 4 * 8 and spec.rope_dim == 8
+    assert spec.attn_output_gate and spec.norm_unit_offset and spec.qk_norm
+    assert spec.moe_layers == (True, False, True, True) and spec.shared_expert_ffn_size == 48
+    moe = load_model(str(models["3.5-moe"][0].path), load_tokenizer=False).spec
+    assert moe.num_experts == 4 and moe.norm_topk_prob and moe.ffn_size == 32
+
+
+@pytest.mark.parametrize("feature", ["padding", "decode_state", "unit_norm"])
+def test_each_feature_changes_the_tokens(models: dict, feature: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parity above would prove nothing if a feature did not show here: with it left out
+    (padded inputs not zeroed; decode restarting the state every step; norms by w, not 1 + w),
+    the tokens differ from the reference."""
+    from dataclasses import replace
+
+    from flexgen_dist.engine import block_state, stage
+    from flexgen_dist.models import hf_config
+
+    tm, ref = models["next"]
+    if feature == "unit_norm":
+        real = hf_config.qwen_next_fields
+        monkeypatch.setattr(hf_config, "qwen_next_fields", lambda cfg: {**real(cfg), "norm_unit_offset": False})
+    else:
+        real_rec = block_state.recurrent
+
+        def broken(st, layer, i, ks):  # noqa: ANN001, ANN202
+            r = real_rec(st, layer, i, ks)
+            return replace(r, valid=None) if feature == "padding" else replace(r, fresh=True)
+        monkeypatch.setattr(stage, "recurrent", broken)
+    with LLM(str(tm.path), gpu_batch_size=2, ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] != ref
+
+
+def test_the_chunked_prefill_is_the_recurrence() -> None:
+    """The prefill's chunked form (a triangular solve per chunk, the state carried across
+    chunks, from a given state) and the decode's step-by-step recurrence are one rule."""
+    torch.manual_seed(3)
+    b, t, hk, hv, dk, dv = 2, 2 * CHUNK + 9, 2, 4, 8, 6
+    q, k = torch.randn(b, t, hk, dk), torch.randn(b, t, hk, dk)
+    v, beta = torch.randn(b, t, hv, dv), torch.rand(b, t, hv)
+    g = -torch.rand(b, t, hv)
+    start = torch.randn(b, hv, dk, dv)
+    chunk_state = torch.empty_like(start)
+    out = chunked_rule(q, k, v, g, beta, start, chunk_state)
+    state = start.clone()
+    steps = torch.cat([step_rule(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], state)
+                       for i in range(t)], dim=1)
+    assert torch.allclose(out, steps, atol=1e-4) and torch.allclose(chunk_state, state, atol=1e-4)
+    assert not torch.allclose(chunked_rule(q, k, v, g, beta, None, torch.empty_like(start)), steps, atol=1e-2)
+
+
+def test_the_states_are_allocated_as_the_footprint_counts_them(models: dict) -> None:
+    """A block holds each linear layer's states on the compute device, exactly the bytes
+    ``recurrent_bytes`` predicts, and no KV cache for those layers."""
+    from flexgen_dist.engine.blocks import BlockMeta
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.tiers import MemoryTracker
+
+    lm = load_model(str(models["next"][0].path), load_tokenizer=False)
+    spec, tracker = lm.spec, MemoryTracker()
+    eng = StageEngine(spec, lm.source, (0, 4), has_embed=True, has_head=True, policy=Policy(gpu_batch_size=2,
+                      num_gpu_batches=2), device=torch.device("cpu"),
+                      dtype=torch.float32, tracker=tracker)
+    before = tracker.peak_bytes()["gpu"]
+    meta = BlockMeta(prompt_len=10, gen_len=4, prompt_lens=[[10, 8], [10, 10]])
+    st = eng.new_block(meta)
+    z = StageShape(num_layers=4, has_embed=True, has_head=True, prompt_len=10, gen_len=4, dtype_bytes=4,
+                   gpu_batch_size=2, num_gpu_batches=2)
+    rows, per_row, copies = stage_footprint(spec, z).cache
+    assert recurrent_bytes(spec, z) == 3 * 4 * (spec.lin_conv_dim * 3 * 4 + 4 * 16 * 8 * 4)
+    assert tracker.peak_bytes()["gpu"] - before == recurrent_bytes(spec, z) + rows * per_row * copies
+    assert {j for j, _ in st.cache.chunks} == {3}  # the attention layer's cache alone
+    eng.free_block(st)  # the tracker refuses a free of more than was counted
+    eng.close()
+
+
+def test_the_image_text_checkpoint_runs_its_language_model(models: dict, tmp_path: Path) -> None:
+    """A ``qwen3_5`` (Qwen3_5ForConditionalGeneration) directory: its text_config, its weights
+    under model.language_model., the vision tower's fields and tensors unused."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tm, ref = models["3.5"]
+    text = json.loads((tm.path / "config.json").read_text())
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=32,
+                                                             num_heads=2, out_hidden_size=64, patch_size=4,
+                                                             spatial_merge_size=1, temporal_patch_size=1))
+    vl = Qwen3_5ForConditionalGeneration(cfg).eval()
+    vl.model.language_model.load_state_dict(tm.model.model.state_dict())
+    vl.lm_head.load_state_dict(tm.model.lm_head.state_dict())
+    vl.save_pretrained(tmp_path / "vl")
+    with LLM(str(tmp_path / "vl"), gpu_batch_size=2, ignore_eos=True, progress=False) as llm:
+        assert llm.model.spec.layer_types[3] == "full_attention"
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
+
+
+def test_a_config_without_the_linear_sizes_is_one_line(models: dict, tmp_path: Path) -> None:
+    cfg = json.loads((models["next"][0].path / "config.json").read_text())
+    del cfg["linear_num_value_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="linear_num_value_heads"):
+        load_model(str(tmp_path), load_tokenizer=False)
+    cfg = json.loads((models["next"][0].path / "config.json").read_text())
+    cfg["layer_types"][0] = "sliding_attention"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="linear_attention or full_attention"):
+        load_model(str(tmp_path), load_tokenizer=False)
+
+
+@pytest.mark.parametrize("opts", [dict(dtype="bfloat16"), dict(compress_weight=True)])
+def test_bfloat16_and_4bit_weights_run(models: dict, opts: dict) -> None:
+    """Users run these: every prompt gets its tokens; in bfloat16 the first tokens are
+    transformers' own in bfloat16 (the states stay float32 as there)."""
+    tm, ref = models["next"]
+    with LLM(str(tm.path), gpu_batch_size=2, ignore_eos=True, progress=False, **opts) as llm:
+        out = [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)]
+    assert [len(o) for o in out] == [GEN] * len(PROMPTS)
+    if "dtype" in opts:
+        bf = TinyModel("bf", tm.path, tm.model.to(torch.bfloat16), 0)
+        try:
+            want = [reference_generate(bf, [p], 1)[0] for p in PROMPTS]
+        finally:
+            tm.model.to(torch.float32)
+        assert [o[:1] for o in out] == want
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_ranks_split_linear_and_attention_layers(models: dict, tmp_path: Path) -> None:
+    """Two pipeline stages under torchrun (gloo): the first holds linear layers only, the second
+    a linear layer and the attention layer; each keeps its own layers' states."""
+    tm, ref = models["next"]
+    out = tmp_path / "o.jsonl"
+    r = local_ranks(["-m", "flexgen_dist.run", "--no-progress", "--model", str(tm.path), "--prompts",
+                     str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)), "--gen-len", str(GEN), "--ignore-eos",
+                     "--gpu-batch-size", "2", "--num-gpu-batches", "1", "--stage-layers", "2", "2",
+                     "--output", str(out), "--offload-dir", str(tmp_path / "off")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(out)] == ref
+
+
+def test_the_registry_entry_is_what_its_config_gives() -> None:
+    """qwen3-next-80b-a3b equals the spec of Qwen3-Next-80B-A3B's published config (transformers'
+    Qwen3NextConfig defaults, with its context, RoPE base and dense width set here; token ids
+    aside), and has the model card's 80B parameters."""
+    from dataclasses import replace
+
+    from transformers import Qwen3NextConfig
+
+    from flexgen_dist.models.hf_config import spec_from_hf_config
+    from flexgen_dist.models.registry import get_spec
+
+    cfg = Qwen3NextConfig(max_position_embeddings=262144, intermediate_size=5120,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                           "partial_rotary_factor": 0.25})
+    got, want = spec_from_hf_config(cfg.to_dict(), "q"), get_spec("qwen3-next-80b-a3b")
+    ids = dict(name="", bos_token_id=None, eos_token_ids=(), pad_token_id=None)
+    assert replace(got, **ids) == replace(want, **ids)
+    assert want.total_numel() / 1e9 == pytest.approx(80, rel=0.01)
