@@ -561,3 +561,16 @@ def test_decode_attention_bench_times_each_backend_or_says_why_not(tmp_path: Pat
     for b in ("math", "engine"):  # on a CPU: the math path and the engine's own kernel run
         assert res[b]["issue_ms"] > 0 and res[b]["new_length_ms"] > 0 and res[b]["max_err"] < 1e-5
     assert "skipped" in res["cudnn"] and "skipped" in res["efficient"]  # GPU backends, said so
+
+
+def test_hybrid_bench_runs_both_shapes_at_each_length(tmp_path: Path) -> None:
+    from flexgen_dist.bench import hybrid
+
+    out = tmp_path / "h.json"
+    assert hybrid.main(["--prompt-lens", "40", "70", "--gen-len", "2", "--num-prompts", "2", "--hidden", "128",
+                        "--layers", "4", "--rounds", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["model"], r["prompt_len"]) for r in res["medians"]] == [
+        ("hybrid", 40), ("full", 40), ("hybrid", 70), ("full", 70)]
+    assert all(r["decode"] > 0 and r["prefill"] > 0 and r["peak_gpu_bytes"] > 0 for r in res["medians"])
+    assert len(res["runs"]) == 4

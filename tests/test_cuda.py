@@ -260,9 +260,10 @@ def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype
 
 
 @pytest.mark.parametrize("name", [*sorted(FAMILIES), "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe-groups", "gpt_oss",
-                                  "deepseek_v3", "llama4"])
+                                  "deepseek_v3", "llama4", "qwen3_next"])
 def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_device, tmp_path: Path) -> None:
-    """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the mixtures of experts in float32 on
+    """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3, the mixtures of experts, Llama 4 and
+    Qwen3-Next (the gated delta rule's states on the device) in float32 on
     the device: half the weights there and half in RAM, the cache and activations there,
     prompts past the sliding windows; greedy tokens equal transformers' on the same device.
     (Gemma 2's reference runs eager attention: the SDPA that transformers before 5.2x picks by
@@ -278,6 +279,9 @@ def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_devic
     elif name == "llama4":  # chunked attention, the temperature: each prompt's reference alone (test_llama4)
         from test_llama4 import _model as llama4_model
         tm = llama4_model("interleaved", tmp_path / "m")
+    elif name == "qwen3_next":  # linear-attention layers: their states on the device (test_qwen3_next)
+        from test_qwen3_next import _model as qwen3_next_model
+        tm = qwen3_next_model("next", tmp_path / "m")
     else:
         tm = moe_model(name, tmp_path / "m")
     if name == "llama4":

@@ -48,27 +48,31 @@ def _build(kind: str):  # noqa: ANN202
 KINDS = ["next", "3.5", "3.5-moe"]
 
 
+def _model(kind: str, path: Path) -> TinyModel:
+    """A random model of ``kind`` saved at ``path``, with weights that make each feature show."""
+    torch.manual_seed(7)
+    m = _build(kind).eval()
+    with torch.no_grad():  # zero-initialised norms, gates, experts and pad embedding: give them weights
+        for name, p in m.named_parameters():
+            if "norm" in name or "experts" in name or "gate" in name:
+                p.normal_(0, 0.1)
+        m.get_input_embeddings().weight[0].normal_(0, 1.0)  # padding that is not zero already
+        for name, p in m.named_parameters():  # slow decays: the state remembers the whole prompt
+            if name.endswith("A_log"):
+                p.uniform_(-6.0, -3.0)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-3.0, -1.0)
+            elif "linear_attn.in_proj" in name:  # a state that weighs in the layer's output
+                p.normal_(0, 0.3)
+    m.save_pretrained(path)
+    return TinyModel(kind, path, m, 0)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TinyModel, list[list[int]]]]:
     out = {}
     for kind in KINDS:
-        torch.manual_seed(7)
-        m = _build(kind).eval()
-        with torch.no_grad():  # zero-initialised norms, gates, experts and pad embedding: give them weights
-            for name, p in m.named_parameters():
-                if "norm" in name or "experts" in name or "gate" in name:
-                    p.normal_(0, 0.1)
-            m.get_input_embeddings().weight[0].normal_(0, 1.0)  # padding that is not zero already
-            for name, p in m.named_parameters():  # slow decays: the state remembers the whole prompt
-                if name.endswith("A_log"):
-                    p.uniform_(-6.0, -3.0)
-                elif name.endswith("dt_bias"):
-                    p.uniform_(-3.0, -1.0)
-                elif "linear_attn.in_proj" in name:  # a state that weighs in the layer's output
-                    p.normal_(0, 0.3)
-        path = tmp_path_factory.mktemp(kind)
-        m.save_pretrained(path)
-        tm = TinyModel(kind, path, m, 0)
+        tm = _model(kind, tmp_path_factory.mktemp(kind))
         ref = reference_generate(tm, PROMPTS, GEN)
         # the padded batch's tokens are each prompt's alone: padding leaves the state at zero
         assert ref == [reference_generate(tm, [p], GEN)[0] for p in PROMPTS]
@@ -257,3 +261,14 @@ def test_the_registry_entry_is_what_its_config_gives() -> None:
     ids = dict(name="", bos_token_id=None, eos_token_ids=(), pad_token_id=None)
     assert replace(got, **ids) == replace(want, **ids)
     assert want.total_numel() / 1e9 == pytest.approx(80, rel=0.01)
+
+
+def test_a_config_whose_layers_all_attend_needs_no_linear_sizes(models: dict, tmp_path: Path) -> None:
+    """Qwen3-Next's layers with every one attending (layer_types all full_attention: transformers
+    builds no linear layer): the spec has no linear sizes and no state; the gate and the norms stay."""
+    cfg = json.loads((models["next"][0].path / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model(str(tmp_path), dummy_weights=True, load_tokenizer=False).spec
+    assert not any(spec.linear(j) for j in range(spec.num_layers)) and spec.recurrent_numel() == (0, 0)
+    assert spec.attn_output_gate and spec.norm_unit_offset and spec.lin_v_heads == 0

@@ -91,24 +91,31 @@ def _conv(xc: torch.Tensor, weight: torch.Tensor, rec: Recurrent) -> torch.Tenso
     t = xc.shape[-1]
     full = F.pad(xc, (taps - 1, 0)) if rec.fresh else torch.cat([rec.conv, xc], dim=-1)
     rec.conv.copy_(full[..., -(taps - 1):])
-    out = F.conv1d(full.to(weight.dtype), weight, None, groups=xc.shape[1])[..., -t:]
+    if t == 1:  # a decode step: one output per channel, a dot product of its taps (a
+        # convolution call costs more than the arithmetic here), summed in float32 and rounded
+        # once as the convolution does
+        out = (full.float() * weight[:, 0].float()).sum(-1, keepdim=True).to(weight.dtype)
+    else:
+        out = F.conv1d(full.to(weight.dtype), weight, None, groups=xc.shape[1])[..., -t:]
     return F.silu(out).to(xc.dtype)
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+def _l2norm_(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x²) + 1e-6) over the last dim, in place (x is a float32 copy)."""
+    return x.mul_(torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6))
 
 
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
                  ) -> tuple[torch.Tensor, ...]:
     """(b, t, heads, d) inputs as float32 (b, v heads, t, d), q and k repeated for the value
-    heads that share them and L2-normalised."""
+    heads that share them and L2-normalised (q and k are new tensors: the caller's are not
+    written; the others may be views of the caller's)."""
     rep = v.shape[2] // q.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k, v, beta, g = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                        for a in (q, k, v, beta, g))
-    return _l2norm(q), _l2norm(k), v, g, beta
+    q, k = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format, copy=True) for a in (q, k))
+    v, beta, g = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for a in (v, beta, g))
+    return _l2norm_(q), _l2norm_(k), v, g, beta
 
 
 def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -118,10 +125,11 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     outputs (b, t, v heads, v dim) in v's dtype; the final state goes to ``out_state``."""
     dtype, t = v.dtype, q.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
-    q = q * q.shape[-1] ** -0.5
+    q.mul_(q.shape[-1] ** -0.5)
     pad = (CHUNK - t % CHUNK) % CHUNK
-    q, k, v = (F.pad(a, (0, 0, 0, pad)) for a in (q, k, v))
-    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    if pad:  # zero positions after the last: k = 0 and beta = 0 leave the state as it is
+        q, k, v = (F.pad(a, (0, 0, 0, pad)) for a in (q, k, v))
+        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     b, h, n = q.shape[0], q.shape[1], (t + pad) // CHUNK
     kb, vb = k * beta[..., None], v * beta[..., None]
     q, k, kb, vb = (a.reshape(b, h, n, CHUNK, a.shape[-1]) for a in (q, k, kb, vb))
@@ -135,8 +143,8 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     s = torch.zeros(b, h, k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device) if state is None \
         else state.to(torch.float32)
     out = torch.zeros_like(u)
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    q.mul_(cum.exp()[..., None])  # (q and k are this function's own from here)
+    k.mul_((cum[..., -1:] - cum).exp()[..., None])
     last = cum[..., -1].exp()[..., None, None]
     for c in range(n):  # chunk to chunk: the state read, corrected and carried
         v_new = u[:, :, c] - w_[:, :, c] @ s
@@ -152,11 +160,17 @@ def step_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """One decode position (t = 1) from ``state`` (b, v heads, k dim, v dim), updated in place."""
     dtype = v.dtype
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (b, h, 1, d); g, beta (b, h, 1)
-    q = q / q.shape[-1] ** 0.5
-    state.mul_(g.exp()[..., None])  # (b, h, 1, 1) over (b, h, dk, dv)
-    delta = (v - k @ state) * beta[..., None]  # (b, h, 1, dv)
-    state.add_(k.transpose(-1, -2) @ delta)
-    return (q @ state).transpose(1, 2).to(dtype)
+    q.div_(q.shape[-1] ** 0.5)
+    decay = g.exp()[..., None]  # (b, h, 1, 1)
+    # The state is the one large operand (v heads x k dim x v dim per sequence): it is read once
+    # for k's and q's products, then updated in place once, and q reads the new state through
+    # q.S' = decay (q.S) + (q.k) delta, so no pass over it reads it again.
+    kq = torch.cat([k, q], dim=2) @ state  # (b, h, 2, dv)
+    delta = (v - decay * kq[:, :, :1]) * beta[..., None]  # (b, h, 1, dv)
+    flat = state.view(-1, *state.shape[2:])
+    flat.mul_(decay.reshape(-1, 1, 1)).baddbmm_(k.transpose(-1, -2).flatten(0, 1), delta.flatten(0, 1))
+    o = decay * kq[:, :, 1:] + (q * k).sum(-1, keepdim=True) * delta
+    return o.transpose(1, 2).to(dtype)
 
 
 def _gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

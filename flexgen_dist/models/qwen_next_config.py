@@ -34,7 +34,9 @@ def qwen_next_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if set(types) - {"linear_attention", "full_attention"}:
         raise ValueError(f"layer_types {sorted(set(types))}: a Qwen3-Next / Qwen3.5 layer is linear_attention or "
                          "full_attention")
-    return dict(layer_types=types, lin_k_heads=cfg["linear_num_key_heads"], lin_v_heads=cfg["linear_num_value_heads"],
-                lin_k_dim=cfg["linear_key_head_dim"], lin_v_dim=cfg["linear_value_head_dim"],
-                lin_conv_kernel=cfg.get("linear_conv_kernel_dim") or 4, attn_output_gate=True, norm_unit_offset=True,
-                qk_norm=True)
+    out = dict(layer_types=types, attn_output_gate=True, norm_unit_offset=True, qk_norm=True)
+    if "linear_attention" in types:  # (a config whose layers all attend has no use for these)
+        out.update(lin_k_heads=cfg["linear_num_key_heads"], lin_v_heads=cfg["linear_num_value_heads"],
+                   lin_k_dim=cfg["linear_key_head_dim"], lin_v_dim=cfg["linear_value_head_dim"],
+                   lin_conv_kernel=cfg.get("linear_conv_kernel_dim") or 4)
+    return out
