@@ -272,3 +272,30 @@ def test_a_config_whose_layers_all_attend_needs_no_linear_sizes(models: dict, tm
     spec = load_model(str(tmp_path), dummy_weights=True, load_tokenizer=False).spec
     assert not any(spec.linear(j) for j in range(spec.num_layers)) and spec.recurrent_numel() == (0, 0)
     assert spec.attn_output_gate and spec.norm_unit_offset and spec.lin_v_heads == 0
+
+
+def test_scoring_equals_transformers_in_prefill_and_decode(models: dict, tmp_path: Path) -> None:
+    """Perplexity scoring: sequences of several lengths in one padded batch (the prefill's
+    chunks), and teacher-forced decode steps (``eval ppl --decode-tokens``: the recurrence),
+    score as transformers' full logits do."""
+    import math
+
+    from test_eval import decode_windows, hf_reference
+
+    from flexgen_dist.eval import main
+
+    tm, _ = models["next"]
+    seqs = [PROMPTS[2][:100], PROMPTS[1], PROMPTS[0]]
+    with LLM(str(tm.path), gpu_batch_size=2, progress=False) as llm:
+        scores = llm.score(seqs, [1, 1, 1])
+    for s, seq in zip(scores, seqs):
+        nll, count, hits = hf_reference(tm.model, seq, [(0, len(seq), 1)])
+        assert s.count == count and abs(s.nll - nll) <= 1e-4 * abs(nll) and s.correct == hits
+    ids = PROMPTS[2]
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"input_ids": ids}) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["ppl", "--text", str(tmp_path / "ids.jsonl"), "--window", "80", "--stride", "70", "--decode-tokens",
+                 "12", "--model", str(tm.path), "--json", str(out), "--no-progress", "--gpu-batch-size", "2"]) == 0
+    res = json.loads(out.read_text())
+    nll, count, hits = hf_reference(tm.model, ids, decode_windows(len(ids), 80, 70, 12))
+    assert res["tokens_scored"] == count and abs(res["ppl"] - math.exp(nll / count)) <= 1e-4 * math.exp(nll / count)
