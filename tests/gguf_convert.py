@@ -26,7 +26,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
-        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee"}
+        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -67,7 +67,12 @@ _HUNYUAN_LAYER = {**_LAYER, "self_attn.query_layernorm": "attn_q_norm", "self_at
 _SEED_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm"}
 _DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                 "mlp.shared_experts.down_proj": "ffn_down_shexp"}
-_TABLES = {"gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
+# Qwen3-Next: its norm before the MLP by the HF name; the linear layers' tensors (write_gguf
+# splits in_proj_qkvz into attn_qkv and attn_gate, as Qwen3NextModel's converter does)
+_QWEN3NEXT_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_ba": "ssm_ba",
+                    "linear_attn.conv1d": "ssm_conv1d", "linear_attn.dt_proj": "ssm_dt", "linear_attn.norm": "ssm_norm",
+                    "linear_attn.out_proj": "ssm_out"}
+_TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
            "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER}
@@ -227,8 +232,16 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         w.add_expert_used_count(cfg.get("num_experts_per_tok") or cfg.get("moe_topk"))
         if arch not in ("llama", "glm4moe", "olmoe"):  # OlmoeModel: the feed-forward length is the experts'
             w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "qwen3next"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "qwen3next":  # Qwen3NextModel: the linear layers' sizes, the interval, the turned dims
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
     if arch == "olmo2" and "sliding_window" in cfg:  # Olmo2Model (also OLMo 3's): the window and its pattern
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -458,8 +471,26 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):
             continue
         t = t.detach().float()
-        if arch.startswith("gemma") and hf.endswith("norm.weight"):
+        if (arch.startswith("gemma") or arch == "qwen3next") and hf.endswith("norm.weight") \
+                and not hf.endswith("linear_attn.norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w): the converter stores 1 + w
+        if arch == "qwen3next" and ".linear_attn." in hf:
+            layer = hf.split(".")[2]
+            if hf.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> q|k|v of all heads, and z
+                dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+                hk, r = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+                q, k, v, z = t.view(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+                tensors[f"blk.{layer}.attn_qkv.weight"] = torch.cat([x.reshape(-1, t.shape[1]) for x in (q, k, v)])
+                tensors[f"blk.{layer}.attn_gate.weight"] = z.reshape(-1, t.shape[1])
+                continue
+            if hf.endswith("A_log"):
+                tensors[f"blk.{layer}.ssm_a"] = -torch.exp(t)
+                continue
+            if hf.endswith("dt_bias"):
+                tensors[f"blk.{layer}.ssm_dt.bias"] = t
+                continue
+            if hf.endswith("conv1d.weight"):
+                t = t.squeeze(1)
         if arch in ("llama", "granite", "smollm3", "arcee") and ".self_attn.q_proj." in hf:
             t = permute(t, n_head)
         elif arch in ("llama", "granite", "smollm3", "arcee") and ".self_attn.k_proj." in hf:

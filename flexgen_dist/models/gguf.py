@@ -118,7 +118,7 @@ def _head_sizes(key: Any, arch: str, hidden: int, heads: int, name: str) -> tupl
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
     # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
-    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2") and rotary != head_dim
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", "qwen3next") and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")
@@ -358,11 +358,16 @@ class GGUFSource(WeightSource):
                 data, shape = data[e], shape[1:]
             if len(shape) == 1 and len(shapes.get(k, ())) == 2 and shapes[k][0] == 1:
                 data, shape = data.reshape(1, -1), (1, shape[0])  # a gate of one row, kept as a vector
-            if rows:
-                r0, r1 = (int(r) for r in rows.split(":"))
-                if shape[0] < r1:
-                    raise ModelLoadError(f"{self.path}: tensor {name} has {shape[0]} rows, expected >= {r1}")
-                data, shape = data[r0:r1], (r1 - r0, *shape[1:])
+            if len(shape) == 2 and len(shapes.get(k, ())) == 3 and shapes[k][1] == 1:
+                data, shape = data.reshape(shape[0], 1, shape[1]), (shape[0], 1, shape[1])  # a depthwise conv's taps
+            if rows:  # one range of rows, or several joined ("a:b,c:d": Qwen3-Next's interleaved heads)
+                ranges = [tuple(int(r) for r in rng.split(":")) for rng in rows.split(",")]
+                if shape[0] < max(r1 for _, r1 in ranges):
+                    raise ModelLoadError(f"{self.path}: tensor {name} has {shape[0]} rows, expected >= "
+                                         f"{max(r1 for _, r1 in ranges)}")
+                parts = [data[r0:r1] for r0, r1 in ranges]
+                data = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                shape = (sum(r1 - r0 for r0, r1 in ranges), *shape[1:])
             out[k] = (t, data, shape)
         return out
 
@@ -379,7 +384,9 @@ class GGUFSource(WeightSource):
         if not (a.flags.writeable and a.flags.c_contiguous):  # a plain tensor is a view of the mapped file
             a = a.copy()
         w = torch.from_numpy(a).float()
-        if self.arch.norm_shift and k.endswith("norm.w"):
+        if k == "lin_A_log":  # the file holds A = -exp(A_log) (llama.cpp's converter)
+            w = torch.log(-w)
+        if self.arch.norm_shift and k.endswith("norm.w") and k != "lin_norm.w":  # (ssm_norm is stored as it is)
             # the file holds Gemma's 1 + w, rounded once by the converter; in float32 taking 1
             # off is exact for any such value, so the family's 1 + w is the file's bit for bit
             w -= self.arch.norm_shift

@@ -116,13 +116,19 @@ ARCHS: dict[str, GGUFArch] = {
     # pattern, the global ones without RoPE
     "exaone4": GGUFArch("llama", llama.gguf_names,
                         keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
+    # Qwen3-Next: three linear-attention layers of four (ssm_*), gated attention on a quarter-
+    # turned head, (1 + w) norms stored as 1 + w (but the linear layers' own, ssm_norm),
+    # Qwen2-MoE's experts with the shared expert's gate
+    "qwen3next": GGUFArch("llama", llama.qwen3next_gguf_names, norm_shift=1.0, keys=frozenset({
+        "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
+        "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval"})),
     "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
 MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
-                       "llama4", "hunyuan-moe", "dots1"})
+                       "llama4", "hunyuan-moe", "dots1", "qwen3next"})
 SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
@@ -243,7 +249,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         or (arch == "seed_oss" and "blk.0.attn_q.bias" in tensors and "blk.0.attn_output.bias" not in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors
         and (arch != "seed_oss" or "blk.0.attn_output.bias" in tensors),
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", *HUNYUAN_ARCHS)
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", "qwen3next", *HUNYUAN_ARCHS)
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
         qk_norm_after_rope=arch in HUNYUAN_ARCHS,
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
@@ -256,7 +262,24 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
     if arch == "llama4":
         fields.update(llama4_gguf_fields(key, experts))
+    if arch == "qwen3next":
+        fields.update(qwen3next_gguf_fields(key))
     return {**fields, **mla_fields(key)} if arch == "deepseek2" else fields
+
+
+def qwen3next_gguf_fields(key: Any) -> dict[str, Any]:
+    """Qwen3-Next's fields as llama.cpp's loader reads them: every ``full_attention_interval``-th
+    layer attends, the others are linear (``ssm.group_count`` k heads of ``ssm.state_size``,
+    ``ssm.time_step_rank`` v heads sharing ``ssm.inner_size``, ``ssm.conv_kernel`` taps)."""
+    n, every = int(key("block_count")), int(key("full_attention_interval", 4))
+    v_heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
+    if every < 1 or not v_heads or inner % v_heads:
+        raise ValueError(f"qwen3next.full_attention_interval {every}, ssm.time_step_rank {v_heads} and "
+                         f"ssm.inner_size {inner}: not a Qwen3-Next file's; corrupt file?")
+    return dict(layer_types=tuple("full_attention" if (j + 1) % every == 0 else "linear_attention" for j in range(n)),
+                lin_k_heads=int(key("ssm.group_count")), lin_v_heads=v_heads, lin_k_dim=int(key("ssm.state_size")),
+                lin_v_dim=inner // v_heads, lin_conv_kernel=int(key("ssm.conv_kernel")), attn_output_gate=True,
+                norm_unit_offset=True)
 
 
 def llama4_gguf_fields(key: Any, experts: int) -> dict[str, Any]:
@@ -339,7 +362,7 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if arch == "llama4":  # the top logits' sigmoids scaling the experts' inputs, one ungated shared expert
         fields.update(router_scoring="top_sigmoid", norm_topk_prob=False, shared_expert_gated=False,
                       shared_expert_ffn_size=fields["expert_ffn_size"])
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3next"):  # a shared expert gated by a sigmoid (Qwen3-Next: renormalised)
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     # the gating function (1: softmax, 2: sigmoid) where it is a key: llama.cpp's default for
     # deepseek2 is softmax (DeepSeek-V2), the others' sigmoid, and these compute no other

@@ -37,6 +37,11 @@ _LAYER_GGUF = {
     # and attn_v_b joined back (``gguf_deepseek.join_kv_b``)
     "q_a.w": "attn_q_a.weight", "q_a_norm.w": "attn_q_a_norm.weight", "q_b.w": "attn_q_b.weight",
     "kv_a.w": "attn_kv_a_mqa.weight", "kv_a_norm.w": "attn_kv_a_norm.weight", "kv_b.w": "attn_kv_b.weight",
+    # Qwen3-Next's linear-attention layers (qwen3next): q|k|v and z as the converter splits
+    # in_proj_qkvz, b and a as rows of ssm_ba, A as -exp(A_log) (``GGUFSource`` takes the log back)
+    "lin_qkv.w": "attn_qkv.weight", "lin_z.w": "attn_gate.weight", "lin_b.w": "ssm_ba.weight",
+    "lin_a.w": "ssm_ba.weight", "lin_conv.w": "ssm_conv1d.weight", "lin_dt.b": "ssm_dt.bias", "lin_A_log": "ssm_a",
+    "lin_norm.w": "ssm_norm.weight", "lin_o.w": "ssm_out.weight", "q_gate.w": "attn_q.weight",
 }
 
 
@@ -156,6 +161,23 @@ def post_attention_gguf_names(spec: ModelSpec, part: str, layer: int | None = No
     out = gguf_names(spec, part, layer)
     if part == "layer":
         out["mlp_norm.w"] = f"blk.{layer}.post_attention_norm.weight"
+    return out
+
+
+def qwen3next_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """llama.cpp's ``qwen3next`` names: the norm before the MLP is post_attention_norm; a
+    linear layer's b and a are the rows of ssm_ba interleaved by key head (``lin_hf_names``'s
+    ranges, as in_proj_ba's), an attention layer's q and gate those of attn_q, each head's q
+    then its gate (HF's q_proj as it is)."""
+    out = post_attention_gguf_names(spec, part, layer)
+    if part != "layer" or layer is None:
+        return out
+    if spec.linear(layer):
+        for k in ("lin_b.w", "lin_a.w"):
+            out[k] = f"blk.{layer}.ssm_ba.weight{ROWS}" + lin_hf_names(spec, "")[k][1].split(ROWS)[1]
+    else:
+        for k in ("q.w", "q_gate.w"):
+            out[k] = f"blk.{layer}.attn_q.weight{ROWS}" + hf_names(spec, "layer", layer)[k][0].split(ROWS)[1]
     return out
 
 
