@@ -26,7 +26,8 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "glm4_moe": "glm4moe", "exaone4": "exaone4", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2",
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
-        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next"}
+        "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
+        "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -71,8 +72,11 @@ _DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp
 # splits in_proj_qkvz into attn_qkv and attn_gate, as Qwen3NextModel's converter does)
 _QWEN3NEXT_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_ba": "ssm_ba",
                     "linear_attn.conv1d": "ssm_conv1d", "linear_attn.dt_proj": "ssm_dt", "linear_attn.norm": "ssm_norm",
-                    "linear_attn.out_proj": "ssm_out"}
-_TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
+                    "linear_attn.out_proj": "ssm_out", "linear_attn.in_proj_qkv": "attn_qkv",
+                    "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+                    "linear_attn.in_proj_a": "ssm_alpha"}
+QWEN_NEXT = ("qwen3next", "qwen35", "qwen35moe")
+_TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe": _QWEN3NEXT_LAYER, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
            "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER}
@@ -110,6 +114,31 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
         # Gemma 1's post_attention_layernorm is the norm before the MLP, as Llama's
         return f"blk.{parts[2]}.{_TABLES.get(arch, _LAYER)[module]}.{suffix}"
     raise KeyError(f"no GGUF name for {hf}")
+
+
+def _tiled_v_heads(hf: str, t: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+    """Qwen3.5's converter: the v heads reordered from grouped by key head (h = g r + j) to tiled
+    (j hk + g) in every tensor that has them (the v rows of in_proj_qkv and the conv taps, z, b,
+    a, A_log, dt_bias, out_proj's columns)."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if hk == hv:
+        return t
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], hv // hk
+
+    def tile(x: torch.Tensor, dim: int, d: int) -> torch.Tensor:
+        shape = list(x.shape)
+        x = x.reshape(*shape[:dim], hk, r, d, *shape[dim + 1:]).transpose(dim, dim + 1)
+        return x.reshape(shape)
+
+    if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([t[:2 * hk * dk], tile(t[2 * hk * dk:], 0, dv)])
+    if hf.endswith("in_proj_z.weight"):
+        return tile(t, 0, dv)
+    if hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+        return tile(t, 0, 1)
+    if hf.endswith("out_proj.weight"):
+        return tile(t, 1, dv)
+    return t
 
 
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -203,8 +232,10 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
     w.add_block_count(cfg["num_hidden_layers"] + (NEXTN if arch == "glm4moe" else 0))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    # Llama4Model: the dense layers' width (intermediate_size_mlp) as the feed-forward length
-    w.add_feed_forward_length(cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"])
+    # Llama4Model: the dense layers' width (intermediate_size_mlp); a config without a dense
+    # width (Qwen3.5-MoE) gets none (TextModel writes it where the config has one)
+    if arch == "llama4" or "intermediate_size" in cfg:
+        w.add_feed_forward_length(cfg["intermediate_size_mlp"] if arch == "llama4" else cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(n_kv)
     base = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -232,9 +263,11 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         w.add_expert_used_count(cfg.get("num_experts_per_tok") or cfg.get("moe_topk"))
         if arch not in ("llama", "glm4moe", "olmoe"):  # OlmoeModel: the feed-forward length is the experts'
             w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        if arch in ("qwen2moe", "qwen3next"):
+        if arch in ("qwen2moe", "qwen3next", "qwen35moe"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if arch == "qwen3next":  # Qwen3NextModel: the linear layers' sizes, the interval, the turned dims
+    if arch in ("qwen35", "qwen35moe"):  # _Qwen35MRopeMixin: the sections, the default where the config has none
+        w.add_rope_dimension_sections(rope.get("mrope_section", [11, 11, 10]) + [0])
+    if arch in QWEN_NEXT:  # Qwen3NextModel: the linear layers' sizes, the interval, the turned dims
         w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
         w.add_ssm_state_size(cfg["linear_key_head_dim"])
         w.add_ssm_group_count(cfg["linear_num_key_heads"])
@@ -471,10 +504,12 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         if hf == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):
             continue
         t = t.detach().float()
-        if (arch.startswith("gemma") or arch == "qwen3next") and hf.endswith("norm.weight") \
+        if (arch.startswith("gemma") or arch in QWEN_NEXT) and hf.endswith("norm.weight") \
                 and not hf.endswith("linear_attn.norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w): the converter stores 1 + w
-        if arch == "qwen3next" and ".linear_attn." in hf:
+        if arch in ("qwen35", "qwen35moe") and ".linear_attn." in hf:
+            t = _tiled_v_heads(hf, t, cfg)  # _LinearAttentionVReorderBase, before Qwen3NextModel's changes
+        if arch in QWEN_NEXT and ".linear_attn." in hf:
             layer = hf.split(".")[2]
             if hf.endswith("in_proj_qkvz.weight"):  # [q, k, v, z] per key head -> q|k|v of all heads, and z
                 dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]

@@ -304,16 +304,17 @@ def test_scoring_equals_transformers_in_prefill_and_decode(models: dict, tmp_pat
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("qtype", [None, "Q8_0"])
-def test_gguf_files_match_transformers(qtype: str | None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind,qtype", [("next", None), ("next", "Q8_0"), ("3.5", None), ("3.5-moe", None)])
+def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: Path) -> None:
     """A ``qwen3next`` GGUF file as llama.cpp's converter writes it (in_proj_qkvz split into
     attn_qkv and attn_gate, in_proj_ba kept as ssm_ba, A as -exp(A_log), the convolution's taps
-    squeezed, every norm but ssm_norm stored as 1 + w, q_proj with its gate as attn_q): the
-    same spec as the HF directory's and transformers' tokens, float32 or Q8_0 kept packed
+    squeezed, every norm but ssm_norm stored as 1 + w, q_proj with its gate as attn_q), and
+    ``qwen35`` / ``qwen35moe`` files (b and a apart, the v heads tiled): the same spec as the HF
+    directory's (but the v heads' order) and transformers' tokens, float32 or Q8_0 kept packed
     under --compress-weight, weights half on disk."""
     from gguf_convert import roundtrip_, write_gguf
 
-    tm = _model("next", tmp_path / "hf", vocab_size=49152)
+    tm = _model(kind, tmp_path / "hf", vocab_size=49152)
     if qtype:
         roundtrip_(tm.model, qtype)
     path = write_gguf(tm.model, tmp_path / "q3n.gguf", qtype)
@@ -321,8 +322,8 @@ def test_gguf_files_match_transformers(qtype: str | None, tmp_path: Path) -> Non
     hf = load_model(str(tm.path), load_tokenizer=False).spec
     from dataclasses import replace
 
-    ids = dict(name="", bos_token_id=None, eos_token_ids=(), pad_token_id=None)
-    assert replace(spec, **ids) == replace(hf, **ids)
+    ids = dict(name="", bos_token_id=None, eos_token_ids=(), pad_token_id=None, lin_v_tiled=False)
+    assert replace(spec, **ids) == replace(hf, **ids) and spec.lin_v_tiled == (kind != "next")
     ref = reference_generate(TinyModel("q3n", path, tm.model, 0), PROMPTS, GEN)
     with LLM(str(path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=2, offload_dir=str(tmp_path / "off"),
              ignore_eos=True, progress=False) as llm:

@@ -77,9 +77,9 @@ def linear_attention(spec: ModelSpec, w: Weights, x: torch.Tensor, rec: Recurren
     beta = linear(x, w["lin_b.w"]).sigmoid()
     g = -w["lin_A_log"].float().exp() * F.softplus(linear(x, w["lin_a.w"]).float() + w["lin_dt.b"])
     if t == 1 and not rec.fresh:
-        o = step_rule(q, k, v, g, beta, rec.ssm)
+        o = step_rule(q, k, v, g, beta, rec.ssm, spec.lin_v_tiled)
     else:
-        o = chunked_rule(q, k, v, g, beta, None if rec.fresh else rec.ssm, rec.ssm)
+        o = chunked_rule(q, k, v, g, beta, None if rec.fresh else rec.ssm, rec.ssm, spec.lin_v_tiled)
     z = linear(x, w["lin_z.w"]).view(b, t, hv, dv)
     return _gated_norm(o, z, w["lin_norm.w"], spec.norm_eps).reshape(b, t, hv * dv)
 
@@ -105,13 +105,16 @@ def _l2norm_(x: torch.Tensor) -> torch.Tensor:
     return x.mul_(torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6))
 
 
-def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-                 ) -> tuple[torch.Tensor, ...]:
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 tiled: bool = False) -> tuple[torch.Tensor, ...]:
     """(b, t, heads, d) inputs as float32 (b, v heads, t, d), q and k repeated for the value
-    heads that share them and L2-normalised (q and k are new tensors: the caller's are not
-    written; the others may be views of the caller's)."""
+    heads that share them (each in turn, or ``tiled``: all of them again and again) and
+    L2-normalised (q and k are new tensors: the caller's are not written; the others may be
+    views of the caller's)."""
     rep = v.shape[2] // q.shape[2]
-    if rep > 1:
+    if rep > 1 and tiled:
+        q, k = q.repeat(1, 1, rep, 1), k.repeat(1, 1, rep, 1)
+    elif rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
     q, k = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format, copy=True) for a in (q, k))
     v, beta, g = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for a in (v, beta, g))
@@ -119,12 +122,13 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 state: torch.Tensor | None, out_state: torch.Tensor) -> torch.Tensor:
+                 state: torch.Tensor | None, out_state: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """The rule over t positions from ``state`` (None: zero), in chunks of ``CHUNK``: q, k
-    (b, t, k heads, k dim), v (b, t, v heads, v dim), g and beta (b, t, v heads). Returns the
-    outputs (b, t, v heads, v dim) in v's dtype; the final state goes to ``out_state``."""
+    (b, t, k heads, k dim), v (b, t, v heads, v dim), g and beta (b, t, v heads); ``tiled``: the
+    v heads' order (``ModelSpec.lin_v_tiled``). Returns the outputs (b, t, v heads, v dim) in
+    v's dtype; the final state goes to ``out_state``."""
     dtype, t = v.dtype, q.shape[1]
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, tiled)
     q.mul_(q.shape[-1] ** -0.5)
     pad = (CHUNK - t % CHUNK) % CHUNK
     if pad:  # zero positions after the last: k = 0 and beta = 0 leave the state as it is
@@ -156,10 +160,10 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def step_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor) -> torch.Tensor:
+              state: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """One decode position (t = 1) from ``state`` (b, v heads, k dim, v dim), updated in place."""
     dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (b, h, 1, d); g, beta (b, h, 1)
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, tiled)  # (b, h, 1, d); g, beta (b, h, 1)
     q.div_(q.shape[-1] ** 0.5)
     decay = g.exp()[..., None]  # (b, h, 1, 1)
     # The state is the one large operand (v heads x k dim x v dim per sequence): it is read once

@@ -98,7 +98,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
         kv_heads = fields.pop("num_kv_heads", None) or key("attention.head_count_kv", 0)
         spec = ModelSpec(
             name=name, family=a.family, num_layers=key("block_count") - nextn(key, arch), hidden_size=hidden,
-            ffn_size=key("feed_forward_length"), num_heads=heads, num_kv_heads=kv_heads,
+            # Qwen3.5-MoE's files have no dense width (every layer sparse): the experts' stands in
+            ffn_size=key("feed_forward_length") if arch != "qwen35moe" else
+            key("feed_forward_length", key("expert_feed_forward_length")), num_heads=heads, num_kv_heads=kv_heads,
             vocab_size=vocab, max_positions=key("context_length", 2048),
             **({} if "norm_eps" in fields else {"norm_eps": decimal32(key("attention.layer_norm_rms_epsilon", 1e-5))}),
             rope_theta=theta,
@@ -118,7 +120,7 @@ def _head_sizes(key: Any, arch: str, hidden: int, heads: int, name: str) -> tupl
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
     # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
-    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", "qwen3next") and rotary != head_dim
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", "qwen3next", "qwen35", "qwen35moe") and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")

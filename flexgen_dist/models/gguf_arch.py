@@ -47,6 +47,11 @@ class GGUFArch:
 _GLM4MOE_KEYS = frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
                            "expert_gating_func", "expert_weights_scale", "expert_weights_norm", "expert_group_count",
                            "expert_group_used_count", "nextn_predict_layers"})
+_QWEN_NEXT_KEYS = frozenset({"expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel",
+                             "ssm.state_size", "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size",
+                             "full_attention_interval"})
+_QWEN35_KEYS = frozenset({"rope.dimension_sections", "nextn_predict_layers"})
+QWEN_NEXT_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
 _GEMMA_KEYS = frozenset({"final_logit_softcapping", "attention.sliding_window",
                          "attention.sliding_window_pattern", "rope.freq_base_swa"})
 ARCHS: dict[str, GGUFArch] = {
@@ -119,16 +124,19 @@ ARCHS: dict[str, GGUFArch] = {
     # Qwen3-Next: three linear-attention layers of four (ssm_*), gated attention on a quarter-
     # turned head, (1 + w) norms stored as 1 + w (but the linear layers' own, ssm_norm),
     # Qwen2-MoE's experts with the shared expert's gate
-    "qwen3next": GGUFArch("llama", llama.qwen3next_gguf_names, norm_shift=1.0, keys=frozenset({
-        "expert_feed_forward_length", "expert_shared_feed_forward_length", "ssm.conv_kernel", "ssm.state_size",
-        "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "full_attention_interval"})),
+    "qwen3next": GGUFArch("llama", llama.qwen3next_gguf_names, norm_shift=1.0, keys=_QWEN_NEXT_KEYS),
+    # Qwen3.5 (dense, MoE): Qwen3-Next's layers with b and a apart, the v heads tiled (the
+    # converter reorders them for ggml's broadcasting: ``ModelSpec.lin_v_tiled``), multimodal
+    # RoPE sections (one position for text: plain RoPE), multi-token-prediction blocks after the last
+    "qwen35": GGUFArch("llama", llama.qwen35_gguf_names, norm_shift=1.0, keys=_QWEN_NEXT_KEYS | _QWEN35_KEYS),
+    "qwen35moe": GGUFArch("llama", llama.qwen35_gguf_names, norm_shift=1.0, keys=_QWEN_NEXT_KEYS | _QWEN35_KEYS),
     "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
 MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
-                       "llama4", "hunyuan-moe", "dots1", "qwen3next"})
+                       "llama4", "hunyuan-moe", "dots1", "qwen3next", "qwen35moe"})
 SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
@@ -225,7 +233,7 @@ def sliding_layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]
 def nextn(key: Any, arch: str) -> int:
     """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
     serve speculative decoding and which generation never runs."""
-    n = int(key("nextn_predict_layers", 0)) if arch in SIGMOID_ARCHS else 0
+    n = int(key("nextn_predict_layers", 0)) if arch in (*SIGMOID_ARCHS, "qwen35", "qwen35moe") else 0
     if not 0 <= n < int(key("block_count")):
         raise ModelLoadError(f"{arch}.nextn_predict_layers {n} of {key('block_count')} blocks: corrupt file?")
     return n
@@ -249,7 +257,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         or (arch == "seed_oss" and "blk.0.attn_q.bias" in tensors and "blk.0.attn_output.bias" not in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors
         and (arch != "seed_oss" or "blk.0.attn_output.bias" in tensors),
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", "qwen3next", *HUNYUAN_ARCHS)
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", *QWEN_NEXT_ARCHS, *HUNYUAN_ARCHS)
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
         qk_norm_after_rope=arch in HUNYUAN_ARCHS,
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
@@ -262,16 +270,17 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
     if arch == "llama4":
         fields.update(llama4_gguf_fields(key, experts))
-    if arch == "qwen3next":
-        fields.update(qwen3next_gguf_fields(key))
+    if arch in QWEN_NEXT_ARCHS:
+        fields.update(qwen3next_gguf_fields(key, arch))
     return {**fields, **mla_fields(key)} if arch == "deepseek2" else fields
 
 
-def qwen3next_gguf_fields(key: Any) -> dict[str, Any]:
-    """Qwen3-Next's fields as llama.cpp's loader reads them: every ``full_attention_interval``-th
-    layer attends, the others are linear (``ssm.group_count`` k heads of ``ssm.state_size``,
-    ``ssm.time_step_rank`` v heads sharing ``ssm.inner_size``, ``ssm.conv_kernel`` taps)."""
-    n, every = int(key("block_count")), int(key("full_attention_interval", 4))
+def qwen3next_gguf_fields(key: Any, arch: str) -> dict[str, Any]:
+    """Qwen3-Next's (and Qwen3.5's) fields as llama.cpp's loader reads them: every
+    ``full_attention_interval``-th layer attends, the others are linear (``ssm.group_count`` k
+    heads of ``ssm.state_size``, ``ssm.time_step_rank`` v heads sharing ``ssm.inner_size``,
+    ``ssm.conv_kernel`` taps); Qwen3.5's files hold the v heads tiled."""
+    n, every = int(key("block_count")) - nextn(key, arch), int(key("full_attention_interval", 4))
     v_heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
     if every < 1 or not v_heads or inner % v_heads:
         raise ValueError(f"qwen3next.full_attention_interval {every}, ssm.time_step_rank {v_heads} and "
@@ -279,7 +288,7 @@ def qwen3next_gguf_fields(key: Any) -> dict[str, Any]:
     return dict(layer_types=tuple("full_attention" if (j + 1) % every == 0 else "linear_attention" for j in range(n)),
                 lin_k_heads=int(key("ssm.group_count")), lin_v_heads=v_heads, lin_k_dim=int(key("ssm.state_size")),
                 lin_v_dim=inner // v_heads, lin_conv_kernel=int(key("ssm.conv_kernel")), attn_output_gate=True,
-                norm_unit_offset=True)
+                norm_unit_offset=True, lin_v_tiled=arch != "qwen3next")
 
 
 def llama4_gguf_fields(key: Any, experts: int) -> dict[str, Any]:
@@ -362,7 +371,7 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if arch == "llama4":  # the top logits' sigmoids scaling the experts' inputs, one ungated shared expert
         fields.update(router_scoring="top_sigmoid", norm_topk_prob=False, shared_expert_gated=False,
                       shared_expert_ffn_size=fields["expert_ffn_size"])
-    if arch in ("qwen2moe", "qwen3next"):  # a shared expert gated by a sigmoid (Qwen3-Next: renormalised)
+    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):  # a shared expert gated by a sigmoid (Qwen3-Next, 3.5: renormalised)
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     # the gating function (1: softmax, 2: sigmoid) where it is a key: llama.cpp's default for
     # deepseek2 is softmax (DeepSeek-V2), the others' sigmoid, and these compute no other

@@ -169,10 +169,22 @@ def qwen3next_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -
     linear layer's b and a are the rows of ssm_ba interleaved by key head (``lin_hf_names``'s
     ranges, as in_proj_ba's), an attention layer's q and gate those of attn_q, each head's q
     then its gate (HF's q_proj as it is)."""
+    return _qwen_next_gguf_names(spec, part, layer, split_ba=False)
+
+
+def qwen35_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """llama.cpp's ``qwen35`` / ``qwen35moe`` names: ``qwen3next``'s, b and a in tensors of
+    their own (ssm_beta, ssm_alpha)."""
+    return _qwen_next_gguf_names(spec, part, layer, split_ba=True)
+
+
+def _qwen_next_gguf_names(spec: ModelSpec, part: str, layer: int | None, split_ba: bool) -> dict[str, str]:
     out = post_attention_gguf_names(spec, part, layer)
     if part != "layer" or layer is None:
         return out
-    if spec.linear(layer):
+    if spec.linear(layer) and split_ba:
+        out.update({"lin_b.w": f"blk.{layer}.ssm_beta.weight", "lin_a.w": f"blk.{layer}.ssm_alpha.weight"})
+    elif spec.linear(layer):
         for k in ("lin_b.w", "lin_a.w"):
             out[k] = f"blk.{layer}.ssm_ba.weight{ROWS}" + lin_hf_names(spec, "")[k][1].split(ROWS)[1]
     else:

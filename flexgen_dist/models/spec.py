@@ -156,6 +156,9 @@ class ModelSpec(SpecChecks):
     lin_k_dim: int = 0
     lin_v_dim: int = 0
     lin_conv_kernel: int = 0
+    # the v heads' order: grouped by the key head they read (HF: v head h reads key head
+    # h // (v heads / k heads)), or tiled (llama.cpp's qwen35 files: h reads h % k heads)
+    lin_v_tiled: bool = False
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a gate; attention's output times sigmoid(gate)
     norm_unit_offset: bool = False  # Qwen3-Next: every RMSNorm multiplies by (1 + w), in float32
     # token ids

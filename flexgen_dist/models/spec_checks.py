@@ -120,7 +120,7 @@ class SpecChecks:
             raise ValueError(f"ModelSpec: linear_attention layers need lin_k_heads, lin_v_heads (a multiple of "
                              f"lin_k_heads), lin_k_dim, lin_v_dim >= 1 and lin_conv_kernel >= 2, got {sizes} and "
                              f"{self.lin_conv_kernel}")
-        if not linear and (max(sizes) or self.lin_conv_kernel):
+        if not linear and (max(sizes) or self.lin_conv_kernel or self.lin_v_tiled):
             raise ValueError("ModelSpec: lin_* sizes are given but no layer_types entry is linear_attention")
         if (linear or self.attn_output_gate or self.norm_unit_offset) and (
                 self.family != "llama" or self.norm_layout != "pre" or self.kv_lora_rank
