@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,6 +196,20 @@ def left_padded(tm: TinyModel, prompts: list[list[int]], device: str | torch.dev
     ids = torch.tensor([[tm.pad_id] * (s - len(p)) + p for p in prompts], device=device)
     mask = (torch.arange(s)[None] >= torch.tensor([s - len(p) for p in prompts])[:, None]).long().to(device)
     return ids, mask
+
+
+def engine_matches(tm: TinyModel, prompts: list[list[int]], gen_len: int, ref: list[list[int]], tmp_path: Path,
+                   **opts: Any) -> None:
+    """The engine's greedy tokens for ``prompts`` (blocks of 2, the given policy ``opts``) are
+    ``ref``, and its spec counts the reference model's parameters."""
+    from flexgen_dist import LLM
+
+    base = dict(gpu_batch_size=2, num_gpu_batches=1, offload_dir=str(tmp_path / "off"), ignore_eos=True,
+                progress=False)
+    with LLM(str(tm.path), **{**base, **opts}) as llm:
+        spec = llm.model.spec
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)] == ref
+    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
 
 
 def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, TinyModel, reference_generate
+from conftest import PROMPTS, TinyModel, engine_matches, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.models.loader import load_model
 
@@ -84,12 +84,7 @@ POLICIES = [
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_match_transformers(models: dict, kind: str, policy: dict, tmp_path: Path) -> None:
     tm, ref = models[kind]
-    opts = dict(gpu_batch_size=2, num_gpu_batches=2, offload_dir=str(tmp_path / "off"), ignore_eos=True,
-                progress=False)
-    with LLM(str(tm.path), **{**opts, **policy}) as llm:
-        spec = llm.model.spec
-        assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == ref
-    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+    engine_matches(tm, LONG, GEN, ref, tmp_path, **{"num_gpu_batches": 2, **policy})
 
 
 def test_the_spec_carries_what_the_config_says(models: dict) -> None:

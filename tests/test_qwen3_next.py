@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
+from conftest import TinyModel, engine_matches, local_ranks, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist import LLM
 from flexgen_dist.engine.footprint import StageShape, recurrent_bytes, stage_footprint
 from flexgen_dist.engine.policy import Policy
@@ -94,12 +94,7 @@ POLICIES = [
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_tokens_match_transformers(models: dict, kind: str, policy: dict, tmp_path: Path) -> None:
     tm, ref = models[kind]
-    opts = dict(gpu_batch_size=2, num_gpu_batches=1, offload_dir=str(tmp_path / "off"), ignore_eos=True,
-                progress=False)
-    with LLM(str(tm.path), **{**opts, **policy}) as llm:
-        spec = llm.model.spec
-        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
-    assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+    engine_matches(tm, PROMPTS, GEN, ref, tmp_path, **policy)
 
 
 def test_the_spec_carries_what_the_config_says(models: dict) -> None:
