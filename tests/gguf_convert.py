@@ -76,7 +76,8 @@ _QWEN3NEXT_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
                     "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
                     "linear_attn.in_proj_a": "ssm_alpha"}
 QWEN_NEXT = ("qwen3next", "qwen35", "qwen35moe")
-_TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe": _QWEN3NEXT_LAYER, "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
+_TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe": _QWEN3NEXT_LAYER,
+           "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
            "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER}

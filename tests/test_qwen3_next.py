@@ -101,7 +101,8 @@ def test_the_spec_carries_what_the_config_says(models: dict) -> None:
     spec = load_model(str(models["next"][0].path), load_tokenizer=False).spec
     assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert [spec.linear(j) for j in range(4)] == [True, True, True, False]
-    assert (spec.lin_k_heads, spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim, spec.lin_conv_kernel) == (2, 4, 16, 8, 4)
+    assert (spec.lin_k_heads, spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim, spec.lin_conv_kernel) == (
+        2, 4, 16, 8, 4)
     assert spec.lin_conv_dim == 2 * 2 * 16 + 4 * 8 and spec.rope_dim == 8
     assert spec.attn_output_gate and spec.norm_unit_offset and spec.qk_norm
     assert spec.moe_layers == (True, False, True, True) and spec.shared_expert_ffn_size == 48

@@ -122,7 +122,8 @@ class StageEngine:
         cache = None
         if self.layers:
             # a linear-attention layer keeps a state per sequence instead (``_new_states``)
-            cache = BlockCache([j for j in self.layers if not self.spec.linear(j)], meta.batch_sizes, self.spec.num_kv_heads, total,
+            attending = [j for j in self.layers if not self.spec.linear(j)]
+            cache = BlockCache(attending, meta.batch_sizes, self.spec.num_kv_heads, total,
                                self.spec.head_dim, self.policy.fractions("cache"), self.device,
                                self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
                                compress=self.policy.compress_cache, bits=self.policy.comp_bits,
@@ -137,16 +138,17 @@ class StageEngine:
             for r, n in enumerate(lens):
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
-        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
+        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes)))
 
-    def _new_states(self, rows: int, tag: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def _new_states(self, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Each linear-attention layer's states for ``rows`` sequences, on the compute device:
         the convolution's last inputs (the model's dtype) and the delta rule's (float32), both
         written before they are read (a prefill starts from zeros without reading them)."""
         sp, out = self.spec, {}
         for j in self.layers:
             if sp.linear(j):
-                conv = torch.empty((rows, sp.lin_conv_dim, sp.lin_conv_kernel - 1), dtype=self.dtype, device=self.device)
+                conv = torch.empty((rows, sp.lin_conv_dim, sp.lin_conv_kernel - 1), dtype=self.dtype,
+                                   device=self.device)
                 ssm = torch.empty((rows, sp.lin_v_heads, sp.lin_k_dim, sp.lin_v_dim), dtype=torch.float32,
                                   device=self.device)
                 self.tracker.add(Tier.GPU, conv.nbytes + ssm.nbytes)
@@ -375,7 +377,8 @@ class StageEngine:
                 head.score(self.family, spec, w, x, step_targets(st, i, k), st.meta.score_k)
             st.outputs[k - st.out_base] = y
         elif spec.linear(slot[1]):  # type: ignore[arg-type]
-            y = self.family.layer_forward(spec, w, x, pos, recurrent(st, slot[1], i, range(k, k + 1)), slot[1])  # type: ignore[arg-type]
+            rec = recurrent(st, slot[1], i, range(k, k + 1))  # type: ignore[arg-type]
+            y = self.family.layer_forward(spec, w, x, pos, rec, slot[1])
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
         if slot[0] != "head" and j == len(self.slots) - 1:

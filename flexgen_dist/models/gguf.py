@@ -22,7 +22,7 @@ import torch
 
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
-from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
+from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
                         llama_fields, nextn, post_norm_fields)
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
@@ -120,7 +120,7 @@ def _head_sizes(key: Any, arch: str, hidden: int, heads: int, name: str) -> tupl
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
     # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
-    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", "qwen3next", "qwen35", "qwen35moe") and rotary != head_dim
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", *QWEN_NEXT_ARCHS) and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")

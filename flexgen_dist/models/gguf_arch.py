@@ -371,7 +371,7 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if arch == "llama4":  # the top logits' sigmoids scaling the experts' inputs, one ungated shared expert
         fields.update(router_scoring="top_sigmoid", norm_topk_prob=False, shared_expert_gated=False,
                       shared_expert_ffn_size=fields["expert_ffn_size"])
-    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):  # a shared expert gated by a sigmoid (Qwen3-Next, 3.5: renormalised)
+    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):  # a sigmoid-gated shared expert (Qwen3-Next, 3.5: renormalised)
         fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length"))
     # the gating function (1: softmax, 2: sigmoid) where it is a key: llama.cpp's default for
     # deepseek2 is softmax (DeepSeek-V2), the others' sigmoid, and these compute no other

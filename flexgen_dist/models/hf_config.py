@@ -123,7 +123,8 @@ GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
 LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
                "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
                "arcee", "apertus", "qwen3_5_text", *GLM_TYPES, *MOE_TYPES)
-SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *QWEN_NEXT_IMAGE_TEXT, *LLAMA_TYPES, *OLMO_TYPES, *COHERE_TYPES, *GEMMA_TYPES}))
+SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *QWEN_NEXT_IMAGE_TEXT, *LLAMA_TYPES, *OLMO_TYPES,
+                          *COHERE_TYPES, *GEMMA_TYPES}))
 
 
 def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelSpec:

@@ -81,7 +81,8 @@ def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     shared = mt in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
     return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
                 expert_ffn_size=cfg.get("moe_intermediate_size", 0),
-                norm_topk_prob=mt == "qwen3_5_moe_text" or bool(cfg.get("norm_topk_prob", mt in ("qwen3_moe", "qwen3_next"))),
+                norm_topk_prob=mt == "qwen3_5_moe_text"
+                or bool(cfg.get("norm_topk_prob", mt in ("qwen3_moe", "qwen3_next"))),
                 shared_expert_ffn_size=cfg.get("shared_expert_intermediate_size", 0) if shared else 0,
                 moe_layers=() if all(sparse) else sparse)
 
