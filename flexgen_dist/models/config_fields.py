@@ -82,6 +82,9 @@ USED: dict[str, set[str]] = {
     "qwen3_5_text": _LLAMA_USED | _LINEAR,
     "qwen3_5_moe_text": _LLAMA_USED | _LINEAR | {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                  "shared_expert_intermediate_size"},
+    # Phi-3.5-MoE: LayerNorms, biases on q, k, v, o and the head, sparsemixer routing
+    "phimoe": _LLAMA_USED | {"sliding_window", "num_local_experts", "num_experts_per_tok", "router_jitter_noise",
+                             "lm_head_bias"},
     # the image-text models: their text_config is read as the text model's config
     "qwen3_5": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
     "qwen3_5_moe": {"text_config", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"},
@@ -167,6 +170,7 @@ INERT: dict[str, set[str]] = {
     "mistral3": {"vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
                  "multimodal_projector_bias", "spatial_merge_size"},
     "qwen3_next": _ROUTER_TRAINING, "qwen3_5_moe_text": _ROUTER_TRAINING,
+    "phimoe": {"router_aux_loss_coef", "output_router_logits", "input_jitter_noise"},  # (input jitter: training only)
     **{mt: {"vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
        for mt in ("qwen3_5", "qwen3_5_moe")},
     "gemma3": {"vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index", "image_token_index",
@@ -188,7 +192,7 @@ PINNED: dict[str, dict[str, Any]] = {
     "ernie4_5": {"hidden_act": "silu"}, "llama4_text": {"hidden_act": "silu"}, "llama4": {},
     **{mt: {"hidden_act": "silu"} for mt in ("internlm3", "seed_oss", "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1",
                                              "granite_swa", "granitemoe_swa", "exaone_moe")},
-    **{mt: {"hidden_act": "silu"} for mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    **{mt: {"hidden_act": "silu"} for mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "phimoe")},
     "qwen3_5": {}, "qwen3_5_moe": {},
     "arcee": {"hidden_act": "relu2"}, "apertus": {"hidden_act": "xielu"},
     # use_bias would put biases on the shared experts too, which no released checkpoint has

@@ -152,6 +152,8 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     if spec.router_scoring == "topk_softmax":  # gpt-oss, Granite: the top logits, then their softmax
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
         return torch.softmax(top_l, dim=1, dtype=torch.float32).to(dtype), top_i
+    if spec.router_scoring == "sparsemixer":
+        return _sparsemixer(logits, spec.router_jitter)
     if spec.router_scoring == "top_sigmoid":  # Llama 4: the top logits' sigmoids (in float32, cast back)
         top_l, top_i = torch.topk(logits, spec.experts_per_tok, dim=-1)
         return torch.sigmoid(top_l.float()).to(dtype), top_i
@@ -169,6 +171,23 @@ def route(spec: ModelSpec, logits: torch.Tensor, dtype: torch.dtype,
     if spec.routed_scaling != 1.0:  # DeepSeek-V2
         top_w = top_w * spec.routed_scaling
     return (top_w if spec.router_weights_fp32 else top_w.to(dtype)), top_i
+
+
+def _sparsemixer(logits: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's two experts as transformers' inference computes them: the best logit's
+    expert, weighted by the softmax over the logits within 2 * jitter of it (relatively, as
+    (best - l) / max(|l|, best)); then, that expert left out, the best remaining one, weighted
+    the same way against the second best. In the logits' dtype."""
+    weights, chosen = [], []
+    scores = logits
+    for _ in range(2):
+        best, idx = scores.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * jitter
+        w = torch.softmax(scores.masked_fill(far, float("-inf")), dim=-1).gather(-1, idx)
+        weights.append(w)
+        chosen.append(idx)
+        scores = scores.scatter(-1, idx, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(chosen, dim=-1)
 
 
 def _sigmoid_route(spec: ModelSpec, logits: torch.Tensor,

@@ -7,6 +7,7 @@ a reader of their own (``gemma_config.py``), given this module's RoPE reader.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from .config_fields import USED, field_problem
@@ -107,6 +108,9 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         common.update(_layer_thetas(cfg, float(theta), scaling))
     if mt in QWEN_NEXT_TYPES:  # linear-attention layers, the gated output, (1 + w) norms (qwen_next_config)
         common.update(qwen_next_fields(cfg))
+    if mt == "phimoe":
+        scaling = _phimoe_rope(rope, scaling)
+        common.update(layer_norm=True, lm_head_bias=bool(cfg.get("lm_head_bias", False)))
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
 
@@ -210,6 +214,21 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      **_biases(cfg, mt), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt), **_attention_extras(mt))
     return ModelSpec(**{**kw, **common})  # common: the shared fields, and what a caller's reader decided (MLA)
+
+
+def _phimoe_rope(rope: dict[str, Any], scaling: RopeScaling | None) -> RopeScaling | None:
+    """Phi-3.5-MoE's LongRoPE as transformers computes it: its rotary embedding asks for the
+    frequencies without a length, which gives the short factors at every position, and scales
+    cos and sin by ``short_mscale`` within the original context, ``long_mscale`` past it (over the
+    whole batch). Read as LongRoPE whose long factors are its short ones, scaled by the one
+    mscale; two different mscales are refused (the switch depends on the batch there)."""
+    if scaling is None:
+        return None
+    short, long = rope.get("short_mscale"), rope.get("long_mscale")
+    if short is None or long is None or short != long:
+        raise ValueError(f"phimoe rope short_mscale {short} and long_mscale {long}: supported where both are "
+                         "given and equal (transformers switches between them by the batch's longest sequence)")
+    return replace(scaling, long_factor=scaling.short_factor, attention_factor=float(short))
 
 
 def _biases(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -381,7 +400,7 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
             default = ["sliding_attention" if i >= cfg.get("max_window_layers", n) else "full_attention"
                        for i in range(n)]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
-    return {"sliding_window": window if mt in ("mistral", "ministral3", "phi3", "mixtral") else 0}
+    return {"sliding_window": window if mt in ("mistral", "ministral3", "phi3", "mixtral", "phimoe") else 0}
 
 
 def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0,

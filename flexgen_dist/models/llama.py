@@ -19,6 +19,7 @@ from .spec import ModelSpec
 
 _LAYER_HF = {
     **ATTN_MLP_HF, "attn_norm.w": "input_layernorm.weight", "mlp_norm.w": "post_attention_layernorm.weight",
+    "attn_norm.b": "input_layernorm.bias", "mlp_norm.b": "post_attention_layernorm.bias",  # Phi-3.5-MoE
     # OLMo 2/3's norms on the sublayers' outputs (post_attention_layernorm names the one after
     # attention there, the one before the MLP in Llama)
     "post_attn_norm.w": "post_attention_layernorm.weight", "post_mlp_norm.w": "post_feedforward_layernorm.weight",
@@ -74,6 +75,8 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     if spec.qk_norm and not linear:
         shapes.update({"q_norm.w": (qd,), "k_norm.w": (kvd,)} if spec.qk_norm_whole else
                       {"q_norm.w": (spec.head_dim,), "k_norm.w": (spec.head_dim,)})
+    if spec.layer_norm:  # Phi-3.5-MoE's LayerNorms
+        shapes.update({"attn_norm.b": (h,), "mlp_norm.b": (h,)})
     if spec.mlp_bias and not spec.is_moe(layer):
         shapes.update({"gate.b": (f,), "up.b": (f,), "down.b": (h,)} if spec.mlp_gated else {"up.b": (f,), "down.b": (h,)})
     if spec.attn_sinks:  # gpt-oss: one logit per query head
@@ -134,7 +137,13 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
             if k in out and k not in fused:
                 out[k] = out[k] + [n.replace(old, new) for n in out[k]]
         return out
-    return lm_hf_names(spec, part, layer, _LAYER_HF, ())
+    out = lm_hf_names(spec, part, layer, _LAYER_HF, ())
+    if part == "head" and spec.layer_norm:  # Phi-3.5-MoE: the final LayerNorm's bias, the head's
+        out["norm.b"] = [n.replace(".weight", ".bias") for n in out["norm.w"]]
+    if part == "head" and spec.lm_head_bias:
+        out["lm_head.b"] = [n.replace(".weight", ".bias") for n in out["lm_head.w"]]
+    return out
+
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
     """Canonical name -> GGUF tensor name (llama.cpp convention; ``name#rows=a:b`` as in
@@ -213,9 +222,12 @@ def _residual(spec: ModelSpec, y: torch.Tensor, residual: torch.Tensor) -> torch
     return y.mul_(spec.residual_multiplier).add_(residual)
 
 
-def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm(spec: ModelSpec, x: torch.Tensor, w: torch.Tensor, eps: float, b: torch.Tensor | None = None
+          ) -> torch.Tensor:
     """RMSNorm; OLMo's multiplies its weight in float32 before the cast (Llama's after it),
-    which differs in a half dtype only."""
+    which differs in a half dtype only; Phi-3.5-MoE's is a LayerNorm with a bias ``b``."""
+    if spec.layer_norm:
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
     if spec.norm_unit_offset:  # Qwen3-Next: (1 + w) in float32, then the cast
         return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + w.float())).to(x.dtype)
     if spec.norm_weight_fp32 and x.dtype != torch.float32:
@@ -327,12 +339,12 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     eps = spec.norm_eps
     residual = x
     if isinstance(attend, Recurrent):  # a linear-attention layer (Qwen3-Next)
-        h = linear_attention(spec, w, _norm(spec, x, w["attn_norm.w"], eps), attend)
+        h = linear_attention(spec, w, _norm(spec, x, w["attn_norm.w"], eps, w.get("attn_norm.b")), attend)
         return _mlp_block(spec, w, linear(h, w["lin_o.w"], None, residual), layer)
     if spec.kv_lora_rank:  # DeepSeek-V3
-        a = _mla_attend(spec, w, _norm(spec, x, w["attn_norm.w"], eps), pos, attend, layer)
+        a = _mla_attend(spec, w, _norm(spec, x, w["attn_norm.w"], eps, w.get("attn_norm.b")), pos, attend, layer)
     else:
-        xn = _norm(spec, x, w["attn_norm.w"], eps)
+        xn = _norm(spec, x, w["attn_norm.w"], eps, w.get("attn_norm.b"))
         a = attend(*_qkv(spec, w, xn, pos, layer), *_sinks(spec, w))
         if spec.attn_output_gate:  # Qwen3-Next: the output times sigmoid of q_proj's gate half
             a = a * torch.sigmoid(linear(xn, w["q_gate.w"]))
@@ -348,7 +360,7 @@ def _mlp_block(spec: ModelSpec, w: Weights, x: torch.Tensor, layer: int) -> torc
     """The MLP half of a pre-norm layer: its norm, the dense MLP or the experts, the residual add."""
     eps, scaled = spec.norm_eps, spec.residual_multiplier != 1.0
     residual = x
-    x = _norm(spec, x, w["mlp_norm.w"], eps)
+    x = _norm(spec, x, w["mlp_norm.w"], eps, w.get("mlp_norm.b"))
     if spec.is_moe(layer):
         y = moe_mlp(spec, w, x)
         return _residual(spec, y, residual) if scaled else y.add_(residual)
@@ -372,11 +384,21 @@ def _mlp_hidden(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     return torch.where(u > 0, alpha_p * u * u + beta * u, (torch.expm1(torch.min(u, eps)) - u) * alpha_n + beta * u)
 
 
+def _head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The final norm and the head, with Phi-3.5-MoE's biases where the model has them."""
+    shapes = head_shapes(spec)
+    if spec.layer_norm:
+        shapes["norm.b"] = (spec.hidden_size,)
+    if spec.lm_head_bias:
+        shapes["lm_head.b"] = (spec.vocab_size,)
+    return shapes
+
+
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = _norm(spec, x, w["norm.w"], spec.norm_eps)
-    logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+    x = _norm(spec, x, w["norm.w"], spec.norm_eps, w.get("norm.b"))
+    logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"], w.get("lm_head.b"))
     return logits.div_(spec.logits_divisor) if spec.logits_divisor != 1.0 else logits  # Granite
 
 
-register(Family("llama", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
+register(Family("llama", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=_head_shapes,
                 hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))

@@ -13,11 +13,11 @@ GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # dots.llm1 (dots1): Qwen3's attention with DeepSeek-V3's routing; Hunyuan-A13B (hunyuan_v1_moe):
 # a float32 router's softmax, renormalised, one shared MLP
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "minimax_m2", "ernie4_5_moe",
-             "dots1", "hunyuan_v1_moe", "exaone_moe", "qwen3_next", "qwen3_5_moe_text", *GRANITE_MOE_TYPES,
+             "dots1", "hunyuan_v1_moe", "exaone_moe", "qwen3_next", "qwen3_5_moe_text", "phimoe", *GRANITE_MOE_TYPES,
              *MLA_TYPES)
 
 # mixtures of experts whose routing or layers the engine does not compute: refused by name
-MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "phimoe", "jetmoe", "minimax", "switch_transformers", "nllb_moe")
+MOE_REFUSED = ("dbrx", "jamba", "granitemoehybrid", "jetmoe", "minimax", "switch_transformers", "nllb_moe")
 
 
 def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -28,6 +28,10 @@ def moe_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     if mt == "mixtral":
         return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
                     expert_ffn_size=cfg["intermediate_size"], norm_topk_prob=True, router_weights_fp32=True)
+    if mt == "phimoe":  # every layer sparse: sparsemixer's two experts (experts.route)
+        return dict(num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 2),
+                    expert_ffn_size=cfg["intermediate_size"], router_scoring="sparsemixer", norm_topk_prob=False,
+                    router_jitter=float(cfg.get("router_jitter_noise", 0.01)))
     if mt == "ernie4_5_moe":  # softmax scores with a choice bias, shared experts, sparse from a start layer
         n, step = cfg["num_hidden_layers"], cfg.get("moe_layer_interval", 1) or 1
         start, end = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_end_index", -1)

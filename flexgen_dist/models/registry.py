@@ -206,6 +206,14 @@ _SHAPES: dict[str, dict] = {
                           num_experts=128, experts_per_tok=8, expert_ffn_size=768),
     "qwen3-235b-a22b": dict(_QWEN3_MOE, num_layers=94, hidden_size=4096, ffn_size=12288, num_heads=64,
                             num_kv_heads=4, num_experts=128, experts_per_tok=8, expert_ffn_size=1536),
+    # Phi-3.5-MoE (phimoe): LayerNorms, biases on q/k/v/o and the head, 16 experts and sparsemixer's
+    # two; the shape within its original 4096 positions (its LongRoPE factors are the checkpoint's)
+    "phi-3.5-moe": dict(family="llama", vocab_size=32064, max_positions=4096, bos_token_id=1, eos_token_ids=(32000,),
+                        pad_token_id=32000, tie_word_embeddings=False, norm_eps=1e-5, rope_theta=10000.0,
+                        num_layers=32, hidden_size=4096, ffn_size=6400, num_heads=32, num_kv_heads=8,
+                        attention_bias=True, layer_norm=True, lm_head_bias=True, num_experts=16, experts_per_tok=2,
+                        expert_ffn_size=6400, router_scoring="sparsemixer", router_jitter=0.01, norm_topk_prob=False,
+                        sliding_window=4096),
     # Qwen3-Next-80B-A3B (qwen3_next): three gated-delta-rule layers of four, 512 experts, top 10,
     # a gated shared expert; gated attention on a quarter-turned head of 256, (1 + w) norms
     "qwen3-next-80b-a3b": dict(_QWEN3_MOE, max_positions=262144, rope_theta=10000000.0, num_layers=48,

@@ -161,6 +161,11 @@ class ModelSpec(SpecChecks):
     lin_v_tiled: bool = False
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a gate; attention's output times sigmoid(gate)
     norm_unit_offset: bool = False  # Qwen3-Next: every RMSNorm multiplies by (1 + w), in float32
+    layer_norm: bool = False  # Phi-3.5-MoE: every norm a LayerNorm with a weight and a bias, not an RMSNorm
+    lm_head_bias: bool = False  # Phi-3.5-MoE: the LM head has a bias
+    # Phi-3.5-MoE's sparsemixer routing (router_scoring "sparsemixer"): an expert's weight is a
+    # softmax over the logits within 2 * router_jitter (relative) of the best remaining one
+    router_jitter: float = 0.0
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -304,7 +309,7 @@ class ModelSpec(SpecChecks):
 
     @property
     def norm(self) -> str:
-        return "layernorm" if self.family == "opt" else "rmsnorm"
+        return "layernorm" if self.family == "opt" or self.layer_norm else "rmsnorm"
 
     @property
     def activation(self) -> str:
@@ -337,7 +342,7 @@ class ModelSpec(SpecChecks):
                   + ((1 + self.mlp_gated) * f + h) * self.mlp_bias * (not self.is_moe(layer))
                   + self.num_heads * self.attn_sinks)
         # Gemma: a norm before and after each block; Cohere: one for both, side by side
-        norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h
+        norms = (1 if self.family == "cohere" else 4 if self.norm_layout == "sandwich" else 2) * h * (1 + self.layer_norm)
         whole = self.qk_norm_whole or self.family == "cohere"  # Cohere: a weight per head and dim
         qk = (self.q_dim + self.kv_dim if whole else 2 * self.head_dim) * self.qk_norm * (not self.linear(layer))
         if self.linear(layer):
@@ -385,7 +390,7 @@ class ModelSpec(SpecChecks):
         """Final norm + LM head (0 extra for a tied head)."""
         n = 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
         if self.family != "opt" and not self.tie_word_embeddings:
-            n += self.vocab_size * self.hidden_size
+            n += self.vocab_size * (self.hidden_size + self.lm_head_bias)
         return n
 
     def total_numel(self) -> int:

@@ -13,7 +13,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "line
 # how a router scores its experts: a softmax over them (Mixtral, Qwen), a sigmoid each with a
 # per-expert choice bias (GLM-4.5, DeepSeek-V3), a softmax over the top logits only
 # (gpt-oss), or a sigmoid of the top logits scaling the expert's input (Llama 4)
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "top_sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "top_sigmoid", "sparsemixer")
 MLP_ACTIVATIONS = ("swiglu", "relu2", "xielu")  # a dense MLP's: gated SiLU, or ungated relu² / xIELU
 NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
 DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
@@ -111,6 +111,10 @@ class SpecChecks:
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         self._check_linear()
+        if (self.layer_norm or self.lm_head_bias) and (self.family != "llama" or self.norm_layout != "pre"
+                                                       or self.norm_unit_offset or self.tie_word_embeddings):
+            raise ValueError("ModelSpec: layer_norm and lm_head_bias are the llama family's pre-norm layer's with an "
+                             "untied head (Phi-3.5-MoE)")
 
     def _check_linear(self) -> None:
         """Linear-attention layers (Qwen3-Next) and the features that come with them."""
@@ -152,6 +156,9 @@ class SpecChecks:
             if self.swiglu_alpha < 0 or (self.swiglu_alpha > 0) != (self.swiglu_limit > 0):
                 raise ValueError(f"ModelSpec.swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}: "
                                  "both > 0 (gpt-oss's clamped gate) or both 0")
+            if self.router_scoring == "sparsemixer" and (self.experts_per_tok != 2 or self.router_jitter < 0):
+                raise ValueError(f"ModelSpec: sparsemixer routing picks 2 experts (experts_per_tok="
+                                 f"{self.experts_per_tok}) with router_jitter >= 0 (got {self.router_jitter})")
             if not self.routed_scaling > 0:
                 raise ValueError(f"ModelSpec.routed_scaling={self.routed_scaling}: must be > 0")
             if self.moe_layers and len(self.moe_layers) != self.num_layers:
