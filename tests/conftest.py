@@ -198,6 +198,15 @@ def left_padded(tm: TinyModel, prompts: list[list[int]], device: str | torch.dev
     return ids, mask
 
 
+# the placements a family's parity test runs: all on the device; weights and cache half on disk
+# with the CPU's attention; everything in RAM with merged decode over two GPU batches
+FAMILY_POLICIES = [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(0, 50, 0, 50, 100, 0), cpu_attention=True),
+    dict(percent=(0, 100, 0, 100, 100, 0), num_gpu_batches=2),
+]
+
+
 def engine_matches(tm: TinyModel, prompts: list[list[int]], gen_len: int, ref: list[list[int]], tmp_path: Path,
                    **opts: Any) -> None:
     """The engine's greedy tokens for ``prompts`` (blocks of 2, the given policy ``opts``) are

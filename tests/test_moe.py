@@ -261,7 +261,7 @@ def test_layers_are_split_by_what_they_weigh() -> None:
     ({"model_type": "hunyuan_v1_moe", "num_experts": 8, "moe_topk": 2, "moe_intermediate_size": [50] * 4},
      "moe_intermediate_size .50, 50, 50, 50. / num_shared_expert None other than intermediate_size 96"),
     ({"model_type": "deepseek_v2"}, "config.json has no 'kv_lora_rank', which a deepseek_v2 model needs"),
-    ({"model_type": "phimoe"}, "mixture-of-experts family 'phimoe' is not supported"),
+    ({"model_type": "jamba"}, "mixture-of-experts family 'jamba' is not supported"),
     ({"num_experts_per_tok": 9}, "experts_per_tok=9: must be between 1 and num_experts=8"),
     ({"hidden_act": "gelu"}, "mixtral with hidden_act='gelu' is not supported"),
 ])

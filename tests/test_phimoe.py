@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TinyModel, engine_matches, reference_generate
+from conftest import FAMILY_POLICIES, TinyModel, engine_matches, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.models.loader import load_model
 from flexgen_dist.models.source import ModelLoadError
@@ -60,15 +60,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TinyMode
     return out
 
 
-POLICIES = [
-    dict(percent=(100, 0, 100, 0, 100, 0)),
-    dict(percent=(0, 50, 0, 50, 100, 0), cpu_attention=True),
-    dict(percent=(0, 100, 0, 100, 100, 0), num_gpu_batches=2),
-]
-
-
 @pytest.mark.parametrize("kind", ["default", "longrope"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", FAMILY_POLICIES)
 def test_greedy_tokens_match_transformers(models: dict, kind: str, policy: dict, tmp_path: Path) -> None:
     tm, ref = models[kind]
     engine_matches(tm, PROMPTS, GEN, ref, tmp_path, **policy)

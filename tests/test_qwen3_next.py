@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TinyModel, engine_matches, local_ranks, read_jsonl, reference_generate, write_jsonl
+from conftest import FAMILY_POLICIES, TinyModel, engine_matches, local_ranks, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist import LLM
 from flexgen_dist.engine.footprint import StageShape, recurrent_bytes, stage_footprint
 from flexgen_dist.engine.policy import Policy
@@ -83,15 +83,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TinyMode
     return out
 
 
-POLICIES = [
-    dict(percent=(100, 0, 100, 0, 100, 0)),                                 # all on the device
-    dict(percent=(0, 50, 0, 50, 100, 0), cpu_attention=True),              # weights and cache half on disk
-    dict(percent=(0, 100, 0, 100, 100, 0), num_gpu_batches=2),             # merged decode
-]
-
-
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", FAMILY_POLICIES)
 def test_greedy_tokens_match_transformers(models: dict, kind: str, policy: dict, tmp_path: Path) -> None:
     tm, ref = models[kind]
     engine_matches(tm, PROMPTS, GEN, ref, tmp_path, **policy)
