@@ -27,7 +27,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
-        "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+        "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",

@@ -619,11 +619,12 @@ def test_every_end_of_generation_id_stops(tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense", "arcee"])
+@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense", "arcee", "ernie4_5"])
 def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None:
     """``seed_oss`` (q/k/v biases, an o bias where the file has one, its norm before the MLP
-    as post_attention_norm) and ``hunyuan-dense`` (q/k norms after RoPE, the NTK-alpha base as
-    the converter writes it): the HF directory's spec and transformers' tokens."""
+    as post_attention_norm), ``hunyuan-dense`` (q/k norms after RoPE, the NTK-alpha base as
+    the converter writes it), ``arcee`` and ``ernie4_5`` (RoPE on interleaved pairs in float32,
+    q and k as the checkpoint has them): the HF directory's spec and transformers' tokens."""
     import transformers as tf
 
     torch.manual_seed(43)
@@ -635,6 +636,8 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
                                                    **common))
     elif kind == "arcee":  # llama's layout (q/k rows permuted by the converter), an ungated relu² MLP
         m = tf.ArceeForCausalLM(tf.ArceeConfig(**common))
+    elif kind == "ernie4_5":
+        m = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**common))
     else:
         m = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(rope_parameters={
             "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, **common))

@@ -101,6 +101,9 @@ ARCHS: dict[str, GGUFArch] = {
     # as the base), Hunyuan-A13B's float32 softmax router and one shared MLP; dots.llm1: Qwen3's
     # attention with GLM-4.5's (DeepSeek-V3's) routing
     "seed_oss": GGUFArch("llama", llama.post_attention_gguf_names),
+    # ERNIE 4.5 (dense): RoPE on interleaved pairs in float32 (llama.cpp's NORM rotation; the
+    # converter writes q and k as the checkpoint has them)
+    "ernie4_5": GGUFArch("llama", llama.gguf_names),
     "hunyuan-dense": GGUFArch("llama", llama.gguf_names),
     "hunyuan-moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
                                                                        "expert_shared_feed_forward_length",
@@ -263,6 +266,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
         fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
+        **(dict(rope_interleaved=True, rope_fp32=True) if arch == "ernie4_5" else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
