@@ -111,14 +111,23 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     heads that share them (each in turn, or ``tiled``: all of them again and again) and
     L2-normalised (q and k are new tensors: the caller's are not written; the others may be
     views of the caller's)."""
-    rep = v.shape[2] // q.shape[2]
-    if rep > 1 and tiled:
-        q, k = q.repeat(1, 1, rep, 1), k.repeat(1, 1, rep, 1)
-    elif rep > 1:
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format, copy=True) for a in (q, k))
+    q, k = (_spread(a, v.shape[2], tiled) for a in (q, k))
     v, beta, g = (a.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for a in (v, beta, g))
     return _l2norm_(q), _l2norm_(k), v, g, beta
+
+
+def _spread(x: torch.Tensor, heads: int, tiled: bool) -> torch.Tensor:
+    """x (b, t, k heads, d) as a new float32 (b, heads, t, d), each k head repeated for the v
+    heads that read it: one copy that turns, repeats and converts at once."""
+    b, t, hk, d = x.shape
+    rep = heads // hk
+    out = torch.empty((b, heads, t, d), dtype=torch.float32, device=x.device)
+    src = x.permute(0, 2, 1, 3)  # (b, hk, t, d)
+    if tiled:  # v head h reads k head h % hk
+        out.view(b, rep, hk, t, d).copy_(src[:, None].expand(b, rep, hk, t, d))
+    else:  # v head h reads k head h // rep
+        out.view(b, hk, rep, t, d).copy_(src[:, :, None].expand(b, hk, rep, t, d))
+    return out
 
 
 def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -139,14 +148,16 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     q, k, kb, vb = (a.reshape(b, h, n, CHUNK, a.shape[-1]) for a in (q, k, kb, vb))
     cum = g.reshape(b, h, n, CHUNK).cumsum(dim=-1)  # log of the decay from each chunk's start
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    system = (kb @ k.transpose(-1, -2)) * decay  # the corrections' unit lower-triangular system
-    intra = (q @ k.transpose(-1, -2)) * decay  # attention within the chunk
+    # (in place where a temporary is done with: each is the size of the whole prompt's heads,
+    # and on a CPU every fresh one costs its page faults)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    system = (kb @ k.transpose(-1, -2)).mul_(decay)  # the corrections' unit lower-triangular system
+    intra = (q @ k.transpose(-1, -2)).mul_(decay)  # attention within the chunk
     u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w_ = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    w_ = torch.linalg.solve_triangular(system, kb.mul_(cum.exp()[..., None]), upper=False, unitriangular=True)
     s = torch.zeros(b, h, k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device) if state is None \
         else state.to(torch.float32)
-    out = torch.zeros_like(u)
+    out = torch.empty_like(u)  # every chunk is written below
     q.mul_(cum.exp()[..., None])  # (q and k are this function's own from here)
     k.mul_((cum[..., -1:] - cum).exp()[..., None])
     last = cum[..., -1].exp()[..., None, None]
