@@ -43,20 +43,27 @@ class BlockState:
     # linear-attention layer -> (convolution state, delta-rule state) of every row of the block,
     # GPU batches in order (``recurrent``)
     states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (token, first batch, last batch) -> (first row, end row, prefill padding): the same for
+    # every linear layer of the token, so built once per token (``recurrent``)
+    rec_rows: dict[tuple[int, int, int], tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
     """The state a linear-attention layer computes with for token i of GPU batches ``ks`` (one,
     or every batch of a merged decode): views of the block's buffers over those rows, and the
     prefill's padding (None where those rows are unpadded)."""
-    rows = [0]
-    for n in st.meta.batch_sizes:
-        rows.append(rows[-1] + n)
-    a, b = rows[ks[0]], rows[ks[-1] + 1]
+    key = (i, ks[0], ks[-1])
+    if key not in st.rec_rows:
+        if any(k[0] != i for k in st.rec_rows):  # a new token: the last one's are done with
+            st.rec_rows.clear()
+        sizes = st.meta.batch_sizes
+        a = sum(sizes[:ks[0]])
+        valid = None
+        if i == 0 and any(n != st.meta.prompt_len for k in ks for n in st.meta.prompt_lens[k]):
+            valid = torch.cat([st.valid[k][:, :st.meta.prompt_len] for k in ks])
+        st.rec_rows[key] = (a, a + sum(sizes[k] for k in ks), valid)
+    a, b, valid = st.rec_rows[key]
     conv, ssm = st.states[layer]
-    valid = None
-    if i == 0 and any(n != st.meta.prompt_len for k in ks for n in st.meta.prompt_lens[k]):
-        valid = torch.cat([st.valid[k][:, :st.meta.prompt_len] for k in ks])
     return Recurrent(conv[a:b], ssm[a:b], fresh=i == 0, valid=valid)
 
 

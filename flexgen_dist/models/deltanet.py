@@ -40,26 +40,32 @@ def lin_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             "lin_norm.w": (spec.lin_v_dim,), "lin_o.w": (h, vd)}
 
 
-def lin_hf_names(spec: ModelSpec, prefix: str) -> dict[str, list[str]]:
-    """Checkpoint names of a linear layer's weights under ``prefix`` (``model.layers.{j}.``):
-    Qwen3.5's separate projections, or Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba``,
-    whose rows interleave by key head (q, k, then the head's share of v and z; b then a), taken
-    apart here by row ranges."""
-    p = prefix + "linear_attn."
+def head_ranges(heads: int, stride: int, offset: int, n: int) -> str:
+    """Rows ``offset`` to ``offset + n`` of each of ``heads`` blocks of ``stride`` rows, as a
+    checkpoint name's ``#rows=`` list (``a:b,c:d,...``)."""
+    return ",".join(f"{g * stride + offset}:{g * stride + offset + n}" for g in range(heads))
+
+
+def fused_rows(spec: ModelSpec) -> dict[str, str]:
+    """Qwen3-Next's fused projections taken apart: the rows of ``in_proj_qkvz`` (per key head
+    q, k, then its share of v and z) that are ``lin_qkv.w`` and ``lin_z.w``, and those of
+    ``in_proj_ba`` (per key head its b, then its a) that are ``lin_b.w`` and ``lin_a.w``."""
     hk, dk, dv, r = spec.lin_k_heads, spec.lin_k_dim, spec.lin_v_dim, spec.lin_v_heads // spec.lin_k_heads
     per = 2 * dk + 2 * r * dv  # one key head's rows of in_proj_qkvz
+    qkv = ",".join(head_ranges(hk, per, a, n) for a, n in ((0, dk), (dk, dk), (2 * dk, r * dv)))
+    return {"lin_qkv.w": qkv, "lin_z.w": head_ranges(hk, per, 2 * dk + r * dv, r * dv),
+            "lin_b.w": head_ranges(hk, 2 * r, 0, r), "lin_a.w": head_ranges(hk, 2 * r, r, r)}
 
-    def rows(name: str, offset: int, n: int, stride: int) -> str:
-        return f"{p}{name}.weight#rows=" + ",".join(f"{g * stride + offset}:{g * stride + offset + n}"
-                                                     for g in range(hk))
 
-    q, k = rows("in_proj_qkvz", 0, dk, per), rows("in_proj_qkvz", dk, dk, per)
-    v, z = rows("in_proj_qkvz", 2 * dk, r * dv, per), rows("in_proj_qkvz", 2 * dk + r * dv, r * dv, per)
-    fused_qkv = ",".join(part.split("#rows=")[1] for part in (q, k, v))
-    return {"lin_qkv.w": [f"{p}in_proj_qkv.weight", f"{p}in_proj_qkvz.weight#rows={fused_qkv}"],
-            "lin_z.w": [f"{p}in_proj_z.weight", z],
-            "lin_b.w": [f"{p}in_proj_b.weight", rows("in_proj_ba", 0, r, 2 * r)],
-            "lin_a.w": [f"{p}in_proj_a.weight", rows("in_proj_ba", r, r, 2 * r)],
+def lin_hf_names(spec: ModelSpec, prefix: str) -> dict[str, list[str]]:
+    """Checkpoint names of a linear layer's weights under ``prefix`` (``model.layers.{j}.``):
+    Qwen3.5's separate projections, or the rows of Qwen3-Next's fused ones (``fused_rows``)."""
+    p = prefix + "linear_attn."
+    rows = fused_rows(spec)
+    return {"lin_qkv.w": [f"{p}in_proj_qkv.weight", f"{p}in_proj_qkvz.weight#rows={rows['lin_qkv.w']}"],
+            "lin_z.w": [f"{p}in_proj_z.weight", f"{p}in_proj_qkvz.weight#rows={rows['lin_z.w']}"],
+            "lin_b.w": [f"{p}in_proj_b.weight", f"{p}in_proj_ba.weight#rows={rows['lin_b.w']}"],
+            "lin_a.w": [f"{p}in_proj_a.weight", f"{p}in_proj_ba.weight#rows={rows['lin_a.w']}"],
             "lin_conv.w": [f"{p}conv1d.weight"], "lin_dt.b": [f"{p}dt_bias"], "lin_A_log": [f"{p}A_log"],
             "lin_norm.w": [f"{p}norm.weight"], "lin_o.w": [f"{p}out_proj.weight"]}
 

@@ -12,10 +12,11 @@ loader prefixes with the model's name.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from .config_fields import field_problem
-from .spec import ModelSpec, RopeScaling, alternating
+from .rope_config import rope_scaling
+from .spec import ModelSpec, alternating
 
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 # the config classes' defaults of the fields read here (Gemma2Config, Gemma3TextConfig)
@@ -40,13 +41,10 @@ _THETA = {"gemma": 10000.0, "gemma2": 10000.0, "gemma3_global": 1_000_000.0, "ge
 _PATTERN = {"gemma2": 2, "gemma3_text": 6}  # every n-th layer global, the others sliding
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
-RopeReader = Callable[[dict[str, Any], str], "RopeScaling | None"]
-
-
-def gemma_spec(raw: dict[str, Any], name: str, rope_scaling: RopeReader) -> ModelSpec:
+def gemma_spec(raw: dict[str, Any], name: str) -> ModelSpec:
     """The spec of a ``gemma2``, ``gemma3_text`` or ``gemma3`` config (``raw``, as parsed from
-    config.json). ``rope_scaling`` reads one rope dict (the loader's reader, shared by every
-    family, which refuses a type it does not compute)."""
+    config.json); its RoPE dicts read by every family's reader (``rope_config.rope_scaling``,
+    which refuses a type it does not compute)."""
     mt = raw["model_type"]
     top: dict[str, Any] = {}
     if mt == "gemma3":

@@ -26,6 +26,7 @@ from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, QWEN_NEXT_ARCHS, USED, GGUFArch
                         llama_fields, nextn, post_norm_fields)
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
+from .rope_config import rope_scaling
 from .source import ModelLoadError, WeightSource
 from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
 from .spec import ModelSpec, RopeScaling
@@ -228,8 +229,6 @@ def _yarn(key: Any, has_freqs: bool, truncate: bool, name: str) -> RopeScaling:
     the factor, the original context, beta fast and slow (32 and 1 where the file has none),
     the attention factor 0.1 ln(factor) + 1. What llama.cpp would scale differently from the
     reference (an extrapolation factor or an attention factor other than 1) is refused."""
-    from .hf_config import _rope_scaling as hf_rope_scaling
-
     for k in ("rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"):
         if float(key(k, 1.0)) != 1.0:
             raise ModelLoadError(f"{name}: GGUF {k} {key(k)} is not supported (only 1: the reference's YaRN)")
@@ -242,7 +241,7 @@ def _yarn(key: Any, has_freqs: bool, truncate: bool, name: str) -> RopeScaling:
     log_mul = decimal32(float(key("rope.scaling.yarn_log_multiplier", 0.0)))
     if log_mul:  # DeepSeek's 0.1 mscale_all_dim; its mscale is taken equal (as in every published model)
         rope["mscale"] = rope["mscale_all_dim"] = log_mul / 0.1
-    scaling = hf_rope_scaling(rope, name, int(key("context_length", 0)), 0)
+    scaling = rope_scaling(rope, name, int(key("context_length", 0)), 0)
     assert scaling is not None
     return scaling
 

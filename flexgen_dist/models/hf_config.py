@@ -6,8 +6,6 @@ a reader of their own (``gemma_config.py``), given this module's RoPE reader.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from typing import Any
 
 from .config_fields import USED, field_problem
@@ -16,8 +14,9 @@ from .llama4_config import llama4_fields, llama4_text_config
 from .qwen_next_config import QWEN_NEXT_IMAGE_TEXT, QWEN_NEXT_TYPES, qwen_next_fields
 from .moe_config import GRANITE_MOE_TYPES, MLA_TYPES, MOE_REFUSED, MOE_TYPES, moe_fields
 from .source import ModelLoadError
+from .rope_config import phimoe_rope, rope_scaling as _rope_scaling
 from .rope_scaling import mla_softmax_scale
-from .spec import ROPE_TYPES, ModelSpec, RopeScaling, alternating, every_nth
+from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
 
 def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -61,7 +60,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
         text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         return spec_from_hf_config(text, name)
     if mt in GEMMA_TYPES:  # its own reader: a nested text_config, RoPE per layer type
-        return gemma_spec(cfg, name, _rope_scaling)
+        return gemma_spec(cfg, name)
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     common = dict(name=name, vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
@@ -109,7 +108,7 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
     if mt in QWEN_NEXT_TYPES:  # linear-attention layers, the gated output, (1 + w) norms (qwen_next_config)
         common.update(qwen_next_fields(cfg))
     if mt == "phimoe":
-        scaling = _phimoe_rope(rope, scaling)
+        scaling = phimoe_rope(rope, scaling)
         common.update(layer_norm=True, lm_head_bias=bool(cfg.get("lm_head_bias", False)))
     return _llama_spec(cfg, mt, head_dim, theta, scaling, dict(common, rotary_dim=rotary * (partial != 1.0)))
 
@@ -214,21 +213,6 @@ def _llama_spec(cfg: dict[str, Any], mt: str, head_dim: int, theta: float, scali
                      **_biases(cfg, mt), **_granite_fields(cfg, mt), **_nope(cfg, mt),
                      **_temperature(cfg, mt), **_attention_extras(mt))
     return ModelSpec(**{**kw, **common})  # common: the shared fields, and what a caller's reader decided (MLA)
-
-
-def _phimoe_rope(rope: dict[str, Any], scaling: RopeScaling | None) -> RopeScaling | None:
-    """Phi-3.5-MoE's LongRoPE as transformers computes it: its rotary embedding asks for the
-    frequencies without a length, which gives the short factors at every position, and scales
-    cos and sin by ``short_mscale`` within the original context, ``long_mscale`` past it (over the
-    whole batch). Read as LongRoPE whose long factors are its short ones, scaled by the one
-    mscale; two different mscales are refused (the switch depends on the batch there)."""
-    if scaling is None:
-        return None
-    short, long = rope.get("short_mscale"), rope.get("long_mscale")
-    if short is None or long is None or short != long:
-        raise ValueError(f"phimoe rope short_mscale {short} and long_mscale {long}: supported where both are "
-                         "given and equal (transformers switches between them by the batch's longest sequence)")
-    return replace(scaling, long_factor=scaling.short_factor, attention_factor=float(short))
 
 
 def _biases(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
@@ -401,65 +385,3 @@ def _windows(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
                        for i in range(n)]
         return {"sliding_window": window, "layer_types": tuple(cfg.get("layer_types") or default)}
     return {"sliding_window": window if mt in ("mistral", "ministral3", "phi3", "mixtral", "phimoe") else 0}
-
-
-def _rope_scaling(rope: dict[str, Any], name: str, max_positions: int = 0,
-                  rotary_dim: int = 0) -> RopeScaling | None:
-    """A config's ``rope_scaling``/``rope_parameters`` as a ``RopeScaling`` (None: plain RoPE);
-    a type or field this engine does not compute is refused in one line naming it.
-    ``max_positions``: the config's max_position_embeddings (yarn and longrope derive a
-    missing factor from it, as the reference does); ``rotary_dim``: the dims RoPE turns
-    (longrope has a factor per pair of them)."""
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if rope_type == "default":
-        return None
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"{name}: rope scaling type {rope_type!r} is not supported "
-                             f"(supported: default, {', '.join(ROPE_TYPES)})")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    need = {"llama3": keys, "yarn": keys[3:], "longrope": ("long_factor", "short_factor", keys[3])}.get(
-        rope_type, keys[:1])
-    missing = [k for k in need if rope.get(k) is None]
-    if missing:
-        raise ModelLoadError(f"{name}: rope scaling {rope_type!r} needs {', '.join(missing)} in the config")
-    args = {k: rope[k] for k in need}
-    if rope_type == "yarn":
-        args.update(_yarn_args(rope, max_positions))
-    if rope_type == "longrope":
-        args.update(_longrope_args(rope, max_positions, rotary_dim, name))
-    try:
-        return RopeScaling(rope_type, **args)
-    except ValueError as e:
-        raise ModelLoadError(f"{name}: {e}") from None
-
-
-def _yarn_args(rope: dict[str, Any], max_positions: int) -> dict[str, Any]:
-    """YaRN's factor and attention factor resolved as the reference resolves them."""
-    factor = rope.get("factor") or max_positions / rope["original_max_position_embeddings"]
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    att = rope.get("attention_factor")
-    if att is None:
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        att = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
-    return {"factor": factor, "attention_factor": att, "beta_fast": rope.get("beta_fast") or 32,
-            "beta_slow": rope.get("beta_slow") or 1, "truncate": rope.get("truncate", True)}
-
-
-def _longrope_args(rope: dict[str, Any], max_positions: int, rotary_dim: int, name: str) -> dict[str, Any]:
-    """LongRoPE's factor and attention factor resolved as the reference resolves them (the
-    factor, where absent, is the context's growth over the original; the attention factor
-    sqrt(1 + ln factor / ln original)), its per-frequency factors checked for length."""
-    original = rope["original_max_position_embeddings"]
-    factor = rope.get("factor") or max_positions / original
-    att = rope.get("attention_factor")
-    if att is None:
-        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    for k in ("long_factor", "short_factor"):
-        if rotary_dim and len(rope[k]) != rotary_dim // 2:
-            raise ModelLoadError(f"{name}: rope scaling {k} has {len(rope[k])} values for {rotary_dim} rotated "
-                                 f"dims: expected {rotary_dim // 2}")
-    return {"factor": factor, "attention_factor": float(att), "long_factor": tuple(rope["long_factor"]),
-            "short_factor": tuple(rope["short_factor"])}

@@ -12,7 +12,7 @@ from ..kernels.qweight import QWeight
 from .common import (ATTN_MLP_GGUF, ATTN_MLP_HF, LM_PREFIXES, Positions, apply_rope, apply_rope_interleaved,
                      as_positions, embed_shapes, embedding, head_shapes, linear, lm_gguf_names, lm_hf_names,
                      project_qkv, rms_norm, silu_mul)
-from .deltanet import lin_hf_names, lin_shapes, linear_attention
+from .deltanet import fused_rows, head_ranges, lin_hf_names, lin_shapes, linear_attention
 from .experts import moe_gguf_name, moe_hf_names, moe_mlp, moe_shapes
 from .families import ROWS, Attend, Family, Recurrent, Weights, register
 from .spec import ModelSpec
@@ -116,12 +116,8 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
             lin = [lin_hf_names(spec, f"{p}layers.{layer}.") for p in LM_PREFIXES]
             dense.update({k: [n for names in lin for n in names[k]] for k in lin[0]})
         elif spec.attn_output_gate:  # Qwen3-Next's q_proj: each head's q rows, then its gate's
-            d = spec.head_dim
-
-            def heads(offset: int) -> str:
-                return ",".join(f"{hh * 2 * d + offset}:{hh * 2 * d + offset + d}" for hh in range(spec.num_heads))
-            for k, offset in (("q.w", 0), ("q_gate.w", d)):
-                dense[k] = [f"{p}layers.{layer}.self_attn.q_proj.weight{ROWS}{heads(offset)}" for p in LM_PREFIXES]
+            for k, rows in _gated_q_rows(spec).items():
+                dense[k] = [f"{p}layers.{layer}.self_attn.q_proj.weight{ROWS}{rows}" for p in LM_PREFIXES]
         out = {k: dense[k] if k in dense else [n for p in LM_PREFIXES for n in moe_hf_names(spec, f"{p}layers.{layer}", k)]
                for k in layer_shapes(spec, layer)}
         qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
@@ -175,7 +171,7 @@ def post_attention_gguf_names(spec: ModelSpec, part: str, layer: int | None = No
 
 def qwen3next_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
     """llama.cpp's ``qwen3next`` names: the norm before the MLP is post_attention_norm; a
-    linear layer's b and a are the rows of ssm_ba interleaved by key head (``lin_hf_names``'s
+    linear layer's b and a are the rows of ssm_ba interleaved by key head (``fused_rows``'s
     ranges, as in_proj_ba's), an attention layer's q and gate those of attn_q, each head's q
     then its gate (HF's q_proj as it is)."""
     return _qwen_next_gguf_names(spec, part, layer, split_ba=False)
@@ -194,12 +190,18 @@ def _qwen_next_gguf_names(spec: ModelSpec, part: str, layer: int | None, split_b
     if spec.linear(layer) and split_ba:
         out.update({"lin_b.w": f"blk.{layer}.ssm_beta.weight", "lin_a.w": f"blk.{layer}.ssm_alpha.weight"})
     elif spec.linear(layer):
-        for k in ("lin_b.w", "lin_a.w"):
-            out[k] = f"blk.{layer}.ssm_ba.weight{ROWS}" + lin_hf_names(spec, "")[k][1].split(ROWS)[1]
+        rows = fused_rows(spec)
+        out.update({k: f"blk.{layer}.ssm_ba.weight{ROWS}{rows[k]}" for k in ("lin_b.w", "lin_a.w")})
     else:
-        for k in ("q.w", "q_gate.w"):
-            out[k] = f"blk.{layer}.attn_q.weight{ROWS}" + hf_names(spec, "layer", layer)[k][0].split(ROWS)[1]
+        out.update({k: f"blk.{layer}.attn_q.weight{ROWS}{rows}" for k, rows in _gated_q_rows(spec).items()})
     return out
+
+
+def _gated_q_rows(spec: ModelSpec) -> dict[str, str]:
+    """The rows of Qwen3-Next's q_proj (each head's q, then its gate) that are ``q.w`` and
+    ``q_gate.w``."""
+    d = spec.head_dim
+    return {"q.w": head_ranges(spec.num_heads, 2 * d, 0, d), "q_gate.w": head_ranges(spec.num_heads, 2 * d, d, d)}
 
 
 def unpermute_gguf(name: str, w: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
