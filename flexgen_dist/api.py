@@ -89,7 +89,7 @@ def build_config(model: str | None, config: RunConfig | None, options: dict[str,
         pols = [pol] if isinstance(pol, (Policy, dict)) else list(pol)
         opts["stages"] = tuple(p.to_dict() if isinstance(p, Policy) else dict(p) for p in pols)
         opts["policy"] = None
-    for k in ("percent", "stage_layers"):
+    for k in ("percent", "state_percent", "stage_layers"):
         if opts.get(k) is not None:
             opts[k] = tuple(opts[k])
     known = {f.name for f in dataclasses.fields(RunConfig)}
@@ -360,8 +360,8 @@ class LLM:
         for s in plan.stages:
             p = s.policy
             who = f"stage {s.index} " if self.world_size > 1 else ""
-            print(f"{who}policy: gbs={p.gpu_batch_size} num_gb={p.num_gpu_batches} percent="
-                  f"{' '.join(f'{x:g}' for x in p.percent())} cpu_attention={p.cpu_attention} "
+            print(f"{who}policy: gbs={p.gpu_batch_size} num_gb={p.num_gpu_batches} "
+                  f"{p.placement()} cpu_attention={p.cpu_attention} "
                   f"overlap={p.overlap}", file=sys.stderr)
         if self.device.type == "cpu":
             print(f"threads: {self.threads.threads} ({self.threads.why})", file=sys.stderr)

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from .engine.policy import PERCENT_FIELDS, Policy
+from .engine.policy import PERCENT_FIELDS, STATE_FIELDS, Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 
 
@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 DEFAULT_SORT_WINDOW = 32
 DUMMY_FILLS = ("random", "ones")
-POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "cpu_attention", "overlap",
+POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "state_percent", "cpu_attention", "overlap",
                 "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
 
 
@@ -52,6 +52,7 @@ class RunConfig:
     metrics: str | None = None
     policy: str | None = None
     percent: tuple[float, ...] | None = None
+    state_percent: tuple[float, ...] | None = None
     gpu_batch_size: int | None = None
     num_gpu_batches: int | None = None
     cpu_attention: bool | None = None
@@ -99,6 +100,8 @@ class RunConfig:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
         if self.percent is not None and len(self.percent) != 6:
             raise ConfigError(f"--percent takes six numbers WG WC CG CC HG HC, got {len(self.percent)}")
+        if self.state_percent is not None and len(self.state_percent) != 2:
+            raise ConfigError(f"--state-percent takes two numbers SG SC, got {len(self.state_percent)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r}: use cpu, cuda or auto")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -160,6 +163,8 @@ class RunConfig:
                 continue
             if f == "percent":
                 out.update(zip(PERCENT_FIELDS, (float(x) for x in v)))
+            elif f == "state_percent":
+                out.update(zip(STATE_FIELDS, (float(x) for x in v)))
             else:
                 out[f] = v
         return out
@@ -329,6 +334,9 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--policy", help="policy YAML file, or 'auto' to plan one")
     g.add_argument("--percent", nargs=6, type=float, metavar=("WG", "WC", "CG", "CC", "HG", "HC"),
                    help="GPU and CPU percent of weights, cache, activations (disk gets the rest)")
+    g.add_argument("--state-percent", nargs=2, type=float, metavar=("SG", "SC"),
+                   help="GPU and CPU percent of the linear-attention layers' states, by whole layers "
+                        "(Qwen3-Next, Qwen3.5; disk gets the rest; default 100 0)")
     g.add_argument("--gpu-batch-size", type=int)
     g.add_argument("--num-gpu-batches", type=int)
     g.add_argument("--cpu-attention", action=argparse.BooleanOptionalAction)
@@ -393,7 +401,7 @@ def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
             values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
-    for k in ("percent", "stage_layers"):
+    for k in ("percent", "state_percent", "stage_layers"):
         if values.get(k) is not None:
             values[k] = tuple(values[k])
     if "stages" in values:

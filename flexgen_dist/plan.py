@@ -219,7 +219,7 @@ class RunPlan:
         for s in self.stages:
             p, pk = s.policy, s.peaks
             lines.append(f"stage {s.index}: layers [{s.layers[0]}, {s.layers[1]}) gbs={p.gpu_batch_size} "
-                         f"num_gb={p.num_gpu_batches} percent={' '.join(f'{x:g}' for x in p.percent())} "
+                         f"num_gb={p.num_gpu_batches} {p.placement()} "
                          f"cpu_attention={p.cpu_attention} compress_weight={p.compress_weight} "
                          f"compress_cache={p.compress_cache}; predicted peaks: "
                          + ", ".join(f"{t} {_gib(getattr(pk, t))}" for t in TIERS)

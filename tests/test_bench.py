@@ -568,9 +568,9 @@ def test_hybrid_bench_runs_both_shapes_at_each_length(tmp_path: Path) -> None:
 
     out = tmp_path / "h.json"
     assert hybrid.main(["--prompt-lens", "40", "70", "--gen-len", "2", "--num-prompts", "2", "--hidden", "128",
-                        "--layers", "4", "--rounds", "1", "--json", str(out)]) == 0
+                        "--layers", "4", "--rounds", "1", "--state-percent", "0", "0", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [(r["model"], r["prompt_len"]) for r in res["medians"]] == [
-        ("hybrid", 40), ("full", 40), ("hybrid", 70), ("full", 70)]
+        (m, s) for s in (40, 70) for m in ("hybrid", "full", "hybrid-states-0-0")]
     assert all(r["decode"] > 0 and r["prefill"] > 0 and r["peak_gpu_bytes"] > 0 for r in res["medians"])
-    assert len(res["runs"]) == 4
+    assert len(res["runs"]) == 6

@@ -82,7 +82,8 @@ def test_dummy_fill_ones_gives_every_weight_one() -> None:
                                   "bad-flag-value", "unknown-flag", "output-under-file", "metrics-under-file",
                                   "output-exists", "resume-without-output", "resume-and-overwrite",
                                   "output-is-dir", "log-dir-under-file", "print-outputs",
-                                  "balanced-fixed-policy", "prefill-items", "dummy-fill-alone"])
+                                  "balanced-fixed-policy", "prefill-items", "dummy-fill-alone",
+                                  "bad-state-percent", "state-percent-yaml"])
 def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, capsys) -> None:
     tm = tiny_models["opt-pre"]
     model = ["--model", str(tm.path)]
@@ -124,6 +125,11 @@ def test_bad_input_gives_one_line_error(case: str, tiny_models, tmp_path: Path, 
         "balanced-fixed-policy": (model + ["--partition", "balanced"], "needs --policy auto"),
         "prefill-items": (model + ["--prefill-items", "rows"], "argument --prefill-items: invalid choice"),
         "dummy-fill-alone": (model + ["--dummy-fill", "ones"], "add --dummy-weights"),
+        "bad-state-percent": (model + ["--prompts", str(p), "--state-percent", "60", "50"],
+                              "state_gpu_percent + state_cpu_percent = 110 > 100 for linear-attention states"),
+        "state-percent-yaml": (model + ["--prompts", str(p), "--policy",
+                                        str(_write(tmp_path / "pol.yaml", "state_percent: [1, 2, 3]\n"))],
+                               "policy state_percent=[1, 2, 3]: give two numbers SG SC"),
     }.get(case, (None, None))
     if case == "no-weights":
         d = tmp_path / "m"

@@ -63,10 +63,12 @@ def reference_on(tm: TinyModel, device: torch.device, dtype: torch.dtype, prompt
 
 def engine(tm: TinyModel, pct: tuple, device: torch.device, dtype: torch.dtype, disk: DiskStore, *,
            overlap: bool = True, cpu_attention: bool = True, compress: bool = False,
-           gpu_batch_size: int = 2, num_gpu_batches: int = 2) -> StageEngine:
+           gpu_batch_size: int = 2, num_gpu_batches: int = 2,
+           state_percent: tuple[float, float] = (100, 0)) -> StageEngine:
     lm = load_model(str(tm.path), load_tokenizer=False, dtype=dtype)
     pol = Policy(gpu_batch_size, num_gpu_batches, *pct, overlap=overlap, cpu_attention=cpu_attention,
-                 compress_weight=compress, compress_cache=compress)
+                 compress_weight=compress, compress_cache=compress, state_gpu_percent=state_percent[0],
+                 state_cpu_percent=state_percent[1])
     return StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
                        policy=pol, device=device, dtype=dtype, disk=disk)
 
@@ -263,7 +265,7 @@ def test_packed_weights_expand_on_the_device_to_the_cpu_values(gpu_device, dtype
                                   "deepseek_v3", "llama4", "qwen3_next"])
 def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_device, tmp_path: Path) -> None:
     """Llama 3.1, Mistral, Qwen2/3, Phi-3, Gemma 2/3, the mixtures of experts, Llama 4 and
-    Qwen3-Next (the gated delta rule's states on the device) in float32 on
+    Qwen3-Next (the gated delta rule's states on the device, and staged from RAM and disk) in float32 on
     the device: half the weights there and half in RAM, the cache and activations there,
     prompts past the sliding windows; greedy tokens equal transformers' on the same device.
     (Gemma 2's reference runs eager attention: the SDPA that transformers before 5.2x picks by
@@ -289,6 +291,10 @@ def test_families_and_experts_on_the_gpu_match_transformers(name: str, gpu_devic
     else:
         ref, _ = reference_on(tm, gpu_device, torch.float32, LONG, GEN)
     assert run(tm, (50, 50, 100, 0, 100, 0), gpu_device, torch.float32, tmp_path / "off", prompts=LONG) == ref
+    if name == "qwen3_next":  # the states staged from pinned RAM and from disk, around their layers
+        for states in ((0, 100), (34, 33)):
+            assert run(tm, (50, 50, 100, 0, 100, 0), gpu_device, torch.float32, tmp_path / "off", prompts=LONG,
+                       state_percent=states) == ref, states
 
 
 def test_logprobs_penalties_and_filters_on_the_gpu_match_the_cpu(tiny_models, gpu_device) -> None:

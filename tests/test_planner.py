@@ -499,3 +499,34 @@ def test_a_profile_with_per_dtype_rates_plans(gpu: str) -> None:
     assert hash(hw.for_dtype("bfloat16")) != hash(hw.for_dtype("float32"))
     plan = plan_pipeline(get_spec("opt-6.7b"), 1, hw.for_dtype("float16"), WL)
     assert plan.predicted["total_throughput"] > 0 and plan.stages[0].policy.w_gpu_percent == 100
+
+
+# linear-attention states (Qwen3-Next) ----------------------------------------------------
+def test_the_states_leave_the_gpu_only_where_that_buys_a_larger_block() -> None:
+    """Qwen3-Next-80B's 36 linear layers keep 72 MiB a sequence of states. Where the whole
+    model fits the GPU the plan keeps them there; where it does not, it moves them to RAM
+    (``state_percent=0 100``) for a larger block than the GPU could hold them for, costs their
+    traffic (a decode step brings each layer's in and sends it back) and fits the budgets."""
+    hw = HardwareSpec.from_yaml(ROOT / "configs" / "hardware" / "h100.yaml")
+    spec, wl = get_spec("qwen3-next-80b-a3b"), WorkShape(prompt_len=512, gen_len=32, dtype_bytes=2)
+    roomy = hw.with_budgets(gpu_mem="200GiB", cpu_mem="400GiB", disk_mem="1TiB")
+    tight = hw.with_budgets(gpu_mem="40GiB", cpu_mem="400GiB", disk_mem="1TiB")
+    pol, _ = plan_stage(spec, spec.num_layers, roomy, wl, has_embed=True, has_head=True, max_num_gpu_batches=4)
+    assert (pol.state_gpu_percent, pol.state_cpu_percent) == (100, 0)
+    pol, cost = plan_stage(spec, spec.num_layers, tight, wl, has_embed=True, has_head=True)
+    assert (pol.state_gpu_percent, pol.state_cpu_percent) == (0, 100)
+    _assert_fits(cost.peak, tight)
+    on_gpu = estimate_stage(spec, spec.num_layers, replace(pol, state_gpu_percent=100, state_cpu_percent=0), tight,
+                            wl, has_embed=True, has_head=True)
+    assert on_gpu.peak["decode"]["gpu"] > tight.gpu_mem  # the same block with its states on the GPU does not fit
+    assert cost.channels["decode_step"]["ctog"] > on_gpu.channels["decode_step"]["ctog"]  # the traffic is costed
+    assert cost.channels["decode_step"]["gtoc"] > on_gpu.channels["decode_step"]["gtoc"]
+
+
+def test_a_model_without_linear_layers_plans_no_state_placement(t4) -> None:
+    from flexgen_dist.planner.search import state_options
+
+    assert state_options(get_spec("opt-1.3b"), 0, 24) == ((100.0, 0.0),)
+    spec = get_spec("qwen3-next-80b-a3b")
+    assert state_options(spec, 3, 1) == ((100.0, 0.0),)  # layer 3 attends
+    assert state_options(spec, 0, 1) == ((100.0, 0.0), (0.0, 100.0))

@@ -7,7 +7,10 @@ prompts that are left-padded in their batch and longer than the prefill's chunk 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -169,6 +172,107 @@ def test_the_states_are_allocated_as_the_footprint_counts_them(models: dict) -> 
     assert {j for j, _ in st.cache.chunks} == {3}  # the attention layer's cache alone
     eng.free_block(st)  # the tracker refuses a free of more than was counted
     eng.close()
+
+
+STATE_PLACEMENTS = {  # (state gpu %, state cpu %): the 3 linear layers' states by whole layers
+    "device": (100, 0), "ram": (0, 100), "disk": (0, 0), "mixed": (34, 33),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_PLACEMENTS))
+def test_states_offloaded_by_the_policy_match_transformers(models: dict, name: str, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The linear layers' states go where ``--state-percent`` says, by whole layers (device, RAM,
+    disk), whatever the cache's fractions: the staged ones come to the compute device around their layer and go back, with and
+    without overlap, one GPU batch or two (merged decode), RAM staged as on a GPU host or used in
+    place as on a CPU device. Tokens equal transformers'; the peaks stay within
+    ``predict_peaks``; the disk really holds states where the placement says so."""
+    from flexgen_dist.distributed.local import generate
+    from flexgen_dist.engine import states
+    from flexgen_dist.engine.footprint import predict_peaks
+    from flexgen_dist.engine.sampling import SamplingConfig
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.disk import DiskStore
+    from flexgen_dist.memory.tiers import MemoryTracker, Tier
+
+    tm, ref = models["next"]
+    g, c = STATE_PLACEMENTS[name]
+    tiers = states.state_tiers([0, 1, 2], (g / 100, c / 100, 1 - (g + c) / 100))
+    assert sorted(tiers.values()) == sorted({"device": [Tier.GPU] * 3, "ram": [Tier.CPU] * 3,
+                                             "disk": [Tier.DISK] * 3,
+                                             "mixed": [Tier.GPU, Tier.CPU, Tier.DISK]}[name])
+    loads: list[tuple[int, bool]] = []
+    real_load = states.StateStore.load
+    monkeypatch.setattr(states.StateStore, "load",
+                        lambda self, j, a, b, read: loads.append((j, read)) or real_load(self, j, a, b, read))
+    for overlap, gbs, ram_staged in [(True, 2, False), (False, 2, True), (True, 1, True)]:
+        monkeypatch.setattr(states, "staged", lambda tier, cuda, rs=ram_staged: tier == Tier.DISK or
+                            (tier == Tier.CPU and (cuda or rs)))
+        lm = load_model(str(tm.path), load_tokenizer=False)
+        pol = Policy(4 // gbs, gbs, 100, 0, 100, 0, 100, 0, state_gpu_percent=g, state_cpu_percent=c,
+                     overlap=overlap)
+        tracker = MemoryTracker()
+        loads.clear()
+        with DiskStore(tmp_path / "off") as disk:
+            eng = StageEngine(lm.spec, lm.source, (0, 4), has_embed=True, has_head=True, policy=pol,
+                              device=torch.device("cpu"), dtype=torch.float32, disk=disk, tracker=tracker)
+            outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True))
+            eng.close()
+        assert outs == ref, (name, overlap, gbs)
+        moved = {j for j, t in tiers.items() if t == Tier.DISK or (t == Tier.CPU and ram_staged)}
+        assert {j for j, _ in loads} == moved  # staged exactly where the placement says
+        if moved:  # the prefill's buffers are written, not read; each decode step reads them
+            assert (min(moved), False) in loads and (min(moved), True) in loads
+        peak, predicted = tracker.peak_bytes(), predict_peaks(lm.spec, pol, (0, 4), has_embed=True, has_head=True,
+                                                              prompt_len=150, gen_len=GEN, dtype_bytes=4)
+        # on a CPU device the compute tier and RAM are one memory (the tracker counts a disk
+        # chunk's staging in RAM, the footprint on the compute device)
+        assert peak["disk"] <= predicted["disk"] and \
+            peak["gpu"] + peak["cpu"] <= predicted["gpu"] + predicted["cpu"], (peak, predicted)
+        assert (peak["disk"] > 0) == (Tier.DISK in tiers.values())
+
+
+def test_the_state_percent_option_runs_from_the_cli_and_the_api(models: dict, tmp_path: Path, capsys) -> None:
+    """``--state-percent 0 0`` (every linear layer's states on disk) from the command line, and
+    ``state_percent`` through ``LLM``: transformers' tokens, the placement shown with the policy,
+    and no state file left in the offload directory."""
+    from flexgen_dist.run import main
+
+    tm, ref = models["next"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
+    out, off = tmp_path / "o.jsonl", tmp_path / "off"
+    rc = main(["--model", str(tm.path), "--prompts", str(prompts), "--gen-len", str(GEN), "--ignore-eos",
+               "--gpu-batch-size", "2", "--state-percent", "0", "0", "--offload-dir", str(off),
+               "--output", str(out), "--dtype", "float32"])
+    assert rc == 0
+    assert [r["tokens"] for r in read_jsonl(out)] == ref
+    assert "state_percent=0 0" in capsys.readouterr().err
+    assert not list(off.rglob("*state*"))
+    with LLM(str(tm.path), gpu_batch_size=2, state_percent=(0, 100), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
+
+
+def test_the_footprint_places_and_stages_the_states_as_the_engine_does(models: dict) -> None:
+    """The footprint's states: whole layers on each tier by the state fractions, whatever the
+    LP's fractions, and the staged layers' buffers on the compute device (at most three a
+    block); a CPU device uses the RAM's in place, a GPU host stages them (and passes the disk's
+    through host buffers)."""
+    from flexgen_dist.engine.states import STAGED_LAYERS
+
+    spec = load_model(str(models["next"][0].path), load_tokenizer=False).spec
+    z = StageShape(num_layers=4, has_embed=False, has_head=False, prompt_len=10, gen_len=4, dtype_bytes=4,
+                   gpu_batch_size=2, num_gpu_batches=2)
+    per = recurrent_bytes(spec, z) // 3
+    x = np.array([1, 0, 0, 1, 0, 0, 1, 0, 0.0])
+    for fractions, cuda, want in [((0, 1, 0), False, [0, 3, 0]), ((0, 1, 0), True, [STAGED_LAYERS, 3, 0]),
+                                  ((0, 0, 1), False, [STAGED_LAYERS, 0, 3]), ((0, 0, 1), True, [STAGED_LAYERS, 2, 3]),
+                                  ((1 / 3, 1 / 3, 1 / 3), True, [3, 3, 1])]:
+        fp = stage_footprint(spec, replace(z, state_fractions=fractions, cuda=cuda))
+        got = fp.peaks(x) - replace(fp, states=np.zeros((2, 3))).peaks(x)
+        assert got[0].tolist() == [w * per for w in want], (fractions, cuda)
+        assert (fp.linear()[0][:, :, 9] - fp.work[:, :, 9] == fp.states).all()
+    fp = stage_footprint(spec, z)  # the default: all on the device, nothing staged
+    assert (fp.peaks(x) - replace(fp, states=np.zeros((2, 3))).peaks(x) == [[3 * per, 0, 0]] * 2).all()
 
 
 def test_the_image_text_checkpoint_runs_its_language_model(models: dict, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from .activations import ActStore
 from .attention import mask_to_rows
 from .blocks import BlockMeta
 from .kvcache import BlockCache
+from .states import StateStore
 
 
 @dataclass
@@ -40,9 +41,9 @@ class BlockState:
     # logits of batches outside the sweep that ran it wait in ``logits`` for ``prefill_logits``.
     head_rows: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    # linear-attention layer -> (convolution state, delta-rule state) of every row of the block,
-    # GPU batches in order (``recurrent``)
-    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the linear-attention layers' states of every row of the block, GPU batches in order
+    # (``recurrent``)
+    states: StateStore | None = None
     # (token, first batch, last batch) -> (first row, end row, prefill padding): the same for
     # every linear layer of the token, so built once per token (``recurrent``)
     rec_rows: dict[tuple[int, int, int], tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
@@ -63,8 +64,8 @@ def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
             valid = torch.cat([st.valid[k][:, :st.meta.prompt_len] for k in ks])
         st.rec_rows[key] = (a, a + sum(sizes[k] for k in ks), valid)
     a, b, valid = st.rec_rows[key]
-    conv, ssm = st.states[layer]
-    return Recurrent(conv[a:b], ssm[a:b], fresh=i == 0, valid=valid)
+    conv, ssm, base = st.states.views(layer)  # type: ignore[union-attr]
+    return Recurrent(conv[a - base:b - base], ssm[a - base:b - base], fresh=i == 0, valid=valid)
 
 
 def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,

@@ -5,7 +5,9 @@
 - **placed** bytes, split over the tiers by the policy's fractions: the weights (whole
   tensors per part, by ``choose_tiers``), the KV cache of the blocks in flight (rows of
   ``split_rows``; packed codes plus group metadata when ``compress_cache``) and their
-  activations (rows of ``split_rows``);
+  activations (rows of ``split_rows``); the linear-attention layers' states, whole layers by
+  the policy's own state fractions (not an LP variable: fixed per footprint), those off the
+  compute device staged on it;
 - **working sets**, linear in the fractions plus a constant: one GPU batch's activations, MLP
   intermediate and attention scores on the compute device, the next/previous GPU batch's
   hidden states and cache in transit, CPU attention's scratch, disk staging on a GPU host,
@@ -38,6 +40,7 @@ from ..models.spec import ModelSpec
 from .head import SCORE_CHUNK_BYTES
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
+from .states import STAGED_LAYERS, staged, state_tiers
 from .weights import TIED, TierPlacer, stored_nbytes
 
 TIERS = tuple(t.value for t in Tier)  # gpu (the compute device), cpu (host RAM), disk
@@ -55,33 +58,23 @@ class Footprint:
     bytes).
     ``cache``/``acts``: (rows, bytes per row, copies): a GPU batch's rows split by the policy,
     repeated over layers and blocks in flight. ``work``: working sets, (2, 3, 10).
+    ``states``: bytes per tier of the linear layers' states, constant in the LP's fractions
+    (``_state_bytes``).
     ``staging``: True on a GPU host, where disk weights pass through host read buffers."""
 
     parts: tuple[tuple[tuple[int, ...], int], ...]
     cache: tuple[int, int, int]
     acts: tuple[int, int, int]
     work: np.ndarray
+    states: np.ndarray
     staging: bool
     compress_weight: bool
-    _placed: dict = field(default_factory=dict, repr=False)
 
     def weights_at(self, g: float, c: float) -> tuple[np.ndarray, int, int]:
         """Weight bytes per tier at fractions (g, c, 1-g-c), as ``TierPlacer`` places them,
         with the dense size of the largest slot with a tensor off the compute device and the
         largest slot's bytes on disk (what the read buffers hold)."""
-        key = (round(g, 9), round(c, 9))
-        if key not in self._placed:
-            placed, off, disk = np.zeros(3), 0, 0
-            placer = TierPlacer((g, c, max(0.0, 1.0 - g - c)))
-            for sizes, dense in self.parts:
-                tiers = placer.place(list(sizes))
-                for size, tier in zip(sizes, tiers):
-                    placed[TIERS.index(tier.value)] += size
-                if self.compress_weight or any(t != Tier.GPU for t in tiers):
-                    off = max(off, dense)
-                disk = max(disk, sum(sz for sz, t in zip(sizes, tiers) if t == Tier.DISK))
-            self._placed[key] = (placed, off, disk)
-        return self._placed[key]
+        return _weights_at(self.parts, self.compress_weight, round(g, 9), round(c, 9))
 
     def peaks(self, x: np.ndarray) -> np.ndarray:
         """(2 phases, 3 tiers) bytes at fractions ``x`` (length 9), rounded as the engine rounds."""
@@ -91,7 +84,7 @@ class Footprint:
         for k, (rows, per_row, copies) in ((1, self.cache), (2, self.acts)):
             for tier, r0, r1 in split_rows(rows, _triple(x, k)):
                 placed[TIERS.index(tier.value)] += (r1 - r0) * per_row * copies
-        out += placed
+        out += placed + self.states
         out[:, 0] += 2 * off
         out[:, 1] += 2 * disk * self.staging
         return out
@@ -111,10 +104,39 @@ class Footprint:
             base[:, t, t] += total
             base[:, t, 3 + t] += self.cache[0] * self.cache[1] * self.cache[2]
             base[:, t, 6 + t] += self.acts[0] * self.acts[1] * self.acts[2]
+        base[:, :, 9] += self.states
         dense = max((d for _, d in self.parts), default=0)
         stored = max((sum(s) for s, _ in self.parts), default=0)
         largest = max((max(s) for s, _ in self.parts if s), default=0)
         return base, 2.0 * dense, 2.0 * stored * self.staging, float(largest)
+
+
+# (id of a stage's parts, compressed, g, c) -> (the parts, their placement): the weights' placement
+# depends on the fractions alone, not on the batch shape, so every candidate block of a search
+# shares it (a mixture of experts' stage is tens of thousands of tensors: placing them took
+# most of a plan's time when each candidate placed its own)
+_PLACED: dict[tuple[int, bool, float, float], tuple[tuple, tuple[np.ndarray, int, int]]] = {}
+_PLACED_MAX = 4096
+
+
+def _weights_at(parts: tuple, compress_weight: bool, g: float, c: float) -> tuple[np.ndarray, int, int]:
+    key = (id(parts), compress_weight, g, c)
+    got = _PLACED.get(key)
+    if got is not None and got[0] is parts:
+        return got[1]
+    placed, off, disk = np.zeros(3), 0, 0
+    placer = TierPlacer((g, c, max(0.0, 1.0 - g - c)))
+    for sizes, dense in parts:
+        tiers = placer.place(list(sizes))
+        for size, tier in zip(sizes, tiers):
+            placed[TIERS.index(tier.value)] += size
+        if compress_weight or any(t != Tier.GPU for t in tiers):
+            off = max(off, dense)
+        disk = max(disk, sum(sz for sz, t in zip(sizes, tiers) if t == Tier.DISK))
+    if len(_PLACED) >= _PLACED_MAX:
+        _PLACED.clear()
+    _PLACED[key] = (parts, (placed, off, disk))  # the parts kept alive: their id stays theirs
+    return placed, off, disk
 
 
 def _triple(x: np.ndarray, kind: int) -> tuple[float, float, float]:
@@ -165,6 +187,7 @@ class StageShape:
     cuda: bool = False
     first_layer: int = 0
     head: HeadLoad = field(default_factory=lambda: HeadLoad())  # what the last stage's head holds
+    state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)  # the linear layers' states (policy's)
 
 
 def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
@@ -173,7 +196,7 @@ def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None
     return Footprint(parts=_weight_parts(spec, z, packed), cache=_cache_rows(spec, z),
                      acts=(z.gpu_batch_size, z.prompt_len * spec.hidden_size * z.dtype_bytes,
                            z.num_gpu_batches * z.blocks_in_flight),
-                     work=_working_sets(spec, z), staging=z.cuda, compress_weight=z.compress_weight)
+                     work=_working_sets(spec, z), states=_state_bytes(spec, z), staging=z.cuda, compress_weight=z.compress_weight)
 
 
 def _weight_parts(spec: ModelSpec, z: StageShape, packed: Packed | None) -> tuple:
@@ -218,11 +241,34 @@ def cache_positions(spec: ModelSpec, first_layer: int, num_layers: int, total: i
 
 
 def recurrent_bytes(spec: ModelSpec, z: StageShape) -> int:
-    """The linear-attention layers' states of every sequence in flight, on the compute device:
+    """The linear-attention layers' states of every sequence in flight, wherever they live:
     per layer and sequence the convolution's (the dtype) and the delta rule's (float32)."""
+    layers, per_layer = _state_layers(spec, z)
+    return len(layers) * per_layer
+
+
+def _state_layers(spec: ModelSpec, z: StageShape) -> tuple[list[int], int]:
+    """(the stage's linear layers, bytes of one layer's states for the blocks in flight)."""
     conv, ssm = spec.recurrent_numel()
-    layers = sum(spec.linear(j) for j in range(z.first_layer, z.first_layer + z.num_layers))
-    return layers * z.gpu_batch_size * z.num_gpu_batches * z.blocks_in_flight * (conv * z.dtype_bytes + 4 * ssm)
+    layers = [j for j in range(z.first_layer, z.first_layer + z.num_layers) if spec.linear(j)]
+    return layers, z.gpu_batch_size * z.num_gpu_batches * z.blocks_in_flight * (conv * z.dtype_bytes + 4 * ssm)
+
+
+def _state_bytes(spec: ModelSpec, z: StageShape) -> np.ndarray:
+    """(2 phases, 3 tiers) bytes of the linear layers' states: whole layers where the state
+    fractions place them (``states.state_tiers``), the staged layers' buffers on the compute
+    device (at most ``STAGED_LAYERS`` a block) and, on a GPU host, a disk transfer's host
+    buffers (a read and a write)."""
+    layers, per_layer = _state_layers(spec, z)
+    out = np.zeros((2, 3))
+    tiers = state_tiers(layers, z.state_fractions)
+    for tier in tiers.values():
+        out[:, TIERS.index(tier.value)] += per_layer
+    moved = sum(staged(t, z.cuda) for t in tiers.values())
+    out[:, 0] += min(moved, STAGED_LAYERS) * per_layer
+    if z.cuda and Tier.DISK in tiers.values():
+        out[:, 1] += 2 * per_layer
+    return out
 
 
 def _linear_prefill_bytes(spec: ModelSpec, z: StageShape) -> int:
@@ -258,7 +304,6 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     host = 1 if z.cuda else 0  # where host-side scratch lives: the host, or the compute tier
     # the most positions one layer's attention reads (a sliding layer: its window)
     held = max(cache_positions(spec, z.first_layer, z.num_layers, s + n), default=s + n)
-    W[:, 0, 9] += recurrent_bytes(spec, z)
     for ph, toks, ctx in ((0, s, s), (1, 1, held)):
         # attention's scores, or (prefill) a linear layer's temporaries: never both at once
         mixer = max(b * nh * toks * ctx * 4, _linear_prefill_bytes(spec, z) if ph == 0 else 0)
@@ -318,7 +363,8 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    blocks_in_flight=num_blocks_in_flight, cpu_attention=policy.cpu_attention,
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
-                   num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad())
+                   num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad(),
+                   state_fractions=policy.fractions("state"))
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
     return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}
@@ -332,5 +378,5 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def needs_disk(policies: list[Policy]) -> bool:
-    """Whether any of ``policies`` puts weights, cache or activations on the disk tier."""
-    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in ("w", "cache", "act"))
+    """Whether any of ``policies`` puts weights, cache, activations or states on the disk tier."""
+    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in ("w", "cache", "act", "state"))

@@ -26,6 +26,7 @@ def merge_decode(device: str, cache_on_disk: bool, cache_on_device: bool, cpu_at
 
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent", "cache_cpu_percent",
                   "act_gpu_percent", "act_cpu_percent")
+STATE_FIELDS = ("state_gpu_percent", "state_cpu_percent")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class Policy:
     cache_cpu_percent: float = 0.0
     act_gpu_percent: float = 100.0
     act_cpu_percent: float = 0.0
+    # linear-attention layers' states (Qwen3-Next), by whole layers: ``engine/states.py``
+    state_gpu_percent: float = 100.0
+    state_cpu_percent: float = 0.0
     overlap: bool = True
     cpu_attention: bool = True
     compress_weight: bool = False
@@ -51,11 +55,12 @@ class Policy:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"policy {f}={v!r}: must be an integer >= 1")
-        for f in PERCENT_FIELDS:
+        for f in PERCENT_FIELDS + STATE_FIELDS:
             v = getattr(self, f)
             if not 0.0 <= float(v) <= 100.0:
                 raise ValueError(f"policy {f}={v}: must be between 0 and 100")
-        for prefix, label in (("w", "weights"), ("cache", "cache"), ("act", "activations")):
+        for prefix, label in (("w", "weights"), ("cache", "cache"), ("act", "activations"),
+                              ("state", "linear-attention states")):
             g, c = getattr(self, f"{prefix}_gpu_percent"), getattr(self, f"{prefix}_cpu_percent")
             if g + c > 100.0 + 1e-9:
                 raise ValueError(
@@ -86,6 +91,10 @@ class Policy:
     def act_disk_percent(self) -> float:
         return max(0.0, 100.0 - self.act_gpu_percent - self.act_cpu_percent)
 
+    @property
+    def state_disk_percent(self) -> float:
+        return max(0.0, 100.0 - self.state_gpu_percent - self.state_cpu_percent)
+
     def merges_decode(self, device: str) -> bool:
         """``merge_decode`` for every layer of this placement on a ``device`` ("cpu"/"cuda")
         compute device: more than one GPU batch, every activation on the device."""
@@ -94,7 +103,7 @@ class Policy:
         return merge_decode(device, self.cache_disk_percent > 0, self.cache_gpu_percent >= 100, self.cpu_attention)
 
     def fractions(self, kind: str) -> tuple[float, float, float]:
-        """(gpu, cpu, disk) fractions in [0, 1] for kind 'w', 'cache' or 'act'."""
+        """(gpu, cpu, disk) fractions in [0, 1] for kind 'w', 'cache', 'act' or 'state'."""
         g = getattr(self, f"{kind}_gpu_percent") / 100.0
         c = getattr(self, f"{kind}_cpu_percent") / 100.0
         return g, c, max(0.0, 1.0 - g - c)
@@ -102,21 +111,31 @@ class Policy:
     def percent(self) -> tuple[float, ...]:
         return tuple(getattr(self, f) for f in PERCENT_FIELDS)
 
+    def placement(self) -> str:
+        """``percent=WG WC CG CC HG HC``, and ``state_percent=SG SC`` where not the default."""
+        out = f"percent={' '.join(f'{x:g}' for x in self.percent())}"
+        if (self.state_gpu_percent, self.state_cpu_percent) != (100.0, 0.0):
+            out += f" state_percent={self.state_gpu_percent:g} {self.state_cpu_percent:g}"
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Policy":
-        """Build from a mapping; ``percent: [WG, WC, CG, CC, HG, HC]`` is accepted too."""
+        """Build from a mapping; ``percent: [WG, WC, CG, CC, HG, HC]`` and ``state_percent:
+        [SG, SC]`` are accepted too."""
         d = dict(d)
         known = {f.name for f in fields(cls)}
-        if "percent" in d:
-            p = d.pop("percent")
-            if len(p) != 6:
-                raise ValueError(f"policy percent={p!r}: give six numbers WG WC CG CC HG HC")
-            d.update(zip(PERCENT_FIELDS, (float(x) for x in p)))
+        for key, names, what in (("percent", PERCENT_FIELDS, "six numbers WG WC CG CC HG HC"),
+                                 ("state_percent", STATE_FIELDS, "two numbers SG SC")):
+            if key in d:
+                p = d.pop(key)
+                if len(p) != len(names):
+                    raise ValueError(f"policy {key}={p!r}: give {what}")
+                d.update(zip(names, (float(x) for x in p)))
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"policy: unknown key(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known | {'percent'}))}")
+                             f"{', '.join(sorted(known | {'percent', 'state_percent'}))}")
         return cls(**d)

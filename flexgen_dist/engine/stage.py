@@ -32,6 +32,7 @@ from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
 from .schedule import Step, sweep_steps
+from .states import StateStore
 from .weights import Slot, WeightStore, expert_of
 
 
@@ -74,6 +75,7 @@ class StageEngine:
         self._more = False
         self._pending: list[Future] = []
         self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
+        self._spans: list[tuple[int, int, int, int]] = []  # their parts' (see ``run_sweep``)
         self._compute_of: dict[int, float] = {}
         self.sweep_compute: list[float] = []  # compute seconds of each part of the last sweep
 
@@ -138,30 +140,25 @@ class StageEngine:
             for r, n in enumerate(lens):
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
-        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes)))
+        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
 
-    def _new_states(self, rows: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Each linear-attention layer's states for ``rows`` sequences, on the compute device:
-        the convolution's last inputs (the model's dtype) and the delta rule's (float32), both
-        written before they are read (a prefill starts from zeros without reading them)."""
-        sp, out = self.spec, {}
-        for j in self.layers:
-            if sp.linear(j):
-                conv = torch.empty((rows, sp.lin_conv_dim, sp.lin_conv_kernel - 1), dtype=self.dtype,
-                                   device=self.device)
-                ssm = torch.empty((rows, sp.lin_v_heads, sp.lin_k_dim, sp.lin_v_dim), dtype=torch.float32,
-                                  device=self.device)
-                self.tracker.add(Tier.GPU, conv.nbytes + ssm.nbytes)
-                out[j] = (conv, ssm)
-        return out
+    def _new_states(self, rows: int, tag: str) -> StateStore:
+        """Each linear-attention layer's states for ``rows`` sequences: the convolution's last
+        inputs (the model's dtype) and the delta rule's (float32), placed by whole layers by the
+        policy's state fractions (``states.py``), written before they are read (a prefill starts from
+        zeros without reading them)."""
+        sp = self.spec
+        return StateStore([j for j in self.layers if sp.linear(j)], rows,
+                          (sp.lin_conv_dim, sp.lin_conv_kernel - 1), (sp.lin_v_heads, sp.lin_k_dim, sp.lin_v_dim),
+                          self.policy.fractions("state"), self.device, self.dtype, self.tracker, self.disk,
+                          self._pool, tag)
 
     def free_block(self, st: BlockState) -> None:
         if st.cache is not None:
             st.cache.free()
         st.acts.free()
-        for conv, ssm in st.states.values():
-            self.tracker.sub(Tier.GPU, conv.nbytes + ssm.nbytes)
-        st.states.clear()
+        if st.states is not None:
+            st.states.free()
 
     # --- one token of one block ---------------------------------------------------------
     @torch.no_grad()
@@ -195,6 +192,7 @@ class StageEngine:
         that no sweep used."""
         self._more = more and self.policy.overlap
         runs: list[tuple[BlockState, int, int]] = []  # per flat batch q: (state, token, batch k)
+        spans: list[tuple[int, int, int, int]] = []  # per q: its part's (first q, last q, first row, end row)
         for st, i, inputs, first in parts:
             ks = range(first, first + len(inputs))
             if i > 0 and len(ks) != len(st.meta.prompt_lens):
@@ -202,8 +200,11 @@ class StageEngine:
             st.outputs = [None] * len(inputs)
             st.out_base = first
             st.acts.set_inputs([x.to(self.device) for x in inputs], ks)
+            sizes = st.meta.batch_sizes
+            span = (len(runs), len(runs) + len(ks) - 1, sum(sizes[:first]), sum(sizes[:ks.stop]))
             runs += [(st, i, k) for k in ks]
-        self._runs = runs
+            spans += [span] * len(ks)
+        self._runs, self._spans = runs, spans
         self._compute_of = {id(st): 0.0 for st, _, _, _ in parts}
         for step in sweep_steps(len(self.slots), len(runs), self.policy.overlap):
             self._do(step)
@@ -234,6 +235,14 @@ class StageEngine:
                 self._wbuf[s.j] = fut
                 if not self.policy.overlap:
                     self._wait([fut])
+        elif kind in ("load_cache", "store_cache") and self._staged(st, s):
+            # a staged linear layer: the rows of the part's batches, at its first and last batch
+            first, last, a, b = self._spans[s.k]
+            j = self.slots[s.j][1]
+            if kind == "load_cache" and s.k == first:
+                self._pending += st.states.load(j, a, b, read=i > 0)  # type: ignore[union-attr,arg-type]
+            elif kind == "store_cache" and s.k == last:
+                self._pending += st.states.store(j)  # type: ignore[union-attr,arg-type]
         elif kind == "load_cache":
             if st.cache is not None and i > 0 and self.slots[s.j][0] == "layer":
                 st.cache.load(self.slots[s.j][1], k, st.meta.prompt_len + i - 1)  # type: ignore[arg-type]
@@ -250,6 +259,11 @@ class StageEngine:
         if kind == "sync" or not self.policy.overlap:
             self._wait(self._pending)
             self._pending = []
+
+    def _staged(self, st: BlockState, s: Step) -> bool:
+        """Whether step ``s`` is on a linear layer whose states ``st`` stages (``states.py``)."""
+        slot = self.slots[s.j]
+        return slot[0] == "layer" and st.states is not None and st.states.is_staged(slot[1])  # type: ignore[arg-type]
 
     def _prefetch_first(self) -> None:
         """Start reading the first slot's weights for the next sweep (see ``run_sweep``)."""

@@ -113,7 +113,7 @@ def terms_for_policy(spec: ModelSpec, num_layers: int, policy: Policy, hw: Hardw
                        comp_group_size=policy.comp_group_size,
                        num_micro_batches=num_micro_batches, num_stages=num_stages,
                        overlap=policy.overlap, head_share=head_share,
-                       merged=policy.merges_decode(hw.compute_device))
+                       merged=policy.merges_decode(hw.compute_device), state_fractions=policy.fractions("state"))
 
 
 def estimate_stage(spec: ModelSpec, num_layers_in_stage: int, policy: Policy, hw: HardwareSpec,

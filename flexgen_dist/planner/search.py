@@ -10,6 +10,8 @@ tiers where that costs nothing (ties).
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,7 @@ class Candidate:
     percents: np.ndarray  # nine integers, each triple summing to 100
     terms: StageTerms
     objective: float  # seconds per sequence of the block: (prefill + decode) / bls
+    states: tuple[float, float] = (100.0, 0.0)  # the linear layers' states: gpu and cpu percent
 
     @property
     def block_size(self) -> int:
@@ -49,19 +52,33 @@ class Candidate:
 
     def policy(self) -> Policy:
         return _policy(self.gpu_batch_size, self.num_gpu_batches, self.cpu_attention, self.compress,
-                       self.percents)
+                       self.percents, self.states)
 
     def cost(self) -> StageCost:
         return cost_from_terms(self.terms, self.percents / 100.0)
 
 
-def _policy(gbs: int, ngb: int, cpu_att: bool, compress: bool, percents: np.ndarray) -> Policy:
+def _policy(gbs: int, ngb: int, cpu_att: bool, compress: bool, percents: np.ndarray,
+            states: tuple[float, float] = (100.0, 0.0)) -> Policy:
     """The policy of whole percents (nine, WG WC WD CG CC CD HG HC HD) and a batch shape."""
     p = [float(v) for v in percents]
     return Policy(gpu_batch_size=gbs, num_gpu_batches=ngb, w_gpu_percent=p[0], w_cpu_percent=p[1],
                   cache_gpu_percent=p[3], cache_cpu_percent=p[4], act_gpu_percent=p[6],
-                  act_cpu_percent=p[7], cpu_attention=cpu_att, compress_weight=compress,
-                  compress_cache=compress)
+                  act_cpu_percent=p[7], state_gpu_percent=states[0], state_cpu_percent=states[1],
+                  cpu_attention=cpu_att, compress_weight=compress, compress_cache=compress)
+
+
+def _fractions(states: tuple[float, float]) -> tuple[float, float, float]:
+    return states[0] / 100, states[1] / 100, 1 - (states[0] + states[1]) / 100
+
+
+def state_options(spec: ModelSpec, first_layer: int, num_layers: int) -> tuple[tuple[float, float], ...]:
+    """Where the search tries a stage's linear-attention states (gpu %, cpu %): on the compute
+    device, and in host RAM (a larger block for the traffic of bringing them in and out each
+    step; ``engine/states.py``). One option, the device, for a stage without linear layers."""
+    if not any(spec.linear(j) for j in range(first_layer, first_layer + num_layers)):
+        return ((100.0, 0.0),)
+    return ((100.0, 0.0), (0.0, 100.0))
 
 
 def _budgets(hw: HardwareSpec) -> np.ndarray:
@@ -196,7 +213,9 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
     gbs_list = [g for g in GBS_CANDIDATES if g <= max_gpu_batch_size] or [max_gpu_batch_size]
     ngb_list = [k for k in NUM_GB_CANDIDATES if k <= max_num_gpu_batches] or [max_num_gpu_batches]
     best: dict[int, Candidate] = {}
-    for cpu_att in dict.fromkeys(cpu_attention_options):
+    for states, cpu_att in itertools.product(state_options(spec, first_layer, num_layers_in_stage),
+                                             dict.fromkeys(cpu_attention_options)):
+        fractions = _fractions(states)
         for gbs in gbs_list:
             for ngb in ngb_list:
                 if max_block_size is not None and gbs * ngb > max_block_size and (gbs, ngb) != (1, 1):
@@ -204,13 +223,14 @@ def stage_candidates(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec
                 kw = dict(gpu_batch_size=gbs, num_gpu_batches=ngb, cpu_attention=cpu_att,
                           has_embed=has_embed, has_head=has_head, compress_weight=compress,
                           compress_cache=compress, num_micro_batches=num_micro_batches,
-                          num_stages=num_stages, first_layer=first_layer, packed=packed)
+                          num_stages=num_stages, first_layer=first_layer, packed=packed,
+                          state_fractions=fractions)
                 terms = stage_terms(spec, num_layers_in_stage, hw, workload, **kw)  # type: ignore[arg-type]
                 bar = best[gbs * ngb].objective if gbs * ngb in best else float("inf")
                 merged = stage_terms(spec, num_layers_in_stage, hw, workload, merged=True,
                                      **kw) if ngb > 1 else None  # type: ignore[arg-type]
                 cand = _solve_candidate(terms, budgets, gbs, ngb, cpu_att, compress, bar,
-                                        merged=merged, device=hw.compute_device)
+                                        merged=merged, device=hw.compute_device, states=states)
                 if cand is None:
                     break
                 if cand.objective < bar:
@@ -232,7 +252,8 @@ def merged_pins(device: str, cpu_attention: bool) -> dict[int, float]:
 
 def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
                      cpu_att: bool, compress: bool, bar: float = float("inf"), *,
-                     merged: StageTerms | None = None, device: str = "cuda") -> Candidate | None:
+                     merged: StageTerms | None = None, device: str = "cuda",
+                     states: tuple[float, float] = (100.0, 0.0)) -> Candidate | None:
     """Solve, round and repair one (gbs, num_gb, cpu_attention); ``bar``: best so far for
     this block size (the tie-breaking push toward higher tiers is skipped for clear losers).
     The repair checks the engine's exact peaks, so a candidate fits the run's own check.
@@ -264,10 +285,10 @@ def _solve_candidate(terms: StageTerms, budgets: np.ndarray, gbs: int, ngb: int,
             p = _push_up(t, p, budgets)
         if merged is not None:  # costed as the engine will run these percents: the repair may
             # have moved a merged answer off its placement, or a general one onto it
-            t = merged if _policy(gbs, ngb, cpu_att, compress, p).merges_decode(device) else terms
+            t = merged if _policy(gbs, ngb, cpu_att, compress, p, states).merges_decode(device) else terms
         obj = _objective(t, p / 100.0)
         if best is None or obj < best.objective:
-            best = Candidate(gbs, ngb, cpu_att, compress, p, t, obj)
+            best = Candidate(gbs, ngb, cpu_att, compress, p, t, obj, states)
     return best
 
 
@@ -283,7 +304,8 @@ def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, worklo
     terms = stage_terms(spec, num_layers_in_stage, hw, workload, gpu_batch_size=1,
                         num_gpu_batches=1, cpu_attention=cpu_attention, has_embed=has_embed,
                         has_head=has_head, compress_weight=compress, compress_cache=compress,
-                        num_micro_batches=num_micro_batches, num_stages=num_stages)
+                        num_micro_batches=num_micro_batches, num_stages=num_stages,
+                        state_fractions=_fractions(state_options(spec, 0, num_layers_in_stage)[-1]))
     rows = terms.peak_rows(True, not compress)
     A = np.zeros((6, 12))
     for ph in range(2):

@@ -165,6 +165,10 @@ class StageSizes:
     pre_share: float = 1.0
     dec_numel: float = 0.0  # elements a decode step streams per layer (dense: lnum)
     wl_io_pre: float = 0.0  # weight bytes a prefill moves per layer
+    # the linear layers' states off the compute device, per layer (the mean over the model):
+    # a decode step brings them in and sends them back, a prefill sends them out (``states.py``)
+    r_move: float = 0.0  # over the host link (host RAM on a GPU host; the disk's pass through it there)
+    r_disk: float = 0.0  # to and from the disk
 
 
 def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
@@ -190,7 +194,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 gpu_batch_size: int, num_gpu_batches: int, cpu_attention: bool,
                 has_embed: bool, has_head: bool, compress_weight: bool = False,
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
-                num_stages: int = 1, head_share: float = 1.0, merged: bool = False) -> StageSizes:
+                num_stages: int = 1, head_share: float = 1.0, merged: bool = False,
+                state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> StageSizes:
     """The sizes and rates :func:`stage_terms` needs, derived once (arguments as there)."""
     l, s, n, b = num_layers, workload.prompt_len, workload.gen_len, workload.dtype_bytes
     bls = gpu_batch_size * num_gpu_batches
@@ -217,6 +222,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
     hop = 1.0 if hw.compute_device == "cuda" else 0.0
     net_p, net_d = _net_times(hw, bls, a_pre, a_dec, has_head, num_stages)
+    r_state = bls * _state_bytes(spec, b) * sum(spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers
     return StageSizes(
         l=l, s=s, n=n, b=b, num_gb=num_gpu_batches, bls=bls, q=spec.q_dim, V=spec.vocab_size,
         e=spec.embed_dim,  # the LM head is (vocab, embed_dim)
@@ -236,6 +242,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         ctx=_held(spec, s + n / 2),
         # cache written per decode step, per layer (a linear-attention layer writes none)
         c_new=bls * cbytes(kv_tok) * sum(not spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers,
+        # host RAM on a CPU device is where the states are used: only the disk's move
+        r_move=r_state * (state_fractions[1] + state_fractions[2]) * hop, r_disk=r_state * state_fractions[2],
         a_pre=a_pre, a_dec=a_dec, hop=hop,
         # How often a decode step streams each weight matrix through the compute units: once
         # per GPU batch, or once per block where the engine runs the GPU batches of a block
@@ -253,10 +261,16 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         stream_overlap=hw.compute_device != "cpu")
 
 
+def _state_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """One sequence's states of one linear-attention layer: the convolution's (the dtype) and
+    the delta rule's (float32)."""
+    conv, ssm = spec.recurrent_numel()
+    return conv * dtype_bytes + 4 * ssm
+
+
 def _held(spec: ModelSpec, length: float) -> float:
     """Cache positions a layer holds at ``length``, averaged over the model's layers (a sliding
-    layer holds at most its window, a linear-attention layer none: its state stays on the compute
-    device, read and written there)."""
+    layer holds at most its window, a linear-attention layer none: its states are ``r_move``'s)."""
     return sum(0 if spec.linear(j) else min(length, spec.window(j) or length)
                for j in range(spec.num_layers)) / spec.num_layers
 
@@ -314,9 +328,11 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     P[0, [HC, HD]] += hop * a_pre / hw.ctog_bw
     P[1, [CC, CD]] = hop * z.c_pre / hw.gtoc_bw
     P[1, [HC, HD]] += hop * a_pre / hw.gtoc_bw
+    P[1, CONST] += z.r_move / hw.gtoc_bw
     P[2, WD] = z.wl_io_pre / hw.dtoc_bw
     P[2, HD] += a_pre / hw.dtoc_bw
     P[3, CD] = z.c_pre / hw.ctod_bw
+    P[3, CONST] += z.r_disk / hw.ctod_bw
     P[3, HD] += a_pre / hw.ctod_bw
     deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
@@ -347,11 +363,15 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
         D[1, [CC, CD]] += bls * z.q * b / hw.gtoc_bw
     else:  # the cache comes to the compute device
         D[0, [CC, CD]] += hop * z.c_avg / hw.ctog_bw
+    D[0, CONST] += z.r_move / hw.ctog_bw
+    D[1, CONST] += z.r_move / hw.gtoc_bw
     D[2, WD] = z.wl_io / hw.dtoc_bw
     D[2, HD] += a_dec / hw.dtoc_bw
     D[2, CD] += z.c_avg / hw.dtoc_bw
+    D[2, CONST] += z.r_disk / hw.dtoc_bw
     D[3, HD] = a_dec / hw.ctod_bw
     D[3, CD] += z.c_new / hw.ctod_bw
+    D[3, CONST] += z.r_disk / hw.ctod_bw
     att_flops = 4.0 * bls * z.ctx * z.q
     deq_c = bls * z.ctx * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
     D[4, CONST] = _gemm(z, hw, bls, z.streams, z.dec_numel) + z.deq_w + _head_time(z, hw, z.streams) / z.l
@@ -381,17 +401,19 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                 compress_cache: bool = False, comp_bits: int = 4, comp_group_size: int = 64,
                 num_micro_batches: int = 1, num_stages: int = 1,
                 overlap: bool = True, head_share: float = 1.0, first_layer: int = 0,
-                packed: Packed | None = None, merged: bool = False) -> StageTerms:
+                packed: Packed | None = None, merged: bool = False,
+                state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> StageTerms:
     """Build the linear coefficient tables (see module docstring) for one stage.
 
     ``merged``: decode runs each layer once over the rows of every GPU batch (the placements
-    where ``engine.policy.merge_decode`` holds; the search pins them when it sets this)."""
+    where ``engine.policy.merge_decode`` holds; the search pins them when it sets this).
+    ``state_fractions``: where the linear layers' states live (the policy's; constants here)."""
     z = stage_sizes(spec, num_layers, hw, workload, gpu_batch_size=gpu_batch_size,
                     num_gpu_batches=num_gpu_batches, cpu_attention=cpu_attention,
                     has_embed=has_embed, has_head=has_head, compress_weight=compress_weight,
                     compress_cache=compress_cache, comp_bits=comp_bits,
                     comp_group_size=comp_group_size, num_stages=num_stages, head_share=head_share,
-                    merged=merged)
+                    merged=merged, state_fractions=state_fractions)
     return StageTerms(num_layers=z.l, block_size=z.bls, prompt_len=z.s, gen_len=z.n,
                       prefill=prefill_terms(z, hw), decode=decode_terms(z, hw),
                       footprint=stage_footprint(spec, StageShape(
@@ -403,5 +425,5 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
                           cuda=hw.compute_device == "cuda", first_layer=first_layer,
-                          head=workload.head), packed),
+                          head=workload.head, state_fractions=state_fractions), packed),
                       prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)

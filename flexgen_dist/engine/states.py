@@ -1,0 +1,151 @@
+"""The linear-attention layers' states of one block, placed by whole layers across tiers.
+
+A linear-attention layer (the gated delta rule) keeps no KV cache: per sequence it keeps the
+convolution's last inputs (the model's dtype) and the rule's state (float32), a fixed size
+however long the sequence (Qwen3-Next-80B: 2 MiB a sequence and layer, 72 MiB a sequence over
+its 36 linear layers). They are a per-sequence cache in all but shape, so they follow the
+policy's cache fractions, by whole layers in layer order (``split_rows`` over the layers):
+the first layers' states stay on the compute device, the next live in host RAM, the rest on
+disk.
+
+A layer whose states live elsewhere is *staged*: before the first GPU batch of a block
+computes it in a sweep, the rows of the batches that sweep runs come to one buffer on the
+compute device (none read for a prefill, which starts from zeros), the layer updates them in
+place, and after the sweep's last batch they go back. The engine issues both on the
+schedule's cache steps, so they overlap the neighbouring layer's compute as the KV cache's
+transfers do. A block stages at most three layers at once (the one being computed, the next
+one loading, the last one storing), which the footprint counts.
+
+On a CPU device host RAM *is* the compute device: a layer placed in RAM is used in place there
+(nothing to stage), and only the disk's layers move.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..interrupts import submit
+from ..memory.disk import DiskStore
+from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
+from .kvcache import split_rows
+
+# layers of one block staged on the compute device at once: computing, loading, storing
+STAGED_LAYERS = 3
+
+
+def state_tiers(layers: list[int], fractions: tuple[float, float, float]) -> dict[int, Tier]:
+    """Where each linear layer's states live: whole layers by the cache's fractions, in order."""
+    out = {}
+    for tier, a, b in split_rows(len(layers), fractions):
+        for j in layers[a:b]:
+            out[j] = tier
+    return out
+
+
+def staged(tier: Tier, cuda: bool) -> bool:
+    """Whether states on ``tier`` come to the compute device to be used: off it, except host
+    RAM on a CPU device (the same memory)."""
+    return tier == Tier.DISK or (tier == Tier.CPU and cuda)
+
+
+class StateStore:
+    """Every linear layer's states for the ``rows`` sequences of one block (GPU batches in
+    order). ``conv_shape``/``ssm_shape``: one sequence's, without the row dimension."""
+
+    def __init__(self, layers: list[int], rows: int, conv_shape: tuple[int, ...], ssm_shape: tuple[int, ...],
+                 fractions: tuple[float, float, float], device: torch.device, dtype: torch.dtype,
+                 tracker: MemoryTracker, disk: DiskStore | None, pool: ThreadPoolExecutor | None,
+                 tag: str = "") -> None:
+        self.device, self.tracker, self.pool = device, tracker, pool
+        self.shapes = ((rows, *conv_shape), dtype), ((rows, *ssm_shape), torch.float32)
+        self.tiers = state_tiers(layers, fractions)
+        self.home: dict[int, tuple[Any, Any]] = {}  # layer -> (conv, ssm) where they live
+        self.live: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # staged: (first row, conv, ssm)
+        self._bytes: list[tuple[Tier, int]] = []
+        cuda = device.type == "cuda"
+        if any(t == Tier.DISK for t in self.tiers.values()) and disk is None:
+            raise RuntimeError("linear-attention states on disk need an offload directory (--offload-dir)")
+        for j, tier in self.tiers.items():
+            parts = []
+            for n, ((shape, dt), what) in enumerate(zip(self.shapes, ("conv", "ssm"))):
+                if tier == Tier.DISK:
+                    x: Any = disk.allocate(f"state{tag}-l{j}-{what}", shape, dt)  # type: ignore[union-attr]
+                elif tier == Tier.CPU:
+                    x = pin_if_cuda(torch.empty(shape, dtype=dt), device)
+                else:
+                    x = torch.empty(shape, dtype=dt, device=device)
+                parts.append(x)
+                self._add(tier, x.nbytes)
+            self.home[j] = (parts[0], parts[1])
+        self._staged = {j for j, t in self.tiers.items() if staged(t, cuda)}
+        self._disk = disk
+
+    def _add(self, tier: Tier, n: int) -> None:
+        self.tracker.add(tier, n)
+        self._bytes.append((tier, n))
+
+    def is_staged(self, j: int) -> bool:
+        return j in self._staged
+
+    def load(self, j: int, a: int, b: int, read: bool) -> list[Future]:
+        """Stage rows [a, b) of layer j on the compute device (``read``: with their contents;
+        a prefill writes them before reading). Returns the reads still in flight."""
+        if j not in self._staged:
+            return []
+        conv = torch.empty((b - a, *self.shapes[0][0][1:]), dtype=self.shapes[0][1], device=self.device)
+        ssm = torch.empty((b - a, *self.shapes[1][0][1:]), dtype=torch.float32, device=self.device)
+        self.tracker.add(Tier.GPU, conv.nbytes + ssm.nbytes)
+        self.live[j] = (a, conv, ssm)
+        if not read:
+            return []
+        if self.tiers[j] == Tier.CPU:  # pinned host RAM: an asynchronous copy on the stream
+            for dst, src in zip((conv, ssm), self.home[j]):
+                copy_between(dst, src, src_rows=(a, b), non_blocking=True)
+            return []
+        return [submit(self.pool, self._copy, (conv, ssm), self.home[j], None, (a, b))]  # type: ignore[arg-type]
+
+    def store(self, j: int) -> list[Future]:
+        """Put layer j's staged rows back where they live and let go of the buffers. Returns the
+        writes still in flight (each holds its buffers until done)."""
+        got = self.live.pop(j, None)
+        if got is None:
+            return []
+        a, conv, ssm = got
+        self.tracker.sub(Tier.GPU, conv.nbytes + ssm.nbytes)
+        rows = (a, a + conv.shape[0])
+        if self.tiers[j] == Tier.CPU:
+            for dst, src in zip(self.home[j], (conv, ssm)):
+                copy_between(dst, src, dst_rows=rows, non_blocking=True)
+            return []
+        return [submit(self.pool, self._copy, self.home[j], (conv, ssm), rows, None)]  # type: ignore[arg-type]
+
+    @staticmethod
+    def _copy(dsts: tuple[Any, Any], srcs: tuple[Any, Any], dst_rows: tuple[int, int] | None,
+              src_rows: tuple[int, int] | None) -> None:
+        for dst, src in zip(dsts, srcs):
+            copy_between(dst, src, dst_rows=dst_rows, src_rows=src_rows)
+
+    def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(conv, ssm, the block row of their first row) of layer j on the compute device."""
+        if j in self.live:
+            a, conv, ssm = self.live[j]
+            return conv, ssm, a
+        if j in self._staged:
+            raise RuntimeError(f"layer {j}'s states were not staged before its compute")
+        conv, ssm = self.home[j]
+        return conv, ssm, 0
+
+    def free(self) -> None:
+        for a, conv, ssm in self.live.values():
+            self.tracker.sub(Tier.GPU, conv.nbytes + ssm.nbytes)
+        self.live.clear()
+        for tier, n in self._bytes:
+            self.tracker.sub(tier, n)
+        self._bytes.clear()
+        for conv, ssm in self.home.values():
+            for x in (conv, ssm):
+                if not isinstance(x, torch.Tensor) and self._disk is not None:
+                    self._disk.free(x)
+        self.home.clear()
