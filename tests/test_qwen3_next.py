@@ -232,6 +232,30 @@ def test_states_offloaded_by_the_policy_match_transformers(models: dict, name: s
         assert (peak["disk"] > 0) == (Tier.DISK in tiers.values())
 
 
+def test_staged_states_under_the_overlapped_schedule_match_transformers(models: dict, tmp_path: Path) -> None:
+    """The overlapped schedule runs a block's decode step and the next block's prefill in one
+    sweep: each part stages its own rows of a layer (its first batch loads them, its last stores
+    them), two blocks' states in flight at once; the tokens are transformers'."""
+    from flexgen_dist.distributed.local import generate
+    from flexgen_dist.engine.sampling import SamplingConfig
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.disk import DiskStore
+
+    tm, ref = models["next"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    with DiskStore(tmp_path / "off") as disk:
+        eng = StageEngine(lm.spec, lm.source, (0, 4), has_embed=True, has_head=True,
+                          policy=Policy(1, 1, state_gpu_percent=34, state_cpu_percent=0), device=torch.device("cpu"),
+                          dtype=torch.float32, disk=disk)
+        sweeps = []
+        real = eng.run_sweep
+        eng.run_sweep = lambda parts, more=False: sweeps.append(len(parts)) or real(parts, more)  # type: ignore[method-assign]
+        outs, _ = generate(eng, PROMPTS, GEN, SamplingConfig(ignore_eos=True), schedule="overlapped", num_groups=2)
+        eng.close()
+    assert max(sweeps) > 1  # a sweep that ran two blocks' parts
+    assert outs == ref
+
+
 def test_the_state_percent_option_runs_from_the_cli_and_the_api(models: dict, tmp_path: Path, capsys) -> None:
     """``--state-percent 0 0`` (every linear layer's states on disk) from the command line, and
     ``state_percent`` through ``LLM``: transformers' tokens, the placement shown with the policy,
