@@ -351,13 +351,14 @@ def test_bfloat16_and_4bit_weights_run(models: dict, opts: dict) -> None:
 @pytest.mark.multinode
 def test_two_ranks_split_linear_and_attention_layers(models: dict, tmp_path: Path) -> None:
     """Two pipeline stages under torchrun (gloo): the first holds linear layers only, the second
-    a linear layer and the attention layer; each keeps its own layers' states."""
+    a linear layer and the attention layer; each keeps its own layers' states, half of them by
+    ``--state-percent 50 0`` on disk (the first stage's second layer, the second stage's one)."""
     tm, ref = models["next"]
     out = tmp_path / "o.jsonl"
     r = local_ranks(["-m", "flexgen_dist.run", "--no-progress", "--model", str(tm.path), "--prompts",
                      str(write_jsonl(tmp_path / "p.jsonl", PROMPTS)), "--gen-len", str(GEN), "--ignore-eos",
                      "--gpu-batch-size", "2", "--num-gpu-batches", "1", "--stage-layers", "2", "2",
-                     "--output", str(out), "--offload-dir", str(tmp_path / "off")])
+                     "--output", str(out), "--offload-dir", str(tmp_path / "off"), "--state-percent", "50", "0"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == ref
 
