@@ -150,8 +150,13 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         q, k, v = (F.pad(a, (0, 0, 0, pad)) for a in (q, k, v))
         beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     b, h, n = q.shape[0], q.shape[1], (t + pad) // CHUNK
-    kb, vb = k * beta[..., None], v * beta[..., None]
-    q, k, kb, vb = (a.reshape(b, h, n, CHUNK, a.shape[-1]) for a in (q, k, kb, vb))
+    q, k, v = (a.reshape(b, h, n, CHUNK, a.shape[-1]) for a in (q, k, v))
+    beta = beta.reshape(b, h, n, CHUNK, 1)
+    kb = k * beta
+    # the right-hand sides of the two solves, written column-major per chunk: the layout the
+    # solver works in, so it solves them in place instead of copying each into it
+    vb, kd = (torch.empty((b, h, n, a.shape[-1], CHUNK), dtype=torch.float32, device=q.device).mT for a in (v, k))
+    torch.mul(v, beta, out=vb)
     cum = g.reshape(b, h, n, CHUNK).cumsum(dim=-1)  # log of the decay from each chunk's start
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     # (in place where a temporary is done with: each is the size of the whole prompt's heads,
@@ -159,11 +164,12 @@ def chunked_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
     system = (kb @ k.transpose(-1, -2)).mul_(decay)  # the corrections' unit lower-triangular system
     intra = (q @ k.transpose(-1, -2)).mul_(decay)  # attention within the chunk
-    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
-    w_ = torch.linalg.solve_triangular(system, kb.mul_(cum.exp()[..., None]), upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True, out=vb)
+    torch.mul(kb, cum.exp()[..., None], out=kd)
+    w_ = torch.linalg.solve_triangular(system, kd, upper=False, unitriangular=True, out=kd)
     s = torch.zeros(b, h, k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device) if state is None \
         else state.to(torch.float32)
-    out = torch.empty_like(u)  # every chunk is written below
+    out = torch.empty_like(u, memory_format=torch.contiguous_format)  # every chunk is written below
     q.mul_(cum.exp()[..., None])  # (q and k are this function's own from here)
     k.mul_((cum[..., -1:] - cum).exp()[..., None])
     last = cum[..., -1].exp()[..., None, None]
