@@ -27,7 +27,8 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "olmoe": "olmoe", "deepseek_v3": "deepseek2",
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
-        "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5"}
+        "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5",
+        "ernie4_5_moe": "ernie4_5-moe"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -61,7 +62,7 @@ _LLAMA4_LAYER = {**_LAYER, "feed_forward.gate_proj": "ffn_gate", "feed_forward.u
                  "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
                  "feed_forward.shared_expert.down_proj": "ffn_down_shexp"}
 # HunYuan: its q/k norms, Hunyuan-A13B's router (gate.wg) and shared MLP; Seed-OSS: its norm
-# before the MLP by the HF name; dots.llm1: its shared experts in the plural
+# before the MLP by the HF name; dots.llm1 and ERNIE 4.5 MoE: their shared experts in the plural
 _HUNYUAN_LAYER = {**_LAYER, "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm",
                   "mlp.gate.wg": "ffn_gate_inp", "mlp.shared_mlp.gate_proj": "ffn_gate_shexp",
                   "mlp.shared_mlp.up_proj": "ffn_up_shexp", "mlp.shared_mlp.down_proj": "ffn_down_shexp"}
@@ -80,7 +81,7 @@ _TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe
            "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
-           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER}
+           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -106,7 +107,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
     parts = hf.split(".")
     if parts[:2] == ["model", "layers"]:
         module, suffix = ".".join(parts[3:-1]), parts[-1]
-        if suffix == "e_score_correction_bias":  # GLM-4.5's choice bias
+        if suffix == "e_score_correction_bias":  # GLM-4.5's choice bias; ERNIE's (1 x experts, kept 2-D)
             return f"blk.{parts[2]}.exp_probs_b.bias"
         if suffix == "sinks":  # gpt-oss: the converter names it sinks.weight
             module, suffix = f"{module}.sinks", "weight"
@@ -317,6 +318,19 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if arch == "ernie4_5-moe":  # Ernie4_5MoeModel: the experts' set, the sparse layers' step and start, the
+        # shared experts' count, and their width as the converter computes it (intermediate_size // kv heads:
+        # ERNIE-4.5-21B-A3B's 12288 // 4 = 2 x 1536, its moe_num_shared_experts x moe_intermediate_size)
+        w.add_expert_count(cfg["moe_num_experts"])
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+        if cfg.get("moe_intermediate_size") is not None:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("moe_num_shared_experts") is not None:
+            w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+            if cfg["moe_num_shared_experts"] > 0:
+                w.add_expert_shared_feed_forward_length(cfg["intermediate_size"] // cfg["num_key_value_heads"])
     if arch == "gpt-oss":  # GptOssModel: and the window
         w.add_sliding_window(cfg["sliding_window"])
     if arch == "exaone4":  # Exaone4Model: the vocabulary, the window and its per-layer pattern

@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from conftest import PROMPTS, TinyModel, read_jsonl, reference_generate, write_j
 from flexgen_dist import LLM
 from flexgen_dist.distributed.partition import partition_layers
 from flexgen_dist.errors import ModelLoadError
+from flexgen_dist.models.gguf_file import GGUFFile
 from flexgen_dist.models.loader import load_model
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import ModelSpec
@@ -305,8 +307,13 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
         cfg.rope_interleave = True
     if kind == "dots1":  # one group, as dots.llm1 has it (its converter writes no group keys)
         cfg.n_group = cfg.topk_group = 1
+    if kind == "ernie4_5_moe":  # two shared experts, as released: the converter writes their width as
+        # intermediate_size // kv heads (192 // 2 = 2 x 48), which llama.cpp's loader requires of their tensors
+        cfg.moe_num_shared_experts, cfg.intermediate_size = 2, 192
     path.mkdir(parents=True, exist_ok=True)
     m = _sharpen_(AutoModelForCausalLM.from_config(cfg).eval(), kind)
+    if kind == "ernie4_5_moe":
+        _vary_(m)
     if qtype:
         roundtrip_(m, qtype)
     return TinyModel(kind, write_gguf(m, path / f"{kind}.gguf", qtype, **write), m, 0)
@@ -328,6 +335,80 @@ def test_gguf_files_match_transformers(kind: str, qtype: str | None, tmp_path: P
     with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=1, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
              compress_weight=bool(qtype) and "deepseek" not in kind, ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS[:3], gen_len=4)] == ref
+
+
+def _vary_(m: torch.nn.Module) -> None:
+    """Norms away from 1 (each one's weight then shows where it is read) and a router whose
+    scores differ across experts as much as the choice bias (both then decide the choice)."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.1)
+
+
+def _ernie_bias(m: torch.nn.Module, layer: int) -> torch.Tensor:
+    return m.model.layers[layer].mlp.gate.moe_statics.e_score_correction_bias.detach()
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_ernie_moe_gguf_files_run_as_their_directories(qtype: str | None, tmp_path: Path) -> None:
+    """ERNIE 4.5 MoE as llama.cpp's converter writes it (``ernie4_5-moe``): the router as
+    ``ffn_gate_inp``, the choice bias as ``exp_probs_b.bias`` (1 x experts, as the checkpoint
+    holds it), the stacked experts, two shared experts as one ``*_shexp`` MLP, layer 0 dense
+    (``leading_dense_block_count``), RoPE on interleaved pairs in float32. The file gives the
+    HF directory's spec and transformers' tokens (weights partly on disk; Q8_0 kept packed);
+    the bias as older converters wrote it (they squeezed every tensor: one dim) reads alike;
+    and the bias decides choices here (zeroed, the tokens differ), so a misread one would show."""
+    from gguf_convert import rewrite
+
+    tm = _gguf_model("ernie4_5_moe", qtype, tmp_path)
+    tm.model.save_pretrained(tmp_path / "hf")
+    ours = load_model(str(tm.path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    # the stop and padding ids are the file's tokenizer's (the bundled SmolLM2's)
+    assert replace(ours, name=ref.name, eos_token_ids=ref.eos_token_ids, pad_token_id=ref.pad_token_id) == ref
+    assert (ref.moe_layers, ref.shared_expert_ffn_size, ref.router_choice_bias, ref.rope_interleaved) == (
+        (False, True, True, True), 96, True, True)
+    want = reference_generate(tm, PROMPTS, GEN)
+    with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=2, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
+             compress_weight=bool(qtype), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == want
+        assert llm.model.spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
+    if qtype:
+        return
+    squeezed = rewrite(tm.path, tmp_path / "squeezed.gguf", tokenizer=True, tensors={
+        f"blk.{j}.exp_probs_b.bias": _ernie_bias(tm.model, j).numpy().reshape(-1) for j in (1, 2, 3)})
+    zeroed = rewrite(tm.path, tmp_path / "zeroed.gguf", tokenizer=True, tensors={
+        f"blk.{j}.exp_probs_b.bias": np.zeros((1, 8), np.float32) for j in (1, 2, 3)})
+    assert [len(t.shape) for t in GGUFFile(squeezed).tensors if t.name == "blk.1.exp_probs_b.bias"] == [1]
+    for path, same in ((squeezed, True), (zeroed, False)):
+        with LLM(str(path), ignore_eos=True, progress=False) as llm:
+            assert ([c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == want) == same, path.name
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("change,match", [
+    ({"ernie4_5-moe.leading_dense_block_count": 2}, r"routers \(ffn_gate_inp\) on layers 1, 2, 3, but "
+     r"leading_dense_block_count 2 and interleave_moe_layer_step 1 make layers 2, 3 sparse"),
+    ({"ernie4_5-moe.interleave_moe_layer_step": 2}, "interleave_moe_layer_step 2 make layers 1, 3 sparse"),
+    ({"ernie4_5-moe.interleave_moe_layer_step": 0}, "interleave_moe_layer_step 0: must be >= 1"),
+    ({"ernie4_5-moe.leading_dense_block_count": None}, "GGUF key ernie4_5-moe.leading_dense_block_count is missing"),
+    ({"ernie4_5-moe.expert_gating_func": 2}, "GGUF key ernie4_5-moe.expert_gating_func is not computed"),
+])
+def test_ernie_moe_files_we_would_misread_are_refused(change: dict, match: str, tmp_path: Path) -> None:
+    """Sparse layers that are not the ones llama.cpp runs from the file's keys (a config whose
+    sparse range ends before the last layer has no key for it), a missing key, a key the
+    engine does not compute: each refused in one line."""
+    from gguf_convert import rewrite
+
+    src = _gguf_model("ernie4_5_moe", None, tmp_path)
+    bad = rewrite(src.path, tmp_path / "bad.gguf", change, tokenizer=True)
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(bad), load_tokenizer=False)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.slow
@@ -352,8 +433,6 @@ def test_two_ranks_match_transformers(models: dict, kind: str, tmp_path: Path) -
 def test_an_older_deepseek2_file_with_kv_b_whole_reads_alike(tmp_path: Path) -> None:
     """Files from before llama.cpp's converter split kv_b: attn_kv_b whole, the heads' sizes in
     key/value_length, every head a kv head; the same spec, the same tokens."""
-    from flexgen_dist.models.gguf_file import GGUFFile
-
     old = _gguf_model("deepseek_v3-yarn", None, tmp_path / "old", mla_split=False)
     new = _gguf_model("deepseek_v3-yarn", None, tmp_path / "new")
     names = {t.name for t in GGUFFile(old.path).tensors}

@@ -359,6 +359,8 @@ class GGUFSource(WeightSource):
                 data, shape = data[e], shape[1:]
             if len(shape) == 1 and len(shapes.get(k, ())) == 2 and shapes[k][0] == 1:
                 data, shape = data.reshape(1, -1), (1, shape[0])  # a gate of one row, kept as a vector
+            if len(shape) == 2 and shape[0] == 1 and len(shapes.get(k, ())) == 1:
+                data, shape = data.reshape(-1), (shape[1],)  # a vector kept as one row (ERNIE's 1 x experts bias)
             if len(shape) == 2 and len(shapes.get(k, ())) == 3 and shapes[k][1] == 1:
                 data, shape = data.reshape(shape[0], 1, shape[1]), (shape[0], 1, shape[1])  # a depthwise conv's taps
             if rows:  # one range of rows, or several joined ("a:b,c:d": Qwen3-Next's interleaved heads)

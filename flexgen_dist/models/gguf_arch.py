@@ -104,6 +104,12 @@ ARCHS: dict[str, GGUFArch] = {
     # ERNIE 4.5 (dense): RoPE on interleaved pairs in float32 (llama.cpp's NORM rotation; the
     # converter writes q and k as the checkpoint has them)
     "ernie4_5": GGUFArch("llama", llama.gguf_names),
+    # ERNIE 4.5 MoE: its attention and RoPE; softmax scores with a choice bias (exp_probs_b),
+    # renormalised, shared experts ungated (expert_shared_feed_forward_length wide), sparse
+    # from leading_dense_block_count on every interleave_moe_layer_step-th layer
+    "ernie4_5-moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({
+        "expert_feed_forward_length", "expert_shared_feed_forward_length", "expert_shared_count",
+        "leading_dense_block_count", "interleave_moe_layer_step"})),
     "hunyuan-dense": GGUFArch("llama", llama.gguf_names),
     "hunyuan-moe": GGUFArch("llama", llama.gguf_names, keys=frozenset({"expert_feed_forward_length",
                                                                        "expert_shared_feed_forward_length",
@@ -139,7 +145,7 @@ ARCHS: dict[str, GGUFArch] = {
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
 MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
-                       "llama4", "hunyuan-moe", "dots1", "qwen3next", "qwen35moe"})
+                       "llama4", "hunyuan-moe", "dots1", "qwen3next", "qwen35moe", "ernie4_5-moe"})
 SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
@@ -245,6 +251,7 @@ def nextn(key: Any, arch: str) -> int:
 QWEN2_ARCHS = ("qwen2", "qwen2moe")  # q/k/v biases always, no output bias
 HUNYUAN_ARCHS = ("hunyuan-dense", "hunyuan-moe")  # q/k normalised per head after RoPE
 GLM_ARCHS = ("glm4", "glm4moe")  # q/k/v biases where the file has them, never an output bias
+ERNIE_ARCHS = ("ernie4_5", "ernie4_5-moe")  # RoPE on interleaved pairs in float32
 
 
 def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override: int, experts: int
@@ -266,7 +273,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
         fused_proj=arch == "phi3" and "blk.0.attn_qkv.weight" in tensors,
         **(dict(norm_layout="sandwich", fused_mlp=True, rope_interleaved=True) if arch == "glm4" else {}),
-        **(dict(rope_interleaved=True, rope_fp32=True) if arch == "ernie4_5" else {}),
+        **(dict(rope_interleaved=True, rope_fp32=True) if arch in ERNIE_ARCHS else {}),
         mlp_bias="blk.0.ffn_up.bias" in tensors, **moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
@@ -398,6 +405,34 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
                       shared_expert_gated=False)
     layers = int(key("block_count")) - nextn(key, arch)
     sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(layers))
+    if arch == "ernie4_5-moe":
+        fields.update(_ernie_moe_fields(key, fields["expert_ffn_size"], sparse, tensors))
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields
+
+
+def _ernie_moe_fields(key: Any, expert_ffn: int, sparse: tuple[bool, ...], tensors: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5 MoE's routing and layers from its file, as transformers computes the model: a
+    float32 router's softmax, the choice made on the scores + ``exp_probs_b`` (where the file
+    holds it, as llama.cpp), the chosen scores renormalised (the sum clamped at the reference's
+    ``moe_norm_min``, 1e-12 in the released configs: the file does not carry it), the shared
+    experts one ungated MLP of ``expert_shared_feed_forward_length`` (the converter writes it
+    only for shared experts; without it, ``expert_shared_count`` times the experts' width); sparse the layers from ``leading_dense_block_count`` on whose number
+    + 1 ``interleave_moe_layer_step`` divides, which must be the layers holding a router (a
+    config whose sparse layers end before the last, ``moe_layer_end_index``, has no key for it)."""
+    lead, step = int(key("leading_dense_block_count")), int(key("interleave_moe_layer_step"))
+    if step < 1:
+        raise ValueError(f"ernie4_5-moe.interleave_moe_layer_step {step}: must be >= 1; corrupt file?")
+    want = tuple(j >= lead and (j + 1) % step == 0 for j in range(len(sparse)))
+    if sparse != want:
+        def layers(flags: tuple[bool, ...]) -> str:
+            return ", ".join(str(j) for j, f in enumerate(flags) if f) or "none"
+        raise ValueError(f"ernie4_5-moe file with routers (ffn_gate_inp) on layers {layers(sparse)}, but "
+                         f"leading_dense_block_count {lead} and interleave_moe_layer_step {step} make layers "
+                         f"{layers(want)} sparse: not supported (its sparse layers are not what llama.cpp runs)")
+    first = sparse.index(True) if any(sparse) else 0
+    shared = int(key("expert_shared_feed_forward_length", 0)) or int(key("expert_shared_count", 0)) * expert_ffn
+    return dict(norm_topk_prob=True, router_fp32=True, router_norm_min=1e-12,
+                router_choice_bias=f"blk.{first}.exp_probs_b.bias" in tensors,
+                shared_expert_ffn_size=shared, shared_expert_gated=False)
