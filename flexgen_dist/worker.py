@@ -50,7 +50,7 @@ class StageWorker:
             return False
         st, rank = plan.stage(self.group.rank), self.group.rank
         try:
-            if needs_disk([st.policy]):
+            if needs_disk([st.policy], states=any(self.model.spec.linear(j) for j in range(*st.layers))):
                 self.disk = DiskStore(self.config.offload_dir, rank=rank,
                                       direct_io=self.config.direct_io)
                 self.group.add_cleanup(self.disk.close)

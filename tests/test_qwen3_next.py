@@ -276,6 +276,21 @@ def test_the_state_percent_option_runs_from_the_cli_and_the_api(models: dict, tm
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == ref
 
 
+def test_states_on_disk_open_the_offload_directory_only_for_stages_with_linear_layers(tiny_models,
+                                                                                     tmp_path: Path) -> None:
+    """``--state-percent 0 0`` asks for disk only where a stage has linear-attention layers: a
+    model without them runs with no offload directory made."""
+    from flexgen_dist.engine.footprint import needs_disk
+
+    pol = Policy(state_gpu_percent=0, state_cpu_percent=0)
+    assert needs_disk([pol]) and not needs_disk([pol], states=False) and not needs_disk([Policy()])
+    tm = tiny_models["llama-gqa"]
+    off = tmp_path / "off"
+    with LLM(str(tm.path), state_percent=(0, 0), offload_dir=str(off), ignore_eos=True, progress=False) as llm:
+        assert len(llm.generate([[5, 6, 7]], gen_len=2)[0].token_ids) == 2
+    assert not off.exists()
+
+
 def test_the_footprint_places_and_stages_the_states_as_the_engine_does(models: dict) -> None:
     """The footprint's states: whole layers on each tier by the state fractions, whatever the
     LP's fractions, and the staged layers' buffers on the compute device (at most three a

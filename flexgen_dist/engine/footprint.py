@@ -377,6 +377,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def needs_disk(policies: list[Policy]) -> bool:
-    """Whether any of ``policies`` puts weights, cache, activations or states on the disk tier."""
-    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in ("w", "cache", "act", "state"))
+def needs_disk(policies: list[Policy], states: bool = True) -> bool:
+    """Whether any of ``policies`` puts weights, cache, activations or (``states``: the stages
+    have linear-attention layers) their states on the disk tier."""
+    kinds = ("w", "cache", "act", "state") if states else ("w", "cache", "act")
+    return any(p.fractions(kind)[2] > 1e-9 for p in policies for kind in kinds)
