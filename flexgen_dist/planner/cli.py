@@ -72,10 +72,11 @@ def format_plan(plan: PipelinePlan, base_decode: float | None) -> str:
     lines = [f"== {plan.num_stages} stage(s), {plan.num_micro_batches} micro-batch group(s), "
              f"block size {p['block_size']} ==",
              f"{'stage':>5} {'layers':>7} {'gbs':>4} {'num_gb':>6} {'WG':>4} {'WC':>4} {'CG':>4} "
-             f"{'CC':>4} {'HG':>4} {'HC':>4} {'cpu_att':>7} {'prefill_s':>10} {'decode_step_s':>13}"]
+             f"{'CC':>4} {'HG':>4} {'HC':>4} {'SG':>4} {'SC':>4} {'cpu_att':>7} {'prefill_s':>10} "
+             f"{'decode_step_s':>13}"]
     for i, (st, times) in enumerate(zip(plan.stages, p["stage_times"])):
         pol = st.policy
-        pct = " ".join(f"{v:4.0f}" for v in pol.percent())
+        pct = " ".join(f"{v:4.0f}" for v in (*pol.percent(), pol.state_gpu_percent, pol.state_cpu_percent))
         lines.append(f"{i:>5} {_fmt_layers(st.layers):>7} {pol.gpu_batch_size:>4} "
                      f"{pol.num_gpu_batches:>6} {pct} {'yes' if pol.cpu_attention else 'no':>7} "
                      f"{times['prefill_s']:>10.2f} {times['decode_step_s']:>13.3f}")
