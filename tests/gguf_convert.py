@@ -28,7 +28,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5",
-        "ernie4_5_moe": "ernie4_5-moe"}
+        "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -67,6 +67,8 @@ _HUNYUAN_LAYER = {**_LAYER, "self_attn.query_layernorm": "attn_q_norm", "self_at
                   "mlp.gate.wg": "ffn_gate_inp", "mlp.shared_mlp.gate_proj": "ffn_gate_shexp",
                   "mlp.shared_mlp.up_proj": "ffn_up_shexp", "mlp.shared_mlp.down_proj": "ffn_down_shexp"}
 _SEED_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm"}
+# Apertus: its norms by their own HF names, as llama's attn_norm and ffn_norm
+_APERTUS_LAYER = {**_LAYER, "attention_layernorm": "attn_norm", "feedforward_layernorm": "ffn_norm"}
 _DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                 "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # Qwen3-Next: its norm before the MLP by the HF name; the linear layers' tensors (write_gguf
@@ -81,7 +83,7 @@ _TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe
            "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
-           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER}
+           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER, "apertus": _APERTUS_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -340,7 +342,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "llama4":  # Llama4Model: the sparse layers' step
         w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
-    if arch in ("llama", "granite", "smollm3", "llama4", "arcee"):
+    if arch in ("llama", "granite", "smollm3", "llama4", "arcee", "apertus"):  # LlamaModel's own two
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
         if rope.get("rope_type") == "linear":
@@ -481,12 +483,16 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
     copy_tokenizer(w)
 
     tensors: dict[str, torch.Tensor] = {}
-    if arch in ("llama", "llama4") and _rope(cfg).get("rope_type") == "llama3":
+    if arch in ("llama", "llama4", "apertus") and _rope(cfg).get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg)
     if arch == "phi3" and _rope(cfg).get("rope_type") == "longrope":  # Phi3MiniModel's extra tensors
         tensors["rope_factors_long.weight"] = torch.tensor(_rope(cfg)["long_factor"], dtype=torch.float32)
         tensors["rope_factors_short.weight"] = torch.tensor(_rope(cfg)["short_factor"], dtype=torch.float32)
     sd = dict(model.state_dict())
+    if arch == "apertus":  # ApertusModel: each xIELU parameter's value a layer (raw: before softplus) as an array
+        for k, add in (("alpha_n", w.add_xielu_alpha_n), ("alpha_p", w.add_xielu_alpha_p), ("beta", w.add_xielu_beta),
+                       ("eps", w.add_xielu_eps)):
+            add([sd.pop(f"model.layers.{i}.mlp.act_fn.{k}").float().item() for i in range(cfg["num_hidden_layers"])])
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, GGUF name) -> expert -> matrix
     for hf in [k for k in sd if ".experts." in k and arch == "gpt-oss"]:  # stored in x out, gate|up interleaved
         layer, kind = hf.split(".")[2], hf.split(".")[-1]

@@ -619,15 +619,19 @@ def test_every_end_of_generation_id_stops(tmp_path: Path) -> None:
 
 
 @pytest.mark.bundled
-@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense", "arcee", "ernie4_5"])
+@pytest.mark.parametrize("kind", ["seed_oss", "seed_oss-out-bias", "hunyuan_v1_dense", "arcee", "ernie4_5",
+                                  "apertus", "apertus-Q8_0"])
 def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None:
     """``seed_oss`` (q/k/v biases, an o bias where the file has one, its norm before the MLP
     as post_attention_norm), ``hunyuan-dense`` (q/k norms after RoPE, the NTK-alpha base as
-    the converter writes it), ``arcee`` and ``ernie4_5`` (RoPE on interleaved pairs in float32,
-    q and k as the checkpoint has them): the HF directory's spec and transformers' tokens."""
+    the converter writes it), ``arcee``, ``ernie4_5`` (RoPE on interleaved pairs in float32,
+    q and k as the checkpoint has them) and ``apertus`` (q and k as the checkpoint has them, per-head
+    q/k norms, Llama 3.1's rope_freqs, an ungated xIELU MLP whose learned scalars are the per-layer
+    xielu.* arrays; also as Q8_0): the HF directory's spec and transformers' tokens."""
     import transformers as tf
 
     torch.manual_seed(43)
+    qtype = kind.partition("-")[2] if kind.startswith("apertus") else None  # "": float32
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
                   pad_token_id=2, tie_word_embeddings=False)
@@ -638,6 +642,10 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
         m = tf.ArceeForCausalLM(tf.ArceeConfig(**common))
     elif kind == "ernie4_5":
         m = tf.Ernie4_5ForCausalLM(tf.Ernie4_5Config(**common))
+    elif kind.startswith("apertus"):  # Llama 3.1's scaling with frequencies in each band of the rule (head size 16)
+        m = tf.ApertusForCausalLM(tf.ApertusConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}))
     else:
         m = tf.HunYuanDenseV1ForCausalLM(tf.HunYuanDenseV1Config(rope_parameters={
             "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, **common))
@@ -645,14 +653,20 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
         for n, p in m.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.5)
-            if n.endswith(("query_layernorm.weight", "key_layernorm.weight")):
+            if n.endswith(("query_layernorm.weight", "key_layernorm.weight", "q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
             if n.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(12)  # sharp attention, so that where the norms and RoPE act shows
-            if kind == "arcee" and n.endswith(("up_proj.weight", "down_proj.weight")):
+            if qtype is not None and n.endswith(("norm.weight", "alpha_p", "alpha_n")):
+                # Apertus's norms away from 1 and its xIELU scalars away from the initial values every
+                # layer shares, so that a swapped, skipped or mis-transformed one shows
+                p.uniform_(0.5, 1.5) if n.endswith("weight") else p.normal_(0, 0.5)
+            if kind in ("arcee", "apertus", "apertus-Q8_0") and n.endswith(("up_proj.weight", "down_proj.weight")):
                 p.mul_(6)  # an MLP that weighs in the output
+    if qtype:  # the reference computes with the values the file holds
+        roundtrip_(m, qtype)
     m.eval().save_pretrained(tmp_path / "hf")
-    path = write_gguf(m, tmp_path / f"{kind}.gguf")
+    path = write_gguf(m, tmp_path / f"{kind}.gguf", qtype or None)
     ours = load_model(str(path), load_tokenizer=False).spec
     ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
     # the file holds the base in float32: the same frequencies (float32 tables) from the rounded base
@@ -660,7 +674,45 @@ def test_newer_dense_files_match_transformers(kind: str, tmp_path: Path) -> None
 
     assert torch.equal(rope_inv_freq(16, ours.rope_theta), rope_inv_freq(16, ref.rope_theta))
     assert dataclasses.replace(ours, name=ref.name, max_positions=ref.max_positions, rope_theta=ref.rope_theta) == ref
+    if qtype is not None:
+        assert ours.mlp_activation == "xielu" and ours.qk_norm and ours.rope_scaling.rope_type == "llama3"
     with LLM(str(path), percent=(0, 50, 0, 100, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
              offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == reference_generate(
             TinyModel(kind, path, m, 0), PROMPTS, 6)
+
+
+@pytest.mark.bundled
+def test_apertus_xielu_keys_are_read_as_llama_cpp_reads_them(tmp_path: Path) -> None:
+    """Apertus's xIELU parameters are metadata, not tensors: the unprefixed ``xielu.alpha_p``,
+    ``xielu.alpha_n``, ``xielu.beta`` and ``xielu.eps``, one value a layer, alpha_p and alpha_n
+    as the checkpoint stores them (before softplus). Each layer's weights carry its own values; one
+    value stands for every layer (llama.cpp's loader broadcasts it); a key missing, an array of
+    another length, a beta or an eps other than the ones computed (0.5; -1e-6 as a float32,
+    bfloat16 or float16 checkpoint holds it) are refused in one line."""
+    import transformers as tf
+
+    torch.manual_seed(53)
+    m = tf.ApertusForCausalLM(tf.ApertusConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith(("alpha_p", "alpha_n")):
+                p.normal_(0, 0.5)
+    path = write_gguf(m, tmp_path / "apertus.gguf")
+    loaded = load_model(str(path), load_tokenizer=False)
+    for j, layer in enumerate(m.model.layers):
+        w = loaded.source.get("layer", j)
+        assert torch.equal(w["act.alpha_p"], layer.mlp.act_fn.alpha_p) and torch.equal(
+            w["act.alpha_n"], layer.mlp.act_fn.alpha_n)
+    # one value for every layer; eps as a bfloat16 checkpoint stores it
+    one = rewrite(path, tmp_path / "one.gguf", {"xielu.alpha_p": 0.25, "xielu.beta": 0.5,
+                                                "xielu.eps": float(torch.tensor(-1e-6, dtype=torch.bfloat16))})
+    assert [load_model(str(one), load_tokenizer=False).source.get("layer", j)["act.alpha_p"].item()
+            for j in range(3)] == [0.25] * 3
+    for change, match in (({"xielu.alpha_n": None}, "key xielu.alpha_n is missing"),
+                          ({"xielu.alpha_p": [0.1, 0.2]}, "key xielu.alpha_p has 2 values for 3 layers"),
+                          ({"xielu.beta": [0.5, 0.5, 0.25]}, r"key xielu\.beta .* not supported"),
+                          ({"xielu.eps": -1e-5}, r"key xielu\.eps .* not supported")):
+        _one_line(rewrite(path, tmp_path / "c.gguf", change), match)

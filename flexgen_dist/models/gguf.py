@@ -23,7 +23,7 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        llama_fields, nextn, post_norm_fields)
+                        layer_scalars, llama_fields, nextn, post_norm_fields)
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
@@ -84,6 +84,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
     try:
         # rope_freqs (Llama 3.1's divisors) is llama's alone: in another file it is refused as unread
         scaling = _rope_scaling(key, tensors if llama_family else {}, rotary, theta, name, truncate=arch != "gpt-oss")
+        if a.scalars:  # Apertus's xIELU scalars (metadata, one value a layer), checked here
+            layer_scalars(a, lambda k: gguf_field(reader, k), int(key("block_count")))
         if llama_family:
             fields = llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
             if arch in ("olmo2", "exaone4"):
@@ -338,6 +340,16 @@ class GGUFSource(WeightSource):
         self.tensors = _tensors(reader, arch)
         self.arch = ARCHS[arch]
         self._said: set[str] = set()  # tensor types already reported as not native
+        # the learned scalars a layer the file keeps as metadata (Apertus's xIELU), as float32
+        self.scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in layer_scalars(
+            self.arch, lambda k: gguf_field(reader, k), int(gguf_field(reader, f"{arch}.block_count", 0))).items()}
+
+    def _scalars(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        """A layer's scalars read from the metadata, each as the one-element tensor it is in the
+        checkpoint."""
+        if part != "layer" or layer is None:
+            return {}
+        return {k: v[layer].reshape(1).clone() for k, v in self.scalars.items()}
 
     def _names(self, part: str, layer: int | None) -> dict[str, tuple[Any, Any, tuple[int, ...]]]:
         """Canonical name -> (tensor, its data or rows of it, the shape of that data)."""
@@ -375,7 +387,8 @@ class GGUFSource(WeightSource):
         return out
 
     def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
-        return {k: self._expanded(k, t, data) for k, (t, data, _) in self._names(part, layer).items()}
+        return {**{k: self._expanded(k, t, data) for k, (t, data, _) in self._names(part, layer).items()},
+                **self._scalars(part, layer)}
 
     def _unpermute(self, k: str, w: Any) -> Any:
         return unpermute_gguf(k, w, self.spec) if self.arch.permuted else w
@@ -421,4 +434,5 @@ class GGUFSource(WeightSource):
                 log.info("%s: GGUF %s tensors have no native compressed form here; they are "
                          "re-quantized group-wise from their dequantized values", self.path.name, kind)
             dense[k] = self._expanded(k, t, data)
+        dense.update(self._scalars(part, layer))
         return {**self._checked(part, layer, dense), **packed}

@@ -8,9 +8,12 @@ tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``c
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from . import cohere, gemma, llama
 from .source import ModelLoadError
@@ -35,6 +38,8 @@ class GGUFArch:
     ``norm_shift``: what the converter added to every norm weight. Gemma's RMSNorm multiplies
     by (1 + w); llama.cpp's multiplies by its weight, so the converter stores 1 + w, and the
     reader takes the 1 back off for the family's (1 + w) form.
+    ``scalars``: (canonical weight, metadata key) of the learned scalars a layer the converter
+    writes as metadata, one value per layer, not as tensors (Apertus's xIELU: ``layer_scalars``).
     """
 
     family: str
@@ -42,6 +47,7 @@ class GGUFArch:
     permuted: bool = False
     keys: frozenset[str] = frozenset()
     norm_shift: float = 0.0
+    scalars: tuple[tuple[str, str], ...] = ()
 
 
 _GLM4MOE_KEYS = frozenset({"expert_feed_forward_length", "expert_shared_count", "leading_dense_block_count",
@@ -69,6 +75,11 @@ ARCHS: dict[str, GGUFArch] = {
                       keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
     # Arcee AFM: llama's tensors (q/k permuted), an MLP of up and down only (relu squared)
     "arcee": GGUFArch("llama", llama.gguf_names, permuted=True),
+    # Apertus: llama's tensor names with q/k as the checkpoint has them, its norms as attn_norm and
+    # ffn_norm, per-head q/k norms, an MLP of up and down only (xIELU): its two learned scalars a
+    # layer are the raw (before softplus) xielu.alpha_p / xielu.alpha_n arrays, not tensors
+    "apertus": GGUFArch("llama", llama.gguf_names, scalars=(("act.alpha_p", "xielu.alpha_p"),
+                                                            ("act.alpha_n", "xielu.alpha_n"))),
     # SmolLM3: llama's tensors (q/k permuted); every fourth layer without RoPE (llama.cpp's fixed step)
     "smollm3": GGUFArch("llama", llama.gguf_names, permuted=True),
     # IBM Granite: llama's tensors (q/k permuted), its four multipliers as keys
@@ -239,6 +250,41 @@ def sliding_layer_types(arch: str, pattern: Any, layers: int) -> tuple[str, ...]
     return tuple("sliding_attention" if s else "full_attention" for s in slides)
 
 
+# xIELU's constants as the engine computes them (the reference's defaults, which every Apertus
+# checkpoint keeps): beta 0.5, and eps -1e-6 as a checkpoint stores it (float32, bfloat16 or
+# float16; the converter writes each value as float32)
+XIELU_BETA = 0.5
+XIELU_EPS = frozenset(float(torch.tensor(-1e-6, dtype=d)) for d in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _per_layer(field: Callable[[str], Any], k: str, layers: int) -> list[float]:
+    """A key llama.cpp reads with ``get_key_or_arr``: one value for every layer, or an array of
+    exactly one value a layer."""
+    v = field(k)
+    if v is None:
+        raise ValueError(f"GGUF key {k} is missing: the file is incomplete; convert the model again")
+    values = [float(x) for x in v] if isinstance(v, list) else [float(v)] * layers
+    if len(values) != layers:
+        raise ValueError(f"GGUF key {k} has {len(values)} values for {layers} layers: corrupt file?")
+    if not all(math.isfinite(x) for x in values):
+        raise ValueError(f"GGUF key {k} holds a value that is not finite: corrupt file?")
+    return values
+
+
+def layer_scalars(a: GGUFArch, field: Callable[[str], Any], layers: int) -> dict[str, list[float]]:
+    """The learned scalars a layer a file keeps as metadata (``GGUFArch.scalars``), canonical
+    name -> one value a layer, as llama.cpp's loader reads them. For Apertus, also its xIELU
+    constants, which must be the ones the engine computes with (a ValueError names another)."""
+    out = {k: _per_layer(field, key, layers) for k, key in a.scalars}
+    if any(key.startswith("xielu.") for _, key in a.scalars):
+        beta, eps = _per_layer(field, "xielu.beta", layers), _per_layer(field, "xielu.eps", layers)
+        if any(b != XIELU_BETA for b in beta):
+            raise ValueError(f"GGUF key xielu.beta {beta}: not supported (xIELU's beta is computed as 0.5)")
+        if any(e not in XIELU_EPS for e in eps):
+            raise ValueError(f"GGUF key xielu.eps {eps}: not supported (xIELU's eps is computed as -1e-6)")
+    return out
+
+
 def nextn(key: Any, arch: str) -> int:
     """How many of the file's last blocks are multi-token-prediction layers (GLM-4.5's), which
     serve speculative decoding and which generation never runs."""
@@ -267,7 +313,8 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         or (arch == "seed_oss" and "blk.0.attn_q.bias" in tensors and "blk.0.attn_output.bias" not in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors
         and (arch != "seed_oss" or "blk.0.attn_output.bias" in tensors),
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", *QWEN_NEXT_ARCHS, *HUNYUAN_ARCHS)
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", "apertus", *QWEN_NEXT_ARCHS,
+                         *HUNYUAN_ARCHS)
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
         qk_norm_after_rope=arch in HUNYUAN_ARCHS,
         qk_norm_whole=arch in ("minimax-m2", "olmoe"),
@@ -277,7 +324,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         mlp_bias="blk.0.ffn_up.bias" in tensors, **moe_fields(arch, key, experts, tensors),
         **_granite_fields(arch, key),
         **({"nope_layers": every_nth(int(key("block_count")), 4)} if arch == "smollm3" else {}),
-        **({"mlp_activation": "relu2"} if arch == "arcee" else {}),
+        **({"mlp_activation": {"arcee": "relu2", "apertus": "xielu"}[arch]} if arch in ("arcee", "apertus") else {}),
         **(_gpt_oss_fields(key) if arch == "gpt-oss" else {}))
     if arch == "llama4":
         fields.update(llama4_gguf_fields(key, experts))

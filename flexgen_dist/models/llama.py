@@ -45,6 +45,8 @@ _LAYER_GGUF = {
     "lin_norm.w": "ssm_norm.weight", "lin_o.w": "ssm_out.weight", "q_gate.w": "attn_q.weight",
 }
 
+_GGUF_METADATA = ("act.alpha_p", "act.alpha_n")  # in a GGUF file, metadata (xielu.alpha_p / alpha_n arrays)
+
 
 def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
@@ -143,10 +145,11 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
 
 def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
     """Canonical name -> GGUF tensor name (llama.cpp convention; ``name#rows=a:b`` as in
-    ``hf_names`` for the rows of a fused tensor)."""
+    ``hf_names`` for the rows of a fused tensor). Apertus's xIELU scalars are no tensors there:
+    the converter writes them as metadata (``gguf_arch.GGUFArch.scalars``)."""
     if part == "layer":
         out = {k: f"blk.{layer}.{_LAYER_GGUF[k] if k in _LAYER_GGUF else moe_gguf_name(k)}"
-               for k in layer_shapes(spec, layer)}
+               for k in layer_shapes(spec, layer) if k not in _GGUF_METADATA}
         qd, kvd, f = spec.q_dim, spec.kv_dim, spec.ffn_size
         fused = {}
         if spec.fused_proj:  # Phi-3: llama.cpp keeps HF's qkv_proj as attn_qkv, gate_up_proj as ffn_up
