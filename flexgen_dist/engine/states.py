@@ -3,10 +3,12 @@
 A linear-attention layer (the gated delta rule) keeps no KV cache: per sequence it keeps the
 convolution's last inputs (the model's dtype) and the rule's state (float32), a fixed size
 however long the sequence (Qwen3-Next-80B: 2 MiB a sequence and layer, 72 MiB a sequence over
-its 36 linear layers). They are a per-sequence cache in all but shape, so they follow the
-policy's cache fractions, by whole layers in layer order (``split_rows`` over the layers):
-the first layers' states stay on the compute device, the next live in host RAM, the rest on
-disk.
+its 36 linear layers). They are placed by the policy's own state fractions
+(``Policy.state_gpu_percent``/``state_cpu_percent``, ``--state-percent``), by whole layers in
+layer order (``split_rows`` over the layers): the first layers' states stay on the compute
+device, the next live in host RAM, the rest on disk. Not by the cache's fractions: with CPU
+attention the KV cache in RAM costs only q and the output crossing the link, while a state in
+RAM crosses it whole twice a step, so a plan wants the two in different places.
 
 A layer whose states live elsewhere is *staged*: before the first GPU batch of a block
 computes it in a sweep, the rows of the batches that sweep runs come to one buffer on the
@@ -36,7 +38,7 @@ STAGED_LAYERS = 3
 
 
 def state_tiers(layers: list[int], fractions: tuple[float, float, float]) -> dict[int, Tier]:
-    """Where each linear layer's states live: whole layers by the cache's fractions, in order."""
+    """Where each linear layer's states live: whole layers by the state fractions, in order."""
     out = {}
     for tier, a, b in split_rows(len(layers), fractions):
         for j in layers[a:b]:
