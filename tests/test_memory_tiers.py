@@ -13,7 +13,7 @@ from flexgen_dist.config import ConfigError
 from flexgen_dist.plan import Peaks
 from flexgen_dist.memory.disk import DiskStore
 from flexgen_dist.memory.quant import dequantize, quantize
-from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between,
+from flexgen_dist.memory.tiers import (MemoryBudgetError, MemoryTracker, Tier, copy_between, host_empty,
                                        pin_if_cuda, tensor_nbytes)
 from flexgen_dist.memory.units import format_bytes, parse_size
 
@@ -250,6 +250,22 @@ def test_copy_qtensor_through_disk_with_rows(store: DiskStore) -> None:
 def test_pin_if_cuda_is_identity_for_cpu() -> None:
     t = torch.ones(3)
     assert pin_if_cuda(t, torch.device("cpu")) is t
+
+
+def test_host_empty_is_plain_ram_for_a_cpu_device() -> None:
+    t = host_empty((2, 3), torch.bfloat16, "cpu", zero=True)
+    assert t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.shape == (2, 3) and not t.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_empty_is_pinned_for_a_gpu_and_a_quantized_cache_can_be_too() -> None:
+    from flexgen_dist.memory.quant import empty_qtensor
+
+    t = host_empty((4, 5), torch.float16, torch.device("cuda"), zero=True)
+    assert t.device.type == "cpu" and t.is_pinned() and not t.any()
+    q = empty_qtensor((4, 64), torch.float16, device="cpu", pin_memory=True)
+    assert q.data.is_pinned() and q.mins.is_pinned() and q.scales.is_pinned() and not q.data.any()
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..memory.disk import DiskStore
-from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
+from ..memory.tiers import MemoryTracker, Tier, copy_between, host_empty
 from .kvcache import split_rows
 
 
@@ -62,7 +62,7 @@ class ActStore:
             if tier == Tier.GPU:
                 data: Any = rows
             elif tier == Tier.CPU:
-                data = pin_if_cuda(torch.empty(rows.shape, dtype=rows.dtype), self.device)
+                data = host_empty(rows.shape, rows.dtype, self.device)
                 copy_between(data, rows, non_blocking=True)
                 self._account(k, Tier.CPU, data.nbytes)
             else:

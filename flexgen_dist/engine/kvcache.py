@@ -33,7 +33,7 @@ import torch
 
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor, dequantize, empty_qtensor, qtensor_layout, quantize
-from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
+from ..memory.tiers import MemoryTracker, Tier, copy_between
 from .attention import attend_rows, merge_partial, to_rows
 
 
@@ -154,21 +154,21 @@ class BlockCache:
             v = k if self.shared else self._disk(name + "-v", shape)
         else:
             dev = self.device if tier == Tier.GPU else torch.device("cpu")
-            # never read before written: prefill fills [0, s), each decode step its position
-            k = self._empty((n, cap, self.head_dim), dev)
-            v = k if self.shared else self._empty(k.shape, dev)
-            if tier == Tier.CPU:
-                k = _pin(k, self.device)
-                v = k if self.shared else _pin(v, self.device)
+            # never read before written: prefill fills [0, s), each decode step its position;
+            # RAM's chunks pinned as allocated where the compute device is a GPU
+            pin = tier == Tier.CPU and self.device.type == "cuda"
+            k = self._empty((n, cap, self.head_dim), dev, pin)
+            v = k if self.shared else self._empty(k.shape, dev, pin)
         nbytes = int(k.nbytes + (0 if v is k else v.nbytes))
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
         return Chunk(tier, r0, r1, k, v, cap)
 
-    def _empty(self, shape: tuple[int, ...], device: torch.device) -> Stored:
+    def _empty(self, shape: tuple[int, ...], device: torch.device, pin: bool = False) -> Stored:
         if self.compress:
-            return empty_qtensor(shape, self.dtype, self.bits, self.group_size, dim=-1, device=device)
-        return torch.empty(shape, dtype=self.dtype, device=device)
+            return empty_qtensor(shape, self.dtype, self.bits, self.group_size, dim=-1, device=device,
+                                 pin_memory=pin)
+        return torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
     def _disk(self, name: str, shape: tuple[int, ...]) -> Stored:
         store = self._disk_store
@@ -417,10 +417,3 @@ def _dense(x: Stored, device: torch.device, pos_major: bool) -> torch.Tensor:
 def _host(x: Stored) -> Stored:
     """A CPU copy that an async disk write can own."""
     return x.to("cpu") if isinstance(x, QTensor) else x.contiguous().cpu()
-
-
-def _pin(x: Stored, device: torch.device) -> Stored:
-    if isinstance(x, QTensor):
-        return replace(x, data=pin_if_cuda(x.data, device), mins=pin_if_cuda(x.mins, device),
-                       scales=pin_if_cuda(x.scales, device))
-    return pin_if_cuda(x, device)

@@ -30,7 +30,7 @@ import torch
 
 from ..interrupts import submit
 from ..memory.disk import DiskStore
-from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
+from ..memory.tiers import MemoryTracker, Tier, copy_between, host_empty
 from .kvcache import split_rows
 
 # layers of one block staged on the compute device at once: computing, loading, storing
@@ -75,7 +75,7 @@ class StateStore:
                 if tier == Tier.DISK:
                     x: Any = disk.allocate(f"state{tag}-l{j}-{what}", shape, dt)  # type: ignore[union-attr]
                 elif tier == Tier.CPU:
-                    x = pin_if_cuda(torch.empty(shape, dtype=dt), device)
+                    x = host_empty(shape, dt, device)
                 else:
                     x = torch.empty(shape, dtype=dt, device=device)
                 parts.append(x)

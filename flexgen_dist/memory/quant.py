@@ -99,8 +99,9 @@ def qtensor_layout(shape: tuple[int, ...] | torch.Size, bits: int, group_size: i
 
 def empty_qtensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, bits: int = 4,
                   group_size: int = 64, dim: int = -1,
-                  device: torch.device | str = "cpu") -> QTensor:
-    """A preallocated QTensor to be filled in place (e.g. a KV cache).
+                  device: torch.device | str = "cpu", pin_memory: bool = False) -> QTensor:
+    """A preallocated QTensor to be filled in place (e.g. a KV cache); ``pin_memory``: in
+    pinned host memory (a CPU ``device`` feeding a GPU).
 
     Zero-filled, not uninitialised: unwritten positions dequantize to 0, never to NaN, so a
     masked attention over them stays finite.
@@ -108,9 +109,9 @@ def empty_qtensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, bits:
     shape = torch.Size(shape)
     ndim_dim = _check_args(shape, dtype, bits, group_size, dim)
     data_shape, meta_shape = qtensor_layout(shape, bits, group_size, dim)
-    return QTensor(data=torch.zeros(data_shape, dtype=torch.uint8, device=device),
-                   mins=torch.zeros(meta_shape, dtype=dtype, device=device),
-                   scales=torch.zeros(meta_shape, dtype=dtype, device=device),
+    return QTensor(data=torch.zeros(data_shape, dtype=torch.uint8, device=device, pin_memory=pin_memory),
+                   mins=torch.zeros(meta_shape, dtype=dtype, device=device, pin_memory=pin_memory),
+                   scales=torch.zeros(meta_shape, dtype=dtype, device=device, pin_memory=pin_memory),
                    shape=shape, dtype=dtype, dim=ndim_dim, group_size=group_size, bits=bits)
 
 

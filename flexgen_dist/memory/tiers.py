@@ -75,6 +75,15 @@ def tensor_nbytes(x: Movable) -> int:
     raise TypeError(f"tensor_nbytes: unsupported type {type(x).__name__}")
 
 
+def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device | str,
+               zero: bool = False) -> torch.Tensor:
+    """A new CPU tensor (uninitialised, or ``zero``-filled), pinned when ``device`` is CUDA for
+    fast asynchronous copies: allocated pinned (the caching host allocator reuses freed blocks),
+    where ``pin_if_cuda`` of a fresh tensor would allocate twice and copy it whole."""
+    pin = torch.device(device).type == "cuda"
+    return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, pin_memory=pin)
+
+
 def pin_if_cuda(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A pinned copy of CPU tensor ``t`` when ``device`` is CUDA (fast async H2D), else ``t``."""
     if torch.device(device).type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
