@@ -82,6 +82,8 @@ class WeightStore:
         # on a CPU device would steal cycles from the compute threads.
         self._bufsets: list[dict[tuple, torch.Tensor]] = [{}, {}]
         self._turn = 0
+        # on a GPU: per read-buffer set, an event after the last copies out of it (``_reuse``)
+        self._set_used: dict[int, Any] = {}
         self.executor: Executor | None = None  # where experts' reads run (the engine's I/O threads)
         self.expert_stats = ExpertStats()
         placer = TierPlacer(fractions)
@@ -211,6 +213,7 @@ class WeightStore:
         """
         if bufs is None:
             bufs = self.next_buffers()
+        self._reuse(bufs)
         out: dict[str, Any] = {}
         experts: dict[int, list[str]] = {}
         for name, p in self.placed[slot].items():
@@ -219,9 +222,26 @@ class WeightStore:
                 experts.setdefault(e, []).append(name)
                 continue
             out[name] = self._load_one(name, p, bufs)
+        self._mark(bufs)
         if experts:
             out[EXPERTS] = SlotExperts(self, slot, bufs, experts)
         return out
+
+    def _reuse(self, bufs: dict[tuple, torch.Tensor]) -> None:
+        """Before the host reads from disk into read-buffer set ``bufs`` again, on a GPU: wait
+        until the copies that last read it from there have run. A copy out of pinned memory
+        returns before it runs, and the set comes back two slots later: with the GPU behind the
+        host, the next read would overwrite bytes that a queued copy had still to move."""
+        ev = self._set_used.pop(id(bufs), None)
+        if ev is not None:
+            ev.synchronize()
+
+    def _mark(self, bufs: dict[tuple, torch.Tensor]) -> None:
+        """After copies out of ``bufs`` were queued (a slot's load, a sparse layer's experts)."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._set_used[id(bufs)] = ev
 
     def _load_one(self, name: str, p: Placed, bufs: dict[tuple, torch.Tensor]) -> Any:
         """One placed tensor on the compute device (``load``)."""
@@ -331,7 +351,9 @@ class SlotExperts:
 
     def _read(self, e: int) -> dict[str, Any]:
         placed = self.store.placed[self.slot]
-        return {n.split(".", 2)[2]: self.store._load_one(n, placed[n], self.bufs) for n in self.names[e]}
+        out = {n.split(".", 2)[2]: self.store._load_one(n, placed[n], self.bufs) for n in self.names[e]}
+        self.store._mark(self.bufs)
+        return out
 
     def prefetch(self, ids: list[int]) -> None:
         pool = self.store.executor
