@@ -28,7 +28,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5",
-        "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus"}
+        "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus", "exaone_moe": "exaone-moe"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -83,7 +83,8 @@ _TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe
            "gemma2": _GEMMA_LAYER, "gemma3": _GEMMA_LAYER, "olmo2": _GEMMA_LAYER, "exaone4": _GEMMA_LAYER,
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
-           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER, "apertus": _APERTUS_LAYER}
+           "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER, "apertus": _APERTUS_LAYER,
+           "exaone-moe": _DOTS1_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -96,6 +97,12 @@ _EXPERT = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps", "g
 
 
 NEXTN = 1  # GLM-4.5 files: one multi-token-prediction block after the last layer, as published
+
+
+def _nextn(cfg: dict[str, Any], arch: str) -> int:
+    """The multi-token-prediction blocks a file holds after the last layer: GLM-4.5's one;
+    K-EXAONE's ``num_nextn_predict_layers`` (ExaoneMoEModel), none where the config has none."""
+    return NEXTN if arch == "glm4moe" else (cfg.get("num_nextn_predict_layers") or 0) if arch == "exaone-moe" else 0
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str | None:
@@ -233,7 +240,7 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
 
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     rope = _rope(cfg)
-    w.add_block_count(cfg["num_hidden_layers"] + (NEXTN if arch == "glm4moe" else 0))
+    w.add_block_count(cfg["num_hidden_layers"] + _nextn(cfg, arch))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     # Llama4Model: the dense layers' width (intermediate_size_mlp); a config without a dense
@@ -340,6 +347,21 @@ def _llama_keys(w: Any, cfg: dict[str, Any], arch: str, n_head: int, n_kv: int) 
         if cfg.get("sliding_window") is not None:
             w.add_sliding_window(cfg["sliding_window"])
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch == "exaone-moe":  # ExaoneMoEModel: TextModel's groups (written wherever the config has them),
+        # Exaone4Model's keys, then the experts' set, the dense layers, the prediction layers, no RoPE scaling
+        # (no gating function: the config names none)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_expert_shared_count(cfg["num_shared_experts"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_intermediate_size"] * cfg["num_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_nextn_predict_layers(_nextn(cfg, arch))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     if arch == "llama4":  # Llama4Model: the sparse layers' step
         w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
     if arch in ("llama", "granite", "smollm3", "llama4", "arcee", "apertus"):  # LlamaModel's own two
@@ -558,15 +580,16 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
             tensors[gguf_name(hf, arch).replace("attn_kv_b", "attn_v_b")] = v_b
             continue
         tensors[gguf_name(hf, arch)] = t
-    if arch == "glm4moe":  # a prediction layer after the last: its tensors as a converted file holds them
-        last = cfg["num_hidden_layers"] - 1
+    last = cfg["num_hidden_layers"] - 1
+    for b in range(last + 1, last + 1 + _nextn(cfg, arch)):  # the prediction layers after the last: their
+        # tensors as a converted file holds them
         for name in [n for n in tensors if n.startswith(f"blk.{last}.")]:
-            tensors[f"blk.{last + 1}." + name.split(".", 2)[2]] = tensors[name].clone()
+            tensors[f"blk.{b}." + name.split(".", 2)[2]] = tensors[name].clone()
         h = cfg["hidden_size"]
-        tensors.update({f"blk.{last + 1}.nextn.eh_proj.weight": torch.zeros(h, 2 * h),
-                        f"blk.{last + 1}.nextn.enorm.weight": torch.ones(h),
-                        f"blk.{last + 1}.nextn.hnorm.weight": torch.ones(h),
-                        f"blk.{last + 1}.nextn.shared_head_norm.weight": torch.ones(h)})
+        tensors.update({f"blk.{b}.nextn.eh_proj.weight": torch.zeros(h, 2 * h),
+                        f"blk.{b}.nextn.enorm.weight": torch.ones(h),
+                        f"blk.{b}.nextn.hnorm.weight": torch.ones(h),
+                        f"blk.{b}.nextn.shared_head_norm.weight": torch.ones(h)})
     for name, t in tensors.items():
         a = t.contiguous().numpy()
         if mxfp4_experts and name.endswith("_exps.weight"):  # gpt-oss's experts as released: MXFP4

@@ -310,9 +310,12 @@ def _gguf_model(kind: str, qtype: str | None, path: Path, **write) -> TinyModel:
     if kind == "ernie4_5_moe":  # two shared experts, as released: the converter writes their width as
         # intermediate_size // kv heads (192 // 2 = 2 x 48), which llama.cpp's loader requires of their tensors
         cfg.moe_num_shared_experts, cfg.intermediate_size = 2, 192
+    if kind == "exaone_moe":  # one prediction layer, as K-EXAONE has it (the converter appends it; never read);
+        # experts 64 wide: every matrix splits into 32-element blocks (a Q8_0 file holds them all packed)
+        cfg.num_nextn_predict_layers, cfg.moe_intermediate_size = 1, 64
     path.mkdir(parents=True, exist_ok=True)
     m = _sharpen_(AutoModelForCausalLM.from_config(cfg).eval(), kind)
-    if kind == "ernie4_5_moe":
+    if kind in ("ernie4_5_moe", "exaone_moe"):
         _vary_(m)
     if qtype:
         roundtrip_(m, qtype)
@@ -405,6 +408,73 @@ def test_ernie_moe_files_we_would_misread_are_refused(change: dict, match: str, 
     from gguf_convert import rewrite
 
     src = _gguf_model("ernie4_5_moe", None, tmp_path)
+    bad = rewrite(src.path, tmp_path / "bad.gguf", change, tokenizer=True)
+    with pytest.raises(ModelLoadError, match=match) as info:
+        load_model(str(bad), load_tokenizer=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("qtype", [None, "Q8_0"])
+def test_exaone_moe_gguf_files_run_as_their_directories(qtype: str | None, tmp_path: Path) -> None:
+    """K-EXAONE as llama.cpp's converter writes it (``exaone-moe``): the router as
+    ``ffn_gate_inp``, the choice bias as ``exp_probs_b.bias``, the stacked experts, the shared
+    experts as one ``*_shexp`` MLP (``expert_shared_feed_forward_length`` wide), layer 0 dense
+    (``leading_dense_block_count``), the routing keys (scale, renormalisation, groups), q/k
+    norms, the sliding layers by the per-layer pattern with the global one turning no RoPE, a
+    prediction block after the last layer. The file gives the HF directory's spec and
+    transformers' tokens on prompts longer than the window (weights partly on disk; Q8_0 kept
+    packed); the choice bias decides choices here (zeroed, the tokens differ)."""
+    from gguf_convert import rewrite
+
+    tm = _gguf_model("exaone_moe", qtype, tmp_path)
+    tm.model.save_pretrained(tmp_path / "hf")
+    f = GGUFFile(tm.path)
+    assert f.fields["exaone-moe.block_count"].contents() == 5
+    assert {"blk.4.nextn.eh_proj.weight", "blk.1.exp_probs_b.bias", "blk.1.ffn_up_shexp.weight",
+            "blk.1.ffn_gate_exps.weight", "blk.0.ffn_gate.weight"} <= {t.name for t in f.tensors}
+    ours = load_model(str(tm.path), load_tokenizer=False).spec
+    ref = load_model(str(tmp_path / "hf"), load_tokenizer=False).spec
+    # the stop and padding ids are the file's tokenizer's (the bundled SmolLM2's)
+    assert replace(ours, name=ref.name, eos_token_ids=ref.eos_token_ids, pad_token_id=ref.pad_token_id) == ref
+    assert (ref.num_layers, ref.moe_layers, ref.shared_expert_ffn_size, ref.norm_layout, ref.qk_norm) == (
+        4, (False, True, True, True), 64, "pre", True)
+    assert (ref.sliding_window, ref.nope_layers, ref.routed_scaling, ref.expert_groups, ref.norm_topk_prob) == (
+        4, (False, False, False, True), 2.5, 2, True)
+    assert max(map(len, PROMPTS)) > ref.sliding_window
+    want = reference_generate(tm, PROMPTS, GEN)
+    with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=2, num_gpu_batches=3, offload_dir=str(tmp_path / "off"),
+             compress_weight=bool(qtype), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] == want
+        bias = sum(b.numel() for n, b in tm.model.named_buffers() if n.endswith("e_score_correction_bias"))
+        assert llm.model.spec.total_numel() == sum(p.numel() for p in tm.model.parameters()) + bias
+    if qtype:
+        return
+    zeroed = rewrite(tm.path, tmp_path / "zeroed.gguf", tokenizer=True, tensors={
+        f"blk.{j}.exp_probs_b.bias": np.zeros(8, np.float32) for j in (1, 2, 3, 4)})
+    with LLM(str(zeroed), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN)] != want
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("change,match", [
+    ({"exaone-moe.leading_dense_block_count": 2}, r"routers \(ffn_gate_inp\) on layers 1, 2, 3, but "
+     r"leading_dense_block_count 2 makes layers 2, 3 sparse"),
+    ({"exaone-moe.expert_gating_func": 1}, r"exaone-moe.expert_gating_func 1 is not supported \(2: sigmoid\)"),
+    ({"exaone-moe.attention.sliding_window": None}, "without attention.sliding_window and a per-layer"),
+    ({"exaone-moe.attention.sliding_window_pattern": None}, "without attention.sliding_window and a per-layer"),
+    ({"exaone-moe.attention.sliding_window_pattern": [True, True, False]}, "has 3 flags for 4 layers"),
+    ({"exaone-moe.nextn_predict_layers": 5}, "nextn_predict_layers 5 of 5 blocks"),
+    ({"exaone-moe.interleave_moe_layer_step": 1}, "GGUF key exaone-moe.interleave_moe_layer_step is not computed"),
+])
+def test_exaone_moe_files_we_would_misread_are_refused(change: dict, match: str, tmp_path: Path) -> None:
+    """Sparse layers other than the ones llama.cpp builds from leading_dense_block_count, a
+    gating function other than sigmoid, no window or no per-layer pattern (which layers turn
+    RoPE is then unknown), a pattern of the wrong length, prediction blocks that leave no
+    layer, a key the engine does not compute: each refused in one line."""
+    from gguf_convert import rewrite
+
+    src = _gguf_model("exaone_moe", None, tmp_path)
     bad = rewrite(src.path, tmp_path / "bad.gguf", change, tokenizer=True)
     with pytest.raises(ModelLoadError, match=match) as info:
         load_model(str(bad), load_tokenizer=False)

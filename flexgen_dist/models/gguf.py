@@ -23,7 +23,7 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        layer_scalars, llama_fields, nextn, post_norm_fields)
+                        exaone_moe_fields, layer_scalars, llama_fields, nextn, post_norm_fields)
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
@@ -91,6 +91,9 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             if arch in ("olmo2", "exaone4"):
                 pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
                 fields.update(post_norm_fields(arch, key, pattern, int(key("block_count"))))
+            if arch == "exaone-moe":
+                pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+                fields.update(exaone_moe_fields(key, pattern, int(key("block_count")) - nextn(key, arch)))
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":
             fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))

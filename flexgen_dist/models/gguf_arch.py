@@ -141,6 +141,12 @@ ARCHS: dict[str, GGUFArch] = {
     # pattern, the global ones without RoPE
     "exaone4": GGUFArch("llama", llama.gguf_names,
                         keys=frozenset({"attention.sliding_window", "attention.sliding_window_pattern"})),
+    # K-EXAONE: EXAONE 4's attention (q/k normalised per head, sliding layers by the per-layer
+    # pattern, the global ones without RoPE) in pre-norm layers; GLM-4.5's routing (sigmoid scores,
+    # groups, the choice bias exp_probs_b, shared experts ungated), the first leading_dense_block_count
+    # layers dense; multi-token-prediction blocks after the last layer
+    "exaone-moe": GGUFArch("llama", llama.gguf_names, keys=_GLM4MOE_KEYS | {
+        "expert_shared_feed_forward_length", "attention.sliding_window", "attention.sliding_window_pattern"}),
     # Qwen3-Next: three linear-attention layers of four (ssm_*), gated attention on a quarter-
     # turned head, (1 + w) norms stored as 1 + w (but the linear layers' own, ssm_norm),
     # Qwen2-MoE's experts with the shared expert's gate
@@ -156,8 +162,9 @@ ARCHS: dict[str, GGUFArch] = {
 }
 # the architectures whose files may hold experts (Mixtral is written as llama with experts)
 MOE_ARCHS = frozenset({"llama", "qwen2moe", "qwen3moe", "olmoe", "glm4moe", "gpt-oss", "minimax-m2", "deepseek2",
-                       "llama4", "hunyuan-moe", "dots1", "qwen3next", "qwen35moe", "ernie4_5-moe"})
-SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1")  # GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
+                       "llama4", "hunyuan-moe", "dots1", "qwen3next", "qwen35moe", "ernie4_5-moe", "exaone-moe"})
+# GLM-4.5's routing: sigmoid scores, groups, a choice bias, shared experts
+SIGMOID_ARCHS = ("glm4moe", "deepseek2", "dots1", "exaone-moe")
 # the metadata keys (after "{arch}.") every architecture may carry; the inert ones cannot
 # change the output once the scaling type is known (a type that would use them is refused)
 USED = frozenset({"block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
@@ -313,7 +320,7 @@ def llama_fields(arch: str, key: Any, tensors: dict[str, Any], head_dim_override
         or (arch == "seed_oss" and "blk.0.attn_q.bias" in tensors and "blk.0.attn_output.bias" not in tensors),
         attention_bias=arch not in (*QWEN2_ARCHS, *GLM_ARCHS) and "blk.0.attn_q.bias" in tensors
         and (arch != "seed_oss" or "blk.0.attn_output.bias" in tensors),
-        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", "apertus", *QWEN_NEXT_ARCHS,
+        qk_norm=arch in ("qwen3", "qwen3moe", "minimax-m2", "olmoe", "dots1", "apertus", "exaone-moe", *QWEN_NEXT_ARCHS,
                          *HUNYUAN_ARCHS)
         or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in tensors),
         qk_norm_after_rope=arch in HUNYUAN_ARCHS,
@@ -414,7 +421,8 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     if not experts:
         return {}
     fields: dict[str, Any] = dict(num_experts=experts, experts_per_tok=int(key("expert_used_count")),
-                                  norm_topk_prob=arch != "qwen2moe", router_weights_fp32=arch in ("llama", "glm4moe"))
+                                  norm_topk_prob=arch != "qwen2moe",
+                                  router_weights_fp32=arch in ("llama", "glm4moe", "exaone-moe"))
     fields["expert_ffn_size"] = int(key("expert_feed_forward_length") if arch not in ("llama", "olmoe")
                                     else key("expert_feed_forward_length", key("feed_forward_length")))
     if arch == "olmoe":  # llama.cpp never renormalises OLMoE's routing weights (its config's default)
@@ -434,7 +442,8 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
     # the gating function (1: softmax, 2: sigmoid) where it is a key: llama.cpp's default for
     # deepseek2 is softmax (DeepSeek-V2), the others' sigmoid, and these compute no other
     gating = int(key("expert_gating_func", 1 if arch == "deepseek2" else 2))
-    allowed = {"deepseek2": (1, 2), "glm4moe": (2,), "minimax-m2": (2,), "dots1": (2,)}.get(arch, (gating,))
+    allowed = {"deepseek2": (1, 2), "glm4moe": (2,), "minimax-m2": (2,), "dots1": (2,),
+               "exaone-moe": (2,)}.get(arch, (gating,))
     if gating not in allowed:
         raise ValueError(f"{arch}.expert_gating_func {gating} is not supported "
                          f"({', '.join({1: '1: softmax', 2: '2: sigmoid'}[g] for g in allowed)})")
@@ -450,13 +459,50 @@ def moe_fields(arch: str, key: Any, experts: int, tensors: dict[str, Any]) -> di
                       expert_groups_used=int(key("expert_group_used_count", 1)) or 1,
                       shared_expert_ffn_size=int(key("expert_shared_count", 0)) * fields["expert_ffn_size"],
                       shared_expert_gated=False)
+        if arch == "exaone-moe":  # its converter writes the shared experts' width (llama.cpp's for their tensors)
+            fields["shared_expert_ffn_size"] = int(key("expert_shared_feed_forward_length",
+                                                       fields["shared_expert_ffn_size"]))
     layers = int(key("block_count")) - nextn(key, arch)
     sparse = tuple(f"blk.{j}.ffn_gate_inp.weight" in tensors for j in range(layers))
     if arch == "ernie4_5-moe":
         fields.update(_ernie_moe_fields(key, fields["expert_ffn_size"], sparse, tensors))
+    if arch == "exaone-moe":
+        _check_leading_dense(arch, int(key("leading_dense_block_count", 0)), sparse)
     if not all(sparse):
         fields["moe_layers"] = sparse
     return fields
+
+
+def _layer_list(flags: tuple[bool, ...]) -> str:
+    return ", ".join(str(j) for j, f in enumerate(flags) if f) or "none"
+
+
+def _check_leading_dense(arch: str, lead: int, sparse: tuple[bool, ...]) -> None:
+    """A file whose routers (``ffn_gate_inp``) are not on the layers from
+    ``leading_dense_block_count`` on, the sparse layers llama.cpp builds, is refused (a config
+    whose ``mlp_layer_types`` make later layers dense has no key for them)."""
+    want = tuple(j >= lead for j in range(len(sparse)))
+    if sparse != want:
+        raise ValueError(f"{arch} file with routers (ffn_gate_inp) on layers {_layer_list(sparse)}, but "
+                         f"leading_dense_block_count {lead} makes layers {_layer_list(want)} sparse: not "
+                         "supported (its sparse layers are not what llama.cpp runs)")
+
+
+def exaone_moe_fields(key: Any, pattern: Any, layers: int) -> dict[str, Any]:
+    """K-EXAONE's attention as llama.cpp's ``exaone-moe`` graph runs it: the window on the layers
+    the per-layer pattern marks (one flag per layer; flags for the prediction blocks after the
+    last layer, where the file has them, are never read), RoPE on those alone (the global layers
+    without, as the reference). A file without a window or its pattern is refused: llama.cpp
+    would turn RoPE on no layer, transformers (no window) on every one."""
+    window = int(key("attention.sliding_window", 0))
+    if not window or pattern is None:
+        raise ValueError("exaone-moe file without attention.sliding_window and a per-layer "
+                         "attention.sliding_window_pattern: which layers turn RoPE is unknown (llama.cpp turns it "
+                         "on the sliding layers alone); not supported")
+    if isinstance(pattern, list) and len(pattern) == int(key("block_count")) != layers:
+        pattern = pattern[:layers]
+    types = sliding_layer_types("exaone-moe", pattern, layers)
+    return dict(sliding_window=window, layer_types=types, nope_layers=tuple(t == "full_attention" for t in types))
 
 
 def _ernie_moe_fields(key: Any, expert_ffn: int, sparse: tuple[bool, ...], tensors: dict[str, Any]) -> dict[str, Any]:
