@@ -109,6 +109,30 @@ def test_every_placement_float32_matches_transformers_on_the_gpu(kind: str, tiny
         assert outs == ref, (name, overlap, cpu_att)
 
 
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_weights_copied_on_their_own_stream_match_transformers(kind: str, tiny_models, gpu_device, tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """``FLEXGEN_CUDA_LOAD_STREAM=1``: the weights' copies and expansions on a load stream that
+    the compute waits on by event. float32 tokens equal transformers' where the weights come
+    from RAM, from disk and from both (with and without CPU attention), and 4-bit weights give
+    the tokens they give on the default stream."""
+    from flexgen_dist.engine.stage import LOAD_STREAM_ENV
+
+    tm = tiny_models[kind]
+    ref, _ = reference_on(tm, gpu_device, torch.float32, PROMPTS, GEN)
+    default = run(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, tmp_path / "off", compress=True)
+    monkeypatch.setenv(LOAD_STREAM_ENV, "1")
+    with DiskStore(tmp_path / "off") as disk:
+        eng = engine(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, disk)
+        assert (eng._load_stream is not None) == (gpu_device.type == "cuda")
+        eng.close()
+    for name in ("weights-cpu", "all-disk", "mixed"):
+        for cpu_att in (True, False):
+            outs = run(tm, PLACEMENTS[name], gpu_device, torch.float32, tmp_path / "off", cpu_attention=cpu_att)
+            assert outs == ref, (name, cpu_att)
+    assert run(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, tmp_path / "off", compress=True) == default
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
 def test_half_types_on_the_gpu_track_transformers(kind: str, dtype: torch.dtype, tiny_models, gpu_device,
