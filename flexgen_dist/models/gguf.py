@@ -22,8 +22,9 @@ import torch
 
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
-from .gguf_arch import (ARCHS, INERT, MOE_ARCHS, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        exaone_moe_fields, layer_scalars, llama_fields, nextn, post_norm_fields)
+from .gguf_arch import (ARCHS, INERT, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
+                        exaone_moe_fields, layer_scalars, llama_fields, post_norm_fields)
+from .gguf_moe import MOE_ARCHS, nextn
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
