@@ -117,7 +117,7 @@ def test_weights_copied_on_their_own_stream_match_transformers(kind: str, tiny_m
     stream). float32 tokens equal transformers' where the weights come from RAM, from disk and
     from both (with and without CPU attention), and 4-bit weights give the tokens they give on
     the default stream."""
-    from flexgen_dist.engine.stage import LOAD_STREAM_ENV
+    from flexgen_dist.engine.streams import LOAD_STREAM_ENV
 
     tm = moe_model(kind, tmp_path / "m") if kind == "qwen3_moe" else tiny_models[kind]
     ref, _ = reference_on(tm, gpu_device, torch.float32, PROMPTS, GEN)
@@ -125,7 +125,7 @@ def test_weights_copied_on_their_own_stream_match_transformers(kind: str, tiny_m
     monkeypatch.setenv(LOAD_STREAM_ENV, "1")
     with DiskStore(tmp_path / "off") as disk:
         eng = engine(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, disk)
-        assert (eng._load_stream is not None) == (gpu_device.type == "cuda")
+        assert (eng.weights.load_stream is not None) == (gpu_device.type == "cuda")
         eng.close()
     for name in ("weights-cpu", "all-disk", "mixed"):
         for cpu_att in (True, False):

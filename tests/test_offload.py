@@ -278,7 +278,7 @@ def test_first_slot_is_read_during_the_sweep_before(tiny_models, tmp_path: Path)
         submit, run = eng._pool.submit, eng.run_sweep
 
         def counted_submit(fn, *args):  # counted when issued, not when the I/O thread gets to it
-            if fn == eng._load and args[0] == ("embed", None):
+            if fn == eng.weights.queued_load and args[0] == ("embed", None):
                 firsts.append(sweep[0])
             return submit(fn, *args)
 

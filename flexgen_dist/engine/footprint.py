@@ -249,9 +249,8 @@ def recurrent_bytes(spec: ModelSpec, z: StageShape) -> int:
 
 def _state_layers(spec: ModelSpec, z: StageShape) -> tuple[list[int], int]:
     """(the stage's linear layers, bytes of one layer's states for the blocks in flight)."""
-    conv, ssm = spec.recurrent_numel()
     layers = [j for j in range(z.first_layer, z.first_layer + z.num_layers) if spec.linear(j)]
-    return layers, z.gpu_batch_size * z.num_gpu_batches * z.blocks_in_flight * (conv * z.dtype_bytes + 4 * ssm)
+    return layers, z.gpu_batch_size * z.num_gpu_batches * z.blocks_in_flight * spec.recurrent_bytes(z.dtype_bytes)
 
 
 def _state_bytes(spec: ModelSpec, z: StageShape) -> np.ndarray:

@@ -6,7 +6,6 @@ model) and the stages of a pipeline: a stage is the model minus what it does not
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,33 +33,8 @@ from .kvcache import BlockCache
 from .policy import Policy, merge_decode
 from .schedule import Step, sweep_steps
 from .states import StateStore
+from .streams import load_stream, ready
 from .weights import Slot, WeightStore, expert_of
-
-
-# On a GPU, with this set to 1, an I/O thread queues a slot's weight copies (and expansions) on
-# a stream of their own, which the compute stream waits on by event (``_OnStream``): the copies
-# then run beside the kernels before them instead of after. Off by default until a GPU has
-# measured it against the default stream (docs/architecture.md, "The block schedule is data").
-LOAD_STREAM_ENV = "FLEXGEN_CUDA_LOAD_STREAM"
-
-
-@dataclass
-class _OnStream:
-    """A slot's weights loaded on the load stream, and the event after their copies."""
-
-    weights: dict[str, Any]
-    event: Any  # torch.cuda.Event
-
-    def join(self) -> dict[str, Any]:
-        """The weights for the current (compute) stream: it waits for the copies, and each
-        tensor is marked as used there, so the caching allocator does not give its memory to
-        the load stream's next allocation while the compute may still read it."""
-        cur = torch.cuda.current_stream()
-        cur.wait_event(self.event)
-        for t in self.weights.values():
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(cur)
-        return self.weights
 
 
 @dataclass
@@ -95,8 +69,8 @@ class StageEngine:
         # placed tensor uses are unmapped (mapped pages would also pin the page cache).
         source.close()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fg-load")
-        self._load_stream = torch.cuda.Stream(device) if (
-            device.type == "cuda" and policy.overlap and os.environ.get(LOAD_STREAM_ENV) == "1") else None
+        if policy.overlap:
+            self.weights.load_stream = load_stream(device)
         self.weights.executor = self._pool  # a sparse layer's chosen experts are read there
         self._wbuf: dict[int, Any] = {}
         # The next sweep's first slot, loading during this sweep's last one (``run_sweep(more=)``)
@@ -260,7 +234,7 @@ class StageEngine:
             elif slot in self.weights.resident:
                 self._wbuf[s.j] = self.weights.load(slot)
             else:
-                fut = submit(self._pool, self._load, slot, self.weights.next_buffers())
+                fut = submit(self._pool, self.weights.queued_load, slot, self.weights.next_buffers())
                 self._wbuf[s.j] = fut
                 if not self.policy.overlap:
                     self._wait([fut])
@@ -297,25 +271,13 @@ class StageEngine:
     def _prefetch_first(self) -> None:
         """Start reading the first slot's weights for the next sweep (see ``run_sweep``)."""
         if self._ahead is None and self.slots[0] not in self.weights.resident:
-            self._ahead = submit(self._pool, self._load, self.slots[0], self.weights.next_buffers())
-
-    def _load(self, slot: Slot, bufs: dict[tuple, torch.Tensor]) -> Any:
-        """``weights.load`` on an I/O thread; with a load stream (``LOAD_STREAM_ENV``) queued
-        there, with the event after it (``_OnStream``)."""
-        if self._load_stream is None:
-            return self.weights.load(slot, bufs)
-        with torch.cuda.stream(self._load_stream):
-            w = self.weights.load(slot, bufs)
-            ev = torch.cuda.Event()
-            ev.record()
-        return _OnStream(w, ev)
+            self._ahead = submit(self._pool, self.weights.queued_load, self.slots[0], self.weights.next_buffers())
 
     def drop_prefetch(self) -> None:
         """Wait out and release a first-slot read that no sweep used (the end of a run)."""
         if self._ahead is not None:
             fut, self._ahead = self._ahead, None
-            w = fut.result()
-            self.weights.release(self.slots[0], w.join() if isinstance(w, _OnStream) else w)
+            self.weights.release(self.slots[0], ready(fut.result()))
 
     def _wait(self, futs: list[Future]) -> None:
         t0 = time.perf_counter()
@@ -327,9 +289,8 @@ class StageEngine:
         fut = self._wbuf[j]
         if isinstance(fut, Future):
             self._wait([fut])
-            fut = self._wbuf[j] = fut.result()
-        if isinstance(fut, _OnStream):
-            self._wbuf[j] = fut.join()
+            fut = fut.result()
+        self._wbuf[j] = ready(fut)
         return self._wbuf[j]
 
     def _merged(self, st: BlockState, i: int, slot: Slot, num_gb: int) -> bool:

@@ -61,7 +61,7 @@ class StateStore:
                  tracker: MemoryTracker, disk: DiskStore | None, pool: ThreadPoolExecutor | None,
                  tag: str = "") -> None:
         self.device, self.tracker, self.pool = device, tracker, pool
-        self.shapes = ((rows, *conv_shape), dtype), ((rows, *ssm_shape), torch.float32)
+        self.parts = (conv_shape, dtype), (ssm_shape, torch.float32)  # one sequence's (shape, dtype)
         self.tiers = state_tiers(layers, fractions)
         self.home: dict[int, tuple[Any, Any]] = {}  # layer -> (conv, ssm) where they live
         self.live: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # staged: (first row, conv, ssm)
@@ -71,13 +71,13 @@ class StateStore:
             raise RuntimeError("linear-attention states on disk need an offload directory (--offload-dir)")
         for j, tier in self.tiers.items():
             parts = []
-            for n, ((shape, dt), what) in enumerate(zip(self.shapes, ("conv", "ssm"))):
+            for (shape, dt), what in zip(self.parts, ("conv", "ssm")):
                 if tier == Tier.DISK:
-                    x: Any = disk.allocate(f"state{tag}-l{j}-{what}", shape, dt)  # type: ignore[union-attr]
+                    x: Any = disk.allocate(f"state{tag}-l{j}-{what}", (rows, *shape), dt)  # type: ignore[union-attr]
                 elif tier == Tier.CPU:
-                    x = host_empty(shape, dt, device)
+                    x = host_empty((rows, *shape), dt, device)
                 else:
-                    x = torch.empty(shape, dtype=dt, device=device)
+                    x = torch.empty((rows, *shape), dtype=dt, device=device)
                 parts.append(x)
                 self._add(tier, x.nbytes)
             self.home[j] = (parts[0], parts[1])
@@ -96,17 +96,12 @@ class StateStore:
         a prefill writes them before reading). Returns the reads still in flight."""
         if j not in self._staged:
             return []
-        conv = torch.empty((b - a, *self.shapes[0][0][1:]), dtype=self.shapes[0][1], device=self.device)
-        ssm = torch.empty((b - a, *self.shapes[1][0][1:]), dtype=torch.float32, device=self.device)
+        conv, ssm = (torch.empty((b - a, *shape), dtype=dt, device=self.device) for shape, dt in self.parts)
         self.tracker.add(Tier.GPU, conv.nbytes + ssm.nbytes)
         self.live[j] = (a, conv, ssm)
         if not read:
             return []
-        if self.tiers[j] == Tier.CPU:  # pinned host RAM: an asynchronous copy on the stream
-            for dst, src in zip((conv, ssm), self.home[j]):
-                copy_between(dst, src, src_rows=(a, b), non_blocking=True)
-            return []
-        return [submit(self.pool, self._copy, (conv, ssm), self.home[j], None, (a, b))]  # type: ignore[arg-type]
+        return self._move(j, (conv, ssm), self.home[j], None, (a, b))
 
     def store(self, j: int) -> list[Future]:
         """Put layer j's staged rows back where they live and let go of the buffers. Returns the
@@ -116,18 +111,16 @@ class StateStore:
             return []
         a, conv, ssm = got
         self.tracker.sub(Tier.GPU, conv.nbytes + ssm.nbytes)
-        rows = (a, a + conv.shape[0])
-        if self.tiers[j] == Tier.CPU:
-            for dst, src in zip(self.home[j], (conv, ssm)):
-                copy_between(dst, src, dst_rows=rows, non_blocking=True)
-            return []
-        return [submit(self.pool, self._copy, self.home[j], (conv, ssm), rows, None)]  # type: ignore[arg-type]
+        return self._move(j, self.home[j], (conv, ssm), (a, a + conv.shape[0]), None)
 
-    @staticmethod
-    def _copy(dsts: tuple[Any, Any], srcs: tuple[Any, Any], dst_rows: tuple[int, int] | None,
-              src_rows: tuple[int, int] | None) -> None:
-        for dst, src in zip(dsts, srcs):
-            copy_between(dst, src, dst_rows=dst_rows, src_rows=src_rows)
+    def _move(self, j: int, dsts: tuple[Any, Any], srcs: tuple[Any, Any], dst_rows: tuple[int, int] | None,
+              src_rows: tuple[int, int] | None) -> list[Future]:
+        """Copy layer j's states between where they live and the compute device: from pinned
+        RAM asynchronously on the stream, to or from disk on an I/O thread (its future)."""
+        if self.tiers[j] == Tier.CPU:
+            _copy(dsts, srcs, dst_rows, src_rows, non_blocking=True)
+            return []
+        return [submit(self.pool, _copy, dsts, srcs, dst_rows, src_rows)]  # type: ignore[arg-type]
 
     def views(self, j: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(conv, ssm, the block row of their first row) of layer j on the compute device."""
@@ -151,3 +144,9 @@ class StateStore:
                 if not isinstance(x, torch.Tensor) and self._disk is not None:
                     self._disk.free(x)
         self.home.clear()
+
+
+def _copy(dsts: tuple[Any, Any], srcs: tuple[Any, Any], dst_rows: tuple[int, int] | None,
+          src_rows: tuple[int, int] | None, non_blocking: bool = False) -> None:
+    for dst, src in zip(dsts, srcs):
+        copy_between(dst, src, dst_rows=dst_rows, src_rows=src_rows, non_blocking=non_blocking)

@@ -23,6 +23,7 @@ from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
 from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
 from ..models.common import EXPERTS
 from ..models.packed import PackedWeight
+from .streams import OnStream
 
 _PARTS = ("data", "mins", "scales")  # a compressed weight's parts, each a file on disk
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
@@ -85,6 +86,7 @@ class WeightStore:
         # on a GPU: per read-buffer set, an event after the last copies out of it (``_reuse``)
         self._set_used: dict[int, Any] = {}
         self.executor: Executor | None = None  # where experts' reads run (the engine's I/O threads)
+        self.load_stream: Any = None  # a CUDA stream for ``queued_load`` (``load_stream``), or None
         self.expert_stats = ExpertStats()
         placer = TierPlacer(fractions)
         for slot in slots:
@@ -226,6 +228,17 @@ class WeightStore:
         if experts:
             out[EXPERTS] = SlotExperts(self, slot, bufs, experts)
         return out
+
+    def queued_load(self, slot: Slot, bufs: dict[tuple, torch.Tensor]) -> Any:
+        """``load`` on an I/O thread: with a ``load_stream``, its copies and expansions queued
+        there and an event after them (``OnStream``; the compute thread passes it to ``ready``)."""
+        if self.load_stream is None:
+            return self.load(slot, bufs)
+        with torch.cuda.stream(self.load_stream):
+            w = self.load(slot, bufs)
+            ev = torch.cuda.Event()
+            ev.record()
+        return OnStream(w, ev)
 
     def _reuse(self, bufs: dict[tuple, torch.Tensor]) -> None:
         """Before the host reads from disk into read-buffer set ``bufs`` again, on a GPU: wait

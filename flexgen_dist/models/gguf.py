@@ -89,11 +89,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             layer_scalars(a, lambda k: gguf_field(reader, k), int(key("block_count")))
         if llama_family:
             fields = llama_fields(arch, key, tensors, head_dim if head_dim * heads != hidden else 0, experts)
+            pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
             if arch in ("olmo2", "exaone4"):
-                pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
                 fields.update(post_norm_fields(arch, key, pattern, int(key("block_count"))))
-            if arch == "exaone-moe":
-                pattern = gguf_field(reader, f"{arch}.attention.sliding_window_pattern")
+            elif arch == "exaone-moe":
                 fields.update(exaone_moe_fields(key, pattern, int(key("block_count")) - nextn(key, arch)))
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":

@@ -256,6 +256,12 @@ class ModelSpec(SpecChecks):
         return (self.lin_conv_dim * (self.lin_conv_kernel - 1),
                 self.lin_v_heads * self.lin_k_dim * self.lin_v_dim)
 
+    def recurrent_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's states of one linear layer: ``recurrent_numel``'s convolution
+        in the model's dtype (``dtype_bytes``), the delta rule's in float32."""
+        conv, ssm = self.recurrent_numel()
+        return conv * dtype_bytes + 4 * ssm
+
     def lin_numel(self) -> int:
         """Elements of a linear layer's mixer: qkv, z, b, a, the convolution, dt_bias, A_log,
         the gated norm, out_proj."""

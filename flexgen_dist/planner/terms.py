@@ -222,7 +222,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
     hop = 1.0 if hw.compute_device == "cuda" else 0.0
     net_p, net_d = _net_times(hw, bls, a_pre, a_dec, has_head, num_stages)
-    r_state = bls * _state_bytes(spec, b) * sum(spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers
+    r_state = bls * spec.recurrent_bytes(b) * sum(spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers
     return StageSizes(
         l=l, s=s, n=n, b=b, num_gb=num_gpu_batches, bls=bls, q=spec.q_dim, V=spec.vocab_size,
         e=spec.embed_dim,  # the LM head is (vocab, embed_dim)
@@ -259,13 +259,6 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         # the pace); a CPU device's host *is* the compute, one after the other
         host_row=COMP if hw.compute_device == "cpu" else HOST,
         stream_overlap=hw.compute_device != "cpu")
-
-
-def _state_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
-    """One sequence's states of one linear-attention layer: the convolution's (the dtype) and
-    the delta rule's (float32)."""
-    conv, ssm = spec.recurrent_numel()
-    return conv * dtype_bytes + 4 * ssm
 
 
 def _held(spec: ModelSpec, length: float) -> float:
