@@ -250,11 +250,9 @@ def launch(args: argparse.Namespace, m: int, run: list[str], logs: Path, net: Ne
            disk: DiskLimit | None = None) -> list[int]:
     """Start the m nodes of one run (each in its disk cgroup under --disk-gbps); wait for all;
     return their exit codes (killing the rest when one fails)."""
-    import socket
+    from flexgen_dist.distributed.topology import free_port
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port(pair=True)  # the failure monitor listens on port + 1
     procs = []
     try:
         for r in range(m):

@@ -12,7 +12,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from flexgen_dist.distributed.topology import free_port  # noqa: F401 (tests import it from here)
 import torch
 
 
@@ -260,13 +261,6 @@ def prompts_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def local_ranks(target: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
     """``target`` (``["-m", module, *args]`` or a script and its arguments) under torchrun with
     ``nproc`` ranks on this host (loopback rendezvous on a free port pair); the finished process,
@@ -274,27 +268,6 @@ def local_ranks(target: list[str], nproc: int = 2, timeout: float = 240) -> subp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port(pair=True)), *target]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port(pair: bool = False) -> int:
-    """A free TCP port on loopback (with ``pair``, p and p + 1 both free: the failure monitor
-    listens on MASTER_PORT + 1).
-
-    Drawn below the kernel's ephemeral range: a port handed out by ``bind(0)`` lies inside it,
-    where any process's next outgoing connection (gloo opens many) may take it, or its
-    neighbour, before the test's rank binds it.
-    """
-    high = min(_ephemeral_low(), 65535) - 2
-    for _ in range(200):
-        port = random.randint(20000, max(20001, high))
-        try:
-            for p in (port, port + 1) if pair else (port,):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 # ------------------------------------------------------------ launching ranks

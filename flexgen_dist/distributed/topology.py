@@ -15,7 +15,9 @@ import argparse
 import itertools
 import logging
 import os
+import random
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -347,6 +349,34 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n".join(hosts[:1] if args.first else hosts))
     return 0
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(pair: bool = False) -> int:
+    """A free TCP port on loopback for a rendezvous (tests, the scaling benchmark; with ``pair``,
+    p and p + 1 both free: the failure monitor listens on MASTER_PORT + 1).
+
+    Drawn below the kernel's ephemeral range: a port handed out by ``bind(0)`` lies inside it,
+    where any process's next outgoing connection (gloo opens many) may take it, or its
+    neighbour, before the test's rank binds it.
+    """
+    high = min(_ephemeral_low(), 65535) - 2
+    for _ in range(200):
+        port = random.randint(20000, max(20001, high))
+        try:
+            for p in (port, port + 1) if pair else (port,):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 if __name__ == "__main__":
