@@ -17,5 +17,7 @@ from .scoring import Score  # noqa: E402
 from .config import ConfigError, RunConfig  # noqa: E402
 from .engine.policy import Policy  # noqa: E402
 from .engine.sampling import SamplingConfig, TokenLogprobs  # noqa: E402
+from .engine.structure import Structure  # noqa: E402
 
-__all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig", "TokenLogprobs"]
+__all__ = ["LLM", "Completion", "Score", "ConfigError", "Policy", "RunConfig", "SamplingConfig", "Structure",
+           "TokenLogprobs"]

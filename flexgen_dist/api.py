@@ -129,7 +129,7 @@ class LLM:
         with self._guard(close=True):
             self._group.start_monitor()  # several ranks: a failure anywhere ends every rank
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
-                                                 seed=cfg.seed, load_tokenizer=self.is_driver,
+                                                 seed=cfg.seed, load_tokenizer=self._needs_tokenizer,
                                                  dummy_fill=cfg.dummy_fill)
             self.model.source.keep_packed = cfg.gguf_native
             # measured once, before anything is placed: later calls are checked against the same
@@ -153,6 +153,11 @@ class LLM:
     def is_driver(self) -> bool:
         """Rank 0: reads prompts and settings, gets the completions and the merged metrics."""
         return self.topology.is_first
+
+    @property
+    def _needs_tokenizer(self) -> bool:
+        """Rank 0 tokenizes and decodes; the last rank masks structured outputs' choices with it."""
+        return self.is_driver or self.rank == self.world_size - 1
 
     @property
     def tokenizer(self) -> Any:

@@ -7,6 +7,7 @@ stage) and then overridden by the policy flags given on the command line.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -15,6 +16,7 @@ import yaml
 
 from .engine.policy import PERCENT_FIELDS, STATE_FIELDS, Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig
+from .engine.structure import structure_option
 
 
 class ConfigError(ValueError):
@@ -46,6 +48,12 @@ class RunConfig:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
+    # what every completion must match (at most one; engine/structure.py): a JSON schema (a
+    # file or the JSON itself), a regex, one of some strings, a Lark/GBNF grammar (file or text)
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
     output: str | None = None
     resume: bool = False
     overwrite: bool = False
@@ -148,7 +156,8 @@ class RunConfig:
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
                               self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty,
+                              structure=structure_option(self.json_schema, self.regex, self.choice, self.grammar))
 
     @property
     def auto_policy(self) -> bool:
@@ -248,6 +257,8 @@ def _yaml_value(key: str, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad("a number")
         return float(v)
+    elif key == "json_schema" and isinstance(v, (dict, bool)):
+        return json.dumps(v)  # the schema written as YAML
     elif base == "str":
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise bad("a string")
@@ -255,6 +266,12 @@ def _yaml_value(key: str, v: Any) -> Any:
     elif base.startswith("tuple[int"):
         if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             raise bad("a list of integers")
+    elif base.startswith("tuple[str"):
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            quote = " (quote the words YAML reads as true/false: 'yes', 'no', 'on', 'off')" \
+                if isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v) else ""
+            raise bad("a list of strings" + quote)
+        return tuple(v)
     elif base.startswith("tuple[float"):
         if not isinstance(v, (list, tuple)) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                        for x in v):
@@ -310,6 +327,11 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "default 1: off; greedy too)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
+    g.add_argument("--json-schema", metavar="FILE|JSON", help="every completion is JSON matching this schema "
+                   "(a file, or the schema itself; '{\"type\": \"object\"}' for any object)")
+    g.add_argument("--regex", help="every completion matches this regular expression (whole)")
+    g.add_argument("--choice", nargs="+", metavar="TEXT", help="every completion is one of these strings")
+    g.add_argument("--grammar", metavar="FILE|TEXT", help="every completion follows this Lark (or GBNF) grammar")
     g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "
                    "--resume or --overwrite")
     g.add_argument("--resume", action="store_true", help="finish the job in --output: skip the prompts "
@@ -401,7 +423,7 @@ def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
             values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
-    for k in ("percent", "state_percent", "stage_layers"):
+    for k in ("percent", "state_percent", "stage_layers", "choice"):
         if values.get(k) is not None:
             values[k] = tuple(values[k])
     if "stages" in values:

@@ -55,8 +55,9 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         if requests is None or isinstance(requests, (str, bytes)):
             raise ConfigError("batch() takes a list of requests (dicts or JSON lines)")
         lines = [r if isinstance(r, str) else json.dumps(r) for r in requests]
-        reqs = parse_requests(lines, llm.tokenizer, llm.model.spec.vocab_size, llm.model.spec.max_positions,
-                              default, llm.config.seed)[skip:]
+        spec = llm.model.spec
+        reqs = parse_requests(lines, llm.tokenizer, spec.vocab_size, spec.max_positions, default, llm.config.seed,
+                              spec.eos_token_ids)[skip:]
         return any(r.ok for r in reqs)
 
     def plan() -> tuple[bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), any generated

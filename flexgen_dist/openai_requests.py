@@ -10,21 +10,25 @@ from typing import Any
 
 from .config import ConfigError
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
+from .engine.structure import Structure, check_structure
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_N = 128  # choices per request
+# vLLM's older spelling of its structured outputs, field -> ``Structure`` kind
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # body fields that cannot change the output
 INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
         "top_k", "min_p", "repetition_penalty", "prompt_logprobs",  # these four: vLLM's extensions
+        "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
         "echo"}  # completions only
 
 
@@ -70,7 +74,7 @@ class Request:
 
 
 def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
-                   default_max_tokens: int, seed: int = 0) -> list[Request]:
+                   default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> list[Request]:
     """One ``Request`` per non-blank line, in order; a duplicate ``custom_id`` is refused
     before anything runs (``ConfigError``), a bad request gets its ``error``."""
     out: list[Request] = []
@@ -78,7 +82,7 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
     for n, raw in enumerate(lines):
         if not raw.strip():
             continue
-        req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed)
+        req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids)
         if req.custom_id in seen:
             raise ConfigError(f"line {n + 1}: custom_id {req.custom_id!r} is also on line {seen[req.custom_id] + 1}; "
                               "each request needs its own custom_id")
@@ -90,7 +94,7 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
 
 
 def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_positions: int,
-                  default_max_tokens: int, seed: int = 0) -> Request:
+                  default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> Request:
     """Request of line ``n`` (0-based); a request that cannot run carries its error."""
     req = Request(n, f"line-{n + 1}")
     try:
@@ -104,7 +108,7 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
     if rec.get("custom_id") is not None:
         req.custom_id = str(rec["custom_id"])
     try:
-        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed)
+        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids)
     except RequestError as e:
         req.error = e
     except ConfigError as e:  # what make_prompt refuses (ids outside the vocabulary, no template)
@@ -113,7 +117,7 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
 
 
 def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: int, max_positions: int,
-          default_max_tokens: int, seed: int) -> None:
+          default_max_tokens: int, seed: int, eos_ids: tuple[int, ...] = ()) -> None:
     method = rec.get("method", "POST")
     if method != "POST":
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
@@ -155,7 +159,8 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
                                   _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
                                   min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
-                                  repetition_penalty=_repetition(body.get("repetition_penalty")))
+                                  repetition_penalty=_repetition(body.get("repetition_penalty")),
+                                  structure=_structure(body, tokenizer, vocab_size, eos_ids))
     req.seeded = s is not None
     req.stop = _stops(body.get("stop"))
     req.n = _int(body.get("n", 1), "n", 1)
@@ -164,6 +169,57 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.logprobs = _logprobs(req.url, body)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else _alternatives(pl, "prompt_logprobs")
+
+
+def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
+               eos_ids: tuple[int, ...]) -> Structure | None:
+    """What the completion must match: ``response_format`` (OpenAI's ``json_object`` or
+    ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+    ``grammar``, ``json_object``) or its older ``guided_*`` fields; at most one of them."""
+    asks: list[tuple[str, Any]] = []
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            asks.append(("json_object", None))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
+                raise RequestError("invalid_value", "response_format json_schema needs 'json_schema': {'name', "
+                                                    "'schema': {...}}")
+            asks.append(("json", js.get("schema", {})))
+        else:
+            raise RequestError("invalid_value", f"response_format {rf!r}: use type text, json_object or json_schema")
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise RequestError("invalid_value", "structured_outputs must be an object, e.g. {'regex': '...'}")
+        for k, v in so.items():
+            if k not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise RequestError("unsupported_field", f"structured_outputs field {k!r} is not supported (use json, "
+                                                        "regex, choice, grammar or json_object)")
+            if k != "json_object" or v:
+                asks.append((k, v))
+    asks += [(GUIDED[k], body[k]) for k in GUIDED if body.get(k) is not None]
+    if not asks:
+        return None
+    if len(asks) > 1:
+        raise RequestError("invalid_value", "a request follows one structure: give one of response_format, "
+                                            "structured_outputs and the guided_* fields, with one field")
+    kind, v = asks[0]
+    try:
+        if kind == "json":
+            st = Structure.json_schema(v if isinstance(v, str) else json.dumps(v))
+        elif kind == "choice":
+            st = Structure.choice(v if isinstance(v, list) else [])
+        elif kind == "json_object":
+            st = Structure.json_object()
+        else:
+            st = Structure(kind, v if isinstance(v, str) else "")
+        check_structure(st, tokenizer, vocab_size, eos_ids)
+    except ValueError as e:
+        raise RequestError("invalid_value", f"{kind}: {e}") from None
+    return st
 
 
 def _repetition(v: Any) -> float:

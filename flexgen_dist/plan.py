@@ -90,6 +90,11 @@ class Workload:
         cfgs = self.samplings or (self.sampling,)
         return HeadLoad(choice_bytes(cfgs, self.logprobs), sorts=any(not c.greedy and c.top_p < 1.0 for c in cfgs))
 
+    @property
+    def structured(self) -> bool:
+        """Whether any request's completion must match a structure (``engine/structure.py``)."""
+        return any(c.structure is not None for c in self.samplings or (self.sampling,))
+
     def header(self) -> Workload:
         """What the other ranks need: everything but the prompts' ids and text."""
         return replace(self, prompts=())

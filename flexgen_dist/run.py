@@ -111,7 +111,15 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {}),
             **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}),
             **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)},
-            **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {})}
+            **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
+            **_structure_print(cfg)}
+
+
+def _structure_print(cfg: RunConfig) -> dict[str, Any]:
+    """The structure every completion follows, as the job's fingerprint records it (its text,
+    not a file's path: an edited schema file is another job)."""
+    st = cfg.sampling.structure
+    return {} if st is None else {"structure": {"kind": st.kind, "value": st.value}}
 
 
 def _rank_path(path: str, rank: int) -> Path:

@@ -19,6 +19,7 @@ from .distributed.pipeline import Pipeline
 from .engine.blocks import BlockPlan, plan_blocks
 from .engine.footprint import needs_disk
 from .engine.stage import StageEngine
+from .engine.structure import guide_tokenizer
 from .kernels import gemm
 from .memory.disk import DiskStore
 from .metrics import progress_bar
@@ -90,12 +91,17 @@ class StageWorker:
         stops = None
         if work.stops is not None and any(work.stops) and self.group.is_driver:
             stops = StopStrings(work.stops, self.model.tokenizer)
+        guide = None
+        if engine.has_head and work.structured:  # the last stage masks the choices by llguidance's tokenizer
+            spec = self.model.spec
+            guide = guide_tokenizer(self.model.tokenizer, spec.vocab_size, spec.eos_token_ids)
         pipe = Pipeline(engine, blocks, gen_len=work.gen_len, sampling=work.sampling,
                         num_groups=plan.num_micro_batches, ctx=self.group.ctx,
                         targets=None if work.targets is None else [list(t) for t in work.targets],
                         keys=None if work.keys is None else list(work.keys), prefill=plan.prefill_items,
                         ride=plan.schedule == "overlapped", limits=work.max_new_tokens,
-                        samplings=work.samplings, stops=stops, logprobs=work.logprobs, seen=work.seen)
+                        samplings=work.samplings, stops=stops, logprobs=work.logprobs, seen=work.seen,
+                        guide=guide)
         times0 = engine.times.as_dict()
         experts0 = engine.weights.expert_stats.copy()
         read0 = self.disk.bytes_read if self.disk is not None else 0

@@ -10,6 +10,7 @@ from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
 from .engine.sampling import SamplingConfig
+from .engine.structure import check_structure
 from .models.spec import ModelSpec
 from .plan import Workload
 from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
@@ -40,11 +41,13 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
         bad = [i for i, _ in cfg_.logit_bias if i >= spec.vocab_size]
         if bad:
             raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
+    samp = (each[0] if each else sampling) or cfg.sampling
+    if not scoring:
+        check_structures(each or [samp], samp.ignore_eos, spec, tokenizer)  # type: ignore[list-item]
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
     if not scoring:
         warn_longrope_crossing(spec, [len(p.ids) for p in ps], max_new_tokens or [gen_len] * len(ps))
-    samp = (each[0] if each else sampling) or cfg.sampling
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
         if any(repeats) and not scoring else None
@@ -57,6 +60,22 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         seen=seen, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_structures(cfgs: Sequence[SamplingConfig], ignore_eos: bool, spec: ModelSpec, tokenizer: Any | None) -> None:
+    """Refuse, in one line, a structure this model cannot follow (an invalid schema, regex or
+    grammar; no tokenizer) or a call that would not end a structured completion at EOS."""
+    structures = {c.structure for c in cfgs if c.structure is not None}
+    if not structures:
+        return
+    if ignore_eos:
+        raise ConfigError("a structured output ends its completion at EOS once the structure is complete: "
+                          "drop --ignore-eos (ignore_eos)")
+    for st in structures:
+        try:
+            check_structure(st, tokenizer, spec.vocab_size, spec.eos_token_ids)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def warn_longrope_crossing(spec: ModelSpec, lens: Sequence[int], limits: Sequence[int]) -> int:

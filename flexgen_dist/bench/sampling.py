@@ -5,7 +5,10 @@
 For each row count, on logits of ``--vocab`` columns (default: the bundled SmolLM2's 49152),
 times the plain greedy choice (``RowSampling.sample``), the same with logprobs of K = 0, 5
 and 20 alternatives (``token_logprobs``), with a frequency and presence penalty, with a
-logit bias of 16 ids, and with a repetition penalty over 256 prompt ids per row, and, for scale, the head's product of the same rows (float32, hidden
+logit bias of 16 ids, with a repetition penalty over 256 prompt ids per row, and with a
+JSON schema per row (structured output, the bundled SmolLM2's tokenizer, each row's matcher
+inside a string value, where most tokens are allowed: the mask's costly case; where
+``--vocab`` is another size this one is left out), and, for scale, the head's product of the same rows (float32, hidden
 ``--hidden``): medians over ``--reps`` calls after a warm-up, the variants alternating. A
 sampler with penalties is timed with ``--steps`` tokens of history, as at a block's last step
 (its per-step update, O(rows x steps), is left out). Reports, never asserts.
@@ -41,6 +44,10 @@ def variants(rows: int, vocab: int, hidden: int, steps: int) -> dict[str, Callab
         pen.sample(torch.randn(rows, vocab, generator=g), keys, step)
         rep.sample(torch.randn(rows, vocab, generator=g), keys, step)
     ids = plain.sample(logits, keys, 0)
+    extra: dict[str, Callable[[], Any]] = {}
+    guided = _json_rows(rows, vocab)
+    if guided is not None:
+        extra["greedy, JSON schema"] = lambda: guided._choose(guided.guides.mask(logits), keys, 0)
     return {
         "greedy choice": lambda: plain.sample(logits, keys, 0),
         "+ logprobs K=0": lambda: token_logprobs(logits, ids, 0),
@@ -49,8 +56,34 @@ def variants(rows: int, vocab: int, hidden: int, steps: int) -> dict[str, Callab
         "greedy with penalties": lambda: pen._choose(pen.adjust(logits), keys, 0),
         "greedy with a logit bias": lambda: bias.sample(logits, keys, 0),
         "greedy, repetition penalty": lambda: rep._choose(rep.adjust(logits), keys, 0),
+        **extra,
         "head product (scale)": lambda: torch.nn.functional.linear(h, w),
     }
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+          "required": ["city", "country"]}
+
+
+def _json_rows(rows: int, vocab: int) -> Any:
+    """A sampler of ``rows`` rows under ``SCHEMA``, each matcher after '{"city":"Par' (None
+    where the bundled tokenizer is missing or has another vocabulary size)."""
+    from ..engine.sampling import RowSampling, SamplingConfig
+    from ..engine.structure import Structure, guide_tokenizer
+    from ..models.loader import load_model
+
+    try:
+        model = load_model(None)
+    except Exception:  # noqa: BLE001 - no bundled model: the variant is left out
+        return None
+    if model.spec.vocab_size != vocab or model.tokenizer is None:
+        return None
+    tok = guide_tokenizer(model.tokenizer, vocab, model.spec.eos_token_ids)
+    st = SamplingConfig(structure=Structure.json_schema(SCHEMA))
+    rs = RowSampling([st] * rows, torch.device("cpu"), guide=tok, eos_ids=model.spec.eos_token_ids)
+    for t in model.tokenizer.encode('{"city":"Par', add_special_tokens=False):
+        rs.guides.advance(torch.full((rows,), t))  # type: ignore[union-attr]
+    return rs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,8 @@ class Pipeline:
                  targets: list[list[int]] | None = None, keys: list[int] | None = None,
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
                  samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
-                 logprobs: int | None = None, seen: Sequence[Sequence[int]] | None = None) -> None:
+                 logprobs: int | None = None, seen: Sequence[Sequence[int]] | None = None,
+                 guide: Any = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
@@ -75,6 +76,7 @@ class Pipeline:
         self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
         self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
         self.seen = seen  # per sequence, its prompt's ids where a repetition penalty needs them
+        self.guide = guide  # last stage: llguidance's tokenizer where a sequence has a structure
         # stage 0: ``stops.hit(sequence, its new ids) -> bool`` for sequences with stop strings
         # (``stops.has(sequence)``); None: no sequence has any
         self.stops = stops
@@ -280,7 +282,8 @@ class Pipeline:
                                    None if limits is None else limits[a * self.gbs:a * self.gbs + len(r)])
                         for a, r in enumerate(rows)]
                     self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev, self.gen_len,
-                                                     None if self.seen is None else [self.seen[m] for m in r])
+                                                     None if self.seen is None else [self.seen[m] for m in r],
+                                                     self.guide, spec.eos_token_ids)
                                          for r in rows]
                 if self.first:
                     self._watch[b] = BlockWatch(EosTracker(len(blk.members), spec.eos_token_ids, self.pad,

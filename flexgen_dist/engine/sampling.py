@@ -14,6 +14,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from .structure import GUIDE_BYTES, RowGuides, Structure
+
 
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| at most (the OpenAI API's range)
 MAX_REPETITION = 10.0  # transformers and vLLM take any positive value; beyond this it is an error
@@ -42,6 +44,9 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # what the completion must match (``structure.py``): a JSON schema, a regex, a choice, a
+    # grammar; None: anything
+    structure: Structure | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -59,6 +64,9 @@ class SamplingConfig:
             v = getattr(self, name)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:
                 raise ValueError(f"--{name.replace('_', '-')} {v}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if self.structure is not None and not isinstance(self.structure, Structure):
+            raise ValueError(f"structure {self.structure!r}: give a Structure (Structure.json_schema(...), "
+                             ".regex, .choice, .grammar, .json_object())")
         bias = tuple((int(i), float(b)) for i, b in dict(self.logit_bias).items())  # a dict works too
         object.__setattr__(self, "logit_bias", bias)
         for i, b in bias:
@@ -137,10 +145,18 @@ class RowSampling:
     sorted apart from the others, so a row samples what it would alone."""
 
     def __init__(self, cfgs: list[SamplingConfig], device: torch.device, steps: int = 0,
-                 prompts: Sequence[Sequence[int]] | None = None) -> None:
+                 prompts: Sequence[Sequence[int]] | None = None, guide: Any = None,
+                 eos_ids: Sequence[int] = ()) -> None:
         """``steps``: the most choices this sampler will make (needed by penalties);
-        ``prompts``: each row's prompt ids (needed by a repetition penalty)."""
+        ``prompts``: each row's prompt ids (needed by a repetition penalty); ``guide``:
+        llguidance's tokenizer (``structure.guide_tokenizer``) and ``eos_ids`` the model's,
+        needed by rows with a structure."""
         self.adjust = LogitAdjust(cfgs, device, steps, prompts) if any(c.adjusts for c in cfgs) else None
+        self.guides = None
+        if any(c.structure is not None for c in cfgs):
+            if guide is None:
+                raise ValueError("a structured output needs the model's tokenizer on the last stage")
+            self.guides = RowGuides([c.structure for c in cfgs], guide, eos_ids, device)
         self.greedy = all(c.greedy for c in cfgs)
         self.hot = torch.tensor([not c.greedy for c in cfgs], device=device)
         self.temperature = torch.tensor([c.temperature if not c.greedy else 1.0 for c in cfgs],
@@ -161,10 +177,17 @@ class RowSampling:
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
         """Token ids (b,) from last-position logits (b, vocab), each row by its own settings
         (``logits`` is not changed: the adjusted ones are a new tensor)."""
-        if self.adjust is None:
+        if self.adjust is None and self.guides is None:
             return self._choose(logits, keys, step)
-        ids = self._choose(self.adjust(logits), keys, step)
-        self.adjust.count(ids)
+        if self.adjust is not None:
+            logits = self.adjust(logits)
+        if self.guides is not None:  # after the adjustments: a disallowed id stays at -inf
+            logits = self.guides.mask(logits)
+        ids = self._choose(logits, keys, step)
+        if self.adjust is not None:
+            self.adjust.count(ids)
+        if self.guides is not None:
+            self.guides.advance(ids)
         return ids
 
     def _choose(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
@@ -333,7 +356,8 @@ class BlockWatch:
 # Bytes per (row, vocabulary entry) that choosing a token holds beside a GPU batch's logits, at
 # its peak (engine/footprint.py counts them for one GPU batch at a time, as the choice runs):
 # sampling's float32 probabilities, their sorted copy and order (int64) and the float64
-# cumulative sums; a penalty's or bias's adjusted copy; log-probabilities' log-softmax.
+# cumulative sums; a penalty's or bias's adjusted copy; log-probabilities' log-softmax; a
+# structure's masked copy (``structure.GUIDE_BYTES``).
 SAMPLE_BYTES = 32
 ADJUST_BYTES = 4
 LOGPROB_BYTES = 4
@@ -343,7 +367,8 @@ def choice_bytes(samplings: Iterable[SamplingConfig], logprobs: int | None) -> i
     """What choosing the next tokens holds per (row, vocabulary entry) beyond the logits (see
     ``SAMPLE_BYTES``): 0 for greedy choice alone, which keeps only each row's maximum."""
     cfgs = list(samplings)
-    draw = SAMPLE_BYTES * any(not c.greedy for c in cfgs) + ADJUST_BYTES * any(c.adjusts for c in cfgs)
+    draw = SAMPLE_BYTES * any(not c.greedy for c in cfgs) + ADJUST_BYTES * any(c.adjusts for c in cfgs) + \
+        GUIDE_BYTES * any(c.structure is not None for c in cfgs)
     # the log-softmax comes after the draw, whose buffers are gone by then
     return max(draw, LOGPROB_BYTES * (logprobs is not None))
 

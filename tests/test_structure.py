@@ -1,0 +1,236 @@
+"""Structured output (``engine/structure.py``): completions held to a JSON schema, any JSON
+object, a regex, a choice of strings or a Lark grammar. Greedy tokens equal a step-by-step
+transformers loop whose float32 logits get the same llguidance mask before each argmax, per
+request (rows of one GPU batch with different structures, and rows without), on one rank and
+two; sampled completions all match; the OpenAI Batch fields, the CLI options and their errors."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import local_ranks, read_jsonl
+from flexgen_dist import LLM, ConfigError, SamplingConfig, Structure
+from flexgen_dist.engine.structure import guide_tokenizer
+from flexgen_dist.run import main
+
+TEXT = ['{"name": "Ada", "age": 36, "city": "London"}', "yes no maybe 123-4567 abc", "The quick brown fox.",
+        '[1, 2, 3] {"ok": true, "n": null}'] * 8
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "boolean"}},
+          "required": ["answer", "n"], "additionalProperties": False}
+GEN = 24
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory: pytest.TempPathFactory):
+    """A random Llama of 320 logits with a byte-level BPE tokenizer of 300 tokens (the rest
+    of the vocabulary is padding, as many checkpoints have), EOS id 1."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("structured")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, model, tok
+
+
+def reference(model, tok, prompt: list[int], structure: Structure | None, gen_len: int) -> list[int]:
+    """Greedy tokens of one prompt, each step's float32 logits masked by llguidance's own
+    matcher for ``structure`` (no mask without one), up to and including EOS."""
+    import llguidance
+
+    lt = guide_tokenizer(tok, 320, (1,))
+    m = None if structure is None else llguidance.LLMatcher(lt, structure.grammar_text())
+    seq, out = list(prompt), []
+    for _ in range(gen_len):
+        with torch.no_grad():
+            lg = model(torch.tensor([seq])).logits[0, -1].float()
+        if m is not None:
+            mask = m.compute_bitmask()  # bytes, little-endian, bit k of byte j: token 8j + k
+            bits = torch.tensor(list(mask), dtype=torch.uint8)
+            allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:lg.numel()].bool()
+            lg[~allowed] = float("-inf")
+        t = int(lg.argmax())
+        out.append(t)
+        if t == 1:
+            break
+        if m is not None:
+            assert m.consume_token(t)
+        seq.append(t)
+    return out
+
+
+STRUCTURES = [Structure.json_schema(SCHEMA), None, Structure.regex(r"[ab]{2,5}-\d"),
+              Structure.choice(["yes", "no", "maybe"]), Structure.json_object(),
+              Structure.grammar('start: "x" NUMBER ("," NUMBER)*\n%import common.NUMBER')]
+
+
+def prompts(tok) -> list[list[int]]:
+    return [tok.encode(t)[:9] for t in ["Answer:", "The quick", "yes no", "[1, 2", "{", "Name"]]
+
+
+@pytest.mark.parametrize("opts", [dict(gpu_batch_size=2, num_gpu_batches=3),
+                                  dict(gpu_batch_size=3, num_gpu_batches=2, percent=(0, 100, 0, 100, 100, 0),
+                                       cpu_attention=True)], ids=["device", "ram-merged"])
+def test_each_row_follows_its_own_structure_as_a_masked_transformers_loop(tok_model, opts, tmp_path: Path) -> None:
+    d, model, tok = tok_model
+    ps = prompts(tok)
+    cfgs = [SamplingConfig(structure=s) for s in STRUCTURES]
+    with LLM(str(d), progress=False, offload_dir=str(tmp_path / "off"), **opts) as llm:
+        got = llm.generate(ps, gen_len=GEN, sampling=cfgs)
+        plain = llm.generate(ps, gen_len=GEN)
+    for p, s, c in zip(ps, STRUCTURES, got):
+        assert c.token_ids == reference(model, tok, p, s, GEN), s
+    assert got[1].token_ids == plain[1].token_ids  # a row without a structure is unchanged beside them
+    assert got[0].token_ids != plain[0].token_ids  # the structure really changed a completion
+    assert json.loads(got[0].text)["answer"] in ("yes", "no") and got[0].token_ids[-1] == 1
+    assert re.fullmatch(r"[ab]{2,5}-\d", got[2].text) and got[3].text in ("yes", "no", "maybe")
+    assert got[5].text.startswith("x")
+
+
+def test_sampled_completions_match_their_structure_and_repeat_by_seed(tok_model) -> None:
+    d, _, tok = tok_model
+    ps = prompts(tok) * 2
+    hot = [SamplingConfig(temperature=1.0, seed=3, structure=Structure.json_schema(SCHEMA)),
+           SamplingConfig(temperature=1.5, top_p=0.9, structure=Structure.regex(r"[ab]{2,5}-\d"))] * 6
+    with LLM(str(d), progress=False, gpu_batch_size=4, num_gpu_batches=3) as llm:
+        a = llm.generate(ps, gen_len=24, sampling=hot, logprobs=0)
+        b = llm.generate(ps, gen_len=24, sampling=hot)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for n, c in enumerate(a):
+        if n % 2 == 0:
+            assert set(json.loads(c.text)) == {"answer", "n"}
+        else:
+            assert re.fullmatch(r"[ab]{2,5}-\d", c.text)
+        assert c.token_ids[-1] == 1 and all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    assert len({c.text for c in a[1::2]}) > 1  # sampled: not one string for every seed
+
+
+def test_a_structure_with_penalties_and_a_token_limit(tok_model) -> None:
+    d, model, tok = tok_model
+    ps = prompts(tok)[:2]
+    st = Structure.json_object()
+    with LLM(str(d), progress=False) as llm:
+        cut = llm.generate(ps, gen_len=2, sampling=SamplingConfig(structure=st))
+        pen = llm.generate(ps, gen_len=GEN, sampling=SamplingConfig(presence_penalty=2.0, structure=st))
+    assert [c.token_ids for c in cut] == [reference(model, tok, p, st, 2) for p in ps]
+    assert all(c.finish_reason == "length" for c in cut)  # an unfinished object, cut at the limit
+    for c in pen:  # penalised, still an object while it goes
+        assert c.text.startswith("{")
+
+
+def test_bad_structures_and_settings_say_what_to_do(tok_model, tiny_models) -> None:
+    d, _, _ = tok_model
+    with pytest.raises(ValueError, match="choice takes a non-empty list"):
+        Structure.choice([])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Structure("json", "{nope")
+    with pytest.raises(ValueError, match="give a Structure"):
+        SamplingConfig(structure={"type": "json_object"})  # type: ignore[arg-type]
+    with LLM(str(d), progress=False) as llm:
+        with pytest.raises(ConfigError, match="regex"):
+            llm.generate([[5, 6]], gen_len=2, sampling=SamplingConfig(structure=Structure.regex("[a-")))
+        with pytest.raises(ConfigError, match="drop --ignore-eos"):
+            llm.generate([[5, 6]], gen_len=2, sampling=SamplingConfig(ignore_eos=True,
+                                                                       structure=Structure.json_object()))
+    with LLM(str(tiny_models["opt-pre"].path), progress=False) as llm:  # no tokenizer
+        with pytest.raises(ConfigError, match="needs the model's tokenizer"):
+            llm.generate([[5, 6]], gen_len=2, sampling=SamplingConfig(structure=Structure.json_object()))
+
+
+COMPL = "/v1/completions"
+
+
+def test_batch_requests_take_response_format_and_vllms_structured_outputs(tok_model) -> None:
+    d, model, tok = tok_model
+    p = prompts(tok)[0]
+    reqs = [{"custom_id": "schema", "url": COMPL, "body": {
+                "prompt": p, "max_tokens": GEN,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}},
+            {"custom_id": "object", "url": COMPL, "body": {"prompt": p, "max_tokens": GEN,
+                                                           "response_format": {"type": "json_object"}}},
+            {"custom_id": "choice", "url": COMPL, "body": {"prompt": p, "max_tokens": GEN,
+                                                           "structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
+            {"custom_id": "regex", "url": COMPL, "body": {"prompt": p, "max_tokens": GEN,
+                                                          "guided_regex": r"[ab]{2,5}-\d"}},
+            {"custom_id": "text", "url": COMPL, "body": {"prompt": p, "max_tokens": GEN,
+                                                         "response_format": {"type": "text"}}},
+            {"custom_id": "two", "url": COMPL, "body": {"prompt": p, "guided_regex": "a", "guided_choice": ["b"]}},
+            {"custom_id": "badre", "url": COMPL, "body": {"prompt": p, "structured_outputs": {"regex": "[a-"}}},
+            {"custom_id": "kind", "url": COMPL, "body": {"prompt": p, "response_format": {"type": "yaml"}}}]
+    with LLM(str(d), progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    choice = {k: out[k]["response"]["body"]["choices"][0] for k in ("schema", "object", "choice", "regex", "text")}
+    def text(st: Structure | None) -> str:
+        return tok.decode(reference(model, tok, p, st, GEN), skip_special_tokens=True)
+
+    assert choice["schema"]["text"] == text(Structure.json_schema(SCHEMA))
+    assert choice["regex"]["text"] == text(Structure.regex(r"[ab]{2,5}-\d"))
+    assert choice["text"]["text"] == text(None)
+    assert set(json.loads(choice["schema"]["text"])) == {"answer", "n"}
+    assert choice["choice"]["text"] in ("yes", "no", "maybe") and choice["choice"]["finish_reason"] == "stop"
+    assert choice["object"]["text"].startswith("{")
+    assert "one structure" in out["two"]["error"]["message"]
+    assert out["badre"]["error"]["code"] == "invalid_value" and "regex" in out["badre"]["error"]["message"]
+    assert "use type text, json_object or json_schema" in out["kind"]["error"]["message"]
+
+
+def test_the_cli_options_the_config_file_and_the_job_fingerprint(tok_model, tmp_path: Path, capsys) -> None:
+    d, model, tok = tok_model
+    ps = prompts(tok)
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"id": n, "input_ids": p}) + "\n" for n, p in enumerate(ps)))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = tmp_path / "o.jsonl"
+    base = ["--model", str(d), "--prompts", str(pf), "--gen-len", str(GEN), "--no-progress"]
+    assert main([*base, "--json-schema", str(schema), "--output", str(out)]) == 0
+    st = Structure.json_schema(SCHEMA)
+    assert [r["tokens"] for r in read_jsonl(out)] == [reference(model, tok, p, st, GEN) for p in ps]
+    fp = json.loads((tmp_path / "o.jsonl.run.json").read_text())
+    assert fp["structure"]["kind"] == "json" and json.loads(fp["structure"]["value"]) == SCHEMA
+    # another structure is another job: resuming this one with it is refused
+    assert main([*base, "--choice", "yes", "no", "--output", str(out), "--resume"]) == 1
+    assert "structure" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("choice: [yes, no, maybe]\n")
+    assert main([*base, "--config", str(cfg)]) == 2
+    assert "quote the words YAML reads as true/false" in capsys.readouterr().err
+    cfg.write_text("choice: ['yes', 'no', maybe]\n")
+    out2 = tmp_path / "o2.jsonl"
+    assert main([*base, "--config", str(cfg), "--output", str(out2)]) == 0
+    assert all(r["text"] in ("yes", "no", "maybe") for r in read_jsonl(out2))
+    assert main([*base, "--regex", "a", "--choice", "b"]) == 2
+    assert "--regex and --choice exclude each other" in capsys.readouterr().err
+    assert main([*base, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_ranks_mask_on_the_last_stage(tok_model, tmp_path: Path) -> None:
+    d, model, tok = tok_model
+    ps = prompts(tok)
+    pf = tmp_path / "p.jsonl"
+    pf.write_text("".join(json.dumps({"id": n, "input_ids": p}) + "\n" for n, p in enumerate(ps)))
+    out = tmp_path / "two.jsonl"
+    r = local_ranks(["-m", "flexgen_dist.run", "--model", str(d), "--prompts", str(pf), "--gen-len", str(GEN),
+                     "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--regex", r"[ab]{2,5}-\d",
+                     "--no-progress", "--output", str(out)], timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    st = Structure.regex(r"[ab]{2,5}-\d")
+    assert [x["tokens"] for x in read_jsonl(out)] == [reference(model, tok, p, st, GEN) for p in ps]
