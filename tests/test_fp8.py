@@ -112,7 +112,7 @@ def test_the_expansion_is_each_code_times_its_blocks_scale() -> None:
     ("no-scale", "is FP8 but its scales model.layers.0.self_attn.q_proj.weight_scale_inv are missing"),
     ("per-channel", "per-tensor or per-channel 'fp8' \\(without weight_block_size\\)-quantized checkpoint is not "
                     "supported"),
-    ("awq", "a 'awq'-quantized checkpoint is not supported"),
+    ("bnb", "a 'bitsandbytes'-quantized checkpoint is not supported"),
 ])
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
@@ -126,7 +126,7 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
     elif edit == "per-channel":
         del cfg["quantization_config"]["weight_block_size"]
     else:
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+        cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tm.path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match) as info:
         with LLM(str(tm.path), progress=False) as llm:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .int_quant import int_quant_problem
+
 # bookkeeping every config has (transformers' PretrainedConfig)
 _BASE = {"_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
          "is_encoder_decoder", "label2id", "model_type", "output_attentions", "output_hidden_states",
@@ -224,9 +226,12 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
             return None  # block-scaled FP8 weights: expanded at load (fp8_block)
         if method == "mxfp4" and model_type == "gpt_oss":
             return None  # gpt-oss's experts as OpenAI ships them: expanded at load
+        if method in ("gptq", "awq"):  # integer codes per group: expanded at load (int_quant.py)
+            problem = int_quant_problem(q)
+            return None if problem is None else f"{problem}: use the full-precision weights or a .gguf file"
         what = "per-tensor or per-channel 'fp8' (without weight_block_size)" if method == "fp8" else repr(method)
-        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is, and gpt-oss's 'mxfp4'): "
-                "use the full-precision "
+        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is, 4- and 8-bit 'gptq', "
+                "4-bit 'awq', and gpt-oss's 'mxfp4'): use the full-precision "
                 "weights (--compress-weight quantizes them) or a .gguf file")
     return None
 

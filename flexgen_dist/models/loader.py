@@ -25,6 +25,7 @@ from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .config_fields import fp8_block
+from .int_quant import IntQuant, dequantize, int_quant
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -90,10 +91,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> t
 
 class HFDirSource(WeightSource):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path,
-                 fp8: tuple[int, int] | None = None) -> None:
+                 fp8: tuple[int, int] | None = None, iq: IntQuant | None = None) -> None:
         super().__init__(spec, dtype)
         self.path = path
         self.fp8 = fp8  # a block-scaled FP8 checkpoint's block: its matrices are expanded on read
+        self.iq = iq  # a GPTQ or AWQ checkpoint's layout: its layers' codes are expanded on read
         self.index: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, Any] = {}
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
@@ -101,6 +103,10 @@ class HFDirSource(WeightSource):
             raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin files in the model dir")
         for f in files:
             self.index.update({n: f for n in self._open(f).keys()})
+        # a GPTQ/AWQ layer X is read as X.weight, made from X.qweight, X.qzeros, X.scales (X.g_idx)
+        self._packed = {n.removesuffix("qweight") + "weight" for n in self.index if n.endswith(".qweight")} \
+            if iq is not None else set()
+        self.index.update({n: self.index[n.removesuffix("weight") + "qweight"] for n in self._packed})
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -156,8 +162,21 @@ class HFDirSource(WeightSource):
         return out
 
     def _tensor(self, name: str) -> torch.Tensor:
+        if name in self._packed:
+            return self._expand_int(name.removesuffix("weight"))
         h = self._open(self.index[name])
         return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+    def _expand_int(self, stem: str) -> torch.Tensor:
+        """The float32 matrix of GPTQ/AWQ layer ``stem`` (``int_quant.py``)."""
+        assert self.iq is not None
+        missing = [stem + t for t in ("qzeros", "scales") if stem + t not in self.index]
+        if missing:
+            raise ModelLoadError(f"{self.path}: {self.iq.method.upper()} layer {stem}qweight has no {missing[0]}: "
+                                 "corrupt checkpoint?")
+        g_idx = self._tensor(stem + "g_idx") if stem + "g_idx" in self.index else None
+        return dequantize(self.iq, self._tensor(stem + "qweight"), self._tensor(stem + "qzeros"),
+                          self._tensor(stem + "scales"), g_idx, f"{self.path}: {stem}qweight")
 
     def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
         scale_name = name + "_scale_inv"
@@ -321,11 +340,14 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         cfg = _read_config(p)
         spec = _generation_eos(p, spec_from_hf_config(cfg, p.name))
         tok = _load_tokenizer(p) if load_tokenizer else None
-        fp8 = fp8_block(cfg)
+        fp8, iq = fp8_block(cfg), int_quant(cfg)
         if fp8:
             log.info("%s: FP8 checkpoint (blocks of %dx%d): its weights are expanded to %s as they are read",
                      p.name, fp8[0], fp8[1], str(dtype).replace("torch.", ""))
-        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8)), tok, str(p))
+        if iq:
+            log.info("%s: %d-bit %s checkpoint (groups of %d): its weights are expanded to %s as they are read",
+                     p.name, iq.bits, iq.method.upper(), iq.group_size, str(dtype).replace("torch.", ""))
+        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p))
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
     try:

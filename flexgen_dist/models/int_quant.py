@@ -1,0 +1,131 @@
+"""GPTQ and AWQ checkpoints: integer codes in int32 words, a scale and a zero point per group
+of input columns, expanded to the values they encode as each matrix is read.
+
+A linear layer ``X`` of such a checkpoint has no ``X.weight``; it has ``X.qweight`` (the
+codes), ``X.qzeros`` (the zero points, packed alike), ``X.scales`` (float16, one row per
+group) and, for GPTQ, ``X.g_idx`` (each input column's group: act-order checkpoints shuffle
+them). The value of input column i, output row o is ``scale[g, o] * (code[i, o] - zero[g, o])``
+with g the column's group, computed in float32 (exact: a float16 scale times an integer of at
+most 8 bits), then kept in the run's dtype like any weight (``--compress-weight`` quantizes
+it again into the engine's own groups).
+
+- GPTQ (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``qweight`` (in / p, out) holds p =
+  32 / bits codes of consecutive input columns per word, the first in the lowest bits;
+  ``qzeros`` (groups, out / p) holds consecutive output rows alike. The original format
+  (``checkpoint_format: gptq``, the default) stores each zero point minus 1 (so 0 is written
+  as 15 in 4 bits); ``gptq_v2`` stores it as it is.
+- AWQ (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` (in,
+  out / 8) holds 8 output rows per word in the order 0 2 4 6 1 3 5 7; ``qzeros`` (groups,
+  out / 8) alike; groups are consecutive input columns.
+
+Other bit widths, AWQ's GEMV layout and other methods are refused in one line
+(``config_fields.field_problem``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .source import ModelLoadError
+
+AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word's 8 is its (AWQ_REVERSE[j])-th code
+
+
+@dataclass(frozen=True)
+class IntQuant:
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # input columns per group (-1: one group over all)
+    zero_minus_one: bool  # GPTQ's original format: zeros stored minus 1
+
+    @property
+    def per_word(self) -> int:
+        return 32 // self.bits
+
+
+def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
+    """The checkpoint's GPTQ or AWQ layout (None: not one). Assumes ``int_quant_problem``
+    found nothing."""
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method not in ("gptq", "awq"):
+        return None
+    bits = int(q.get("bits", q.get("w_bit", 4)))
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    v1 = method == "gptq" and q.get("checkpoint_format", "gptq") == "gptq"
+    return IntQuant(method, bits, group, v1)
+
+
+def int_quant_problem(q: dict[str, Any]) -> str | None:
+    """What of a GPTQ or AWQ ``quantization_config`` is not read, in words (None: all of it)."""
+    method = q.get("quant_method")
+    bits = q.get("bits", q.get("w_bit", 4))
+    if method == "gptq":
+        if bits not in (4, 8):
+            return f"a {bits}-bit GPTQ checkpoint is not supported (4 and 8 bits are)"
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            return f"a GPTQ checkpoint in format {fmt!r} is not supported (gptq and gptq_v2 are)"
+        return None
+    if method == "awq":
+        if bits != 4:
+            return f"a {bits}-bit AWQ checkpoint is not supported (4 bits is)"
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            return f"an AWQ checkpoint in the {version!r} layout is not supported (gemm is)"
+        if q.get("zero_point", True) is not True:
+            return "an AWQ checkpoint without zero points is not supported"
+        return None
+    return "not a GPTQ or AWQ checkpoint"
+
+
+def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words -> their codes (int32), each word's codes consecutive along ``dim`` (0:
+    rows, 1: columns), the first in the lowest bits."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    w = words.to(torch.int32)
+    if dim == 0:
+        codes = (w.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)  # (rows, per word, cols)
+        return codes.reshape(-1, w.shape[1])
+    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (rows, cols, per word)
+    return codes.reshape(w.shape[0], -1)
+
+
+def dequantize(q: IntQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor | None, name: str) -> torch.Tensor:
+    """The (out, in) float32 matrix a GPTQ or AWQ layer's tensors encode (module doc)."""
+    p = q.per_word
+    if qweight.dtype not in (torch.int32, torch.uint32) or qzeros.dtype not in (torch.int32, torch.uint32):
+        raise ModelLoadError(f"{name}: {q.method.upper()} qweight/qzeros of dtype {qweight.dtype}/{qzeros.dtype}, "
+                             "expected int32: corrupt checkpoint?")
+    if q.method == "gptq":
+        codes = _unpack(qweight, q.bits, 0)  # (in, out)
+        zeros = _unpack(qzeros, q.bits, 1)  # (groups, out)
+        if q.zero_minus_one:
+            zeros = (zeros + 1) & ((1 << q.bits) - 1)
+    else:
+        order = torch.tensor(AWQ_REVERSE)
+        codes = _unpack(qweight, 4, 1)
+        codes = codes.view(codes.shape[0], -1, p)[..., order].reshape(codes.shape)
+        zeros = _unpack(qzeros, 4, 1)
+        zeros = zeros.view(zeros.shape[0], -1, p)[..., order].reshape(zeros.shape)
+    cols, rows = codes.shape
+    groups = scales.shape[0]
+    if scales.dim() != 2 or scales.shape[1] != rows or zeros.shape != (groups, rows):
+        raise ModelLoadError(f"{name}: {q.method.upper()} codes for {cols} x {rows}, scales {tuple(scales.shape)} "
+                             f"and zeros {tuple(zeros.shape)} do not agree: corrupt checkpoint?")
+    if g_idx is not None:
+        g = g_idx.long()
+        if g.shape != (cols,) or int(g.min()) < 0 or int(g.max()) >= groups:
+            raise ModelLoadError(f"{name}: g_idx of shape {tuple(g.shape)} for {cols} input columns and {groups} "
+                                 "groups: corrupt checkpoint?")
+    else:
+        size = cols if q.group_size <= 0 else q.group_size
+        if -(-cols // size) != groups:
+            raise ModelLoadError(f"{name}: {cols} input columns in groups of {size} are not {groups} groups: the "
+                                 "config's group_size does not fit the checkpoint")
+        g = torch.arange(cols) // size
+    w = (codes - zeros[g]).float() * scales.float()[g]  # (in, out): exact in float32
+    return w.t().contiguous()

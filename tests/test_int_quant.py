@@ -1,0 +1,197 @@
+"""GPTQ and AWQ checkpoints (``models/int_quant.py``): a linear layer's integer codes, zero
+points and float16 scales are expanded at load to the values they encode, so greedy tokens
+equal transformers' on those values (float32), for GPTQ's original format (zeros stored minus
+one) with act-order groups, ``gptq_v2`` symmetric, 8-bit GPTQ and AWQ's GEMM layout; the
+checkpoints here are packed as AutoGPTQ's and AutoAWQ's packers pack them, and a layout that
+is not read is refused in one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TinyModel, reference_generate
+from flexgen_dist import LLM
+from flexgen_dist.errors import ModelLoadError
+from flexgen_dist.models.int_quant import IntQuant, dequantize
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order: nibble i of a word holds column ORDER[i]
+
+
+def _words(acc: torch.Tensor) -> torch.Tensor:
+    """int64 words of 32 bits -> int32, as the packers' int32 arithmetic wraps them."""
+    return torch.where(acc >= 2 ** 31, acc - 2 ** 32, acc).to(torch.int32)
+
+
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (in, out), zeros (groups, out), float16 scales (groups, out), the float32 values
+    they encode (out, in)) of an (out, in) matrix, each input column in group g_idx[col]."""
+    top = (1 << bits) - 1
+    wt = w.t()
+    scales = torch.empty(groups, w.shape[0])
+    zeros = torch.empty(groups, w.shape[0], dtype=torch.long)
+    for g in range(groups):
+        cols = wt[g_idx == g]
+        lo, hi = cols.min(0).values.clamp(max=0), cols.max(0).values.clamp(min=0)
+        if sym:
+            hi = torch.maximum(hi, -lo)
+            scales[g] = (2 * hi / top).clamp(min=1e-6)
+            zeros[g] = (top + 1) // 2
+        else:
+            scales[g] = ((hi - lo) / top).clamp(min=1e-6)
+            zeros[g] = (-lo / scales[g]).round().clamp(0, top).long()
+    scales = scales.half()
+    s, z = scales.float()[g_idx], zeros[g_idx]
+    codes = (wt / s).round().long().add(z).clamp(0, top)
+    return codes, zeros, scales, ((codes - z).float() * s).t().contiguous()
+
+
+def gptq_tensors(codes: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's packing: qweight[k] |= code[k * p + j] << (bits * j) over input rows, qzeros
+    alike over output columns, each zero minus 1 in the original format."""
+    p = 32 // bits
+    qweight = torch.zeros(codes.shape[0] // p, codes.shape[1], dtype=torch.long)
+    for j in range(p):
+        qweight |= codes[j::p] << (bits * j)
+    z = (zeros - 1) & ((1 << bits) - 1) if v1 else zeros
+    qzeros = torch.zeros(z.shape[0], z.shape[1] // p, dtype=torch.long)
+    for j in range(p):
+        qzeros |= z[:, j::p] << (bits * j)
+    return _words(qweight), _words(qzeros)
+
+
+def awq_tensors(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMM packing: word c of a row holds columns 8c + ORDER[i] at nibble i."""
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(x.shape[0], x.shape[1] // 8, dtype=torch.long)
+        for i, col in enumerate(AWQ_ORDER):
+            acc |= x[:, col::8] << (4 * i)
+        return _words(acc)
+    return pack(codes), pack(zeros)
+
+
+LAYOUTS = {
+    "gptq-act-order": dict(method="gptq", bits=4, group=32, sym=False, act_order=True, fmt="gptq"),
+    "gptq-v2-sym": dict(method="gptq", bits=4, group=32, sym=True, act_order=False, fmt="gptq_v2"),
+    "gptq-8bit": dict(method="gptq", bits=8, group=64, sym=True, act_order=False, fmt="gptq"),
+    "awq": dict(method="awq", bits=4, group=32, sym=False, act_order=False, fmt=None),
+}
+
+
+def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
+    """A random tiny model saved as a GPTQ/AWQ checkpoint of ``layout`` (embedding, norms and
+    head as they are), and given the values its codes encode, so that transformers computes
+    with exactly the checkpoint's weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    lay = LAYOUTS[layout]
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=255, tie_word_embeddings=False)
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)).eval()
+    model.save_pretrained(path)
+    g = torch.Generator().manual_seed(5)
+    out = {}
+    for name, w in model.state_dict().items():
+        w = w.detach().clone().contiguous()
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            out[name] = w
+            continue
+        cols = w.shape[1]
+        groups = cols // lay["group"]
+        g_idx = torch.arange(cols) // lay["group"]
+        if lay["act_order"]:
+            g_idx = g_idx[torch.randperm(cols, generator=g)]
+        codes, zeros, scales, values = quantize(w, g_idx, groups, lay["bits"], lay["sym"])
+        stem = name.removesuffix("weight")
+        if lay["method"] == "gptq":
+            out[stem + "qweight"], out[stem + "qzeros"] = gptq_tensors(codes, zeros, lay["bits"], lay["fmt"] == "gptq")
+            out[stem + "g_idx"] = g_idx.to(torch.int32)
+        else:
+            out[stem + "qweight"], out[stem + "qzeros"] = awq_tensors(codes, zeros)
+        out[stem + "scales"] = scales
+        with torch.no_grad():
+            model.get_parameter(name).copy_(values)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    if lay["method"] == "gptq":
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": lay["bits"], "group_size": lay["group"],
+                                      "desc_act": lay["act_order"], "sym": lay["sym"], "checkpoint_format": lay["fmt"]}
+    else:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": lay["group"],
+                                      "zero_point": True, "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return TinyModel(kind, path, model, 0)
+
+
+@pytest.mark.parametrize("kind,layout", [("llama", "gptq-act-order"), ("llama", "gptq-v2-sym"),
+                                         ("qwen2", "gptq-8bit"), ("llama", "awq"), ("qwen2", "awq")])
+def test_gptq_and_awq_checkpoints_match_transformers_on_their_values(kind: str, layout: str, tmp_path: Path) -> None:
+    tm = quantized_dir(kind, layout, tmp_path / "m")
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(tm.path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    with LLM(str(tm.path), compress_weight=True, ignore_eos=True, progress=False) as llm:  # re-quantized: runs
+        assert all(len(c.token_ids) == 6 for c in llm.generate(PROMPTS, gen_len=6))
+
+
+def test_a_word_unpacks_to_its_codes_in_each_layout() -> None:
+    """One hand-packed word per layout: 0x76543210 holds codes 0..7 from the lowest nibble up."""
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    ones = torch.ones(1, 8, dtype=torch.float16)
+    # AWQ: nibble i is column ORDER[i] -> columns 0..7 hold 0 4 1 5 2 6 3 7; zeros 0
+    awq = dequantize(IntQuant("awq", 4, -1, False), word, torch.zeros(1, 1, dtype=torch.int32), ones, None, "w")
+    assert awq.flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    # GPTQ: nibble j is input row j; the original format stores a zero point of 1 as 0
+    words = word.expand(1, 8).contiguous()  # eight output rows, each the same eight input columns
+    gptq = dequantize(IntQuant("gptq", 4, -1, True), words, torch.zeros(1, 1, dtype=torch.int32), ones, None, "w")
+    assert gptq.tolist() == [[-1, 0, 1, 2, 3, 4, 5, 6]] * 8
+    v2 = dequantize(IntQuant("gptq", 4, -1, False), words, torch.full((1, 1), 0x22222222, dtype=torch.int32),
+                    torch.full((1, 8), 0.5, dtype=torch.float16), None, "w")
+    assert v2.tolist() == [[-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5]] * 8
+    with pytest.raises(ModelLoadError, match="do not agree"):
+        dequantize(IntQuant("awq", 4, -1, False), word, torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(2, 8, dtype=torch.float16), None, "w")
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("3bit", "a 3-bit GPTQ checkpoint is not supported"),
+    ("gemv", "an AWQ checkpoint in the 'gemv' layout is not supported"),
+    ("marlin", "a GPTQ checkpoint in format 'marlin' is not supported"),
+    ("no-scales", "has no model.layers.0.self_attn.q_proj.scales"),
+    ("group", "do not agree|group_size does not fit"),
+])
+def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tm = quantized_dir("llama", "awq" if edit == "gemv" else "gptq-v2-sym", tmp_path / "m")
+    cfg = json.loads((tm.path / "config.json").read_text())
+    q = cfg["quantization_config"]
+    if edit == "3bit":
+        q["bits"] = 3
+    elif edit == "gemv":
+        q["version"] = "GEMV"
+    elif edit == "marlin":
+        q["checkpoint_format"] = "marlin"
+    elif edit == "group":
+        q["group_size"] = 16
+    else:
+        sd = load_file(str(tm.path / "model.safetensors"))
+        del sd["model.layers.0.self_attn.q_proj.scales"]
+        save_file(sd, str(tm.path / "model.safetensors"))
+    if edit == "group":  # without g_idx the groups come from the config's group_size
+        sd = load_file(str(tm.path / "model.safetensors"))
+        save_file({k: v for k, v in sd.items() if not k.endswith("g_idx")}, str(tm.path / "model.safetensors"))
+    (tm.path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=match) as info:
+        with LLM(str(tm.path), progress=False) as llm:
+            llm.generate([[3, 4, 5]], gen_len=1)
+    assert "\n" not in str(info.value)
