@@ -1,9 +1,11 @@
-"""GPTQ and AWQ checkpoints (``models/int_quant.py``): a linear layer's integer codes, zero
-points and float16 scales are expanded at load to the values they encode, so greedy tokens
-equal transformers' on those values (float32), for GPTQ's original format (zeros stored minus
-one) with act-order groups, ``gptq_v2`` symmetric, 8-bit GPTQ and AWQ's GEMM layout; the
-checkpoints here are packed as AutoGPTQ's and AutoAWQ's packers pack them, and a layout that
-is not read is refused in one line."""
+"""GPTQ, AWQ and compressed-tensors checkpoints (``models/int_quant.py``): a linear layer's
+integer codes, zero points and scales are expanded at load to the values they encode, so
+greedy tokens equal transformers' on those values (float32), for GPTQ's original format (zeros
+stored minus one) with act-order groups, ``gptq_v2`` symmetric, 8-bit GPTQ, AWQ's GEMM layout,
+and compressed-tensors' pack-quantized (4-bit groups, symmetric and not, act-ordered; 8-bit
+per channel) and naive-quantized (int8) weights; the checkpoints here are packed as
+AutoGPTQ's, AutoAWQ's and compressed-tensors' packers pack them, and a layout that is not
+read is refused in one line."""
 from __future__ import annotations
 
 import json
@@ -73,11 +75,48 @@ def awq_tensors(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor,
     return pack(codes), pack(zeros)
 
 
+def ct_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """compressed-tensors' packing of signed codes (rows, cols): each stored plus 2^(bits-1),
+    code i of a row at bit i x bits of its little-endian word stream."""
+    per = 32 // bits
+    u = codes + (1 << (bits - 1))
+    acc = torch.zeros(u.shape[0], -(-u.shape[1] // per), dtype=torch.long)
+    for j in range(per):
+        part = u[:, j::per]
+        acc[:, :part.shape[1]] |= part << (bits * j)
+    return _words(acc)
+
+
+def ct_quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """compressed-tensors' signed codes (out, in), zero points (out, groups), bfloat16 scales
+    (out, groups) and the float32 values they encode (out, in)."""
+    lo_q, hi_q = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    scales = torch.empty(w.shape[0], groups)
+    zeros = torch.zeros(w.shape[0], groups, dtype=torch.long)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        lo, hi = cols.min(1).values.clamp(max=0), cols.max(1).values.clamp(min=0)
+        if sym:
+            scales[:, g] = (torch.maximum(hi, -lo) / hi_q).clamp(min=1e-6)
+        else:
+            scales[:, g] = ((hi - lo) / (hi_q - lo_q)).clamp(min=1e-6)
+            zeros[:, g] = (lo_q - lo / scales[:, g]).round().clamp(lo_q, hi_q).long()
+    scales = scales.bfloat16()
+    s, z = scales.float()[:, g_idx], zeros[:, g_idx]
+    codes = (w / s).round().long().add(z).clamp(lo_q, hi_q)
+    return codes, zeros, scales, (codes - z).float() * s
+
+
 LAYOUTS = {
     "gptq-act-order": dict(method="gptq", bits=4, group=32, sym=False, act_order=True, fmt="gptq"),
     "gptq-v2-sym": dict(method="gptq", bits=4, group=32, sym=True, act_order=False, fmt="gptq_v2"),
     "gptq-8bit": dict(method="gptq", bits=8, group=64, sym=True, act_order=False, fmt="gptq"),
     "awq": dict(method="awq", bits=4, group=32, sym=False, act_order=False, fmt=None),
+    "ct-w4-sym": dict(method="ct", bits=4, group=32, sym=True, act_order=False, fmt="pack-quantized"),
+    "ct-w4-asym-act-order": dict(method="ct", bits=4, group=32, sym=False, act_order=True, fmt="pack-quantized"),
+    "ct-w8-channel": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="pack-quantized"),
+    "ct-naive-w8": dict(method="ct", bits=8, group=0, sym=False, act_order=False, fmt="naive-quantized"),
 }
 
 
@@ -91,7 +130,8 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
     lay = LAYOUTS[layout]
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=255, tie_word_embeddings=False)
+                  eos_token_id=None, tie_word_embeddings=False)  # no EOS: generate's min_new_tokens would
+    # keep one from being chosen where the engine, ignoring EOS, chooses it
     torch.manual_seed(11)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)).eval()
     model.save_pretrained(path)
@@ -103,12 +143,29 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
             out[name] = w
             continue
         cols = w.shape[1]
-        groups = cols // lay["group"]
-        g_idx = torch.arange(cols) // lay["group"]
+        size = lay["group"] or cols  # 0: one group per row (compressed-tensors' channel strategy)
+        groups = cols // size
+        g_idx = torch.arange(cols) // size
         if lay["act_order"]:
             g_idx = g_idx[torch.randperm(cols, generator=g)]
-        codes, zeros, scales, values = quantize(w, g_idx, groups, lay["bits"], lay["sym"])
         stem = name.removesuffix("weight")
+        if lay["method"] == "ct":
+            codes, zeros, scales, values = ct_quantize(w, g_idx, groups, lay["bits"], lay["sym"])
+            if lay["fmt"] == "naive-quantized":
+                out[stem + "weight"] = codes.to(torch.int8)
+            else:
+                out[stem + "weight_packed"] = ct_words(codes, lay["bits"])
+                out[stem + "weight_shape"] = torch.tensor(list(w.shape))
+            if not lay["sym"]:
+                out[stem + "weight_zero_point"] = zeros.to(torch.int8) if lay["fmt"] == "naive-quantized" else \
+                    ct_words(zeros.t().contiguous(), lay["bits"]).t().contiguous()
+            if lay["act_order"]:
+                out[stem + "weight_g_idx"] = g_idx.to(torch.int32)
+            out[stem + "weight_scale"] = scales
+            with torch.no_grad():
+                model.get_parameter(name).copy_(values)
+            continue
+        codes, zeros, scales, values = quantize(w, g_idx, groups, lay["bits"], lay["sym"])
         if lay["method"] == "gptq":
             out[stem + "qweight"], out[stem + "qzeros"] = gptq_tensors(codes, zeros, lay["bits"], lay["fmt"] == "gptq")
             out[stem + "g_idx"] = g_idx.to(torch.int32)
@@ -124,16 +181,27 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
     if lay["method"] == "gptq":
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": lay["bits"], "group_size": lay["group"],
                                       "desc_act": lay["act_order"], "sym": lay["sym"], "checkpoint_format": lay["fmt"]}
-    else:
+    elif lay["method"] == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": lay["group"],
                                       "zero_point": True, "version": "gemm"}
+    else:
+        weights = {"num_bits": lay["bits"], "type": "int", "symmetric": lay["sym"], "dynamic": False,
+                   "strategy": "group" if lay["group"] else "channel", "group_size": lay["group"] or None,
+                   "actorder": "group" if lay["act_order"] else None}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": lay["fmt"],
+                                      "quantization_status": "compressed", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": None,
+                                                                    "output_activations": None}}}
     (path / "config.json").write_text(json.dumps(cfg))
     return TinyModel(kind, path, model, 0)
 
 
 @pytest.mark.parametrize("kind,layout", [("llama", "gptq-act-order"), ("llama", "gptq-v2-sym"),
-                                         ("qwen2", "gptq-8bit"), ("llama", "awq"), ("qwen2", "awq")])
-def test_gptq_and_awq_checkpoints_match_transformers_on_their_values(kind: str, layout: str, tmp_path: Path) -> None:
+                                         ("qwen2", "gptq-8bit"), ("llama", "awq"), ("qwen2", "awq"),
+                                         ("llama", "ct-w4-sym"), ("qwen2", "ct-w4-asym-act-order"),
+                                         ("llama", "ct-w8-channel"), ("llama", "ct-naive-w8")])
+def test_integer_checkpoints_match_transformers_on_their_values(kind: str, layout: str, tmp_path: Path) -> None:
     tm = quantized_dir(kind, layout, tmp_path / "m")
     ref = reference_generate(tm, PROMPTS, 6)
     with LLM(str(tm.path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
@@ -168,14 +236,22 @@ def test_a_word_unpacks_to_its_codes_in_each_layout() -> None:
     ("marlin", "a GPTQ checkpoint in format 'marlin' is not supported"),
     ("no-scales", "has no model.layers.0.self_attn.q_proj.scales"),
     ("group", "do not agree|group_size does not fit"),
+    ("w8a8", "quantizes activations at run time \\(W8A8, FP8-dynamic\\) is not supported"),
+    ("float", "compressed-tensors checkpoint in format 'float-quantized' is not supported"),
 ])
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    tm = quantized_dir("llama", "awq" if edit == "gemv" else "gptq-v2-sym", tmp_path / "m")
+    layout = {"gemv": "awq", "w8a8": "ct-w4-sym", "float": "ct-w4-sym"}.get(edit, "gptq-v2-sym")
+    tm = quantized_dir("llama", layout, tmp_path / "m")
     cfg = json.loads((tm.path / "config.json").read_text())
     q = cfg["quantization_config"]
-    if edit == "3bit":
+    if edit == "w8a8":
+        q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True,
+                                                              "strategy": "token", "symmetric": True}
+    elif edit == "float":
+        q["format"] = "float-quantized"
+    elif edit == "3bit":
         q["bits"] = 3
     elif edit == "gemv":
         q["version"] = "GEMV"

@@ -226,12 +226,12 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
             return None  # block-scaled FP8 weights: expanded at load (fp8_block)
         if method == "mxfp4" and model_type == "gpt_oss":
             return None  # gpt-oss's experts as OpenAI ships them: expanded at load
-        if method in ("gptq", "awq"):  # integer codes per group: expanded at load (int_quant.py)
+        if method in ("gptq", "awq", "compressed-tensors"):  # integer codes per group: expanded at load (int_quant.py)
             problem = int_quant_problem(q)
             return None if problem is None else f"{problem}: use the full-precision weights or a .gguf file"
         what = "per-tensor or per-channel 'fp8' (without weight_block_size)" if method == "fp8" else repr(method)
         return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is, 4- and 8-bit 'gptq', "
-                "4-bit 'awq', and gpt-oss's 'mxfp4'): use the full-precision "
+                "4-bit 'awq', weight-only 'compressed-tensors', and gpt-oss's 'mxfp4'): use the full-precision "
                 "weights (--compress-weight quantizes them) or a .gguf file")
     return None
 

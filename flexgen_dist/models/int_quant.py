@@ -1,5 +1,6 @@
-"""GPTQ and AWQ checkpoints: integer codes in int32 words, a scale and a zero point per group
-of input columns, expanded to the values they encode as each matrix is read.
+"""GPTQ, AWQ and compressed-tensors checkpoints: integer codes (in int32 words, or int8), a
+scale and a zero point per group of input columns, expanded to the values they encode as each
+matrix is read.
 
 A linear layer ``X`` of such a checkpoint has no ``X.weight``; it has ``X.qweight`` (the
 codes), ``X.qzeros`` (the zero points, packed alike), ``X.scales`` (float16, one row per
@@ -18,8 +19,17 @@ it again into the engine's own groups).
   out / 8) holds 8 output rows per word in the order 0 2 4 6 1 3 5 7; ``qzeros`` (groups,
   out / 8) alike; groups are consecutive input columns.
 
-Other bit widths, AWQ's GEMV layout and other methods are refused in one line
-(``config_fields.field_problem``).
+- compressed-tensors (llm-compressor's weight-only schemes, ``quant_method:
+  compressed-tensors``, W4A16 / W8A16): ``X.weight_packed`` (out, in * bits / 32) holds
+  consecutive input columns from the lowest bits, each code stored plus 2^(bits-1) (so the
+  codes are signed); ``X.weight_scale`` (out, groups), (out, 1) per channel;
+  ``X.weight_zero_point`` (asymmetric only: signed codes packed alike along the output
+  rows); ``X.weight_g_idx`` where groups are activation-ordered; ``X.weight_shape``. The
+  ``naive-quantized`` format stores 8-bit codes as an int8 ``X.weight`` beside its scale.
+
+Other bit widths, AWQ's GEMV layout, schemes that quantize activations at run time (W8A8,
+FP8-dynamic: their outputs depend on computing that quantization) and other methods are
+refused in one line (``config_fields.field_problem``).
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word's 8 is its (AWQ_REV
 
 @dataclass(frozen=True)
 class IntQuant:
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int  # input columns per group (-1: one group over all)
     zero_minus_one: bool  # GPTQ's original format: zeros stored minus 1
@@ -45,11 +55,19 @@ class IntQuant:
         return 32 // self.bits
 
 
+def _config(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+
+
 def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
-    """The checkpoint's GPTQ or AWQ layout (None: not one). Assumes ``int_quant_problem``
-    found nothing."""
-    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+    """The checkpoint's GPTQ, AWQ or compressed-tensors layout (None: not one). Assumes
+    ``int_quant_problem`` found nothing."""
+    q = _config(cfg)
     method = q.get("quant_method")
+    if method == "compressed-tensors":
+        w = _ct_weights(q)
+        size = int(w.get("group_size") or -1) if w.get("strategy") == "group" else -1
+        return IntQuant(method, int(w.get("num_bits", 8)), size, False)
     if method not in ("gptq", "awq"):
         return None
     bits = int(q.get("bits", q.get("w_bit", 4)))
@@ -58,9 +76,18 @@ def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
     return IntQuant(method, bits, group, v1)
 
 
+def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
+    """The weights' quantization args of a compressed-tensors config (every group's alike)."""
+    groups = list((q.get("config_groups") or {}).values())
+    return (groups[0].get("weights") or {}) if groups else {}
+
+
 def int_quant_problem(q: dict[str, Any]) -> str | None:
-    """What of a GPTQ or AWQ ``quantization_config`` is not read, in words (None: all of it)."""
+    """What of a GPTQ, AWQ or compressed-tensors ``quantization_config`` is not read, in
+    words (None: all of it)."""
     method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _ct_problem(q)
     bits = q.get("bits", q.get("w_bit", 4))
     if method == "gptq":
         if bits not in (4, 8):
@@ -79,6 +106,32 @@ def int_quant_problem(q: dict[str, Any]) -> str | None:
             return "an AWQ checkpoint without zero points is not supported"
         return None
     return "not a GPTQ or AWQ checkpoint"
+
+
+def _ct_problem(q: dict[str, Any]) -> str | None:
+    fmt = q.get("format")
+    groups = list((q.get("config_groups") or {}).values())
+    if not groups:
+        return "a compressed-tensors checkpoint without config_groups is not supported"
+    if any(g.get("input_activations") or g.get("output_activations") for g in groups):
+        return ("a compressed-tensors checkpoint that quantizes activations at run time (W8A8, FP8-dynamic) is not "
+                "supported (weight-only W4A16/W8A16 are)")
+    if any(g.get("weights") != groups[0].get("weights") for g in groups):
+        return "a compressed-tensors checkpoint with several weight schemes is not supported (one for all layers is)"
+    formats = {g.get("format", fmt) for g in groups}
+    if not formats <= {"pack-quantized", "naive-quantized", "int-quantized", "dense"}:
+        return (f"a compressed-tensors checkpoint in format {sorted(map(str, formats))[0]!r} is not supported "
+                "(pack-quantized and naive-quantized integer weights are)")
+    w = groups[0].get("weights") or {}
+    if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+        return (f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits are not "
+                "supported (4- and 8-bit int are)")
+    if w.get("strategy") not in ("group", "channel") or (w.get("strategy") == "group" and not w.get("group_size")):
+        return (f"compressed-tensors weights with strategy {w.get('strategy')!r} are not supported (group, with a "
+                "group_size, and channel are)")
+    if w.get("dynamic"):
+        return "compressed-tensors weights quantized at run time (dynamic) are not supported"
+    return None
 
 
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -129,3 +182,51 @@ def dequantize(q: IntQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
         g = torch.arange(cols) // size
     w = (codes - zeros[g]).float() * scales.float()[g]  # (in, out): exact in float32
     return w.t().contiguous()
+
+
+def _unpack_dense(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """compressed-tensors' int32 words (rows, w) -> (rows, count) signed codes: code i at bit
+    i x bits of the row's little-endian stream, stored plus 2^(bits - 1)."""
+    codes = _unpack(words, bits, 1)
+    if codes.shape[1] < count:
+        raise ModelLoadError(f"{words.shape[1]} packed words hold {codes.shape[1]} codes, fewer than {count}")
+    return codes[:, :count] - (1 << (bits - 1))
+
+
+def dequantize_ct(q: IntQuant, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                  g_idx: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor:
+    """The (out, in) float32 matrix of a compressed-tensors layer: ``packed`` int32 words
+    (pack-quantized) or int8 codes (naive-quantized), scale (out, groups), the packed zero
+    points (asymmetric), the groups' order, and the matrix's (out, in) shape."""
+    rows, cols = shape
+    if packed.dtype == torch.int8:
+        codes = packed.to(torch.int32)
+    elif packed.dtype in (torch.int32, torch.uint32):
+        codes = _unpack_dense(packed.to(torch.int32), q.bits, cols)
+    else:
+        raise ModelLoadError(f"{name}: packed weights of dtype {packed.dtype}, expected int32 or int8: corrupt "
+                             "checkpoint?")
+    scale = scale.float().reshape(scale.shape[0], -1)
+    groups = scale.shape[1]
+    if codes.shape != (rows, cols) or scale.shape[0] != rows:
+        raise ModelLoadError(f"{name}: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} for a {rows} x "
+                             f"{cols} matrix do not agree: corrupt checkpoint?")
+    z = torch.zeros(rows, groups, dtype=torch.int32)
+    if zero is not None:  # packed along the output rows: (rows * bits / 32, groups)
+        z = zero.to(torch.int32) if zero.dtype == torch.int8 else \
+            _unpack_dense(zero.to(torch.int32).t().contiguous(), q.bits, rows).t()
+        if z.shape != (rows, groups):
+            raise ModelLoadError(f"{name}: zero points {tuple(z.shape)} for {rows} rows and {groups} groups do not "
+                                 "agree: corrupt checkpoint?")
+    if g_idx is not None:
+        g = g_idx.long()
+        if g.shape != (cols,) or int(g.min()) < 0 or int(g.max()) >= groups:
+            raise ModelLoadError(f"{name}: weight_g_idx of shape {tuple(g.shape)} for {cols} columns and {groups} "
+                                 "groups: corrupt checkpoint?")
+    else:
+        size = cols if groups == 1 else q.group_size
+        if size <= 0 or -(-cols // size) != groups:
+            raise ModelLoadError(f"{name}: {cols} columns in groups of {size} are not {groups} groups: the config's "
+                                 "group_size does not fit the checkpoint")
+        g = torch.arange(cols) // size
+    return (codes - z[:, g]).float() * scale[:, g]

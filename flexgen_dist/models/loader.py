@@ -25,7 +25,7 @@ from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .config_fields import fp8_block
-from .int_quant import IntQuant, dequantize, int_quant
+from .int_quant import IntQuant, dequantize, dequantize_ct, int_quant
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -103,10 +103,12 @@ class HFDirSource(WeightSource):
             raise ModelLoadError(f"{path}: no *.safetensors or pytorch_model*.bin files in the model dir")
         for f in files:
             self.index.update({n: f for n in self._open(f).keys()})
-        # a GPTQ/AWQ layer X is read as X.weight, made from X.qweight, X.qzeros, X.scales (X.g_idx)
-        self._packed = {n.removesuffix("qweight") + "weight" for n in self.index if n.endswith(".qweight")} \
+        # a GPTQ/AWQ layer X is read as X.weight, made from X.qweight, X.qzeros, X.scales (X.g_idx);
+        # a compressed-tensors one from X.weight_packed, X.weight_scale, ... (int_quant.py)
+        self._codes = "weight_packed" if iq is not None and iq.method == "compressed-tensors" else "qweight"
+        self._packed = {n.removesuffix(self._codes) + "weight" for n in self.index if n.endswith("." + self._codes)} \
             if iq is not None else set()
-        self.index.update({n: self.index[n.removesuffix("weight") + "qweight"] for n in self._packed})
+        self.index.update({n: self.index[n.removesuffix("weight") + self._codes] for n in self._packed})
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -165,18 +167,35 @@ class HFDirSource(WeightSource):
         if name in self._packed:
             return self._expand_int(name.removesuffix("weight"))
         h = self._open(self.index[name])
-        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+        t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+        if t.dtype == torch.int8 and self.iq is not None and name + "_scale" in self.index:
+            return self._expand_int(name.removesuffix("weight"), t)  # compressed-tensors' int8 codes
+        return t
 
-    def _expand_int(self, stem: str) -> torch.Tensor:
-        """The float32 matrix of GPTQ/AWQ layer ``stem`` (``int_quant.py``)."""
-        assert self.iq is not None
-        missing = [stem + t for t in ("qzeros", "scales") if stem + t not in self.index]
+    def _expand_int(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 matrix of GPTQ/AWQ/compressed-tensors layer ``stem`` (``int_quant.py``);
+        ``codes``: a naive-quantized layer's int8 weight, already read."""
+        iq = self.iq
+        assert iq is not None
+        ct = iq.method == "compressed-tensors"
+        need = ("weight_scale",) if ct else ("qzeros", "scales")
+        missing = [stem + t for t in need if stem + t not in self.index]
         if missing:
-            raise ModelLoadError(f"{self.path}: {self.iq.method.upper()} layer {stem}qweight has no {missing[0]}: "
-                                 "corrupt checkpoint?")
-        g_idx = self._tensor(stem + "g_idx") if stem + "g_idx" in self.index else None
-        return dequantize(self.iq, self._tensor(stem + "qweight"), self._tensor(stem + "qzeros"),
-                          self._tensor(stem + "scales"), g_idx, f"{self.path}: {stem}qweight")
+            raise ModelLoadError(f"{self.path}: {iq.method} layer {stem}{self._codes} has no {missing[0]}: corrupt "
+                                 "checkpoint?")
+
+        def opt(t: str) -> torch.Tensor | None:
+            return self._tensor(stem + t) if stem + t in self.index else None
+
+        name = f"{self.path}: {stem}{self._codes}"
+        if not ct:
+            return dequantize(iq, self._tensor(stem + "qweight"), self._tensor(stem + "qzeros"),
+                              self._tensor(stem + "scales"), opt("g_idx"), name)
+        codes = self._tensor(stem + "weight_packed") if codes is None else codes
+        shape = opt("weight_shape")
+        dims = (int(shape[0]), int(shape[1])) if shape is not None else tuple(codes.shape)
+        return dequantize_ct(iq, codes, self._tensor(stem + "weight_scale"), opt("weight_zero_point"),
+                             opt("weight_g_idx"), dims, name)  # type: ignore[arg-type]
 
     def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
         scale_name = name + "_scale_inv"
@@ -345,8 +364,9 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
             log.info("%s: FP8 checkpoint (blocks of %dx%d): its weights are expanded to %s as they are read",
                      p.name, fp8[0], fp8[1], str(dtype).replace("torch.", ""))
         if iq:
-            log.info("%s: %d-bit %s checkpoint (groups of %d): its weights are expanded to %s as they are read",
-                     p.name, iq.bits, iq.method.upper(), iq.group_size, str(dtype).replace("torch.", ""))
+            log.info("%s: %d-bit %s checkpoint (groups of %s): its weights are expanded to %s as they are read",
+                     p.name, iq.bits, iq.method, iq.group_size if iq.group_size > 0 else "a whole row",
+                     str(dtype).replace("torch.", ""))
         return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p))
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
