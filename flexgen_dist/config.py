@@ -70,7 +70,7 @@ class RunConfig:
     attn_sparsity: float | None = None
     comp_group_size: int | None = None
     comp_bits: int | None = None
-    gguf_native: bool = True  # GGUF Q4_0/Q4_1/Q8_0 kept in the file's blocks under compress_weight
+    gguf_native: bool = True  # under compress_weight: GGUF Q4_0/Q4_1/Q8_0 blocks, GPTQ/AWQ/compressed-tensors codes kept
     offload_dir: str = "~/.cache/flexgen_dist/offload"
     direct_io: str = "auto"
     device: str = "auto"
@@ -369,8 +369,9 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--comp-group-size", type=int, help="elements per quantization group (default 64)")
     g.add_argument("--comp-bits", type=int, choices=[4, 8], help="bits per compressed value (default 4)")
     g.add_argument("--no-gguf-native", dest="gguf_native", action="store_false",
-                   help="re-quantize a GGUF file's Q4/Q8 weights from their dequantized values "
-                        "instead of keeping its blocks (for comparisons)")
+                   help="under --compress-weight, re-quantize a GGUF file's Q4/Q8 weights (and a GPTQ, AWQ "
+                        "or compressed-tensors checkpoint's) from their dequantized values instead of keeping "
+                        "the file's own codes (for comparisons)")
     g.add_argument("--offload-dir")
     g.add_argument("--direct-io", choices=["auto", "on", "off"])
     g.add_argument("--gpu-mem")

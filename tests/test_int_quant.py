@@ -271,3 +271,50 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
         with LLM(str(tm.path), progress=False) as llm:
             llm.generate([[3, 4, 5]], gen_len=1)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind,layout", [("llama", "gptq-v2-sym"), ("llama", "awq"), ("qwen2", "ct-w4-sym"),
+                                         ("qwen2", "gptq-8bit"), ("llama", "gptq-act-order")])
+def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --compress-weight a layer whose groups are contiguous keeps the checkpoint's own
+    codes and groups (value = code x scale - zero x scale): its stored weight expands to the
+    encoded values exactly (float32); the fused decode product on the stored codes and the
+    product on their expansion give teacher-forced log-probabilities equal to float32
+    rounding; the budget check sizes them as stored. Act-ordered groups cannot be kept so:
+    those layers are re-quantized into the engine's groups, with the error that adds."""
+    from flexgen_dist.engine.footprint import predict_peaks
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.quant import QTensor
+    from flexgen_dist.memory.quant import dequantize as dequantize_q
+    from flexgen_dist.models.loader import load_model
+
+    tm = quantized_dir(kind, layout, tmp_path / "m")
+    lay = LAYOUTS[layout]
+    native = not lay["act_order"]
+    want = (lay["bits"], lay["group"]) if native else (4, 64)
+    seqs = [p + r for p, r in zip(PROMPTS, reference_generate(tm, PROMPTS, 6))]
+    value = tm.model.get_parameter("model.layers.0.self_attn.q_proj.weight").detach()
+    opts = dict(compress_weight=True, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False)
+    lps = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("FLEXGEN_FUSED_QLINEAR", fused)
+        with LLM(str(tm.path), **opts) as llm:
+            lps[fused] = [s.logprobs.token_logprobs for s in llm.score(seqs, decode_tokens=6, logprobs=0)]
+            q = llm.engine.weights.placed[("layer", 0)]["q.w"].data
+            assert isinstance(q, QTensor) and (q.dim, q.bits, q.group_size) == (1, *want)
+            err = (dequantize_q(q) - value).abs().max().item()
+            assert err == 0.0 if native else err > 1e-4
+    diff = max(abs(a - b) for x, y in zip(lps["0"], lps["1"]) for a, b in zip(x, y))
+    assert diff < 1e-4
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    assert (lm.source.packed_formats("layer", 0).get("q.w")) == (want if native else None)
+    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0, compress_weight=True)  # weights alone in RAM
+    peak = predict_peaks(lm.spec, pol, (0, 2), has_embed=False, has_head=False, prompt_len=4, gen_len=1,
+                         dtype_bytes=4, packed=lm.source.packed_formats)
+    eng = StageEngine(lm.spec, lm.source, (0, 2), has_embed=False, has_head=False, policy=pol,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    stored = eng.weights.bytes_per_tier()
+    eng.close()
+    assert peak["cpu"] == stored["cpu"] > 0

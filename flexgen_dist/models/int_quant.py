@@ -230,3 +230,48 @@ def dequantize_ct(q: IntQuant, packed: torch.Tensor, scale: torch.Tensor, zero: 
                                  "group_size does not fit the checkpoint")
         g = torch.arange(cols) // size
     return (codes - z[:, g]).float() * scale[:, g]
+
+
+def packed_parts(q: IntQuant, parts: dict[str, torch.Tensor | None], shape: tuple[int, int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A layer's codes as the engine stores compressed weights (``models/packed.PackedWeight``:
+    (out, in) unsigned codes packed low bits first, per group of input columns a scale and
+    a minimum, value = code x scale + min, so min = -zero x scale), or None where they cannot
+    be kept so: activation-ordered groups, a group that does not divide the row, other bits.
+    ``parts``: the layer's tensors by the suffixes its method names them with."""
+    rows, cols = shape
+    g_idx = parts.get("g_idx" if q.method == "gptq" else "weight_g_idx")
+    if q.bits not in (4, 8):
+        return None
+    if q.method == "compressed-tensors":
+        codes = parts["weight_packed"]
+        assert codes is not None
+        off = 1 << (q.bits - 1)
+        u = _unpack_dense(codes.to(torch.int32), q.bits, cols) + off
+        scale = parts["weight_scale"].float().reshape(rows, -1)  # type: ignore[union-attr]
+        zp = parts.get("weight_zero_point")
+        z = torch.full(scale.shape, off, dtype=torch.int32) if zp is None else (
+            (zp.to(torch.int32) if zp.dtype == torch.int8 else
+             _unpack_dense(zp.to(torch.int32).t().contiguous(), q.bits, rows).t()) + off)
+    else:
+        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+        assert qweight is not None and qzeros is not None and scales is not None
+        if q.method == "gptq":
+            u, z = _unpack(qweight, q.bits, 0).t(), _unpack(qzeros, q.bits, 1).t()
+            if q.zero_minus_one:
+                z = (z + 1) & ((1 << q.bits) - 1)
+        else:
+            order = torch.tensor(AWQ_REVERSE)
+            c, zz = _unpack(qweight, 4, 1), _unpack(qzeros, 4, 1)
+            u = c.view(c.shape[0], -1, 8)[..., order].reshape(c.shape).t()
+            z = zz.view(zz.shape[0], -1, 8)[..., order].reshape(zz.shape).t()
+        scale = scales.float().t()
+    groups = scale.shape[1]
+    if u.shape != (rows, cols) or z.shape != (rows, groups) or cols % groups:
+        return None
+    size = cols // groups
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // size):
+        return None
+    u = u.contiguous()
+    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8) if q.bits == 4 else u.to(torch.uint8)
+    return packed.contiguous(), (-z.float() * scale).contiguous(), scale.contiguous()

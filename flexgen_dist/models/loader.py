@@ -25,7 +25,8 @@ from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .config_fields import fp8_block
-from .int_quant import IntQuant, dequantize, dequantize_ct, int_quant
+from .int_quant import IntQuant, dequantize, dequantize_ct, int_quant, packed_parts
+from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -128,7 +129,9 @@ class HFDirSource(WeightSource):
         self._handles[f] = h
         return h
 
-    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+    def _names(self, part: str, layer: int | None) -> dict[str, tuple[str, str, str, str, str]]:
+        """Per canonical key of a part, its checkpoint tensor: (name, rows, transposed, expert
+        index, mxfp4), from the family's candidate names (the first the checkpoint holds)."""
         out = {}
         for k, candidates in self.family.hf_names(self.spec, part, layer).items():
             name = next((c for c in candidates if c.split("#")[0] in self.index), None)
@@ -138,6 +141,19 @@ class HFDirSource(WeightSource):
             name, transposed, _ = name.partition(TRANSPOSED)
             name, _, index = name.partition(INDEX)
             name, mxfp4, _ = name.partition(MXFP4)
+            out[k] = (name, rows, transposed, index, mxfp4)
+        return out
+
+    def _read(self, part: str, layer: int | None, packed: bool = False) -> dict[str, Any]:
+        """The part's tensors under canonical keys; ``packed``: a GPTQ/AWQ/compressed-tensors
+        matrix read whole comes as a ``PackedWeight`` where its codes can be kept (``get_packed``)."""
+        out: dict[str, Any] = {}
+        for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
+            if packed and name in self._packed and not (rows or transposed or index or mxfp4):
+                pw = self._native(name.removesuffix("weight"))
+                if pw is not None:
+                    out[k] = pw
+                    continue
             t = self._tensor(name)
             if mxfp4:  # codes and scales of all experts: one expert's, expanded
                 t = self._expand_mxfp4(name, int(index) if index else None)
@@ -171,6 +187,92 @@ class HFDirSource(WeightSource):
         if t.dtype == torch.int8 and self.iq is not None and name + "_scale" in self.index:
             return self._expand_int(name.removesuffix("weight"), t)  # compressed-tensors' int8 codes
         return t
+
+    def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
+        if self.iq is None or not self.keep_packed:
+            return dict(self.get(part, layer))
+        raw = self._read(part, layer, packed=True)
+        packed = {k: v for k, v in raw.items() if isinstance(v, PackedWeight)}
+        shapes = self.shapes(part, layer)
+        for k, pw in packed.items():
+            if tuple(pw.shape) != tuple(shapes[k]):
+                raise ModelLoadError(f"{self.path}: {self.iq.method} weight {k} of {part} {layer} has shape "
+                                     f"{pw.shape}, expected {shapes[k]}: corrupt checkpoint?")
+        dense = {k: v for k, v in raw.items() if k not in packed}
+        return {**self._checked(part, layer, dense), **packed}
+
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
+        if self.iq is None or not self.keep_packed:
+            return {}
+        out = {}
+        for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
+            if name in self._packed and not (rows or transposed or index or mxfp4):
+                group = self._native_group(name.removesuffix("weight"))
+                if group:
+                    out[k] = (self.iq.bits, group)
+        return out
+
+    def _int_parts(self, stem: str) -> dict[str, torch.Tensor | None]:
+        names = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape") \
+            if self.iq is not None and self.iq.method == "compressed-tensors" else \
+            ("qweight", "qzeros", "scales", "g_idx")
+        return {t: (self._raw(stem + t) if stem + t in self.index and stem + t not in self._packed else None)
+                for t in names}
+
+    def _raw(self, name: str) -> torch.Tensor:
+        h = self._open(self.index[name])
+        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+    def _native(self, stem: str) -> PackedWeight | None:
+        """Layer ``stem``'s codes as a ``PackedWeight`` (``int_quant.packed_parts``), or None
+        where they cannot be kept (its values are then expanded)."""
+        assert self.iq is not None
+        parts = self._int_parts(stem)
+        shape = self._int_shape(stem, parts)
+        got = packed_parts(self.iq, parts, shape)
+        if got is None:
+            return None
+        codes, mins, scales = got
+        return PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, self.iq.bits,
+                            shape[1] // scales.shape[1])
+
+    def _native_group(self, stem: str) -> int:
+        """The group size a layer's codes are kept in (0: expanded instead), from the shapes
+        and the group order alone (``packed_parts`` decides alike when it reads them)."""
+        iq = self.iq
+        assert iq is not None
+        if iq.bits not in (4, 8):
+            return 0
+        ct = iq.method == "compressed-tensors"
+        scale = self._shape(stem + ("weight_scale" if ct else "scales"))
+        if ct:
+            shape = self._raw(stem + "weight_shape") if stem + "weight_shape" in self.index else None
+            cols = int(shape[1]) if shape is not None else 0
+            groups = scale[1] if len(scale) == 2 else 1
+        else:
+            qw = self._shape(stem + "qweight")
+            cols, groups = (qw[0] * iq.per_word if iq.method == "gptq" else qw[0]), scale[0]
+        if not cols or cols % groups:
+            return 0
+        g = stem + ("weight_g_idx" if ct else "g_idx")
+        if g in self.index and not torch.equal(self._raw(g).long(), torch.arange(cols) // (cols // groups)):
+            return 0
+        return cols // groups
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file's header (safetensors) or its mapped copy."""
+        h = self._open(self.index[name])
+        return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
+
+    def _int_shape(self, stem: str, parts: dict[str, torch.Tensor | None]) -> tuple[int, int]:
+        if parts.get("weight_shape") is not None:
+            return int(parts["weight_shape"][0]), int(parts["weight_shape"][1])  # type: ignore[index]
+        if parts.get("weight") is not None:
+            return tuple(parts["weight"].shape)  # type: ignore[union-attr,return-value]
+        qw = parts["qweight"]
+        assert qw is not None and self.iq is not None
+        return (qw.shape[1], qw.shape[0] * self.iq.per_word) if self.iq.method == "gptq" else \
+            (qw.shape[1] * self.iq.per_word, qw.shape[0])
 
     def _expand_int(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 matrix of GPTQ/AWQ/compressed-tensors layer ``stem`` (``int_quant.py``);
