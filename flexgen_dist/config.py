@@ -70,7 +70,7 @@ class RunConfig:
     attn_sparsity: float | None = None
     comp_group_size: int | None = None
     comp_bits: int | None = None
-    gguf_native: bool = True  # under compress_weight: GGUF Q4_0/Q4_1/Q8_0 blocks, GPTQ/AWQ/compressed-tensors codes kept
+    gguf_native: bool = True  # compress_weight keeps GGUF blocks, GPTQ/AWQ/compressed-tensors codes
     offload_dir: str = "~/.cache/flexgen_dist/offload"
     direct_io: str = "auto"
     device: str = "auto"
