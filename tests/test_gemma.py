@@ -206,7 +206,7 @@ def _edited(path: Path, tmp_path: Path, edit: dict, text: bool = False) -> Path:
      "rope scaling 'longrope' needs long_factor, short_factor"),
     ("gemma3_text", {"rope_parameters": {**G3_ROPE, "sliding_attention": {"rope_type": "su", "factor": 2.0}}},
      "rope scaling type 'su' is not supported"),
-    ("gemma2", {"quantization_config": {"quant_method": "gptq"}}, "'gptq'-quantized checkpoint is not supported"),
+    ("gemma2", {"quantization_config": {"quant_method": "hqq"}}, "'hqq'-quantized checkpoint is not supported"),
 ])
 def test_what_is_not_computed_is_refused_in_one_line(models: dict, kind: str, edit: dict, match: str,
                                                      tmp_path: Path) -> None:
