@@ -146,6 +146,21 @@ def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return codes.reshape(w.shape[0], -1)
 
 
+def column_groups(g_idx: torch.Tensor | None, cols: int, groups: int, size: int, name: str) -> torch.Tensor:
+    """Each input column's group (cols,): the file's order (``g_idx``, act-order shuffles it)
+    or consecutive groups of ``size``; a layout that does not fit is a one-line error."""
+    if g_idx is not None:
+        g = g_idx.long()
+        if g.shape != (cols,) or int(g.min()) < 0 or int(g.max()) >= groups:
+            raise ModelLoadError(f"{name}: g_idx of shape {tuple(g.shape)} for {cols} input columns and {groups} "
+                                 "groups: corrupt checkpoint?")
+        return g
+    if size <= 0 or -(-cols // size) != groups:
+        raise ModelLoadError(f"{name}: {cols} input columns in groups of {size} are not {groups} groups: the "
+                             "config's group_size does not fit the checkpoint")
+    return torch.arange(cols) // size
+
+
 def dequantize(q: IntQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                g_idx: torch.Tensor | None, name: str) -> torch.Tensor:
     """The (out, in) float32 matrix a GPTQ or AWQ layer's tensors encode (module doc)."""
@@ -169,17 +184,7 @@ def dequantize(q: IntQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales:
     if scales.dim() != 2 or scales.shape[1] != rows or zeros.shape != (groups, rows):
         raise ModelLoadError(f"{name}: {q.method.upper()} codes for {cols} x {rows}, scales {tuple(scales.shape)} "
                              f"and zeros {tuple(zeros.shape)} do not agree: corrupt checkpoint?")
-    if g_idx is not None:
-        g = g_idx.long()
-        if g.shape != (cols,) or int(g.min()) < 0 or int(g.max()) >= groups:
-            raise ModelLoadError(f"{name}: g_idx of shape {tuple(g.shape)} for {cols} input columns and {groups} "
-                                 "groups: corrupt checkpoint?")
-    else:
-        size = cols if q.group_size <= 0 else q.group_size
-        if -(-cols // size) != groups:
-            raise ModelLoadError(f"{name}: {cols} input columns in groups of {size} are not {groups} groups: the "
-                                 "config's group_size does not fit the checkpoint")
-        g = torch.arange(cols) // size
+    g = column_groups(g_idx, cols, groups, cols if q.group_size <= 0 else q.group_size, name)
     w = (codes - zeros[g]).float() * scales.float()[g]  # (in, out): exact in float32
     return w.t().contiguous()
 
@@ -218,17 +223,7 @@ def dequantize_ct(q: IntQuant, packed: torch.Tensor, scale: torch.Tensor, zero: 
         if z.shape != (rows, groups):
             raise ModelLoadError(f"{name}: zero points {tuple(z.shape)} for {rows} rows and {groups} groups do not "
                                  "agree: corrupt checkpoint?")
-    if g_idx is not None:
-        g = g_idx.long()
-        if g.shape != (cols,) or int(g.min()) < 0 or int(g.max()) >= groups:
-            raise ModelLoadError(f"{name}: weight_g_idx of shape {tuple(g.shape)} for {cols} columns and {groups} "
-                                 "groups: corrupt checkpoint?")
-    else:
-        size = cols if groups == 1 else q.group_size
-        if size <= 0 or -(-cols // size) != groups:
-            raise ModelLoadError(f"{name}: {cols} columns in groups of {size} are not {groups} groups: the config's "
-                                 "group_size does not fit the checkpoint")
-        g = torch.arange(cols) // size
+    g = column_groups(g_idx, cols, groups, cols if groups == 1 else q.group_size, name)
     return (codes - z[:, g]).float() * scale[:, g]
 
 
