@@ -15,6 +15,7 @@ from .qwen_next_config import QWEN_NEXT_IMAGE_TEXT, QWEN_NEXT_TYPES, qwen_next_f
 from .moe_config import GRANITE_MOE_TYPES, MLA_TYPES, MOE_REFUSED, MOE_TYPES, moe_fields
 from .source import ModelLoadError
 from .rope_config import phimoe_rope, rope_scaling as _rope_scaling
+from .spec_checks import NEOX_ACTIVATIONS
 from .rope_scaling import mla_softmax_scale
 from .spec import ModelSpec, RopeScaling, alternating, every_nth
 
@@ -77,6 +78,8 @@ def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
                          word_embed_proj_dim=0 if proj == cfg["hidden_size"] else proj, **common)
     if mt in COHERE_TYPES:
         return _cohere_spec(cfg, mt, name, common)
+    if mt in NEOX_TYPES:
+        return _neox_spec(cfg, mt, name, common)
     if mt in OLMO_TYPES:
         return _olmo_spec(cfg, mt, name, common)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -119,6 +122,7 @@ ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pai
 GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
+NEOX_TYPES = ("gpt_neox", "phi")  # LayerNorms, biases, GELU, attention beside the MLP (models/neox.py)
 HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 # Granite with sliding layers, attention sinks and a RoPE base per layer (0: none)
 GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
@@ -127,7 +131,7 @@ LLAMA_TYPES = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", 
                "exaone4", "ernie4_5", "llama4_text", "internlm3", "seed_oss", "hunyuan_v1_dense", "granite_swa",
                "arcee", "apertus", "qwen3_5_text", *GLM_TYPES, *MOE_TYPES)
 SUPPORTED = tuple(sorted({"opt", "mistral3", "llama4", *QWEN_NEXT_IMAGE_TEXT, *LLAMA_TYPES, *OLMO_TYPES,
-                          *COHERE_TYPES, *GEMMA_TYPES}))
+                          *COHERE_TYPES, *NEOX_TYPES, *GEMMA_TYPES}))
 
 
 def _mla_spec(cfg: dict[str, Any], mt: str, name: str, rope: dict[str, Any], common: dict[str, Any]) -> ModelSpec:
@@ -164,6 +168,36 @@ def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]
                      qk_norm=bool(cfg.get("use_qk_norm")), logit_scale=float(cfg.get("logit_scale") or 1.0),
                      tie_word_embeddings=cfg.get("tie_word_embeddings", True),
                      attention_bias=cfg.get("attention_bias", False), **extra, **common)
+
+
+def _neox_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """GPT-NeoX (Pythia: two LayerNorms, attention beside the MLP unless use_parallel_residual
+    is false, q|k|v fused by head) and Phi-1/1.5/2 (one LayerNorm for both, a biased head)."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    # GPT-NeoX's own names: rotary_pct (default 0.25) and rotary_emb_base, as transformers reads them
+    default_partial = cfg.get("rotary_pct", 0.25) if mt == "gpt_neox" else 0.5
+    partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or default_partial
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or cfg.get("rotary_emb_base") or 10000.0
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary = int(head_dim * partial)
+    act = cfg.get("hidden_act", "gelu" if mt == "gpt_neox" else "gelu_new")
+    if act not in NEOX_ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported for {mt} ({', '.join(NEOX_ACTIVATIONS)} are)")
+    if mt == "phi" and cfg.get("qk_layernorm"):
+        raise ValueError("phi with qk_layernorm=True is not supported")
+    if rotary % 2 or rotary < 2:
+        raise ValueError(f"a rotary part of {rotary} dims per head (partial_rotary_factor {partial}): RoPE needs an "
+                         "even number of at least 2")
+    return ModelSpec(family="neox", ffn_size=cfg["intermediate_size"],
+                     num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+                     norm_eps=cfg.get("layer_norm_eps") or 1e-5, rope_theta=float(theta),
+                     rope_scaling=_rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary),
+                     rotary_dim=rotary if rotary != head_dim else 0,
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                     attention_bias=cfg.get("attention_bias", True) if mt == "gpt_neox" else True,
+                     norm_layout="shared" if mt == "phi" else "pre", mlp_activation=act,
+                     parallel_residual=mt == "gpt_neox" and cfg.get("use_parallel_residual", True),
+                     lm_head_bias=mt == "phi", **common)
 
 
 def _olmo_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:

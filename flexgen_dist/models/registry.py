@@ -56,6 +56,11 @@ _GLM4 = dict(family="llama", vocab_size=151552, max_positions=32768, bos_token_i
 _MIXTRAL = dict(_MISTRAL, vocab_size=32000, router_weights_fp32=True, norm_topk_prob=True)
 _QWEN2_MOE = dict(_QWEN25, vocab_size=151936, max_positions=32768, norm_topk_prob=False)
 _QWEN3_MOE = dict(_QWEN3, norm_topk_prob=True)
+_PYTHIA = dict(family="neox", vocab_size=50432, max_positions=2048, bos_token_id=0, eos_token_ids=(0,),
+               pad_token_id=None, tie_word_embeddings=False, norm_eps=1e-5, attention_bias=True,
+               parallel_residual=True, mlp_activation="gelu")
+
+
 def _mla_scale(factor: float, mscale_all_dim: float) -> float:
     """DeepSeek's softmax scale (heads of 192 for q.k) as its config gives it."""
     return mla_softmax_scale(192, factor, 0.1 * mscale_all_dim)
@@ -289,6 +294,16 @@ _SHAPES: dict[str, dict] = {
                          num_kv_heads=5, rope_theta=100000.0),
     "smollm2-1.7b": dict(_SMOL, num_layers=24, hidden_size=2048, ffn_size=8192, num_heads=32,
                          rope_theta=130000.0),
+    # the NeoX family: Pythia (GPT-NeoX's layers: a quarter of each head turned, attention beside
+    # the MLP) and GPT-NeoX-20B; Phi-2 (one norm for both, 0.4 of each head turned, a biased head)
+    "pythia-6.9b": dict(_PYTHIA, num_layers=32, hidden_size=4096, ffn_size=16384, num_heads=32, rotary_dim=32),
+    "pythia-12b": dict(_PYTHIA, vocab_size=50688, num_layers=36, hidden_size=5120, ffn_size=20480, num_heads=40, rotary_dim=32),
+    "gpt-neox-20b": dict(_PYTHIA, vocab_size=50432, num_layers=44, hidden_size=6144, ffn_size=24576, num_heads=64,
+                         rotary_dim=24),
+    "phi-2": dict(family="neox", vocab_size=51200, max_positions=2048, bos_token_id=50256, eos_token_ids=(50256,),
+                  pad_token_id=None, tie_word_embeddings=False, norm_eps=1e-5, num_layers=32, hidden_size=2560,
+                  ffn_size=10240, num_heads=32, rotary_dim=32, attention_bias=True, norm_layout="shared",
+                  mlp_activation="gelu_new", lm_head_bias=True),
 }
 
 

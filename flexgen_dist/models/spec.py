@@ -162,7 +162,9 @@ class ModelSpec(SpecChecks):
     attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a gate; attention's output times sigmoid(gate)
     norm_unit_offset: bool = False  # Qwen3-Next: every RMSNorm multiplies by (1 + w), in float32
     layer_norm: bool = False  # Phi-3.5-MoE: every norm a LayerNorm with a weight and a bias, not an RMSNorm
-    lm_head_bias: bool = False  # Phi-3.5-MoE: the LM head has a bias
+    lm_head_bias: bool = False  # Phi-3.5-MoE, Phi-2: the LM head has a bias
+    # GPT-NeoX: attention and the MLP side by side, each on its own norm of the layer's input
+    parallel_residual: bool = False
     # Phi-3.5-MoE's sparsemixer routing (router_scoring "sparsemixer"): an expert's weight is a
     # softmax over the logits within 2 * router_jitter (relative) of the best remaining one
     router_jitter: float = 0.0
@@ -202,7 +204,7 @@ class ModelSpec(SpecChecks):
     @property
     def mlp_gated(self) -> bool:
         """Whether a dense layer's MLP has a gate projection (SwiGLU) or only up and down."""
-        return self.mlp_activation == "swiglu"
+        return self.mlp_activation == "swiglu" and self.family != "neox"
 
     @property
     def cache_tensors(self) -> int:
@@ -315,11 +317,11 @@ class ModelSpec(SpecChecks):
 
     @property
     def norm(self) -> str:
-        return "layernorm" if self.family == "opt" or self.layer_norm else "rmsnorm"
+        return "layernorm" if self.family in ("opt", "neox") or self.layer_norm else "rmsnorm"
 
     @property
     def activation(self) -> str:
-        return {"opt": "relu", "gemma": "gelu_tanh"}.get(self.family, "silu")
+        return {"opt": "relu", "gemma": "gelu_tanh", "neox": "gelu"}.get(self.family, "silu")
 
     @property
     def positions(self) -> str:
@@ -343,6 +345,10 @@ class ModelSpec(SpecChecks):
             biases = self.q_dim + 2 * self.kv_dim + h + f + h
             norms = 4 * h
             return attn + mlp + biases + norms
+        if self.family == "neox":  # LayerNorms (one or two), biased MLP, ungated
+            norms = (2 if self.norm_layout == "shared" else 4) * h
+            biases = (self.q_dim + 2 * self.kv_dim + h) * self.attention_bias + f + h
+            return attn + 2 * h * f + biases + norms
         mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
                   + ((1 + self.mlp_gated) * f + h) * self.mlp_bias * (not self.is_moe(layer))

@@ -5,7 +5,7 @@ them. A spec that fails one is a ``ValueError`` naming the field (the loaders tu
 line naming the model)."""
 from __future__ import annotations
 
-FAMILIES = ("opt", "llama", "gemma", "cohere")
+FAMILIES = ("opt", "llama", "gemma", "cohere", "neox")
 
 
 # a chunked layer (Llama 4) attends within its chunk of sliding_window positions only
@@ -15,8 +15,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "line
 # (gpt-oss), or a sigmoid of the top logits scaling the expert's input (Llama 4)
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "top_sigmoid", "sparsemixer")
 MLP_ACTIVATIONS = ("swiglu", "relu2", "xielu")  # a dense MLP's: gated SiLU, or ungated relu² / xIELU
-NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich")}
-DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich"}  # the other families' layouts are their own
+NEOX_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # the NeoX family's (neox.py)
+# the NeoX family: "pre" a norm before attention and one before the MLP (GPT-NeoX), "shared" one
+# for both (Phi)
+NORM_LAYOUTS = {"llama": ("pre", "post", "sandwich"), "gemma": ("pre", "sandwich"), "neox": ("pre", "shared")}
+DEFAULT_LAYOUT = {"llama": "pre", "gemma": "sandwich", "neox": "pre"}  # the other families' layouts are their own
 
 
 class SpecChecks:
@@ -102,17 +105,24 @@ class SpecChecks:
             raise ValueError("ModelSpec: latent attention (kv_lora_rank) needs the llama family's pre-norm layer, "
                              "num_kv_heads 1, head_dim kv_lora_rank + qk_rope_dim, even qk_rope_dim, positive "
                              "head sizes and no q/k/v biases or norms")
-        if self.mlp_activation not in MLP_ACTIVATIONS or (self.mlp_activation != "swiglu" and (
+        if self.family == "neox":
+            if self.mlp_activation not in NEOX_ACTIVATIONS:
+                raise ValueError(f"ModelSpec.mlp_activation={self.mlp_activation!r}: the neox family's are "
+                                 f"{NEOX_ACTIVATIONS}")
+        elif self.mlp_activation not in MLP_ACTIVATIONS or (self.mlp_activation != "swiglu" and (
                 self.family != "llama" or self.norm_layout != "pre")):
             raise ValueError(f"ModelSpec.mlp_activation={self.mlp_activation!r}: one of {MLP_ACTIVATIONS}, the "
                              "ungated ones in the llama family's pre-norm layer")
+        if self.parallel_residual and self.family != "neox":
+            raise ValueError(f"ModelSpec.parallel_residual is the neox family's (GPT-NeoX), not {self.family}'s")
         if self.attn_sinks and self.family != "llama":
             raise ValueError(f"ModelSpec.attn_sinks is the llama family's (gpt-oss), not {self.family}'s")
         if self.logit_scale != 1.0 and self.family != "cohere":
             raise ValueError(f"ModelSpec.logit_scale is the cohere family's, not {self.family}'s")
         self._check_linear()
-        if (self.layer_norm or self.lm_head_bias) and (self.family != "llama" or self.norm_layout != "pre"
-                                                       or self.norm_unit_offset or self.tie_word_embeddings):
+        if (self.layer_norm or self.lm_head_bias) and self.family != "neox" and (
+                self.family != "llama" or self.norm_layout != "pre" or self.norm_unit_offset
+                or self.tie_word_embeddings):
             raise ValueError("ModelSpec: layer_norm and lm_head_bias are the llama family's pre-norm layer's with an "
                              "untied head (Phi-3.5-MoE)")
 

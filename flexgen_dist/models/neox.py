@@ -1,0 +1,152 @@
+"""The NeoX family: GPT-NeoX (Pythia, GPT-NeoX-20B: ``gpt_neox``) and Phi-1/1.5/2 (``phi``).
+
+What differs from Llama, each as transformers' ``modeling_gpt_neox.py`` / ``modeling_phi.py``
+computes it:
+
+- LayerNorms with biases; biases on every projection (q, k, v and o where ``attention_bias``,
+  the MLP always; Phi's head too, ``lm_head_bias``);
+- attention and the MLP side by side (``parallel_residual``): GPT-NeoX normalises the
+  input once for each (``x + attn(ln1(x)) + mlp(ln2(x))``, added as ``mlp + attn + x``; with
+  ``use_parallel_residual`` false the MLP follows attention: ``y = x + attn(ln1(x))``,
+  ``mlp(ln2(y)) + y``), Phi once for both (``norm_layout`` "shared": ``attn + mlp + x``);
+- an ungated MLP, ``down(act(up(x)))``, act a GELU (``mlp_activation``: "gelu" the exact one,
+  "gelu_new" and "gelu_fast" transformers' tanh formulas, "gelu_pytorch_tanh" torch's);
+- RoPE (rotate-half) on the leading ``rotary_dim`` dims of each head (Pythia: a quarter,
+  Phi-2: 0.4);
+- GPT-NeoX fuses q, k and v in one matrix interleaved by head (head h's q, k, v rows follow
+  each other), read here as three row selections of it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .common import Positions, apply_rope, as_positions, embedding, layer_norm, linear, project_qkv
+from .families import ROWS, Attend, Family, Weights, register
+from .spec import ModelSpec
+
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+
+_PHI = {"attn_norm.w": "input_layernorm.weight", "attn_norm.b": "input_layernorm.bias",
+        "q.w": "self_attn.q_proj.weight", "q.b": "self_attn.q_proj.bias",
+        "k.w": "self_attn.k_proj.weight", "k.b": "self_attn.k_proj.bias",
+        "v.w": "self_attn.v_proj.weight", "v.b": "self_attn.v_proj.bias",
+        "o.w": "self_attn.dense.weight", "o.b": "self_attn.dense.bias",
+        "up.w": "mlp.fc1.weight", "up.b": "mlp.fc1.bias", "down.w": "mlp.fc2.weight", "down.b": "mlp.fc2.bias"}
+_NEOX = {"attn_norm.w": "input_layernorm.weight", "attn_norm.b": "input_layernorm.bias",
+         "mlp_norm.w": "post_attention_layernorm.weight", "mlp_norm.b": "post_attention_layernorm.bias",
+         "q.w": "attention.query_key_value.weight", "q.b": "attention.query_key_value.bias",
+         "o.w": "attention.dense.weight", "o.b": "attention.dense.bias",
+         "up.w": "mlp.dense_h_to_4h.weight", "up.b": "mlp.dense_h_to_4h.bias",
+         "down.w": "mlp.dense_4h_to_h.weight", "down.b": "mlp.dense_4h_to_h.bias"}
+
+
+def _shared(spec: ModelSpec) -> bool:
+    return spec.norm_layout == "shared"
+
+
+def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[int, ...]]:
+    h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm.w": (h,), "attn_norm.b": (h,)}
+    if not _shared(spec):
+        shapes.update({"mlp_norm.w": (h,), "mlp_norm.b": (h,)})
+    shapes.update({"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
+    if spec.attention_bias:
+        shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
+    shapes.update({"up.w": (f, h), "up.b": (f,), "down.w": (h, f), "down.b": (h,)})
+    return shapes
+
+
+def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {"tok.w": (spec.vocab_size, spec.hidden_size)}
+
+
+def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"norm.w": (h,), "norm.b": (h,)}
+    shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, h)
+    if spec.lm_head_bias:
+        shapes["lm_head.b"] = (spec.vocab_size,)
+    return shapes
+
+
+def _fused_rows(spec: ModelSpec, which: int) -> str:
+    """The rows of GPT-NeoX's fused q|k|v holding q (0), k (1) or v (2): per head, its d rows
+    after the head's 3d start."""
+    d = spec.head_dim
+    return ROWS + ",".join(f"{(3 * h + which) * d}:{(3 * h + which + 1) * d}" for h in range(spec.num_heads))
+
+
+def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, list[str]]:
+    """Canonical name -> candidate checkpoint names (first found wins): Phi's, then GPT-NeoX's."""
+    if part == "layer":
+        out: dict[str, list[str]] = {}
+        for k in layer_shapes(spec, layer):
+            names = [f"model.layers.{layer}.{_PHI[k]}"] if k in _PHI else []
+            base, kind = k.split(".")
+            if base in ("q", "k", "v"):
+                fused = _NEOX[f"q.{kind}"]
+                names.append(f"gpt_neox.layers.{layer}.{fused}{_fused_rows(spec, 'qkv'.index(base))}")
+            elif k in _NEOX:
+                names.append(f"gpt_neox.layers.{layer}.{_NEOX[k]}")
+            out[k] = names
+        return out
+    if part == "embed":
+        return {"tok.w": ["model.embed_tokens.weight", "gpt_neox.embed_in.weight"]}
+    out = {"norm.w": ["model.final_layernorm.weight", "gpt_neox.final_layer_norm.weight"],
+           "norm.b": ["model.final_layernorm.bias", "gpt_neox.final_layer_norm.bias"]}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = ["model.embed_tokens.weight", "gpt_neox.embed_in.weight", "lm_head.weight", "embed_out.weight"]
+    else:
+        out["lm_head.w"] = ["lm_head.weight", "embed_out.weight"]
+    if spec.lm_head_bias:
+        out["lm_head.b"] = ["lm_head.bias"]
+    return out
+
+
+def gelu(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The GELU ``kind`` names, as transformers' ``ACT2FN`` computes it."""
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "gelu_new":  # NewGELUActivation, its operations in order
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if kind == "gelu_fast":  # FastGELUActivation
+        return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+    raise ValueError(f"activation {kind!r}: the NeoX family computes {', '.join(ACTIVATIONS)}")
+
+
+def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Positions) -> torch.Tensor:
+    return embedding(ids, w["tok.w"])
+
+
+def _mlp(spec: ModelSpec, w: Weights, h: torch.Tensor) -> torch.Tensor:
+    return linear(gelu(linear(h, w["up.w"], w["up.b"]), spec.mlp_activation), w["down.w"], w["down.b"])
+
+
+def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,
+                  attend: Attend, layer: int = 0) -> torch.Tensor:
+    """One decoder layer; ``attend`` writes k/v into the engine's cache and attends."""
+    eps = spec.norm_eps
+    h = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
+    q, k, v = project_qkv(spec, w, h)
+    cos, sin = as_positions(pos).rope(spec.rope_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
+    a = linear(attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), w["o.w"], w.get("o.b"))
+    if _shared(spec):  # Phi: attn + mlp + x, both on the one normalised input
+        return (a + _mlp(spec, w, h)).add_(x)
+    if spec.parallel_residual:  # GPT-NeoX: mlp + attn + x
+        return (_mlp(spec, w, layer_norm(x, w["mlp_norm.w"], w["mlp_norm.b"], eps)) + a).add_(x)
+    y = a.add_(x)
+    return _mlp(spec, w, layer_norm(y, w["mlp_norm.w"], w["mlp_norm.b"], eps)).add_(y)
+
+
+def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    x = layer_norm(x, w["norm.w"], w["norm.b"], spec.norm_eps)
+    return linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"], w.get("lm_head.b"))
+
+
+register(Family("neox", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
