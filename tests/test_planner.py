@@ -406,6 +406,10 @@ def test_cli_errors_are_one_line(capsys):
     assert len(err) == 1 and "disk too small" in err[0]
     assert cli_main(["plan", "--model", "no-such-model", "--hardware", str(T4)]) != 0
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    readme = T4.parent / "README.md"  # not a profile: not even YAML
+    assert cli_main(["plan", "--model", "opt-1.3b", "--hardware", str(readme)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not valid YAML" in err[0]
 
 
 def test_per_stage_hardware_list(tmp_path) -> None:

@@ -196,9 +196,17 @@ class HardwareSpec:
             raise FileNotFoundError(f"hardware file {path} not found: pass a YAML file such as "
                                     f"configs/hardware/t4.yaml, or run "
                                     f"'python -m flexgen_dist.planner profile --out {path}'")
+        return cls.from_dict(_yaml(path), where=str(path))
+
+
+def _yaml(path: Path) -> Any:
+    """A hardware file's contents; not YAML is a one-line error naming the file."""
+    try:
         with open(path) as f:
-            d = yaml.safe_load(f)
-        return cls.from_dict(d, where=str(path))
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"hardware file {path} is not valid YAML ({str(e).splitlines()[0]}): pass a profile such "
+                         "as configs/hardware/t4.yaml") from None
 
 
 def load_hardware_stages(path: str | Path) -> list[HardwareSpec]:
@@ -213,8 +221,7 @@ def load_hardware_stages(path: str | Path) -> list[HardwareSpec]:
     path = Path(path)
     if not path.is_file():
         return [HardwareSpec.from_yaml(path)]  # raises the not-found error
-    with open(path) as f:
-        d = yaml.safe_load(f)
+    d = _yaml(path)
     if not (isinstance(d, dict) and "stages" in d):
         return [HardwareSpec.from_dict(d, where=str(path))]
     items = d["stages"]
