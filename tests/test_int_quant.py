@@ -318,3 +318,71 @@ def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, t
     stored = eng.weights.bytes_per_tier()
     eng.close()
     assert peak["cpu"] == stored["cpu"] > 0
+
+
+def test_a_mixture_of_experts_with_quantized_experts(tmp_path: Path) -> None:
+    """Qwen3-MoE as its GPTQ releases store it: every expert's gate, up and down a GPTQ layer of
+    its own (``mlp.experts.E.gate_proj.qweight``, ...), the router kept in float. Greedy tokens
+    equal transformers' on the encoded values, with the experts expanded, and with their codes
+    kept (``--compress-weight``: the stored experts expand to the encoded values exactly)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from flexgen_dist.memory.quant import QTensor
+    from flexgen_dist.memory.quant import dequantize as dequantize_q
+
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=None, tie_word_embeddings=False, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+    torch.manual_seed(13)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    path = tmp_path / "m"
+    model.save_pretrained(path)
+    out, group = {}, 32
+
+    def put(stem: str, w: torch.Tensor) -> torch.Tensor:
+        g_idx = torch.arange(w.shape[1]) // group
+        codes, zeros, scales, values = quantize(w, g_idx, w.shape[1] // group, 4, False)
+        out[stem + "qweight"], out[stem + "qzeros"] = gptq_tensors(codes, zeros, 4, True)
+        out[stem + "scales"], out[stem + "g_idx"] = scales, g_idx.to(torch.int32)
+        return values
+
+    for name, w in model.state_dict().items():
+        w = w.detach().clone().contiguous()
+        at = name.rsplit(".", 2)[0]
+        if name.endswith("experts.gate_up_proj"):
+            f = w.shape[1] // 2
+            with torch.no_grad():
+                for e in range(w.shape[0]):
+                    gate = put(f"{at}.experts.{e}.gate_proj.", w[e, :f])
+                    up = put(f"{at}.experts.{e}.up_proj.", w[e, f:])
+                    model.get_parameter(name)[e].copy_(torch.cat([gate, up]))
+        elif name.endswith("experts.down_proj"):
+            with torch.no_grad():
+                for e in range(w.shape[0]):
+                    model.get_parameter(name)[e].copy_(put(f"{at}.experts.{e}.down_proj.", w[e]))
+        elif name.endswith("_proj.weight") and ".self_attn." in name:
+            with torch.no_grad():
+                model.get_parameter(name).copy_(put(name.removesuffix("weight"), w))
+        else:
+            out[name] = w
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((path / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                   "sym": False, "checkpoint_format": "gptq"}
+    (path / "config.json").write_text(json.dumps(conf))
+    tm = TinyModel("qwen3_moe", path, model, 0)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with LLM(str(path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+             offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    with LLM(str(path), compress_weight=True, ignore_eos=True, progress=False) as llm:
+        llm.generate(PROMPTS[:1], gen_len=1)
+        placed = llm.engine.weights.placed[("layer", 0)]
+        up = placed["experts.1.up.w"].data
+        want = model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")[1, 64:].detach()
+        assert isinstance(up, QTensor) and up.group_size == group
+        assert torch.equal(dequantize_q(up), want)
