@@ -237,5 +237,5 @@ def test_every_family_registers_itself() -> None:
 
     assert family_names() == sorted(FAMILIES)
     assert get_family("llama").name == "llama"
-    with pytest.raises(ValueError, match="unknown model family 'gpt2': known families are cohere, gemma, llama, opt"):
+    with pytest.raises(ValueError, match="unknown model family 'gpt2': known families are cohere, gemma, llama, neox, opt"):
         get_family("gpt2")
