@@ -1,7 +1,8 @@
 """A small Hugging Face -> GGUF writer for the tests, written as llama.cpp's converter writes
 the families the engine reads from GGUF: its architecture names, metadata keys and tensor
 names; q/k rows interleaved for its ``llama`` architecture only (the others rotate halves);
-Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``); Llama 3.1's
+Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``); GPT-NeoX's
+``query_key_value`` (interleaved by head) reordered to all heads' q, k, v (``attn_qkv``); Llama 3.1's
 RoPE scaling as the per-frequency divisors ``rope_freqs``, YaRN as its keys; Gemma's norm weights as 1 + w, with
 Gemma 2's and Gemma 3's own keys (and none for what they do not carry: the attention scale,
 the sliding pattern, Gemma 2's RoPE base). Tensors are float32, or Q8_0 /
@@ -28,7 +29,8 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "deepseek_v2": "deepseek2", "llama4_text": "llama4", "seed_oss": "seed_oss", "hunyuan_v1_dense": "hunyuan-dense",
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5",
-        "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus", "exaone_moe": "exaone-moe"}
+        "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus", "exaone_moe": "exaone-moe", "gpt_neox": "gptneox",
+        "phi": "phi2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -69,6 +71,12 @@ _HUNYUAN_LAYER = {**_LAYER, "self_attn.query_layernorm": "attn_q_norm", "self_at
 _SEED_OSS_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm"}
 # Apertus: its norms by their own HF names, as llama's attn_norm and ffn_norm
 _APERTUS_LAYER = {**_LAYER, "attention_layernorm": "attn_norm", "feedforward_layernorm": "ffn_norm"}
+# Phi-1/1.5/2 (phi2): the output projection and the MLP by their HF names; GPT-NeoX (gptneox): its
+# own names, q|k|v fused (attn_qkv, reordered by write_gguf as GPTNeoXModel.modify_tensors does)
+_PHI2_LAYER = {**_LAYER, "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
+_GPTNEOX_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                  "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
+                  "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
 _DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                 "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # Qwen3-Next: its norm before the MLP by the HF name; the linear layers' tensors (write_gguf
@@ -84,7 +92,7 @@ _TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
            "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER, "apertus": _APERTUS_LAYER,
-           "exaone-moe": _DOTS1_LAYER}
+           "exaone-moe": _DOTS1_LAYER, "phi2": _PHI2_LAYER, "gptneox": _GPTNEOX_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -107,14 +115,16 @@ def _nextn(cfg: dict[str, Any], arch: str) -> int:
 
 def gguf_name(hf: str, arch: str = "llama") -> str | None:
     """llama.cpp's name for an HF tensor name of architecture ``arch``."""
-    if hf == "model.embed_tokens.weight":
+    if hf in ("model.embed_tokens.weight", "gpt_neox.embed_in.weight"):
         return "token_embd.weight"
     if hf == "model.norm.weight":
         return "output_norm.weight"
-    if hf == "lm_head.weight":
-        return "output.weight"
+    if hf.startswith(("model.final_layernorm.", "gpt_neox.final_layer_norm.")):  # Phi's, GPT-NeoX's (with a bias)
+        return "output_norm." + hf.rsplit(".", 1)[1]
+    if hf in ("lm_head.weight", "lm_head.bias", "embed_out.weight"):  # Phi's head has a bias
+        return "output." + hf.rsplit(".", 1)[1]
     parts = hf.split(".")
-    if parts[:2] == ["model", "layers"]:
+    if parts[:2] in (["model", "layers"], ["gpt_neox", "layers"]):
         module, suffix = ".".join(parts[3:-1]), parts[-1]
         if suffix == "e_score_correction_bias":  # GLM-4.5's choice bias; ERNIE's (1 x experts, kept 2-D)
             return f"blk.{parts[2]}.exp_probs_b.bias"
@@ -446,6 +456,41 @@ def _cohere_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
         w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
+def _neox_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
+    """The metadata llama.cpp's Phi2Model and GPTNeoXModel write, each its own short set (neither
+    calls TextModel's: no RoPE base, llama.cpp's 10000 being every released Phi's and Pythia's).
+    Phi2Model: the feed-forward width as 4 x hidden (every released Phi's intermediate_size), the
+    kv heads as the heads, the rotated dims as int(factor x hidden) // heads (and add_bos_token
+    False: tokenizer metadata, for which the copied tokenizer's stands). GPTNeoXModel: no kv heads,
+    the rotated dims from rotary_pct (a config transformers saves holds it as the RoPE parameters'
+    partial_rotary_factor), the parallel residual (default true)."""
+    rope, hidden, heads = _rope(cfg), cfg["hidden_size"], cfg["num_attention_heads"]
+    factor = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or cfg.get("rotary_pct")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    if arch == "phi2":
+        w.add_feed_forward_length(4 * hidden)
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(heads)
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
+        w.add_rope_dimension_count(int(factor * hidden) // heads)
+        return
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_rope_dimension_count(int(factor * (hidden // heads)))
+    w.add_head_count(heads)
+    w.add_parallel_residual(cfg.get("use_parallel_residual", True))
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+
+
+def neox_qkv_reordered(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GPTNeoXModel.modify_tensors: query_key_value's rows (or bias), interleaved by head (head
+    h's q, k, v), as all heads' q, then k, then v."""
+    per = t.reshape(heads, 3, t.shape[0] // heads // 3, *t.shape[1:])
+    return torch.cat([per[:, i].reshape(-1, *t.shape[1:]) for i in range(3)])
+
+
 def _gemma_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
     """The metadata llama.cpp's GemmaModel, Gemma2Model and Gemma3Model write. GemmaModel
     writes the shape, the norm's epsilon and the head size only. Gemma2Model writes its own
@@ -484,7 +529,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
     """Write ``model`` (a transformers causal LM) to ``path`` as llama.cpp would; with
     ``mxfp4_experts``, the experts' matrices in MXFP4 (``mxfp4_roundtrip_`` first gives the
     model their values); DeepSeek-V3's kv_b split into attn_k_b (transposed) and attn_v_b as
-    newer converters write it, or whole with ``mla_split=False``."""
+    newer converters write it, or whole with ``mla_split=False``; GPT-NeoX's fused q|k|v as
+    GPTNeoXModel reorders it."""
     import gguf
     import gguf.quants as gq
 
@@ -500,6 +546,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         _cohere_keys(w, cfg, arch)
     elif arch == "deepseek2":
         _deepseek2_keys(w, cfg, mla_split)
+    elif arch in ("phi2", "gptneox"):
+        _neox_keys(w, cfg, arch)
     else:
         _llama_keys(w, cfg, arch, n_head, n_kv)
     copy_tokenizer(w)
@@ -573,6 +621,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
             t = permute(t, n_head)
         elif arch in ("llama", "granite", "smollm3", "arcee") and ".self_attn.k_proj." in hf:
             t = permute(t, n_kv)
+        if arch == "gptneox" and ".attention.query_key_value." in hf:
+            t = neox_qkv_reordered(t, n_head)
         if arch == "deepseek2" and hf.endswith("kv_b_proj.weight") and mla_split:  # the converter's split
             nh, dn = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
             k_b, v_b = t.view(nh, dn + cfg["v_head_dim"], -1).split([dn, cfg["v_head_dim"]], dim=1)

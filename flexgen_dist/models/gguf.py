@@ -4,7 +4,8 @@
 llama.cpp's converter writes each Hugging Face family under an architecture name of its own
 (``general.architecture``): Llama 2/3, SmolLM2 and Mistral as ``llama``, Qwen2/2.5 as
 ``qwen2``, Qwen3 as ``qwen3``, Phi-3 as ``phi3``, Gemma 2 as ``gemma2``, Gemma 3 (text) as
-``gemma3``; ``gguf_arch.py`` holds what differs between them. A file of one of these maps to
+``gemma3``, GPT-NeoX / Pythia as ``gptneox``, Phi-1/1.5/2 as ``phi2``, ...; ``gguf_arch.py`` holds
+what differs between them. A file of one of these maps to
 the ``ModelSpec`` the HF directory it was written from gives. Whatever in a file the engine
 would not compute is refused in one line before anything is generated: another architecture,
 a metadata key of the architecture not accounted for (``gguf_arch.py``), a tensor the engine
@@ -23,7 +24,7 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        exaone_moe_fields, layer_scalars, llama_fields, post_norm_fields)
+                        exaone_moe_fields, layer_scalars, llama_fields, neox_fields, post_norm_fields)
 from .gguf_moe import MOE_ARCHS, nextn
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
@@ -97,6 +98,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             fields["rotary_dim"] = rotary if partial else 0
         elif a.family == "cohere":
             fields = cohere_fields(arch, key, set(tensors), int(key("block_count")))
+        elif a.family == "neox":
+            fields = neox_fields(arch, key, set(tensors), heads, rotary if partial else 0)
         else:
             fields = gemma_fields(arch, key, gguf_field(reader, f"{arch}.attention.sliding_window_pattern"),
                                   key("block_count"), hidden, heads, head_dim, theta, scaling,
@@ -125,8 +128,9 @@ def _head_sizes(key: Any, arch: str, hidden: int, heads: int, name: str) -> tupl
     the value heads as the keys', partial rotary only where the architecture has it."""
     head_dim = key("attention.key_length", hidden // heads if heads else 0)
     rotary = int(key("rope.dimension_count", head_dim))
-    # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half
-    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", *QWEN_NEXT_ARCHS) and rotary != head_dim
+    # Phi-4-mini turns 3/4 of each head, GLM-4, GLM-4.5 and MiniMax-M2 half, Pythia a quarter, Phi-2 0.4
+    partial = arch in ("phi3", "glm4", "glm4moe", "minimax-m2", "gptneox", "phi2", *QWEN_NEXT_ARCHS) \
+        and rotary != head_dim
     if partial and (rotary % 2 or not 0 < rotary < head_dim):
         raise ModelLoadError(f"{name}: {arch}.rope.dimension_count {rotary} is not an even count below the "
                              f"head size {head_dim}: corrupt file?")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import cohere, gemma, llama
+from . import cohere, gemma, llama, neox
 from .gguf_deepseek import mla_fields
 from .gguf_file import decimal32
 from .gguf_moe import moe_fields, nextn
@@ -156,6 +156,12 @@ ARCHS: dict[str, GGUFArch] = {
     # RoPE sections (one position for text: plain RoPE), multi-token-prediction blocks after the last
     "qwen35": GGUFArch("llama", llama.qwen35_gguf_names, norm_shift=1.0, keys=_QWEN_NEXT_KEYS | _QWEN35_KEYS),
     "qwen35moe": GGUFArch("llama", llama.qwen35_gguf_names, norm_shift=1.0, keys=_QWEN_NEXT_KEYS | _QWEN35_KEYS),
+    # GPT-NeoX / Pythia (gptneox) and Phi-1/1.5/2 (phi2): LayerNorms with biases (their epsilon key),
+    # biases everywhere, an ungated GELU MLP, RoPE (halves) on part of each head; GPT-NeoX's q|k|v
+    # fused (reordered by the converter: neox.gguf_names), its residual parallel or not (a key)
+    "gptneox": GGUFArch("neox", neox.gguf_names, keys=frozenset({"attention.layer_norm_epsilon",
+                                                                 "use_parallel_residual"})),
+    "phi2": GGUFArch("neox", neox.gguf_names, keys=frozenset({"attention.layer_norm_epsilon"})),
     "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
     "gemma3": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS, norm_shift=1.0),
@@ -192,6 +198,26 @@ def cohere_fields(arch: str, key: Key, tensors: set[str], layers: int) -> dict[s
         out.update(sliding_window=window, layer_types=types,
                    nope_layers=tuple(t == "full_attention" for t in types))
     return out
+
+
+# the GELU each file computes with: a file does not say, so these are the released models' configs'
+# (Phi-1/1.5/2: gelu_new; Pythia: gelu, the exact one; GPT-NeoX-20B's says gelu_fast). llama.cpp
+# computes ggml_gelu (the tanh form) for both architectures.
+NEOX_ACTIVATION = {"phi2": "gelu_new", "gptneox": "gelu"}
+
+
+def neox_fields(arch: str, key: Key, tensors: set[str], heads: int, rotary: int) -> dict[str, Any]:
+    """A gptneox / phi2 file's ``ModelSpec`` fields beyond the shared ones, as llama.cpp's loader
+    reads it: the LayerNorm's epsilon and gptneox.use_parallel_residual (both required there),
+    the kv heads (the heads' count where the file has none: the gptneox converter writes none),
+    biases on q, k, v and o and an output.weight of its own (all required there), phi2's bias on
+    the head and its one norm for both sublayers; ``rotary``: the dims RoPE turns (0: all)."""
+    return dict(norm_eps=decimal32(key("attention.layer_norm_epsilon")), rotary_dim=rotary,
+                num_kv_heads=int(key("attention.head_count_kv", heads)), attention_bias=True,
+                tie_word_embeddings=False, lm_head_bias=arch == "phi2",
+                norm_layout="shared" if arch == "phi2" else "pre", mlp_activation=NEOX_ACTIVATION[arch],
+                parallel_residual=arch == "gptneox" and bool(key("use_parallel_residual")),
+                fused_proj=arch == "phi2" and "blk.0.attn_qkv.weight" in tensors)
 
 
 def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, heads: int, head_dim: int,

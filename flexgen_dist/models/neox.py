@@ -15,6 +15,11 @@ computes it:
   Phi-2: 0.4);
 - GPT-NeoX fuses q, k and v in one matrix interleaved by head (head h's q, k, v rows follow
   each other), read here as three row selections of it.
+
+llama.cpp's files (``gguf_names``): ``gptneox`` and ``phi2``. Its converter reorders GPT-NeoX's
+fused matrix and bias to all heads' q, then k, then v (``attn_qkv``), which its graph reads as
+three blocks of rows; ``phi2`` keeps q, k and v apart (``attn_q/k/v``), or, converted from a
+checkpoint that fused them, as the same three blocks (``attn_qkv``: ``ModelSpec.fused_proj``).
 """
 from __future__ import annotations
 
@@ -103,6 +108,39 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
         out["lm_head.w"] = ["lm_head.weight", "embed_out.weight"]
     if spec.lm_head_bias:
         out["lm_head.b"] = ["lm_head.bias"]
+    return out
+
+
+_GGUF = {"attn_norm.w": "attn_norm.weight", "attn_norm.b": "attn_norm.bias", "mlp_norm.w": "ffn_norm.weight",
+         "mlp_norm.b": "ffn_norm.bias", "q.w": "attn_q.weight", "q.b": "attn_q.bias", "k.w": "attn_k.weight",
+         "k.b": "attn_k.bias", "v.w": "attn_v.weight", "v.b": "attn_v.bias", "o.w": "attn_output.weight",
+         "o.b": "attn_output.bias", "up.w": "ffn_up.weight", "up.b": "ffn_up.bias", "down.w": "ffn_down.weight",
+         "down.b": "ffn_down.bias"}
+
+
+def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """Canonical name -> GGUF tensor name (llama.cpp's ``gptneox`` and ``phi2``): q, k and v as
+    the rows [0, q_dim), [q_dim, q_dim + kv_dim) and the next kv_dim of ``attn_qkv`` (weight
+    and bias) where the file fuses them (``gptneox`` always, a ``phi2`` file with ``fused_proj``),
+    else ``attn_q/k/v``."""
+    if part == "layer":
+        out = {k: f"blk.{layer}.{_GGUF[k]}" for k in layer_shapes(spec, layer)}
+        if not _shared(spec) or spec.fused_proj:
+            qd, kvd = spec.q_dim, spec.kv_dim
+            for base, r0, r1 in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, qd + 2 * kvd)):
+                for kind, suffix in (("w", "weight"), ("b", "bias")):
+                    if f"{base}.{kind}" in out:
+                        out[f"{base}.{kind}"] = f"blk.{layer}.attn_qkv.{suffix}{ROWS}{r0}:{r1}"
+        return out
+    if part == "embed":
+        return {"tok.w": "token_embd.weight"}
+    out = {"norm.w": "output_norm.weight", "norm.b": "output_norm.bias"}
+    if spec.tie_word_embeddings:
+        out["tok.w"] = "token_embd.weight"
+    else:
+        out["lm_head.w"] = "output.weight"
+    if spec.lm_head_bias:
+        out["lm_head.b"] = "output.bias"
     return out
 
 

@@ -90,7 +90,9 @@ class ModelSpec(SpecChecks):
     # have layouts of their own)
     norm_layout: str = ""
     norm_weight_fp32: bool = False  # OLMo: an RMSNorm's weight multiplies in float32, before the cast
-    fused_proj: bool = False  # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3)
+    # the checkpoint fuses q|k|v and gate|up into one matrix each (Phi-3); the neox family: a phi2 GGUF
+    # whose q|k|v is one attn_qkv (neox.gguf_names)
+    fused_proj: bool = False
     fused_mlp: bool = False  # ... gate|up only (GLM-4)
     rope_interleaved: bool = False  # RoPE turns pairs (2i, 2i+1), not (i, i + d/2) (GLM-4; the cohere family always)
     rope_fp32: bool = False  # ... in float32 from float32 tables, then cast back (ERNIE 4.5)

@@ -1,0 +1,135 @@
+"""What a GPTQ checkpoint's codes are worth kept as they are, measured with the project's eval.
+
+    python -m flexgen_dist.bench.int_checkpoints --json bench_results/int-checkpoints.json
+
+The bundled SmolLM2-135M (its GGUF's values, float32) is written as a Hugging Face directory,
+then as a 4-bit GPTQ checkpoint of it (round to nearest, groups of ``--group`` input columns,
+asymmetric, AutoGPTQ's original format: the layout of the ``-GPTQ-Int4`` releases, without
+GPTQ's error feedback). ``eval ppl`` (every token scored in prefill, the bundled English
+sample) then runs the float directory, the GPTQ one expanded (``scale x (code - zero)`` in
+float32), the GPTQ one under ``--compress-weight`` with its codes kept (native) and
+re-quantized into the engine's groups (``--no-gguf-native``), and the float directory under
+``--compress-weight`` (the engine's own 4-bit quantizer on the float values), side by side in
+one run. Reports, never asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .accuracy import ppl_rows
+from .single import machine, write_json
+
+
+def export_hf(path: Path) -> None:
+    """The bundled model (its GGUF's values, float32) as a Hugging Face Llama directory."""
+    from safetensors.torch import save_file
+
+    from ..models.loader import load_model
+
+    lm = load_model(None)
+    spec, src, fam = lm.spec, lm.source, lm.source.family
+    out: dict[str, torch.Tensor] = {}
+    parts = [("embed", None)] + [("layer", j) for j in range(spec.num_layers)] + [("head", None)]
+    for part, layer in parts:
+        names = fam.hf_names(spec, part, layer)
+        for k, t in src.get(part, layer).items():
+            name = names[k][0]
+            if name not in out:  # a tied head is the embedding
+                out[name] = t.float().contiguous()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": spec.vocab_size,
+           "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
+           "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+           "max_position_embeddings": spec.max_positions, "rms_norm_eps": spec.norm_eps,
+           "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_word_embeddings,
+           "bos_token_id": spec.bos_token_id, "eos_token_id": list(spec.eos_token_ids),
+           "pad_token_id": spec.pad_token_id, "hidden_act": "silu", "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    lm.tokenizer.save_pretrained(str(path))
+
+
+def _words(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """4-bit codes packed 8 to an int32 word along ``dim``, the first in the lowest bits."""
+    c = codes.long() if dim == 0 else codes.long().t()
+    acc = torch.zeros(c.shape[0] // 8, c.shape[1], dtype=torch.long)
+    for j in range(8):
+        acc |= c[j::8] << (4 * j)
+    acc = torch.where(acc >= 2 ** 31, acc - 2 ** 32, acc).to(torch.int32)
+    return acc if dim == 0 else acc.t().contiguous()
+
+
+def gptq_rtn(src: Path, dst: Path, group: int) -> None:
+    """``src``'s decoder-layer matrices as 4-bit GPTQ layers (round to nearest, asymmetric,
+    zeros stored minus 1); everything else as it is."""
+    from safetensors.torch import load_file, save_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        g = w.t().reshape(cols // group, group, rows)  # (groups, group, out)
+        lo, hi = g.amin(1).clamp(max=0), g.amax(1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).half()
+        zero = (-lo / scale.float()).round().clamp(0, 15).long()
+        codes = ((g / scale.float()[:, None]).round().long() + zero[:, None]).clamp(0, 15).reshape(cols, rows)
+        stem = name.removesuffix("weight")
+        out[stem + "qweight"] = _words(codes, 0)
+        out[stem + "qzeros"] = _words((zero - 1) & 15, 1)
+        out[stem + "scales"] = scale
+        out[stem + "g_idx"] = (torch.arange(cols) // group).to(torch.int32)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                  "sym": False, "checkpoint_format": "gptq"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", type=int, default=64, help="GPTQ group size (input columns; divides 576 and 1536)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--max-windows", type=int, default=4)
+    ap.add_argument("--json", default="bench_results/int-checkpoints.json")
+    args = ap.parse_args(argv)
+    ev: dict[str, Any] = {"window": args.window, "max_windows": args.max_windows}
+    with tempfile.TemporaryDirectory() as tmp:
+        dense, gptq = Path(tmp) / "hf", Path(tmp) / "gptq"
+        dense.mkdir()
+        export_hf(dense)
+        gptq_rtn(dense, gptq, args.group)
+        rows = ppl_rows(str(dense), False, [("float32 (the GGUF's values, as a HF directory)", {})], ev)
+        rows += ppl_rows(str(gptq), False, [
+            (f"GPTQ 4-bit g{args.group}, expanded (float32)", {}),
+            (f"GPTQ 4-bit g{args.group}, codes kept (`--compress-weight`)", {"compress_weight": True}),
+            (f"GPTQ 4-bit g{args.group}, re-quantized (`--compress-weight --no-gguf-native`)",
+             {"compress_weight": True, "gguf_native": False}),
+        ], ev)
+        rows += ppl_rows(str(dense), False, [("float32 directory, the engine's 4-bit g64 (`--compress-weight`)",
+                                              {"compress_weight": True})], ev)
+    for r in rows:
+        r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
+    print("| mode | perplexity | vs float32 | next-token accuracy | weight bytes |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['ppl']:.4f} | {100 * r['ppl_change']:+.2f} % | {100 * r['accuracy']:.2f} % | "
+              f"{r['weight_bytes'] / 2 ** 20:.1f} MiB |")
+    write_json(args.json, {"benchmark": "int-checkpoints", "machine": machine(), "group": args.group, "eval": ev,
+                           "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
