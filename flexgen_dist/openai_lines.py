@@ -8,6 +8,7 @@ from typing import Any
 
 from .engine.sampling import TokenLogprobs
 from .openai_requests import CHAT, Request
+from .openai_tools import tool_calls
 
 def request_id(req: Request) -> str:
     """A stable id of the request (its line and custom_id): a resumed job writes the same."""
@@ -34,7 +35,10 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     for j, c in enumerate(req.choices):
         choice: dict[str, Any] = {"index": j}
         text = c.text if c.text is not None else ""
-        if chat:
+        calls = tool_calls(req.tools, text, f"{rid}|{j}") if chat and req.tools is not None else None
+        if calls is not None:  # a named or required call, whole: OpenAI's message of tool calls
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = (echoed or "") + text if req.echo else text
@@ -48,7 +52,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
                                              choice["logprobs"])
         if req.prompt_logprobs is not None and req.scored is not None and not chat:
             choice["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
-        choice["finish_reason"] = c.finish_reason
+        choice["finish_reason"] = "tool_calls" if calls is not None and c.finish_reason == "stop" else c.finish_reason
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
     prompt_tokens = len(req.prompt.ids)

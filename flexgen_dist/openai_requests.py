@@ -11,6 +11,7 @@ from typing import Any
 from .config import ConfigError
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
+from .openai_tools import ToolChoice, ToolError, parse_tools
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -22,13 +23,13 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options",
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
         "top_k", "min_p", "repetition_penalty", "prompt_logprobs",  # these four: vLLM's extensions
         "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
+        "tools", "tool_choice",  # chat only: function calling, named or required (openai_tools.py)
         "echo"}  # completions only
 
 
@@ -58,6 +59,7 @@ class Request:
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's tokens' logprobs, K alternatives
     # the prompt's tokens 1.. scored (echo with logprobs, or prompt_logprobs): logprobs and ranks
     scored: tuple[TokenLogprobs, list[int]] | None = None
+    tools: ToolChoice | None = None  # chat: its tools, and the call its completion must be
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -137,6 +139,10 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
             continue
         raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
     req.echo = _echo(req.url, body.get("echo"))
+    try:
+        req.tools = parse_tools(body, req.url == CHAT)
+    except ToolError as e:
+        raise RequestError(e.code, str(e)) from None
     req.prompt = _prompt(req, body, tokenizer, vocab_size)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
@@ -160,7 +166,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                                   _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
                                   min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
                                   repetition_penalty=_repetition(body.get("repetition_penalty")),
-                                  structure=_structure(body, tokenizer, vocab_size, eos_ids))
+                                  structure=_structure(body, tokenizer, vocab_size, eos_ids, req.tools))
     req.seeded = s is not None
     req.stop = _stops(body.get("stop"))
     req.n = _int(body.get("n", 1), "n", 1)
@@ -172,11 +178,15 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
 
 
 def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
-               eos_ids: tuple[int, ...]) -> Structure | None:
+               eos_ids: tuple[int, ...], tools: ToolChoice | None = None) -> Structure | None:
     """What the completion must match: ``response_format`` (OpenAI's ``json_object`` or
     ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
-    ``grammar``, ``json_object``) or its older ``guided_*`` fields; at most one of them."""
+    ``grammar``, ``json_object``) or its older ``guided_*`` fields, or a named or required
+    tool call (``openai_tools.py``); at most one of them."""
     asks: list[tuple[str, Any]] = []
+    call = tools.structure() if tools is not None else None
+    if call is not None:
+        asks.append(("json", call.value))
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         kind = rf.get("type") if isinstance(rf, dict) else None
@@ -205,7 +215,8 @@ def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
         return None
     if len(asks) > 1:
         raise RequestError("invalid_value", "a request follows one structure: give one of response_format, "
-                                            "structured_outputs and the guided_* fields, with one field")
+                                            "structured_outputs, the guided_* fields and a tool_choice that calls, "
+                                            "with one field")
     kind, v = asks[0]
     try:
         if kind == "json":
@@ -289,7 +300,8 @@ def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_siz
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
-        return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs))
+        return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs),
+                           tools=list(req.tools.tools) if req.tools is not None else None)
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt given as a list of one
@@ -304,10 +316,13 @@ def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_siz
 def _messages(msgs: list[Any]) -> Messages:
     out: Messages = []
     for m in msgs:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise RequestError("invalid_request", "each message needs a role of system, user or assistant "
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise RequestError("invalid_request", "each message needs a role of system, user, assistant or tool "
                                                   "and a content")
         c = m.get("content")
+        if m["role"] == "assistant" and c is None and isinstance(m.get("tool_calls"), list):
+            out.append({"role": "assistant", "content": "", "tool_calls": m["tool_calls"]})  # type: ignore[dict-item]
+            continue
         if isinstance(c, list):  # content parts: text only
             if not all(isinstance(part, dict) and part.get("type") == "text" for part in c):
                 raise RequestError("unsupported_field", "message content parts other than text are not supported")
@@ -315,7 +330,8 @@ def _messages(msgs: list[Any]) -> Messages:
         if not isinstance(c, str):
             raise RequestError("invalid_request", "a message's content must be a string or text parts")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": c})
+        extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m}  # a call and its result
+        out.append({"role": role, "content": c, **extra})
     return out
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -63,10 +64,11 @@ def has_chat_template(tokenizer: Any | None) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(pid: Any, messages: Any, tokenizer: Any | None) -> tuple[str, list[int]]:
+def render_chat(pid: Any, messages: Any, tokenizer: Any | None,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The conversation through the model's own chat template, as transformers renders it
-    (with the assistant's turn opened), and its token ids (the template writes the special
-    tokens itself, so none are added)."""
+    (with the assistant's turn opened, and ``tools``' definitions where given), and its token
+    ids (the template writes the special tokens itself, so none are added)."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
@@ -75,16 +77,29 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None) -> tuple[str, li
     if not has_chat_template(tokenizer):
         raise ConfigError(f"prompt {pid!r} is a chat but this model has no chat template: give "
                           "'prompt' text or 'input_ids' instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    if tools and text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
+        _warn_once("this model's chat template does not render tools: the model is not shown the functions' "
+                   "definitions (a named or required call is still held to their parameters)")
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger("flexgen_dist").warning(msg)
+
+
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
-                vocab_size: int, messages: Messages | None = None) -> Prompt:
-    """A checked prompt: a chat is rendered by the model's template, text is tokenized; ids
-    must be non-empty and inside the vocabulary."""
+                vocab_size: int, messages: Messages | None = None,
+                tools: list[dict[str, Any]] | None = None) -> Prompt:
+    """A checked prompt: a chat is rendered by the model's template (with ``tools``' where
+    given), text is tokenized; ids must be non-empty and inside the vocabulary."""
     if messages is not None:
-        text, ids = render_chat(pid, messages, tokenizer)
+        text, ids = render_chat(pid, messages, tokenizer, tools)
     if ids is None:
         if tokenizer is None:
             raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "

@@ -37,9 +37,12 @@ def tok_model(tmp_path_factory: pytest.TempPathFactory):
     tk.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+                         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
     torch.manual_seed(7)
     cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       eos_token_id=1, pad_token_id=0, bos_token_id=None)
     model = LlamaForCausalLM(cfg).eval()
     d = tmp_path_factory.mktemp("structured")
@@ -234,3 +237,67 @@ def test_two_ranks_mask_on_the_last_stage(tok_model, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     st = Structure.regex(r"[ab]{2,5}-\d")
     assert [x["tokens"] for x in read_jsonl(out)] == [reference(model, tok, p, st, GEN) for p in ps]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"], "additionalProperties": False}}}
+CHAT = "/v1/chat/completions"
+
+
+def test_chat_requests_call_a_named_function_or_any_required(tok_model) -> None:
+    """tool_choice naming a function holds the completion to its parameters' schema,
+    ``required`` to a list of calls of the tools; the tools go to the chat template; each
+    output is what the masked transformers loop gives for the rendered prompt."""
+    from flexgen_dist.openai_tools import REQUIRED, ToolChoice
+    from flexgen_dist.prompts import render_chat
+
+    d, model, tok = tok_model
+    msgs = [{"role": "user", "content": "The weather?"}]
+    body = {"messages": msgs, "tools": [WEATHER, ALARM], "max_tokens": GEN}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reqs = [{"custom_id": "named", "url": CHAT, "body": {**body, "tool_choice": named}},
+            {"custom_id": "required", "url": CHAT, "body": {**body, "tool_choice": "required", "max_tokens": 48}},
+            {"custom_id": "none", "url": CHAT, "body": {**body, "tool_choice": "none", "max_tokens": 4}},
+            {"custom_id": "plain", "url": CHAT, "body": {"messages": msgs, "max_tokens": 4}},
+            {"custom_id": "auto", "url": CHAT, "body": body},
+            {"custom_id": "unknown", "url": CHAT, "body": {**body, "tool_choice": {"type": "function",
+                                                                                 "function": {"name": "nope"}}}},
+            {"custom_id": "compl", "url": COMPL, "body": {"prompt": "x", "tools": [WEATHER], "tool_choice": "required"}},
+            {"custom_id": "two", "url": CHAT, "body": {**body, "tool_choice": named,
+                                                      "response_format": {"type": "json_object"}}},
+            {"custom_id": "turns", "url": CHAT, "body": {**body, "tool_choice": "none", "max_tokens": 2, "messages": [
+                *msgs, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]}}]
+    with LLM(str(d), progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    ids = render_chat(0, msgs, tok, [WEATHER, ALARM])[1]
+    assert "TOOLS" in tok.decode(ids) and "get_weather" in tok.decode(ids)
+    for key, call, limit in (("named", "get_weather", GEN), ("required", REQUIRED, 48)):
+        choice = out[key]["response"]["body"]["choices"][0]
+        ref = reference(model, tok, ids, ToolChoice((WEATHER, ALARM), call).structure(), limit)
+        text = tok.decode(ref, skip_special_tokens=True)
+        if ref[-1] != 1:  # cut at its limit: the text as it is, no calls
+            assert choice["message"]["content"] == text and choice["finish_reason"] == "length"
+            continue
+        calls = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        if call == REQUIRED:
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+                [(c["name"], c["arguments"]) for c in json.loads(text)]
+        else:
+            assert calls[0]["function"]["name"] == "get_weather" and calls[0]["function"]["arguments"] == text
+            assert json.loads(text)["unit"] in ("c", "f") and calls[0]["id"].startswith("call_")
+    body_none = out["none"]["response"]["body"]
+    assert isinstance(body_none["choices"][0]["message"]["content"], str)
+    assert "tool_calls" not in body_none["choices"][0]["message"]
+    # the tools are in the prompt of a request that has them, whatever it chooses
+    assert body_none["usage"]["prompt_tokens"] > out["plain"]["response"]["body"]["usage"]["prompt_tokens"]
+    assert out["auto"]["error"]["code"] == "unsupported_field" and "tool_choice 'auto'" in out["auto"]["error"]["message"]
+    assert "name one of the tools (get_weather, set_alarm)" in out["unknown"]["error"]["message"]
+    assert "tools is a chat field" in out["compl"]["error"]["message"]
+    assert "one structure" in out["two"]["error"]["message"]
+    assert out["turns"]["error"] is None  # a call and its result in the conversation render
