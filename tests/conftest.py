@@ -222,6 +222,13 @@ def engine_matches(tm: TinyModel, prompts: list[list[int]], gen_len: int, ref: l
     assert spec.total_numel() == sum(p.numel() for p in tm.model.parameters())
 
 
+def saved(factory: pytest.TempPathFactory, name: str, model: torch.nn.Module) -> TinyModel:
+    """``model`` saved as a Hugging Face directory of its own, as a ``TinyModel`` (pad id 0)."""
+    d = factory.mktemp(name)
+    model.save_pretrained(d)
+    return TinyModel(name, d, model, 0)
+
+
 def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
     """Greedy tokens from transformers' generate() on a left-padded batch (float32)."""
     ids, mask = left_padded(tm, prompts)

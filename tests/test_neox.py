@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAMILY_POLICIES, PROMPTS, TinyModel, engine_matches, reference_generate
+from conftest import FAMILY_POLICIES, PROMPTS, TinyModel, engine_matches, reference_generate, saved
 from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models import neox
@@ -55,13 +55,7 @@ CASES = {"pythia": ("gpt_neox", {}), "neox-sequential": ("gpt_neox", {"use_paral
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
-    out = {}
-    for name, (kind, extra) in CASES.items():
-        d = tmp_path_factory.mktemp(name)
-        m = _model(kind, **extra)
-        m.save_pretrained(d)
-        out[name] = TinyModel(name, d, m, 0)
-    return out
+    return {name: saved(tmp_path_factory, name, _model(kind, **extra)) for name, (kind, extra) in CASES.items()}
 
 
 def _nll(m: torch.nn.Module, seqs: list[list[int]]) -> list[float]:
