@@ -703,3 +703,35 @@ def rewrite(src: Path, dst: Path, changes: dict[str, Any] | None = None, arch: s
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def gguf_builder(factory: Any, make: Any) -> Any:
+    """``get(kind, qtype=None) -> (model, its GGUF file, its HF directory)``, each built once
+    by ``make(kind)`` (the reference computes with the values a quantized file holds)."""
+    cache: dict[tuple[str, str | None], tuple[torch.nn.Module, Path, Path]] = {}
+
+    def get(kind: str, qtype: str | None = None) -> tuple[torch.nn.Module, Path, Path]:
+        if (kind, qtype) not in cache:
+            d = factory.mktemp(f"{kind}-{qtype or 'f32'}")
+            m = make(kind)
+            if qtype:
+                roundtrip_(m, qtype)
+            m.save_pretrained(d / "hf")
+            cache[kind, qtype] = m, write_gguf(m, d / f"{kind}.gguf", qtype), d / "hf"
+        return cache[kind, qtype]
+
+    return get
+
+
+def tokenizer_cache_kept_clean() -> Any:
+    """A generator for a fixture: the loader caches each GGUF's converted tokenizer (keyed by
+    path and mtime); the files of a test module are temporary, so their entries go with them."""
+    import shutil
+
+    from flexgen_dist.kernels import cache_root
+
+    cache = cache_root() / "tokenizers"
+    before = set(cache.iterdir()) if cache.is_dir() else set()
+    yield
+    for d in (set(cache.iterdir()) if cache.is_dir() else set()) - before:
+        shutil.rmtree(d, ignore_errors=True)

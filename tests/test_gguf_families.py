@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,8 @@ from flexgen_dist.models.gguf_arch import ARCHS, gemma_fields
 from flexgen_dist.models.loader import GGUF_TOKENIZER_SINCE, _transformers_version, load_model
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
-from gguf_convert import llama3_rope_freqs, rewrite, roundtrip_, write_gguf
+from gguf_convert import (gguf_builder, llama3_rope_freqs, rewrite, roundtrip_, tokenizer_cache_kept_clean,
+                          write_gguf)
 from test_gemma import eager
 
 KINDS = ["llama3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
@@ -104,33 +104,13 @@ def _hf_model(kind: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module", autouse=True)
 def _tokenizer_cache_kept_clean():
-    """The loader caches each GGUF's converted tokenizer (keyed by path and mtime); the
-    files here are temporary, so their entries go with them."""
-    from flexgen_dist.kernels import cache_root
-
-    cache = cache_root() / "tokenizers"
-    before = set(cache.iterdir()) if cache.is_dir() else set()
-    yield
-    for d in (set(cache.iterdir()) if cache.is_dir() else set()) - before:
-        shutil.rmtree(d, ignore_errors=True)
+    yield from tokenizer_cache_kept_clean()
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory):
     """(kind, qtype) -> (the transformers model, its GGUF file, its HF directory), built once."""
-    cache: dict[tuple[str, str | None], tuple[torch.nn.Module, Path, Path]] = {}
-
-    def get(kind: str, qtype: str | None = None) -> tuple[torch.nn.Module, Path, Path]:
-        if (kind, qtype) not in cache:
-            d = tmp_path_factory.mktemp(f"{kind}-{qtype or 'f32'}")
-            m = _hf_model(kind)
-            if qtype:  # the reference computes with the values the file holds
-                roundtrip_(m, qtype)
-            m.save_pretrained(d / "hf")
-            cache[kind, qtype] = m, write_gguf(m, d / f"{kind}.gguf", qtype), d / "hf"
-        return cache[kind, qtype]
-
-    return get
+    return gguf_builder(tmp_path_factory, _hf_model)
 
 
 @pytest.mark.bundled

@@ -21,19 +21,21 @@ from flexgen_dist.models.loader import load_model
 LONG = [p * 2 for p in PROMPTS]
 
 
-def _model(kind: str, **extra) -> torch.nn.Module:
+def neox_model(kind: str, seed: int = 71, base: float = 500.0, **extra) -> torch.nn.Module:
+    """A small random GPT-NeoX (``kind`` "gpt_neox") or Phi model, half of each head turned with
+    RoPE base ``base``; ``extra`` overrides any config field."""
     import transformers as tf
 
-    torch.manual_seed(71)
+    torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=None,
                   tie_word_embeddings=False)
     if kind == "gpt_neox":
-        m = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**{**common, "rotary_pct": 0.5, "rotary_emb_base": 500,
+        m = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**{**common, "rotary_pct": 0.5, "rotary_emb_base": base,
                                                       **extra}))
         layers, qk = m.gpt_neox.layers, lambda layer: [layer.attention.query_key_value.weight]
     else:
-        m = tf.PhiForCausalLM(tf.PhiConfig(**{**common, "partial_rotary_factor": 0.5, "rope_theta": 500.0,
+        m = tf.PhiForCausalLM(tf.PhiConfig(**{**common, "partial_rotary_factor": 0.5, "rope_theta": base,
                                               **extra}))
         layers, qk = m.model.layers, lambda layer: [layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight]
     with torch.no_grad():  # sharp attention, so that a wrong rotation would show; norms and biases away from 1, 0
@@ -55,7 +57,7 @@ CASES = {"pythia": ("gpt_neox", {}), "neox-sequential": ("gpt_neox", {"use_paral
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
-    return {name: saved(tmp_path_factory, name, _model(kind, **extra)) for name, (kind, extra) in CASES.items()}
+    return {name: saved(tmp_path_factory, name, neox_model(kind, **extra)) for name, (kind, extra) in CASES.items()}
 
 
 def _nll(m: torch.nn.Module, seqs: list[list[int]]) -> list[float]:

@@ -4,7 +4,8 @@ what their files say beyond the shared keys, read as llama.cpp's loader reads it
 
 ``models/gguf.py`` reads what every architecture shares and the tensors; this module is the
 per-architecture table it consults, and the ``ModelSpec`` fields each architecture's keys and
-tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``cohere_fields``).
+tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``cohere_fields``,
+``neox_fields``).
 """
 from __future__ import annotations
 
