@@ -8,7 +8,7 @@ from typing import Any
 
 from .engine.sampling import TokenLogprobs
 from .openai_requests import CHAT, Request
-from .openai_tools import tool_calls
+from .openai_tools import tool_message
 
 def request_id(req: Request) -> str:
     """A stable id of the request (its line and custom_id): a resumed job writes the same."""
@@ -35,9 +35,12 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     for j, c in enumerate(req.choices):
         choice: dict[str, Any] = {"index": j}
         text = c.text if c.text is not None else ""
-        calls = tool_calls(req.tools, text, f"{rid}|{j}") if chat and req.tools is not None else None
-        if calls is not None:  # a named or required call, whole: OpenAI's message of tool calls
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        called = None
+        if chat and req.tools is not None:  # whole calls: OpenAI's message of tool calls
+            raw = tokenizer.decode(c.token_ids, skip_special_tokens=False) if tokenizer is not None else None
+            called = tool_message(req.tools, text, f"{rid}|{j}", raw)
+        if called is not None:
+            choice["message"] = called
         elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -52,7 +55,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
                                              choice["logprobs"])
         if req.prompt_logprobs is not None and req.scored is not None and not chat:
             choice["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
-        choice["finish_reason"] = "tool_calls" if calls is not None and c.finish_reason == "stop" else c.finish_reason
+        choice["finish_reason"] = "tool_calls" if called is not None and c.finish_reason == "stop" else c.finish_reason
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
     prompt_tokens = len(req.prompt.ids)

@@ -11,7 +11,7 @@ from typing import Any
 from .config import ConfigError
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
-from .openai_tools import ToolChoice, ToolError, parse_tools
+from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -140,7 +140,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
     req.echo = _echo(req.url, body.get("echo"))
     try:
-        req.tools = parse_tools(body, req.url == CHAT)
+        req.tools = parse_tools(body, req.url == CHAT, reads_auto(tokenizer))
     except ToolError as e:
         raise RequestError(e.code, str(e)) from None
     req.prompt = _prompt(req, body, tokenizer, vocab_size)

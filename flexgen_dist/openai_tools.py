@@ -7,8 +7,12 @@ function, to a JSON object matching its ``parameters``; for ``required``, to a n
 array of ``{"name", "arguments"}`` calls of the given functions. The response carries them
 as ``message.tool_calls`` with ``finish_reason`` ``tool_calls``, as OpenAI's API does (and
 vLLM, which constrains named and required tool choices the same way). ``tool_choice``
-``auto`` (the default when tools are given) would need a parser of each model's own tool-call
-syntax and is refused in one line; ``none`` renders the tools and constrains nothing.
+``auto`` (the default when tools are given) leaves the choice to the model, so its calls are
+read back from its own syntax: the ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+blocks that Qwen 2.5/3's, Hermes' and the other templates that render ``<tool_call>`` teach
+(``hermes_calls``; the text before the first block is the message's content). For a template
+that does not, ``auto`` is refused in one line naming the choices that work; ``none`` renders
+the tools and constrains nothing.
 """
 from __future__ import annotations
 
@@ -21,6 +25,15 @@ from typing import Any
 from .engine.structure import Structure
 
 REQUIRED = "required"
+AUTO = "auto"
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def reads_auto(tokenizer: Any | None) -> bool:
+    """Whether the model's chat template teaches ``<tool_call>`` blocks (``hermes_calls`` reads
+    them back)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    return isinstance(template, str) and "<tool_call>" in template
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -43,7 +56,7 @@ class ToolChoice:
 
     def structure(self) -> Structure | None:
         params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
-        if self.call is None:
+        if self.call is None or self.call == AUTO:
             return None
         if self.call != REQUIRED:
             return Structure.json_schema(params[self.call])
@@ -52,9 +65,10 @@ class ToolChoice:
         return Structure.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
 
 
-def parse_tools(body: dict[str, Any], chat: bool) -> ToolChoice | None:
-    """The request's ``tools`` and ``tool_choice`` (None: no tools); a ``ToolError`` says what
-    is wrong in one line."""
+def parse_tools(body: dict[str, Any], chat: bool, auto: bool = False) -> ToolChoice | None:
+    """The request's ``tools`` and ``tool_choice`` (None: no tools); ``auto``: the model's
+    template teaches ``<tool_call>`` blocks (``reads_auto``). A ``ToolError`` says what is wrong
+    in one line."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -75,11 +89,13 @@ def parse_tools(body: dict[str, Any], chat: bool) -> ToolChoice | None:
         names.append(fn["name"])
     if len(set(names)) != len(names):
         raise ToolError("invalid_value", "two tools have one name: give each function its own")
-    if choice is None or choice == "auto":
-        raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) needs a parser of this "
-                                             "model's own tool-call syntax, which is not computed: set tool_choice to "
-                                             "'required', to {'type': 'function', 'function': {'name': ...}}, or to "
-                                             "'none'")
+    if (choice is None or choice == AUTO) and auto:
+        return ToolChoice(tuple(tools), AUTO)
+    if choice is None or choice == AUTO:
+        raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) is read back from "
+                                             "<tool_call> blocks, which this model's chat template does not write: "
+                                             "set tool_choice to 'required', to {'type': 'function', 'function': "
+                                             "{'name': ...}}, or to 'none'")
     if choice == "none":
         return ToolChoice(tuple(tools), None)
     if choice == REQUIRED:
@@ -92,12 +108,38 @@ def parse_tools(body: dict[str, Any], chat: bool) -> ToolChoice | None:
     return ToolChoice(tuple(tools), name)
 
 
-def tool_calls(choice: ToolChoice, text: str, key: str) -> list[dict[str, Any]] | None:
-    """The ``tool_calls`` of a completion held to ``choice`` (None where its text is not a
-    whole call: cut at its token limit). ``key`` makes each call's id (stable in a resumed job)."""
+def hermes_calls(raw: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the content before the first block, or None where it is blank; each ``<tool_call>``
+    block's (name, arguments as JSON)) of a completion's text with its special tokens; no calls
+    where a block is not a call of one of ``names`` (then the text is the content, whole)."""
+    calls = []
+    for m in _BLOCK.finditer(raw):
+        try:
+            c = json.loads(m.group(1).strip())
+            name, args = c["name"], c.get("arguments", c.get("parameters", {}))
+        except (json.JSONDecodeError, TypeError, KeyError, AttributeError):
+            return raw, []
+        if name not in names:
+            return raw, []
+        calls.append((name, args if isinstance(args, str) else json.dumps(args)))
+    head = raw.split("<tool_call>", 1)[0].strip()
+    return (head or None) if calls else raw, calls
+
+
+def tool_message(choice: ToolChoice, text: str, key: str, raw: str | None = None) -> dict[str, Any] | None:
+    """The assistant message of a completion under ``choice`` where it holds whole calls
+    (``{"role", "content", "tool_calls"}``), else None (its text stays the content: a
+    completion cut at its token limit, or an ``auto`` one that called nothing). ``key`` makes
+    each call's id (stable in a resumed job); ``raw``: the text with its special tokens, which
+    ``auto`` reads (``hermes_calls``)."""
+    content = None
     if choice.call is None:
         return None
-    if choice.call == REQUIRED:
+    if choice.call == AUTO:
+        content, calls = hermes_calls(raw if raw is not None else text, {t["function"]["name"] for t in choice.tools})
+        if not calls:
+            return None
+    elif choice.call == REQUIRED:
         try:
             calls = [(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
         except (json.JSONDecodeError, TypeError, KeyError):
@@ -108,5 +150,6 @@ def tool_calls(choice: ToolChoice, text: str, key: str) -> list[dict[str, Any]] 
         except json.JSONDecodeError:
             return None
         calls = [(choice.call, text)]
-    return [{"id": "call_" + hashlib.sha256(f"{key}|{n}".encode()).hexdigest()[:24], "type": "function",
-             "function": {"name": name, "arguments": args}} for n, (name, args) in enumerate(calls)]
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"id": "call_" + hashlib.sha256(f"{key}|{n}".encode()).hexdigest()[:24], "type": "function",
+                            "function": {"name": name, "arguments": args}} for n, (name, args) in enumerate(calls)]}

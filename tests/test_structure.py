@@ -301,3 +301,40 @@ def test_chat_requests_call_a_named_function_or_any_required(tok_model) -> None:
     assert "tools is a chat field" in out["compl"]["error"]["message"]
     assert "one structure" in out["two"]["error"]["message"]
     assert out["turns"]["error"] is None  # a call and its result in the conversation render
+
+
+def test_auto_tool_choice_reads_tool_call_blocks_where_the_template_writes_them(tok_model, tmp_path: Path) -> None:
+    """A template that teaches ``<tool_call>`` blocks (Qwen 2.5/3, Hermes) lets the model choose:
+    its blocks become tool_calls, its text before them the content; a completion without one is
+    plain content. (A choice structure makes this random model write what a trained one would.)"""
+    import shutil
+
+    from flexgen_dist.openai_tools import hermes_calls
+
+    d, _, tok = tok_model
+    qwen = tmp_path / "qwen-like"
+    shutil.copytree(d, qwen)
+    for f in qwen.glob("chat_template*"):
+        f.unlink()
+    cfg_path = qwen / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = (tok.chat_template + "{# calls go in <tool_call></tool_call> blocks #}")
+    cfg_path.write_text(json.dumps(cfg))
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "The weather?"}]
+    reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 80,
+                                                       "structured_outputs": {"choice": ["Let me see. " + block]}}},
+            {"custom_id": "text", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 8,
+                                                       "structured_outputs": {"choice": ["Sunny."]}}}]
+    with LLM(str(qwen), progress=False) as llm:
+        out = {line["custom_id"]: line["response"]["body"]["choices"][0] for line in llm.batch(reqs)}
+    call = out["call"]
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] == "Let me see."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["message"]["tool_calls"]] \
+        == [("get_weather", {"unit": "c"})]
+    assert out["text"]["message"] == {"role": "assistant", "content": "Sunny."} and out["text"]["finish_reason"] == "stop"
+    # the reader alone: two blocks, a block of an unknown function (then no calls), a cut block
+    two = hermes_calls(block + "\n" + block.replace('"c"', '"f"'), {"get_weather"})
+    assert two[0] is None and [json.loads(a)["unit"] for _, a in two[1]] == ["c", "f"]
+    assert hermes_calls(block.replace("get_weather", "other"), {"get_weather"})[1] == []
+    assert hermes_calls(block[:30], {"get_weather"})[1] == []
