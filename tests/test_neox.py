@@ -1,4 +1,5 @@
-"""The NeoX family (GPT-NeoX / Pythia ``gpt_neox``, Phi-1/1.5/2 ``phi``): greedy tokens and
+"""The NeoX family (GPT-NeoX / Pythia ``gpt_neox``, Phi-1/1.5/2 ``phi``, StarCoder2
+``starcoder2``): greedy tokens and
 teacher-forced log-likelihoods equal transformers' in float32 for every placement the family
 tests run; what each difference from Llama does (the parallel residual, the partial rotation,
 the head's bias) is checked by turning it off and seeing the logits move, and each GELU is
@@ -34,6 +35,11 @@ def neox_model(kind: str, seed: int = 71, base: float = 500.0, **extra) -> torch
         m = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**{**common, "rotary_pct": 0.5, "rotary_emb_base": base,
                                                       **extra}))
         layers, qk = m.gpt_neox.layers, lambda layer: [layer.attention.query_key_value.weight]
+    elif kind == "starcoder2":
+        m = tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**{**common, "num_key_value_heads": 2,
+                                                            "rope_parameters": {"rope_type": "default",
+                                                                                "rope_theta": base}, **extra}))
+        layers, qk = m.model.layers, lambda layer: [layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight]
     else:
         m = tf.PhiForCausalLM(tf.PhiConfig(**{**common, "partial_rotary_factor": 0.5, "rope_theta": base,
                                               **extra}))
@@ -52,7 +58,11 @@ def neox_model(kind: str, seed: int = 71, base: float = 500.0, **extra) -> torch
 
 CASES = {"pythia": ("gpt_neox", {}), "neox-sequential": ("gpt_neox", {"use_parallel_residual": False}),
          "neox-tied-gelu-new": ("gpt_neox", {"tie_word_embeddings": True, "hidden_act": "gelu_new"}),
-         "phi-2": ("phi", {}), "phi-gqa": ("phi", {"num_key_value_heads": 2, "hidden_act": "gelu_fast"})}
+         "phi-2": ("phi", {}), "phi-gqa": ("phi", {"num_key_value_heads": 2, "hidden_act": "gelu_fast"}),
+         # every layer sliding over 5 positions (LONG reaches 18), GQA, tied; and without biases, untied
+         # (weights drawn 5x wider than transformers' default, or the tiny tied model repeats one token)
+         "starcoder2": ("starcoder2", {"sliding_window": 5, "tie_word_embeddings": True, "initializer_range": 0.1}),
+         "starcoder2-no-bias": ("starcoder2", {"use_bias": False, "initializer_range": 0.1})}
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +148,23 @@ def test_what_is_not_computed_is_refused_in_one_line(edit: dict, match: str, mod
     with pytest.raises(ModelLoadError, match=match) as info:
         load_model(str(d), load_tokenizer=False)
     assert "\n" not in str(info.value)
+
+
+def test_starcoder2_slides_every_layer(models: dict) -> None:
+    """StarCoder2's window is on every layer: run without it, the tokens of the prompts longer
+    than the window change."""
+    from flexgen_dist.distributed.local import generate
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.sampling import SamplingConfig
+    from flexgen_dist.engine.stage import StageEngine
+
+    tm = models["starcoder2"]
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    assert [lm.spec.window(j) for j in range(lm.spec.num_layers)] == [5, 5, 5]
+    ref = reference_generate(tm, LONG, 6)
+    wrong = dataclasses.replace(lm.spec, sliding_window=0)
+    eng = StageEngine(wrong, type(lm.source)(wrong, torch.float32, tm.path), (0, wrong.num_layers), has_embed=True,
+                      has_head=True, policy=Policy(8, 1), device=torch.device("cpu"), dtype=torch.float32)
+    outs, _ = generate(eng, LONG, 6, SamplingConfig(ignore_eos=True))
+    eng.close()
+    assert outs != ref

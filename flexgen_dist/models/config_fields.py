@@ -67,6 +67,10 @@ USED: dict[str, set[str]] = {
                       "num_key_value_heads", "max_position_embeddings", "layer_norm_eps", "rope_parameters",
                       "rope_scaling", "rope_theta", "partial_rotary_factor", "tie_word_embeddings", "hidden_act",
                       "qk_layernorm"},
+    "starcoder2": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads", "head_dim", "max_position_embeddings", "norm_epsilon",
+                             "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "hidden_act",
+                             "sliding_window", "use_bias"},
     "exaone4": _LLAMA_USED | {"sliding_window", "sliding_window_pattern", "layer_types"},
     "olmo2": _LLAMA_USED,
     "olmo3": _LLAMA_USED | {"sliding_window", "layer_types"},
@@ -169,6 +173,7 @@ INERT: dict[str, set[str]] = {
     "seed_oss": {"residual_dropout"},  # dropout: nothing in inference
     # dropouts, a classification head's, and the encoder-decoder flag (GPT-NeoX is a decoder)
     "gpt_neox": {"hidden_dropout", "classifier_dropout", "is_decoder"},
+    "starcoder2": {"residual_dropout", "embedding_dropout"},
     # HunYuan's end-of-document and separator ids: pretraining's markers, not generation's stop
     # (its eos_token_id is)
     "hunyuan_v1_dense": {"eod_token_id"}, "hunyuan_v1_moe": _ROUTER_TRAINING | {"eod_token_id", "sep_token_id"},
@@ -192,7 +197,7 @@ INERT: dict[str, set[str]] = {
 # field -> the one value computed (a config without the field, or with null, means that value too)
 PINNED: dict[str, dict[str, Any]] = {
     "opt": {"activation_function": "relu", "enable_bias": True, "layer_norm_elementwise_affine": True},
-    "mistral3": {}, "gpt_neox": {}, "phi": {},
+    "mistral3": {}, "gpt_neox": {}, "phi": {}, "starcoder2": {},
     **{mt: {"hidden_act": "silu"} for mt in ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3",
                                              "granite", "smollm3", "exaone4", "glm", "glm4", "olmo2", "olmo3", "cohere",
                                              "cohere2",

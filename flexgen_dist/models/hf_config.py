@@ -122,7 +122,8 @@ ERNIE_TYPES = ("ernie4_5", "ernie4_5_moe")  # ERNIE 4.5: RoPE on interleaved pai
 GLM_TYPES = ("glm", "glm4")
 OLMO_TYPES = ("olmo2", "olmo3")
 COHERE_TYPES = ("cohere", "cohere2")
-NEOX_TYPES = ("gpt_neox", "phi")  # LayerNorms, biases, GELU, attention beside the MLP (models/neox.py)
+# LayerNorms, biases, a GELU MLP, attention beside the MLP or before it (models/neox.py)
+NEOX_TYPES = ("gpt_neox", "phi", "starcoder2")
 HUNYUAN_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")  # q/k normalised per head after RoPE; NTK-alpha RoPE
 # Granite with sliding layers, attention sinks and a RoPE base per layer (0: none)
 GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
@@ -172,15 +173,16 @@ def _cohere_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]
 
 def _neox_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) -> ModelSpec:
     """GPT-NeoX (Pythia: two LayerNorms, attention beside the MLP unless use_parallel_residual
-    is false, q|k|v fused by head) and Phi-1/1.5/2 (one LayerNorm for both, a biased head)."""
+    is false, q|k|v fused by head), Phi-1/1.5/2 (one LayerNorm for both, a biased head) and
+    StarCoder2 (Llama's sequential layer with LayerNorms, ``use_bias``, a sliding window)."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     # GPT-NeoX's own names: rotary_pct (default 0.25) and rotary_emb_base, as transformers reads them
-    default_partial = cfg.get("rotary_pct", 0.25) if mt == "gpt_neox" else 0.5
+    default_partial = cfg.get("rotary_pct", 0.25) if mt == "gpt_neox" else 0.5 if mt == "phi" else 1.0
     partial = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or default_partial
     theta = rope.get("rope_theta") or cfg.get("rope_theta") or cfg.get("rotary_emb_base") or 10000.0
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = int(head_dim * partial)
-    act = cfg.get("hidden_act", "gelu" if mt == "gpt_neox" else "gelu_new")
+    act = cfg.get("hidden_act", {"gpt_neox": "gelu", "phi": "gelu_new"}.get(mt, "gelu_pytorch_tanh"))
     if act not in NEOX_ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported for {mt} ({', '.join(NEOX_ACTIVATIONS)} are)")
     if mt == "phi" and cfg.get("qk_layernorm"):
@@ -188,15 +190,20 @@ def _neox_spec(cfg: dict[str, Any], mt: str, name: str, common: dict[str, Any]) 
     if rotary % 2 or rotary < 2:
         raise ValueError(f"a rotary part of {rotary} dims per head (partial_rotary_factor {partial}): RoPE needs an "
                          "even number of at least 2")
+    if _head_dim(cfg):
+        raise ValueError(f"head_dim {cfg['head_dim']} other than hidden_size / num_attention_heads is not supported "
+                         f"for {mt}")
+    bias = {"gpt_neox": cfg.get("attention_bias", True), "phi": True}.get(mt, cfg.get("use_bias", True))
     return ModelSpec(family="neox", ffn_size=cfg["intermediate_size"],
                      num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-                     norm_eps=cfg.get("layer_norm_eps") or 1e-5, rope_theta=float(theta),
+                     norm_eps=cfg.get("layer_norm_eps") or cfg.get("norm_epsilon") or 1e-5, rope_theta=float(theta),
                      rope_scaling=_rope_scaling(rope, name, cfg.get("max_position_embeddings", 0), rotary),
                      rotary_dim=rotary if rotary != head_dim else 0,
-                     tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                     attention_bias=cfg.get("attention_bias", True) if mt == "gpt_neox" else True,
+                     tie_word_embeddings=cfg.get("tie_word_embeddings", mt == "starcoder2"),
+                     attention_bias=bool(bias), mlp_bias=bool(bias) if mt == "starcoder2" else True,
                      norm_layout="shared" if mt == "phi" else "pre", mlp_activation=act,
                      parallel_residual=mt == "gpt_neox" and cfg.get("use_parallel_residual", True),
+                     sliding_window=int(cfg.get("sliding_window") or 0) if mt == "starcoder2" else 0,
                      lm_head_bias=mt == "phi", **common)
 
 

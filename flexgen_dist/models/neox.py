@@ -1,10 +1,14 @@
-"""The NeoX family: GPT-NeoX (Pythia, GPT-NeoX-20B: ``gpt_neox``) and Phi-1/1.5/2 (``phi``).
+"""The NeoX family: GPT-NeoX (Pythia, GPT-NeoX-20B: ``gpt_neox``), Phi-1/1.5/2 (``phi``) and
+StarCoder2 (``starcoder2``).
 
 What differs from Llama, each as transformers' ``modeling_gpt_neox.py`` / ``modeling_phi.py``
 computes it:
 
-- LayerNorms with biases; biases on every projection (q, k, v and o where ``attention_bias``,
-  the MLP always; Phi's head too, ``lm_head_bias``);
+- LayerNorms with biases; biases on the projections (q, k, v and o where ``attention_bias``,
+  the MLP's where ``mlp_bias``: both for GPT-NeoX and Phi, StarCoder2's ``use_bias``; Phi's
+  head too, ``lm_head_bias``);
+- StarCoder2: Llama's sequential layer with these norms and biases, a GELU MLP
+  (``c_fc``/``c_proj``), grouped-query attention and a sliding window on every layer;
 - attention and the MLP side by side (``parallel_residual``): GPT-NeoX normalises the
   input once for each (``x + attn(ln1(x)) + mlp(ln2(x))``, added as ``mlp + attn + x``; with
   ``use_parallel_residual`` false the MLP follows attention: ``y = x + attn(ln1(x))``,
@@ -40,6 +44,11 @@ _PHI = {"attn_norm.w": "input_layernorm.weight", "attn_norm.b": "input_layernorm
         "v.w": "self_attn.v_proj.weight", "v.b": "self_attn.v_proj.bias",
         "o.w": "self_attn.dense.weight", "o.b": "self_attn.dense.bias",
         "up.w": "mlp.fc1.weight", "up.b": "mlp.fc1.bias", "down.w": "mlp.fc2.weight", "down.b": "mlp.fc2.bias"}
+# StarCoder2's names where they differ from Phi's (the norm before the MLP, o, the MLP)
+_STARCODER2 = {"mlp_norm.w": "post_attention_layernorm.weight", "mlp_norm.b": "post_attention_layernorm.bias",
+               "o.w": "self_attn.o_proj.weight", "o.b": "self_attn.o_proj.bias",
+               "up.w": "mlp.c_fc.weight", "up.b": "mlp.c_fc.bias", "down.w": "mlp.c_proj.weight",
+               "down.b": "mlp.c_proj.bias"}
 _NEOX = {"attn_norm.w": "input_layernorm.weight", "attn_norm.b": "input_layernorm.bias",
          "mlp_norm.w": "post_attention_layernorm.weight", "mlp_norm.b": "post_attention_layernorm.bias",
          "q.w": "attention.query_key_value.weight", "q.b": "attention.query_key_value.bias",
@@ -60,7 +69,9 @@ def layer_shapes(spec: ModelSpec, layer: int | None = None) -> dict[str, tuple[i
     shapes.update({"q.w": (qd, h), "k.w": (kvd, h), "v.w": (kvd, h), "o.w": (h, qd)})
     if spec.attention_bias:
         shapes.update({"q.b": (qd,), "k.b": (kvd,), "v.b": (kvd,), "o.b": (h,)})
-    shapes.update({"up.w": (f, h), "up.b": (f,), "down.w": (h, f), "down.b": (h,)})
+    shapes.update({"up.w": (f, h), "down.w": (h, f)})
+    if spec.mlp_bias:
+        shapes.update({"up.b": (f,), "down.b": (h,)})
     return shapes
 
 
@@ -89,7 +100,7 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
     if part == "layer":
         out: dict[str, list[str]] = {}
         for k in layer_shapes(spec, layer):
-            names = [f"model.layers.{layer}.{_PHI[k]}"] if k in _PHI else []
+            names = [f"model.layers.{layer}.{t[k]}" for t in (_PHI, _STARCODER2) if k in t]
             base, kind = k.split(".")
             if base in ("q", "k", "v"):
                 fused = _NEOX[f"q.{kind}"]
@@ -100,8 +111,8 @@ def hf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, 
         return out
     if part == "embed":
         return {"tok.w": ["model.embed_tokens.weight", "gpt_neox.embed_in.weight"]}
-    out = {"norm.w": ["model.final_layernorm.weight", "gpt_neox.final_layer_norm.weight"],
-           "norm.b": ["model.final_layernorm.bias", "gpt_neox.final_layer_norm.bias"]}
+    out = {"norm.w": ["model.final_layernorm.weight", "gpt_neox.final_layer_norm.weight", "model.norm.weight"],
+           "norm.b": ["model.final_layernorm.bias", "gpt_neox.final_layer_norm.bias", "model.norm.bias"]}
     if spec.tie_word_embeddings:
         out["tok.w"] = ["model.embed_tokens.weight", "gpt_neox.embed_in.weight", "lm_head.weight", "embed_out.weight"]
     else:
@@ -162,7 +173,7 @@ def embed(spec: ModelSpec, w: Weights, ids: torch.Tensor, pos: torch.Tensor | Po
 
 
 def _mlp(spec: ModelSpec, w: Weights, h: torch.Tensor) -> torch.Tensor:
-    return linear(gelu(linear(h, w["up.w"], w["up.b"]), spec.mlp_activation), w["down.w"], w["down.b"])
+    return linear(gelu(linear(h, w["up.w"], w.get("up.b")), spec.mlp_activation), w["down.w"], w.get("down.b"))
 
 
 def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tensor | Positions,

@@ -349,7 +349,7 @@ class ModelSpec(SpecChecks):
             return attn + mlp + biases + norms
         if self.family == "neox":  # LayerNorms (one or two), biased MLP, ungated
             norms = (2 if self.norm_layout == "shared" else 4) * h
-            biases = (self.q_dim + 2 * self.kv_dim + h) * self.attention_bias + f + h
+            biases = (self.q_dim + 2 * self.kv_dim + h) * self.attention_bias + (f + h) * self.mlp_bias
             return attn + 2 * h * f + biases + norms
         mlp = self.mlp_numel(layer)
         biases = ((self.q_dim + 2 * self.kv_dim) * (self.attention_bias or self.qkv_bias) + h * self.attention_bias
