@@ -8,11 +8,12 @@ array of ``{"name", "arguments"}`` calls of the given functions. The response ca
 as ``message.tool_calls`` with ``finish_reason`` ``tool_calls``, as OpenAI's API does (and
 vLLM, which constrains named and required tool choices the same way). ``tool_choice``
 ``auto`` (the default when tools are given) leaves the choice to the model, so its calls are
-read back from its own syntax: the ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-blocks that Qwen 2.5/3's, Hermes' and the other templates that render ``<tool_call>`` teach
-(``hermes_calls``; the text before the first block is the message's content). For a template
-that does not, ``auto`` is refused in one line naming the choices that work; ``none`` renders
-the tools and constrains nothing.
+read back from its own syntax, the one its chat template teaches (``READERS``, found by what
+the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes),
+``[TOOL_CALLS]`` (Mistral), Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON; the text
+before the calls is the message's content. For a template that teaches none of these,
+``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
+constrains nothing.
 """
 from __future__ import annotations
 
@@ -26,15 +27,11 @@ from .engine.structure import Structure
 
 REQUIRED = "required"
 AUTO = "auto"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-
-def reads_auto(tokenizer: Any | None) -> bool:
-    """Whether the model's chat template teaches ``<tool_call>`` blocks (``hermes_calls`` reads
-    them back)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-    return isinstance(template, str) and "<tool_call>" in template
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_JSON = json.JSONDecoder()
+_SPECIALS = re.compile(r"(\s*<[^<>\s]+>)*\s*")  # nothing but special tokens' text (the end of turn)
+Calls = list[tuple[str, str]]  # (function name, arguments as JSON text)
 
 
 class ToolError(ValueError):
@@ -53,6 +50,7 @@ class ToolChoice:
 
     tools: tuple[dict[str, Any], ...]
     call: str | None
+    syntax: str = ""  # ``auto``: the reader of the model's own calls (``READERS``)
 
     def structure(self) -> Structure | None:
         params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
@@ -65,10 +63,10 @@ class ToolChoice:
         return Structure.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
 
 
-def parse_tools(body: dict[str, Any], chat: bool, auto: bool = False) -> ToolChoice | None:
-    """The request's ``tools`` and ``tool_choice`` (None: no tools); ``auto``: the model's
-    template teaches ``<tool_call>`` blocks (``reads_auto``). A ``ToolError`` says what is wrong
-    in one line."""
+def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoice | None:
+    """The request's ``tools`` and ``tool_choice`` (None: no tools); ``syntax``: the reader of
+    the calls the model's template teaches (``reads_auto``; "": none known). A ``ToolError``
+    says what is wrong in one line."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -89,13 +87,13 @@ def parse_tools(body: dict[str, Any], chat: bool, auto: bool = False) -> ToolCho
         names.append(fn["name"])
     if len(set(names)) != len(names):
         raise ToolError("invalid_value", "two tools have one name: give each function its own")
-    if (choice is None or choice == AUTO) and auto:
-        return ToolChoice(tuple(tools), AUTO)
+    if (choice is None or choice == AUTO) and syntax:
+        return ToolChoice(tuple(tools), AUTO, syntax)
     if choice is None or choice == AUTO:
-        raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) is read back from "
-                                             "<tool_call> blocks, which this model's chat template does not write: "
-                                             "set tool_choice to 'required', to {'type': 'function', 'function': "
-                                             "{'name': ...}}, or to 'none'")
+        raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
+                                             "calls, in a syntax this model's chat template does not teach (<tool_call> "
+                                             "blocks, [TOOL_CALLS], Llama 3's JSON): set tool_choice to 'required', to "
+                                             "{'type': 'function', 'function': {'name': ...}}, or to 'none'")
     if choice == "none":
         return ToolChoice(tuple(tools), None)
     if choice == REQUIRED:
@@ -108,22 +106,94 @@ def parse_tools(body: dict[str, Any], chat: bool, auto: bool = False) -> ToolCho
     return ToolChoice(tuple(tools), name)
 
 
-def hermes_calls(raw: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:
+def _call(obj: Any, names: set[str]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a ``{"name", "arguments" | "parameters"}`` object
+    calling one of ``names``, else None."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args)
+
+
+def _head(raw: str, marker: str, calls: Calls) -> tuple[str | None, Calls]:
+    """The content before the first ``marker`` (None where blank) and ``calls``; no calls: the
+    whole text is the content."""
+    if not calls:
+        return raw, []
+    return raw.split(marker, 1)[0].strip() or None, calls
+
+
+def hermes_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     """(the content before the first block, or None where it is blank; each ``<tool_call>``
-    block's (name, arguments as JSON)) of a completion's text with its special tokens; no calls
-    where a block is not a call of one of ``names`` (then the text is the content, whole)."""
+    block's (name, arguments as JSON)) of a completion's text with its special tokens (Qwen
+    2.5/3, Hermes); no calls where a block is not a call of one of ``names`` (then the text is
+    the content, whole)."""
     calls = []
     for m in _BLOCK.finditer(raw):
         try:
-            c = json.loads(m.group(1).strip())
-            name, args = c["name"], c.get("arguments", c.get("parameters", {}))
-        except (json.JSONDecodeError, TypeError, KeyError, AttributeError):
+            c = _call(json.loads(m.group(1).strip()), names)
+        except json.JSONDecodeError:
+            c = None
+        if c is None:
             return raw, []
-        if name not in names:
+        calls.append(c)
+    return _head(raw, "<tool_call>", calls)
+
+
+def mistral_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """Mistral's calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (its v3
+    tokenizers' templates), or ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``
+    (the newer ones'); anything else is content."""
+    parts = raw.split("[TOOL_CALLS]")[1:]
+    calls: Calls = []
+    try:
+        for part in parts:
+            part = part.strip()
+            if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
+                found = [_call(o, names) for o in _JSON.raw_decode(part)[0]]
+            else:  # name[ARGS]{...}
+                name, _, rest = part.partition("[ARGS]")
+                found = [_call({"name": name.strip(), "arguments": _JSON.raw_decode(rest.strip())[0]}, names)]
+            if not found or None in found:
+                return raw, []
+            calls += found  # type: ignore[arg-type]
+    except (json.JSONDecodeError, TypeError):
+        return raw, []
+    return _head(raw, "[TOOL_CALLS]", calls)
+
+
+def llama3_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """Llama 3.1-3.3's JSON calls: the message is ``{"name", "parameters"}`` objects (after an
+    optional ``<|python_tag|>``, several joined by ``;``), nothing else; anything else is content."""
+    text = raw.replace("<|python_tag|>", "").strip()
+    calls: Calls = []
+    while text:
+        try:
+            obj, end = _JSON.raw_decode(text)
+        except json.JSONDecodeError:
+            break
+        c = _call(obj, names)
+        if c is None:
             return raw, []
-        calls.append((name, args if isinstance(args, str) else json.dumps(args)))
-    head = raw.split("<tool_call>", 1)[0].strip()
-    return (head or None) if calls else raw, calls
+        calls.append(c)
+        text = text[end:].strip().lstrip(";").strip()
+    if not calls or not _SPECIALS.fullmatch(text):  # words after the calls: not a call message
+        return raw, []
+    return None, calls
+
+
+# what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto)
+READERS = {"hermes": ("<tool_call>", hermes_calls), "mistral": ("[TOOL_CALLS]", mistral_calls),
+           "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
+
+
+def reads_auto(tokenizer: Any | None) -> str:
+    """The name of the reader (``READERS``) for the calls the model's chat template teaches,
+    found by what the template writes; "" where none is known."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if not isinstance(template, str):
+        return ""
+    return next((name for name, (marker, _) in READERS.items() if marker in template), "")
 
 
 def tool_message(choice: ToolChoice, text: str, key: str, raw: str | None = None) -> dict[str, Any] | None:
@@ -136,7 +206,8 @@ def tool_message(choice: ToolChoice, text: str, key: str, raw: str | None = None
     if choice.call is None:
         return None
     if choice.call == AUTO:
-        content, calls = hermes_calls(raw if raw is not None else text, {t["function"]["name"] for t in choice.tools})
+        read = READERS[choice.syntax][1]
+        content, calls = read(raw if raw is not None else text, {t["function"]["name"] for t in choice.tools})
         if not calls:
             return None
     elif choice.call == REQUIRED:

@@ -303,38 +303,64 @@ def test_chat_requests_call_a_named_function_or_any_required(tok_model) -> None:
     assert out["turns"]["error"] is None  # a call and its result in the conversation render
 
 
-def test_auto_tool_choice_reads_tool_call_blocks_where_the_template_writes_them(tok_model, tmp_path: Path) -> None:
-    """A template that teaches ``<tool_call>`` blocks (Qwen 2.5/3, Hermes) lets the model choose:
-    its blocks become tool_calls, its text before them the content; a completion without one is
-    plain content. (A choice structure makes this random model write what a trained one would.)"""
+AUTO_CASES = {  # what a template writes -> what the model answers (forced here) -> the content read
+    "hermes": ("{# calls in <tool_call></tool_call> blocks #}",
+               'Let me see. <tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>',
+               "Let me see."),
+    "mistral-v3": ("{# [TOOL_CALLS] #}", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"unit": "c"}}]', None),
+    "mistral-v11": ("{# [TOOL_CALLS] #}", '[TOOL_CALLS]get_weather[ARGS]{"unit": "c"}', None),
+    "llama3": ('{# "parameters": dictionary of argument name and its value #}',
+               '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AUTO_CASES))
+def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_model, tmp_path: Path) -> None:
+    """A template that teaches a call syntax (``<tool_call>`` blocks, ``[TOOL_CALLS]``, Llama 3's
+    JSON) lets the model choose: its calls become tool_calls, its text before them the content;
+    a completion without one is plain content. (A choice structure makes this random model
+    write what a trained one would.)"""
     import shutil
 
-    from flexgen_dist.openai_tools import hermes_calls
-
     d, _, tok = tok_model
-    qwen = tmp_path / "qwen-like"
-    shutil.copytree(d, qwen)
-    for f in qwen.glob("chat_template*"):
+    marker, answer, content = AUTO_CASES[case]
+    model = tmp_path / case
+    shutil.copytree(d, model)
+    for f in model.glob("chat_template*"):
         f.unlink()
-    cfg_path = qwen / "tokenizer_config.json"
+    cfg_path = model / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = (tok.chat_template + "{# calls go in <tool_call></tool_call> blocks #}")
+    cfg["chat_template"] = tok.chat_template + marker
     cfg_path.write_text(json.dumps(cfg))
-    block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
     msgs = [{"role": "user", "content": "The weather?"}]
     reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 80,
-                                                       "structured_outputs": {"choice": ["Let me see. " + block]}}},
+                                                       "structured_outputs": {"choice": [answer]}}},
             {"custom_id": "text", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 8,
                                                        "structured_outputs": {"choice": ["Sunny."]}}}]
-    with LLM(str(qwen), progress=False) as llm:
+    with LLM(str(model), progress=False) as llm:
         out = {line["custom_id"]: line["response"]["body"]["choices"][0] for line in llm.batch(reqs)}
     call = out["call"]
-    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] == "Let me see."
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] == content
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["message"]["tool_calls"]] \
         == [("get_weather", {"unit": "c"})]
     assert out["text"]["message"] == {"role": "assistant", "content": "Sunny."} and out["text"]["finish_reason"] == "stop"
-    # the reader alone: two blocks, a block of an unknown function (then no calls), a cut block
-    two = hermes_calls(block + "\n" + block.replace('"c"', '"f"'), {"get_weather"})
+
+
+def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
+    from flexgen_dist.openai_tools import hermes_calls, llama3_calls, mistral_calls
+
+    names = {"get_weather", "set_alarm"}
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
+    two = hermes_calls(block + "\n" + block.replace('"c"', '"f"'), names)
     assert two[0] is None and [json.loads(a)["unit"] for _, a in two[1]] == ["c", "f"]
-    assert hermes_calls(block.replace("get_weather", "other"), {"get_weather"})[1] == []
-    assert hermes_calls(block[:30], {"get_weather"})[1] == []
+    assert hermes_calls(block.replace("get_weather", "other"), names)[1] == []  # an unknown function
+    assert hermes_calls(block[:30], names)[1] == []  # cut
+    pair = '[TOOL_CALLS]get_weather[ARGS]{"unit": "f"}[TOOL_CALLS]set_alarm[ARGS]{"on": true}</s>'
+    assert mistral_calls(pair, names) == (None, [("get_weather", '{"unit": "f"}'), ("set_alarm", '{"on": true}')])
+    assert mistral_calls("Sure. [TOOL_CALLS] [{\"name\": \"set_alarm\", \"arguments\": {}}]", names)[0] == "Sure."
+    assert mistral_calls("[TOOL_CALLS] [{\"name\": \"nope\"}]", names)[1] == []
+    assert llama3_calls('{"name": "set_alarm", "parameters": {"on": false}}; {"name": "get_weather", '
+                        '"parameters": {"unit": "c"}}<|eom_id|>', names)[1] == \
+        [("set_alarm", '{"on": false}'), ("get_weather", '{"unit": "c"}')]
+    assert llama3_calls('{"name": "set_alarm", "parameters": {}} and then some prose', names)[1] == []
+    assert llama3_calls("It is sunny.", names) == ("It is sunny.", [])
