@@ -364,3 +364,16 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
         [("set_alarm", '{"on": false}'), ("get_weather", '{"unit": "c"}')]
     assert llama3_calls('{"name": "set_alarm", "parameters": {}} and then some prose', names)[1] == []
     assert llama3_calls("It is sunny.", names) == ("It is sunny.", [])
+
+
+@pytest.mark.gpu
+def test_structures_on_the_gpu_choose_what_the_cpu_chooses(tok_model, gpu_device) -> None:
+    """The masks reach the device from pinned bits and are applied there: float32 tokens equal
+    the CPU's (which equal the masked transformers loop, above)."""
+    d, _, tok = tok_model
+    ps, cfgs = prompts(tok), [SamplingConfig(structure=s) for s in STRUCTURES]
+    outs = {}
+    for dev in ("cpu", gpu_device.type):
+        with LLM(str(d), device=dev, dtype="float32", gpu_batch_size=2, num_gpu_batches=3, progress=False) as llm:
+            outs[dev] = [c.token_ids for c in llm.generate(ps, gen_len=GEN, sampling=cfgs)]
+    assert outs["cpu"] == outs[gpu_device.type]

@@ -167,8 +167,13 @@ def guide_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> 
     if eos is None:
         raise ValueError("structured output ends a completion at EOS, and this model and its tokenizer have no "
                          "EOS token")
+    n_vocab = max(int(vocab_size), len(tokenizer))
     try:
-        tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(int(vocab_size), len(tokenizer)), eos_token=eos)
+        try:
+            tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+        except TypeError:  # an llguidance before 1.9 takes one EOS id: the structure ends at the first
+            tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab,
+                                               eos_token=eos[0] if isinstance(eos, list) else eos)
     except (ValueError, TypeError) as e:
         raise ValueError(f"structured output cannot use this tokenizer ({type(tokenizer).__name__}: {e}); it "
                          "needs a fast (tokenizer.json) tokenizer") from None
