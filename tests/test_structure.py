@@ -377,3 +377,19 @@ def test_structures_on_the_gpu_choose_what_the_cpu_chooses(tok_model, gpu_device
         with LLM(str(d), device=dev, dtype="float32", gpu_batch_size=2, num_gpu_batches=3, progress=False) as llm:
             outs[dev] = [c.token_ids for c in llm.generate(ps, gen_len=GEN, sampling=cfgs)]
     assert outs["cpu"] == outs[gpu_device.type]
+
+
+@pytest.mark.bundled
+def test_the_extraction_example_prints_json_that_parses(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(repo / "examples" / "extract.py")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 4
+    rows = [json.loads(line.split("  <-", 1)[0]) for line in lines]
+    assert all(set(row) == {"person", "city", "year"} and 1900 <= row["year"] <= 2100 for row in rows)
+    assert rows[0] == {"person": "Maria", "city": "Paris", "year": 1998}  # the bundled model's answer here
