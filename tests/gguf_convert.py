@@ -5,7 +5,7 @@ Phi-3's fused ``qkv_proj``/``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``
 ``query_key_value`` (interleaved by head) reordered to all heads' q, k, v (``attn_qkv``); Llama 3.1's
 RoPE scaling as the per-frequency divisors ``rope_freqs``, YaRN as its keys; Gemma's norm weights as 1 + w, with
 Gemma 2's and Gemma 3's own keys (and none for what they do not carry: the attention scale,
-the sliding pattern, Gemma 2's RoPE base). Tensors are float32, or Q8_0 /
+the sliding pattern, Gemma 2's RoPE base); StarCoder2's generic keys (no window). Tensors are float32, or Q8_0 /
 Q4_0 for the matrices whose rows split into 32-element blocks (1-D tensors stay float32, as
 llama.cpp keeps them). The tokenizer is the bundled SmolLM2 file's (its ``tokenizer.*``
 metadata, copied), so a model written here needs its vocabulary of 49152.
@@ -30,7 +30,7 @@ ARCH = {"gemma": "gemma", "llama": "llama", "mistral": "llama", "qwen2": "qwen2"
         "hunyuan_v1_moe": "hunyuan-moe", "dots1": "dots1", "arcee": "arcee", "qwen3_next": "qwen3next",
         "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "ernie4_5": "ernie4_5",
         "ernie4_5_moe": "ernie4_5-moe", "apertus": "apertus", "exaone_moe": "exaone-moe", "gpt_neox": "gptneox",
-        "phi": "phi2"}
+        "phi": "phi2", "starcoder2": "starcoder2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -77,6 +77,9 @@ _PHI2_LAYER = {**_LAYER, "self_attn.dense": "attn_output", "mlp.fc1": "ffn_up", 
 _GPTNEOX_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                   "attention.query_key_value": "attn_qkv", "attention.dense": "attn_output",
                   "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+# StarCoder2 (starcoder2): Llama's names for attention and the norms, its MLP's c_fc and c_proj
+# (tensor_mapping.py's starcoder2 entries)
+_STARCODER2_LAYER = {**_LAYER, "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 _DOTS1_LAYER = {**_LAYER, "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
                 "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 # Qwen3-Next: its norm before the MLP by the HF name; the linear layers' tensors (write_gguf
@@ -92,7 +95,8 @@ _TABLES = {"qwen3next": _QWEN3NEXT_LAYER, "qwen35": _QWEN3NEXT_LAYER, "qwen35moe
            "glm4": _GLM4_LAYER, "glm4moe": _GLM4MOE_LAYER, "gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK2_LAYER,
            "llama4": _LLAMA4_LAYER, "hunyuan-dense": _HUNYUAN_LAYER, "hunyuan-moe": _HUNYUAN_LAYER,
            "seed_oss": _SEED_OSS_LAYER, "dots1": _DOTS1_LAYER, "ernie4_5-moe": _DOTS1_LAYER, "apertus": _APERTUS_LAYER,
-           "exaone-moe": _DOTS1_LAYER, "phi2": _PHI2_LAYER, "gptneox": _GPTNEOX_LAYER}
+           "exaone-moe": _DOTS1_LAYER, "phi2": _PHI2_LAYER, "gptneox": _GPTNEOX_LAYER,
+           "starcoder2": _STARCODER2_LAYER}
 
 
 # a sparse layer: the router, the shared expert (Qwen2-MoE), and every expert's matrices
@@ -117,8 +121,8 @@ def gguf_name(hf: str, arch: str = "llama") -> str | None:
     """llama.cpp's name for an HF tensor name of architecture ``arch``."""
     if hf in ("model.embed_tokens.weight", "gpt_neox.embed_in.weight"):
         return "token_embd.weight"
-    if hf == "model.norm.weight":
-        return "output_norm.weight"
+    if hf in ("model.norm.weight", "model.norm.bias"):  # StarCoder2's final LayerNorm has a bias
+        return "output_norm." + hf.rsplit(".", 1)[1]
     if hf.startswith(("model.final_layernorm.", "gpt_neox.final_layer_norm.")):  # Phi's, GPT-NeoX's (with a bias)
         return "output_norm." + hf.rsplit(".", 1)[1]
     if hf in ("lm_head.weight", "lm_head.bias", "embed_out.weight"):  # Phi's head has a bias
@@ -484,6 +488,20 @@ def _neox_keys(w: Any, cfg: dict[str, Any], arch: str) -> None:
     w.add_layer_norm_eps(cfg["layer_norm_eps"])
 
 
+def _starcoder2_keys(w: Any, cfg: dict[str, Any]) -> None:
+    """The metadata llama.cpp's StarCoder2Model writes: TextModel's set alone (the class adds
+    nothing), here the shape, the kv heads, the RoPE base, the LayerNorm's epsilon (norm_epsilon)
+    and the head size where the config has head_dim; no window and no rotated dims."""
+    rope = _rope(cfg)
+    assert rope.get("rope_type", "default") == "default", "a scaled RoPE is not written here"
+    _shape_keys(w, cfg)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_eps(cfg["norm_epsilon"])
+    if cfg.get("head_dim") is not None:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+
 def neox_qkv_reordered(t: torch.Tensor, heads: int) -> torch.Tensor:
     """GPTNeoXModel.modify_tensors: query_key_value's rows (or bias), interleaved by head (head
     h's q, k, v), as all heads' q, then k, then v."""
@@ -548,6 +566,8 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         _deepseek2_keys(w, cfg, mla_split)
     elif arch in ("phi2", "gptneox"):
         _neox_keys(w, cfg, arch)
+    elif arch == "starcoder2":
+        _starcoder2_keys(w, cfg)
     else:
         _llama_keys(w, cfg, arch, n_head, n_kv)
     copy_tokenizer(w)

@@ -4,7 +4,8 @@
 llama.cpp's converter writes each Hugging Face family under an architecture name of its own
 (``general.architecture``): Llama 2/3, SmolLM2 and Mistral as ``llama``, Qwen2/2.5 as
 ``qwen2``, Qwen3 as ``qwen3``, Phi-3 as ``phi3``, Gemma 2 as ``gemma2``, Gemma 3 (text) as
-``gemma3``, GPT-NeoX / Pythia as ``gptneox``, Phi-1/1.5/2 as ``phi2``, ...; ``gguf_arch.py`` holds
+``gemma3``, GPT-NeoX / Pythia as ``gptneox``, Phi-1/1.5/2 as ``phi2``, StarCoder2 as
+``starcoder2``, ...; ``gguf_arch.py`` holds
 what differs between them. A file of one of these maps to
 the ``ModelSpec`` the HF directory it was written from gives. Whatever in a file the engine
 would not compute is refused in one line before anything is generated: another architecture,
@@ -118,6 +119,10 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
+    if arch == "starcoder2":  # the file holds no window (gguf_arch.neox_fields)
+        log.info("%s: a starcoder2 GGUF attends over the whole context, as llama.cpp does (the file holds no "
+                 "sliding window; transformers' StarCoder2 slides its config's, 4096 positions in the released "
+                 "ones, and differs past it)", name)
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec

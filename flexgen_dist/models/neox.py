@@ -20,10 +20,11 @@ computes it:
 - GPT-NeoX fuses q, k and v in one matrix interleaved by head (head h's q, k, v rows follow
   each other), read here as three row selections of it.
 
-llama.cpp's files (``gguf_names``): ``gptneox`` and ``phi2``. Its converter reorders GPT-NeoX's
-fused matrix and bias to all heads' q, then k, then v (``attn_qkv``), which its graph reads as
-three blocks of rows; ``phi2`` keeps q, k and v apart (``attn_q/k/v``), or, converted from a
-checkpoint that fused them, as the same three blocks (``attn_qkv``: ``ModelSpec.fused_proj``).
+llama.cpp's files (``gguf_names``): ``gptneox``, ``phi2`` and ``starcoder2``. Its converter
+reorders GPT-NeoX's fused matrix and bias to all heads' q, then k, then v (``attn_qkv``), which
+its graph reads as three blocks of rows; ``phi2`` keeps q, k and v apart (``attn_q/k/v``), or,
+converted from a checkpoint that fused them, as the same three blocks (``attn_qkv``:
+``ModelSpec.fused_proj``); ``starcoder2`` keeps them apart (``starcoder2_gguf_names``).
 """
 from __future__ import annotations
 
@@ -134,9 +135,20 @@ def gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str
     the rows [0, q_dim), [q_dim, q_dim + kv_dim) and the next kv_dim of ``attn_qkv`` (weight
     and bias) where the file fuses them (``gptneox`` always, a ``phi2`` file with ``fused_proj``),
     else ``attn_q/k/v``."""
+    return _gguf_names(spec, part, layer, not _shared(spec) or spec.fused_proj)
+
+
+def starcoder2_gguf_names(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, str]:
+    """Canonical name -> GGUF tensor name (llama.cpp's ``starcoder2``): ``gptneox``'s names with
+    q, k and v apart (``attn_q/k/v``, each with its bias), as its converter writes them (the
+    checkpoint's ``q_proj``/``k_proj``/``v_proj`` unchanged: its graph turns halves, as here)."""
+    return _gguf_names(spec, part, layer, False)
+
+
+def _gguf_names(spec: ModelSpec, part: str, layer: int | None, fused: bool) -> dict[str, str]:
     if part == "layer":
         out = {k: f"blk.{layer}.{_GGUF[k]}" for k in layer_shapes(spec, layer)}
-        if not _shared(spec) or spec.fused_proj:
+        if fused:
             qd, kvd = spec.q_dim, spec.kv_dim
             for base, r0, r1 in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, qd + 2 * kvd)):
                 for kind, suffix in (("w", "weight"), ("b", "bias")):
