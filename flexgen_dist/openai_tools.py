@@ -9,9 +9,10 @@ as ``message.tool_calls`` with ``finish_reason`` ``tool_calls``, as OpenAI's API
 vLLM, which constrains named and required tool choices the same way). ``tool_choice``
 ``auto`` (the default when tools are given) leaves the choice to the model, so its calls are
 read back from its own syntax, the one its chat template teaches (``READERS``, found by what
-the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes),
-``[TOOL_CALLS]`` (Mistral), Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON; the text
-before the calls is the message's content. For a template that teaches none of these,
+the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes), GLM-4.5's
+``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
+``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON; the text before
+the calls is the message's content. For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
 constrains nothing.
 """
@@ -91,9 +92,10 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
         return ToolChoice(tuple(tools), AUTO, syntax)
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
-                                             "calls, in a syntax this model's chat template does not teach (<tool_call> "
-                                             "blocks, [TOOL_CALLS], Llama 3's JSON): set tool_choice to 'required', to "
-                                             "{'type': 'function', 'function': {'name': ...}}, or to 'none'")
+                                             "calls, in a syntax this model's chat template does not teach "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Llama 3's JSON): set "
+                                             "tool_choice to 'required', to {'type': 'function', 'function': "
+                                             "{'name': ...}}, or to 'none'")
     if choice == "none":
         return ToolChoice(tuple(tools), None)
     if choice == REQUIRED:
@@ -182,8 +184,60 @@ def llama3_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return None, calls
 
 
-# what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto)
-READERS = {"hermes": ("<tool_call>", hermes_calls), "mistral": ("[TOOL_CALLS]", mistral_calls),
+_GLM_BLOCK = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def glm_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """GLM-4.5's calls: ``<tool_call>NAME`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>``
+    pairs, then ``</tool_call>``; a value that parses as JSON is that value, else the string."""
+    calls: Calls = []
+    for m in _GLM_BLOCK.finditer(raw):
+        args: dict[str, Any] = {}
+        for k, v in _GLM_ARG.findall(m.group(2)):
+            try:
+                args[k.strip()] = json.loads(v)
+            except json.JSONDecodeError:
+                args[k.strip()] = v
+        c = _call({"name": m.group(1), "arguments": args}, names)
+        if c is None:
+            return raw, []
+        calls.append(c)
+    return _head(raw, "<tool_call>", calls)
+
+
+_DS_BEGIN, _DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+_DS_SEP, _DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+def deepseek_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """DeepSeek-V3's calls after ``<｜tool▁calls▁begin｜>``, each ``<｜tool▁call▁begin｜>`` ...
+    ``<｜tool▁call▁end｜>``: V3's ``function<｜tool▁sep｜>NAME`` and a fenced JSON block, or
+    V3.1's ``NAME<｜tool▁sep｜>{...}``."""
+    if _DS_BEGIN not in raw:
+        return raw, []
+    calls: Calls = []
+    for part in raw.split(_DS_BEGIN, 1)[1].split(_DS_CALL)[1:]:
+        head, _, body = part.split(_DS_END, 1)[0].partition(_DS_SEP)
+        if head.strip() == "function":  # V3: the name on the first line, then ```json ... ```
+            name, _, body = body.partition("\n")
+            body = body.strip().removeprefix("```json").removesuffix("```")
+        else:
+            name = head
+        try:
+            c = _call({"name": name.strip(), "arguments": _JSON.raw_decode(body.strip())[0]}, names)
+        except json.JSONDecodeError:
+            c = None
+        if c is None:
+            return raw, []
+        calls.append(c)
+    return _head(raw, _DS_BEGIN, calls)
+
+
+# what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),
+# in the order they are looked for (GLM-4.5's template also writes <tool_call>, with <arg_key> pairs)
+READERS = {"glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
+           "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
 
 

@@ -309,6 +309,12 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
                "Let me see."),
     "mistral-v3": ("{# [TOOL_CALLS] #}", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"unit": "c"}}]', None),
     "mistral-v11": ("{# [TOOL_CALLS] #}", '[TOOL_CALLS]get_weather[ARGS]{"unit": "c"}', None),
+    "glm": ("{# <tool_call>name <arg_key>k</arg_key> <arg_value>v</arg_value> #}",
+            "Checking. <tool_call>get_weather\n<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>",
+            "Checking."),
+    "deepseek-v3.1": ("{# <｜tool▁calls▁begin｜> #}",
+                      '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"unit": "c"}'
+                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None),
     "llama3": ('{# "parameters": dictionary of argument name and its value #}',
                '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
 }
@@ -333,7 +339,7 @@ def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_mo
     cfg["chat_template"] = tok.chat_template + marker
     cfg_path.write_text(json.dumps(cfg))
     msgs = [{"role": "user", "content": "The weather?"}]
-    reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 80,
+    reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 240,
                                                        "structured_outputs": {"choice": [answer]}}},
             {"custom_id": "text", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 8,
                                                        "structured_outputs": {"choice": ["Sunny."]}}}]
@@ -347,7 +353,7 @@ def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_mo
 
 
 def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
-    from flexgen_dist.openai_tools import hermes_calls, llama3_calls, mistral_calls
+    from flexgen_dist.openai_tools import deepseek_calls, glm_calls, hermes_calls, llama3_calls, mistral_calls
 
     names = {"get_weather", "set_alarm"}
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
@@ -364,6 +370,13 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
         [("set_alarm", '{"on": false}'), ("get_weather", '{"unit": "c"}')]
     assert llama3_calls('{"name": "set_alarm", "parameters": {}} and then some prose', names)[1] == []
     assert llama3_calls("It is sunny.", names) == ("It is sunny.", [])
+    v3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>set_alarm\n```json\n"
+          '{"on": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert deepseek_calls(v3, names) == (None, [("set_alarm", '{"on": true}')])
+    assert deepseek_calls("No calls here.", names)[1] == []
+    glm = "<tool_call>set_alarm\n<arg_key>on</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
+    assert glm_calls(glm, names) == (None, [("set_alarm", '{"on": true}')])
+    assert glm_calls(glm.replace("set_alarm", "nope"), names)[1] == []
 
 
 @pytest.mark.gpu
