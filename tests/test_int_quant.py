@@ -215,19 +215,25 @@ def test_a_word_unpacks_to_its_codes_in_each_layout() -> None:
     """One hand-packed word per layout: 0x76543210 holds codes 0..7 from the lowest nibble up."""
     word = torch.tensor([[0x76543210]], dtype=torch.int32)
     ones = torch.ones(1, 8, dtype=torch.float16)
+
+    def layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> dict:
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": None}
+
     # AWQ: nibble i is column ORDER[i] -> columns 0..7 hold 0 4 1 5 2 6 3 7; zeros 0
-    awq = dequantize(IntQuant("awq", 4, -1, False), word, torch.zeros(1, 1, dtype=torch.int32), ones, None, "w")
+    awq = dequantize(IntQuant("awq", 4, -1, False), layer(word, torch.zeros(1, 1, dtype=torch.int32), ones), (8, 1),
+                     "w")
     assert awq.flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     # GPTQ: nibble j is input row j; the original format stores a zero point of 1 as 0
     words = word.expand(1, 8).contiguous()  # eight output rows, each the same eight input columns
-    gptq = dequantize(IntQuant("gptq", 4, -1, True), words, torch.zeros(1, 1, dtype=torch.int32), ones, None, "w")
+    gptq = dequantize(IntQuant("gptq", 4, -1, True), layer(words, torch.zeros(1, 1, dtype=torch.int32), ones),
+                      (8, 8), "w")
     assert gptq.tolist() == [[-1, 0, 1, 2, 3, 4, 5, 6]] * 8
-    v2 = dequantize(IntQuant("gptq", 4, -1, False), words, torch.full((1, 1), 0x22222222, dtype=torch.int32),
-                    torch.full((1, 8), 0.5, dtype=torch.float16), None, "w")
+    v2 = dequantize(IntQuant("gptq", 4, -1, False), layer(words, torch.full((1, 1), 0x22222222, dtype=torch.int32),
+                                                           torch.full((1, 8), 0.5, dtype=torch.float16)), (8, 8), "w")
     assert v2.tolist() == [[-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5]] * 8
     with pytest.raises(ModelLoadError, match="do not agree"):
-        dequantize(IntQuant("awq", 4, -1, False), word, torch.zeros(1, 1, dtype=torch.int32),
-                   torch.ones(2, 8, dtype=torch.float16), None, "w")
+        dequantize(IntQuant("awq", 4, -1, False), layer(word, torch.zeros(1, 1, dtype=torch.int32),
+                                                        torch.ones(2, 8, dtype=torch.float16)), (8, 1), "w")
 
 
 @pytest.mark.parametrize("edit,match", [

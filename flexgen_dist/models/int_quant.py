@@ -7,8 +7,11 @@ codes), ``X.qzeros`` (the zero points, packed alike), ``X.scales`` (float16, one
 group) and, for GPTQ, ``X.g_idx`` (each input column's group: act-order checkpoints shuffle
 them). The value of input column i, output row o is ``scale[g, o] * (code[i, o] - zero[g, o])``
 with g the column's group, computed in float32 (exact: a float16 scale times an integer of at
-most 8 bits), then kept in the run's dtype like any weight (``--compress-weight`` quantizes
-it again into the engine's own groups).
+most 8 bits), then kept in the run's dtype like any weight; under ``--compress-weight`` a layer
+whose groups are contiguous keeps its codes instead (``packed_parts``). Every method's tensors
+come to one form first (``layer_codes``: unsigned codes and zeros, float32 scales, the column
+groups), which both the expansion and the packing read; ``IntLayers`` reads a layer's tensors
+through its source.
 
 - GPTQ (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``qweight`` (in / p, out) holds p =
   32 / bits codes of consecutive input columns per word, the first in the lowest bits;
@@ -161,112 +164,157 @@ def column_groups(g_idx: torch.Tensor | None, cols: int, groups: int, size: int,
     return torch.arange(cols) // size
 
 
-def dequantize(q: IntQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               g_idx: torch.Tensor | None, name: str) -> torch.Tensor:
-    """The (out, in) float32 matrix a GPTQ or AWQ layer's tensors encode (module doc)."""
-    p = q.per_word
-    if qweight.dtype not in (torch.int32, torch.uint32) or qzeros.dtype not in (torch.int32, torch.uint32):
-        raise ModelLoadError(f"{name}: {q.method.upper()} qweight/qzeros of dtype {qweight.dtype}/{qzeros.dtype}, "
-                             "expected int32: corrupt checkpoint?")
-    if q.method == "gptq":
-        codes = _unpack(qweight, q.bits, 0)  # (in, out)
-        zeros = _unpack(qzeros, q.bits, 1)  # (groups, out)
-        if q.zero_minus_one:
-            zeros = (zeros + 1) & ((1 << q.bits) - 1)
-    else:
-        order = torch.tensor(AWQ_REVERSE)
-        codes = _unpack(qweight, 4, 1)
-        codes = codes.view(codes.shape[0], -1, p)[..., order].reshape(codes.shape)
-        zeros = _unpack(qzeros, 4, 1)
-        zeros = zeros.view(zeros.shape[0], -1, p)[..., order].reshape(zeros.shape)
-    cols, rows = codes.shape
-    groups = scales.shape[0]
-    if scales.dim() != 2 or scales.shape[1] != rows or zeros.shape != (groups, rows):
-        raise ModelLoadError(f"{name}: {q.method.upper()} codes for {cols} x {rows}, scales {tuple(scales.shape)} "
-                             f"and zeros {tuple(zeros.shape)} do not agree: corrupt checkpoint?")
-    g = column_groups(g_idx, cols, groups, cols if q.group_size <= 0 else q.group_size, name)
-    w = (codes - zeros[g]).float() * scales.float()[g]  # (in, out): exact in float32
-    return w.t().contiguous()
-
-
 def _unpack_dense(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """compressed-tensors' int32 words (rows, w) -> (rows, count) signed codes: code i at bit
-    i x bits of the row's little-endian stream, stored plus 2^(bits - 1)."""
-    codes = _unpack(words, bits, 1)
+    """compressed-tensors' int32 words (rows, w) -> (rows, count) unsigned codes: code i at bit
+    i x bits of the row's little-endian stream (stored plus 2^(bits - 1): signed minus that)."""
+    codes = _unpack(words.to(torch.int32), bits, 1)
     if codes.shape[1] < count:
         raise ModelLoadError(f"{words.shape[1]} packed words hold {codes.shape[1]} codes, fewer than {count}")
-    return codes[:, :count] - (1 << (bits - 1))
+    return codes[:, :count]
 
 
-def dequantize_ct(q: IntQuant, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                  g_idx: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor:
-    """The (out, in) float32 matrix of a compressed-tensors layer: ``packed`` int32 words
-    (pack-quantized) or int8 codes (naive-quantized), scale (out, groups), the packed zero
-    points (asymmetric), the groups' order, and the matrix's (out, in) shape."""
+Parts = dict[str, "torch.Tensor | None"]  # a layer's tensors by the suffixes its method names them with
+
+
+def layer_codes(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's (codes (out, in) and zero points (out, groups), both unsigned int32; float32
+    scales (out, groups); each input column's group (in,)), whatever the method stores them
+    as (module doc): value = scale x (code - zero). A layout that does not agree with itself
+    or with ``shape`` (out, in) is a one-line error."""
     rows, cols = shape
-    if packed.dtype == torch.int8:
-        codes = packed.to(torch.int32)
-    elif packed.dtype in (torch.int32, torch.uint32):
-        codes = _unpack_dense(packed.to(torch.int32), q.bits, cols)
+    if q.method == "compressed-tensors":
+        off = 1 << (q.bits - 1)
+        packed = parts.get("weight_packed")
+        packed = parts.get("weight") if packed is None else packed  # naive-quantized: int8 codes
+        assert packed is not None
+        if packed.dtype == torch.int8:
+            codes = packed.to(torch.int32) + off
+        elif packed.dtype in (torch.int32, torch.uint32):
+            codes = _unpack_dense(packed, q.bits, cols)
+        else:
+            raise ModelLoadError(f"{name}: packed weights of dtype {packed.dtype}, expected int32 or int8: corrupt "
+                                 "checkpoint?")
+        scale = parts["weight_scale"].float()  # type: ignore[union-attr]
+        scale = scale.reshape(scale.shape[0], -1)
+        zp = parts.get("weight_zero_point")  # packed along the output rows (asymmetric only)
+        zeros = torch.full(scale.shape, off, dtype=torch.int32) if zp is None else \
+            zp.to(torch.int32) + off if zp.dtype == torch.int8 else _unpack_dense(zp.t().contiguous(), q.bits, rows).t()
+        g_idx, size = parts.get("weight_g_idx"), cols if scale.shape[1] == 1 else q.group_size
     else:
-        raise ModelLoadError(f"{name}: packed weights of dtype {packed.dtype}, expected int32 or int8: corrupt "
-                             "checkpoint?")
-    scale = scale.float().reshape(scale.shape[0], -1)
+        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
+        assert qweight is not None and qzeros is not None and scales is not None
+        if qweight.dtype not in (torch.int32, torch.uint32) or qzeros.dtype not in (torch.int32, torch.uint32):
+            raise ModelLoadError(f"{name}: {q.method.upper()} qweight/qzeros of dtype {qweight.dtype}/"
+                                 f"{qzeros.dtype}, expected int32: corrupt checkpoint?")
+        if q.method == "gptq":
+            codes, zeros = _unpack(qweight, q.bits, 0).t(), _unpack(qzeros, q.bits, 1).t()
+            if q.zero_minus_one:
+                zeros = (zeros + 1) & ((1 << q.bits) - 1)
+        else:  # AWQ: each word's 8 output rows in its own order
+            order = torch.tensor(AWQ_REVERSE)
+            codes, zeros = (_unpack(t, 4, 1) for t in (qweight, qzeros))
+            codes, zeros = (c.view(c.shape[0], -1, 8)[..., order].reshape(c.shape).t() for c in (codes, zeros))
+        scale = scales.float().t()
+        g_idx, size = parts.get("g_idx"), cols if q.group_size <= 0 else q.group_size
     groups = scale.shape[1]
-    if codes.shape != (rows, cols) or scale.shape[0] != rows:
-        raise ModelLoadError(f"{name}: codes {tuple(codes.shape)} and scales {tuple(scale.shape)} for a {rows} x "
-                             f"{cols} matrix do not agree: corrupt checkpoint?")
-    z = torch.zeros(rows, groups, dtype=torch.int32)
-    if zero is not None:  # packed along the output rows: (rows * bits / 32, groups)
-        z = zero.to(torch.int32) if zero.dtype == torch.int8 else \
-            _unpack_dense(zero.to(torch.int32).t().contiguous(), q.bits, rows).t()
-        if z.shape != (rows, groups):
-            raise ModelLoadError(f"{name}: zero points {tuple(z.shape)} for {rows} rows and {groups} groups do not "
-                                 "agree: corrupt checkpoint?")
-    g = column_groups(g_idx, cols, groups, cols if groups == 1 else q.group_size, name)
-    return (codes - z[:, g]).float() * scale[:, g]
+    if codes.shape != (rows, cols) or zeros.shape != (rows, groups) or scale.shape[0] != rows:
+        raise ModelLoadError(f"{name}: {q.method} codes {tuple(codes.shape)}, zeros {tuple(zeros.shape)} and scales "
+                             f"{tuple(scale.shape)} for a {rows} x {cols} matrix do not agree: corrupt checkpoint?")
+    return codes, zeros, scale, column_groups(g_idx, cols, groups, size, name)
 
 
-def packed_parts(q: IntQuant, parts: dict[str, torch.Tensor | None], shape: tuple[int, int]
+def dequantize(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str) -> torch.Tensor:
+    """The (out, in) float32 matrix a layer's tensors encode: scale x (code - zero), exact."""
+    codes, zeros, scale, g = layer_codes(q, parts, shape, name)
+    return (codes - zeros[:, g]).float() * scale[:, g]
+
+
+def packed_parts(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A layer's codes as the engine stores compressed weights (``models/packed.PackedWeight``:
     (out, in) unsigned codes packed low bits first, per group of input columns a scale and
     a minimum, value = code x scale + min, so min = -zero x scale), or None where they cannot
-    be kept so: activation-ordered groups, a group that does not divide the row, other bits.
-    ``parts``: the layer's tensors by the suffixes its method names them with."""
-    rows, cols = shape
-    g_idx = parts.get("g_idx" if q.method == "gptq" else "weight_g_idx")
+    be kept so: activation-ordered groups, a group that does not divide the row, other bits."""
     if q.bits not in (4, 8):
         return None
-    if q.method == "compressed-tensors":
-        codes = parts["weight_packed"]
-        assert codes is not None
-        off = 1 << (q.bits - 1)
-        u = _unpack_dense(codes.to(torch.int32), q.bits, cols) + off
-        scale = parts["weight_scale"].float().reshape(rows, -1)  # type: ignore[union-attr]
-        zp = parts.get("weight_zero_point")
-        z = torch.full(scale.shape, off, dtype=torch.int32) if zp is None else (
-            (zp.to(torch.int32) if zp.dtype == torch.int8 else
-             _unpack_dense(zp.to(torch.int32).t().contiguous(), q.bits, rows).t()) + off)
-    else:
-        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-        assert qweight is not None and qzeros is not None and scales is not None
-        if q.method == "gptq":
-            u, z = _unpack(qweight, q.bits, 0).t(), _unpack(qzeros, q.bits, 1).t()
-            if q.zero_minus_one:
-                z = (z + 1) & ((1 << q.bits) - 1)
+    codes, zeros, scale, g = layer_codes(q, parts, shape, name)
+    cols, groups = shape[1], scale.shape[1]
+    if cols % groups or not torch.equal(g, torch.arange(cols) // (cols // groups)):
+        return None
+    codes = codes.contiguous()
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if q.bits == 4 else codes
+    return packed.to(torch.uint8).contiguous(), (-zeros.float() * scale).contiguous(), scale.contiguous()
+
+
+class IntLayers:
+    """A checkpoint's GPTQ / AWQ / compressed-tensors layers, read through its source:
+    ``read(name)`` a tensor, ``shape(name)`` one's shape from the header; ``names`` the
+    checkpoint's tensors. Layer ``X`` (a stem ending in ".") is read as ``X.weight``
+    (``virtual`` names those)."""
+
+    def __init__(self, q: IntQuant, names: set[str], read: Any, shape: Any, where: str) -> None:
+        self.q, self.read, self.shape_of, self.where = q, read, shape, where
+        self.codes = "weight_packed" if q.method == "compressed-tensors" else "qweight"
+        self.stems = {n.removesuffix(self.codes) for n in names if n.endswith("." + self.codes)}
+        self.has = names.__contains__
+
+    def virtual(self) -> dict[str, str]:
+        """``X.weight`` -> the name of the tensor holding its codes, for each layer."""
+        return {stem + "weight": stem + self.codes for stem in self.stems}
+
+    def parts(self, stem: str, codes: torch.Tensor | None = None) -> Parts:
+        """Layer ``stem``'s tensors (``codes``: a naive-quantized layer's int8 weight, read)."""
+        ct = self.q.method == "compressed-tensors"
+        names = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape") if ct else \
+            ("qweight", "qzeros", "scales", "g_idx")
+        missing = [stem + t for t in (("weight_scale",) if ct else ("qzeros", "scales")) if not self.has(stem + t)]
+        if missing:
+            raise ModelLoadError(f"{self.where}: {self.q.method} layer {stem}{self.codes} has no {missing[0]}: "
+                                 "corrupt checkpoint?")
+        out: Parts = {t: self.read(stem + t) if self.has(stem + t) else None for t in names}
+        out["weight"] = codes
+        return out
+
+    def layer_shape(self, parts: Parts) -> tuple[int, int]:
+        """(out, in) of a layer: its ``weight_shape``, its int8 weight's, or its packed codes'."""
+        if parts.get("weight_shape") is not None:
+            return int(parts["weight_shape"][0]), int(parts["weight_shape"][1])  # type: ignore[index]
+        if parts.get("weight") is not None:
+            return tuple(parts["weight"].shape)  # type: ignore[union-attr,return-value]
+        qw = parts["qweight"]
+        assert qw is not None
+        p = self.q.per_word
+        return (qw.shape[1], qw.shape[0] * p) if self.q.method == "gptq" else (qw.shape[1] * p, qw.shape[0])
+
+    def expand(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``stem``'s float32 matrix (``codes``: a naive-quantized layer's int8 weight)."""
+        parts = self.parts(stem, codes)
+        return dequantize(self.q, parts, self.layer_shape(parts), f"{self.where}: {stem}{self.codes}")
+
+    def packed(self, stem: str) -> tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """Layer ``stem``'s shape and ``packed_parts``, or None where its codes cannot be kept."""
+        parts = self.parts(stem)
+        shape = self.layer_shape(parts)
+        got = packed_parts(self.q, parts, shape, f"{self.where}: {stem}{self.codes}")
+        return None if got is None else (shape, got)
+
+    def packed_group(self, stem: str) -> int:
+        """The group size ``packed`` keeps layer ``stem``'s codes in (0: expanded instead), from
+        the shapes and the group order alone (no code read: for sizing before loading)."""
+        q = self.q
+        if q.bits not in (4, 8):
+            return 0
+        if q.method == "compressed-tensors":
+            scale = self.shape_of(stem + "weight_scale")
+            cols = int(self.read(stem + "weight_shape")[1]) if self.has(stem + "weight_shape") else 0
+            groups, g = (scale[1] if len(scale) == 2 else 1), stem + "weight_g_idx"
         else:
-            order = torch.tensor(AWQ_REVERSE)
-            c, zz = _unpack(qweight, 4, 1), _unpack(qzeros, 4, 1)
-            u = c.view(c.shape[0], -1, 8)[..., order].reshape(c.shape).t()
-            z = zz.view(zz.shape[0], -1, 8)[..., order].reshape(zz.shape).t()
-        scale = scales.float().t()
-    groups = scale.shape[1]
-    if u.shape != (rows, cols) or z.shape != (rows, groups) or cols % groups:
-        return None
-    size = cols // groups
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // size):
-        return None
-    u = u.contiguous()
-    packed = (u[:, 0::2] | (u[:, 1::2] << 4)).to(torch.uint8) if q.bits == 4 else u.to(torch.uint8)
-    return packed.contiguous(), (-z.float() * scale).contiguous(), scale.contiguous()
+            qw = self.shape_of(stem + "qweight")
+            cols = qw[0] * q.per_word if q.method == "gptq" else qw[0]
+            groups, g = self.shape_of(stem + "scales")[0], stem + "g_idx"
+        if not cols or cols % groups:
+            return 0
+        if self.has(g) and not torch.equal(self.read(g).long(), torch.arange(cols) // (cols // groups)):
+            return 0
+        return cols // groups

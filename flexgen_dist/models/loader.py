@@ -25,7 +25,7 @@ from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .config_fields import fp8_block
-from .int_quant import IntQuant, dequantize, dequantize_ct, int_quant, packed_parts
+from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
 from .registry import get_spec
@@ -96,7 +96,7 @@ class HFDirSource(WeightSource):
         super().__init__(spec, dtype)
         self.path = path
         self.fp8 = fp8  # a block-scaled FP8 checkpoint's block: its matrices are expanded on read
-        self.iq = iq  # a GPTQ or AWQ checkpoint's layout: its layers' codes are expanded on read
+        self.iq = iq  # a GPTQ, AWQ or compressed-tensors layout: its layers' codes are expanded on read
         self.index: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, Any] = {}
         files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
@@ -105,11 +105,10 @@ class HFDirSource(WeightSource):
         for f in files:
             self.index.update({n: f for n in self._open(f).keys()})
         # a GPTQ/AWQ layer X is read as X.weight, made from X.qweight, X.qzeros, X.scales (X.g_idx);
-        # a compressed-tensors one from X.weight_packed, X.weight_scale, ... (int_quant.py)
-        self._codes = "weight_packed" if iq is not None and iq.method == "compressed-tensors" else "qweight"
-        self._packed = {n.removesuffix(self._codes) + "weight" for n in self.index if n.endswith("." + self._codes)} \
-            if iq is not None else set()
-        self.index.update({n: self.index[n.removesuffix("weight") + self._codes] for n in self._packed})
+        # a compressed-tensors one from X.weight_packed, X.weight_scale, ... (int_quant.IntLayers)
+        self.ints = None if iq is None else IntLayers(iq, set(self.index), self._raw, self._shape, str(path))
+        self._packed = {} if self.ints is None else self.ints.virtual()  # X.weight -> its codes' tensor
+        self.index.update({n: self.index[codes] for n, codes in self._packed.items()})
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -150,9 +149,11 @@ class HFDirSource(WeightSource):
         out: dict[str, Any] = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
             if packed and name in self._packed and not (rows or transposed or index or mxfp4):
-                pw = self._native(name.removesuffix("weight"))
-                if pw is not None:
-                    out[k] = pw
+                got = self.ints.packed(name.removesuffix("weight"))  # type: ignore[union-attr]
+                if got is not None:
+                    (shape, (codes, mins, scales)), iq = got, self.ints.q  # type: ignore[union-attr]
+                    out[k] = PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, iq.bits,
+                                          shape[1] // scales.shape[1])
                     continue
             t = self._tensor(name)
             if mxfp4:  # codes and scales of all experts: one expert's, expanded
@@ -180,13 +181,21 @@ class HFDirSource(WeightSource):
         return out
 
     def _tensor(self, name: str) -> torch.Tensor:
-        if name in self._packed:
-            return self._expand_int(name.removesuffix("weight"))
-        h = self._open(self.index[name])
-        t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
-        if t.dtype == torch.int8 and self.iq is not None and name + "_scale" in self.index:
-            return self._expand_int(name.removesuffix("weight"), t)  # compressed-tensors' int8 codes
+        if self.ints is not None and name in self._packed:
+            return self.ints.expand(name.removesuffix("weight"))
+        t = self._raw(name)
+        if self.ints is not None and t.dtype == torch.int8 and name + "_scale" in self.index:
+            return self.ints.expand(name.removesuffix("weight"), t)  # compressed-tensors' int8 codes
         return t
+
+    def _raw(self, name: str) -> torch.Tensor:
+        h = self._open(self.index[name])
+        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file's header (safetensors) or its mapped copy."""
+        h = self._open(self.index[name])
+        return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         if self.iq is None or not self.keep_packed:
@@ -207,97 +216,10 @@ class HFDirSource(WeightSource):
         out = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
             if name in self._packed and not (rows or transposed or index or mxfp4):
-                group = self._native_group(name.removesuffix("weight"))
+                group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if group:
                     out[k] = (self.iq.bits, group)
         return out
-
-    def _int_parts(self, stem: str) -> dict[str, torch.Tensor | None]:
-        names = ("weight_packed", "weight", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape") \
-            if self.iq is not None and self.iq.method == "compressed-tensors" else \
-            ("qweight", "qzeros", "scales", "g_idx")
-        return {t: (self._raw(stem + t) if stem + t in self.index and stem + t not in self._packed else None)
-                for t in names}
-
-    def _raw(self, name: str) -> torch.Tensor:
-        h = self._open(self.index[name])
-        return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
-
-    def _native(self, stem: str) -> PackedWeight | None:
-        """Layer ``stem``'s codes as a ``PackedWeight`` (``int_quant.packed_parts``), or None
-        where they cannot be kept (its values are then expanded)."""
-        assert self.iq is not None
-        parts = self._int_parts(stem)
-        shape = self._int_shape(stem, parts)
-        got = packed_parts(self.iq, parts, shape)
-        if got is None:
-            return None
-        codes, mins, scales = got
-        return PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, self.iq.bits,
-                            shape[1] // scales.shape[1])
-
-    def _native_group(self, stem: str) -> int:
-        """The group size a layer's codes are kept in (0: expanded instead), from the shapes
-        and the group order alone (``packed_parts`` decides alike when it reads them)."""
-        iq = self.iq
-        assert iq is not None
-        if iq.bits not in (4, 8):
-            return 0
-        ct = iq.method == "compressed-tensors"
-        scale = self._shape(stem + ("weight_scale" if ct else "scales"))
-        if ct:
-            shape = self._raw(stem + "weight_shape") if stem + "weight_shape" in self.index else None
-            cols = int(shape[1]) if shape is not None else 0
-            groups = scale[1] if len(scale) == 2 else 1
-        else:
-            qw = self._shape(stem + "qweight")
-            cols, groups = (qw[0] * iq.per_word if iq.method == "gptq" else qw[0]), scale[0]
-        if not cols or cols % groups:
-            return 0
-        g = stem + ("weight_g_idx" if ct else "g_idx")
-        if g in self.index and not torch.equal(self._raw(g).long(), torch.arange(cols) // (cols // groups)):
-            return 0
-        return cols // groups
-
-    def _shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape from the file's header (safetensors) or its mapped copy."""
-        h = self._open(self.index[name])
-        return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
-
-    def _int_shape(self, stem: str, parts: dict[str, torch.Tensor | None]) -> tuple[int, int]:
-        if parts.get("weight_shape") is not None:
-            return int(parts["weight_shape"][0]), int(parts["weight_shape"][1])  # type: ignore[index]
-        if parts.get("weight") is not None:
-            return tuple(parts["weight"].shape)  # type: ignore[union-attr,return-value]
-        qw = parts["qweight"]
-        assert qw is not None and self.iq is not None
-        return (qw.shape[1], qw.shape[0] * self.iq.per_word) if self.iq.method == "gptq" else \
-            (qw.shape[1] * self.iq.per_word, qw.shape[0])
-
-    def _expand_int(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
-        """The float32 matrix of GPTQ/AWQ/compressed-tensors layer ``stem`` (``int_quant.py``);
-        ``codes``: a naive-quantized layer's int8 weight, already read."""
-        iq = self.iq
-        assert iq is not None
-        ct = iq.method == "compressed-tensors"
-        need = ("weight_scale",) if ct else ("qzeros", "scales")
-        missing = [stem + t for t in need if stem + t not in self.index]
-        if missing:
-            raise ModelLoadError(f"{self.path}: {iq.method} layer {stem}{self._codes} has no {missing[0]}: corrupt "
-                                 "checkpoint?")
-
-        def opt(t: str) -> torch.Tensor | None:
-            return self._tensor(stem + t) if stem + t in self.index else None
-
-        name = f"{self.path}: {stem}{self._codes}"
-        if not ct:
-            return dequantize(iq, self._tensor(stem + "qweight"), self._tensor(stem + "qzeros"),
-                              self._tensor(stem + "scales"), opt("g_idx"), name)
-        codes = self._tensor(stem + "weight_packed") if codes is None else codes
-        shape = opt("weight_shape")
-        dims = (int(shape[0]), int(shape[1])) if shape is not None else tuple(codes.shape)
-        return dequantize_ct(iq, codes, self._tensor(stem + "weight_scale"), opt("weight_zero_point"),
-                             opt("weight_g_idx"), dims, name)  # type: ignore[arg-type]
 
     def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
         scale_name = name + "_scale_inv"
