@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -152,8 +153,9 @@ class RunConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
 
-    @property
+    @cached_property
     def sampling(self) -> SamplingConfig:
+        """The run's sampling (built once: a schema or grammar file is read once)."""
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
                               self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty,

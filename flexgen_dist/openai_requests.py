@@ -220,7 +220,7 @@ def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
     kind, v = asks[0]
     try:
         if kind == "json":
-            st = Structure.json_schema(v if isinstance(v, str) else json.dumps(v))
+            st = Structure.json_schema(v)
         elif kind == "choice":
             st = Structure.choice(v if isinstance(v, list) else [])
         elif kind == "json_object":

@@ -54,9 +54,9 @@ class ToolChoice:
     syntax: str = ""  # ``auto``: the reader of the model's own calls (``READERS``)
 
     def structure(self) -> Structure | None:
-        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.call is None or self.call == AUTO:
             return None
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
         if self.call != REQUIRED:
             return Structure.json_schema(params[self.call])
         calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},

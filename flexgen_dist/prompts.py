@@ -78,19 +78,18 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None,
         raise ConfigError(f"prompt {pid!r} is a chat but this model has no chat template: give "
                           "'prompt' text or 'input_ids' instead")
     text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    if tools and text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False):
-        _warn_once("this model's chat template does not render tools: the model is not shown the functions' "
-                   "definitions (a named or required call is still held to their parameters)")
+    template = tokenizer.chat_template
+    if tools and template not in _RENDERS_TOOLS:  # asked once per template, warned once
+        _RENDERS_TOOLS[template] = text != tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                         tokenize=False)
+        if not _RENDERS_TOOLS[template]:
+            logging.getLogger("flexgen_dist").warning(
+                "this model's chat template does not render tools: the model is not shown the functions' "
+                "definitions (a named or required call is still held to their parameters)")
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        logging.getLogger("flexgen_dist").warning(msg)
+_RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the tools it is given
 
 
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,

@@ -228,7 +228,6 @@ class RowGuides:
         self.eos = set(int(e) for e in eos_ids)
         self.live = list(range(len(self.rows)))  # constrained rows still generating
         self.device = device
-        self.index = torch.tensor(self.rows, dtype=torch.long, device=device)
         # one row of bits per row of the batch (an unconstrained row's all ones): one
         # ``torch.where`` over the batch, no gather and scatter of its constrained rows (5x)
         self.bits = torch.full((len(structures), (tok.vocab_size + 31) // 32), -1, dtype=torch.int32,
@@ -251,10 +250,10 @@ class RowGuides:
         """The rows chose ``ids`` (b,): each live constrained row's matcher takes its token."""
         if not self.live:
             return
-        chosen = ids[self.index].tolist()  # one host copy a step, only for batches with structures
+        chosen = ids.tolist()  # one host copy a step, only for batches with structures
         still = []
         for n in self.live:
-            t = int(chosen[n])
+            t = int(chosen[self.rows[n]])
             if t in self.eos:
                 continue  # the structure is complete and the row has ended
             if not self.matchers[n].consume_token(t):

@@ -25,8 +25,9 @@ import torch
 from .common import rope_inv_freq
 from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
-                        exaone_moe_fields, layer_scalars, llama_fields, neox_fields, post_norm_fields)
+                        exaone_moe_fields, layer_scalars, llama_fields, post_norm_fields)
 from .gguf_moe import MOE_ARCHS, nextn
+from .gguf_neox import neox_fields
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
@@ -119,10 +120,6 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
-    if arch == "starcoder2":  # the file holds no window (gguf_arch.neox_fields)
-        log.info("%s: a starcoder2 GGUF attends over the whole context, as llama.cpp does (the file holds no "
-                 "sliding window; transformers' StarCoder2 slides its config's, 4096 positions in the released "
-                 "ones, and differs past it)", name)
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec

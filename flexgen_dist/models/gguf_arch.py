@@ -4,8 +4,8 @@ what their files say beyond the shared keys, read as llama.cpp's loader reads it
 
 ``models/gguf.py`` reads what every architecture shares and the tensors; this module is the
 per-architecture table it consults, and the ``ModelSpec`` fields each architecture's keys and
-tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``cohere_fields``,
-``neox_fields``).
+tensors give (``llama_fields`` and the functions it calls; ``gemma_fields``, ``cohere_fields``;
+the NeoX family's in ``gguf_neox.neox_fields``).
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ ARCHS: dict[str, GGUFArch] = {
     # StarCoder2 (starcoder2): the converter's generic set (TextModel: the RoPE base, the kv heads,
     # the LayerNorm's epsilon; no window, no rotated dims: every dim turns), q, k and v apart with
     # every bias, RoPE on halves (llama.cpp's NEOX type), the head the embedding where the file has no
-    # output.weight; no window (neox_fields)
+    # output.weight; no window (gguf_neox.neox_fields)
     "starcoder2": GGUFArch("neox", neox.starcoder2_gguf_names, keys=frozenset({"attention.layer_norm_epsilon"})),
     "gemma": GGUFArch("gemma", gemma.gguf_names, norm_shift=1.0),  # Gemma 1: norms before the sublayers only
     "gemma2": GGUFArch("gemma", gemma.gguf_names, keys=_GEMMA_KEYS | {"attn_logit_softcapping"}, norm_shift=1.0),
@@ -204,37 +204,6 @@ def cohere_fields(arch: str, key: Key, tensors: set[str], layers: int) -> dict[s
         out.update(sliding_window=window, layer_types=types,
                    nope_layers=tuple(t == "full_attention" for t in types))
     return out
-
-
-# the GELU each file computes with: a file does not say, so these are the released models' configs'
-# (Phi-1/1.5/2: gelu_new; Pythia: gelu, the exact one; GPT-NeoX-20B's says gelu_fast; StarCoder2:
-# gelu_pytorch_tanh). llama.cpp computes ggml_gelu (the tanh form) for the three architectures.
-NEOX_ACTIVATION = {"phi2": "gelu_new", "gptneox": "gelu", "starcoder2": "gelu_pytorch_tanh"}
-
-
-def neox_fields(arch: str, key: Key, tensors: set[str], heads: int, rotary: int) -> dict[str, Any]:
-    """A gptneox / phi2 / starcoder2 file's ``ModelSpec`` fields beyond the shared ones, as
-    llama.cpp's loader reads it: the LayerNorm's epsilon and gptneox.use_parallel_residual (both
-    required there), the kv heads (the heads' count where the file has none: the gptneox converter
-    writes none), biases on q, k, v and o and on the MLP (all required there: a starcoder2 file
-    without them, converted from a ``use_bias`` false checkpoint, is refused), phi2's bias on the
-    head and its one norm for both sublayers; an output.weight of its own for gptneox and phi2,
-    starcoder2's head the embedding where the file has none; ``rotary``: the dims RoPE turns (0: all).
-
-    StarCoder2 slides a window on every layer in transformers, but llama.cpp's converter writes
-    no window and its graph attends over the whole context: the spec has no window, as llama.cpp
-    computes (transformers' tokens up to the window, every released StarCoder2's 4096 positions;
-    past it, llama.cpp's). A starcoder2.attention.sliding_window key is refused as not computed."""
-    if arch == "starcoder2" and not {"blk.0.attn_q.bias", "blk.0.ffn_up.bias"} & tensors:
-        raise ValueError("a starcoder2 file without biases (use_bias false) is not supported: llama.cpp's loader "
-                         "requires them on q, k, v, o and the MLP; load the model's Hugging Face directory")
-    return dict(norm_eps=decimal32(key("attention.layer_norm_epsilon")), rotary_dim=rotary,
-                num_kv_heads=int(key("attention.head_count_kv", heads)), attention_bias=True, mlp_bias=True,
-                tie_word_embeddings=arch == "starcoder2" and "output.weight" not in tensors,
-                lm_head_bias=arch == "phi2", norm_layout="shared" if arch == "phi2" else "pre",
-                mlp_activation=NEOX_ACTIVATION[arch],
-                parallel_residual=arch == "gptneox" and bool(key("use_parallel_residual")),
-                fused_proj=arch == "phi2" and "blk.0.attn_qkv.weight" in tensors)
 
 
 def gemma_fields(arch: str, key: Key, pattern: Any, layers: int, hidden: int, heads: int, head_dim: int,

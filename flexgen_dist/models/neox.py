@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from .common import Positions, apply_rope, as_positions, embedding, layer_norm, linear, project_qkv
 from .families import ROWS, Attend, Family, Weights, register
 from .spec import ModelSpec
+from .spec_checks import NEOX_ACTIVATIONS
 
-ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+ACTIVATIONS = NEOX_ACTIVATIONS  # the GELUs ``gelu`` computes
 
 _PHI = {"attn_norm.w": "input_layernorm.weight", "attn_norm.b": "input_layernorm.bias",
         "q.w": "self_attn.q_proj.weight", "q.b": "self_attn.q_proj.bias",
