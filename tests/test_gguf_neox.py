@@ -122,25 +122,25 @@ def _interleaved_names(spec, part: str, layer: int | None = None) -> dict[str, s
     return out
 
 
-@pytest.mark.bundled
-def test_the_fused_rows_read_as_the_checkpoint_has_them_give_other_tokens(built, monkeypatch) -> None:
-    """The reader's split of attn_qkv is what makes the tokens transformers': the same file
-    read without undoing the converter's reorder computes something else."""
-    m, path, _ = built("pythia")
-    ref = reference_generate(TinyModel("pythia", path, m, 0), LONG, 6)
-    monkeypatch.setitem(ARCHS, "gptneox", dataclasses.replace(ARCHS["gptneox"], names=_interleaved_names))
-    with LLM(str(path), ignore_eos=True, progress=False) as llm:
-        assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] != ref
+# each misreading of a file, undone: (the case, its architecture, what changes in its ARCHS entry)
+MISREADINGS = {
+    # GPT-NeoX's attn_qkv read without undoing the converter's reorder (as the checkpoint interleaves it)
+    "neox-fused-rows": ("pythia", "gptneox", {"names": _interleaved_names}),
+    # StarCoder2's q and k read as a llama file's, whose rows the converter interleaves for llama.cpp's
+    # pairwise rotation (starcoder2's converter writes them as the checkpoint has them: NEOX RoPE)
+    "starcoder2-permuted": ("starcoder2", "starcoder2", {"permuted": True}),
+}
 
 
 @pytest.mark.bundled
-def test_starcoder2_q_and_k_read_as_if_interleaved_give_other_tokens(built, monkeypatch) -> None:
-    """StarCoder2's converter writes q_proj and k_proj as the checkpoint has them (llama.cpp turns
-    halves for starcoder2, its NEOX RoPE type); read as a llama file's, whose rows the converter
-    interleaves for llama.cpp's pairwise rotation, the tokens change."""
-    m, path, _ = built("starcoder2")
-    ref = reference_generate(TinyModel("starcoder2", path, m, 0), LONG, 6)
-    monkeypatch.setitem(ARCHS, "starcoder2", dataclasses.replace(ARCHS["starcoder2"], permuted=True))
+@pytest.mark.parametrize("case", sorted(MISREADINGS))
+def test_a_file_misread_gives_other_tokens(case: str, built, monkeypatch) -> None:
+    """What the reader undoes is what makes the tokens transformers': the same file read the
+    other way computes something else."""
+    name, arch, change = MISREADINGS[case]
+    m, path, _ = built(name)
+    ref = reference_generate(TinyModel(name, path, m, 0), LONG, 6)
+    monkeypatch.setitem(ARCHS, arch, dataclasses.replace(ARCHS[arch], **change))
     with LLM(str(path), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=6)] != ref
 
