@@ -20,9 +20,11 @@ own workload.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,6 +42,7 @@ from .models.loader import LoadedModel, describe, load_model
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
+from .reasoning import Reasoning, reasoning_of
 from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
@@ -60,6 +63,10 @@ class Completion:
     finish_reason: str = "length"
     # with ``logprobs=k``: each token of ``token_ids``'s log-probability, and its k alternatives
     logprobs: TokenLogprobs | None = None
+    # a reasoning model's chat completion (``reasoning.py``): its thinking (``text`` is then the
+    # answer alone) and where the answer starts in ``token_ids``
+    reasoning: str | None = None
+    answer_from: int = 0
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -92,6 +99,8 @@ def build_config(model: str | None, config: RunConfig | None, options: dict[str,
     for k in ("percent", "state_percent", "stage_layers"):
         if opts.get(k) is not None:
             opts[k] = tuple(opts[k])
+    if isinstance(opts.get("chat_template_kwargs"), dict):  # the template's variables as a dict
+        opts["chat_template_kwargs"] = json.dumps(opts["chat_template_kwargs"])
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(opts) - known)
     if unknown:
@@ -162,6 +171,11 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.model.tokenizer
+
+    @cached_property
+    def reasoning(self) -> Reasoning | None:
+        """How this model's chat completions think, where they do (``--reasoning-parser``)."""
+        return reasoning_of(self.tokenizer, self.config.reasoning_parser)
 
     @property
     def engine(self) -> Any:
@@ -349,7 +363,8 @@ class LLM:
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
-        return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer, **extra)
+        return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer,
+                              reasoning=self.reasoning, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                 decode_tokens: int, logprobs: int | None = None) -> Workload:
@@ -391,11 +406,20 @@ class LLM:
                     ignore_eos: bool = False) -> Completion:
         toks, lps = res if isinstance(res, tuple) else (res, None)
         text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
+        split = self.reasoning.split(toks, p.ids, self.tokenizer) \
+            if self.reasoning is not None and p.messages is not None else None
+        thought = None
+        if split is not None:
+            text, thought = split.content, split.reasoning
         stopped = bool(toks) and toks[-1] in self.model.spec.eos_token_ids and not ignore_eos
         if stops is not None and text is not None and stops.has(index):
-            text, hit = stops.cut(index, text)
+            if thought is not None and not text:  # the stop string ended the thinking
+                thought, hit = stops.cut(index, thought)
+            else:
+                text, hit = stops.cut(index, text)
             stopped = stopped or hit
-        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length", lps)
+        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length", lps, thought,
+                          split.answer_from if split is not None else 0)
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""

@@ -28,6 +28,24 @@ DEFAULT_SORT_WINDOW = 32
 DUMMY_FILLS = ("random", "ones")
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "percent", "state_percent", "cpu_attention", "overlap",
                 "compress_weight", "compress_cache", "attn_sparsity", "comp_group_size", "comp_bits")
+REASONING_PARSERS = ("auto", "none", "think", "harmony")  # reasoning.py
+# what the chat template's call sets itself: not a template variable a caller may give
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "chat_template", "return_dict", "return_tensors",
+                            "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs")
+
+
+def check_template_kwargs(kwargs: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` as the chat template's extra variables (e.g. ``{"enable_thinking": false}``):
+    an object of names to values, none of the names the call sets itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ConfigError(f"{where} must be an object of template variables, e.g. {{\"enable_thinking\": false}}")
+    bad = [k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS]
+    if bad:
+        raise ConfigError(f"{where}: {bad[0]!r} is set by the chat call itself, not a template variable: leave it out")
+    return dict(kwargs)
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,9 @@ class RunConfig:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # a chat template's own variables (JSON object text, e.g. '{"enable_thinking": false}')
+    chat_template_kwargs: str | None = None
+    reasoning_parser: str = "auto"  # how chat completions' thinking is told from the answer (reasoning.py)
     output: str | None = None
     resume: bool = False
     overwrite: bool = False
@@ -148,6 +169,9 @@ class RunConfig:
                               f"{MAX_LOGPROBS} (and that many most likely alternatives)")
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ConfigError(f"--num-micro-batches {self.num_micro_batches}: must be >= 1")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
+        _ = self.template_kwargs  # its own checks
         try:
             _ = self.sampling  # its own checks, as config errors
         except (TypeError, ValueError) as e:
@@ -160,6 +184,18 @@ class RunConfig:
                               self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty,
                               structure=structure_option(self.json_schema, self.regex, self.choice, self.grammar))
+
+    @cached_property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables (``--chat-template-kwargs``)."""
+        if self.chat_template_kwargs is None:
+            return {}
+        try:
+            kw = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--chat-template-kwargs is not valid JSON ({e.msg}): give an object, e.g. "
+                              "'{\"enable_thinking\": false}'") from None
+        return check_template_kwargs(kw, "--chat-template-kwargs")
 
     @property
     def auto_policy(self) -> bool:
@@ -259,8 +295,8 @@ def _yaml_value(key: str, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad("a number")
         return float(v)
-    elif key == "json_schema" and isinstance(v, (dict, bool)):
-        return json.dumps(v)  # the schema written as YAML
+    elif key in ("json_schema", "chat_template_kwargs") and isinstance(v, (dict, bool)):
+        return json.dumps(v)  # the schema (or the template's variables) written as YAML
     elif base == "str":
         if isinstance(v, bool) or not isinstance(v, (str, int, float)):
             raise bad("a string")
@@ -334,6 +370,12 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--regex", help="every completion matches this regular expression (whole)")
     g.add_argument("--choice", nargs="+", metavar="TEXT", help="every completion is one of these strings")
     g.add_argument("--grammar", metavar="FILE|TEXT", help="every completion follows this Lark (or GBNF) grammar")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", help="the chat template's own variables for chat "
+                   "prompts, e.g. '{\"enable_thinking\": false}' (Qwen3) or '{\"reasoning_effort\": \"low\"}' "
+                   "(gpt-oss)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="how a reasoning model's chat "
+                   "completions are split into reasoning and answer: auto (the default: by the chat template), "
+                   "think (<think>...</think>), harmony (gpt-oss), none (the text as generated)")
     g.add_argument("--output", help="JSONL of {id, prompt?, text?, tokens}; an existing non-empty one needs "
                    "--resume or --overwrite")
     g.add_argument("--resume", action="store_true", help="finish the job in --output: skip the prompts "

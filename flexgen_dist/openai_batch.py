@@ -39,6 +39,8 @@ class _Nothing:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = ""
     finish_reason: str = "length"
+    reasoning: str | None = None
+    answer_from: int = 0
 
 
 # --- running a batch ----------------------------------------------------------------------
@@ -57,7 +59,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         lines = [r if isinstance(r, str) else json.dumps(r) for r in requests]
         spec = llm.model.spec
         reqs = parse_requests(lines, llm.tokenizer, spec.vocab_size, spec.max_positions, default, llm.config.seed,
-                              spec.eos_token_ids)[skip:]
+                              spec.eos_token_ids, llm.config.template_kwargs)[skip:]
         return any(r.ok for r in reqs)
 
     def plan() -> tuple[bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), any generated

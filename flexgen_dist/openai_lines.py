@@ -36,13 +36,16 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         choice: dict[str, Any] = {"index": j}
         text = c.text if c.text is not None else ""
         called = None
-        if chat and req.tools is not None:  # whole calls: OpenAI's message of tool calls
-            raw = tokenizer.decode(c.token_ids, skip_special_tokens=False) if tokenizer is not None else None
+        if chat and req.tools is not None:  # whole calls: OpenAI's message of tool calls (after any thinking)
+            raw = tokenizer.decode(c.token_ids[c.answer_from:], skip_special_tokens=False) \
+                if tokenizer is not None else None
             called = tool_message(req.tools, text, f"{rid}|{j}", raw)
         if called is not None:
             choice["message"] = called
         elif chat:
             choice["message"] = {"role": "assistant", "content": text}
+        if chat and c.reasoning is not None:  # a reasoning model's thinking (vLLM's field)
+            choice["message"]["reasoning"] = c.reasoning
         else:
             choice["text"] = (echoed or "") + text if req.echo else text
         if c.text is None:  # a model without a tokenizer: the ids are the answer

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, check_template_kwargs
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
@@ -30,7 +30,9 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "top_k", "min_p", "repetition_penalty", "prompt_logprobs",  # these four: vLLM's extensions
         "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
         "tools", "tool_choice",  # chat only: function calling, named or required (openai_tools.py)
+        "chat_template_kwargs", "reasoning_effort",  # chat only: the template's variables (vLLM's; OpenAI's)
         "echo"}  # completions only
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort, as the template reads it
 
 
 class RequestError(ValueError):
@@ -76,15 +78,18 @@ class Request:
 
 
 def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
-                   default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> list[Request]:
+                   default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                   template_kwargs: dict[str, Any] | None = None) -> list[Request]:
     """One ``Request`` per non-blank line, in order; a duplicate ``custom_id`` is refused
-    before anything runs (``ConfigError``), a bad request gets its ``error``."""
+    before anything runs (``ConfigError``), a bad request gets its ``error``. Chats render with
+    the template's variables ``template_kwargs`` (the run's), a request's own on top."""
     out: list[Request] = []
     seen: dict[str, int] = {}
     for n, raw in enumerate(lines):
         if not raw.strip():
             continue
-        req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids)
+        req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids,
+                            template_kwargs)
         if req.custom_id in seen:
             raise ConfigError(f"line {n + 1}: custom_id {req.custom_id!r} is also on line {seen[req.custom_id] + 1}; "
                               "each request needs its own custom_id")
@@ -96,7 +101,8 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
 
 
 def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_positions: int,
-                  default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> Request:
+                  default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
+                  template_kwargs: dict[str, Any] | None = None) -> Request:
     """Request of line ``n`` (0-based); a request that cannot run carries its error."""
     req = Request(n, f"line-{n + 1}")
     try:
@@ -110,7 +116,7 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
     if rec.get("custom_id") is not None:
         req.custom_id = str(rec["custom_id"])
     try:
-        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids)
+        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids, template_kwargs)
     except RequestError as e:
         req.error = e
     except ConfigError as e:  # what make_prompt refuses (ids outside the vocabulary, no template)
@@ -119,7 +125,8 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
 
 
 def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: int, max_positions: int,
-          default_max_tokens: int, seed: int, eos_ids: tuple[int, ...] = ()) -> None:
+          default_max_tokens: int, seed: int, eos_ids: tuple[int, ...] = (),
+          template_kwargs: dict[str, Any] | None = None) -> None:
     method = rec.get("method", "POST")
     if method != "POST":
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
@@ -143,7 +150,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         req.tools = parse_tools(body, req.url == CHAT, reads_auto(tokenizer))
     except ToolError as e:
         raise RequestError(e.code, str(e)) from None
-    req.prompt = _prompt(req, body, tokenizer, vocab_size)
+    req.prompt = _prompt(req, body, tokenizer, vocab_size, template_kwargs)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
     req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
@@ -295,13 +302,18 @@ def _alternatives(v: Any, name: str) -> int:
     return k
 
 
-def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int) -> Prompt:
+def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
+            template_kwargs: dict[str, Any] | None = None) -> Prompt:
     if req.url == CHAT:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
         return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs),
-                           tools=list(req.tools.tools) if req.tools is not None else None)
+                           tools=list(req.tools.tools) if req.tools is not None else None,
+                           template_kwargs={**(template_kwargs or {}), **_template_kwargs(body)})
+    for k in ("chat_template_kwargs", "reasoning_effort"):
+        if body.get(k) is not None:
+            raise RequestError("unsupported_field", f"{k} is a chat field: a completions request has no chat template")
     p = body.get("prompt")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt given as a list of one
@@ -311,6 +323,21 @@ def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_siz
         return make_prompt(req.custom_id, None, p, tokenizer, vocab_size)
     raise RequestError("invalid_request", "a completions request needs 'prompt': a non-empty string or a list of "
                                           "token ids (one prompt per request)")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's own template variables: vLLM's ``chat_template_kwargs`` (e.g.
+    ``{"enable_thinking": false}``) and OpenAI's ``reasoning_effort`` (gpt-oss' template reads it)."""
+    try:
+        kw = check_template_kwargs(body.get("chat_template_kwargs"))
+    except ConfigError as e:
+        raise RequestError("invalid_value", str(e)) from None
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise RequestError("invalid_value", f"reasoning_effort {effort!r}: use one of {', '.join(EFFORTS)}")
+        kw["reasoning_effort"] = effort
+    return kw
 
 
 def _messages(msgs: list[Any]) -> Messages:

@@ -11,8 +11,9 @@ vLLM, which constrains named and required tool choices the same way). ``tool_cho
 read back from its own syntax, the one its chat template teaches (``READERS``, found by what
 the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes), GLM-4.5's
 ``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
-``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON; the text before
-the calls is the message's content. For a template that teaches none of these,
+``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
+``commentary`` messages to ``functions.NAME``; the text before the calls is the message's
+content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
 constrains nothing.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.structure import Structure
+from .reasoning import harmony_messages
 
 REQUIRED = "required"
 AUTO = "auto"
@@ -93,7 +95,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
-                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Llama 3's JSON): set "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Llama 3's JSON, harmony): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -234,9 +236,32 @@ def deepseek_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return _head(raw, _DS_BEGIN, calls)
 
 
+def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """gpt-oss' calls: harmony ``commentary`` messages to ``functions.NAME`` whose text is the
+    arguments' JSON (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+    <|call|>``); the content is its final (and recipient-less commentary) messages' text, the
+    analysis being the reasoning."""
+    calls: Calls = []
+    said = []
+    for m in harmony_messages(raw):
+        if not m.recipient:
+            if m.channel != "analysis":
+                said.append(m.text)
+            continue
+        try:
+            c = _call({"name": m.recipient.removeprefix("functions."), "arguments": _JSON.raw_decode(m.text)[0]},
+                      names) if m.recipient.startswith("functions.") else None
+        except json.JSONDecodeError:
+            c = None
+        if c is None:
+            return raw, []
+        calls.append(c)
+    return ("\n\n".join(said) or None, calls) if calls else (raw, [])
+
+
 # what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),
 # in the order they are looked for (GLM-4.5's template also writes <tool_call>, with <arg_key> pairs)
-READERS = {"glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
+READERS = {"harmony": ("<|channel|>", harmony_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
 

@@ -120,8 +120,9 @@ class OutputWriter:
         return n, pos
 
     def record(self, p: Prompt, tokens: list[int], text: str | None = None,
-               logprobs: TokenLogprobs | None = None) -> dict[str, Any]:
-        """The output line of prompt ``p``; ``text`` is the decoded completion if known already;
+               logprobs: TokenLogprobs | None = None, reasoning: str | None = None) -> dict[str, Any]:
+        """The output line of prompt ``p``; ``text`` is the decoded completion (a reasoning
+        model's answer, its thinking in ``reasoning``) if known already;
         ``logprobs`` (``--logprobs K``) adds each token's log-probability and K alternatives
         (``{"token_logprobs": [...], "top_logprobs": [[{"id", "token", "logprob"}, ...], ...]}``,
         "token" where there is a tokenizer)."""
@@ -130,6 +131,8 @@ class OutputWriter:
             rec["messages"] = p.messages
         if p.text is not None:
             rec["prompt"] = p.text
+        if reasoning is not None:
+            rec["reasoning"] = reasoning
         if text is not None:
             rec["text"] = text
         elif self.tokenizer is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from jinja2 import TemplateError
 
 from .config import ConfigError
 
@@ -40,8 +41,9 @@ class Prompt:
 
 
 def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tokenizer: Any | None,
-                 vocab_size: int, seed: int = 0) -> list[Prompt]:
-    """Prompts from a file, synthetic ids, or (neither given) a few built-in examples."""
+                 vocab_size: int, seed: int = 0, template_kwargs: dict[str, Any] | None = None) -> list[Prompt]:
+    """Prompts from a file, synthetic ids, or (neither given) a few built-in examples; chats
+    rendered with the template's variables ``template_kwargs``."""
     if path is None and num_prompts is not None:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(low=min(10, vocab_size - 1), high=vocab_size, size=(num_prompts, prompt_len),
@@ -57,18 +59,20 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
         raise ConfigError(f"{path}: no prompts in the file")
     if num_prompts is not None:
         raw = raw[:num_prompts]
-    return [make_prompt(pid, text, ids, tokenizer, vocab_size, messages) for pid, text, ids, messages in raw]
+    return [make_prompt(pid, text, ids, tokenizer, vocab_size, messages, template_kwargs=template_kwargs)
+            for pid, text, ids, messages in raw]
 
 
 def has_chat_template(tokenizer: Any | None) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(pid: Any, messages: Any, tokenizer: Any | None,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """The conversation through the model's own chat template, as transformers renders it
-    (with the assistant's turn opened, and ``tools``' definitions where given), and its token
-    ids (the template writes the special tokens itself, so none are added)."""
+    (with the assistant's turn opened, ``tools``' definitions where given, and the template's
+    own variables ``template_kwargs``, e.g. ``enable_thinking``), and its token ids (the
+    template writes the special tokens itself, so none are added)."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
@@ -77,11 +81,16 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None,
     if not has_chat_template(tokenizer):
         raise ConfigError(f"prompt {pid!r} is a chat but this model has no chat template: give "
                           "'prompt' text or 'input_ids' instead")
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    extra = template_kwargs or {}
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                             **extra)
+    except TemplateError as e:  # the template's own refusal (raise_exception) or a bad variable
+        raise ConfigError(f"prompt {pid!r}: the model's chat template refused it ({e})") from None
     template = tokenizer.chat_template
     if tools and template not in _RENDERS_TOOLS:  # asked once per template, warned once
         _RENDERS_TOOLS[template] = text != tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                         tokenize=False)
+                                                                         tokenize=False, **extra)
         if not _RENDERS_TOOLS[template]:
             logging.getLogger("flexgen_dist").warning(
                 "this model's chat template does not render tools: the model is not shown the functions' "
@@ -94,11 +103,12 @@ _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the t
 
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
                 vocab_size: int, messages: Messages | None = None,
-                tools: list[dict[str, Any]] | None = None) -> Prompt:
-    """A checked prompt: a chat is rendered by the model's template (with ``tools``' where
-    given), text is tokenized; ids must be non-empty and inside the vocabulary."""
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """A checked prompt: a chat is rendered by the model's template (with ``tools``' and the
+    template's variables where given), text is tokenized; ids must be non-empty and inside
+    the vocabulary."""
     if messages is not None:
-        text, ids = render_chat(pid, messages, tokenizer, tools)
+        text, ids = render_chat(pid, messages, tokenizer, tools, template_kwargs)
     if ids is None:
         if tokenizer is None:
             raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "

@@ -45,7 +45,7 @@ def run(cfg: RunConfig) -> int:
             """Rank 0: read the prompts, check the output against them; the number left."""
             nonlocal prompts, writer
             prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
-                                   llm.model.spec.vocab_size, cfg.seed)
+                                   llm.model.spec.vocab_size, cfg.seed, cfg.template_kwargs)
             writer = OutputWriter(cfg.output, llm.tokenizer, resume=cfg.resume, overwrite=cfg.overwrite)
             done = writer.start(prompts, fingerprint(cfg, llm))
             if done:
@@ -54,7 +54,8 @@ def run(cfg: RunConfig) -> int:
 
         if cfg.explain:  # the plan only: no output is touched, nothing is placed
             return _explain(llm, read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
-                                              llm.model.spec.vocab_size, cfg.seed) if llm.is_driver else None)
+                                              llm.model.spec.vocab_size, cfg.seed, cfg.template_kwargs)
+                            if llm.is_driver else None)
         left = llm.on_driver(prepare)  # every rank learns what rank 0 found
         done = writer.done if writer is not None else 0
         records: list[dict[str, Any]] = []
@@ -66,8 +67,8 @@ def run(cfg: RunConfig) -> int:
                 # each prompt keeps its job index as its sampling key: a resumed job draws the same
                 for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts))):
                     if writer is not None:
-                        recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs)  # type: ignore[index]
-                                for c in block]
+                        recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs,  # type: ignore[index]
+                                              c.reasoning) for c in block]
                         writer.write(recs)
                         records.extend(recs)
         finally:
@@ -112,6 +113,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}),
             **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)},
             **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
+            **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
+            **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
             **_structure_print(cfg)}
 
 

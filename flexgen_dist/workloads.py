@@ -14,6 +14,7 @@ from .engine.structure import check_structure
 from .models.spec import ModelSpec
 from .plan import Workload
 from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
+from .reasoning import Reasoning
 from .scoring import score_split, score_targets
 
 PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
@@ -24,15 +25,16 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    sampling: SamplingConfig | Sequence[SamplingConfig] | None, cfg: RunConfig, spec: ModelSpec,
                    tokenizer: Any | None, *, keys: Sequence[int] | None = None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
-                   scoring: bool = False, logprobs: int | None = None) -> Workload:
-    """The workload of one call; ``gen_len`` and ``sampling`` default to the config's."""
+                   scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None) -> Workload:
+    """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
+    prompt of a reasoning model (``reasoning``) gets its structure after the thinking."""
     what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
     if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ConfigError(f"{what} (strings or token-id lists)")
     gen_len = cfg.gen_len if gen_len is None else int(gen_len)
     if gen_len < 1:
         raise ConfigError(f"gen_len {gen_len}: must be >= 1")
-    ps: list[Prompt] = [p if isinstance(p, Prompt) else prompt_of(n, p, tokenizer, spec.vocab_size)
+    ps: list[Prompt] = [p if isinstance(p, Prompt) else prompt_of(n, p, tokenizer, spec.vocab_size, cfg.template_kwargs)
                         for n, p in enumerate(prompts)]
     # a scored sequence generates nothing: it may fill every position
     check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
@@ -44,6 +46,8 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     samp = (each[0] if each else sampling) or cfg.sampling
     if not scoring:
         check_structures(each or [samp], samp.ignore_eos, spec, tokenizer)  # type: ignore[list-item]
+        if reasoning is not None:
+            each = after_thinking(ps, each, samp, reasoning)  # type: ignore[arg-type]
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
     if not scoring:
@@ -60,6 +64,20 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         seen=seen, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def after_thinking(ps: Sequence[Prompt], each: tuple[SamplingConfig, ...] | None, samp: SamplingConfig,
+                   reasoning: Reasoning) -> tuple[SamplingConfig, ...] | None:
+    """The per-prompt samplings (``each``, or ``samp`` for all) with each chat prompt's
+    structure after the thinking (its completion thinks first, ``reasoning.py``); ``each``
+    where no structure changes."""
+    cfgs = each or (samp,) * len(ps)
+    if len(cfgs) != len(ps):  # the workload refuses it, naming the counts
+        return each
+    out = tuple(dataclasses.replace(c, structure=dataclasses.replace(c.structure, after=reasoning.after(p.ids)))
+                if c.structure is not None and p.messages is not None and not c.structure.after else c
+                for p, c in zip(ps, cfgs))
+    return out if any(a is not b for a, b in zip(out, cfgs)) else each
 
 
 def check_structures(cfgs: Sequence[SamplingConfig], ignore_eos: bool, spec: ModelSpec, tokenizer: Any | None) -> None:
@@ -97,13 +115,15 @@ def warn_longrope_crossing(spec: ModelSpec, lens: Sequence[int], limits: Sequenc
     return n
 
 
-def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int) -> Prompt:
-    """Prompt ``n`` of a call: text, token ids, or a conversation (a list of messages)."""
+def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int,
+              template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """Prompt ``n`` of a call: text, token ids, or a conversation (a list of messages, rendered
+    with the chat template's variables ``template_kwargs``)."""
     if isinstance(p, str):
         return make_prompt(n, p, None, tokenizer, vocab_size)
     items = list(p)
     if items and all(isinstance(m, dict) for m in items):
-        return make_prompt(n, None, None, tokenizer, vocab_size, cast(Messages, items))
+        return make_prompt(n, None, None, tokenizer, vocab_size, cast(Messages, items), template_kwargs=template_kwargs)
     return make_prompt(n, None, cast(list[int], items), tokenizer, vocab_size)
 
 

@@ -254,6 +254,73 @@ def copy_with_eos(src: Path, dst: Path, eos: int) -> Path:
     return dst
 
 
+BPE_TEXT = ['{"name": "Ada", "age": 36, "city": "London"}', "yes no maybe 123-4567 abc", "The quick brown fox.",
+            '[1, 2, 3] {"ok": true, "n": null}'] * 8
+
+
+def bpe_chat_model(factory: pytest.TempPathFactory, name: str, template: str, added: tuple[str, ...] = (),
+                   specials: tuple[str, ...] = ()) -> tuple[Path, torch.nn.Module, Any]:
+    """A random Llama of 320 logits with a byte-level BPE tokenizer of 300 tokens (then
+    ``added`` tokens and ``specials`` special tokens; the rest of the vocabulary is padding, as
+    many checkpoints have), EOS id 1, chat template ``template``: (its directory, the model,
+    the tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(BPE_TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
+    if added:
+        tok.add_tokens(list(added))
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
+    tok.chat_template = template
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    d = factory.mktemp(name)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, model, tok
+
+
+def masked_reference(model: torch.nn.Module, tok: Any, prompt: list[int], structure: Any, gen_len: int,
+                     bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy tokens of one prompt of a ``bpe_chat_model``, each step's float32 logits (plus
+    ``bias``) masked by llguidance's own matcher for ``structure`` (no mask without one), up to
+    and including EOS (id 1)."""
+    import llguidance
+
+    from flexgen_dist.engine.structure import guide_tokenizer
+
+    lt = guide_tokenizer(tok, 320, (1,))
+    m = None if structure is None else llguidance.LLMatcher(lt, structure.grammar_text())
+    seq, out = list(prompt), []
+    for _ in range(gen_len):
+        with torch.no_grad():
+            lg = model(torch.tensor([seq])).logits[0, -1].float()
+        for t, b in (bias or {}).items():
+            lg[t] += b
+        if m is not None:
+            mask = m.compute_bitmask()  # bytes, little-endian, bit k of byte j: token 8j + k
+            bits = torch.tensor(list(mask), dtype=torch.uint8)
+            allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:lg.numel()].bool()
+            lg[~allowed] = float("-inf")
+        t = int(lg.argmax())
+        out.append(t)
+        if t == 1:
+            break
+        if m is not None:
+            assert m.consume_token(t)
+        seq.append(t)
+    return out
+
+
 def write_jsonl(path: Path, prompts: list[list[int]]) -> Path:
     path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(prompts)))
     return path

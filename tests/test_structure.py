@@ -12,13 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import local_ranks, read_jsonl
+from conftest import bpe_chat_model, local_ranks, masked_reference, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig, Structure
-from flexgen_dist.engine.structure import guide_tokenizer
 from flexgen_dist.run import main
 
-TEXT = ['{"name": "Ada", "age": 36, "city": "London"}', "yes no maybe 123-4567 abc", "The quick brown fox.",
-        '[1, 2, 3] {"ok": true, "n": null}'] * 8
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "boolean"}},
           "required": ["answer", "n"], "additionalProperties": False}
 GEN = 24
@@ -26,55 +23,15 @@ GEN = 24
 
 @pytest.fixture(scope="module")
 def tok_model(tmp_path_factory: pytest.TempPathFactory):
-    """A random Llama of 320 logits with a byte-level BPE tokenizer of 300 tokens (the rest
-    of the vocabulary is padding, as many checkpoints have), EOS id 1."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>")
-    tok.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
-                         "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}")
-    torch.manual_seed(7)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=1, pad_token_id=0, bos_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    d = tmp_path_factory.mktemp("structured")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d, model, tok
+    """A random Llama of 320 logits with a byte-level BPE tokenizer of 300 tokens, EOS id 1."""
+    return bpe_chat_model(tmp_path_factory, "structured",
+                          "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+                          "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def reference(model, tok, prompt: list[int], structure: Structure | None, gen_len: int) -> list[int]:
-    """Greedy tokens of one prompt, each step's float32 logits masked by llguidance's own
-    matcher for ``structure`` (no mask without one), up to and including EOS."""
-    import llguidance
-
-    lt = guide_tokenizer(tok, 320, (1,))
-    m = None if structure is None else llguidance.LLMatcher(lt, structure.grammar_text())
-    seq, out = list(prompt), []
-    for _ in range(gen_len):
-        with torch.no_grad():
-            lg = model(torch.tensor([seq])).logits[0, -1].float()
-        if m is not None:
-            mask = m.compute_bitmask()  # bytes, little-endian, bit k of byte j: token 8j + k
-            bits = torch.tensor(list(mask), dtype=torch.uint8)
-            allowed = ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()[:lg.numel()].bool()
-            lg[~allowed] = float("-inf")
-        t = int(lg.argmax())
-        out.append(t)
-        if t == 1:
-            break
-        if m is not None:
-            assert m.consume_token(t)
-        seq.append(t)
-    return out
+    return masked_reference(model, tok, prompt, structure, gen_len)
 
 
 STRUCTURES = [Structure.json_schema(SCHEMA), None, Structure.regex(r"[ab]{2,5}-\d"),

@@ -15,6 +15,14 @@ reported logprobs stay the model's own.
 
 JSON comes compact (no whitespace between tokens: fewer tokens, and no runs of blanks from
 a weak model) unless the schema says ``"x-guidance": {"whitespace_flexible": true}``.
+
+A reasoning model's chat completion thinks first (``reasoning.py``): its structure then holds
+the answer only, after the thinking (``Structure.after``), as vLLM does with a reasoning
+parser: ``<think>`` free text ``</think>``, then the structure (``think``; ``think_open``
+where the prompt has opened the thinking already), or gpt-oss' harmony messages, an
+``analysis`` one then the ``final`` one holding the structure (``harmony``). The thinking is
+any text between the model's own marker tokens (referenced as special tokens, so text inside
+the thinking cannot close it).
 """
 from __future__ import annotations
 
@@ -29,6 +37,17 @@ import torch
 log = logging.getLogger("flexgen_dist")
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# what a structure follows (``Structure.after``): the thinking of a reasoning model, before it,
+# as Lark rules whose ``@answer`` is the structure (markers as special tokens: llguidance's view
+# of a tokenizer makes every added token one)
+_THINKING = "\nthinking: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n"
+AFTER = {
+    "": "",
+    "think": "start: (<think> thinking </think> WS?)? @answer" + _THINKING,
+    "think_open": "start: thinking </think> WS? @answer" + _THINKING,
+    "harmony": ('start: (<|channel|> "analysis" <|message|> thinking <|end|> <|start|> "assistant")? '
+                '<|channel|> "final" <|message|> @answer' + _THINKING),
+}
 JSON_DEFAULTS = {"whitespace_flexible": False}
 # bytes per (row, vocabulary entry) the masking holds beside the logits at its peak: the
 # masked copy (float32), the unpacked bits (uint8) and the bool mask
@@ -48,14 +67,18 @@ class Structure:
     """What a completion must match. ``kind``: ``json`` (``value`` a JSON schema as JSON
     text), ``json_object`` (any JSON object), ``regex`` (``value`` the pattern, Rust regex
     syntax, matched whole), ``choice`` (``value`` a JSON list of the allowed strings) or
-    ``grammar`` (``value`` a Lark grammar, or llama.cpp's GBNF)."""
+    ``grammar`` (``value`` a Lark grammar, or llama.cpp's GBNF). ``after``: the thinking
+    that comes first (``AFTER``; "": none, the completion is the structure)."""
 
     kind: str
     value: str = ""
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structure {self.kind!r}: use one of {', '.join(KINDS)}")
+        if self.after not in AFTER:
+            raise ValueError(f"structure after {self.after!r}: use one of {', '.join(map(repr, AFTER))}")
         if self.kind == "json":
             try:
                 schema = json.loads(self.value)
@@ -93,7 +116,19 @@ class Structure:
         return cls("grammar", text)
 
     def grammar_text(self) -> str:
-        """The structure as llguidance's grammar (what a matcher is built from)."""
+        """The structure as llguidance's grammar (what a matcher is built from): after the
+        thinking (``after``), a grammar of two, the thinking's rules referring to the answer's."""
+        answer = self._answer_text()
+        if not self.after:
+            return answer
+        try:
+            grammars = json.loads(answer)["grammars"]
+        except (json.JSONDecodeError, TypeError, KeyError):  # Lark text (a choice's, a grammar's)
+            grammars = [{"lark_grammar": answer}]
+        return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": AFTER[self.after]},
+                                        {**grammars[0], "name": "answer"}, *grammars[1:]]})
+
+    def _answer_text(self) -> str:
         llg = _llguidance()
         if self.kind in ("json", "json_object"):
             schema = self.value if self.kind == "json" else '{"type": "object"}'
@@ -106,8 +141,9 @@ class Structure:
             raise ValueError(f"the grammar is not valid ({e})") from None
 
     def describe(self) -> str:
-        return {"json": "a JSON schema", "json_object": "a JSON object", "regex": f"the regex {self.value!r}",
+        what = {"json": "a JSON schema", "json_object": "a JSON object", "regex": f"the regex {self.value!r}",
                 "choice": f"one of {self.value}", "grammar": "a grammar"}[self.kind]
+        return what + (" after the thinking" if self.after else "")
 
 
 def structure_option(json_schema: str | None = None, regex: str | None = None,

@@ -1,0 +1,143 @@
+"""Reasoning models: a chat completion's thinking apart from its answer.
+
+A reasoning model thinks before it answers, in a syntax its chat template teaches:
+``<think> ... </think>`` then the answer (Qwen3, QwQ, DeepSeek-R1, GLM-4.5, SmolLM3, ...;
+where the template has opened ``<think>`` in the prompt already, the completion starts inside
+the thinking), or gpt-oss' harmony messages (``<|channel|>analysis<|message|>...<|end|>`` then
+``<|start|>assistant<|channel|>final<|message|>...``, with calls as ``commentary`` messages to
+``functions.NAME``). ``--reasoning-parser`` (``auto``, the default: found by what the template
+writes and the tokenizer holding its marker tokens; ``think``; ``harmony``; ``none``) picks it.
+With one, a chat completion's ``text`` is its answer and ``reasoning`` its thinking (OpenAI
+Batch: ``message.reasoning``, vLLM's field), and a structure holds the answer only, after the
+thinking (``Structure.after``). Completions of text prompts are never split.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .config import REASONING_PARSERS as PARSERS
+from .config import ConfigError
+
+_THINK = ("<think>", "</think>")
+_HARMONY = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+_HARMONY_ENDS = re.compile(r"<\|(?:end|call|return)\|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+@dataclass(frozen=True)
+class Split:
+    """A completion as a reasoning model's: its thinking (None: it did not think), its answer,
+    and where the answer starts among its token ids (what a reader of tool calls reads)."""
+
+    reasoning: str | None
+    content: str
+    answer_from: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One harmony message of a completion: its channel, its recipient ("" for the user) and
+    its text."""
+
+    channel: str
+    recipient: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """How a model thinks: ``syntax`` ``think`` (``marks``: the ids of ``<think>`` and
+    ``</think>``) or ``harmony`` (``marks``: its four markers' ids)."""
+
+    syntax: str
+    marks: tuple[int, ...]
+
+    def opened(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt leaves the thinking open (its last marker is ``<think>``): the
+        completion starts inside it."""
+        if self.syntax != "think":
+            return False
+        start, end = self.marks
+        return next((t == start for t in reversed(prompt_ids) if t in (start, end)), False)
+
+    def after(self, prompt_ids: Sequence[int]) -> str:
+        """What a structure of this prompt's completion follows (``Structure.after``)."""
+        if self.syntax == "harmony":
+            return "harmony"
+        return "think_open" if self.opened(prompt_ids) else "think"
+
+    def split(self, ids: Sequence[int], prompt_ids: Sequence[int], tokenizer: Any) -> Split:
+        """The thinking and the answer of a completion's ``ids`` (the EOS included or not)."""
+        if self.syntax == "harmony":
+            msgs = harmony_messages(tokenizer.decode(list(ids), skip_special_tokens=False), tokenizer)
+            if not msgs:
+                return Split(None, tokenizer.decode(list(ids), skip_special_tokens=True))
+            thought = [m.text for m in msgs if m.channel == "analysis"]
+            said = [m.text for m in msgs if m.channel != "analysis" and not m.recipient]
+            return Split("\n\n".join(thought) if thought else None, "\n\n".join(said))
+        start, end = self.marks
+        ids = list(ids)
+        begin = 0
+        if not self.opened(prompt_ids):
+            first = next((n for n, t in enumerate(ids) if tokenizer.decode([t]).strip()), None)
+            if first is None or ids[first] != start:
+                return Split(None, tokenizer.decode(ids, skip_special_tokens=True))
+            begin = first + 1
+        close = next((n for n in range(begin, len(ids)) if ids[n] == end), len(ids))
+        thought = tokenizer.decode(ids[begin:close], skip_special_tokens=True).strip()
+        answer = tokenizer.decode(ids[close + 1:], skip_special_tokens=True).lstrip()
+        return Split(thought, answer, min(close + 1, len(ids)))
+
+
+def harmony_messages(raw: str, tokenizer: Any | None = None) -> list[Message]:
+    """The harmony messages of a completion's text with its special tokens: each
+    ``<|channel|>C [to=R] ... <|message|>TEXT`` up to ``<|end|>``, ``<|call|>``, ``<|return|>``
+    or the end (a completion cut at its limit); other special tokens' text dropped."""
+    specials = [s for s in getattr(tokenizer, "all_special_tokens", []) if s] if tokenizer is not None else []
+    out = []
+    for part in _HARMONY_ENDS.split(raw):
+        if "<|message|>" not in part:
+            continue
+        head, text = part.split("<|message|>", 1)
+        channel, to = _CHANNEL.search(head), _RECIPIENT.search(head)
+        for s in specials:
+            text = text.replace(s, "")
+        out.append(Message(channel.group(1) if channel else "", to.group(1) if to else "", text.strip()))
+    return out
+
+
+def reasoning_of(tokenizer: Any | None, parser: str = "auto") -> Reasoning | None:
+    """How the model's chat completions think (None: not split): ``parser`` ``auto`` finds it
+    by what the chat template writes and the tokenizer holding the markers as single tokens;
+    ``think`` or ``harmony`` names it (refused in one line where the tokenizer lacks them)."""
+    if parser not in PARSERS:
+        raise ConfigError(f"--reasoning-parser {parser!r}: use {', '.join(PARSERS)}")
+    if parser == "none" or tokenizer is None:
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else ""
+    for syntax, marks in (("harmony", _HARMONY), ("think", _THINK)):
+        if parser == "auto" and marks[0] not in template:
+            continue
+        if parser not in ("auto", syntax):
+            continue
+        ids = _single_ids(tokenizer, marks)
+        if ids is not None:
+            return Reasoning(syntax, ids)
+        if parser == syntax:
+            raise ConfigError(f"--reasoning-parser {syntax}: this model's tokenizer has no single tokens "
+                              f"{' '.join(marks)}; use --reasoning-parser none (or auto)")
+    return None
+
+
+def _single_ids(tokenizer: Any, marks: Sequence[str]) -> tuple[int, ...] | None:
+    ids = []
+    for m in marks:
+        enc = tokenizer.encode(m, add_special_tokens=False)
+        if len(enc) != 1:
+            return None
+        ids.append(int(enc[0]))
+    return tuple(ids)
