@@ -12,7 +12,7 @@ read back from its own syntax, the one its chat template teaches (``READERS``, f
 the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes), GLM-4.5's
 ``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
-``commentary`` messages to ``functions.NAME``; the text before the calls is the message's
+``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``; the text before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
 constrains nothing.
@@ -95,7 +95,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
-                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Llama 3's JSON, harmony): set "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, Llama 3's JSON, harmony): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -236,6 +236,29 @@ def deepseek_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return _head(raw, _DS_BEGIN, calls)
 
 
+_KIMI_BEGIN, _KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
+_KIMI_ARGS, _KIMI_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+
+
+def kimi_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """Kimi K2's calls after ``<|tool_calls_section_begin|>``, each ``<|tool_call_begin|>``
+    ``functions.NAME:INDEX`` ``<|tool_call_argument_begin|>`` ``{...}`` ``<|tool_call_end|>``."""
+    if _KIMI_BEGIN not in raw:
+        return raw, []
+    calls: Calls = []
+    for part in raw.split(_KIMI_BEGIN, 1)[1].split(_KIMI_CALL)[1:]:
+        head, _, body = part.split(_KIMI_END, 1)[0].partition(_KIMI_ARGS)
+        name = head.strip().removeprefix("functions.").rsplit(":", 1)[0]
+        try:
+            c = _call({"name": name, "arguments": _JSON.raw_decode(body.strip())[0]}, names)
+        except json.JSONDecodeError:
+            c = None
+        if c is None:
+            return raw, []
+        calls.append(c)
+    return _head(raw, _KIMI_BEGIN, calls)
+
+
 def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     """gpt-oss' calls: harmony ``commentary`` messages to ``functions.NAME`` whose text is the
     arguments' JSON (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
@@ -261,7 +284,7 @@ def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
 
 # what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),
 # in the order they are looked for (GLM-4.5's template also writes <tool_call>, with <arg_key> pairs)
-READERS = {"harmony": ("<|channel|>", harmony_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
+READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
 

@@ -1,9 +1,10 @@
 """Reasoning models: a chat completion's thinking apart from its answer.
 
 A reasoning model thinks before it answers, in a syntax its chat template teaches:
-``<think> ... </think>`` then the answer (Qwen3, QwQ, DeepSeek-R1, GLM-4.5, SmolLM3, ...;
-where the template has opened ``<think>`` in the prompt already, the completion starts inside
-the thinking), or gpt-oss' harmony messages (``<|channel|>analysis<|message|>...<|end|>`` then
+``<think> ... </think>`` then the answer (Qwen3, QwQ, DeepSeek-R1, GLM-4.5, SmolLM3, Kimi,
+MiniMax-M2, ...; Magistral's ``[THINK] ... [/THINK]``, Seed-OSS' ``<seed:think> ...
+</seed:think>``; where the template has opened the thinking in the prompt already, the
+completion starts inside it), or gpt-oss' harmony messages (``<|channel|>analysis<|message|>...<|end|>`` then
 ``<|start|>assistant<|channel|>final<|message|>...``, with calls as ``commentary`` messages to
 ``functions.NAME``). ``--reasoning-parser`` (``auto``, the default: found by what the template
 writes and the tokenizer holding its marker tokens; ``think``; ``harmony``; ``none``) picks it.
@@ -20,8 +21,11 @@ from typing import Any, Sequence
 from .config import REASONING_PARSERS as PARSERS
 from .config import ConfigError
 
-_THINK = ("<think>", "</think>")
+# a thinking between two marker tokens: the pairs, in the order a template is searched for them
+THINKS = (("<seed:think>", "</seed:think>"), ("[THINK]", "[/THINK]"), ("<think>", "</think>"))
 _HARMONY = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+# the thinking's own rules beside ``start`` (``Reasoning.after``)
+_THINKING = "\nthinking: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n"
 _HARMONY_ENDS = re.compile(r"<\|(?:end|call|return)\|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
@@ -49,8 +53,9 @@ class Message:
 
 @dataclass(frozen=True)
 class Reasoning:
-    """How a model thinks: ``syntax`` ``think`` (``marks``: the ids of ``<think>`` and
-    ``</think>``) or ``harmony`` (``marks``: its four markers' ids)."""
+    """How a model thinks: ``syntax`` ``think`` (``marks``: the ids of its opening and
+    closing markers, ``<think>`` and ``</think>`` or another pair of ``THINKS``) or
+    ``harmony`` (``marks``: its four markers' ids)."""
 
     syntax: str
     marks: tuple[int, ...]
@@ -64,10 +69,16 @@ class Reasoning:
         return next((t == start for t in reversed(prompt_ids) if t in (start, end)), False)
 
     def after(self, prompt_ids: Sequence[int]) -> str:
-        """What a structure of this prompt's completion follows (``Structure.after``)."""
-        if self.syntax == "harmony":
-            return "harmony"
-        return "think_open" if self.opened(prompt_ids) else "think"
+        """What a structure of this prompt's completion follows (``Structure.after``): Lark
+        rules of the thinking before ``@answer``, its markers as special tokens by id (so no
+        text inside the thinking matches them, and the thinking's regex cannot take them)."""
+        t = [f"<[{i}]>" for i in self.marks]
+        if self.syntax == "harmony":  # an analysis message, then the final one
+            return f'start: ({t[0]} "analysis" {t[1]} thinking {t[2]} {t[3]} "assistant")? ' \
+                   f'{t[0]} "final" {t[1]} @answer' + _THINKING
+        if self.opened(prompt_ids):  # the prompt opened it: the completion is inside the thinking
+            return f"start: thinking {t[1]} WS? @answer" + _THINKING
+        return f"start: ({t[0]} thinking {t[1]} WS?)? @answer" + _THINKING
 
     def split(self, ids: Sequence[int], prompt_ids: Sequence[int], tokenizer: Any) -> Split:
         """The thinking and the answer of a completion's ``ids`` (the EOS included or not)."""
@@ -119,18 +130,17 @@ def reasoning_of(tokenizer: Any | None, parser: str = "auto") -> Reasoning | Non
         return None
     template = getattr(tokenizer, "chat_template", None)
     template = template if isinstance(template, str) else ""
-    for syntax, marks in (("harmony", _HARMONY), ("think", _THINK)):
-        if parser == "auto" and marks[0] not in template:
-            continue
-        if parser not in ("auto", syntax):
-            continue
-        ids = _single_ids(tokenizer, marks)
-        if ids is not None:
-            return Reasoning(syntax, ids)
-        if parser == syntax:
-            raise ConfigError(f"--reasoning-parser {syntax}: this model's tokenizer has no single tokens "
-                              f"{' '.join(marks)}; use --reasoning-parser none (or auto)")
-    return None
+    # what the template writes: harmony's channels, or the first pair of thinking markers
+    found = _HARMONY if _HARMONY[0] in template else next((m for m in THINKS if m[0] in template), None)
+    if parser == "auto":
+        ids = None if found is None else _single_ids(tokenizer, found)
+        return None if ids is None else Reasoning("harmony" if found is _HARMONY else "think", ids)
+    marks = _HARMONY if parser == "harmony" else found if found not in (None, _HARMONY) else THINKS[-1]
+    ids = _single_ids(tokenizer, marks)  # type: ignore[arg-type]
+    if ids is None:
+        raise ConfigError(f"--reasoning-parser {parser}: this model's tokenizer has no single tokens "
+                          f"{' '.join(marks)}; use --reasoning-parser none (or auto)")  # type: ignore[arg-type]
+    return Reasoning(parser, ids)
 
 
 def _single_ids(tokenizer: Any, marks: Sequence[str]) -> tuple[int, ...] | None:

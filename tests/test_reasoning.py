@@ -72,11 +72,14 @@ def test_the_thinking_and_the_answer_of_a_completion(think, harmony) -> None:
     assert r.split(enc("The quick"), opened, tok).content == ""
     assert r.split(enc("yes no"), plain, tok).reasoning is None  # no thinking: all answer
     assert r.split(enc("yes no"), closed, tok).content == "yes no"
-    assert [r.after(p) for p in (plain, opened, closed)] == ["think", "think_open", "think"]
+    assert [r.opened(p) for p in (plain, opened, closed)] == [False, True, False]
+    assert r.after(plain) == r.after(closed) != r.after(opened)
+    assert r.after(plain).startswith(f"start: (<[{start}]> thinking <[{end}]> WS?)? @answer")
+    assert r.after(opened).startswith(f"start: thinking <[{end}]> WS? @answer")  # inside the thinking already
 
     _, _, htok = harmony
     h = reasoning_of(htok)
-    assert h is not None and h.syntax == "harmony" and h.after([]) == "harmony"
+    assert h is not None and h.syntax == "harmony" and '"final"' in h.after([])
     out = htok.encode("<|channel|>analysis<|message|>The quick fox.<|end|><|start|>assistant<|channel|>final"
                       "<|message|>yes", add_special_tokens=False)
     s = h.split(out + [1], [], htok)
@@ -86,8 +89,8 @@ def test_the_thinking_and_the_answer_of_a_completion(think, harmony) -> None:
     assert h.split(htok.encode("yes", add_special_tokens=False), [], htok).reasoning is None
 
 
-@pytest.mark.parametrize("after", ["think", "think_open"])
-def test_every_kind_of_structure_compiles_after_the_thinking(after: str, think) -> None:
+@pytest.mark.parametrize("opened", [False, True], ids=["think", "opened"])
+def test_every_kind_of_structure_compiles_after_the_thinking(opened: bool, think) -> None:
     """The thinking's grammar takes each kind of structure as its answer; the answer's own
     rules still hold (a matcher fed a thinking, its end and a wrong answer refuses it)."""
     import llguidance
@@ -100,7 +103,9 @@ def test_every_kind_of_structure_compiles_after_the_thinking(after: str, think) 
              Structure.grammar('start: "x" NUMBER\n%import common.NUMBER')]
     answers = ['{"a":36}', '{"ok":true}', "ab-4", "no", "x12"]
     lt = guide_tokenizer(tok, 320, (1,))
-    think_text = ("" if after == "think_open" else "<think>") + "The quick fox.</think>\n\n"
+    r = reasoning_of(tok)
+    after = r.after([r.marks[0]] if opened else [])
+    think_text = ("" if opened else "<think>") + "The quick fox.</think>\n\n"
     for st, good in zip(kinds, answers):
         st = Structure(st.kind, st.value, after)
         check_structure(st, tok, 320, (1,))
@@ -120,10 +125,15 @@ def test_which_models_think_and_how() -> None:
 
     assert reasoning_of(Tok(THINK, True)).syntax == "think"
     assert reasoning_of(Tok(HARMONY, True)).syntax == "harmony"
+    for pair in (("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>")):  # Magistral, Seed-OSS
+        got = reasoning_of(Tok(THINK.replace("<think>", pair[0]).replace("</think>", pair[1]), True))
+        assert got.syntax == "think" and got.marks == (len(pair[0]), len(pair[1]))
     assert reasoning_of(Tok("{{ messages }}", True)) is None  # a template that teaches no thinking
     assert reasoning_of(Tok(THINK, False)) is None  # markers that are not tokens of their own: not split
     assert reasoning_of(Tok(THINK, True), "none") is None and reasoning_of(None) is None
     assert reasoning_of(Tok("{{ messages }}", True), "think").syntax == "think"  # named, whatever the template
+    with pytest.raises(ConfigError, match="no single tokens <think> </think>"):
+        reasoning_of(Tok("{{ messages }}", False), "think")
     with pytest.raises(ConfigError, match="no single tokens <think> </think>"):
         reasoning_of(Tok(THINK, False), "think")
     with pytest.raises(ConfigError, match="--reasoning-parser 'r1'"):
@@ -145,7 +155,7 @@ def test_a_structure_holds_the_answer_after_the_thinking(case: str, think, opene
             out = llm.chat(MSGS, gen_len=gen, sampling=sc)
             for m, c in zip(MSGS, out):
                 after = llm.reasoning.after(c.prompt_ids)
-                assert after == {"think": "think", "opened": "think_open", "harmony": "harmony"}[case]
+                assert llm.reasoning.opened(c.prompt_ids) == (case == "opened")
                 ref = masked_reference(model, tok, c.prompt_ids, Structure("choice", YES_NO.value, after), gen,
                                        {end: bias})
                 assert c.token_ids == ref, (case, bias)

@@ -272,6 +272,9 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
     "deepseek-v3.1": ("{# <｜tool▁calls▁begin｜> #}",
                       '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"unit": "c"}'
                       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None),
+    "kimi-k2": ("{# <|tool_calls_section_begin|> #}",
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"unit": "c"}<|tool_call_end|><|tool_calls_section_end|>', None),
     "llama3": ('{# "parameters": dictionary of argument name and its value #}',
                '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
 }
@@ -310,7 +313,8 @@ def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_mo
 
 
 def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
-    from flexgen_dist.openai_tools import deepseek_calls, glm_calls, hermes_calls, llama3_calls, mistral_calls
+    from flexgen_dist.openai_tools import (deepseek_calls, glm_calls, hermes_calls, kimi_calls, llama3_calls,
+                                           mistral_calls)
 
     names = {"get_weather", "set_alarm"}
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
@@ -334,6 +338,11 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
     glm = "<tool_call>set_alarm\n<arg_key>on</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
     assert glm_calls(glm, names) == (None, [("set_alarm", '{"on": true}')])
     assert glm_calls(glm.replace("set_alarm", "nope"), names)[1] == []
+    kimi = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+            '<|tool_call_argument_begin|>{"unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.set_alarm:1'
+            '<|tool_call_argument_begin|>{"on": true}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    assert kimi_calls(kimi, names) == ("Let me check.", [("get_weather", '{"unit": "c"}'), ("set_alarm", '{"on": true}')])
+    assert kimi_calls(kimi.replace("set_alarm", "nope"), names) == (kimi.replace("set_alarm", "nope"), [])
 
 
 @pytest.mark.gpu

@@ -17,12 +17,12 @@ JSON comes compact (no whitespace between tokens: fewer tokens, and no runs of b
 a weak model) unless the schema says ``"x-guidance": {"whitespace_flexible": true}``.
 
 A reasoning model's chat completion thinks first (``reasoning.py``): its structure then holds
-the answer only, after the thinking (``Structure.after``), as vLLM does with a reasoning
-parser: ``<think>`` free text ``</think>``, then the structure (``think``; ``think_open``
-where the prompt has opened the thinking already), or gpt-oss' harmony messages, an
-``analysis`` one then the ``final`` one holding the structure (``harmony``). The thinking is
-any text between the model's own marker tokens (referenced as special tokens, so text inside
-the thinking cannot close it).
+the answer only, after the thinking (``Structure.after``: Lark rules of the thinking that
+refer to the structure as ``@answer``, ``Reasoning.after`` writes them), as vLLM does with a
+reasoning parser: ``<think>`` free text ``</think>``, then the structure, or gpt-oss'
+harmony messages, an ``analysis`` one then the ``final`` one holding the structure. The
+thinking is any text between the model's own marker tokens (referenced by id, as special
+tokens, so text inside the thinking cannot close it).
 """
 from __future__ import annotations
 
@@ -37,17 +37,6 @@ import torch
 log = logging.getLogger("flexgen_dist")
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# what a structure follows (``Structure.after``): the thinking of a reasoning model, before it,
-# as Lark rules whose ``@answer`` is the structure (markers as special tokens: llguidance's view
-# of a tokenizer makes every added token one)
-_THINKING = "\nthinking: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n"
-AFTER = {
-    "": "",
-    "think": "start: (<think> thinking </think> WS?)? @answer" + _THINKING,
-    "think_open": "start: thinking </think> WS? @answer" + _THINKING,
-    "harmony": ('start: (<|channel|> "analysis" <|message|> thinking <|end|> <|start|> "assistant")? '
-                '<|channel|> "final" <|message|> @answer' + _THINKING),
-}
 JSON_DEFAULTS = {"whitespace_flexible": False}
 # bytes per (row, vocabulary entry) the masking holds beside the logits at its peak: the
 # masked copy (float32), the unpacked bits (uint8) and the bool mask
@@ -68,7 +57,8 @@ class Structure:
     text), ``json_object`` (any JSON object), ``regex`` (``value`` the pattern, Rust regex
     syntax, matched whole), ``choice`` (``value`` a JSON list of the allowed strings) or
     ``grammar`` (``value`` a Lark grammar, or llama.cpp's GBNF). ``after``: the thinking
-    that comes first (``AFTER``; "": none, the completion is the structure)."""
+    that comes first, as Lark rules whose ``start`` ends with ``@answer`` (the structure)
+    ("": none, the completion is the structure; ``reasoning.Reasoning.after``)."""
 
     kind: str
     value: str = ""
@@ -77,8 +67,8 @@ class Structure:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structure {self.kind!r}: use one of {', '.join(KINDS)}")
-        if self.after not in AFTER:
-            raise ValueError(f"structure after {self.after!r}: use one of {', '.join(map(repr, AFTER))}")
+        if self.after and "@answer" not in self.after:
+            raise ValueError("a structure's 'after' rules must refer to the structure as @answer")
         if self.kind == "json":
             try:
                 schema = json.loads(self.value)
@@ -125,7 +115,7 @@ class Structure:
             grammars = json.loads(answer)["grammars"]
         except (json.JSONDecodeError, TypeError, KeyError):  # Lark text (a choice's, a grammar's)
             grammars = [{"lark_grammar": answer}]
-        return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": AFTER[self.after]},
+        return json.dumps({"grammars": [{"name": "reasoned", "lark_grammar": self.after},
                                         {**grammars[0], "name": "answer"}, *grammars[1:]]})
 
     def _answer_text(self) -> str:
