@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from .budgets import machine_budgets, user_caps
 from .config import ConfigError, RunConfig
 from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
+from .engine.blocks import shared_prefixes
 from .engine.policy import Policy
+from .engine.stage import shares_prefix
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
@@ -46,9 +49,11 @@ from .reasoning import Reasoning, reasoning_of
 from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
-from .worker import StageWorker
+from .worker import StageWorker, call_blocks
 from .workloads import PromptLike, build_workload, scored_workload
 
+
+log = logging.getLogger("flexgen_dist")
 
 @dataclass
 class Completion:
@@ -348,6 +353,8 @@ class LLM:
         both, checks its stage's peaks for this workload and builds its engine once."""
         work = workload() if self.is_driver else None
         plan = (self.plan or self._planner.plan(work)) if work is not None else None
+        if work is not None and plan is not None:
+            work = self._shared(work, plan)
         header, plan = self._group.broadcast((work.header() if work is not None else None, plan))
         work = work or header
         self.plan = self.plan or plan
@@ -360,6 +367,22 @@ class LLM:
                   f"{cost['gemm_shapes_tuned']} shapes timed in {cost['gemm_tune_s']:.1f} s (kept for later "
                   "runs; not part of the throughputs)", file=sys.stderr)
         return work, peaks
+
+    def _shared(self, work: Workload, plan: RunPlan) -> Workload:
+        """Rank 0: ``work`` with each request's prefix shared with the rest of its block
+        (``blocks.shared_prefixes``), where sharing is on and the model can (``shares_prefix``)."""
+        if not self.config.share_prefix or work.scoring or not work.prompts or not shares_prefix(self.model.spec):
+            return work
+        shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window))
+        if not any(shared):
+            return work
+        out = dataclasses.replace(work, shared=shared)
+        if not self._planner.fits([s.policy for s in plan.stages], [s.layers for s in plan.stages], out,
+                                  plan.num_micro_batches, plan.schedule):  # its row's keys would not fit
+            log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would "
+                     "not fit the memory budgets")
+            return work
+        return out
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:

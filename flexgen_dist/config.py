@@ -114,6 +114,7 @@ class RunConfig:
     threads: int | None = None  # compute threads per rank (None: from the CPUs this rank may use)
     print_outputs: int = 8
     sort_window: int = DEFAULT_SORT_WINDOW  # blocks' worth of requests grouped by length at a time (0: input order)
+    share_prefix: bool = True  # a block's common leading tokens computed once (engine/blocks.py)
     progress: bool = True
     warmup: bool = False
     explain: bool = False
@@ -386,6 +387,9 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "
                    "many blocks' worth at a time; outputs still go out in input order, a window at a "
                    "time (default 32; 0: blocks in input order)")
+    g.add_argument("--no-share-prefix", dest="share_prefix", action="store_false", help="compute the leading "
+                   "tokens the prompts of a block share for every prompt (default: once per block, where "
+                   "they share at least 16)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
                    "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "

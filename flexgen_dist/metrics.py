@@ -27,6 +27,7 @@ class Timings:
     # (sequence, step) rows of generation (a finished sequence's rows included until its block ends)
     prompt_positions: int = 0
     prompt_padding: int = 0
+    prompt_shared: int = 0  # prompt positions a block's shared prefix spared (computed once, not per row)
     generated_rows: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -38,6 +39,7 @@ class Timings:
             "useful_throughput": self.generated_tokens / tot if tot else 0.0,
             "computed_throughput": self.generated_rows / tot if tot else 0.0,
             "padding_fraction": self.prompt_padding / self.prompt_positions if self.prompt_positions else 0.0,
+            "shared_prefix_fraction": self.prompt_shared / self.prompt_positions if self.prompt_positions else 0.0,
             "finished_rows_fraction": (1 - self.generated_tokens / self.generated_rows) if self.generated_rows else 0.0,
             "prefill_time_s": self.prefill_s, "decode_time_s": self.decode_s,
             "prefill_throughput": self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0,
@@ -86,6 +88,9 @@ def summary(metrics: dict[str, Any]) -> str:
     if metrics.get("padding_fraction"):
         line += (f"; {100 * metrics['padding_fraction']:.1f} % of the prompt positions were padding, "
                  f"{100 * metrics.get('finished_rows_fraction', 0):.1f} % of the generated rows were of finished sequences")
+    if metrics.get("shared_prefix_fraction"):
+        line += (f"; {100 * metrics['shared_prefix_fraction']:.1f} % of the prompt positions were a shared prefix, "
+                 "computed once per block")
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "

@@ -47,6 +47,9 @@ class Workload:
     # per request, its prompt's ids where its sampling has a repetition penalty (else ()): the
     # last stage applies it, and the header (which has no prompts) carries them there
     seen: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    # per request, the leading tokens every prompt of its block shares (``blocks.shared_prefixes``;
+    # None or 0: none): rank 0 finds them once the blocks are cut, the header carries them
+    shared: tuple[int, ...] | None = None
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +58,7 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

@@ -186,7 +186,8 @@ class RunPlanner:
                                       gen_len=work.gen_len, dtype_bytes=self.dtype_bytes,
                                       num_blocks_in_flight=blocks_in_flight,
                                       packed=self.model.source.packed_formats, num_stages=self.world_size,
-                                      cuda=self.device.type == "cuda", head=work.head_load))
+                                      cuda=self.device.type == "cuda", head=work.head_load,
+                                      shared=max(work.shared or (0,))))
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""

@@ -31,6 +31,17 @@ from .threads import ThreadChoice
 log = logging.getLogger("flexgen_dist")
 
 
+def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[BlockPlan]:
+    """The call's blocks (``engine/blocks.py``), the same on every rank: grouped by length
+    within windows (scoring: in input order), each with the prefix its prompts share."""
+    limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
+    blocks = plan_blocks(list(work.lens), block_size, limits, sort_window if work.targets is None else 0)
+    if work.shared is not None:
+        for blk in blocks:
+            blk.shared = work.shared[blk.members[0]]
+    return blocks
+
+
 class StageWorker:
     """The stage of ``group.rank`` under a plan: its engine, offload files and records."""
 
@@ -73,9 +84,7 @@ class StageWorker:
         the blocks' steps will have); returns those costs, also kept in the stage record."""
         engine = self.engine
         assert engine is not None, "build() first"
-        limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
-        self.blocks = plan_blocks(list(work.lens), engine.policy.block_size, limits,
-                                  plan.sort_window if work.targets is None else 0)
+        self.blocks = call_blocks(work, engine.policy.block_size, plan.sort_window)
         gbs = engine.policy.gpu_batch_size
         rows = {r for b in self.blocks for r in (len(b.members), *b.meta(gbs, 1).batch_sizes)}
         self.one_time = engine.prepare(rows)

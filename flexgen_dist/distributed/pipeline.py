@@ -326,6 +326,7 @@ class Pipeline:
         blk = self.blocks[b]
         self.timings.prompt_positions += blk.prompt_len * len(members)
         self.timings.prompt_padding += blk.padding
+        self.timings.prompt_shared += blk.shared * (len(members) - 1)  # positions not computed again
         self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
@@ -341,7 +342,11 @@ class Pipeline:
         ended (one stage only: every sequence at EOS)."""
         b, i = item.block, item.i
         if not self.last:
-            self.ring.send_hidden(outs[0] if len(outs) == 1 else torch.cat(outs))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            if i == 0 and self.blocks[b].shared and item.batches[0] == 0:  # the prefix's row goes along
+                st = self._states[b]
+                out, st.prefix = torch.cat([out.reshape(-1), st.prefix.reshape(-1)]), None
+            self.ring.send_hidden(out)
             return False
         if self._scores is not None:  # summed over the block's steps, handed over after the last
             self._scores.add(b, i, *self._rows(item), torch.cat(outs))
@@ -395,19 +400,29 @@ class Pipeline:
     def _input(self, item: Item, handle: Any, prompts: list[list[int]] | None) -> torch.Tensor | None:
         """This stage's input for the item, or None when its block has ended before step i."""
         b, i = item.block, item.i
+        blk = self.blocks[b]
         if not self.first:
             x = self.ring.hidden(handle)
             if x is None:
                 return None
-            self._state(b, None)
+            st = self._state(b, None)
+            if i == 0 and blk.shared and item.batches[0] == 0:  # the rows, then the shared prefix's row
+                r0, r1 = self._rows(item)
+                n = (r1 - r0) * (blk.prompt_len - blk.shared) * self.hidden
+                st.prefix = x[n:].view(1, blk.shared, self.hidden).to(self.engine.device)
+                x = x[:n].view(r1 - r0, blk.prompt_len - blk.shared, self.hidden)
             return x.to(self.engine.device)
-        self._state(b, prompts)
-        blk = self.blocks[b]
+        st = self._state(b, prompts)
         if i == 0:
             assert prompts is not None
             r0, r1 = self._rows(item)
             mine = [prompts[m] for m in blk.members[r0:r1]]
-            return left_pad([p[:m] for p, m in zip(mine, blk.lens[r0:r1])], blk.prompt_len, self.pad)
+            x = left_pad([p[:m] for p, m in zip(mine, blk.lens[r0:r1])], blk.prompt_len, self.pad)
+            if blk.shared:  # the rows' own positions; the prefix runs once, as one row
+                if item.batches[0] == 0:
+                    st.prefix = torch.tensor([prompts[blk.members[0]][:blk.shared]], dtype=torch.long)
+                x = x[:, blk.shared:]
+            return x
         if self.targets is not None:
             return self._forced[b][:, i - 1:i]
         if self.last:
@@ -418,8 +433,17 @@ class Pipeline:
 
     # --- messages (``ring.py``) -----------------------------------------------------------
     def _hidden_shape(self, item: Item) -> tuple[int, ...]:
+        """The hidden states of the item's rows; a prefill computes positions [L, s) of a block
+        with a shared prefix (``BlockPlan.shared`` = L), and its first GPU batch's message
+        brings the prefix's one row of L positions after them, flat."""
         r0, r1 = self._rows(item)
-        return (r1 - r0, self.blocks[item.block].prompt_len if item.i == 0 else 1, self.hidden)
+        blk = self.blocks[item.block]
+        if item.i != 0:
+            return (r1 - r0, 1, self.hidden)
+        t = blk.prompt_len - blk.shared
+        if blk.shared and item.batches[0] == 0:
+            return ((r1 - r0) * t * self.hidden + blk.shared * self.hidden,)
+        return (r1 - r0, t, self.hidden)
 
     def _post_recv(self, item: Item) -> list[Any]:
         """Post the receives this rank needs for the item, one entry per part (rider first)."""

@@ -53,7 +53,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prompt attention on the compute device over the fresh k, v (no cache read).
 
-    q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d). A fused
+    q (b, t, nh, d), k/v (b, t, kvh, d), mask (b, 1, t, t) bool -> (b, t, nh * d); with a
+    shared prefix, the queries are the last t of the keys' tk and the mask (b, 1, t, tk). A fused
     kernel with grouped-query support; nothing of size (t, t) per head is materialised.
     ``mask`` None: plainly causal (no padding, no window), which lets SDPA take its causal
     kernels (on a GPU flash attention, which skips the masked half; an explicit mask rules
@@ -63,15 +64,16 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     per head that joins each softmax's denominator and is then dropped.
     """
     b, t, nh, d = q.shape
+    tk = k.shape[1]
     scale = d ** -0.5 if scale is None else scale
     if softcap > 0 or sinks is not None:
         if mask is None:
             mask = torch.ones((t, t), dtype=torch.bool, device=q.device).tril_()[None, None].expand(b, 1, t, t)
         kvh = k.shape[2]
         out = torch.empty((b, t, nh * d), dtype=q.dtype, device=q.device)
-        for i in range(b):  # per sequence: the (heads, t, t) scores of one at a time
+        for i in range(b):  # per sequence: the (heads, t, tk) scores of one at a time
             o = attend_rows(q_to_rows(q[i:i + 1], kvh), to_rows(k[i:i + 1]), to_rows(v[i:i + 1]),
-                            mask[i:i + 1].expand(1, kvh, t, t).reshape(kvh, 1, t, t),
+                            mask[i:i + 1].expand(1, kvh, t, tk).reshape(kvh, 1, t, tk),
                             scale=scale, softcap=softcap, sinks=sink_rows(sinks, 1, kvh))
             out[i:i + 1] = rows_to_out(o, 1)
         return out

@@ -47,6 +47,14 @@ class BlockState:
     # (token, first batch, last batch) -> (first row, end row, prefill padding): the same for
     # every linear layer of the token, so built once per token (``recurrent``)
     rec_rows: dict[tuple[int, int, int], tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
+    # A shared prefix (``meta.shared`` = L): its one row's input to the next slot (ids on a
+    # first stage, then hidden states; after the stage's last layer, what the next stage gets),
+    # the next slot it runs through, and each layer's (k, v) of it until the block's last
+    # GPU batch has used them (``StageEngine._prefix_pass``)
+    prefix: torch.Tensor | None = None
+    prefix_slot: int = 0
+    prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``_with_prefix``'s
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
@@ -83,9 +91,10 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
     if i == 0:
         pos = (valid[:, :s].long().cumsum(-1) - 1).clamp_(min=0)
         mask: torch.Tensor | None = None
+        shared = st.meta.shared  # the batch computes positions [shared, s): the mask's rows of those
         # no padding (read from the block's lengths on the host, not from ``valid`` on the
-        # device) and no window: plainly causal, no mask built
-        if not (all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s)):
+        # device), no window and no shared prefix: plainly causal, no mask built
+        if shared or not (all(n == s for n in st.meta.prompt_lens[k]) and not (window and window < s)):
             causal = torch.ones((s, s), dtype=torch.bool, device=device).tril_()
             if window and window < s and not chunked:  # a key more than window - 1 positions back is out of sight
                 causal.triu_(1 - window)
@@ -93,8 +102,8 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
             if chunked and window < s:  # a key in an earlier chunk than the query's is out of sight
                 m &= (pos[:, :, None] // window) == (pos[:, None, :] // window)
             m |= torch.eye(s, dtype=torch.bool, device=device)[None]  # padding sees itself
-            mask = m[:, None]
-        out = (Positions(pos), mask, 0)
+            mask = m[:, None, shared:]
+        out = (Positions(pos[:, shared:]), mask, 0)
         st.step_inputs[(k, window, chunked)] = (i, *out)
         return out
     pos0 = s + i - 1

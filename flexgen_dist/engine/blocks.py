@@ -8,13 +8,20 @@ within a window the requests are sorted by length, then neighbouring blocks' wor
 their own limit of new tokens (``_window_order``), before being cut into blocks. Outputs still go out in input order, a
 window at a time: a window is what a run writes at once, and a resumed run starts at a window
 boundary, so it forms the same blocks. Every stage of a pipeline plans the same blocks from
-the lengths and limits alone, so only those travel.
+the lengths and limits alone, so only those travel (with, where the prompts of a block begin
+alike, the length of what they share: ``shared_prefixes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
+
+# a block's prompts that share at least this many leading tokens have them computed once (the
+# prefix pass, ``StageEngine``); a shorter prefix is computed with the rest
+MIN_SHARED = 16
 
 
 @dataclass
@@ -33,6 +40,9 @@ class BlockMeta:
     # scoring with per-token log-probabilities: that many alternatives per position (None:
     # the sums alone); the head then returns (b, 3 + t * (1 + 2k)) (``head.score``)
     score_k: int | None = None
+    # L > 0: every prompt of the block begins with the same L tokens, computed once as the
+    # block's prefix (one row); the GPU batches' prefill computes the last s - L positions
+    shared: int = 0
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -49,9 +59,11 @@ class BlockPlan:
     lens: list[int]
     prompt_len: int  # s: the longest prompt of the block; the others are left-padded to it
     window: int = 0
+    shared: int = 0  # L: the leading tokens every prompt of the block shares, computed once (0: none)
 
     def meta(self, gbs: int, gen_len: int) -> BlockMeta:
-        return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len)
+        return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len,
+                         shared=self.shared)
 
     @property
     def padding(self) -> int:
@@ -76,6 +88,29 @@ def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = Non
             ls = [lens[m] for m in members]
             out.append(BlockPlan(len(out), members, ls, max(ls), w if window_blocks > 0 else len(out)))
     return out
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan],
+                    minimum: int = MIN_SHARED) -> tuple[int, ...]:
+    """Per prompt, how many leading tokens every prompt of its block shares with it (0 where
+    fewer than ``minimum``, or its block has one prompt): at most one less than the block's
+    shortest prompt, so each row keeps a position of its own to compute (its last, whose
+    logits are the first token's)."""
+    out = [0] * len(prompts)
+    for blk in blocks:
+        if len(blk.members) < 2:
+            continue
+        ref = np.asarray(prompts[blk.members[0]], dtype=np.int64)
+        n = min(blk.lens) - 1
+        for m in blk.members[1:]:
+            if n < minimum:
+                break
+            diff = np.flatnonzero(np.asarray(prompts[m][:n], dtype=np.int64) != ref[:n])
+            n = int(diff[0]) if diff.size else n
+        if n >= minimum:
+            for m in blk.members:
+                out[m] = n
+    return tuple(out)
 
 
 LIMIT_GROUP = 2  # blocks whose requests, adjacent by length, are ordered by limit

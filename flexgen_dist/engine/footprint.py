@@ -188,6 +188,7 @@ class StageShape:
     first_layer: int = 0
     head: HeadLoad = field(default_factory=lambda: HeadLoad())  # what the last stage's head holds
     state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)  # the linear layers' states (policy's)
+    shared: int = 0  # the longest prefix a block's prompts share (computed once: its row's keys are held)
 
 
 def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
@@ -318,6 +319,9 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
             W[ph, 1, 8] += 2 * b * toks * h * e
             W[ph, 1, 5] += 2 * b * ctx * seq_cache
     W[0, 0, [4, 5]] += 2 * b * s * seq_cache  # the prompt's cache of one GPU batch, going out
+    if z.shared:  # a shared prefix's keys and values, each layer's until the block's last batch has
+        # used them (every layer of the stage, with a prefill item per GPU batch), and its row's states
+        W[0, 0, 9] += z.shared * (seq_cache * z.num_layers + 2 * h * e)
     if z.cpu_attention:  # q goes to the cache and the output comes back; scores on the host
         W[1, 0, [4, 5]] += 2 * b * (q + 2 * kv) * e
         W[1, host, 9] += b * nh * held * 4 + 2 * b * q * 4
@@ -353,7 +357,7 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
                   has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
                   num_blocks_in_flight: int = 1, packed: Packed | None = None, num_stages: int = 1,
-                  cuda: bool = False, head: HeadLoad | None = None) -> dict[str, int]:
+                  cuda: bool = False, head: HeadLoad | None = None, shared: int = 0) -> dict[str, int]:
     """Peak bytes per tier of a stage under ``policy`` (the larger of prefill and decode),
     which a run checks against its budgets before anything is allocated."""
     z = StageShape(num_layers=layers[1] - layers[0], has_embed=has_embed, has_head=has_head,
@@ -363,7 +367,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
                    num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad(),
-                   state_fractions=policy.fractions("state"))
+                   state_fractions=policy.fractions("state"), shared=shared)
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
     return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}

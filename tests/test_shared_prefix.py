@@ -1,0 +1,190 @@
+"""Shared prefixes (``engine/blocks.shared_prefixes``, ``StageEngine._prefix_pass``): where the
+prompts of a block begin with the same tokens (a system prompt, few-shot examples), those
+positions are computed once, as one row, and every row's prefill computes only its own. Greedy
+tokens equal transformers' for every family shape the engine's attention varies by (GQA,
+learned positions, sliding windows shorter than the prefix, softcaps, sinks, experts) and every
+placement, on one rank and two; what is saved is reported; sharing is off where it cannot be."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.engine.blocks import BlockPlan, shared_prefixes
+from flexgen_dist.engine.footprint import predict_peaks
+from flexgen_dist.engine.policy import Policy
+from flexgen_dist.engine.stage import shares_prefix
+
+GEN = 6
+PREFIX = 24  # longer than the sliding windows below: the prefix's own rows see a band
+TAILS = (1, 5, 9, 3, 12, 2)
+
+
+def prompts(vocab: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, vocab, (PREFIX,), generator=g).tolist()
+    return [head + torch.randint(3, vocab, (n,), generator=g).tolist() for n in TAILS]
+
+
+def _mistral() -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(21)
+    return MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                            sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _gemma2() -> torch.nn.Module:
+    from test_gemma import _gemma2 as build
+
+    return build()
+
+
+def _gpt_oss(path: Path) -> TinyModel:
+    from test_gpt_oss import _model
+
+    return _model(path)
+
+
+def _qwen3_moe(path: Path) -> TinyModel:
+    from test_moe import _model
+
+    return _model("qwen3_moe", path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
+    out = {k: tiny_models[k] for k in ("llama-gqa", "opt-pre-proj")}
+    for name, build in (("mistral", _mistral), ("gemma2", _gemma2)):
+        m = build().eval()
+        d = tmp_path_factory.mktemp(name)
+        m.save_pretrained(d)
+        out[name] = TinyModel(name, d, m, 0)
+    out["gpt_oss"] = _gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    out["qwen3_moe"] = _qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
+    return out
+
+
+PLACEMENTS = {
+    "device": dict(gpu_batch_size=2, num_gpu_batches=3),
+    "offloaded": dict(gpu_batch_size=3, num_gpu_batches=2, percent=(0, 50, 0, 50, 50, 50), compress_cache=True,
+                      cpu_attention=True),
+    "ram-merged": dict(gpu_batch_size=2, num_gpu_batches=3, percent=(0, 100, 0, 100, 100, 0), cpu_attention=True),
+}
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre-proj", "mistral", "gemma2", "gpt_oss", "qwen3_moe"])
+def test_greedy_tokens_equal_transformers_with_the_prefix_computed_once(models: dict, kind: str, placement: str,
+                                                                         tmp_path: Path) -> None:
+    tm = models[kind]
+    ps = prompts(tm.model.config.vocab_size)
+    opts = dict(offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False, **PLACEMENTS[placement])
+    got = {}
+    for share in (True, False):
+        with LLM(str(tm.path), share_prefix=share, **opts) as llm:
+            got[share] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
+            fraction = llm.metrics["shared_prefix_fraction"]
+        assert (fraction > 0) == share, fraction
+    if placement == "offloaded":  # a compressed cache rounds: the same rounding with the prefix shared or not
+        assert got[True] == got[False]
+    else:
+        assert got[True] == got[False] == reference_generate(tm, ps, GEN)
+
+
+def test_the_saved_share_is_what_the_rows_did_not_compute(models: dict, tmp_path: Path, capsys) -> None:
+    tm = models["llama-gqa"]
+    ps = prompts(256)
+    with LLM(str(tm.path), gpu_batch_size=6, num_gpu_batches=1, ignore_eos=True, progress=False) as llm:
+        llm.generate(ps, gen_len=GEN)
+        m = llm.metrics
+        assert "a shared prefix, computed once per block" in llm.summary()
+    positions = 6 * (PREFIX + max(TAILS))
+    assert m["shared_prefix_fraction"] == pytest.approx(PREFIX * 5 / positions)
+
+
+def test_the_prefix_every_prompt_of_a_block_shares() -> None:
+    head = list(range(100, 120))
+    ps = [head + [1, 2], head + [1, 3, 4], head[:5] + [9] * 20, head + [7], head + [8, 8, 8]]
+
+    def blocks(*groups: list[int], of: list[list[int]] = ps) -> list[BlockPlan]:
+        return [BlockPlan(n, g, [len(of[m]) for m in g], max(len(of[m]) for m in g)) for n, g in enumerate(groups)]
+
+    assert shared_prefixes(ps, blocks([0, 1, 3, 4])) == (20, 20, 0, 20, 20)
+    assert shared_prefixes(ps, blocks([0, 1])) == (21, 21, 0, 0, 0)  # [1] too: up to one short of the shortest
+    assert shared_prefixes(ps, blocks([0, 2], [1, 3])) == (0, 20, 0, 20, 0)  # 5 shared: under the minimum
+    assert shared_prefixes(ps, blocks([0], [1], [3])) == (0,) * 5  # one prompt: nothing to share
+    two = [head[:17], head[:17] + [1]]
+    assert shared_prefixes(two, blocks([0, 1], of=two)) == (16, 16)  # the shorter's last position stays its own
+
+
+def test_sharing_is_off_where_a_layer_cannot_start_mid_sequence(models: dict) -> None:
+    with LLM(str(models["llama-gqa"].path), progress=False) as llm:
+        spec = llm.model.spec
+    assert shares_prefix(spec)
+
+    class Other:  # what shares_prefix reads of a spec
+        num_layers = 2
+
+        def __init__(self, tensors: int, linear: bool) -> None:
+            self.cache_tensors, self.lin = tensors, linear
+
+        def linear(self, layer: int) -> bool:
+            return self.lin and layer == 0
+
+    assert shares_prefix(Other(2, False))  # type: ignore[arg-type]
+    assert not shares_prefix(Other(1, False))  # type: ignore[arg-type]  # DeepSeek-V3's latent cache
+    assert not shares_prefix(Other(2, True))  # type: ignore[arg-type]  # Qwen3-Next's recurrent state
+
+
+def test_the_prefixs_keys_are_in_the_predicted_peak(models: dict) -> None:
+    with LLM(str(models["llama-gqa"].path), progress=False) as llm:
+        spec = llm.model.spec
+    pol = Policy(gpu_batch_size=4, num_gpu_batches=2)
+    kw = dict(has_embed=True, has_head=True, prompt_len=64, gen_len=8, dtype_bytes=4)
+    base = predict_peaks(spec, pol, (0, spec.num_layers), **kw)
+    more = predict_peaks(spec, pol, (0, spec.num_layers), shared=40, **kw)
+    assert more["gpu"] - base["gpu"] == 40 * (2 * spec.kv_dim * 4 * spec.num_layers + 2 * spec.hidden_size * 4)
+
+
+def test_scoring_and_the_cli_switch(models: dict, tmp_path: Path) -> None:
+    from flexgen_dist.run import main
+
+    tm = models["llama-gqa"]
+    ps = prompts(256)
+    with LLM(str(tm.path), gpu_batch_size=3, num_gpu_batches=2, progress=False) as llm:
+        scored = [(s.nll, s.count) for s in llm.score(ps)]  # every position scored: nothing shared
+        assert llm.metrics.get("shared_prefix_fraction", 0) == 0
+    with LLM(str(tm.path), gpu_batch_size=3, num_gpu_batches=2, progress=False, share_prefix=False) as llm:
+        assert [(s.nll, s.count) for s in llm.score(ps)] == scored
+    out, metrics = tmp_path / "o.jsonl", tmp_path / "m.json"
+    base = ["--model", str(tm.path), "--prompts", str(write_jsonl(tmp_path / "p.jsonl", ps)), "--gen-len", str(GEN),
+            "--ignore-eos", "--gpu-batch-size", "3", "--num-gpu-batches", "2", "--no-progress", "--output", str(out),
+            "--metrics", str(metrics), "--overwrite"]
+    assert main(base) == 0
+    shared = [r["tokens"] for r in read_jsonl(out)]
+    assert json.loads(metrics.read_text())["shared_prefix_fraction"] > 0
+    assert main(base + ["--no-share-prefix"]) == 0
+    assert [r["tokens"] for r in read_jsonl(out)] == shared == reference_generate(tm, ps, GEN)
+    assert json.loads(metrics.read_text())["shared_prefix_fraction"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+@pytest.mark.parametrize("items", ["block", "batch"])
+def test_two_ranks_pass_the_prefix_on_with_the_first_batch(models: dict, items: str, tmp_path: Path) -> None:
+    tm = models["mistral"]
+    ps = prompts(256)
+    out, metrics = tmp_path / "o.jsonl", tmp_path / "m.json"
+    r = local_ranks(["-m", "flexgen_dist.run", "--model", str(tm.path), "--prompts",
+                     str(write_jsonl(tmp_path / "p.jsonl", ps)), "--gen-len", str(GEN), "--ignore-eos",
+                     "--gpu-batch-size", "2", "--num-gpu-batches", "3", "--prefill-items", items,
+                     "--no-progress", "--output", str(out), "--metrics", str(metrics)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, ps, GEN)
+    assert json.loads(metrics.read_text())["shared_prefix_fraction"] > 0
