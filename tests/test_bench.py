@@ -574,3 +574,18 @@ def test_hybrid_bench_runs_both_shapes_at_each_length(tmp_path: Path) -> None:
         (m, s) for s in (40, 70) for m in ("hybrid", "full", "hybrid-states-0-0")]
     assert all(r["decode"] > 0 and r["prefill"] > 0 and r["peak_gpu_bytes"] > 0 for r in res["medians"])
     assert len(res["runs"]) == 6
+
+
+def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_path: Path) -> None:
+    from flexgen_dist.bench import shared_prefix
+
+    out = tmp_path / "sp.json"
+    assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "8", "--prefix", "40",
+                               "--tail", "12", "--gen-len", "2", "--gpu-batch-size", "4", "--num-gpu-batches", "2",
+                               "--rounds", "1", "--variants", "float32", "bfloat16-4bit", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["variants"]) == {"float32", "bfloat16-4bit"}
+    for r in res["variants"].values():
+        assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["unshared"]["shared_prefix_fraction"] == 0
+        assert r["shared"]["prefill_time_s"] > 0 and r["prefill_speedup"] > 0
+    assert res["variants"]["float32"]["same_tokens"]

@@ -188,3 +188,18 @@ def test_two_ranks_pass_the_prefix_on_with_the_first_batch(models: dict, items: 
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, ps, GEN)
     assert json.loads(metrics.read_text())["shared_prefix_fraction"] > 0
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_shared_prefix_gives_the_cpus_tokens(models: dict, gpu_device, tmp_path: Path) -> None:
+    """float32 on the device, weights and cache partly on the host: the tokens of the CPU run
+    (which equal transformers', above), with the prefix shared and without."""
+    tm = models["mistral"]
+    ps = prompts(256)
+    outs = {}
+    for dev, share in (("cpu", True), (gpu_device.type, True), (gpu_device.type, False)):
+        with LLM(str(tm.path), device=dev, dtype="float32", share_prefix=share, gpu_batch_size=2, num_gpu_batches=3,
+                 percent=(50, 50, 50, 50, 100, 0), ignore_eos=True, progress=False,
+                 offload_dir=str(tmp_path / "off")) as llm:
+            outs[(dev, share)] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
+    assert len({json.dumps(v) for v in outs.values()}) == 1

@@ -1,0 +1,101 @@
+"""What computing a block's shared prefix once saves, side by side in one run.
+
+    python -m flexgen_dist.bench.shared_prefix --json bench_results/shared-prefix.json
+
+A few-shot workload: ``--prompts`` prompts that all begin with the same ``--prefix`` tokens
+(a system prompt and examples) and end with a question of 8 to ``--tail`` tokens of their
+own, ``--gen-len`` new tokens each, greedy. For each variant (float32, bfloat16, and
+bfloat16 with 4-bit weights, ``--compress-weight``), the same model is loaded twice, with
+shared prefixes (the default) and with ``--no-share-prefix``, and the two run alternately
+``--rounds`` times; reports the medians of prefill time, prefill throughput and total time,
+``shared_prefix_fraction``, and whether the two gave the same tokens. Reports, never asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from .single import machine, write_json
+
+VARIANTS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+            "bfloat16-4bit": dict(dtype="bfloat16", compress_weight=True)}
+
+
+def workload(n: int, prefix: int, tail: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(10, vocab, (prefix,), generator=g).tolist()
+    lens = torch.randint(8, tail + 1, (n,), generator=g).tolist()
+    return [head + torch.randint(10, vocab, (m,), generator=g).tolist() for m in lens]
+
+
+def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]], gen_len: int, rounds: int,
+                block: dict[str, int]) -> dict[str, Any]:
+    from .. import LLM
+
+    llms = {share: LLM(model, share_prefix=share, ignore_eos=True, progress=False, **block, **opts)
+            for share in (True, False)}
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    try:
+        for share in (True, False):  # places the weights; not timed
+            llms[share].warmup(prompts)
+        for _ in range(rounds):
+            for share in (True, False):
+                llm = llms[share]
+                tokens[share] = [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)]
+                m = llm.metrics
+                runs[share].append({k: m[k] for k in ("prefill_time_s", "decode_time_s", "prefill_throughput",
+                                                      "total_throughput", "shared_prefix_fraction")})
+    finally:
+        for llm in llms.values():
+            llm.close()
+    out: dict[str, Any] = {}
+    for share, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        med["total_time_s"] = statistics.median(r["prefill_time_s"] + r["decode_time_s"] for r in rs)
+        out["shared" if share else "unshared"] = med
+    out["same_tokens"] = tokens[True] == tokens[False]
+    out["prefill_speedup"] = out["unshared"]["prefill_time_s"] / out["shared"]["prefill_time_s"]
+    out["total_speedup"] = out["unshared"]["total_time_s"] / out["shared"]["total_time_s"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model (default: the bundled SmolLM2-135M)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=384, help="tokens every prompt begins with")
+    ap.add_argument("--tail", type=int, default=48, help="most tokens of a prompt's own (at least 8)")
+    ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--gpu-batch-size", type=int, default=16)
+    ap.add_argument("--num-gpu-batches", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    from .. import LLM
+
+    with LLM(a.model, progress=False) as probe:
+        vocab = probe.model.spec.vocab_size
+    prompts = workload(a.prompts, a.prefix, a.tail, vocab)
+    block = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
+    results = {"machine": machine(), "model": a.model or "(bundled)", "prompts": a.prompts, "prefix": a.prefix,
+               "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
+    for name in a.variants:
+        r = results["variants"][name] = run_variant(a.model, VARIANTS[name], prompts, a.gen_len, a.rounds, block)
+        s, u = r["shared"], r["unshared"]
+        print(f"{name:>14}: prefill {u['prefill_time_s']:.2f} -> {s['prefill_time_s']:.2f} s "
+              f"({r['prefill_speedup']:.2f}x), total {u['total_time_s']:.2f} -> {s['total_time_s']:.2f} s "
+              f"({r['total_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % of the prompt "
+              f"positions, same tokens: {r['same_tokens']}", file=sys.stderr)
+    if a.json:
+        write_json(a.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
