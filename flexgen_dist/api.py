@@ -373,7 +373,10 @@ class LLM:
         (``blocks.shared_prefixes``), where sharing is on and the model can (``shares_prefix``)."""
         if not self.config.share_prefix or work.scoring or not work.prompts or not shares_prefix(self.model.spec):
             return work
-        shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window))
+        sc = self.model.spec.rope_scaling
+        longest = sc.original_max_position_embeddings if sc is not None and sc.rope_type == "longrope" else None
+        shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window),
+                                 longest=longest)
         if not any(shared):
             return work
         out = dataclasses.replace(work, shared=shared)

@@ -2,7 +2,8 @@
 prompts of a block begin with the same tokens (a system prompt, few-shot examples), those
 positions are computed once, as one row, and every row's prefill computes only its own. Greedy
 tokens equal transformers' for every family shape the engine's attention varies by (GQA,
-learned positions, sliding windows shorter than the prefix, softcaps, sinks, experts) and every
+learned positions, sliding windows shorter than the prefix, chunked attention, softcaps, sinks,
+experts) and every
 placement, on one rank and two; what is saved is reported; sharing is off where it cannot be."""
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ def _gpt_oss(path: Path) -> TinyModel:
     return _model(path)
 
 
+def _llama4(path: Path) -> TinyModel:
+    from test_llama4 import _model
+
+    return _model("interleaved", path)  # chunks of 4 (the prefix spans six), NoPE layers, temperature
+
+
 def _qwen3_moe(path: Path) -> TinyModel:
     from test_moe import _model
 
@@ -67,6 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Tiny
         out[name] = TinyModel(name, d, m, 0)
     out["gpt_oss"] = _gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
     out["qwen3_moe"] = _qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
+    out["llama4"] = _llama4(tmp_path_factory.mktemp("llama4"))
     return out
 
 
@@ -79,7 +87,7 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre-proj", "mistral", "gemma2", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre-proj", "mistral", "gemma2", "gpt_oss", "qwen3_moe", "llama4"])
 def test_greedy_tokens_equal_transformers_with_the_prefix_computed_once(models: dict, kind: str, placement: str,
                                                                          tmp_path: Path) -> None:
     tm = models[kind]
@@ -119,6 +127,7 @@ def test_the_prefix_every_prompt_of_a_block_shares() -> None:
     assert shared_prefixes(ps, blocks([0, 1])) == (21, 21, 0, 0, 0)  # [1] too: up to one short of the shortest
     assert shared_prefixes(ps, blocks([0, 2], [1, 3])) == (0, 20, 0, 20, 0)  # 5 shared: under the minimum
     assert shared_prefixes(ps, blocks([0], [1], [3])) == (0,) * 5  # one prompt: nothing to share
+    assert shared_prefixes(ps, blocks([0, 1, 3, 4]), longest=22) == (0,) * 5  # LongRoPE: a prompt past 22
     two = [head[:17], head[:17] + [1]]
     assert shared_prefixes(two, blocks([0, 1], of=two)) == (16, 16)  # the shorter's last position stays its own
 

@@ -90,15 +90,17 @@ def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = Non
     return out
 
 
-def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan],
-                    minimum: int = MIN_SHARED) -> tuple[int, ...]:
+def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], minimum: int = MIN_SHARED,
+                    longest: int | None = None) -> tuple[int, ...]:
     """Per prompt, how many leading tokens every prompt of its block shares with it (0 where
     fewer than ``minimum``, or its block has one prompt): at most one less than the block's
     shortest prompt, so each row keeps a position of its own to compute (its last, whose
-    logits are the first token's)."""
+    logits are the first token's). ``longest``: none in a block with a longer prompt (LongRoPE
+    turns a row past its original context with other frequencies, its prefix included, which
+    the prefix's own row, shorter, would not)."""
     out = [0] * len(prompts)
     for blk in blocks:
-        if len(blk.members) < 2:
+        if len(blk.members) < 2 or (longest is not None and blk.prompt_len > longest):
             continue
         ref = np.asarray(prompts[blk.members[0]], dtype=np.int64)
         n = min(blk.lens) - 1
