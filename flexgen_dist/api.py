@@ -37,7 +37,7 @@ from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.blocks import shared_prefixes
 from .engine.policy import Policy
-from .engine.stage import shares_prefix
+from .engine.prefix import shares_prefix
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary

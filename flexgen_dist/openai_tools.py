@@ -119,6 +119,15 @@ def _call(obj: Any, names: set[str]) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
 
 
+def _json_call(name: str, body: str, names: set[str]) -> tuple[str, str] | None:
+    """The call of ``name`` whose arguments are the JSON value ``body`` begins with (text
+    after it ignored), where ``name`` is one of ``names``; else None."""
+    try:
+        return _call({"name": name, "arguments": _JSON.raw_decode(body.strip())[0]}, names)
+    except json.JSONDecodeError:
+        return None
+
+
 def _head(raw: str, marker: str, calls: Calls) -> tuple[str | None, Calls]:
     """The content before the first ``marker`` (None where blank) and ``calls``; no calls: the
     whole text is the content."""
@@ -226,10 +235,7 @@ def deepseek_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
             body = body.strip().removeprefix("```json").removesuffix("```")
         else:
             name = head
-        try:
-            c = _call({"name": name.strip(), "arguments": _JSON.raw_decode(body.strip())[0]}, names)
-        except json.JSONDecodeError:
-            c = None
+        c = _json_call(name.strip(), body, names)
         if c is None:
             return raw, []
         calls.append(c)
@@ -249,10 +255,7 @@ def kimi_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     for part in raw.split(_KIMI_BEGIN, 1)[1].split(_KIMI_CALL)[1:]:
         head, _, body = part.split(_KIMI_END, 1)[0].partition(_KIMI_ARGS)
         name = head.strip().removeprefix("functions.").rsplit(":", 1)[0]
-        try:
-            c = _call({"name": name, "arguments": _JSON.raw_decode(body.strip())[0]}, names)
-        except json.JSONDecodeError:
-            c = None
+        c = _json_call(name, body, names)
         if c is None:
             return raw, []
         calls.append(c)
@@ -271,11 +274,8 @@ def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
             if m.channel != "analysis":
                 said.append(m.text)
             continue
-        try:
-            c = _call({"name": m.recipient.removeprefix("functions."), "arguments": _JSON.raw_decode(m.text)[0]},
-                      names) if m.recipient.startswith("functions.") else None
-        except json.JSONDecodeError:
-            c = None
+        c = _json_call(m.recipient.removeprefix("functions."), m.text, names) \
+            if m.recipient.startswith("functions.") else None
         if c is None:
             return raw, []
         calls.append(c)

@@ -1,4 +1,4 @@
-"""Shared prefixes (``engine/blocks.shared_prefixes``, ``StageEngine._prefix_pass``): where the
+"""Shared prefixes (``engine/blocks.shared_prefixes``, ``engine/prefix.py``): where the
 prompts of a block begin with the same tokens (a system prompt, few-shot examples), those
 positions are computed once, as one row, and every row's prefill computes only its own. Greedy
 tokens equal transformers' for every family shape the engine's attention varies by (GQA,
@@ -18,7 +18,7 @@ from flexgen_dist import LLM
 from flexgen_dist.engine.blocks import BlockPlan, shared_prefixes
 from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.engine.policy import Policy
-from flexgen_dist.engine.stage import shares_prefix
+from flexgen_dist.engine.prefix import shares_prefix
 
 GEN = 6
 PREFIX = 24  # longer than the sliding windows below: the prefix's own rows see a band

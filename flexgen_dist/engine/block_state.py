@@ -50,11 +50,11 @@ class BlockState:
     # A shared prefix (``meta.shared`` = L): its one row's input to the next slot (ids on a
     # first stage, then hidden states; after the stage's last layer, what the next stage gets),
     # the next slot it runs through, and each layer's (k, v) of it until the block's last
-    # GPU batch has used them (``StageEngine._prefix_pass``)
+    # GPU batch has used them (``prefix.prefix_pass``)
     prefix: torch.Tensor | None = None
     prefix_slot: int = 0
     prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``_with_prefix``'s
+    prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``prefix.with_prefix``'s
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:

@@ -31,6 +31,7 @@ from .block_state import BlockState, merged_mask, merged_positions, recurrent, s
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
+from .prefix import prefix_pass, with_prefix
 from .schedule import Step, sweep_steps
 from .states import StateStore
 from .streams import load_stream, ready
@@ -44,13 +45,6 @@ class StageTimes:
 
     def as_dict(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "io_wait_s": self.io_wait_s}
-
-
-def shares_prefix(spec: ModelSpec) -> bool:
-    """Whether a block's shared prefix can be computed once for this model: every layer
-    attends and caches its keys and values (a linear-attention layer's state, or a latent
-    cache, would have to continue from the prefix at another place in each row)."""
-    return spec.cache_tensors == 2 and not any(spec.linear(j) for j in range(spec.num_layers))
 
 
 class StageEngine:
@@ -386,7 +380,7 @@ class StageEngine:
         w = self._weights(j)
         num_gb = len(st.meta.prompt_lens)
         if i == 0 and st.meta.shared and st.prefix_slot == j:  # the block's first batch at this slot
-            self._prefix_pass(st, j, w)
+            prefix_pass(self.family, self.spec, st, j, slot, w, self.device)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
                 self._compute_merged(st, i, j, w, num_gb)
@@ -424,50 +418,6 @@ class StageEngine:
 
     prefill_logits = staticmethod(head.prefill_logits)
 
-    def _prefix_pass(self, st: BlockState, j: int, w: dict[str, torch.Tensor]) -> None:
-        """Run the block's shared prefix (one row of L positions, ``st.prefix``) through slot
-        j, once per block, before its GPU batches: a layer keeps the prefix's keys and values,
-        which every row's prefill then takes as its first positions (``_with_prefix``)."""
-        slot, spec, L = self.slots[j], self.spec, st.meta.shared
-        st.prefix_slot = j + 1
-        if slot[0] == "head":  # a last stage: the prefix has left its last layer's keys, nothing to pass on
-            st.prefix = None
-            return
-        x = st.prefix
-        assert x is not None, "a shared prefix's input comes with the block's first GPU batch"
-        pos = Positions(torch.arange(L, device=self.device)[None])
-        if slot[0] == "embed":
-            st.prefix = self.family.embed(spec, w, x.to(self.device), pos)
-            return
-        layer: int = slot[1]  # type: ignore[assignment]
-        window, mask = spec.window(layer), None
-        if window and window < L:  # a sliding (or chunked) layer's band over the one row
-            mask = torch.ones((L, L), dtype=torch.bool, device=self.device).tril_()
-            p = torch.arange(L, device=self.device)
-            mask = mask & ((p[:, None] // window) == (p[None, :] // window)) if spec.chunked(layer) \
-                else mask.triu_(1 - window)
-            mask = mask[None, None]
-        scale, softcap = spec.softmax_scale, spec.attn_softcap
-
-        def keep(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, sinks: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-            st.prefix_kv[layer] = (kk, vv)
-            return prefill_attention(q, kk, vv, mask, scale, softcap, sinks)
-
-        st.prefix = self.family.layer_forward(spec, w, x, pos, keep, layer)
-
-    def _with_prefix(self, st: BlockState, layer: int, k: int, kk: torch.Tensor,
-                     vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """GPU batch k's keys and values over all s positions: positions [0, L) from the shared
-        prefix's (row r, left-padded by p_r, holds prefix position c - p_r at slot c; its
-        padding slots take any, masked), then the batch's own [L, s)."""
-        pk, pv = st.prefix_kv[layer]
-        idx = st.prefix_index.get(k)
-        if idx is None:
-            pads = torch.tensor([st.meta.prompt_len - n for n in st.meta.prompt_lens[k]], device=self.device)
-            idx = st.prefix_index[k] = (torch.arange(st.meta.shared, device=self.device)[None] - pads[:, None]).clamp_(min=0)
-        return torch.cat([pk[0][idx], kk], 1), torch.cat([pv[0][idx], vv], 1)
-
     def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor | None, pos0: int):  # noqa: ANN202
         """The ``attend`` callable the model layer calls: cache write + attention."""
         kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
@@ -480,7 +430,7 @@ class StageEngine:
             def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
                 if shared:  # the batch computed positions [L, s); the prefix's are shared
-                    kk, vv = self._with_prefix(st, layer, k, kk, vv)
+                    kk, vv = with_prefix(st, layer, k, kk, vv)
                 cache.write_prefill(layer, k, kk, vv)
                 return prefill_attention(q, kk, vv, mask, scale, softcap, sinks)
 
