@@ -50,6 +50,9 @@ class Workload:
     # per request, the leading tokens every prompt of its block shares (``blocks.shared_prefixes``;
     # None or 0: none): rank 0 finds them once the blocks are cut, the header carries them
     shared: tuple[int, ...] | None = None
+    # the leading tokens every request of the call shares (``blocks.common_opening``; 0: none or
+    # not shared): what the planner's cost model expects each block to compute once
+    opening: int = 0
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,8 @@ import logging
 from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
+from .engine.blocks import common_opening
+from .engine.prefix import shares_prefix
 from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
 from .models.spec import ModelSpec
@@ -55,13 +57,18 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
         if any(repeats) and not scoring else None
+    opening = 0
+    if cfg.share_prefix and not scoring and len(ps) > 1 and shares_prefix(spec):
+        sc = spec.rope_scaling
+        if sc is None or sc.rope_type != "longrope" or max(len(p.ids) for p in ps) <= sc.original_max_position_embeddings:
+            opening = common_opening([p.ids for p in ps])
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]
                         keys=None if keys is None else tuple(int(k) for k in keys),
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                         logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
-                        seen=seen, prompts=tuple(ps))
+                        seen=seen, opening=opening, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

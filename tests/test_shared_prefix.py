@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
+from conftest import REPO, TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist import LLM
 from flexgen_dist.engine.blocks import BlockPlan, shared_prefixes
 from flexgen_dist.engine.footprint import predict_peaks
@@ -212,3 +212,28 @@ def test_on_the_gpu_the_shared_prefix_gives_the_cpus_tokens(models: dict, gpu_de
                  offload_dir=str(tmp_path / "off")) as llm:
             outs[(dev, share)] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
     assert len({json.dumps(v) for v in outs.values()}) == 1
+
+
+def test_the_planner_expects_the_calls_opening_computed_once(models: dict, tmp_path: Path) -> None:
+    """The cost model counts a block's prefill as bls (s - L) + L positions, L the opening every
+    prompt of the call shares (``Workload.opening``); the planner's CLI takes it too."""
+    from flexgen_dist.config import RunConfig
+    from flexgen_dist.planner.cli import main as planner
+    from flexgen_dist.workloads import build_workload
+
+    with LLM(str(models["llama-gqa"].path), progress=False) as llm:
+        spec, tok = llm.model.spec, llm.tokenizer
+    ps = prompts(256)
+    assert build_workload(ps, GEN, None, RunConfig(), spec, tok).opening == PREFIX
+    assert build_workload(ps, GEN, None, RunConfig(share_prefix=False), spec, tok).opening == 0
+    assert build_workload(ps, GEN, None, RunConfig(), spec, tok, scoring=True).opening == 0
+    assert build_workload([p[3:] if n else p for n, p in enumerate(ps)], GEN, None, RunConfig(), spec,
+                          tok).opening == 0  # one prompt begins otherwise
+    pred = {}
+    for shared in (0, 448):
+        out = tmp_path / f"plan-{shared}.json"
+        assert planner(["plan", "--model", "opt-6.7b", "--hardware", str(REPO / "configs/hardware/t4.yaml"), "--prompt-len", "512",
+                        "--shared-prefix", str(shared), "--json", str(out)]) == 0
+        pred[shared] = json.loads(out.read_text())[0]["predicted"]
+    assert pred[448]["prefill_throughput"] > 3 * pred[0]["prefill_throughput"]
+    assert pred[448]["decode_throughput"] == pytest.approx(pred[0]["decode_throughput"])

@@ -102,17 +102,23 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], m
     for blk in blocks:
         if len(blk.members) < 2 or (longest is not None and blk.prompt_len > longest):
             continue
-        ref = np.asarray(prompts[blk.members[0]], dtype=np.int64)
-        n = min(blk.lens) - 1
-        for m in blk.members[1:]:
-            if n < minimum:
-                break
-            diff = np.flatnonzero(np.asarray(prompts[m][:n], dtype=np.int64) != ref[:n])
-            n = int(diff[0]) if diff.size else n
-        if n >= minimum:
-            for m in blk.members:
-                out[m] = n
+        n = common_opening([prompts[m] for m in blk.members], minimum)
+        for m in blk.members:
+            out[m] = n
     return tuple(out)
+
+
+def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) -> int:
+    """The leading tokens all ``prompts`` share, at most one less than the shortest; 0 where
+    fewer than ``minimum``."""
+    ref = np.asarray(prompts[0], dtype=np.int64)
+    n = min(len(p) for p in prompts) - 1
+    for p in prompts[1:]:
+        if n < minimum:
+            break
+        diff = np.flatnonzero(np.asarray(p[:n], dtype=np.int64) != ref[:n])
+        n = int(diff[0]) if diff.size else n
+    return n if n >= minimum else 0
 
 
 LIMIT_GROUP = 2  # blocks whose requests, adjacent by length, are ordered by limit

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                         "cached profile (measured on first use)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="L", help="leading tokens every prompt "
+                   "shares (a system prompt, few-shot examples): each block computes them once")
     p.add_argument("--stages", type=int, nargs="+", default=[1])
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batch groups in flight (default: the number of stages)")
@@ -113,7 +115,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hws = _hardware(args)
     hw = hws[0]
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
-    wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes)
+    try:
+        wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes, shared=args.shared_prefix)
+    except ValueError as e:
+        raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: {e}") from None
     kw = dict(partition=args.partition, compress=args.compress,
               max_gpu_batch_size=args.max_gpu_batch_size,
               max_num_gpu_batches=args.max_num_gpu_batches)

@@ -38,11 +38,15 @@ class WorkShape:
     gen_len: int
     dtype_bytes: int = 2
     head: HeadLoad = HeadLoad()  # what the last stage's head holds (``plan.Workload.head_load``)
+    # leading tokens every prompt shares (``plan.Workload.opening``): a block computes them once
+    shared: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
             raise ValueError(f"WorkShape prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
                              "both must be >= 1")
+        if not 0 <= self.shared < self.prompt_len:
+            raise ValueError(f"WorkShape shared={self.shared}: must be in [0, prompt_len={self.prompt_len})")
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"WorkShape.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
                              "(fp32)")
@@ -169,6 +173,7 @@ class StageSizes:
     # a decode step brings them in and sends them back, a prefill sends them out (``states.py``)
     r_move: float = 0.0  # over the host link (host RAM on a GPU host; the disk's pass through it there)
     r_disk: float = 0.0  # to and from the disk
+    rows_pre: float = 0.0  # positions a block's prefill computes (a shared prefix once: bls (s - L) + L)
 
 
 def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
@@ -217,7 +222,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
     dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
     kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
-    a_pre, a_dec = bls * s * spec.hidden_size * b, bls * spec.hidden_size * b  # hidden states
+    rows_pre = bls * (s - workload.shared) + workload.shared  # a shared prefix is computed once a block
+    a_pre, a_dec = int(rows_pre * spec.hidden_size * b), bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
     hop = 1.0 if hw.compute_device == "cuda" else 0.0
@@ -258,7 +264,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         # a GPU computes while the host issues the next kernels (the slower of the two sets
         # the pace); a CPU device's host *is* the compute, one after the other
         host_row=COMP if hw.compute_device == "cpu" else HOST,
-        stream_overlap=hw.compute_device != "cpu")
+        stream_overlap=hw.compute_device != "cpu", rows_pre=rows_pre)
 
 
 def _held(spec: ModelSpec, length: float) -> float:
@@ -282,7 +288,7 @@ def _read_share(spec: ModelSpec, tokens: float) -> float:
                  / spec.layer_numel(j) if spec.is_moe(j) else 1.0)
 
 
-def _gemm(z: StageSizes, hw: HardwareSpec, rows: int, passes: int, numel: float | None = None) -> float:
+def _gemm(z: StageSizes, hw: HardwareSpec, rows: float, passes: int, numel: float | None = None) -> float:
     """Linear layers of one block: the arithmetic (each token computes with ``lnum_active``
     elements: a mixture of experts' chosen ones) and reading ``numel`` elements (all of a
     layer's by default) ``passes`` times, overlapped or not (``_stream``)."""
@@ -329,8 +335,8 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     P[3, HD] += a_pre / hw.ctod_bw
     deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
     # prefill attention (s x s per head) is large enough to run at the GEMM rate
-    P[4, CONST] = (_gemm(z, hw, z.bls * z.s, z.num_gb, z.lnum * z.pre_share)
-                   + 4.0 * z.bls * z.s * z.s * z.q / hw.mm_flops
+    P[4, CONST] = (_gemm(z, hw, z.rows_pre, z.num_gb, z.lnum * z.pre_share)
+                   + 4.0 * z.rows_pre * z.s * z.q / hw.mm_flops
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
     P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch + z.host_cache_batch)  # GPU batch by GPU batch
