@@ -10,7 +10,8 @@ vLLM, which constrains named and required tool choices the same way). ``tool_cho
 ``auto`` (the default when tools are given) leaves the choice to the model, so its calls are
 read back from its own syntax, the one its chat template teaches (``READERS``, found by what
 the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Hermes), GLM-4.5's
-``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
+``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, Qwen3-Coder's ``<function=NAME>`` with
+``<parameter=KEY>`` tags, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
 ``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``; the text before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
@@ -197,15 +198,17 @@ def llama3_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
 
 _GLM_BLOCK = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_XML_BLOCK = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_XML_ARG = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-def glm_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
-    """GLM-4.5's calls: ``<tool_call>NAME`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>``
-    pairs, then ``</tool_call>``; a value that parses as JSON is that value, else the string."""
+def _tagged_calls(raw: str, names: set[str], block: re.Pattern[str], arg: re.Pattern[str]) -> tuple[str | None, Calls]:
+    """Calls written as tags: each ``block`` match's name and body, the body's ``arg`` matches
+    its (key, value) pairs; a value that parses as JSON is that value, else the string."""
     calls: Calls = []
-    for m in _GLM_BLOCK.finditer(raw):
+    for m in block.finditer(raw):
         args: dict[str, Any] = {}
-        for k, v in _GLM_ARG.findall(m.group(2)):
+        for k, v in arg.findall(m.group(2)):
             try:
                 args[k.strip()] = json.loads(v)
             except json.JSONDecodeError:
@@ -215,6 +218,18 @@ def glm_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
             return raw, []
         calls.append(c)
     return _head(raw, "<tool_call>", calls)
+
+
+def glm_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """GLM-4.5's calls: ``<tool_call>NAME`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>``
+    pairs, then ``</tool_call>``."""
+    return _tagged_calls(raw, names, _GLM_BLOCK, _GLM_ARG)
+
+
+def xml_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+    """Qwen3-Coder's calls: ``<tool_call>`` ``<function=NAME>`` then ``<parameter=KEY>`` value
+    ``</parameter>`` per argument, ``</function>`` ``</tool_call>``."""
+    return _tagged_calls(raw, names, _XML_BLOCK, _XML_ARG)
 
 
 _DS_BEGIN, _DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
@@ -283,8 +298,9 @@ def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
 
 
 # what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),
-# in the order they are looked for (GLM-4.5's template also writes <tool_call>, with <arg_key> pairs)
-READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
+# in the order they are looked for (GLM-4.5's and Qwen3-Coder's templates also write <tool_call>)
+READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi_calls),
+           "xml": ("<parameter=", xml_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
 

@@ -272,6 +272,9 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
     "deepseek-v3.1": ("{# <｜tool▁calls▁begin｜> #}",
                       '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"unit": "c"}'
                       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None),
+    "qwen3-coder": ("{# <tool_call> <function=name> <parameter=k> #}",
+                    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=unit>\nc\n</parameter>\n</function>\n"
+                    "</tool_call>", "Checking."),
     "kimi-k2": ("{# <|tool_calls_section_begin|> #}",
                 "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
                 '{"unit": "c"}<|tool_call_end|><|tool_calls_section_end|>', None),
@@ -314,7 +317,7 @@ def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_mo
 
 def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
     from flexgen_dist.openai_tools import (deepseek_calls, glm_calls, hermes_calls, kimi_calls, llama3_calls,
-                                           mistral_calls)
+                                           mistral_calls, xml_calls)
 
     names = {"get_weather", "set_alarm"}
     block = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
@@ -338,6 +341,10 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
     glm = "<tool_call>set_alarm\n<arg_key>on</arg_key>\n<arg_value>true</arg_value>\n</tool_call>"
     assert glm_calls(glm, names) == (None, [("set_alarm", '{"on": true}')])
     assert glm_calls(glm.replace("set_alarm", "nope"), names)[1] == []
+    xml = ("<tool_call>\n<function=set_alarm>\n<parameter=on>\ntrue\n</parameter>\n<parameter=label>\nwake up\n"
+           "</parameter>\n</function>\n</tool_call>")
+    assert xml_calls(xml, names) == (None, [("set_alarm", '{"on": true, "label": "wake up"}')])
+    assert xml_calls(xml.replace("set_alarm", "nope"), names)[1] == []
     kimi = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
             '<|tool_call_argument_begin|>{"unit": "c"}<|tool_call_end|><|tool_call_begin|>functions.set_alarm:1'
             '<|tool_call_argument_begin|>{"on": true}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
