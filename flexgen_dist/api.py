@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,9 +34,7 @@ from .budgets import machine_budgets, user_caps
 from .config import ConfigError, RunConfig
 from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
-from .engine.blocks import shared_prefixes
 from .engine.policy import Policy
-from .engine.prefix import shares_prefix
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
@@ -49,11 +46,9 @@ from .reasoning import Reasoning, reasoning_of
 from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
-from .worker import StageWorker, call_blocks
+from .worker import StageWorker, with_shared_prefixes
 from .workloads import PromptLike, build_workload, scored_workload
 
-
-log = logging.getLogger("flexgen_dist")
 
 @dataclass
 class Completion:
@@ -369,23 +364,12 @@ class LLM:
         return work, peaks
 
     def _shared(self, work: Workload, plan: RunPlan) -> Workload:
-        """Rank 0: ``work`` with each request's prefix shared with the rest of its block
-        (``blocks.shared_prefixes``), where sharing is on and the model can (``shares_prefix``)."""
-        if not self.config.share_prefix or work.scoring or not work.prompts or not shares_prefix(self.model.spec):
+        """Rank 0: ``work`` with its blocks' shared prefixes, where sharing is on (``worker.with_shared_prefixes``)."""
+        if not self.config.share_prefix:
             return work
-        sc = self.model.spec.rope_scaling
-        longest = sc.original_max_position_embeddings if sc is not None and sc.rope_type == "longrope" else None
-        shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window),
-                                 longest=longest)
-        if not any(shared):
-            return work
-        out = dataclasses.replace(work, shared=shared)
-        if not self._planner.fits([s.policy for s in plan.stages], [s.layers for s in plan.stages], out,
-                                  plan.num_micro_batches, plan.schedule):  # its row's keys would not fit
-            log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would "
-                     "not fit the memory budgets")
-            return work
-        return out
+        stages = plan.stages
+        return with_shared_prefixes(work, plan, self.model.spec, lambda w: self._planner.fits(
+            [s.policy for s in stages], [s.layers for s in stages], w, plan.num_micro_batches, plan.schedule))
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
@@ -431,12 +415,13 @@ class LLM:
     def _completion(self, index: int, p: Prompt, res: Any, stops: StopStrings | None = None,
                     ignore_eos: bool = False) -> Completion:
         toks, lps = res if isinstance(res, tuple) else (res, None)
-        text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
         split = self.reasoning.split(toks, p.ids, self.tokenizer) \
             if self.reasoning is not None and p.messages is not None else None
-        thought = None
-        if split is not None:
+        if split is not None:  # a reasoning model's chat: its answer and its thinking
             text, thought = split.content, split.reasoning
+        else:
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
+            thought = None
         stopped = bool(toks) and toks[-1] in self.model.spec.eos_token_ids and not ignore_eos
         if stops is not None and text is not None and stops.has(index):
             if thought is not None and not text:  # the stop string ended the thinking

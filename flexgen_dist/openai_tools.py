@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.structure import Structure
-from .reasoning import harmony_messages
+from .reasoning import harmony_answer, harmony_messages
 
 REQUIRED = "required"
 AUTO = "auto"
@@ -283,18 +283,16 @@ def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     <|call|>``); the content is its final (and recipient-less commentary) messages' text, the
     analysis being the reasoning."""
     calls: Calls = []
-    said = []
-    for m in harmony_messages(raw):
+    msgs = harmony_messages(raw)
+    for m in msgs:
         if not m.recipient:
-            if m.channel != "analysis":
-                said.append(m.text)
             continue
         c = _json_call(m.recipient.removeprefix("functions."), m.text, names) \
             if m.recipient.startswith("functions.") else None
         if c is None:
             return raw, []
         calls.append(c)
-    return ("\n\n".join(said) or None, calls) if calls else (raw, [])
+    return (harmony_answer(msgs) or None, calls) if calls else (raw, [])
 
 
 # what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),

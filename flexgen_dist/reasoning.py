@@ -87,8 +87,7 @@ class Reasoning:
             if not msgs:
                 return Split(None, tokenizer.decode(list(ids), skip_special_tokens=True))
             thought = [m.text for m in msgs if m.channel == "analysis"]
-            said = [m.text for m in msgs if m.channel != "analysis" and not m.recipient]
-            return Split("\n\n".join(thought) if thought else None, "\n\n".join(said))
+            return Split("\n\n".join(thought) if thought else None, harmony_answer(msgs))
         start, end = self.marks
         ids = list(ids)
         begin = 0
@@ -118,6 +117,12 @@ def harmony_messages(raw: str, tokenizer: Any | None = None) -> list[Message]:
             text = text.replace(s, "")
         out.append(Message(channel.group(1) if channel else "", to.group(1) if to else "", text.strip()))
     return out
+
+
+def harmony_answer(msgs: list[Message]) -> str:
+    """What harmony messages say to the user: the final (and recipient-less commentary)
+    messages' text; the analysis is the reasoning, a message to a recipient a call."""
+    return "\n\n".join(m.text for m in msgs if m.channel != "analysis" and not m.recipient)
 
 
 def reasoning_of(tokenizer: Any | None, parser: str = "auto") -> Reasoning | None:

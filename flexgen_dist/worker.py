@@ -6,9 +6,10 @@ values and never decides anything about the run.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -16,8 +17,9 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import BlockPlan, plan_blocks
+from .engine.blocks import BlockPlan, plan_blocks, shared_prefixes
 from .engine.footprint import needs_disk
+from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
 from .engine.structure import guide_tokenizer
 from .kernels import gemm
@@ -40,6 +42,24 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
     return blocks
+
+
+def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callable[[Workload], bool]) -> Workload:
+    """Rank 0: ``work`` with each request's prefix shared with the rest of its block
+    (``blocks.shared_prefixes``) where the model can share one (``prefix.shares_prefix``) and the
+    plan still ``fits`` with the prefixes' keys held; else ``work`` as it is."""
+    if work.scoring or not work.prompts or not shares_prefix(spec):
+        return work
+    shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window),
+                             longest=longest_sharing(spec))
+    if not any(shared):
+        return work
+    out = dataclasses.replace(work, shared=shared)
+    if not fits(out):
+        log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would not fit "
+                 "the memory budgets")
+        return work
+    return out
 
 
 class StageWorker:

@@ -10,7 +10,7 @@ from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
 from .engine.blocks import common_opening
-from .engine.prefix import shares_prefix
+from .engine.prefix import longest_sharing, shares_prefix
 from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
 from .models.spec import ModelSpec
@@ -57,11 +57,10 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
         if any(repeats) and not scoring else None
-    opening = 0
-    if cfg.share_prefix and not scoring and len(ps) > 1 and shares_prefix(spec):
-        sc = spec.rope_scaling
-        if sc is None or sc.rope_type != "longrope" or max(len(p.ids) for p in ps) <= sc.original_max_position_embeddings:
-            opening = common_opening([p.ids for p in ps])
+    opening, limit = 0, longest_sharing(spec)
+    if cfg.share_prefix and not scoring and len(ps) > 1 and shares_prefix(spec) and \
+            (limit is None or max(len(p.ids) for p in ps) <= limit):
+        opening = common_opening([p.ids for p in ps])
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]
                         keys=None if keys is None else tuple(int(k) for k in keys),

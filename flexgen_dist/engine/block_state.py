@@ -49,10 +49,9 @@ class BlockState:
     rec_rows: dict[tuple[int, int, int], tuple[int, int, torch.Tensor | None]] = field(default_factory=dict)
     # A shared prefix (``meta.shared`` = L): its one row's input to the next slot (ids on a
     # first stage, then hidden states; after the stage's last layer, what the next stage gets),
-    # the next slot it runs through, and each layer's (k, v) of it until the block's last
-    # GPU batch has used them (``prefix.prefix_pass``)
+    # and each layer's (k, v) of it until the block's last GPU batch has used them
+    # (``prefix.prefix_pass``, run at each slot before the block's first GPU batch)
     prefix: torch.Tensor | None = None
-    prefix_slot: int = 0
     prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``prefix.with_prefix``'s
 

@@ -26,14 +26,21 @@ def shares_prefix(spec: ModelSpec) -> bool:
     return spec.cache_tensors == 2 and not any(spec.linear(j) for j in range(spec.num_layers))
 
 
-def prefix_pass(family: Family, spec: ModelSpec, st: BlockState, j: int, slot: tuple[str, Any],
+def longest_sharing(spec: ModelSpec) -> int | None:
+    """The longest prompt whose block may share a prefix (None: any): a LongRoPE model's
+    original context, since a row past it turns every position, its prefix's too, with the long
+    frequencies, which the prefix's own shorter row would not."""
+    sc = spec.rope_scaling
+    return sc.original_max_position_embeddings if sc is not None and sc.rope_type == "longrope" else None
+
+
+def prefix_pass(family: Family, spec: ModelSpec, st: BlockState, slot: tuple[str, Any],
                 w: dict[str, torch.Tensor], device: torch.device) -> None:
     """Run the block's shared prefix (one row of L positions, ``st.prefix``: ids on a first
-    stage, else hidden states) through slot j, once per block, before its GPU batches: a
+    stage, else hidden states) through ``slot``, once per block, before its GPU batches: a
     layer keeps the prefix's keys and values, which every row's prefill then takes as its
     first positions (``with_prefix``); ``st.prefix`` becomes the slot's output."""
     L = st.meta.shared
-    st.prefix_slot = j + 1
     if slot[0] == "head":  # a last stage: the prefix has left its last layer's keys, nothing to pass on
         st.prefix = None
         return

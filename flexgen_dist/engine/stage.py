@@ -379,8 +379,8 @@ class StageEngine:
         slot = self.slots[j]
         w = self._weights(j)
         num_gb = len(st.meta.prompt_lens)
-        if i == 0 and st.meta.shared and st.prefix_slot == j:  # the block's first batch at this slot
-            prefix_pass(self.family, self.spec, st, j, slot, w, self.device)
+        if i == 0 and k == 0 and st.meta.shared:  # before the block's first GPU batch at this slot
+            prefix_pass(self.family, self.spec, st, slot, w, self.device)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
                 self._compute_merged(st, i, j, w, num_gb)

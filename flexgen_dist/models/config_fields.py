@@ -21,16 +21,15 @@ _BASE = {"_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "
 _INERT = {"attention_dropout", "dropout", "embd_pdrop", "resid_pdrop", "layerdrop", "initializer_range",
           "init_std", "use_cache", "pretraining_tp"}
 _TOKENS = {"bos_token_id", "eos_token_id", "pad_token_id", "vocab_size"}
-_LLAMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
-                         "attention_bias", "mlp_bias", "partial_rotary_factor"}
+# the shape and rotary fields of a decoder with RoPE, whatever else its family reads
+_ROPE_DECODER = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "max_position_embeddings", "rope_parameters", "rope_scaling", "rope_theta",
+                           "tie_word_embeddings"}
+_LLAMA_USED = _ROPE_DECODER | {"num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "mlp_bias",
+                               "partial_rotary_factor"}
 
-_GEMMA_USED = _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                         "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings",
-                         "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
-                         "final_logit_softcapping"}
+_GEMMA_USED = _ROPE_DECODER | {"num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias",
+                               "query_pre_attn_scalar", "sliding_window", "layer_types", "final_logit_softcapping"}
 
 _LINEAR = {"layer_types", "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim",
            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
@@ -48,29 +47,19 @@ USED: dict[str, set[str]] = {
     "qwen2": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "qwen3": _LLAMA_USED | {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
     "phi3": _LLAMA_USED | {"sliding_window", "original_max_position_embeddings"},
-    "cohere": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                         "num_key_value_heads", "max_position_embeddings", "layer_norm_eps", "rope_parameters",
-                         "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias", "use_qk_norm",
-                         "logit_scale"},
-    "cohere2": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_norm_eps",
-                          "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
-                          "logit_scale", "sliding_window", "layer_types", "sliding_window_pattern"},
+    "cohere": _ROPE_DECODER | {"num_key_value_heads", "layer_norm_eps", "attention_bias", "use_qk_norm",
+                               "logit_scale"},
+    "cohere2": _ROPE_DECODER | {"num_key_value_heads", "head_dim", "layer_norm_eps", "attention_bias", "logit_scale",
+                                "sliding_window", "layer_types", "sliding_window_pattern"},
     "glm": _LLAMA_USED,
     "glm4": _LLAMA_USED,
     # the NeoX family (models/neox.py): GPT-NeoX's own names for its RoPE, and Phi's
-    "gpt_neox": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                           "max_position_embeddings", "layer_norm_eps", "rope_parameters", "rope_scaling",
-                           "rotary_pct", "rotary_emb_base", "rope_theta", "partial_rotary_factor",
-                           "tie_word_embeddings", "use_parallel_residual", "attention_bias", "hidden_act"},
-    "phi": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "max_position_embeddings", "layer_norm_eps", "rope_parameters",
-                      "rope_scaling", "rope_theta", "partial_rotary_factor", "tie_word_embeddings", "hidden_act",
-                      "qk_layernorm"},
-    "starcoder2": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                             "num_key_value_heads", "head_dim", "max_position_embeddings", "norm_epsilon",
-                             "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "hidden_act",
-                             "sliding_window", "use_bias"},
+    "gpt_neox": _ROPE_DECODER | {"layer_norm_eps", "rotary_pct", "rotary_emb_base", "partial_rotary_factor",
+                                 "use_parallel_residual", "attention_bias", "hidden_act"},
+    "phi": _ROPE_DECODER | {"num_key_value_heads", "layer_norm_eps", "partial_rotary_factor", "hidden_act",
+                            "qk_layernorm"},
+    "starcoder2": _ROPE_DECODER | {"num_key_value_heads", "head_dim", "norm_epsilon", "hidden_act", "sliding_window",
+                                   "use_bias"},
     "exaone4": _LLAMA_USED | {"sliding_window", "sliding_window_pattern", "layer_types"},
     "olmo2": _LLAMA_USED,
     "olmo3": _LLAMA_USED | {"sliding_window", "layer_types"},
@@ -145,10 +134,8 @@ USED: dict[str, set[str]] = {
                                    "moe_norm_min"},
     "gpt_oss": _LLAMA_USED | {"num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                               "swiglu_alpha", "swiglu_limit"},
-    "gemma": _TOKENS | {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                        "rope_parameters", "rope_scaling", "rope_theta", "tie_word_embeddings", "attention_bias",
-                        "hidden_act"},  # "gelu" (legacy) or "gelu_pytorch_tanh": both the tanh GELU
+    # hidden_act: "gelu" (legacy) or "gelu_pytorch_tanh", both the tanh GELU
+    "gemma": _ROPE_DECODER | {"num_key_value_heads", "head_dim", "rms_norm_eps", "attention_bias", "hidden_act"},
     "gemma2": _GEMMA_USED | {"attn_logit_softcapping"},
     "gemma3_text": _GEMMA_USED | {"rope_local_base_freq", "sliding_window_pattern"},
     # the image-text model: its text_config is read as a gemma3_text config (models/gemma_config.py)
