@@ -315,6 +315,92 @@ def test_stale_dirs_of_dead_runs_are_removed(tmp_path: Path, caplog) -> None:
     assert "removed 2 dir(s)" in caplog.text and "1.01 MiB freed" in caplog.text
 
 
+_KILLED_WHILE_REMOVING = textwrap.dedent("""
+    import os, signal, sys, torch
+    from flexgen_dist.memory.disk import DiskStore
+    store = DiskStore(sys.argv[1])
+    for i in range(8):
+        store.allocate(f"w{i}", (16, 16), torch.float16).write(torch.ones(16, 16).half())
+    print(store.dir, flush=True)
+    real, done = os.unlink, []
+    def unlink(path, *a, **k):   # the run is SIGKILLed part way through removing its files
+        if len(done) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        done.append(path)
+        real(path, *a, **k)
+    os.unlink = unlink
+    store.close()
+""")
+
+
+def test_the_owner_file_is_removed_last(tmp_path: Path, monkeypatch) -> None:
+    """Closing a store removes every other file before the ``.owner`` file (then the dir), so
+    no moment of the removal has files without the owner that names them."""
+    from flexgen_dist.memory.owners import OWNER_FILE
+
+    store = DiskStore(tmp_path)
+    for i in range(24):
+        store.allocate(f"w{i}", (4, 4), torch.float16)
+    real, order = os.unlink, []
+
+    def unlink(path, *a, **k):
+        order.append(os.path.basename(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    store.close()
+    assert len(order) == 25 and order[-1] == OWNER_FILE, order
+    assert not Path(store.dir).exists()
+
+
+def test_a_run_killed_while_removing_its_dir_is_reclaimed(tmp_path: Path, caplog) -> None:
+    """A run SIGKILLed in the middle of removing its offload dir (its job done, a kill arriving
+    as it exits) leaves a dir that still names its dead owner, and the next run under the root
+    removes it: no orphan weight files."""
+    from flexgen_dist.memory.owners import OWNER_FILE
+
+    proc = subprocess.run([sys.executable, "-c", _KILLED_WHILE_REMOVING, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = Path(proc.stdout.strip())
+    names = sorted(p.name for p in left.iterdir())
+    assert OWNER_FILE in names and len(names) == 6, names  # 3 of 8 files removed, the owner kept
+    with caplog.at_level("WARNING", logger="flexgen_dist.memory.disk"):
+        with DiskStore(tmp_path):
+            assert not left.exists()
+    assert "removed 1 dir(s)" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_dir_is_never_visible_without_its_owner(tmp_path: Path, monkeypatch) -> None:
+    """The dir appears under its name only with its ``.owner`` file in it (made hidden, then
+    renamed); a hidden one left by a run that died creating it is reclaimed like the others."""
+    import json
+    import socket
+
+    from flexgen_dist.memory import owners
+
+    seen = []
+    real_rename = Path.rename
+
+    def rename(self, target):
+        seen.append(sorted(p.name for p in self.iterdir()))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with DiskStore(tmp_path) as store:
+        assert Path(store.dir).name.startswith("flexgen-rank0-")
+    assert seen == [[owners.OWNER_FILE]]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    hidden = tmp_path / ".flexgen-rank0-x"
+    hidden.mkdir()
+    (hidden / owners.OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(),
+                                                         "pid": dead.pid, "start": None}))
+    assert owners.remove_stale_dirs(tmp_path)[0] == 1
+    assert not hidden.exists()
+
+
 def test_tilde_offload_dir_means_the_home_directory(tmp_path: Path, monkeypatch) -> None:
     """A "~" offload dir (the default) lands under $HOME, never as a directory named "~" in the cwd:
     the disk tier, the profiler and the budgets all read the one expanded spelling."""

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from flexgen_dist.interrupts import submit
-from flexgen_dist.memory.owners import FileGate, reclaim_stale_dirs, remove_at_exit, write_owner
+from flexgen_dist.memory.owners import FileGate, make_dir, reclaim_stale_dirs, remove_at_exit
 from flexgen_dist.memory.quant import QTensor, qtensor_layout
 from flexgen_dist.memory.units import format_bytes
 
@@ -182,8 +182,7 @@ class DiskStore:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             reclaim_stale_dirs(self.root)
-            (self.root / name).mkdir()
-            write_owner(self.root / name)
+            make_dir(self.root, name)
         except OSError as e:
             raise DiskStoreError(
                 f"offload dir {self.root} is not usable ({e.strerror or e}): pass a writable "

@@ -8,6 +8,11 @@ A process killed outright (SIGKILL, a lost node) cannot remove its offload dir. 
 carries an ``.owner`` file (host, pid and the process's start time, so a reused pid is not
 mistaken for the owner); every run removes, under its offload root, the dirs whose owner on
 this host is dead (never a live one's, never another host's) and logs how much it freed.
+Both removals take the ``.owner`` file last (``remove_dir``): a removal cut short by a SIGKILL
+leaves a dir that still names its dead owner, so the next run finishes it. (With ``rmtree``
+the owner file could go first and the weight files stay, in a dir no run would judge.) A dir
+is created under a hidden name and renamed once its owner file is in it (``make_dir``), so a
+visible dir always has one.
 """
 from __future__ import annotations
 
@@ -64,11 +69,42 @@ def _dir_bytes(path: Path) -> int:
     return n
 
 
+def remove_dir(path: str | os.PathLike) -> None:
+    """Remove an offload dir, its ``.owner`` file last (then the dir); a missing one is fine."""
+    d = Path(path)
+    try:
+        entries = [e for e in os.scandir(d) if e.name != OWNER_FILE]
+    except OSError:
+        return
+    for e in entries:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path, ignore_errors=True)
+            else:
+                os.unlink(e.path)
+        except OSError:
+            pass
+    for last in (lambda: os.unlink(d / OWNER_FILE), lambda: os.rmdir(d)):
+        try:
+            last()
+        except OSError:
+            pass
+
+
+def make_dir(root: Path, name: str) -> Path:
+    """``root/name``, created with this process's ``.owner`` file already in it."""
+    hidden = root / f".{name}"
+    hidden.mkdir()
+    write_owner(hidden)
+    hidden.rename(root / name)
+    return root / name
+
+
 def remove_stale_dirs(root: Path) -> tuple[int, int]:
-    """Remove the offload dirs under ``root`` whose owner process on this host is dead.
-    Returns (dirs removed, bytes freed)."""
+    """Remove the offload dirs under ``root`` whose owner process on this host is dead (and
+    the hidden ones of runs that died while creating theirs). Returns (dirs removed, bytes freed)."""
     host, count, freed = socket.gethostname(), 0, 0
-    for d in root.glob("flexgen-rank*"):
+    for d in [*root.glob("flexgen-rank*"), *root.glob(".flexgen-rank*")]:
         try:
             owner = json.loads((d / OWNER_FILE).read_text())
             if owner["host"] != host or _alive(int(owner["pid"]), owner.get("start")):
@@ -76,7 +112,7 @@ def remove_stale_dirs(root: Path) -> tuple[int, int]:
         except (OSError, ValueError, KeyError, TypeError):
             continue  # no readable owner: not ours to judge
         size = _dir_bytes(d)
-        shutil.rmtree(d, ignore_errors=True)
+        remove_dir(d)
         if not d.exists():
             count, freed = count + 1, freed + size
     return count, freed
@@ -107,7 +143,7 @@ def _sigterm_handler(signum: int, frame: Any) -> None:
     pid = os.getpid()
     for path, owner in _LIVE_DIRS.copy():
         if owner == pid:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_dir(path)
     signal.signal(signum, signal.SIG_DFL)  # we only ever replace the default action
     os.kill(pid, signum)
 
@@ -126,7 +162,7 @@ def _install_sigterm_handler() -> None:
 
 class FileGate:
     """Creating a file in an offload dir and removing the dir, one at a time: once the dir is
-    being removed no file is created in it. (A file created while ``rmtree`` runs, by a thread
+    being removed no file is created in it. (A file created while the removal runs, by a thread
     still placing weights when a dead peer's monitor or a stop closes the store, kept the dir
     alive after its ``.owner`` was gone: an orphan no later run would reclaim.)"""
 
@@ -143,11 +179,11 @@ def _cleanup(path: str, pid: int, executor: ThreadPoolExecutor, gate: FileGate |
         log.warning("offload dir %s: %d I/O thread(s) stuck after a stop; removing the files without them",
                     path, len(stuck))
     if gate is None:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_dir(path)
     else:
         with gate.lock:  # no file is created from here on
             gate.closed = True
-            shutil.rmtree(path, ignore_errors=True)
+            remove_dir(path)
     with _LIVE_LOCK:
         _LIVE_DIRS.discard((path, pid))
 
