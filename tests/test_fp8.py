@@ -1,9 +1,11 @@
-"""Block-scaled FP8 checkpoints (DeepSeek-V3's format, as GLM-4.5-FP8, Qwen3-*-FP8 and others
+"""FP8 checkpoints: block-scaled (DeepSeek-V3's format, as GLM-4.5-FP8, Qwen3-*-FP8 and others
 ship: ``quant_method: fp8`` with ``weight_block_size``, each matrix in float8 e4m3 beside its
-``weight_scale_inv`` grid of block scales): the matrices are expanded at load, the product in
-float32 as transformers computes it, so greedy tokens equal transformers' on the expanded
-weights; a grid that does not fit, missing scales and other quantizations are refused in one
-line."""
+``weight_scale_inv`` grid of block scales), one scale per matrix (``fp8`` without a block
+size), per output row (``fbgemm_fp8``, Meta's FP8 releases) and llm-compressor's
+compressed-tensors FP8 / FP8-dynamic (``weight_scale`` per tensor, row or block): the matrices
+are expanded at load, the product in float32 as transformers computes it, so greedy tokens
+equal transformers' on the expanded weights; a grid that does not fit, missing scales and
+other quantizations are refused in one line."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,8 @@ import torch
 from conftest import PROMPTS, TinyModel, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
-from flexgen_dist.models.loader import dequantize_fp8, load_model
+from flexgen_dist.models.float_quant import dequantize_fp8
+from flexgen_dist.models.loader import load_model
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 
@@ -44,12 +47,32 @@ def _expand(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> tor
     return blocks.reshape(pad.shape)[..., :rows, :cols]
 
 
-def _fp8_dir(model: torch.nn.Module, path: Path, block: tuple[int, int], keep: tuple[str, ...]) -> None:
+def _scheme(layout: str, block: tuple[int, int]) -> tuple[dict, str]:
+    """The quantization_config of an FP8 ``layout`` and its scales' suffix."""
+    if layout == "fp8":
+        return ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": list(block) if block[0] else None}, "_scale_inv")
+    if layout == "fbgemm":
+        return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "_scale"
+    strategy = "block" if block[0] else "channel" if block[1] else "tensor"
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "block_structure": list(block) if block[0] else None}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+             "kv_cache_scheme": None, "config_groups": {"group_0": {
+                 "targets": ["Linear"], "weights": weights, "input_activations": acts if layout == "ct-dynamic" else None,
+                 "output_activations": None}}}, "_scale")
+
+
+def _fp8_dir(model: torch.nn.Module, path: Path, block: tuple[int, int], keep: tuple[str, ...],
+             layout: str = "fp8") -> None:
     """``model`` saved, then its matrices rewritten as FP8 with their scales (those named in
     ``keep`` stay as they are, as modules_to_not_convert); ``model`` given the expanded values,
-    so that transformers computes with exactly the checkpoint's weights."""
+    so that transformers computes with exactly the checkpoint's weights. ``block`` (0, 0): one
+    scale per matrix; (0, 1): one per output row (fbgemm, compressed-tensors' channel)."""
     from safetensors.torch import save_file
 
+    qc, suffix = _scheme(layout, block)
     model.save_pretrained(path)
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     out = {}
@@ -57,20 +80,22 @@ def _fp8_dir(model: torch.nn.Module, path: Path, block: tuple[int, int], keep: t
         if w.dim() < 2 or any(k in name for k in keep):
             out[name] = w
             continue
-        q, scale = quantize(w, block)
-        out[name], out[name + "_scale_inv"] = q, scale
+        cut = block if block[0] else (w.shape[-2], w.shape[-1]) if not block[1] else (1, w.shape[-1])
+        q, scale = quantize(w, cut)
+        stored = scale if block[0] else scale.reshape(-1) if not block[1] else scale  # per tensor: (1,)
+        out[name], out[name + suffix] = q, stored
         with torch.no_grad():
-            model.get_parameter(name).copy_(_expand(q, scale, block))
+            model.get_parameter(name).copy_(_expand(q, scale, cut))
     for f in path.glob("*.safetensors"):
         f.unlink()
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), "modules_to_not_convert": list(keep)}
+    cfg["quantization_config"] = {**qc, "modules_to_not_convert": list(keep)} if layout in ("fp8", "fbgemm") else \
+        {**qc, "ignore": list(keep)}
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def _tiny(kind: str, path: Path, block: tuple[int, int]) -> TinyModel:
+def _tiny(kind: str, path: Path, block: tuple[int, int], layout: str = "fp8") -> TinyModel:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -80,7 +105,7 @@ def _tiny(kind: str, path: Path, block: tuple[int, int]) -> TinyModel:
            Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64))
     torch.manual_seed(3)
     m = AutoModelForCausalLM.from_config(cfg).eval()
-    _fp8_dir(m, path, block, keep=("lm_head", "embed_tokens", "mlp.gate.weight"))
+    _fp8_dir(m, path, block, keep=("lm_head", "embed_tokens", "mlp.gate.weight"), layout=layout)
     return TinyModel(kind, path, m, 0)
 
 
@@ -96,6 +121,30 @@ def test_fp8_checkpoints_match_transformers_on_their_expanded_weights(kind: str,
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
 
 
+@pytest.mark.parametrize("kind,layout,block", [
+    ("llama", "fp8", (0, 0)),          # fine-grained FP8 without a block size: one scale a matrix
+    ("llama", "fbgemm", (0, 1)),       # Meta's FP8 releases: one scale an output row
+    ("llama", "ct", (0, 0)),           # llm-compressor FP8, per tensor
+    ("qwen3_moe", "ct-dynamic", (0, 1)),  # FP8-dynamic: per row, inputs quantized per token (not run)
+    ("llama", "ct-dynamic", (32, 64)),    # FP8 block, the 96-wide MLP's last block partial
+])
+def test_fp8_scales_per_tensor_row_and_block_match_transformers(kind: str, layout: str, block: tuple[int, int],
+                                                                tmp_path: Path, caplog) -> None:
+    """Each layout's codes times their scales, on two placements (weights on disk and in RAM),
+    greedy tokens equal to transformers' on the expanded weights; a scheme that quantizes the
+    inputs at run time says in one warning that the engine does not."""
+    tm = _tiny(kind, tmp_path / "m", block, layout)
+    ref = reference_generate(tm, PROMPTS, 6)
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        with LLM(str(tm.path), percent=(0, 50, 100, 0, 100, 0), gpu_batch_size=2, num_gpu_batches=2,
+                 offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+    noted = "inputs are not quantized at run time" in caplog.text
+    assert noted == (layout in ("fp8", "fbgemm", "ct-dynamic")), caplog.text
+    with LLM(str(tm.path), percent=(100, 0, 100, 0, 100, 0), ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
+
+
 def test_the_expansion_is_each_code_times_its_blocks_scale() -> None:
     q = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]).to(torch.float8_e4m3fn)
     scale = torch.tensor([[2.0, 10.0], [3.0, 100.0]])
@@ -106,12 +155,18 @@ def test_the_expansion_is_each_code_times_its_blocks_scale() -> None:
                        torch.tensor([[2.0, 4.0, 24.0], [8.0, 10.0, 48.0], [7.0, 8.0, 576.0]]))
     with pytest.raises(ModelLoadError, match=r"scale grid of \(2, 2\) does not fit blocks of 1x1"):
         dequantize_fp8(q, scale, (1, 1), "w")
+    assert torch.equal(dequantize_fp8(q, torch.tensor([0.5]), (0, 0), "w"), q.float() * 0.5)  # per tensor
+    rows = torch.tensor([[1.0], [2.0], [4.0]])  # per output row
+    assert torch.equal(dequantize_fp8(q, rows, (0, 0), "w"), q.float() * rows)
+    with pytest.raises(ModelLoadError, match=r"scale grid of \(3,\) does not fit"):
+        dequantize_fp8(q, torch.ones(3), (0, 0), "w")  # a vector: rows or columns, unsaid
 
 
 @pytest.mark.parametrize("edit,match", [
     ("no-scale", "is FP8 but its scales model.layers.0.self_attn.q_proj.weight_scale_inv are missing"),
-    ("per-channel", "per-tensor or per-channel 'fp8' \\(without weight_block_size\\)-quantized checkpoint is not "
-                    "supported"),
+    ("e5m2", "an 'fp8' checkpoint in format 'e5m2' is not supported \\(e4m3 is\\)"),
+    ("ct-fp4", "compressed-tensors float weights of 4 bits are not supported \\(FP8 is\\)"),
+    ("ct-group", "compressed-tensors FP8 weights with strategy 'group' are not supported"),
     ("bnb", "a 'bitsandbytes'-quantized checkpoint is not supported"),
 ])
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
@@ -123,8 +178,12 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
         sd = load_file(str(tm.path / "model.safetensors"))
         del sd["model.layers.0.self_attn.q_proj.weight_scale_inv"]
         save_file(sd, str(tm.path / "model.safetensors"))
-    elif edit == "per-channel":
-        del cfg["quantization_config"]["weight_block_size"]
+    elif edit == "e5m2":
+        cfg["quantization_config"]["fmt"] = "e5m2"
+    elif edit.startswith("ct-"):
+        cfg["quantization_config"] = _scheme("ct", (0, 0))[0]
+        w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
+        w.update({"num_bits": 4} if edit == "ct-fp4" else {"strategy": "group", "group_size": 16})
     else:
         cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tm.path / "config.json").write_text(json.dumps(cfg))

@@ -155,7 +155,7 @@ def test_mxfp4_expansion_is_transformers_own() -> None:
     transposes to in x out), on random codes and scales of every e2m1 value."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from flexgen_dist.models.loader import dequantize_mxfp4
+    from flexgen_dist.models.float_quant import dequantize_mxfp4
 
     gen = torch.Generator().manual_seed(3)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), generator=gen, dtype=torch.uint8)

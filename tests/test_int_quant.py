@@ -117,6 +117,8 @@ LAYOUTS = {
     "ct-w4-asym-act-order": dict(method="ct", bits=4, group=32, sym=False, act_order=True, fmt="pack-quantized"),
     "ct-w8-channel": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="pack-quantized"),
     "ct-naive-w8": dict(method="ct", bits=8, group=0, sym=False, act_order=False, fmt="naive-quantized"),
+    # W8A8: int8 weights per output row, the inputs quantized per token at run time (not run)
+    "ct-w8a8": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="int-quantized", acts=True),
 }
 
 
@@ -151,7 +153,7 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
         stem = name.removesuffix("weight")
         if lay["method"] == "ct":
             codes, zeros, scales, values = ct_quantize(w, g_idx, groups, lay["bits"], lay["sym"])
-            if lay["fmt"] == "naive-quantized":
+            if lay["fmt"] in ("naive-quantized", "int-quantized"):
                 out[stem + "weight"] = codes.to(torch.int8)
             else:
                 out[stem + "weight_packed"] = ct_words(codes, lay["bits"])
@@ -191,7 +193,10 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
         cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": lay["fmt"],
                                       "quantization_status": "compressed", "ignore": ["lm_head"],
                                       "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                    "input_activations": None,
+                                                                    "input_activations": {
+                                                                        "num_bits": 8, "type": "int", "dynamic": True,
+                                                                        "strategy": "token", "symmetric": True}
+                                                                    if lay.get("acts") else None,
                                                                     "output_activations": None}}}
     (path / "config.json").write_text(json.dumps(cfg))
     return TinyModel(kind, path, model, 0)
@@ -200,7 +205,8 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
 @pytest.mark.parametrize("kind,layout", [("llama", "gptq-act-order"), ("llama", "gptq-v2-sym"),
                                          ("qwen2", "gptq-8bit"), ("llama", "awq"), ("qwen2", "awq"),
                                          ("llama", "ct-w4-sym"), ("qwen2", "ct-w4-asym-act-order"),
-                                         ("llama", "ct-w8-channel"), ("llama", "ct-naive-w8")])
+                                         ("llama", "ct-w8-channel"), ("llama", "ct-naive-w8"),
+                                         ("qwen2", "ct-w8a8")])
 def test_integer_checkpoints_match_transformers_on_their_values(kind: str, layout: str, tmp_path: Path) -> None:
     tm = quantized_dir(kind, layout, tmp_path / "m")
     ref = reference_generate(tm, PROMPTS, 6)
@@ -242,19 +248,19 @@ def test_a_word_unpacks_to_its_codes_in_each_layout() -> None:
     ("marlin", "a GPTQ checkpoint in format 'marlin' is not supported"),
     ("no-scales", "has no model.layers.0.self_attn.q_proj.scales"),
     ("group", "do not agree|group_size does not fit"),
-    ("w8a8", "quantizes activations at run time \\(W8A8, FP8-dynamic\\) is not supported"),
-    ("float", "compressed-tensors checkpoint in format 'float-quantized' is not supported"),
+    ("outputs", "a compressed-tensors checkpoint that quantizes layer outputs is not supported"),
+    ("float", "compressed-tensors checkpoint in format 'float-quantized' is not supported \\(pack-quantized"),
 ])
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    layout = {"gemv": "awq", "w8a8": "ct-w4-sym", "float": "ct-w4-sym"}.get(edit, "gptq-v2-sym")
+    layout = {"gemv": "awq", "outputs": "ct-w4-sym", "float": "ct-w4-sym"}.get(edit, "gptq-v2-sym")
     tm = quantized_dir("llama", layout, tmp_path / "m")
     cfg = json.loads((tm.path / "config.json").read_text())
     q = cfg["quantization_config"]
-    if edit == "w8a8":
-        q["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int", "dynamic": True,
-                                                              "strategy": "token", "symmetric": True}
+    if edit == "outputs":
+        q["config_groups"]["group_0"]["output_activations"] = {"num_bits": 8, "type": "int", "dynamic": True,
+                                                               "strategy": "token", "symmetric": True}
     elif edit == "float":
         q["format"] = "float-quantized"
     elif edit == "3bit":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .float_quant import fp8_problem
 from .int_quant import int_quant_problem
 
 # bookkeeping every config has (transformers' PretrainedConfig)
@@ -225,25 +226,14 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
     q = cfg.get("quantization_config")
     if q:
         method = q.get("quant_method", "?")
-        if method == "fp8" and q.get("weight_block_size") and q.get("fmt", "e4m3") in ("e4m3", "float8_e4m3fn"):
-            return None  # block-scaled FP8 weights: expanded at load (fp8_block)
-        if method == "mxfp4" and model_type == "gpt_oss":
+        if method in ("fp8", "fbgemm_fp8"):  # FP8 weights: expanded at load (float_quant.py)
+            problem = fp8_problem(q)
+        elif method == "mxfp4" and model_type == "gpt_oss":
             return None  # gpt-oss's experts as OpenAI ships them: expanded at load
-        if method in ("gptq", "awq", "compressed-tensors"):  # integer codes per group: expanded at load (int_quant.py)
+        elif method in ("gptq", "awq", "compressed-tensors"):  # integer codes per group: expanded at load (int_quant.py)
             problem = int_quant_problem(q)
-            return None if problem is None else f"{problem}: use the full-precision weights or a .gguf file"
-        what = "per-tensor or per-channel 'fp8' (without weight_block_size)" if method == "fp8" else repr(method)
-        return (f"a {what}-quantized checkpoint is not supported (block-scaled 'fp8' is, 4- and 8-bit 'gptq', "
-                "4-bit 'awq', weight-only 'compressed-tensors', and gpt-oss's 'mxfp4'): use the full-precision "
-                "weights (--compress-weight quantizes them) or a .gguf file")
+        else:
+            problem = (f"a {method!r}-quantized checkpoint is not supported ('fp8' and 'fbgemm_fp8', 4- and 8-bit "
+                       "'gptq', 4-bit 'awq', 'compressed-tensors' int and FP8 weights, and gpt-oss's 'mxfp4' are)")
+        return None if problem is None else f"{problem}: use the full-precision weights or a .gguf file"
     return None
-
-
-def fp8_block(cfg: dict[str, Any]) -> tuple[int, int] | None:
-    """The (rows, cols) block of a block-scaled FP8 checkpoint's ``weight_scale_inv`` grid
-    (DeepSeek-V3's format: ``quant_method: fp8``, ``weight_block_size``); None: not one."""
-    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
-    if q.get("quant_method") != "fp8" or not q.get("weight_block_size"):
-        return None
-    rows, cols = (int(b) for b in q["weight_block_size"])
-    return rows, cols

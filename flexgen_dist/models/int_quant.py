@@ -30,9 +30,11 @@ through its source.
   rows); ``X.weight_g_idx`` where groups are activation-ordered; ``X.weight_shape``. The
   ``naive-quantized`` format stores 8-bit codes as an int8 ``X.weight`` beside its scale.
 
-Other bit widths, AWQ's GEMV layout, schemes that quantize activations at run time (W8A8,
-FP8-dynamic: their outputs depend on computing that quantization) and other methods are
-refused in one line (``config_fields.field_problem``).
+A compressed-tensors scheme that also quantizes each layer's input at run time (W8A8: int8
+weights per output row, int8 inputs per token) is run with the inputs in the run's dtype (as
+``float_quant`` runs FP8-dynamic); its float (FP8) weight schemes are ``float_quant``'s. Other
+bit widths, AWQ's GEMV layout and other methods are refused in one line
+(``config_fields.field_problem``).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .float_quant import ct_float, ct_float_problem, ct_groups, quantization_config
 from .source import ModelLoadError
 
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word's 8 is its (AWQ_REVERSE[j])-th code
@@ -58,15 +61,13 @@ class IntQuant:
         return 32 // self.bits
 
 
-def _config(cfg: dict[str, Any]) -> dict[str, Any]:
-    return cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
-
-
 def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
     """The checkpoint's GPTQ, AWQ or compressed-tensors layout (None: not one). Assumes
     ``int_quant_problem`` found nothing."""
-    q = _config(cfg)
+    q = quantization_config(cfg)
     method = q.get("quant_method")
+    if method == "compressed-tensors" and ct_float(q):
+        return None  # FP8 weights (float_quant)
     if method == "compressed-tensors":
         w = _ct_weights(q)
         size = int(w.get("group_size") or -1) if w.get("strategy") == "group" else -1
@@ -81,7 +82,7 @@ def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
 
 def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
     """The weights' quantization args of a compressed-tensors config (every group's alike)."""
-    groups = list((q.get("config_groups") or {}).values())
+    groups = ct_groups(q)
     return (groups[0].get("weights") or {}) if groups else {}
 
 
@@ -113,22 +114,23 @@ def int_quant_problem(q: dict[str, Any]) -> str | None:
 
 def _ct_problem(q: dict[str, Any]) -> str | None:
     fmt = q.get("format")
-    groups = list((q.get("config_groups") or {}).values())
+    groups = ct_groups(q)
     if not groups:
         return "a compressed-tensors checkpoint without config_groups is not supported"
-    if any(g.get("input_activations") or g.get("output_activations") for g in groups):
-        return ("a compressed-tensors checkpoint that quantizes activations at run time (W8A8, FP8-dynamic) is not "
-                "supported (weight-only W4A16/W8A16 are)")
     if any(g.get("weights") != groups[0].get("weights") for g in groups):
         return "a compressed-tensors checkpoint with several weight schemes is not supported (one for all layers is)"
+    if any(g.get("output_activations") for g in groups):
+        return "a compressed-tensors checkpoint that quantizes layer outputs is not supported"
     formats = {g.get("format", fmt) for g in groups}
+    if ct_float(q):
+        return ct_float_problem(groups[0]["weights"], formats)
     if not formats <= {"pack-quantized", "naive-quantized", "int-quantized", "dense"}:
         return (f"a compressed-tensors checkpoint in format {sorted(map(str, formats))[0]!r} is not supported "
                 "(pack-quantized and naive-quantized integer weights are)")
     w = groups[0].get("weights") or {}
     if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
         return (f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits are not "
-                "supported (4- and 8-bit int are)")
+                "supported (4- and 8-bit int and 8-bit float are)")
     if w.get("strategy") not in ("group", "channel") or (w.get("strategy") == "group" and not w.get("group_size")):
         return (f"compressed-tensors weights with strategy {w.get('strategy')!r} are not supported (group, with a "
                 "group_size, and channel are)")

@@ -24,7 +24,7 @@ from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
-from .config_fields import fp8_block
+from .float_quant import FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8, dequantize_mxfp4, fp8_layout
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
@@ -53,49 +53,12 @@ def bundled_model_path() -> Path:
 
 # --------------------------------------------------------------------------------------
 # weight sources
-FP8_DTYPES = (torch.float8_e4m3fn,)
-
-
-def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """A block-scaled FP8 matrix (..., rows, cols) in float32: each element times the scale of
-    its (block[0] x block[1]) block, ``scale`` (..., ceil(rows / b0), ceil(cols / b1)) holding
-    them (E8M0 bytes: 2^(byte - 127)), computed as transformers computes it (float32 product)."""
-    rows, cols = w.shape[-2:]
-    grid = scale.shape[-2:] if scale.dim() >= 2 else (1, 1)
-    if rows % grid[0] == 0 and cols % grid[1] == 0:  # the block the grid gives (transformers' rule)
-        block = (rows // grid[0], cols // grid[1])
-    if (-(-rows // block[0]), -(-cols // block[1])) != tuple(grid):
-        raise ModelLoadError(f"{name}: FP8 weight of shape {tuple(w.shape)} with a scale grid of {tuple(grid)} "
-                             f"does not fit blocks of {block[0]}x{block[1]}: corrupt checkpoint?")
-    s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
-    s = s.reshape(*w.shape[:-2], *grid).repeat_interleave(block[0], -2)[..., :rows, :]
-    return w.float() * s.repeat_interleave(block[1], -1)[..., :cols]
-
-
-# e2m1: the 16 values of a 4-bit code (sign, two exponent bits, one mantissa bit)
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
-    """An MXFP4 matrix in float32: ``blocks`` (..., rows, groups, 16) bytes, two e2m1 codes each
-    (the low nibble first), ``scales`` (..., rows, groups) E8M0 bytes, each group of 32 values
-    times 2^(scale - 127): (..., rows, groups * 32), the values transformers expands."""
-    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ModelLoadError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
-                             f"{tuple(scales.shape)}: expected uint8 (..., groups, 16) and (..., groups); corrupt "
-                             "checkpoint?")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
-    out = torch.ldexp(vals.reshape(*scales.shape, 32), scales.to(torch.int32)[..., None] - 127)
-    return out.reshape(*scales.shape[:-1], -1)
-
-
 class HFDirSource(WeightSource):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path,
-                 fp8: tuple[int, int] | None = None, iq: IntQuant | None = None) -> None:
+                 fp8: Fp8Layout | None = None, iq: IntQuant | None = None) -> None:
         super().__init__(spec, dtype)
         self.path = path
-        self.fp8 = fp8  # a block-scaled FP8 checkpoint's block: its matrices are expanded on read
+        self.fp8 = fp8  # an FP8 checkpoint's scales: its matrices are expanded on read
         self.iq = iq  # a GPTQ, AWQ or compressed-tensors layout: its layers' codes are expanded on read
         self.index: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, Any] = {}
@@ -164,7 +127,7 @@ class HFDirSource(WeightSource):
                     raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(t.shape)}, expected "
                                          f"more than {index} experts: corrupt checkpoint?")
                 t = t[int(index)]
-            if t.dtype in FP8_DTYPES:  # block-scaled FP8: times its blocks' scales, before any cut
+            if t.dtype in FP8_DTYPES:  # FP8: times its blocks' (rows', the matrix's) scales, before any cut
                 t = self._expand_fp8(name, t, int(index) if index else None)
             if transposed:  # stored in x out (gpt-oss's experts)
                 t = t.transpose(-2, -1)
@@ -222,13 +185,14 @@ class HFDirSource(WeightSource):
         return out
 
     def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
-        scale_name = name + "_scale_inv"
+        scale_name = name + (self.fp8.suffix if self.fp8 else "_scale_inv")
         if self.fp8 is None or scale_name not in self.index:
             raise ModelLoadError(f"{self.path}: tensor {name} is FP8 but "
-                                 + ("the config has no block-scaled 'fp8' quantization_config" if self.fp8 is None
+                                 + ("the config has no FP8 quantization_config" if self.fp8 is None
                                     else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
         scale = self._tensor(scale_name)
-        return dequantize_fp8(t, scale[index] if index is not None else scale, self.fp8, f"{self.path}: {name}")
+        return dequantize_fp8(t, scale[index] if index is not None and scale.dim() > 0 and scale.numel() > 1
+                              else scale, self.fp8.block, f"{self.path}: {name}")
 
     def _expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
         scale_name = name.removesuffix("_blocks") + "_scales"
@@ -383,14 +347,18 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         cfg = _read_config(p)
         spec = _generation_eos(p, spec_from_hf_config(cfg, p.name))
         tok = _load_tokenizer(p) if load_tokenizer else None
-        fp8, iq = fp8_block(cfg), int_quant(cfg)
+        fp8, iq = fp8_layout(cfg), int_quant(cfg)
         if fp8:
-            log.info("%s: FP8 checkpoint (blocks of %dx%d): its weights are expanded to %s as they are read",
-                     p.name, fp8[0], fp8[1], str(dtype).replace("torch.", ""))
+            log.info("%s: FP8 checkpoint (%s, scales %s): its weights are expanded to %s as they are read",
+                     p.name, fp8.method, "in blocks" if fp8.block[0] else "per tensor or per row",
+                     str(dtype).replace("torch.", ""))
         if iq:
             log.info("%s: %d-bit %s checkpoint (groups of %s): its weights are expanded to %s as they are read",
                      p.name, iq.bits, iq.method, iq.group_size if iq.group_size > 0 else "a whole row",
                      str(dtype).replace("torch.", ""))
+        note = activation_note(cfg)
+        if note:
+            log.warning("%s: %s", p.name, note)
         return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p))
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")

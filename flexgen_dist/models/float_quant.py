@@ -1,0 +1,149 @@
+"""Float-coded checkpoints: FP8 weights with their scales, and gpt-oss's MXFP4 experts; each
+matrix expanded to float32 as it is read (then kept in the run's dtype like any weight).
+
+FP8 (e4m3) matrices come in three layouts, told apart by the config (``fp8_layout``):
+
+- ``quant_method: fp8`` (transformers' fine-grained FP8, DeepSeek-V3's format: Qwen3-*-FP8,
+  GLM-4.5-FP8, Kimi K2, MiniMax-M2): ``X.weight`` beside ``X.weight_scale_inv``, a grid of
+  scales over ``weight_block_size`` blocks (float32, or E8M0 bytes), or one scale for the
+  whole matrix without a block size.
+- ``quant_method: fbgemm_fp8`` (Meta's Llama-3.1-405B-FP8 and the like): ``X.weight_scale``
+  (out, 1), one scale per output row.
+- ``quant_method: compressed-tensors`` with float weights (llm-compressor's FP8 and
+  FP8-dynamic releases, format ``float-quantized``): ``X.weight_scale`` per tensor (1,),
+  per output row (out, 1) or per block (``block_structure``).
+
+Each value is code x the scale of its block (the row, the matrix), in float32, as transformers
+expands them; a partial last block where the block does not divide the matrix. The schemes that also quantize each layer's input at run time (FP8-dynamic,
+fbgemm's per-token activations, DeepSeek's 1 x 128 activation groups, compressed-tensors'
+``input_activations``) are run with the inputs in the run's dtype: the outputs of the
+dequantized model, as transformers' ``dequantize=True`` computes it (``activation_note``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .source import ModelLoadError
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+@dataclass(frozen=True)
+class Fp8Layout:
+    """Where an FP8 checkpoint keeps a matrix's scales: ``X.weight`` + ``suffix``, over blocks
+    of ``block`` (rows, cols) where the grid does not say (0: the grid says)."""
+    method: str
+    suffix: str
+    block: tuple[int, int]
+
+
+def quantization_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config's ``quantization_config`` (a multimodal one's from its text config)."""
+    return cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+
+
+def ct_groups(q: dict[str, Any]) -> list[dict[str, Any]]:
+    return list((q.get("config_groups") or {}).values())
+
+
+def ct_float(q: dict[str, Any]) -> bool:
+    """Whether a compressed-tensors config quantizes the weights as floats (FP8)."""
+    groups = ct_groups(q)
+    return bool(groups) and ((groups[0].get("weights") or {}).get("type") == "float")
+
+
+def fp8_layout(cfg: dict[str, Any]) -> Fp8Layout | None:
+    """The config's FP8 layout (module doc); None: not an FP8 checkpoint."""
+    q = quantization_config(cfg)
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        return Fp8Layout(method, "_scale_inv", (int(block[0]), int(block[1])) if block else (0, 0))
+    if method == "fbgemm_fp8":
+        return Fp8Layout(method, "_scale", (0, 0))
+    if method == "compressed-tensors" and ct_float(q):
+        w = ct_groups(q)[0]["weights"]
+        block = w.get("block_structure") if w.get("strategy") == "block" else None
+        return Fp8Layout(method, "_scale", (int(block[0]), int(block[1])) if block else (0, 0))
+    return None
+
+
+def fp8_problem(q: dict[str, Any]) -> str | None:
+    """What of an ``fp8`` / ``fbgemm_fp8`` config is not read, in words (None: all of it)."""
+    if q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):
+        return f"an 'fp8' checkpoint in format {q['fmt']!r} is not supported (e4m3 is)"
+    return None
+
+
+def ct_float_problem(w: dict[str, Any], formats: set[Any]) -> str | None:
+    """What of a compressed-tensors float weight scheme is not read (None: all of it)."""
+    if w.get("num_bits") != 8:
+        return f"compressed-tensors float weights of {w.get('num_bits')} bits are not supported (FP8 is)"
+    if not formats <= {"float-quantized", "naive-quantized", "dense"}:
+        return (f"a compressed-tensors checkpoint in format {sorted(map(str, formats))[0]!r} is not supported "
+                "(float-quantized FP8 weights are)")
+    if w.get("strategy") not in ("tensor", "channel", "block"):
+        return (f"compressed-tensors FP8 weights with strategy {w.get('strategy')!r} are not supported (tensor, "
+                "channel and block are)")
+    if w.get("strategy") == "block" and len(w.get("block_structure") or ()) != 2:
+        return "compressed-tensors FP8 weights in blocks without a block_structure of two sizes are not supported"
+    return None
+
+
+def activation_note(cfg: dict[str, Any]) -> str | None:
+    """A line saying the checkpoint's run-time input quantization is not applied (None: it has none)."""
+    q = quantization_config(cfg)
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        acts = any(g.get("input_activations") for g in ct_groups(q))
+    else:
+        acts = method in ("fp8", "fbgemm_fp8")
+    kv = bool(q.get("kv_cache_scheme"))
+    if not acts and not kv:
+        return None
+    what = " and ".join((["its layers' inputs are not quantized at run time"] if acts else []) +
+                        (["its KV cache is kept in the run's dtype (kv_cache_scheme; --compress-cache is the "
+                          "engine's own)"] if kv else []))
+    return (f"{what}: the outputs are those of its dequantized weights, as transformers' dequantize=True "
+            "computes them")
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """An FP8 matrix (..., rows, cols) in float32: each element times the scale of its block,
+    ``scale`` (..., ceil(rows / b0), ceil(cols / b1)) holding them (E8M0 bytes: 2^(byte - 127)),
+    the last blocks partial. The block is the config's ``block`` where the grid is what it
+    gives (what the quantizer used), else the one the grid gives where it divides the matrix (a
+    scale per tensor or per output row, a block the config does not name: transformers' rule);
+    computed as transformers computes it (float32 product)."""
+    rows, cols = w.shape[-2:]
+    grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (1, 1) if scale.numel() == 1 else (-1, -1)
+    given = block[0] > 0 and block[1] > 0 and (-(-rows // block[0]), -(-cols // block[1])) == grid
+    if not given and min(grid) > 0 and rows % grid[0] == 0 and cols % grid[1] == 0:
+        block = (rows // grid[0], cols // grid[1])
+    elif not given:
+        raise ModelLoadError(f"{name}: FP8 weight of shape {tuple(w.shape)} with a scale grid of "
+                             f"{tuple(scale.shape)} does not fit blocks of {block[0]}x{block[1]}: corrupt checkpoint?")
+    s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
+    s = s.reshape(*w.shape[:-2], *grid).repeat_interleave(block[0], -2)[..., :rows, :]
+    return w.float() * s.repeat_interleave(block[1], -1)[..., :cols]
+
+
+# e2m1: the 16 values of a 4-bit code (sign, two exponent bits, one mantissa bit)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """An MXFP4 matrix in float32: ``blocks`` (..., rows, groups, 16) bytes, two e2m1 codes each
+    (the low nibble first), ``scales`` (..., rows, groups) E8M0 bytes, each group of 32 values
+    times 2^(scale - 127): (..., rows, groups * 32), the values transformers expands."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ModelLoadError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
+                             f"{tuple(scales.shape)}: expected uint8 (..., groups, 16) and (..., groups); corrupt "
+                             "checkpoint?")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    out = torch.ldexp(vals.reshape(*scales.shape, 32), scales.to(torch.int32)[..., None] - 127)
+    return out.reshape(*scales.shape[:-1], -1)
