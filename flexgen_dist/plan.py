@@ -50,6 +50,9 @@ class Workload:
     # per request, the leading tokens every prompt of its block shares (``blocks.shared_prefixes``;
     # None or 0: none): rank 0 finds them once the blocks are cut, the header carries them
     shared: tuple[int, ...] | None = None
+    # per request, its prefix group within its window (``blocks.prefix_groupings``; -1: none;
+    # None: blocks cut by length alone): rank 0 chooses them with the prefixes, the header carries them
+    groups: tuple[int, ...] | None = None
     # the leading tokens every request of the call shares (``blocks.common_opening``; 0: none or
     # not shared): what the planner's cost model expects each block to compute once
     opening: int = 0
@@ -61,7 +64,7 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

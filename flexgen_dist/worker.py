@@ -17,7 +17,7 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import BlockPlan, plan_blocks, shared_prefixes
+from .engine.blocks import BlockPlan, plan_blocks, prefill_positions, prefix_groupings, shared_prefixes
 from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
@@ -34,10 +34,12 @@ log = logging.getLogger("flexgen_dist")
 
 
 def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[BlockPlan]:
-    """The call's blocks (``engine/blocks.py``), the same on every rank: grouped by length
-    within windows (scoring: in input order), each with the prefix its prompts share."""
+    """The call's blocks (``engine/blocks.py``), the same on every rank: grouped by opening
+    (where rank 0 chose groups) and length within windows (scoring: in input order), each
+    with the prefix its prompts share."""
     limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
-    blocks = plan_blocks(list(work.lens), block_size, limits, sort_window if work.targets is None else 0)
+    blocks = plan_blocks(list(work.lens), block_size, limits, sort_window if work.targets is None else 0,
+                         work.groups)
     if work.shared is not None:
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
@@ -47,14 +49,27 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
 def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callable[[Workload], bool]) -> Workload:
     """Rank 0: ``work`` with each request's prefix shared with the rest of its block
     (``blocks.shared_prefixes``) where the model can share one (``prefix.shares_prefix``) and the
-    plan still ``fits`` with the prefixes' keys held; else ``work`` as it is."""
+    plan still ``fits`` with the prefixes' keys held; else ``work`` as it is. Where the
+    window's prompts open differently, the requests are grouped by opening first if a grouping
+    computes fewer prefill positions (``blocks.prefix_groupings``, ``blocks.prefill_positions``)."""
     if work.scoring or not work.prompts or not shares_prefix(spec):
         return work
-    shared = shared_prefixes([p.ids for p in work.prompts], call_blocks(work, plan.block_size, plan.sort_window),
-                             longest=longest_sharing(spec))
+    ids, longest = [p.ids for p in work.prompts], longest_sharing(spec)
+    best: tuple[int, tuple[int, ...] | None, tuple[int, ...]] | None = None
+    for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window)]:
+        blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
+        shared = shared_prefixes(ids, blocks, longest=longest)
+        cost = prefill_positions(blocks, shared)
+        if best is None or cost < best[0]:
+            best = (cost, groups, shared)
+    assert best is not None
+    _, groups, shared = best
     if not any(shared):
         return work
-    out = dataclasses.replace(work, shared=shared)
+    if groups is not None:
+        log.info("requests grouped by their opening before their length: %d prefix groups",
+                 len({g for g in groups if g >= 0}))
+    out = dataclasses.replace(work, shared=shared, groups=groups)
     if not fits(out):
         log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would not fit "
                  "the memory budgets")

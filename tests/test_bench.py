@@ -589,3 +589,10 @@ def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_pat
         assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["unshared"]["shared_prefix_fraction"] == 0
         assert r["shared"]["prefill_time_s"] > 0 and r["prefill_speedup"] > 0
     assert res["variants"]["float32"]["same_tokens"]
+    mixed = tmp_path / "mixed.json"  # two tasks interleaved: grouped by opening, blocks of 4 (one window)
+    assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "16", "--prefix", "40",
+                               "--tail", "12", "--tasks", "2", "--gen-len", "2", "--gpu-batch-size", "2",
+                               "--num-gpu-batches", "2", "--rounds", "1", "--variants", "float32",
+                               "--json", str(mixed)]) == 0
+    r = json.loads(mixed.read_text())["variants"]["float32"]
+    assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["same_tokens"]

@@ -15,7 +15,7 @@ import torch
 
 from conftest import REPO, TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist import LLM
-from flexgen_dist.engine.blocks import BlockPlan, shared_prefixes
+from flexgen_dist.engine.blocks import BlockPlan, plan_blocks, prefill_positions, prefix_groupings, shared_prefixes
 from flexgen_dist.engine.footprint import predict_peaks
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.engine.prefix import shares_prefix
@@ -132,6 +132,49 @@ def test_the_prefix_every_prompt_of_a_block_shares() -> None:
     assert shared_prefixes(two, blocks([0, 1], of=two)) == (16, 16)  # the shorter's last position stays its own
 
 
+def mixed_tasks(vocab: int, seed: int = 7) -> list[list[int]]:
+    """Three tasks interleaved in the input, each its own 20-token instruction after a common
+    8-token header, before each request's own 2-10 tokens: blocks cut by length would mix the
+    tasks (sharing the header only, under the minimum)."""
+    g = torch.Generator().manual_seed(seed)
+    header = torch.randint(3, vocab, (8,), generator=g).tolist()
+    tasks = [header + torch.randint(3, vocab, (20,), generator=g).tolist() for _ in range(3)]
+    return [tasks[n % 3] + torch.randint(3, vocab, (2 + (5 * n) % 9,), generator=g).tolist() for n in range(12)]
+
+
+def test_requests_are_grouped_by_opening_where_that_computes_less() -> None:
+    ps = mixed_tasks(256)
+    lens = [len(p) for p in ps]
+    candidates = prefix_groupings(ps, 4, 3)  # one window of 12
+    assert candidates, "three tasks of four requests: a grouping"
+    groups = candidates[0]
+    assert sorted(groups) == [0] * 4 + [1] * 4 + [2] * 4 and len({groups[n] for n in (0, 3, 6, 9)}) == 1
+    plain = plan_blocks(lens, 4, None, 3)
+    grouped = plan_blocks(lens, 4, None, 3, groups)
+    assert all(len({n % 3 for n in b.members}) == 1 for b in grouped)  # a block: one task
+    assert all(b.members == sorted(b.members, key=lambda m: (-lens[m], m)) for b in grouped)  # by length within
+    shared_plain, shared_grouped = shared_prefixes(ps, plain), shared_prefixes(ps, grouped)
+    assert not any(shared_plain) and set(shared_grouped) == {28}
+    assert prefill_positions(grouped, shared_grouped) < prefill_positions(plain, shared_plain)
+    assert prefix_groupings(prompts(256) * 2, 3, 4) == []  # one opening for all: nothing to choose
+    assert prefix_groupings(ps, 4, 0) == [] and prefix_groupings(ps[:7], 4, 3) == []  # input order; too few
+
+
+def test_grouped_blocks_give_transformers_tokens(models: dict, tmp_path: Path) -> None:
+    """The tasks grouped (the fraction saved says so), every request's greedy tokens are
+    transformers', in input order; without sharing the blocks are cut by length alone."""
+    tm = models["llama-gqa"]
+    ps = mixed_tasks(256)
+    opts = dict(gpu_batch_size=2, num_gpu_batches=2, sort_window=3, ignore_eos=True, progress=False)
+    got = {}
+    for share in (True, False):
+        with LLM(str(tm.path), share_prefix=share, **opts) as llm:
+            got[share] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
+            fraction = llm.metrics["shared_prefix_fraction"]
+        assert (fraction > 0.4) == share, fraction  # 28 of each row's 30-38 positions, but one per block
+    assert got[True] == got[False] == reference_generate(tm, ps, GEN)
+
+
 def test_sharing_is_off_where_a_layer_cannot_start_mid_sequence(models: dict) -> None:
     with LLM(str(models["llama-gqa"].path), progress=False) as llm:
         spec = llm.model.spec
@@ -185,18 +228,22 @@ def test_scoring_and_the_cli_switch(models: dict, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multinode
-@pytest.mark.parametrize("items", ["block", "batch"])
+@pytest.mark.parametrize("items", ["block", "batch", "grouped"])
 def test_two_ranks_pass_the_prefix_on_with_the_first_batch(models: dict, items: str, tmp_path: Path) -> None:
+    """Prefill items per block and per GPU batch; and requests grouped by opening on rank 0,
+    the groups sent to rank 1 with the lengths (both must cut the same blocks)."""
     tm = models["mistral"]
-    ps = prompts(256)
+    ps = mixed_tasks(256) if items == "grouped" else prompts(256)
+    shape = ["--num-gpu-batches", "2", "--sort-window", "3", "--prefill-items", "block"] if items == "grouped" else \
+        ["--num-gpu-batches", "3", "--prefill-items", items]
     out, metrics = tmp_path / "o.jsonl", tmp_path / "m.json"
     r = local_ranks(["-m", "flexgen_dist.run", "--model", str(tm.path), "--prompts",
                      str(write_jsonl(tmp_path / "p.jsonl", ps)), "--gen-len", str(GEN), "--ignore-eos",
-                     "--gpu-batch-size", "2", "--num-gpu-batches", "3", "--prefill-items", items,
+                     "--gpu-batch-size", "2", *shape,
                      "--no-progress", "--output", str(out), "--metrics", str(metrics)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == reference_generate(tm, ps, GEN)
-    assert json.loads(metrics.read_text())["shared_prefix_fraction"] > 0
+    assert json.loads(metrics.read_text())["shared_prefix_fraction"] > (0.4 if items == "grouped" else 0)
 
 
 @pytest.mark.gpu

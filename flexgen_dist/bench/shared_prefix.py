@@ -9,6 +9,10 @@ bfloat16 with 4-bit weights, ``--compress-weight``), the same model is loaded tw
 shared prefixes (the default) and with ``--no-share-prefix``, and the two run alternately
 ``--rounds`` times; reports the medians of prefill time, prefill throughput and total time,
 ``shared_prefix_fraction``, and whether the two gave the same tokens. Reports, never asserts.
+
+``--tasks K`` mixes K such workloads, each with its own prefix, interleaved in the input
+(request n is task n mod K): blocks cut by length alone would mix the tasks, so what is saved
+there comes from grouping the requests by opening (``blocks.prefix_groupings``).
 """
 from __future__ import annotations
 
@@ -25,11 +29,11 @@ VARIANTS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16")
             "bfloat16-4bit": dict(dtype="bfloat16", compress_weight=True)}
 
 
-def workload(n: int, prefix: int, tail: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def workload(n: int, prefix: int, tail: int, vocab: int, seed: int = 0, tasks: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    head = torch.randint(10, vocab, (prefix,), generator=g).tolist()
+    heads = [torch.randint(10, vocab, (prefix,), generator=g).tolist() for _ in range(tasks)]
     lens = torch.randint(8, tail + 1, (n,), generator=g).tolist()
-    return [head + torch.randint(10, vocab, (m,), generator=g).tolist() for m in lens]
+    return [heads[k % tasks] + torch.randint(10, vocab, (m,), generator=g).tolist() for k, m in enumerate(lens)]
 
 
 def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]], gen_len: int, rounds: int,
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=384, help="tokens every prompt begins with")
     ap.add_argument("--tail", type=int, default=48, help="most tokens of a prompt's own (at least 8)")
+    ap.add_argument("--tasks", type=int, default=1, help="prefixes, interleaved in the input")
     ap.add_argument("--gen-len", type=int, default=8)
     ap.add_argument("--gpu-batch-size", type=int, default=16)
     ap.add_argument("--num-gpu-batches", type=int, default=4)
@@ -81,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with LLM(a.model, progress=False) as probe:
         vocab = probe.model.spec.vocab_size
-    prompts = workload(a.prompts, a.prefix, a.tail, vocab)
+    prompts = workload(a.prompts, a.prefix, a.tail, vocab, tasks=a.tasks)
     block = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
     results = {"machine": machine(), "model": a.model or "(bundled)", "prompts": a.prompts, "prefix": a.prefix,
+               "tasks": a.tasks,
                "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
     for name in a.variants:
         r = results["variants"][name] = run_variant(a.model, VARIANTS[name], prompts, a.gen_len, a.rounds, block)

@@ -10,6 +10,14 @@ window at a time: a window is what a run writes at once, and a resumed run start
 boundary, so it forms the same blocks. Every stage of a pipeline plans the same blocks from
 the lengths and limits alone, so only those travel (with, where the prompts of a block begin
 alike, the length of what they share: ``shared_prefixes``).
+
+Where a window mixes prompts that open differently (a batch file of several tasks, each its
+own instructions before each document), blocks cut by length alone would share little; rank
+0 then also groups the window's requests by their opening first (``prefix_groupings``: runs
+of the window's prompts in token order whose neighbours share at least a threshold of
+leading tokens), each group cut by length as above, and keeps whichever grouping computes the
+fewest prefill positions (``prefill_positions``: padded rows minus what the prefixes save).
+The group of each request travels with the lengths (``plan_blocks``' ``groups``).
 """
 from __future__ import annotations
 
@@ -72,16 +80,21 @@ class BlockPlan:
 
 
 def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = None,
-                window_blocks: int = 0) -> list[BlockPlan]:
+                window_blocks: int = 0, groups: Sequence[int] | None = None) -> list[BlockPlan]:
     """Cut prompts (given by their lengths) into blocks of ``block_size``: in input order with
     ``window_blocks`` 0, else grouped by length within windows of that many blocks (module
-    doc; ``limits``: each request's own most new tokens, the second sort key)."""
+    doc; ``limits``: each request's own most new tokens, the second sort key; ``groups``: each
+    request's prefix group in its window, -1 for none: the groups in order, then the rest,
+    each ordered so)."""
     n = len(lens)
     span = n if window_blocks <= 0 else window_blocks * block_size
     out: list[BlockPlan] = []
     for w, a in enumerate(range(0, n, span if window_blocks > 0 else max(n, 1))):
         idx = list(range(a, min(n, a + span)))
-        if window_blocks > 0:
+        if window_blocks > 0 and groups is not None:
+            ids = sorted({groups[m] for m in idx}, key=lambda g: (g < 0, g))
+            idx = [m for g in ids for m in _window_order([m for m in idx if groups[m] == g], lens, limits, block_size)]
+        elif window_blocks > 0:
             idx = _window_order(idx, lens, limits, block_size)
         for b in range(0, len(idx), block_size):
             members = idx[b:b + block_size]
@@ -119,6 +132,57 @@ def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) 
         diff = np.flatnonzero(np.asarray(p[:n], dtype=np.int64) != ref[:n])
         n = int(diff[0]) if diff.size else n
     return n if n >= minimum else 0
+
+
+def prefill_positions(blocks: list[BlockPlan], shared: Sequence[int]) -> int:
+    """The prompt positions the blocks' prefill computes: each row padded to its block's
+    longest, less the prefix each block computes once instead of once per row."""
+    return sum(len(b.members) * b.prompt_len - shared[b.members[0]] * (len(b.members) - 1) for b in blocks)
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading tokens ``a`` and ``b`` share, at most one less than the shorter."""
+    n = min(len(a), len(b)) - 1
+    if n <= 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def prefix_groupings(prompts: Sequence[Sequence[int]], block_size: int, window_blocks: int,
+                     minimum: int = MIN_SHARED) -> list[tuple[int, ...]]:
+    """Candidate prefix groups (module doc), one tuple per threshold t = minimum x 4^k up to
+    the longest prompt: per request, its group (-1: none), a group being a run of at least
+    ``block_size`` of its window's prompts, in token order, each sharing at least t leading
+    tokens with the next. Groupings that leave every request in one group or in none are not
+    candidates (they cut the blocks as length alone does)."""
+    n = len(prompts)
+    if window_blocks <= 0 or block_size < 2 or n < 2 * block_size:
+        return []
+    span = window_blocks * block_size
+    windows = []
+    for a in range(0, n, span):
+        order = sorted(range(a, min(n, a + span)), key=lambda m: (list(prompts[m]), m))
+        windows.append((order, [_lcp(prompts[x], prompts[y]) for x, y in zip(order, order[1:])]))
+    out: list[tuple[int, ...]] = []
+    t, longest = minimum, max(len(p) for p in prompts)
+    while t < longest:
+        groups, gid = [-1] * n, 0
+        for order, lcp in windows:
+            start = 0
+            for i in range(1, len(order) + 1):
+                if i == len(order) or lcp[i - 1] < t:  # a run ends
+                    if i - start >= block_size:
+                        for m in order[start:i]:
+                            groups[m] = gid
+                        gid += 1
+                    start = i
+        ones = [g for g in groups if g >= 0]
+        whole = len(windows) == gid and len(ones) == n  # each window one group: no change
+        if ones and not whole and tuple(groups) not in out:
+            out.append(tuple(groups))
+        t *= 4
+    return out
 
 
 LIMIT_GROUP = 2  # blocks whose requests, adjacent by length, are ordered by limit
