@@ -53,6 +53,9 @@ class Workload:
     # per request, its prefix group within its window (``blocks.prefix_groupings``; -1: none;
     # None: blocks cut by length alone): rank 0 chooses them with the prefixes, the header carries them
     groups: tuple[int, ...] | None = None
+    # per request, whether its block takes its shared prefix's keys and values from the block
+    # before (``blocks.prefix_reuse``; None: none does)
+    reuse: tuple[bool, ...] | None = None
     # the leading tokens every request of the call shares (``blocks.common_opening``; 0: none or
     # not shared): what the planner's cost model expects each block to compute once
     opening: int = 0
@@ -64,7 +67,7 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups", "reuse"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

@@ -17,7 +17,8 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import BlockPlan, plan_blocks, prefill_positions, prefix_groupings, shared_prefixes
+from .engine.blocks import (BlockPlan, plan_blocks, prefill_positions, prefix_groupings, prefix_reuse,
+                            shared_prefixes)
 from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
@@ -43,6 +44,10 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
     if work.shared is not None:
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
+    if work.reuse is not None:
+        for blk, nxt in zip(blocks, blocks[1:] + [None]):
+            blk.reuse = work.reuse[blk.members[0]]
+            blk.keep = nxt is not None and work.reuse[nxt.members[0]]
     return blocks
 
 
@@ -55,21 +60,22 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
     if work.scoring or not work.prompts or not shares_prefix(spec):
         return work
     ids, longest = [p.ids for p in work.prompts], longest_sharing(spec)
-    best: tuple[int, tuple[int, ...] | None, tuple[int, ...]] | None = None
+    best: tuple[int, tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...]] | None = None
     for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window)]:
         blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
         shared = shared_prefixes(ids, blocks, longest=longest)
-        cost = prefill_positions(blocks, shared)
+        reuse = prefix_reuse(ids, blocks, shared)
+        cost = prefill_positions(blocks, shared, reuse)
         if best is None or cost < best[0]:
-            best = (cost, groups, shared)
+            best = (cost, groups, shared, reuse)
     assert best is not None
-    _, groups, shared = best
+    _, groups, shared, reuse = best
     if not any(shared):
         return work
     if groups is not None:
         log.info("requests grouped by their opening before their length: %d prefix groups",
                  len({g for g in groups if g >= 0}))
-    out = dataclasses.replace(work, shared=shared, groups=groups)
+    out = dataclasses.replace(work, shared=shared, groups=groups, reuse=reuse if any(reuse) else None)
     if not fits(out):
         log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would not fit "
                  "the memory budgets")

@@ -326,7 +326,7 @@ class Pipeline:
         blk = self.blocks[b]
         self.timings.prompt_positions += blk.prompt_len * len(members)
         self.timings.prompt_padding += blk.padding
-        self.timings.prompt_shared += blk.shared * (len(members) - 1)  # positions not computed again
+        self.timings.prompt_shared += blk.shared * (len(members) - (0 if blk.reuse else 1))  # not computed again
         self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
@@ -343,7 +343,7 @@ class Pipeline:
         b, i = item.block, item.i
         if not self.last:
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            if i == 0 and self.blocks[b].shared and item.batches[0] == 0:  # the prefix's row goes along
+            if i == 0 and self.blocks[b].computes_prefix and item.batches[0] == 0:  # the prefix's row goes along
                 st = self._states[b]
                 out, st.prefix = torch.cat([out.reshape(-1), st.prefix.reshape(-1)]), None
             self.ring.send_hidden(out)
@@ -406,7 +406,7 @@ class Pipeline:
             if x is None:
                 return None
             st = self._state(b, None)
-            if i == 0 and blk.shared and item.batches[0] == 0:  # the rows, then the shared prefix's row
+            if i == 0 and blk.computes_prefix and item.batches[0] == 0:  # the rows, then the shared prefix's row
                 r0, r1 = self._rows(item)
                 n = (r1 - r0) * (blk.prompt_len - blk.shared) * self.hidden
                 st.prefix = x[n:].view(1, blk.shared, self.hidden).to(self.engine.device)
@@ -419,7 +419,7 @@ class Pipeline:
             mine = [prompts[m] for m in blk.members[r0:r1]]
             x = left_pad([p[:m] for p, m in zip(mine, blk.lens[r0:r1])], blk.prompt_len, self.pad)
             if blk.shared:  # the rows' own positions; the prefix runs once, as one row
-                if item.batches[0] == 0:
+                if item.batches[0] == 0 and blk.computes_prefix:
                     st.prefix = torch.tensor([prompts[blk.members[0]][:blk.shared]], dtype=torch.long)
                 x = x[:, blk.shared:]
             return x
@@ -441,7 +441,7 @@ class Pipeline:
         if item.i != 0:
             return (r1 - r0, 1, self.hidden)
         t = blk.prompt_len - blk.shared
-        if blk.shared and item.batches[0] == 0:
+        if blk.computes_prefix and item.batches[0] == 0:
             return ((r1 - r0) * t * self.hidden + blk.shared * self.hidden,)
         return (r1 - r0, t, self.hidden)
 

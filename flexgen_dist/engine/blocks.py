@@ -51,6 +51,10 @@ class BlockMeta:
     # L > 0: every prompt of the block begins with the same L tokens, computed once as the
     # block's prefix (one row); the GPU batches' prefill computes the last s - L positions
     shared: int = 0
+    # reuse: the prefix's keys and values are those an earlier block computed and left (its
+    # first L); keep: leave this block's (or the reused) keys and values for the next block
+    reuse: bool = False
+    keep: bool = False
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -68,10 +72,17 @@ class BlockPlan:
     prompt_len: int  # s: the longest prompt of the block; the others are left-padded to it
     window: int = 0
     shared: int = 0  # L: the leading tokens every prompt of the block shares, computed once (0: none)
+    reuse: bool = False  # its prefix's keys and values are the previous block's (``prefix_reuse``)
+    keep: bool = False  # the next block reuses its prefix's keys and values
 
     def meta(self, gbs: int, gen_len: int) -> BlockMeta:
         return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len,
-                         shared=self.shared)
+                         shared=self.shared, reuse=self.reuse, keep=self.keep)
+
+    @property
+    def computes_prefix(self) -> bool:
+        """Whether the block runs its shared prefix's row (shared, and not reused)."""
+        return self.shared > 0 and not self.reuse
 
     @property
     def padding(self) -> int:
@@ -121,6 +132,24 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], m
     return tuple(out)
 
 
+def prefix_reuse(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], shared: Sequence[int]) -> tuple[bool, ...]:
+    """Per prompt, whether its block takes its prefix's keys and values from an earlier block
+    instead of computing them: the blocks in order, a block reuses where its prefix (L tokens)
+    is the first L of the last computed one and every block between shared it too; a block
+    sharing nothing ends the chain."""
+    out = [False] * len(prompts)
+    source: Sequence[int] | None = None
+    for blk in blocks:
+        n = shared[blk.members[0]]
+        head = prompts[blk.members[0]][:n]
+        if n and source is not None and n <= len(source) and list(source[:n]) == list(head):
+            for m in blk.members:
+                out[m] = True
+        else:
+            source = head if n else None
+    return tuple(out)
+
+
 def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) -> int:
     """The leading tokens all ``prompts`` share, at most one less than the shortest; 0 where
     fewer than ``minimum``."""
@@ -134,10 +163,12 @@ def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) 
     return n if n >= minimum else 0
 
 
-def prefill_positions(blocks: list[BlockPlan], shared: Sequence[int]) -> int:
+def prefill_positions(blocks: list[BlockPlan], shared: Sequence[int], reuse: Sequence[bool] | None = None) -> int:
     """The prompt positions the blocks' prefill computes: each row padded to its block's
-    longest, less the prefix each block computes once instead of once per row."""
-    return sum(len(b.members) * b.prompt_len - shared[b.members[0]] * (len(b.members) - 1) for b in blocks)
+    longest, less the prefix each block computes once instead of once per row (not at all
+    where it reuses an earlier block's)."""
+    return sum(len(b.members) * b.prompt_len - shared[b.members[0]] *
+               (len(b.members) - (0 if reuse is not None and reuse[b.members[0]] else 1)) for b in blocks)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:

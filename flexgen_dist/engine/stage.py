@@ -77,6 +77,8 @@ class StageEngine:
         # The next sweep's first slot, loading during this sweep's last one (``run_sweep(more=)``)
         self._ahead: Future | None = None
         self._more = False
+        # a shared prefix's keys and values per layer, left by a block for the next (``BlockMeta.keep``)
+        self._kept_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._pending: list[Future] = []
         self._runs: list[tuple[BlockState, int, int]] = []  # the current sweep's batches
         self._spans: list[tuple[int, int, int, int]] = []  # their parts' (see ``run_sweep``)
@@ -144,7 +146,15 @@ class StageEngine:
             for r, n in enumerate(lens):
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
-        return BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
+        st = BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
+        if meta.shared and meta.reuse:  # the previous block's prefix: its keys and values, already made
+            if self._kept_prefix is None:
+                raise RuntimeError("a block reuses a shared prefix no earlier block left: the blocks of a call "
+                                   "must reach each stage in order")
+            st.prefix_kv = self._kept_prefix
+        if meta.shared:
+            self._kept_prefix = st.prefix_kv if meta.keep else None
+        return st
 
     def _new_states(self, rows: int, tag: str) -> StateStore:
         """Each linear-attention layer's states for ``rows`` sequences: the convolution's last
@@ -379,7 +389,7 @@ class StageEngine:
         slot = self.slots[j]
         w = self._weights(j)
         num_gb = len(st.meta.prompt_lens)
-        if i == 0 and k == 0 and st.meta.shared:  # before the block's first GPU batch at this slot
+        if i == 0 and k == 0 and st.meta.shared and not st.meta.reuse:  # before the block's first GPU batch here
             prefix_pass(self.family, self.spec, st, slot, w, self.device)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
@@ -402,7 +412,7 @@ class StageEngine:
             y = self.family.layer_forward(spec, w, x, pos, rec, slot[1])
         else:
             y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
-            if i == 0 and k == num_gb - 1:  # every batch of the block has used the prefix's keys
+            if i == 0 and k == num_gb - 1 and not st.meta.keep:  # every batch has used the prefix's keys
                 st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k - st.out_base] = y
