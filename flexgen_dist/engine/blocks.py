@@ -134,9 +134,9 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], m
 
 def prefix_reuse(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], shared: Sequence[int]) -> tuple[bool, ...]:
     """Per prompt, whether its block takes its prefix's keys and values from an earlier block
-    instead of computing them: the blocks in order, a block reuses where its prefix (L tokens)
-    is the first L of the last computed one and every block between shared it too; a block
-    sharing nothing ends the chain."""
+    instead of computing them: in block order, a block reuses where its prefix (L tokens) is
+    the first L of the last one a block computed (the block before it, or the one that block
+    took its own from); a block sharing nothing ends the chain."""
     out = [False] * len(prompts)
     source: Sequence[int] | None = None
     for blk in blocks:
