@@ -90,7 +90,7 @@ def summary(metrics: dict[str, Any]) -> str:
                  f"{100 * metrics.get('finished_rows_fraction', 0):.1f} % of the generated rows were of finished sequences")
     if metrics.get("shared_prefix_fraction"):
         line += (f"; {100 * metrics['shared_prefix_fraction']:.1f} % of the prompt positions were a shared prefix, "
-                 "computed once per block")
+                 "computed once per block or taken from the block before")
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "
