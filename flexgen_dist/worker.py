@@ -18,7 +18,7 @@ from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
 from .engine.blocks import (BlockPlan, plan_blocks, prefill_positions, prefix_groupings, prefix_reuse,
-                            shared_prefixes)
+                            shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
@@ -57,13 +57,15 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
     plan still ``fits`` with the prefixes' keys held; else ``work`` as it is. Where the
     window's prompts open differently, the requests are grouped by opening first if a grouping
     computes fewer prefill positions (``blocks.prefix_groupings``, ``blocks.prefill_positions``)."""
-    if work.scoring or not work.prompts or not shares_prefix(spec):
+    if not work.prompts or not shares_prefix(spec):
         return work
     ids, longest = [p.ids for p in work.prompts], longest_sharing(spec)
     best: tuple[int, tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...]] | None = None
     for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window)]:
         blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
         shared = shared_prefixes(ids, blocks, longest=longest)
+        if work.targets is not None:  # scoring: never over a scored position
+            shared = unscored_prefixes(blocks, shared, work.lens, work.targets)
         reuse = prefix_reuse(ids, blocks, shared)
         cost = prefill_positions(blocks, shared, reuse)
         if best is None or cost < best[0]:

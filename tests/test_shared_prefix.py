@@ -234,6 +234,35 @@ def test_the_prefixs_keys_are_in_the_predicted_peak(models: dict) -> None:
     assert more["gpu"] - base["gpu"] == 40 * (2 * spec.kv_dim * 4 * spec.num_layers + 2 * spec.hidden_size * 4)
 
 
+@pytest.mark.parametrize("decode_tokens", [0, 3])
+def test_scoring_after_the_prefix_shares_it(models: dict, decode_tokens: int) -> None:
+    """Few-shot scoring (``first_scored`` past a common context, as a log-likelihood request
+    scores only its continuation): the context's positions are computed once per block (the
+    prefix's row passes no head; it never covers a scored position), and the scores, the
+    per-token log-probabilities and their ranks equal the unshared run's and transformers'."""
+    from test_logprobs import assert_matches
+
+    tm = models["llama-gqa"]
+    seqs = prompts(256, tails=TWO_BLOCKS)
+    first = [PREFIX] * len(seqs)  # from the context's last token (so the prefix stops one short), or
+    first[1] = PREFIX + 3  # a few tokens later
+    got, fraction = {}, {}
+    for share in (True, False):
+        with LLM(str(tm.path), share_prefix=share, gpu_batch_size=2, num_gpu_batches=3, progress=False) as llm:
+            got[share] = llm.score(seqs, first_scored=first, decode_tokens=decode_tokens, logprobs=2)
+            fraction[share] = llm.metrics["shared_prefix_fraction"]
+    assert fraction[True] > 0.5 and fraction[False] == 0
+    for a, b, seq, f in zip(got[True], got[False], seqs, first):
+        with torch.no_grad():
+            ref = tm.model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        assert a.count == b.count == len(seq) - f and a.correct == b.correct and a.ranks == b.ranks
+        assert a.nll == pytest.approx(b.nll, rel=1e-5)
+        assert_matches(a.logprobs, seq[f:], ref[f - 1:len(seq) - 1], 2)
+    with LLM(str(tm.path), gpu_batch_size=2, num_gpu_batches=3, progress=False) as llm:  # scored from token 1
+        llm.score(seqs)
+        assert llm.metrics.get("shared_prefix_fraction", 0) == 0
+
+
 def test_scoring_and_the_cli_switch(models: dict, tmp_path: Path) -> None:
     from flexgen_dist.run import main
 

@@ -312,6 +312,10 @@ class Pipeline:
         tokens = self._tokens.pop(b)
         self._forced.pop(b, None)
         watch = self._watch.pop(b, None)
+        blk = self.blocks[b]
+        self.timings.prompt_positions += blk.prompt_len * len(blk.members)
+        self.timings.prompt_padding += blk.padding
+        self.timings.prompt_shared += blk.shared * (len(blk.members) - (0 if blk.reuse else 1))  # not computed again
         if self.targets is not None:
             assert self._scores is not None
             return self._scores.results(b, tokens[0])
@@ -323,10 +327,6 @@ class Pipeline:
         for n, kept in (watch.stopped if watch is not None else {}).items():  # cut where a stop string was
             outs[n] = outs[n][:kept]
         lps = self._lps.pop(b, None)
-        blk = self.blocks[b]
-        self.timings.prompt_positions += blk.prompt_len * len(members)
-        self.timings.prompt_padding += blk.padding
-        self.timings.prompt_shared += blk.shared * (len(members) - (0 if blk.reuse else 1))  # not computed again
         self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)
         self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)

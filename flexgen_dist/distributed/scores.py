@@ -45,7 +45,8 @@ class BlockScores:
             acc = self._acc[b] = torch.zeros(self.shape(b), dtype=torch.float64, device=scores.device)
         acc[r0:r1, :3] += scores[:, :3]
         if self.w:
-            p0 = 3 + (0 if i == 0 else self.blocks[b].prompt_len + i - 1) * self.w
+            blk = self.blocks[b]  # a prefill with a shared prefix computes slots [L, s)
+            p0 = 3 + (blk.shared if i == 0 else blk.prompt_len + i - 1) * self.w
             acc[r0:r1, p0:p0 + scores.shape[1] - 3] = scores[:, 3:]
 
     def pop(self, b: int) -> torch.Tensor:

@@ -146,4 +146,4 @@ def merged_mask(st: BlockState, i: int, num_gb: int, window: int, kv_heads: int,
 def step_targets(st: BlockState, i: int, k: int) -> torch.Tensor:
     """Scoring: the targets of token i's positions in GPU batch k, (b, s) or (b, 1)."""
     tg, s = st.meta.targets[k], st.meta.prompt_len  # type: ignore[index]
-    return tg[:, :s] if i == 0 else tg[:, s + i - 1:s + i]
+    return tg[:, st.meta.shared:s] if i == 0 else tg[:, s + i - 1:s + i]  # a shared prefix's slots: unscored

@@ -132,6 +132,26 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], m
     return tuple(out)
 
 
+def unscored_prefixes(blocks: list[BlockPlan], shared: Sequence[int], lens: Sequence[int],
+                      targets: Sequence[Sequence[int]], minimum: int = MIN_SHARED) -> tuple[int, ...]:
+    """Scoring: ``shared`` cut so that no block's prefix holds a scored position (its logits
+    are never computed: the prefix's row passes no head) nor a row's last prefill position;
+    0 where under ``minimum``. Row r, left-padded by p_r, scores from position j_r (its first
+    target), which sits at slot j_r + p_r of the block: the prefix may cover slots [0, L) up to
+    the first such slot."""
+    out = list(shared)
+    for blk in blocks:
+        n = shared[blk.members[0]]
+        if not n:
+            continue
+        for m in blk.members:
+            first = next((j for j, t in enumerate(targets[m]) if t >= 0), len(targets[m]))
+            n = min(n, lens[m] - 1, first + blk.prompt_len - lens[m])
+        for m in blk.members:
+            out[m] = n if n >= minimum else 0
+    return tuple(out)
+
+
 def prefix_reuse(prompts: Sequence[Sequence[int]], blocks: list[BlockPlan], shared: Sequence[int]) -> tuple[bool, ...]:
     """Per prompt, whether its block takes its prefix's keys and values from an earlier block
     instead of computing them: in block order, a block reuses where its prefix (L tokens) is
