@@ -596,3 +596,10 @@ def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_pat
                                "--json", str(mixed)]) == 0
     r = json.loads(mixed.read_text())["variants"]["float32"]
     assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["same_tokens"]
+    scored = tmp_path / "scored.json"  # each prompt's own tokens scored after the common context
+    assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "8", "--prefix", "40",
+                               "--tail", "12", "--score", "--gpu-batch-size", "4", "--num-gpu-batches", "2",
+                               "--rounds", "1", "--variants", "float32", "--json", str(scored)]) == 0
+    r = json.loads(scored.read_text())["variants"]["float32"]
+    assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["unshared"]["shared_prefix_fraction"] == 0
+    assert r["same_tokens"]

@@ -13,6 +13,10 @@ shared prefixes (the default) and with ``--no-share-prefix``, and the two run al
 ``--tasks K`` mixes K such workloads, each with its own prefix, interleaved in the input
 (request n is task n mod K): blocks cut by length alone would mix the tasks, so what is saved
 there comes from grouping the requests by opening (``blocks.prefix_groupings``).
+
+``--score`` scores each prompt's own tokens instead (``LLM.score(first_scored=prefix)``, a
+few-shot log-likelihood job) and compares the scores: the context is computed once per block
+where the prefix is shared, never over a scored position.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def workload(n: int, prefix: int, tail: int, vocab: int, seed: int = 0, tasks: i
 
 
 def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]], gen_len: int, rounds: int,
-                block: dict[str, int]) -> dict[str, Any]:
+                block: dict[str, int], score_from: int = 0) -> dict[str, Any]:
     from .. import LLM
 
     llms = {share: LLM(model, share_prefix=share, ignore_eos=True, progress=False, **block, **opts)
@@ -50,7 +54,11 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
         for _ in range(rounds):
             for share in (True, False):
                 llm = llms[share]
-                tokens[share] = [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)]
+                if score_from:  # the nll and hits of each prompt's own tokens, rounded as compared
+                    tokens[share] = [[round(s.nll, 3), s.count, s.correct] for s in
+                                     llm.score(prompts, first_scored=[score_from] * len(prompts))]
+                else:
+                    tokens[share] = [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)]
                 m = llm.metrics
                 runs[share].append({k: m[k] for k in ("prefill_time_s", "decode_time_s", "prefill_throughput",
                                                       "total_throughput", "shared_prefix_fraction")})
@@ -76,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail", type=int, default=48, help="most tokens of a prompt's own (at least 8)")
     ap.add_argument("--tasks", type=int, default=1, help="prefixes, interleaved in the input")
     ap.add_argument("--gen-len", type=int, default=8)
+    ap.add_argument("--score", action="store_true", help="score each prompt's own tokens instead of generating")
     ap.add_argument("--gpu-batch-size", type=int, default=16)
     ap.add_argument("--num-gpu-batches", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
@@ -89,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = workload(a.prompts, a.prefix, a.tail, vocab, tasks=a.tasks)
     block = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
     results = {"machine": machine(), "model": a.model or "(bundled)", "prompts": a.prompts, "prefix": a.prefix,
-               "tasks": a.tasks,
+               "tasks": a.tasks, "score": a.score,
                "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
     for name in a.variants:
-        r = results["variants"][name] = run_variant(a.model, VARIANTS[name], prompts, a.gen_len, a.rounds, block)
+        r = results["variants"][name] = run_variant(a.model, VARIANTS[name], prompts, a.gen_len, a.rounds, block,
+                                                    a.prefix if a.score else 0)
         s, u = r["shared"], r["unshared"]
         print(f"{name:>14}: prefill {u['prefill_time_s']:.2f} -> {s['prefill_time_s']:.2f} s "
               f"({r['prefill_speedup']:.2f}x), total {u['total_time_s']:.2f} -> {s['total_time_s']:.2f} s "
