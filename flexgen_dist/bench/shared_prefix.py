@@ -54,8 +54,8 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
         for _ in range(rounds):
             for share in (True, False):
                 llm = llms[share]
-                if score_from:  # the nll and hits of each prompt's own tokens, rounded as compared
-                    tokens[share] = [[round(s.nll, 3), s.count, s.correct] for s in
+                if score_from:  # the nll, count and hits of each prompt's own tokens
+                    tokens[share] = [[s.nll, s.count, s.correct] for s in
                                      llm.score(prompts, first_scored=[score_from] * len(prompts))]
                 else:
                     tokens[share] = [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)]
@@ -70,7 +70,12 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         med["total_time_s"] = statistics.median(r["prefill_time_s"] + r["decode_time_s"] for r in rs)
         out["shared" if share else "unshared"] = med
-    out["same_tokens"] = tokens[True] == tokens[False]
+    if score_from:  # the same counts and hits, the sums within float rounding (another order of adds)
+        rel = max(abs(a[0] - b[0]) / max(abs(b[0]), 1e-30) for a, b in zip(tokens[True], tokens[False]))
+        out["max_rel_nll_difference"] = rel
+        out["same_tokens"] = all(a[1:] == b[1:] for a, b in zip(tokens[True], tokens[False])) and rel < 1e-5
+    else:
+        out["same_tokens"] = tokens[True] == tokens[False]
     out["prefill_speedup"] = out["unshared"]["prefill_time_s"] / out["shared"]["prefill_time_s"]
     out["total_speedup"] = out["unshared"]["total_time_s"] / out["shared"]["total_time_s"]
     return out
