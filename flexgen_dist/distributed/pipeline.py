@@ -315,7 +315,7 @@ class Pipeline:
         blk = self.blocks[b]
         self.timings.prompt_positions += blk.prompt_len * len(blk.members)
         self.timings.prompt_padding += blk.padding
-        self.timings.prompt_shared += blk.shared * (len(blk.members) - (0 if blk.reuse else 1))  # not computed again
+        self.timings.prompt_shared += blk.saved  # positions not computed again
         if self.targets is not None:
             assert self._scores is not None
             return self._scores.results(b, tokens[0])

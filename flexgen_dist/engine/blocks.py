@@ -80,6 +80,11 @@ class BlockPlan:
                          shared=self.shared, reuse=self.reuse, keep=self.keep)
 
     @property
+    def saved(self) -> int:
+        """Prompt positions the block does not compute thanks to its shared prefix."""
+        return saved_positions(len(self.members), self.shared, self.reuse)
+
+    @property
     def computes_prefix(self) -> bool:
         """Whether the block runs its shared prefix's row (shared, and not reused)."""
         return self.shared > 0 and not self.reuse
@@ -183,12 +188,18 @@ def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) 
     return n if n >= minimum else 0
 
 
+def saved_positions(rows: int, shared: int, reuse: bool) -> int:
+    """Prompt positions a block of ``rows`` does not compute with a prefix of ``shared`` tokens:
+    every row's but the one prefix row, or every row's where it ``reuse``s an earlier block's."""
+    return shared * (rows - (0 if reuse else 1)) if shared else 0
+
+
 def prefill_positions(blocks: list[BlockPlan], shared: Sequence[int], reuse: Sequence[bool] | None = None) -> int:
     """The prompt positions the blocks' prefill computes: each row padded to its block's
-    longest, less the prefix each block computes once instead of once per row (not at all
-    where it reuses an earlier block's)."""
-    return sum(len(b.members) * b.prompt_len - shared[b.members[0]] *
-               (len(b.members) - (0 if reuse is not None and reuse[b.members[0]] else 1)) for b in blocks)
+    longest, less what the prefixes save (``saved_positions``)."""
+    return sum(len(b.members) * b.prompt_len - saved_positions(len(b.members), shared[b.members[0]],
+                                                               reuse is not None and reuse[b.members[0]])
+               for b in blocks)
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:

@@ -34,6 +34,22 @@ def longest_sharing(spec: ModelSpec) -> int | None:
     return sc.original_max_position_embeddings if sc is not None and sc.rope_type == "longrope" else None
 
 
+def chain_prefix(st: BlockState, kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+                 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """A new block's place in a chain of blocks of one prefix (``blocks.prefix_reuse``): a
+    reusing block takes ``kept``, the per-layer keys and values the block before left; returns
+    what the stage keeps for the next block (this block's, where ``meta.keep``)."""
+    meta = st.meta
+    if not meta.shared:
+        return kept
+    if meta.reuse:
+        if kept is None:
+            raise RuntimeError("a block reuses a shared prefix no earlier block left: the blocks of a call must "
+                               "reach each stage in order")
+        st.prefix_kv = kept
+    return st.prefix_kv if meta.keep else None
+
+
 def prefix_pass(family: Family, spec: ModelSpec, st: BlockState, slot: tuple[str, Any],
                 w: dict[str, torch.Tensor], device: torch.device) -> None:
     """Run the block's shared prefix (one row of L positions, ``st.prefix``: ids on a first

@@ -31,7 +31,7 @@ from .block_state import BlockState, merged_mask, merged_positions, recurrent, s
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
-from .prefix import prefix_pass, with_prefix
+from .prefix import chain_prefix, prefix_pass, with_prefix
 from .schedule import Step, sweep_steps
 from .states import StateStore
 from .streams import load_stream, ready
@@ -147,13 +147,7 @@ class StageEngine:
                 v[r, : meta.prompt_len - n] = False
             valid.append(v)
         st = BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
-        if meta.shared and meta.reuse:  # the previous block's prefix: its keys and values, already made
-            if self._kept_prefix is None:
-                raise RuntimeError("a block reuses a shared prefix no earlier block left: the blocks of a call "
-                                   "must reach each stage in order")
-            st.prefix_kv = self._kept_prefix
-        if meta.shared:
-            self._kept_prefix = st.prefix_kv if meta.keep else None
+        self._kept_prefix = chain_prefix(st, self._kept_prefix)
         return st
 
     def _new_states(self, rows: int, tag: str) -> StateStore:

@@ -16,6 +16,7 @@ visible dir always has one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -84,11 +85,10 @@ def remove_dir(path: str | os.PathLike) -> None:
                 os.unlink(e.path)
         except OSError:
             pass
-    for last in (lambda: os.unlink(d / OWNER_FILE), lambda: os.rmdir(d)):
-        try:
-            last()
-        except OSError:
-            pass
+    with contextlib.suppress(OSError):
+        os.unlink(d / OWNER_FILE)
+    with contextlib.suppress(OSError):
+        os.rmdir(d)
 
 
 def make_dir(root: Path, name: str) -> Path:

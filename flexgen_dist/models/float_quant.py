@@ -46,13 +46,20 @@ def quantization_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def ct_groups(q: dict[str, Any]) -> list[dict[str, Any]]:
+    """A compressed-tensors config's scheme groups."""
     return list((q.get("config_groups") or {}).values())
+
+
+def ct_weights(q: dict[str, Any]) -> dict[str, Any]:
+    """The weights' quantization args of a compressed-tensors config (its first group's: every
+    group's alike, else refused)."""
+    groups = ct_groups(q)
+    return (groups[0].get("weights") or {}) if groups else {}
 
 
 def ct_float(q: dict[str, Any]) -> bool:
     """Whether a compressed-tensors config quantizes the weights as floats (FP8)."""
-    groups = ct_groups(q)
-    return bool(groups) and ((groups[0].get("weights") or {}).get("type") == "float")
+    return ct_weights(q).get("type") == "float"
 
 
 def fp8_layout(cfg: dict[str, Any]) -> Fp8Layout | None:
@@ -65,7 +72,7 @@ def fp8_layout(cfg: dict[str, Any]) -> Fp8Layout | None:
     if method == "fbgemm_fp8":
         return Fp8Layout(method, "_scale", (0, 0))
     if method == "compressed-tensors" and ct_float(q):
-        w = ct_groups(q)[0]["weights"]
+        w = ct_weights(q)
         block = w.get("block_structure") if w.get("strategy") == "block" else None
         return Fp8Layout(method, "_scale", (int(block[0]), int(block[1])) if block else (0, 0))
     return None

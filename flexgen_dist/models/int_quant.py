@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .float_quant import ct_float, ct_float_problem, ct_groups, quantization_config
+from .float_quant import ct_float, ct_float_problem, ct_groups, ct_weights, quantization_config
 from .source import ModelLoadError
 
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word's 8 is its (AWQ_REVERSE[j])-th code
@@ -69,7 +69,7 @@ def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
     if method == "compressed-tensors" and ct_float(q):
         return None  # FP8 weights (float_quant)
     if method == "compressed-tensors":
-        w = _ct_weights(q)
+        w = ct_weights(q)
         size = int(w.get("group_size") or -1) if w.get("strategy") == "group" else -1
         return IntQuant(method, int(w.get("num_bits", 8)), size, False)
     if method not in ("gptq", "awq"):
@@ -78,12 +78,6 @@ def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
     group = int(q.get("group_size", q.get("q_group_size", 128)))
     v1 = method == "gptq" and q.get("checkpoint_format", "gptq") == "gptq"
     return IntQuant(method, bits, group, v1)
-
-
-def _ct_weights(q: dict[str, Any]) -> dict[str, Any]:
-    """The weights' quantization args of a compressed-tensors config (every group's alike)."""
-    groups = ct_groups(q)
-    return (groups[0].get("weights") or {}) if groups else {}
 
 
 def int_quant_problem(q: dict[str, Any]) -> str | None:
@@ -122,12 +116,12 @@ def _ct_problem(q: dict[str, Any]) -> str | None:
     if any(g.get("output_activations") for g in groups):
         return "a compressed-tensors checkpoint that quantizes layer outputs is not supported"
     formats = {g.get("format", fmt) for g in groups}
+    w = ct_weights(q)
     if ct_float(q):
-        return ct_float_problem(groups[0]["weights"], formats)
+        return ct_float_problem(w, formats)
     if not formats <= {"pack-quantized", "naive-quantized", "int-quantized", "dense"}:
         return (f"a compressed-tensors checkpoint in format {sorted(map(str, formats))[0]!r} is not supported "
                 "(pack-quantized and naive-quantized integer weights are)")
-    w = groups[0].get("weights") or {}
     if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
         return (f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits are not "
                 "supported (4- and 8-bit int and 8-bit float are)")
