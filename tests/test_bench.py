@@ -556,7 +556,9 @@ def test_decode_attention_bench_times_each_backend_or_says_why_not(tmp_path: Pat
     out = tmp_path / "da.json"
     assert decode_attention.main(["--shape", "16", "2", "40", "32", "--calls", "4", "--device", "cpu",
                                   "--json", str(out)]) == 0
-    res = {r["backend"]: r for r in json.loads(out.read_text())["results"]}
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True  # written after every line; complete once all are in
+    res = {r["backend"]: r for r in doc["results"]}
     assert set(res) == set(decode_attention.BACKENDS)
     for b in ("math", "engine"):  # on a CPU: the math path and the engine's own kernel run
         assert res[b]["issue_ms"] > 0 and res[b]["new_length_ms"] > 0 and res[b]["max_err"] < 1e-5

@@ -112,17 +112,18 @@ def test_every_placement_float32_matches_transformers_on_the_gpu(kind: str, tiny
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa", "qwen3_moe"])
 def test_weights_copied_on_their_own_stream_match_transformers(kind: str, tiny_models, gpu_device, tmp_path: Path,
                                                                monkeypatch) -> None:
-    """``FLEXGEN_CUDA_LOAD_STREAM=1``: the weights' copies and expansions on a load stream that
-    the compute waits on by event (a mixture's experts, read after its router, on the compute
-    stream). float32 tokens equal transformers' where the weights come from RAM, from disk and
-    from both (with and without CPU attention), and 4-bit weights give the tokens they give on
-    the default stream."""
+    """The weights' copies and expansions on a load stream that the compute waits on by event
+    (the default on a GPU; a mixture's experts, read after its router, on the compute stream).
+    float32 tokens equal transformers' where the weights come from RAM, from disk and from both
+    (with and without CPU attention), and 4-bit weights give the tokens they give on the
+    compute stream (``FLEXGEN_CUDA_LOAD_STREAM=0``)."""
     from flexgen_dist.engine.streams import LOAD_STREAM_ENV
 
     tm = moe_model(kind, tmp_path / "m") if kind == "qwen3_moe" else tiny_models[kind]
     ref, _ = reference_on(tm, gpu_device, torch.float32, PROMPTS, GEN)
+    monkeypatch.setenv(LOAD_STREAM_ENV, "0")
     default = run(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, tmp_path / "off", compress=True)
-    monkeypatch.setenv(LOAD_STREAM_ENV, "1")
+    monkeypatch.delenv(LOAD_STREAM_ENV)
     with DiskStore(tmp_path / "off") as disk:
         eng = engine(tm, PLACEMENTS["mixed"], gpu_device, torch.float32, disk)
         assert (eng.weights.load_stream is not None) == (gpu_device.type == "cuda")

@@ -34,11 +34,22 @@ def _config(**kw):
     return GptOssConfig(**{**base, **kw})
 
 
+def _clamps_as_configured(m):
+    """The reference's experts with the config's ``swiglu_alpha`` and ``swiglu_limit``:
+    transformers before 5.2x fixes them at 1.702 and 7.0 whatever the config says (every
+    published gpt-oss config says those), so a test config's limit of 0.5 would otherwise make
+    the reference another model than the one its config describes."""
+    for mod in m.modules():
+        if hasattr(mod, "limit") and hasattr(mod, "alpha"):
+            mod.alpha, mod.limit = (getattr(m.config, "swiglu_alpha", 1.702), getattr(m.config, "swiglu_limit", 7.0))
+    return m
+
+
 def _model(path: Path, **kw) -> TinyModel:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(17)
-    m = AutoModelForCausalLM.from_config(_config(**kw)).eval()
+    m = _clamps_as_configured(AutoModelForCausalLM.from_config(_config(**kw)).eval())
     with torch.no_grad():  # sinks and biases that matter (some start at zero)
         for name, p in m.named_parameters():
             if name.endswith(("sinks", "router.bias", "gate_up_proj_bias", "down_proj_bias")):

@@ -186,3 +186,21 @@ def test_default_schedule_without_a_profile() -> None:
     assert default_schedule(streamed, cuda, num_blocks=3, num_groups=1, gen_len=1)[0] == "sequential"
     assert default_schedule([Policy(2, 2, 0, 20, 100, 0, 100, 0)], cpu, num_blocks=3, num_groups=1,
                             gen_len=8)[0] == "sequential"
+
+
+def test_weights_go_through_a_load_stream_on_a_gpu_unless_told_not_to(monkeypatch) -> None:
+    """On a GPU the weights' copies are queued on a load stream by default (an H200 measured it
+    ahead of the compute stream); ``FLEXGEN_CUDA_LOAD_STREAM=0`` keeps them on the compute
+    stream; a CPU device never has one; another value is one line naming the two."""
+    import torch
+
+    from flexgen_dist.engine.streams import LOAD_STREAM_ENV, load_stream, uses_load_stream
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(LOAD_STREAM_ENV, raising=False)
+    assert uses_load_stream(cuda) and not uses_load_stream(cpu) and load_stream(cpu) is None
+    monkeypatch.setenv(LOAD_STREAM_ENV, "0")
+    assert not uses_load_stream(cuda) and load_stream(cuda) is None
+    monkeypatch.setenv(LOAD_STREAM_ENV, "yes")
+    with pytest.raises(ValueError, match="use 1 .* or 0"):
+        uses_load_stream(cuda)

@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 figs = "skipped: " + r["skipped"] if "skipped" in r else ", ".join(
                     f"{k} {v:.3f}" if k.endswith("_ms") else f"{k} {v:.1e}" for k, v in r.items())
                 print(f"{shape} {dt:9s} {backend:9s} {figs}", flush=True)
-    write_json(args.json, {"benchmark": "decode_attention", "machine": machine(), "device": str(dev),
-                           "calls": args.calls, "results": results})
+                # after every line: a run stopped by a time limit keeps what it measured
+                write_json(args.json, {"benchmark": "decode_attention", "machine": machine(), "device": str(dev),
+                                       "calls": args.calls, "results": results,
+                                       "complete": len(results) == len(shapes) * len(dtypes) * len(BACKENDS)})
     return 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine, within BUDGET seconds (default 555): the timed cases first, while
 # nothing else runs (decode attention per backend, OPT-6.7B on the GPU, compressed, a profiled
-# run, weights half in RAM with and without a load stream), then the GPU-marked tests (TESTS=rest: the rest of the suite beside them), then the
-# OPT-30B split case with the time left. Each step leaves its JSON or .tar.gz in $OUT (OUT:
+# run), then the GPU-marked tests (TESTS=rest: the rest of the suite beside them), then the
+# OPT-30B split case with the time left. (The third sitting measured the load stream against the
+# compute stream; it is the default since, and this call no longer times the pair.) Each step leaves its JSON or .tar.gz in $OUT (OUT:
 # where the files to bring back go; default ./gpu-out; at most 8 files).
 #
 #   flexgen_dist/bench/fetch_gpu_wheels.sh .whl          # first, where pip works (flexgen, gguf)
@@ -22,7 +23,7 @@ fi
 nvidia-smi -L; nproc; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 S="python3 -m flexgen_dist.bench.gpu_suite"
 echo "## decode attention per backend $(date +%T), $(left) s left"
-timeout 60 python3 -m flexgen_dist.bench.decode_attention --json "$OUT/decode-attention.json" 2>&1 | tail -16
+timeout 60 python3 -m flexgen_dist.bench.decode_attention --calls 24 --json "$OUT/decode-attention.json" 2>&1 | tail -16
 echo "## profile + opt-6.7b on the GPU $(date +%T), $(left) s left"
 $S --out /tmp/c --phases profile compare --cases opt-6.7b-gpu --also-random --extra-dtypes bfloat16 \
     --skip-accelerate --timeout 90 --archive "$OUT/c.tar.gz" 2>&1 | grep "^#"
@@ -34,13 +35,6 @@ echo "## where a decode step's time goes, random weights $(date +%T), $(left) s 
 timeout 60 python3 -m flexgen_dist.bench.trace --json "$OUT/trace.json" -- --model opt-6.7b --dummy-weights \
     --num-prompts 128 --prompt-len 512 --gen-len 8 --ignore-eos --percent 100 0 100 0 100 0 --gpu-batch-size 32 \
     --num-gpu-batches 4 --no-cpu-attention --dtype float16 --warmup --no-progress --print-outputs 0 2>&1 | tail -14
-echo "## weights half in RAM: copies on the default stream, then on a load stream $(date +%T), $(left) s left"
-for LS in 0 1; do  # FLEXGEN_CUDA_LOAD_STREAM (engine/stage.py): does the copy engine run beside the kernels?
-    FLEXGEN_CUDA_LOAD_STREAM=$LS timeout 60 python3 -m flexgen_dist.run --model opt-6.7b --dummy-weights \
-        --dummy-fill ones --num-prompts 64 --prompt-len 256 --gen-len 8 --ignore-eos --percent 50 50 100 0 100 0 \
-        --gpu-batch-size 32 --num-gpu-batches 2 --dtype float16 --warmup --no-progress --print-outputs 0 2>&1 \
-        | grep "tok/s" | sed "s/^/load stream $LS: /"
-done
 echo "## tests: GPU-marked${TESTS:+ and $TESTS} $(date +%T), $(left) s left"
 L=$(left); T=200; [ "$L" -lt 300 ] && T=$(( L - 100 )); [ "$T" -lt 60 ] && T=60
 $S --out /tmp/tg --phases tests --tests gpu --workers 8 --timeout "$T" --archive "$OUT/tests-gpu.tar.gz" > /tmp/tg.out 2>&1 &

@@ -1,9 +1,9 @@
 """CUDA streams of the engine: where the weights' copies are queued.
 
-Every copy and kernel is issued on the default CUDA stream unless ``LOAD_STREAM_ENV`` is set:
-then an I/O thread queues a slot's weight copies and expansions on a load stream
+On a GPU an I/O thread queues a slot's weight copies and expansions on a load stream
 (``WeightStore.queued_load``), records an event after them (``OnStream``), and the compute thread
-makes its stream wait on that event before the slot (``ready``).
+makes its stream wait on that event before the slot (``ready``). ``LOAD_STREAM_ENV=0`` issues
+them on the compute stream instead, one after the kernels before them.
 """
 from __future__ import annotations
 
@@ -13,19 +13,27 @@ from typing import Any
 
 import torch
 
-# On a GPU, with this set to 1, an I/O thread queues a slot's weight copies (and expansions) on
-# a stream of their own, which the compute stream waits on by event (``OnStream``): the copies
-# then run beside the kernels before them instead of after. Off by default until a GPU has
-# measured it against the default stream (docs/architecture.md, "The block schedule is data").
+# On a GPU an I/O thread queues a slot's weight copies (and expansions) on a stream of their
+# own, which the compute stream waits on by event (``OnStream``): the copies run beside the
+# kernels before them instead of after. On by default since an H200 measured it against the
+# compute stream (OPT-6.7B, half its weights in RAM: total x1.15); this set to 0 turns it off
+# (docs/architecture.md, "The block schedule is data").
 LOAD_STREAM_ENV = "FLEXGEN_CUDA_LOAD_STREAM"
 
 
+def uses_load_stream(device: torch.device) -> bool:
+    """Whether weights loaded for ``device`` go through a load stream: on a GPU, unless
+    ``LOAD_STREAM_ENV`` is 0."""
+    flag = os.environ.get(LOAD_STREAM_ENV, "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"{LOAD_STREAM_ENV}={flag!r}: use 1 (weights copied on a load stream, the default) or 0")
+    return device.type == "cuda" and flag == "1"
+
+
 def load_stream(device: torch.device) -> Any:
-    """The stream ``WeightStore.queued_load`` queues on: a new one on a GPU with
-    ``LOAD_STREAM_ENV`` set to 1, else None (the compute stream)."""
-    if device.type == "cuda" and os.environ.get(LOAD_STREAM_ENV) == "1":
-        return torch.cuda.Stream(device)
-    return None
+    """The stream ``WeightStore.queued_load`` queues on: a new one where ``uses_load_stream``,
+    else None (the compute stream)."""
+    return torch.cuda.Stream(device) if uses_load_stream(device) else None
 
 
 @dataclass
