@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .engine.blocks import PrefixShape
 from .engine.footprint import HeadLoad
 from .engine.head import score_width
 from .engine.policy import Policy
@@ -56,9 +57,9 @@ class Workload:
     # per request, whether its block takes its shared prefix's keys and values from the block
     # before (``blocks.prefix_reuse``; None: none does)
     reuse: tuple[bool, ...] | None = None
-    # the leading tokens every request of the call shares (``blocks.common_opening``; 0: none or
-    # not shared): what the planner's cost model expects each block to compute once
-    opening: int = 0
+    # what shared prefixes save the call's prefill (``blocks.PrefixShape``; None: none or not
+    # shared): what the planner's cost model expects a block not to compute. Rank 0's alone
+    prefix: PrefixShape | None = field(default=None, compare=False, repr=False)
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ class Workload:
 
     def header(self) -> Workload:
         """What the other ranks need: everything but the prompts' ids and text."""
-        return replace(self, prompts=())
+        return replace(self, prompts=(), prefix=None)
 
     def limit(self, n: int) -> int:
         """Request ``n``'s own number of new tokens at most."""

@@ -107,7 +107,7 @@ class RunPlanner:
         policies, predicted, ranges = auto_policies(
             cfg, self.model.spec, ranges, work.prompt_len, self.dtype_bytes, self.device, work.num_prompts,
             lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets,
-            packed=self.model.source.packed_formats, dtype=self.dtype, head=work.head_load, shared=work.opening)
+            packed=self.model.source.packed_formats, dtype=self.dtype, head=work.head_load, prefix=work.prefix)
         predicted["why"] = _model_reasons(cfg, predicted)
         return policies, predicted, ranges
 
@@ -118,7 +118,7 @@ class RunPlanner:
         predicted = fixed_policy_choice(
             cfg, self.model.spec, ranges, policies, work.prompt_len, self.dtype_bytes, self.device,
             work.num_prompts, lambda G, schedule="sequential": self.fits(policies, ranges, work, G, schedule),
-            self.budgets, dtype=self.dtype, head=work.head_load, shared=work.opening)
+            self.budgets, dtype=self.dtype, head=work.head_load, prefix=work.prefix)
         predicted["why"] = _model_reasons(cfg, predicted)
         return predicted
 

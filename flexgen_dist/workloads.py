@@ -9,7 +9,7 @@ import logging
 from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
-from .engine.blocks import common_opening
+from .engine.blocks import PrefixShape
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
@@ -57,17 +57,15 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
         if any(repeats) and not scoring else None
-    opening, limit = 0, longest_sharing(spec)
-    if cfg.share_prefix and not scoring and len(ps) > 1 and shares_prefix(spec) and \
-            (limit is None or max(len(p.ids) for p in ps) <= limit):
-        opening = common_opening([p.ids for p in ps])
+    prefix = PrefixShape.of_prompts([p.ids for p in ps], longest_sharing(spec)) \
+        if cfg.share_prefix and not scoring and shares_prefix(spec) else None
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]
                         keys=None if keys is None else tuple(int(k) for k in keys),
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                         logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
-                        seen=seen, opening=opening, prompts=tuple(ps))
+                        seen=seen, prefix=prefix, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

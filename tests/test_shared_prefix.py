@@ -321,21 +321,44 @@ def test_on_the_gpu_the_shared_prefix_gives_the_cpus_tokens(models: dict, gpu_de
     assert len({json.dumps(v) for v in outs.values()}) == 1
 
 
-def test_the_planner_expects_the_calls_opening_computed_once(models: dict, tmp_path: Path) -> None:
-    """The cost model counts a block's prefill as bls (s - L) + L positions, L the opening every
-    prompt of the call shares (``Workload.opening``); the planner's CLI takes it too."""
+def test_the_planner_expects_what_the_prefixes_save(models: dict, tmp_path: Path) -> None:
+    """The cost model counts a block's prefill as its rows' positions less what the shared
+    prefixes save (``blocks.PrefixShape``): one opening every prompt shares (the first block
+    computes it once, the next take its keys), tasks interleaved each with its own prefix
+    (which grouping by opening shares), a prompt that begins otherwise; nothing where scoring or
+    with sharing off. ``explain``'s predicted prefill moves with it, and the planner's CLI takes
+    a call-wide prefix (``--shared-prefix``)."""
     from flexgen_dist.config import RunConfig
     from flexgen_dist.planner.cli import main as planner
+    from flexgen_dist.planner.terms import WorkShape
     from flexgen_dist.workloads import build_workload
 
     with LLM(str(models["llama-gqa"].path), progress=False) as llm:
         spec, tok = llm.model.spec, llm.tokenizer
-    ps = prompts(256)
-    assert build_workload(ps, GEN, None, RunConfig(), spec, tok).opening == PREFIX
-    assert build_workload(ps, GEN, None, RunConfig(share_prefix=False), spec, tok).opening == 0
-    assert build_workload(ps, GEN, None, RunConfig(), spec, tok, scoring=True).opening == 0
-    assert build_workload([p[3:] if n else p for n, p in enumerate(ps)], GEN, None, RunConfig(), spec,
-                          tok).opening == 0  # one prompt begins otherwise
+    ps = prompts(256)  # 6 prompts, 24 tokens in common
+    shape = build_workload(ps, GEN, None, RunConfig(), spec, tok).prefix
+    assert shape is not None
+    assert shape.saved(6) == 5 * PREFIX  # one block: its prefix row computes them once
+    assert shape.saved(2) == (PREFIX + 2 * PREFIX + 2 * PREFIX) / 3  # the 2nd and 3rd take the 1st's
+    assert shape.saved(1) == 0  # a block of one prompt shares nothing
+    assert build_workload(ps, GEN, None, RunConfig(share_prefix=False), spec, tok).prefix is None
+    assert build_workload(ps, GEN, None, RunConfig(), spec, tok, scoring=True).prefix is None
+    odd = build_workload([p[3:] if n else p for n, p in enumerate(ps)], GEN, None, RunConfig(), spec, tok).prefix
+    assert odd is not None and odd.saved(6) == 0 and 0 < odd.saved(2) < shape.saved(2)
+    mixed = build_workload(mixed_tasks(256), GEN, None, RunConfig(), spec, tok).prefix
+    assert mixed is not None and mixed.saved(4) == 3 * 28  # each task's 28 tokens, once per block
+    assert mixed.saved(12) == 0  # one block of three tasks: 8 tokens in common, under the minimum
+    assert WorkShape(40, GEN, 4, prefix=mixed).prefill_rows(4) == 4 * 40 - 84
+    assert WorkShape(40, GEN, 4).prefill_rows(4) == 160
+
+    hw = str(REPO / "configs/hardware/cpu-2core.yaml")
+    pre = {}
+    for share in (True, False):
+        with LLM(str(models["llama-gqa"].path), gpu_batch_size=4, num_gpu_batches=1, hardware=hw,
+                 share_prefix=share, progress=False) as llm:
+            pre[share] = llm.explain(mixed_tasks(256), gen_len=GEN).stages[0].prefill_s
+    assert pre[True] < pre[False]
+
     pred = {}
     for shared in (0, 448):
         out = tmp_path / f"plan-{shared}.json"

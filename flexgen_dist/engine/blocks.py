@@ -21,7 +21,8 @@ The group of each request travels with the lengths (``plan_blocks``' ``groups``)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -293,3 +294,65 @@ def trim(seq: list[int], eos: tuple[int, ...], ignore_eos: bool) -> list[int]:
             if t in eos:
                 return seq[: n + 1]
     return seq
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixShape:
+    """What shared prefixes save a call's prefill, as the cost model sees it before any block
+    is cut: ``saved(rows)``, the prompt positions a block of ``rows`` requests does not compute,
+    on average over the call's blocks.
+
+    From the prompts (``of_prompts``): the requests in token order, cut into runs of ``rows``
+    (what grouping by opening, then by length, approaches where it pays), each run sharing the
+    least of its neighbours' common leading tokens (``lcp``: each request's with the next in
+    that order); a run whose prefix is the start of the last one computed takes its keys
+    instead (``prefix_reuse``). The run's own choice among groupings (``prefix_groupings``)
+    saves at most this. Or one opening of ``opening`` tokens that every prompt shares
+    (``call_wide``, the planner's ``--shared-prefix``), computed once per block."""
+
+    prompts: tuple[Sequence[int], ...] = field(default=(), repr=False)
+    opening: int = 0
+    _saved: dict[int, float] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of_prompts(cls, prompts: Sequence[Sequence[int]], longest: int | None = None) -> "PrefixShape | None":
+        """The shape of ``prompts`` (None for fewer than two): a prompt longer than ``longest``
+        shares nothing (``shared_prefixes``)."""
+        keep = tuple(p for p in prompts if longest is None or len(p) <= longest)
+        return cls(prompts=keep) if len(keep) > 1 else None
+
+    @classmethod
+    def call_wide(cls, opening: int) -> "PrefixShape":
+        return cls(opening=int(opening))
+
+    @cached_property
+    def lcp(self) -> np.ndarray:
+        """Leading tokens each request shares with the next, the requests in token order."""
+        order = sorted(self.prompts, key=list)
+        return np.asarray([_lcp(a, b) for a, b in zip(order, order[1:])], dtype=np.int64)
+
+    def saved(self, rows: int) -> float:
+        """Mean prompt positions a block of ``rows`` requests does not compute."""
+        rows = max(1, int(rows))
+        if not self.prompts:
+            return float(saved_positions(rows, self.opening if self.opening >= MIN_SHARED else 0, False))
+        if rows not in self._saved:
+            self._saved[rows] = self._runs(rows)
+        return self._saved[rows]
+
+    def _runs(self, rows: int) -> float:
+        lcp = self.lcp
+        n, total, blocks = len(lcp) + 1, 0, 0
+        src, run = -1, 0  # the first request of the last run whose prefix was computed; that prefix's length
+        for a in range(0, n, rows):
+            b = min(n, a + rows)
+            shared = int(lcp[a:b - 1].min()) if b - a > 1 else 0
+            shared = shared if shared >= MIN_SHARED else 0
+            reuse = bool(shared) and src >= 0 and run >= shared and int(lcp[src:a].min()) >= shared
+            total += saved_positions(b - a, shared, reuse)
+            blocks += 1
+            if shared and not reuse:
+                src, run = a, shared
+            elif not shared:
+                src = -1
+        return total / blocks

@@ -14,6 +14,7 @@ import torch
 from ..budgets import Budgets
 from ..config import RunConfig
 from ..distributed.partition import partition_layers
+from ..engine.blocks import PrefixShape
 from ..engine.footprint import HeadLoad, Packed
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec
@@ -88,7 +89,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
                   fits: Callable[[list[Policy], list[tuple[int, int]], int, str], bool] | None = None,
                   budgets: Budgets | None = None, packed: Packed | None = None,
                   dtype: torch.dtype | None = None, head: HeadLoad | None = None,
-                  shared: int = 0) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
+                  prefix: PrefixShape | None = None) -> tuple[list[Policy], dict[str, Any], list[tuple[int, int]]]:
     """Policies (one per stage), the planner's prediction (with its choice of G, prefill
     items and schedule), and the (possibly rebalanced) layer ranges. The policies are planned
     for G blocks in flight; the overlapped schedule (two per group) is then chosen where it
@@ -101,7 +102,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
         if G > m and G > n:  # a group without prompts
             continue
         try:
-            wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), shared)
+            wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), prefix)
             p = plan_pipeline(spec, m, hws, wl,
                               stage_layers=[b - a for a, b in ranges], partition=cfg.partition,
                               num_micro_batches=G, compress=bool(cfg.compress_weight),
@@ -122,7 +123,7 @@ def auto_policies(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int, int]]
     pred = plan.predicted
     if cfg.schedule == "auto":
         G = pred["num_micro_batches"]
-        wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), shared)
+        wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), prefix)
         either = estimate_pipeline(spec, plan.stage_layers, policies, hws, wl, G,
                                    num_blocks=-(-n // policies[0].block_size),
                                    prefill_items=pred["prefill_items"], schedule="auto", num_prompts=n)
@@ -137,13 +138,13 @@ def fixed_policy_choice(cfg: RunConfig, spec: ModelSpec, ranges: list[tuple[int,
                         prompt_len: int, dtype_bytes: int, device: torch.device, num_prompts: int,
                         fits: Any, budgets: Budgets | None = None,
                         dtype: torch.dtype | None = None, head: HeadLoad | None = None,
-                        shared: int = 0) -> dict[str, Any]:
+                        prefix: PrefixShape | None = None) -> dict[str, Any]:
     """For policies given by the user with ``--hardware FILE``: the prediction, choosing G
     among ``group_options`` where ``fits(G)``, and the prefill items and schedule by the cost
     model (overlapped where ``fits(G, "overlapped")``)."""
     m = len(ranges)
     hws = hardware_for(cfg, device, m, budgets, dtype)
-    wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), shared)
+    wl = WorkShape(prompt_len, cfg.gen_len, dtype_bytes, head or HeadLoad(), prefix)
     best: dict[str, Any] | None = None
     options = group_options(cfg, m)
     for G in options:

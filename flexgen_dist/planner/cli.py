@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from flexgen_dist.models.registry import get_spec, registry_names
+from flexgen_dist.engine.blocks import PrefixShape
 from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
-from flexgen_dist.config import ArgParser, ConfigError
+from flexgen_dist.config import ConfigError
+from flexgen_dist.flags import ArgParser
 from flexgen_dist.planner.profile_cache import default_cache_path, load_or_profile, write_cached
 from flexgen_dist.planner.profiler import profile_hardware
 from flexgen_dist.planner.pipeline import PipelinePlan, plan_pipeline
@@ -116,7 +118,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hw = hws[0]
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
     try:
-        wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes, shared=args.shared_prefix)
+        wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes,
+                       prefix=PrefixShape.call_wide(args.shared_prefix) if args.shared_prefix else None)
     except ValueError as e:
         raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: {e}") from None
     kw = dict(partition=args.partition, compress=args.compress,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexgen_dist.engine.blocks import PrefixShape
 from flexgen_dist.engine.footprint import Footprint, HeadLoad, Packed, StageShape, stage_footprint
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
@@ -38,15 +39,21 @@ class WorkShape:
     gen_len: int
     dtype_bytes: int = 2
     head: HeadLoad = HeadLoad()  # what the last stage's head holds (``plan.Workload.head_load``)
-    # leading tokens every prompt shares (``plan.Workload.opening``): a block computes them once
-    shared: int = 0
+    # what shared prefixes save a block's prefill (``plan.Workload.prefix``; None: nothing)
+    prefix: PrefixShape | None = None
+
+    def prefill_rows(self, block_rows: int) -> float:
+        """Positions a block of ``block_rows`` requests computes in its prefill: each row's
+        padded prompt, less what the shared prefixes save (``PrefixShape.saved``)."""
+        saved = self.prefix.saved(block_rows) if self.prefix is not None else 0.0
+        return max(float(block_rows), block_rows * self.prompt_len - saved)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
             raise ValueError(f"WorkShape prompt_len={self.prompt_len}, gen_len={self.gen_len}: "
                              "both must be >= 1")
-        if not 0 <= self.shared < self.prompt_len:
-            raise ValueError(f"WorkShape shared={self.shared}: must be in [0, prompt_len={self.prompt_len})")
+        if self.prefix is not None and not 0 <= self.prefix.opening < self.prompt_len:
+            raise ValueError(f"shared prefix {self.prefix.opening}: must be in [0, prompt_len={self.prompt_len})")
         if self.dtype_bytes not in (2, 4):
             raise ValueError(f"WorkShape.dtype_bytes={self.dtype_bytes}: use 2 (fp16/bf16) or 4 "
                              "(fp32)")
@@ -173,7 +180,7 @@ class StageSizes:
     # a decode step brings them in and sends them back, a prefill sends them out (``states.py``)
     r_move: float = 0.0  # over the host link (host RAM on a GPU host; the disk's pass through it there)
     r_disk: float = 0.0  # to and from the disk
-    rows_pre: float = 0.0  # positions a block's prefill computes (a shared prefix once: bls (s - L) + L)
+    rows_pre: float = 0.0  # positions a block's prefill computes (``WorkShape.prefill_rows``)
 
 
 def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
@@ -222,7 +229,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
     dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
     kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
-    rows_pre = bls * (s - workload.shared) + workload.shared  # a shared prefix is computed once a block
+    rows_pre = workload.prefill_rows(bls)  # a shared prefix is computed once a block, or not at all
     a_pre, a_dec = int(rows_pre * spec.hidden_size * b), bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
