@@ -20,10 +20,8 @@ own workload.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -31,11 +29,11 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .budgets import machine_budgets, user_caps
-from .config import ConfigError, RunConfig
+from .completions import Completion, completion
+from .config import ConfigError, RunConfig, build_config
 from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
-from .engine.policy import Policy
-from .engine.sampling import SamplingConfig, TokenLogprobs
+from .engine.sampling import SamplingConfig
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
@@ -48,25 +46,6 @@ from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
 from .workloads import PromptLike, build_workload, scored_workload
-
-
-@dataclass
-class Completion:
-    """One prompt's result, in input order."""
-
-    index: int  # position of the prompt in the generate call's input
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids, up to and including the first EOS (or a stop string's)
-    text: str | None  # the decoded completion, cut before a stop string (None: no tokenizer)
-    prompt: str | None = None  # the prompt's text, when it was given as text
-    # "stop": at EOS or a stop string; "length": at the request's limit of new tokens
-    finish_reason: str = "length"
-    # with ``logprobs=k``: each token of ``token_ids``'s log-probability, and its k alternatives
-    logprobs: TokenLogprobs | None = None
-    # a reasoning model's chat completion (``reasoning.py``): its thinking (``text`` is then the
-    # answer alone) and where the answer starts in ``token_ids``
-    reasoning: str | None = None
-    answer_from: int = 0
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -83,30 +62,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-def build_config(model: str | None, config: RunConfig | None, options: dict[str, Any]) -> RunConfig:
-    """``config`` (or the defaults) with ``options`` on top; a ``Policy`` (or a list, one per
-    stage) may stand for ``policy=``."""
-    opts = dict(options)
-    if model is not None:
-        opts["model"] = model
-    pol = opts.get("policy")
-    if isinstance(pol, (Policy, dict)) or (isinstance(pol, (list, tuple)) and pol):
-        pols = [pol] if isinstance(pol, (Policy, dict)) else list(pol)
-        opts["stages"] = tuple(p.to_dict() if isinstance(p, Policy) else dict(p) for p in pols)
-        opts["policy"] = None
-    for k in ("percent", "state_percent", "stage_layers"):
-        if opts.get(k) is not None:
-            opts[k] = tuple(opts[k])
-    if isinstance(opts.get("chat_template_kwargs"), dict):  # the template's variables as a dict
-        opts["chat_template_kwargs"] = json.dumps(opts["chat_template_kwargs"])
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(opts) - known)
-    if unknown:
-        raise ConfigError(f"unknown option {unknown[0]!r}; options are the CLI's flags with underscores: "
-                          f"{', '.join(sorted(known))}")
-    return dataclasses.replace(config or RunConfig(), **opts)
 
 
 class LLM:
@@ -414,23 +369,8 @@ class LLM:
 
     def _completion(self, index: int, p: Prompt, res: Any, stops: StopStrings | None = None,
                     ignore_eos: bool = False) -> Completion:
-        toks, lps = res if isinstance(res, tuple) else (res, None)
-        split = self.reasoning.split(toks, p.ids, self.tokenizer) \
-            if self.reasoning is not None and p.messages is not None else None
-        if split is not None:  # a reasoning model's chat: its answer and its thinking
-            text, thought = split.content, split.reasoning
-        else:
-            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
-            thought = None
-        stopped = bool(toks) and toks[-1] in self.model.spec.eos_token_ids and not ignore_eos
-        if stops is not None and text is not None and stops.has(index):
-            if thought is not None and not text:  # the stop string ended the thinking
-                thought, hit = stops.cut(index, thought)
-            else:
-                text, hit = stops.cut(index, text)
-            stopped = stopped or hit
-        return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length", lps, thought,
-                          split.answer_from if split is not None else 0)
+        return completion(index, p, res, self.tokenizer, self.reasoning, self.model.spec.eos_token_ids, stops,
+                          ignore_eos)
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from .api import LLM
-from .config import ConfigError, RunConfig, build_parser, parse_config_with
+from .config import ConfigError, RunConfig
+from .flags import build_parser, parse_config_with
 from .errors import exit_code_of
 from .metrics import summary
 from .output import OutputWriter, check_writable

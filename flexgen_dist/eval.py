@@ -31,7 +31,8 @@ from typing import Any
 
 from .api import LLM
 from .scoring import Score
-from .config import ArgParser, ConfigError, RunConfig, parse_config
+from .config import ConfigError, RunConfig
+from .flags import ArgParser, parse_config
 from .prompts import jsonl_records
 from .errors import exit_code_of
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .api import LLM
-from .config import ConfigError, RunConfig, parse_config
+from .config import ConfigError, RunConfig
+from .flags import parse_config
 from .errors import exit_code_of
 from .memory.tiers import MemoryBudgetError
 from .metrics import summary

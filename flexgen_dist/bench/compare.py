@@ -40,7 +40,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..config import ArgParser, ConfigError
+from ..config import ConfigError
+from ..flags import ArgParser
 from ..output import check_writable
 
 METRICS = ("prefill_throughput", "decode_throughput", "total_throughput")
