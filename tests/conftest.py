@@ -230,12 +230,19 @@ def saved(factory: pytest.TempPathFactory, name: str, model: torch.nn.Module) ->
 
 
 def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
-    """Greedy tokens from transformers' generate() on a left-padded batch (float32)."""
+    """Greedy tokens from transformers' generate() on a left-padded batch (float32), ``gen_len``
+    each with the EOS id an ordinary token, as the engine's ``ignore_eos`` takes it (not
+    ``min_new_tokens``, which would suppress it where it is the argmax)."""
     ids, mask = left_padded(tm, prompts)
     s = ids.shape[1]
-    with torch.no_grad():
-        out = tm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len,
-                                min_new_tokens=gen_len, do_sample=False, pad_token_id=tm.pad_id)
+    gc = tm.model.generation_config
+    eos, gc.eos_token_id = gc.eos_token_id, None
+    try:
+        with torch.no_grad():
+            out = tm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len, do_sample=False,
+                                    pad_token_id=tm.pad_id)
+    finally:
+        gc.eos_token_id = eos
     return out[:, s:].tolist()
 
 

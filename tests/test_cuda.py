@@ -45,17 +45,21 @@ def reference_on(tm: TinyModel, device: torch.device, dtype: torch.dtype, prompt
                  gen_len: int) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy tokens and first-step logits on ``device`` in ``dtype``. In float32
     the shared CPU model is moved there and back (lossless); a half type converts a copy, so
-    the shared model's float32 weights are never rounded."""
+    the shared model's float32 weights are never rounded. The EOS id is an ordinary token, as
+    the engine's ``ignore_eos`` takes it (``conftest.reference_generate``)."""
     ids, mask = left_padded(tm, prompts, device)
     s = ids.shape[1]
     shared = dtype == torch.float32
     model = (tm.model if shared else copy.deepcopy(tm.model)).to(device=device, dtype=dtype)
+    gc = model.generation_config
+    eos, gc.eos_token_id = gc.eos_token_id, None
     try:
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits[:, -1].float().cpu()
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len,
-                                 min_new_tokens=gen_len, do_sample=False, pad_token_id=tm.pad_id)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len, do_sample=False,
+                                 pad_token_id=tm.pad_id)
     finally:
+        gc.eos_token_id = eos
         if shared:
             tm.model.to(device="cpu")
     return out[:, s:].tolist(), logits

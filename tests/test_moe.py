@@ -103,8 +103,10 @@ def _configs() -> dict:
                                               layer_rope_theta=[0, 10000.0, 10000.0, 10000.0]),
         # OLMoE: Qwen's routing not renormalised, q/k normalised over all heads
         "olmoe": OlmoeConfig(**{**_COMMON, "rms_norm_eps": 1e-5}, num_experts=8, num_experts_per_tok=2),
+        # (its partial RoPE said both ways: transformers before 5.2x reads partial_rotary_factor
+        # alone, the released checkpoints say rotary_dim, which later versions read too)
         "minimax_m2": MiniMaxM2Config(**{**_COMMON, "head_dim": 32}, num_local_experts=8, num_experts_per_tok=3,
-                                      rotary_dim=16),
+                                      rotary_dim=16, partial_rotary_factor=0.5),
     }
 
 
