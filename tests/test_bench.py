@@ -595,9 +595,11 @@ def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_pat
     assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "16", "--prefix", "40",
                                "--tail", "12", "--tasks", "2", "--gen-len", "2", "--gpu-batch-size", "2",
                                "--num-gpu-batches", "2", "--rounds", "1", "--variants", "float32",
-                               "--json", str(mixed)]) == 0
+                               "--hardware", str(ROOT / "configs/hardware/cpu-2core.yaml"), "--json", str(mixed)]) == 0
     r = json.loads(mixed.read_text())["variants"]["float32"]
     assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["same_tokens"]
+    # the planner's prediction beside each: less prefill where each task's prefix is shared
+    assert 0 < r["shared"]["predicted_prefill_s"] < r["unshared"]["predicted_prefill_s"]
     scored = tmp_path / "scored.json"  # each prompt's own tokens scored after the common context
     assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "8", "--prefix", "40",
                                "--tail", "12", "--score", "--gpu-batch-size", "4", "--num-gpu-batches", "2",

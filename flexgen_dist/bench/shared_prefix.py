@@ -62,6 +62,8 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
                 m = llm.metrics
                 runs[share].append({k: m[k] for k in ("prefill_time_s", "decode_time_s", "prefill_throughput",
                                                       "total_throughput", "shared_prefix_fraction")})
+                if (m.get("predicted") or {}).get("prefill_time_s") is not None:  # with a hardware profile
+                    runs[share][-1]["predicted_prefill_s"] = m["predicted"]["prefill_time_s"]
     finally:
         for llm in llms.values():
             llm.close()
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-gpu-batches", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--hardware", default=None, help="a hardware profile (a YAML file, or 'auto': this "
+                    "machine's cached one): the planner's predicted prefill beside each measured one")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from .. import LLM
@@ -106,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
                "tasks": a.tasks, "score": a.score,
                "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
     for name in a.variants:
-        r = results["variants"][name] = run_variant(a.model, VARIANTS[name], prompts, a.gen_len, a.rounds, block,
+        opts = {**VARIANTS[name], **({"hardware": a.hardware} if a.hardware else {})}
+        r = results["variants"][name] = run_variant(a.model, opts, prompts, a.gen_len, a.rounds, block,
                                                     a.prefix if a.score else 0)
         s, u = r["shared"], r["unshared"]
         print(f"{name:>14}: prefill {u['prefill_time_s']:.2f} -> {s['prefill_time_s']:.2f} s "
               f"({r['prefill_speedup']:.2f}x), total {u['total_time_s']:.2f} -> {s['total_time_s']:.2f} s "
               f"({r['total_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % of the prompt "
               f"positions, same tokens: {r['same_tokens']}", file=sys.stderr)
+        if "predicted_prefill_s" in s:
+            print(f"{'':>14}  predicted prefill {u['predicted_prefill_s']:.2f} -> {s['predicted_prefill_s']:.2f} s",
+                  file=sys.stderr)
     if a.json:
         write_json(a.json, results)
     return 0
