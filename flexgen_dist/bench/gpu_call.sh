@@ -8,6 +8,7 @@
 #
 #   flexgen_dist/bench/fetch_gpu_wheels.sh .whl          # first, where pip works (flexgen, gguf)
 #   BUDGET=555 bash flexgen_dist/bench/gpu_call.sh        # on the GPU machine, from the repo root
+#   PART=big BUDGET=555 bash flexgen_dist/bench/gpu_call.sh   # OPT-30B split alone, this engine then FlexGen
 #
 # docs/benchmarks.md, "GPU", says what each step measures and what the last calls found.
 T0=$(date +%s); DEADLINE=$((T0 + ${BUDGET:-555}))
@@ -22,6 +23,19 @@ else
 fi
 nvidia-smi -L; nproc; python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 S="python3 -m flexgen_dist.bench.gpu_suite"
+if [ "${PART:-}" = big ]; then  # the cases that need a call of their own: OPT-30B split 20/80, both systems
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+        *H200*) HW=configs/hardware/h200.yaml ;; *H100*) HW=configs/hardware/h100.yaml ;; *) HW= ;;
+    esac
+    echo "## opt-30b split, this engine $(date +%T), $(left) s left"
+    $S --out /tmp/b1 --phases compare ${HW:+--hardware "$HW"} --cases opt-30b-split --skip-flexgen --skip-auto \
+        --skip-accelerate --timeout 240 --archive "$OUT/b1.tar.gz" 2>&1 | grep "^#"
+    L=$(left); echo "## opt-30b split, FlexGen $(date +%T), $L s left"
+    $S --out /tmp/b2 --phases compare --cases opt-30b-split --skip-ours --skip-auto --skip-accelerate \
+        --timeout $(( L - 15 )) --archive "$OUT/b2.tar.gz" 2>&1 | grep "^#"
+    echo "## end $(date +%T), $(left) s left"
+    exit 0
+fi
 echo "## decode attention per backend $(date +%T), $(left) s left"
 timeout 60 python3 -m flexgen_dist.bench.decode_attention --calls 24 --json "$OUT/decode-attention.json" 2>&1 | tail -16
 echo "## profile + opt-6.7b on the GPU $(date +%T), $(left) s left"
