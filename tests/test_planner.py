@@ -301,6 +301,8 @@ def test_profiler_quick_mode_is_positive(tmp_path):
             assert v >= 0 if k in ("disk_cpu", "host_layer_s", "host_batch_s", "host_cache_batch_s") else v > 0, k
     assert hw.disk_cpu is not None  # measured on a CPU device
     assert hw.host_layer_s + hw.host_batch_s > 0 and hw.host_cache_batch_s is not None
+    assert hw.att_flops_dtype is not None and set(hw.att_flops_dtype) == {"float32", "bfloat16", "float16"}
+    assert hw.att_flops == hw.att_flops_dtype["float32"]  # a CPU device computes in float32 by default
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 

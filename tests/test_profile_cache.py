@@ -107,6 +107,34 @@ def test_rates_follow_the_run_dtype() -> None:
     assert hw.for_dtype("float16") == hw  # no figure: the general one
     with pytest.raises(ValueError, match="mm_flops_dtype"):
         dataclasses.replace(CPU, mm_flops_dtype={"int8": 1e11})
+    att = dataclasses.replace(hw, att_flops=1e11, att_flops_dtype={"float32": 1e11, "bfloat16": 1.3e11})
+    assert att.for_dtype("bfloat16").att_flops == 1.3e11 and att.for_dtype("float16").att_flops == 1e11
+    with pytest.raises(ValueError, match="att_flops"):
+        dataclasses.replace(CPU, att_flops=0.0)
+
+
+def test_prompt_attention_is_costed_at_its_own_rate(tmp_path: Path) -> None:
+    """The prefill's attention, ``4 rows s q`` FLOPs a layer, is timed at ``att_flops`` where the
+    profile has it (else at ``mm_flops``): halving it adds exactly that term again; a profile
+    without it reads and plans as before; the YAML keeps it."""
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.models.registry import get_spec
+    from flexgen_dist.planner.cost_model import WorkShape, estimate_pipeline
+
+    spec, wl = get_spec("opt-125m"), WorkShape(256, 4, 4)
+    pol = [Policy(4, 2, 100, 0, 100, 0, 100, 0)]
+
+    def prefill(hw) -> float:
+        return estimate_pipeline(spec, [spec.num_layers], pol, [hw], wl, 1, num_blocks=1)["prefill_time_s"]
+
+    base = prefill(CPU)
+    fast, slow = (dataclasses.replace(CPU, att_flops=CPU.mm_flops * f) for f in (1.0, 0.5))
+    att = 4.0 * 8 * 256 * 256 * spec.num_heads * spec.head_dim * spec.num_layers / CPU.mm_flops
+    assert prefill(fast) == pytest.approx(base)
+    assert prefill(slow) - base == pytest.approx(att, rel=1e-6)
+    f = tmp_path / "att.yaml"
+    slow.to_yaml(f)
+    assert HardwareSpec.from_yaml(f) == slow
 
 
 def _explain(extra: list[str]) -> str:

@@ -23,7 +23,7 @@ MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
-                   "host_layer_s", "host_batch_s", "host_cache_batch_s")
+                   "host_layer_s", "host_batch_s", "host_cache_batch_s", "att_flops", "att_flops_dtype")
 HOST_FIELDS = ("host_layer_s", "host_batch_s", "host_cache_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
@@ -52,7 +52,10 @@ class HardwareSpec:
     per step and GPU batch; small layers, and a fast GPU's, are bound by it. Without them
     the cost model counts no host time. ``host_cache_batch_s`` (optional): what a compressed
     cache adds per layer, step and GPU batch (each batch's cache quantized, expanded and
-    attended on its own).
+    attended on its own). ``att_flops`` (optional): prompt attention's rate, the engine's own
+    kernel on a padded block (``4 rows s q`` FLOPs a layer), in the dtype of ``mm_flops``, and
+    ``att_flops_dtype`` per dtype; without them the cost model counts that attention at
+    ``mm_flops``, which a CPU's fused attention reaches a third of in bfloat16.
     """
 
     name: str
@@ -77,6 +80,8 @@ class HardwareSpec:
     host_layer_s: float | None = None
     host_batch_s: float | None = None
     host_cache_batch_s: float | None = None
+    att_flops: float | None = None
+    att_flops_dtype: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -98,12 +103,14 @@ class HardwareSpec:
                 what = "seconds >= 0" if f == "net_latency" else "a positive rate"
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be {what}")
             object.__setattr__(self, f, float(v))
-        if self.gemm_bw is not None:
-            v = self.gemm_bw
+        for f in ("gemm_bw", "att_flops"):
+            v = getattr(self, f)
+            if v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"HardwareSpec.gemm_bw={v!r}: must be a positive rate, or absent")
-            object.__setattr__(self, "gemm_bw", float(v))
-        for f in ("mm_flops_dtype", "gemm_bw_dtype"):
+                raise ValueError(f"HardwareSpec.{f}={v!r}: must be a positive rate, or absent")
+            object.__setattr__(self, f, float(v))
+        for f in ("mm_flops_dtype", "gemm_bw_dtype", "att_flops_dtype"):
             d = getattr(self, f)
             if d is None:
                 continue
@@ -127,13 +134,15 @@ class HardwareSpec:
                           for v in (getattr(self, f.name) for f in fields(self))))
 
     def for_dtype(self, dtype: str) -> HardwareSpec:
-        """This machine as a run computing in ``dtype`` sees it: ``mm_flops`` and ``gemm_bw``
-        from the per-dtype figures where the profile has them."""
+        """This machine as a run computing in ``dtype`` sees it: ``mm_flops``, ``gemm_bw`` and
+        prompt attention's rate from the per-dtype figures where the profile has them."""
         new: dict[str, float] = {}
         if self.mm_flops_dtype and dtype in self.mm_flops_dtype:
             new["mm_flops"] = self.mm_flops_dtype[dtype]
         if self.gemm_bw_dtype and dtype in self.gemm_bw_dtype:
             new["gemm_bw"] = self.gemm_bw_dtype[dtype]
+        if self.att_flops_dtype and dtype in self.att_flops_dtype:
+            new["att_flops"] = self.att_flops_dtype[dtype]
         return replace(self, **new) if new else self
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
@@ -174,7 +183,7 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
-        for f in ("disk_cpu",) + HOST_FIELDS:
+        for f in ("disk_cpu", "att_flops") + HOST_FIELDS:
             if vals.get(f) is not None:
                 convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):

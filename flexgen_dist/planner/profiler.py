@@ -92,6 +92,28 @@ def measure_prefill_flops(device: str, dtype: torch.dtype, quick: bool = False) 
     return measure_mm_flops(device, quick, dtype)
 
 
+def measure_prompt_attention_flops(device: str, dtype: torch.dtype, quick: bool = False) -> float:
+    """FLOP/s of prompt attention in ``dtype`` as the engine runs it (``prefill_attention`` over
+    a left-padded block, with its mask), counted as the cost model counts it: ``4 rows s q``
+    a layer, rows = sequences x positions, q = heads x head dim.
+
+    *Why not the matmul rate:* a fused attention kernel is far from a GEMM's rate on a CPU, in
+    bfloat16 most of all: on the development VM, SmolLM2's 400-token prefill spent 27 % of its
+    time in attention at ~130 GFLOP/s beside products at ~420, and the planner predicted
+    bfloat16 prefill at 0.70 of its measured time."""
+    from flexgen_dist.engine.attention import prefill_attention
+
+    b, t, nh, d = (2, 128, 8, 64) if quick else (4, 512, 8, 64)
+    q, k, v = (torch.randn(b, t, nh, d, device=device).to(dtype) for _ in range(3))
+    lens = torch.tensor([t - 7 * i for i in range(b)], device=device)  # left padding, as blocks have
+    pos = torch.arange(t, device=device)
+    valid = pos[None, :] >= (t - lens)[:, None]  # (b, t): not padding
+    mask = (pos[None, :] <= pos[:, None])[None, None] & valid[:, None, None, :]
+    mask = mask | torch.eye(t, dtype=torch.bool, device=device)[None, None]  # a padded row sees itself
+    t_s = _timeit(lambda: prefill_attention(q, k, v, mask), 2 if quick else 5, _sync_of(device))
+    return 4.0 * b * t * t * nh * d / t_s
+
+
 def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
     """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows), through
     the engine's own product (on a CPU, the form its GEMM policy stores for the shape).
@@ -331,6 +353,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     halves = [d for d in DTYPES if d != "float32"]
     mm_dtype = {d: measure_prefill_flops(device, getattr(torch, d), quick) for d in DTYPES}
     bw_dtype = {"float32": gemm_bw, **{d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in halves}}
+    att_dtype = {d: measure_prompt_attention_flops(device, getattr(torch, d), quick) for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
@@ -355,4 +378,5 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
                         host_layer_s=host_layer_s, host_batch_s=host_batch_s,
-                        host_cache_batch_s=host_cache_batch_s)
+                        host_cache_batch_s=host_cache_batch_s,
+                        att_flops=att_dtype["float16" if device == "cuda" else "float32"], att_flops_dtype=att_dtype)

@@ -341,9 +341,9 @@ def prefill_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     P[3, CONST] += z.r_disk / hw.ctod_bw
     P[3, HD] += a_pre / hw.ctod_bw
     deq_c_pre = z.bls * z.s * z.kv_tok * z.b / z.mem_bw if z.compress_cache else 0.0
-    # prefill attention (s x s per head) is large enough to run at the GEMM rate
+    # prefill attention (s x s per head) at its own measured rate (``att_flops``), else the GEMM's
     P[4, CONST] = (_gemm(z, hw, z.rows_pre, z.num_gb, z.lnum * z.pre_share)
-                   + 4.0 * z.rows_pre * z.s * z.q / hw.mm_flops
+                   + 4.0 * z.rows_pre * z.s * z.q / (hw.att_flops or hw.mm_flops)
                    + z.deq_w + deq_c_pre + _head_time(z, hw, z.head_share) / z.l)
     P[5, CONST] = z.net_p / z.l
     P[z.host_row, CONST] += z.num_gb * (z.host_layer + z.host_batch + z.host_cache_batch)  # GPU batch by GPU batch
