@@ -328,7 +328,7 @@ class PrefixShape:
     @cached_property
     def lcp(self) -> np.ndarray:
         """Leading tokens each request shares with the next, the requests in token order."""
-        order = sorted(self.prompts, key=list)
+        order = sorted(self.prompts, key=lambda p: p if isinstance(p, list) else list(p))  # lists: no copies
         return np.asarray([_lcp(a, b) for a, b in zip(order, order[1:])], dtype=np.int64)
 
     def saved(self, rows: int) -> float:
