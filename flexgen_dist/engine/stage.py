@@ -26,12 +26,12 @@ from ..models.source import WeightSource
 from ..models.spec import ModelSpec
 from . import head
 from .activations import ActStore
-from .attention import prefill_attention, q_to_rows, rows_to_out, sink_rows, to_rows
-from .block_state import BlockState, merged_mask, merged_positions, recurrent, step_inputs, step_targets
+from .attend import attend_fn, attend_layer_fn
+from .block_state import BlockState, merged_positions, recurrent, step_inputs, step_targets
 from .blocks import BlockMeta
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
-from .prefix import chain_prefix, prefix_pass, with_prefix
+from .prefix import chain_prefix, prefix_pass
 from .schedule import Step, sweep_steps
 from .states import StateStore
 from .streams import load_stream, ready
@@ -341,12 +341,13 @@ class StageEngine:
             if spec.linear(layer):  # type: ignore[arg-type]
                 attend = recurrent(st, layer, i, range(num_gb))  # type: ignore[arg-type,assignment]
             elif st.cache.whole_layer(layer):  # type: ignore[arg-type]
-                attend = self._attend_layer_fn(st, layer, i, num_gb)  # type: ignore[arg-type]
+                attend = attend_layer_fn(self.spec, self.policy.attn_sparsity, st, layer, i, num_gb,  # type: ignore[arg-type]
+                                         self.device)
             else:
                 fns = []
                 for kk in range(num_gb):
                     _, mrows, pos0 = self._step_inputs(st, i, kk, layer)  # type: ignore[arg-type]
-                    fns.append(self._attend_fn(st, layer, kk, mrows, pos0))  # type: ignore[arg-type]
+                    fns.append(attend_fn(spec, self.policy.attn_sparsity, st, layer, kk, mrows, pos0))  # type: ignore[arg-type]
 
                 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -360,24 +361,6 @@ class StageEngine:
                 st.outputs[kk] = yk
             st.acts.put(kk, yk)
         st.merged_out = (views, y)
-
-    def _attend_layer_fn(self, st: BlockState, layer: int, i: int, num_gb: int):  # noqa: ANN202
-        """Merged decode's ``attend`` where the layer's cache is one buffer for every GPU
-        batch (``BlockCache.whole_layer``): one cache write and one attention over the rows
-        of all of them, with the batches' masks side by side (built once per token)."""
-        mask, pos0 = merged_mask(st, i, num_gb, self.spec.window(layer), self.spec.num_kv_heads, self.device,
-                                 self.spec.chunked(layer))
-        kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
-        cache, sparsity = st.cache, self.policy.attn_sparsity
-        assert cache is not None
-
-        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-            o = cache.attend_layer(layer, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
-                                   sparsity, scale, softcap, sink_rows(sinks, q.shape[0], kvh))
-            return rows_to_out(o, q.shape[0])
-
-        return attend
 
     def _compute(self, st: BlockState, i: int, j: int, k: int) -> None:
         slot = self.slots[j]
@@ -405,7 +388,8 @@ class StageEngine:
             rec = recurrent(st, slot[1], i, range(k, k + 1))  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, rec, slot[1])
         else:
-            y = self.family.layer_forward(spec, w, x, pos, self._attend_fn(st, slot[1], k, mrows, pos0), slot[1])
+            attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0)  # type: ignore[arg-type]
+            y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
             if i == 0 and k == num_gb - 1 and not st.meta.keep:  # every batch has used the prefix's keys
                 st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
         if slot[0] != "head" and j == len(self.slots) - 1:
@@ -421,32 +405,6 @@ class StageEngine:
                            self.spec.chunked(layer))
 
     prefill_logits = staticmethod(head.prefill_logits)
-
-    def _attend_fn(self, st: BlockState, layer: int, k: int, mask: torch.Tensor | None, pos0: int):  # noqa: ANN202
-        """The ``attend`` callable the model layer calls: cache write + attention."""
-        kvh, scale, softcap = self.spec.num_kv_heads, self.spec.softmax_scale, self.spec.attn_softcap
-        cache = st.cache
-        assert cache is not None
-
-        if pos0 == 0:
-            shared = st.meta.shared
-
-            def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
-                if shared:  # the batch computed positions [L, s); the prefix's are shared
-                    kk, vv = with_prefix(st, layer, k, kk, vv)
-                cache.write_prefill(layer, k, kk, vv)
-                return prefill_attention(q, kk, vv, mask, scale, softcap, sinks)
-
-            return prefill
-
-        def attend(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-            o = cache.attend(layer, k, q_to_rows(q, kvh), to_rows(kk), to_rows(vv), mask, pos0,
-                             self.policy.attn_sparsity, scale, softcap, sink_rows(sinks, q.shape[0], kvh))
-            return rows_to_out(o, q.shape[0])
-
-        return attend
 
     # --- reporting and cleanup ----------------------------------------------------------
     def peak_bytes(self) -> dict[str, int]:
