@@ -52,14 +52,14 @@ def test_unpadded_prefill_runs_causal_attention_without_a_mask(kind: str, tiny_m
                                                               monkeypatch) -> None:
     """A GPU batch whose prompts are all of the block's length attends with SDPA's causal
     kernel (no mask built); a padded one with its mask; the tokens equal transformers'."""
-    from flexgen_dist.engine import stage
+    from flexgen_dist.engine import attend
 
     tm = tiny_models[kind]
     prompts = [[30, 31, 32, 33], [40, 41, 42, 43], [50, 51, 52], [60, 61, 62, 63]]
     ref = reference_generate(tm, prompts, GEN)
     masks: list[bool] = []
-    real = stage.prefill_attention
-    monkeypatch.setattr(stage, "prefill_attention",
+    real = attend.prefill_attention
+    monkeypatch.setattr(attend, "prefill_attention",
                         lambda q, k, v, mask, *a: masks.append(mask is None) or real(q, k, v, mask, *a))
     lm = load_model(str(tm.path), load_tokenizer=False)
     eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
