@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..engine.blocks import BlockPlan, left_pad, pad_token, trim
+from ..engine.blocks import BlockPlan, finished_rows, left_pad, pad_token
 from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..engine.stage import StageEngine
 from ..metrics import Timings
@@ -320,12 +320,8 @@ class Pipeline:
             assert self._scores is not None
             return self._scores.results(b, tokens[0])
         seqs = torch.stack(tokens, 1).tolist()
-        outs = [trim(q, self.engine.spec.eos_token_ids, self.sampling.ignore_eos) for q in seqs]
-        members = self.blocks[b].members
-        if self.limits is not None:
-            outs = [o[:self.limits[m]] for m, o in zip(members, outs)]
-        for n, kept in (watch.stopped if watch is not None else {}).items():  # cut where a stop string was
-            outs[n] = outs[n][:kept]
+        outs = finished_rows(seqs, blk.members, self.engine.spec.eos_token_ids, self.sampling.ignore_eos,
+                             self.limits, watch.stopped if watch is not None else {})
         lps = self._lps.pop(b, None)
         self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
         self.timings.generated_tokens += sum(len(o) for o in outs)

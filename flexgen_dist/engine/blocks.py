@@ -296,6 +296,19 @@ def trim(seq: list[int], eos: tuple[int, ...], ignore_eos: bool) -> list[int]:
     return seq
 
 
+def finished_rows(seqs: list[list[int]], members: Sequence[int], eos: tuple[int, ...], ignore_eos: bool,
+                  limits: Sequence[int] | None, stopped: dict[int, int]) -> list[list[int]]:
+    """A finished block's rows of sampled ids (``seqs``, one per member) as the caller gets
+    them: each cut after its first EOS (``trim``), at its request's limit of new tokens, and
+    where its stop string completed (``stopped``: row -> tokens it keeps)."""
+    outs = [trim(q, eos, ignore_eos) for q in seqs]
+    if limits is not None:
+        outs = [o[:limits[m]] for m, o in zip(members, outs)]
+    for n, kept in stopped.items():
+        outs[n] = outs[n][:kept]
+    return outs
+
+
 @dataclass(frozen=True, eq=False)
 class PrefixShape:
     """What shared prefixes save a call's prefill, as the cost model sees it before any block
