@@ -9,8 +9,9 @@ and sends them to s+1; the last stage samples and sends the new token ids of the
 to stage 0 (with their log-probabilities, in the same message, when the call asks for
 them), which feeds them in at the block's next step. With G >= m, stage 0 has other
 blocks to work on while a block's token travels round the ring, so every stage stays busy.
-Stage 0 keeps every token id it receives, so it yields outputs in prompt order without a
-separate gather; a block's last tokens arrive at a *collect* item of stage 0 only. Receives
+Stage 0 keeps every token id it receives (its ``Ledger``, ``ledger.py``), so it yields outputs in
+prompt order without a separate gather; a block's last tokens arrive at a *collect* item of
+stage 0 only. The last stage chooses the ids with its ``Choosers`` (``ledger.py``). Receives
 are posted one item ahead so they overlap compute.
 
 Scoring (``targets`` given): each sequence's first ``lens`` ids are its prefill, and its
@@ -45,11 +46,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..engine.blocks import BlockPlan, finished_rows, left_pad, pad_token
-from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
+from ..engine.blocks import BlockPlan, left_pad, pad_token
+from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine
 from ..metrics import Timings
 from .items import COLLECT, DECODE, PREFILL, Item, ItemStream
+from .ledger import Choosers, Ledger
 from .scores import BlockScores
 from .ring import Ring
 from .topology import DistContext
@@ -73,16 +75,6 @@ class Pipeline:
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
         self.logprobs = logprobs
         self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
-        self.limits = limits  # per sequence of the call: its own most new tokens (None: gen_len)
-        self.samplings = samplings  # per sequence of the call (None: ``sampling`` for all)
-        self.seen = seen  # per sequence, its prompt's ids where a repetition penalty needs them
-        self.guide = guide  # last stage: llguidance's tokenizer where a sequence has a structure
-        # stage 0: ``stops.hit(sequence, its new ids) -> bool`` for sequences with stop strings
-        # (``stops.has(sequence)``); None: no sequence has any
-        self.stops = stops
-        # each prompt's key for its random draws (its index in the job; default: in this call)
-        n = sum(len(b.lens) for b in blocks)
-        self.keys = torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=engine.device)
         self.gen_len, self.sampling = gen_len, sampling
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
         self.prefill = prefill  # prefill items: one per block, or one per GPU batch
@@ -98,18 +90,26 @@ class Pipeline:
         # the prefill's share of the engine's compute and I/O wait and of the comm wait (the
         # decode's is the rest), split by item as the clock is
         self.prefill_split = {"compute_s": 0.0, "io_wait_s": 0.0, "comm_wait_s": 0.0}
-        # per block in flight: engine state, and on stage 0 / the last stage its tokens so far
-        self._states: dict[int, Any] = {}
-        self._tokens: dict[int, list[torch.Tensor]] = {}
-        self._lps: dict[int, list[torch.Tensor]] = {}  # stage 0, logprobs: per step (b, width)
+        self._states: dict[int, Any] = {}  # per block in flight: its engine state
         # scoring: each block's rows (sums, per-token rows) on the last stage, and their layout
         self._scores = None if targets is None else BlockScores(blocks, targets, gen_len, logprobs)
-        self._forced: dict[int, torch.Tensor] = {}  # stage 0, scoring: (b, gen_len - 1) decode inputs
-        self._trackers: dict[int, list[EosTracker]] = {}
-        self._samplers: dict[int, list[RowSampling]] = {}  # last stage: per GPU batch
-        # stage 0: each block's own view of which sequences are done (EOS, limits, stop
-        # strings), the new ids of its sequences with stop strings, and where those stopped
-        self._watch: dict[int, BlockWatch] = {}
+        dev, eos = engine.device, spec.eos_token_ids
+        # stage 0: what it keeps of each block (``limits``: per sequence of the call, its own most
+        # new tokens, None: gen_len; ``stops.hit(sequence, its new ids) -> bool`` for sequences
+        # with stop strings, ``stops.has(sequence)``, None: no sequence has any)
+        self.ledger = Ledger(blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len,
+                             ignore_eos=sampling.ignore_eos, limits=limits, stops=stops, logprobs=logprobs,
+                             scores=self._scores, timings=self.timings) if self.first else None
+        # the last stage's samplers (``samplings``: per sequence of the call, None: ``sampling`` for
+        # all; ``seen``: per sequence, its prompt's ids where a repetition penalty needs them;
+        # ``guide``: llguidance's tokenizer where a sequence has a structure; ``keys``: each
+        # prompt's key for its random draws, its index in the job, default: in this call)
+        n = sum(len(b.lens) for b in blocks)
+        self.choosers = Choosers(
+            blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len, gbs=self.gbs, sampling=sampling,
+            samplings=samplings, limits=limits, seen=seen, guide=guide, logprobs=logprobs,
+            keys=torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=dev),
+        ) if self.last and targets is None else None
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
 
     @property
@@ -149,9 +149,9 @@ class Pipeline:
                     pending = self._post_recv(ahead)
                 before = self._waits()
                 done, units = self._item(items, item, handle, prompts)
-                if self.first:
+                if self.ledger is not None:
                     for b in done:
-                        finished[b] = self._outputs(b)
+                        finished[b] = self.ledger.outputs(b)
                 now = time.perf_counter()
                 share = 1.0 if item.kind == PREFILL else self._ride_share
                 for k, v in self._waits().items():
@@ -190,8 +190,9 @@ class Pipeline:
         and the (block, step) units it settled for the progress bar (a step run, or the
         steps an early end skips)."""
         self._ride_share = 0.0
-        if item.kind == COLLECT:
-            self._collect(item, handle[0])
+        if item.kind == COLLECT:  # stage 0 of several: the block's last tokens (or its scores)
+            assert self.ledger is not None
+            self.ledger.collect(item.block, self.ring.wait(handle[0]).cpu())
             return [item.block], 0
         parts = item.parts()
         xs = [self._input(p, h, prompts) for p, h in zip(parts, handle)]
@@ -236,8 +237,8 @@ class Pipeline:
         return {p: o for (p, _), o in zip(live, outs)}
 
     def _free(self, b: int) -> None:
-        self._trackers.pop(b, None)
-        self._samplers.pop(b, None)
+        if self.choosers is not None:
+            self.choosers.drop(b)
         st = self._states.pop(b, None)
         if st is not None:
             self.engine.free_block(st)
@@ -254,83 +255,15 @@ class Pipeline:
             meta.score_k = self.logprobs
         return meta
 
-    def _forced_inputs(self, blk: BlockPlan, prompts: list[list[int]]) -> torch.Tensor:
-        """Scoring, stage 0: (b, gen_len - 1) ids fed at decode steps 1.. (padding past a sequence's end)."""
-        n = self.gen_len - 1
-        rows = [prompts[q][m:m + n] for q, m in zip(blk.members, blk.lens)]
-        return torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long, device=self.engine.device)
-
     def _state(self, b: int, prompts: list[list[int]] | None) -> Any:
         st = self._states.get(b)
         if st is None:  # the block's first item on this stage
-            blk = self.blocks[b]
-            st = self._states[b] = self.engine.new_block(self._meta(blk), tag=f"-blk{b}")
-            if self.first:
-                self._tokens[b] = []
-                if self.logprobs is not None and self.targets is None:
-                    self._lps[b] = []
-            if self.first and self.targets is not None:
-                assert prompts is not None
-                self._forced[b] = self._forced_inputs(blk, prompts)
-            if self.targets is None and (self.last or self.first):
-                spec, dev = self.engine.spec, self.engine.device
-                limits = None if self.limits is None else [self.limits[m] for m in blk.members]
-                rows = [blk.members[a:a + self.gbs] for a in range(0, len(blk.members), self.gbs)]
-                if self.last:
-                    self._trackers[b] = [
-                        EosTracker(len(r), spec.eos_token_ids, self.pad, self.sampling.ignore_eos, dev,
-                                   None if limits is None else limits[a * self.gbs:a * self.gbs + len(r)])
-                        for a, r in enumerate(rows)]
-                    self._samplers[b] = [RowSampling([self._sampling(m) for m in r], dev, self.gen_len,
-                                                     None if self.seen is None else [self.seen[m] for m in r],
-                                                     self.guide, spec.eos_token_ids)
-                                         for r in rows]
-                if self.first:
-                    self._watch[b] = BlockWatch(EosTracker(len(blk.members), spec.eos_token_ids, self.pad,
-                                                           self.sampling.ignore_eos, dev, limits),
-                                                blk.members, self.stops)
+            st = self._states[b] = self.engine.new_block(self._meta(self.blocks[b]), tag=f"-blk{b}")
+            if self.ledger is not None:
+                self.ledger.open(b, prompts)
+            if self.choosers is not None:
+                self.choosers.open(b)
         return st
-
-    def _sampling(self, m: int) -> SamplingConfig:
-        return self.sampling if self.samplings is None else self.samplings[m]
-
-    def _watch_step(self, b: int, ids: torch.Tensor, i: int) -> bool:
-        """Stage 0: token i of block b's sequences is ``ids``; whether all are now done."""
-        watch = self._watch.get(b)
-        return watch is not None and watch.step(ids, i)
-
-    def _collect(self, item: Item, handle: Any) -> None:
-        """Stage 0 of several: the block's last tokens (or its scores) from the last stage."""
-        msg = self.ring.wait(handle).cpu()
-        if self.targets is not None:
-            self._tokens[item.block] = [msg]
-        else:
-            self._take(item.block, msg)
-
-    def _outputs(self, b: int) -> list[Any]:
-        """Stage 0: block b's token lists, cut after EOS (scoring: its (b, 3) score rows)."""
-        tokens = self._tokens.pop(b)
-        self._forced.pop(b, None)
-        watch = self._watch.pop(b, None)
-        blk = self.blocks[b]
-        self.timings.prompt_positions += blk.prompt_len * len(blk.members)
-        self.timings.prompt_padding += blk.padding
-        self.timings.prompt_shared += blk.saved  # positions not computed again
-        if self.targets is not None:
-            assert self._scores is not None
-            return self._scores.results(b, tokens[0])
-        seqs = torch.stack(tokens, 1).tolist()
-        outs = finished_rows(seqs, blk.members, self.engine.spec.eos_token_ids, self.sampling.ignore_eos,
-                             self.limits, watch.stopped if watch is not None else {})
-        lps = self._lps.pop(b, None)
-        self.timings.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
-        self.timings.generated_tokens += sum(len(o) for o in outs)
-        self.timings.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
-        if lps is not None:  # each completion with its tokens' logprobs, cut as its tokens
-            rows = torch.stack(lps, 1).cpu()  # (b, steps, width): one host copy per block
-            k = self.logprobs or 0
-            return [(o, TokenLogprobs.of_rows(r[:len(o)], k)) for o, r in zip(outs, rows)]
-        return outs
 
     def _emit(self, item: Item, outs: list[torch.Tensor]) -> bool:
         """Pass the item's result on: hidden states to the next stage, or (last stage) the
@@ -348,8 +281,8 @@ class Pipeline:
             self._scores.add(b, i, *self._rows(item), torch.cat(outs))
             if item.last and i == self.gen_len - 1:
                 acc = self._scores.pop(b)
-                if self.first:
-                    self._tokens[b] = [acc]
+                if self.ledger is not None:
+                    self.ledger.collect(b, acc)
                 else:
                     self.ring.send_scores(acc)
             return False
@@ -359,39 +292,13 @@ class Pipeline:
                 return False
             outs = self.engine.prefill_logits(self._states[b], k0) + outs
             r0 = k0 = 0
-        members = self.blocks[b].members
-        keys = self.keys[members[r0:r1]].split(self.gbs)
-        trk = self._trackers[b][k0:item.batches[1]]
-        rs = self._samplers[b][k0:item.batches[1]]
-        parts, lps = [], []
-        for t, r, lg, k in zip(trk, rs, outs, keys):
-            lg = lg.float()
-            parts.append(t.update(r.sample(lg, k, i), i))
-            if self.logprobs is not None:
-                lps.append(token_logprobs(lg, parts[-1], self.logprobs))
-        nxt = parts[0] if len(parts) == 1 else torch.cat(parts)
-        lp = None if not lps else lps[0] if len(lps) == 1 else torch.cat(lps)
-        ended = all(t.all_done() for t in self._trackers[b])
-        if item.last and (ended or i == self.gen_len - 1):
-            del self._trackers[b]
-            del self._samplers[b]
-        if self.first:
-            self._tokens[b].append(nxt)  # stays on the device: fed back in at i + 1
-            if lp is not None:
-                self._lps[b].append(lp)
-            return self._watch_step(b, nxt, i) or ended  # nobody else to tell
+        assert self.choosers is not None
+        nxt, lp, ended = self.choosers.choose(b, i, (r0, r1), (k0, item.batches[1]), outs, item.last)
+        if self.ledger is not None:
+            self.ledger.keep(b, nxt, lp)  # stays on the device: fed back in at i + 1
+            return self.ledger.step(b, nxt, i) or ended  # nobody else to tell
         self.ring.send_tokens(nxt, ended, lp)
         return False
-
-    def _take(self, b: int, msg: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Stage 0 of several: a step's message from the last stage (``Ring.send_tokens``):
-        keep its ids (and logprob rows); returns the ids and the early-stop flag."""
-        n = len(self.blocks[b].lens)
-        ids = msg[:n]
-        self._tokens[b].append(ids)
-        if self._lp_width:
-            self._lps[b].append(msg[n:-1].view(torch.float64).view(n, self._lp_width))
-        return ids, bool(msg[-1])
 
     def _input(self, item: Item, handle: Any, prompts: list[list[int]] | None) -> torch.Tensor | None:
         """This stage's input for the item, or None when its block has ended before step i."""
@@ -419,12 +326,11 @@ class Pipeline:
                     st.prefix = torch.tensor([prompts[blk.members[0]][:blk.shared]], dtype=torch.long)
                 x = x[:, blk.shared:]
             return x
-        if self.targets is not None:
-            return self._forced[b][:, i - 1:i]
-        if self.last:
-            return self._tokens[b][i - 1][:, None]
-        ids, ended = self._take(b, self.ring.wait(handle).cpu())
-        ended = self._watch_step(b, ids, i - 1) or ended
+        assert self.ledger is not None
+        if self.targets is not None or self.last:
+            return self.ledger.fed(b, i)
+        ids, ended = self.ledger.take(b, self.ring.wait(handle).cpu())
+        ended = self.ledger.step(b, ids, i - 1) or ended
         return None if ended else ids[:, None]
 
     # --- messages (``ring.py``) -----------------------------------------------------------

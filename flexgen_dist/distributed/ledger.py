@@ -1,0 +1,174 @@
+"""What the two ends of the pipeline keep of each block in flight.
+
+``Ledger`` is stage 0's record: the ids each step of a block fed or got back (kept on the
+compute device with one stage, where they are fed in again), their log-probability rows, the
+teacher-forced inputs when scoring, and its own view of which sequences are done (EOS, limits,
+stop strings: ``BlockWatch``); at the block's end it turns them into the block's outputs, cut
+where each sequence finished, and counts them on the clock's ``Timings``.
+
+``Choosers`` is the last stage's: per block, one ``RowSampling`` (each sequence's own sampling,
+penalties, structure) and one ``EosTracker`` per GPU batch, which choose each step's ids from
+the logits and say when every sequence of the block is done.
+
+With one stage both live in the same process, and the loop (``pipeline.py``) uses both.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..engine.blocks import BlockPlan, finished_rows
+from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
+from ..metrics import Timings
+from .scores import BlockScores
+
+
+def _limits(limits: Sequence[int] | None, blk: BlockPlan) -> list[int] | None:
+    """The block's sequences' own most new tokens (None: the call's)."""
+    return None if limits is None else [limits[m] for m in blk.members]
+
+
+class Ledger:
+    """Stage 0's record of the blocks in flight (module doc)."""
+
+    def __init__(self, blocks: list[BlockPlan], *, device: torch.device, eos: Sequence[int], pad: int,
+                 gen_len: int, ignore_eos: bool, limits: Sequence[int] | None, stops: Any,
+                 logprobs: int | None, scores: BlockScores | None, timings: Timings) -> None:
+        self.blocks, self.device, self.eos, self.pad = blocks, device, eos, pad
+        self.gen_len, self.ignore_eos, self.limits, self.stops = gen_len, ignore_eos, limits, stops
+        self.logprobs, self.scores, self.timings = logprobs, scores, timings
+        self.lp_width = 0 if logprobs is None else 1 + 2 * logprobs  # a token's row: see token_logprobs
+        self.tokens: dict[int, list[torch.Tensor]] = {}  # per step (b,) ids; scoring: [the (b, 3) sums]
+        self.lps: dict[int, list[torch.Tensor]] = {}  # logprobs: per step (b, width)
+        self.forced: dict[int, torch.Tensor] = {}  # scoring: (b, gen_len - 1) decode inputs
+        self.watch: dict[int, BlockWatch] = {}
+
+    def open(self, b: int, prompts: list[list[int]] | None) -> None:
+        """Block b's first item on stage 0."""
+        blk = self.blocks[b]
+        self.tokens[b] = []
+        if self.scores is not None:
+            assert prompts is not None
+            n = self.gen_len - 1  # ids fed at decode steps 1.. (padding past a sequence's end)
+            rows = [prompts[q][m:m + n] for q, m in zip(blk.members, blk.lens)]
+            self.forced[b] = torch.tensor([r + [self.pad] * (n - len(r)) for r in rows], dtype=torch.long,
+                                          device=self.device)
+            return
+        if self.logprobs is not None:
+            self.lps[b] = []
+        self.watch[b] = BlockWatch(EosTracker(len(blk.members), self.eos, self.pad, self.ignore_eos, self.device,
+                                              _limits(self.limits, blk)), blk.members, self.stops)
+
+    def keep(self, b: int, ids: torch.Tensor, lp: torch.Tensor | None = None) -> None:
+        """Step ids of block b (and their logprob rows) chosen in this process."""
+        self.tokens[b].append(ids)
+        if lp is not None:
+            self.lps[b].append(lp)
+
+    def take(self, b: int, msg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A step's message from the last stage (``Ring.send_tokens``): keep its ids (and
+        logprob rows); returns the ids and the last stage's early-stop flag."""
+        n = len(self.blocks[b].lens)
+        ids = msg[:n]
+        self.tokens[b].append(ids)
+        if self.lp_width:
+            self.lps[b].append(msg[n:-1].view(torch.float64).view(n, self.lp_width))
+        return ids, bool(msg[-1])
+
+    def collect(self, b: int, msg: torch.Tensor) -> None:
+        """The block's last message from the last stage: its last ids, or its score sums."""
+        if self.scores is not None:
+            self.tokens[b] = [msg]
+        else:
+            self.take(b, msg)
+
+    def step(self, b: int, ids: torch.Tensor, i: int) -> bool:
+        """Token i of block b's sequences is ``ids``; whether all are now done (stage 0's view)."""
+        watch = self.watch.get(b)
+        return watch is not None and watch.step(ids, i)
+
+    def fed(self, b: int, i: int) -> torch.Tensor:
+        """(b, 1) ids block b's decode step i feeds in: its forced inputs when scoring, else
+        the ids of step i - 1 (kept here: one stage)."""
+        if self.scores is not None:
+            return self.forced[b][:, i - 1:i]
+        return self.tokens[b][i - 1][:, None]
+
+    def outputs(self, b: int) -> list[Any]:
+        """Block b's token lists, cut where each sequence finished (with their logprobs where
+        asked; scoring: its score rows), counted on the clock."""
+        tokens = self.tokens.pop(b)
+        self.forced.pop(b, None)
+        watch = self.watch.pop(b, None)
+        blk, tm = self.blocks[b], self.timings
+        tm.prompt_positions += blk.prompt_len * len(blk.members)
+        tm.prompt_padding += blk.padding
+        tm.prompt_shared += blk.saved  # positions not computed again
+        if self.scores is not None:
+            return self.scores.results(b, tokens[0])
+        seqs = torch.stack(tokens, 1).tolist()
+        outs = finished_rows(seqs, blk.members, self.eos, self.ignore_eos, self.limits,
+                             watch.stopped if watch is not None else {})
+        lps = self.lps.pop(b, None)
+        tm.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
+        tm.generated_tokens += sum(len(o) for o in outs)
+        tm.decode_tokens += sum(max(0, len(o) - 1) for o in outs)
+        if lps is not None:  # each completion with its tokens' logprobs, cut as its tokens
+            rows = torch.stack(lps, 1).cpu()  # (b, steps, width): one host copy per block
+            k = self.logprobs or 0
+            return [(o, TokenLogprobs.of_rows(r[:len(o)], k)) for o, r in zip(outs, rows)]
+        return outs
+
+
+class Choosers:
+    """The last stage's samplers and EOS trackers, per block and GPU batch (module doc)."""
+
+    def __init__(self, blocks: list[BlockPlan], *, device: torch.device, eos: Sequence[int], pad: int,
+                 gen_len: int, gbs: int, sampling: SamplingConfig, samplings: Sequence[SamplingConfig] | None,
+                 limits: Sequence[int] | None, seen: Sequence[Sequence[int]] | None, guide: Any,
+                 keys: torch.Tensor, logprobs: int | None) -> None:
+        self.blocks, self.device, self.eos, self.pad = blocks, device, eos, pad
+        self.gen_len, self.gbs, self.sampling, self.samplings = gen_len, gbs, sampling, samplings
+        self.limits, self.seen, self.guide, self.keys, self.logprobs = limits, seen, guide, keys, logprobs
+        self.trackers: dict[int, list[EosTracker]] = {}
+        self.samplers: dict[int, list[RowSampling]] = {}
+
+    def open(self, b: int) -> None:
+        """Block b's first item on the last stage."""
+        blk = self.blocks[b]
+        limits, g = _limits(self.limits, blk), self.gbs
+        rows = [blk.members[a:a + g] for a in range(0, len(blk.members), g)]
+        self.trackers[b] = [EosTracker(len(r), self.eos, self.pad, self.sampling.ignore_eos, self.device,
+                                       None if limits is None else limits[a * g:a * g + len(r)])
+                            for a, r in enumerate(rows)]
+        self.samplers[b] = [RowSampling([self.sampling if self.samplings is None else self.samplings[m] for m in r],
+                                        self.device, self.gen_len,
+                                        None if self.seen is None else [self.seen[m] for m in r],
+                                        self.guide, self.eos)
+                            for r in rows]
+
+    def drop(self, b: int) -> None:
+        self.trackers.pop(b, None)
+        self.samplers.pop(b, None)
+
+    def choose(self, b: int, i: int, rows: tuple[int, int], batches: tuple[int, int],
+               logits: list[torch.Tensor], last: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Token i of block b's rows ``rows`` (GPU batches ``batches``), from each GPU batch's
+        ``logits``: (the ids, their logprob rows or None, whether every sequence of the block
+        is done). ``last``: the step's last part (then a block that is done is dropped)."""
+        r0, r1 = rows
+        keys = self.keys[self.blocks[b].members[r0:r1]].split(self.gbs)
+        parts, lps = [], []
+        for t, r, lg, k in zip(self.trackers[b][batches[0]:batches[1]], self.samplers[b][batches[0]:batches[1]],
+                               logits, keys):
+            lg = lg.float()
+            parts.append(t.update(r.sample(lg, k, i), i))
+            if self.logprobs is not None:
+                lps.append(token_logprobs(lg, parts[-1], self.logprobs))
+        ids = parts[0] if len(parts) == 1 else torch.cat(parts)
+        lp = None if not lps else lps[0] if len(lps) == 1 else torch.cat(lps)
+        ended = all(t.all_done() for t in self.trackers[b])
+        if last and (ended or i == self.gen_len - 1):
+            self.drop(b)
+        return ids, lp, ended
