@@ -91,7 +91,7 @@ class RunConfig:
     attn_sparsity: float | None = None
     comp_group_size: int | None = None
     comp_bits: int | None = None
-    gguf_native: bool = True  # compress_weight keeps GGUF blocks, GPTQ/AWQ/compressed-tensors codes
+    gguf_native: bool = True  # compress_weight keeps GGUF blocks, GPTQ/AWQ/compressed-tensors codes, FP8 codes
     offload_dir: str = "~/.cache/flexgen_dist/offload"
     direct_io: str = "auto"
     device: str = "auto"

@@ -164,9 +164,9 @@ def _policy_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--comp-group-size", type=int, help="elements per quantization group (default 64)")
     g.add_argument("--comp-bits", type=int, choices=[4, 8], help="bits per compressed value (default 4)")
     g.add_argument("--no-gguf-native", dest="gguf_native", action="store_false",
-                   help="under --compress-weight, re-quantize a GGUF file's Q4/Q8 weights (and a GPTQ, AWQ "
-                        "or compressed-tensors checkpoint's) from their dequantized values instead of keeping "
-                        "the file's own codes (for comparisons)")
+                   help="under --compress-weight, re-quantize a GGUF file's Q4/Q8 weights (and a GPTQ, AWQ, "
+                        "compressed-tensors or FP8 checkpoint's) from their dequantized values instead of "
+                        "keeping the file's own codes (for comparisons)")
     g.add_argument("--offload-dir")
     g.add_argument("--direct-io", choices=["auto", "on", "off"])
     g.add_argument("--gpu-mem")

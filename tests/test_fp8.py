@@ -194,3 +194,96 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
     if edit != "no-scale":
         with pytest.raises(ModelLoadError, match=match):
             load_model(str(tm.path), load_tokenizer=False)
+
+
+def _codes(rows: int, cols: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes padded to whole groups, float32 scales) with the special bytes in the first row:
+    NaN (0x7f, 0xff), -0, the smallest subnormals."""
+    torch.manual_seed(seed)
+    codes = (torch.randn(rows, cols) * 50).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes[0, :5] = torch.tensor([0x7F, 0xFF, 0x80, 0x01, 0x81], dtype=torch.uint8)
+    groups = -(-cols // group)
+    return torch.nn.functional.pad(codes, (0, groups * group - cols)), torch.rand(rows, groups) * 3
+
+
+def _reference(codes: torch.Tensor, scales: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    rows, groups = scales.shape
+    vals = codes.view(torch.float8_e4m3fn).float().reshape(rows, groups, -1) * scales[..., None]
+    return vals.reshape(rows, -1)[:, :cols].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,group", [(96, 200, 64), (64, 96, 96), (33, 128, 128)])
+def test_kept_fp8_codes_expand_to_each_code_times_its_scale(rows: int, cols: int, group: int,
+                                                          dtype: torch.dtype) -> None:
+    """The native one-pass expansion and the torch one (``dequantize``'s, a GPU's) give torch's
+    float8 values times their group's scale, rounded to the dtype, bit for bit: NaN bytes NaN,
+    subnormals and a partial last group included."""
+    from flexgen_dist.kernels import dequant_fp8, library
+    from flexgen_dist.memory.quant import E4M3, QTensor, dequantize
+
+    codes, scales = _codes(rows, cols, group)
+    want = _reference(codes, scales, cols, dtype)
+    q = QTensor(codes, torch.empty(rows, 0), scales, torch.Size((rows, cols)), dtype, 1, group, 8, E4M3)
+    for got in (dequantize(q), dequantize(q, out=torch.empty(rows, cols, dtype=dtype))):
+        assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    if library() is not None:  # the native kernel was built: it is the one dequantize used
+        native = dequant_fp8(codes, scales, cols, group, dtype)
+        assert native is not None and torch.equal(native.nan_to_num(), want.nan_to_num())
+        assert torch.equal(native.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize("layout,block", [("fp8", (32, 64)), ("fbgemm", (0, 1)), ("ct", (0, 0))])
+def test_compressed_weights_keep_the_fp8_codes(layout: str, block: tuple[int, int], tmp_path: Path) -> None:
+    """Under --compress-weight an FP8 matrix keeps its codes (one byte a value) and its scales
+    per row and group of the block's width, on every tier, and expands to exactly the
+    checkpoint's values: greedy tokens equal transformers' on the expanded weights, with the
+    matrices that are not FP8 (embedding, head) compressed to 4 bits in both; the budget check
+    sizes the kept codes as they are stored."""
+    from flexgen_dist.engine.footprint import predict_peaks
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.memory.quant import E4M3, QTensor, dequantize, quantize
+
+    tm = _tiny("llama", tmp_path / "m", block, layout)
+    value = tm.model.get_parameter("model.layers.0.mlp.down_proj.weight").detach().clone()  # 64 x 96
+    with torch.no_grad():  # what the engine's 4-bit compression makes of the dense matrices
+        for w in (tm.model.model.embed_tokens.weight, tm.model.lm_head.weight):
+            w.copy_(dequantize(quantize(w, 4, 64, dim=1)))
+    ref = reference_generate(tm, PROMPTS, 6)
+    group = {"fp8": 64, "fbgemm": 96, "ct": 96}[layout]
+    for pct in ((100, 0, 100, 0, 100, 0), (0, 50, 100, 0, 100, 0), (0, 0, 100, 0, 100, 0)):
+        with LLM(str(tm.path), percent=pct, compress_weight=True, gpu_batch_size=2, num_gpu_batches=2,
+                 offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref, pct
+            q = llm.engine.weights.placed[("layer", 0)]["down.w"].data
+            assert isinstance(q, QTensor) and (q.fmt, q.bits, q.group_size, q.dim) == (E4M3, 8, group, 1)
+            if pct[0] == 100:
+                assert torch.equal(dequantize(q), value)
+                assert q.nbytes == 64 * (-(-96 // group) * group) + 4 * 64 * -(-96 // group)
+    lm = load_model(str(tm.path), load_tokenizer=False)
+    assert lm.source.packed_formats("layer", 0)["down.w"] == (8, group, "e4m3")
+    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0, compress_weight=True)  # weights alone in RAM
+    peak = predict_peaks(lm.spec, pol, (0, 2), has_embed=False, has_head=False, prompt_len=4, gen_len=1,
+                         dtype_bytes=4, packed=lm.source.packed_formats)
+    eng = StageEngine(lm.spec, lm.source, (0, 2), has_embed=False, has_head=False, policy=pol,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    stored = eng.weights.bytes_per_tier()
+    eng.close()
+    assert peak["cpu"] == stored["cpu"] > 0
+
+
+@pytest.mark.gpu
+def test_kept_fp8_codes_on_the_gpu_expand_to_the_cpu_values(gpu_device) -> None:
+    """FP8 codes copied to the compute device expand (torch's float8 there) to exactly the
+    values the CPU gives, in every compute dtype."""
+    from flexgen_dist.memory.quant import E4M3, QTensor, dequantize
+
+    codes, scales = _codes(96, 200, 64, seed=1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q = QTensor(codes, torch.empty(96, 0), scales, torch.Size((96, 200)), dtype, 1, 64, 8, E4M3)
+        cpu = dequantize(q)
+        dev = dequantize(q, gpu_device)
+        assert dev.device.type == gpu_device.type
+        assert torch.equal(dev.cpu().nan_to_num(), cpu.nan_to_num()) and torch.equal(dev.cpu().isnan(), cpu.isnan())

@@ -1,4 +1,5 @@
-"""What a GPTQ checkpoint's codes are worth kept as they are, measured with the project's eval.
+"""What a GPTQ or FP8 checkpoint's codes are worth kept as they are, measured with the
+project's eval.
 
     python -m flexgen_dist.bench.int_checkpoints --json bench_results/int-checkpoints.json
 
@@ -10,7 +11,12 @@ sample) then runs the float directory, the GPTQ one expanded (``scale x (code - 
 float32), the GPTQ one under ``--compress-weight`` with its codes kept (native) and
 re-quantized into the engine's groups (``--no-gguf-native``), and the float directory under
 ``--compress-weight`` (the engine's own 4-bit quantizer on the float values), side by side in
-one run. Reports, never asserts.
+one run. The same directory as a block-scaled FP8 checkpoint (DeepSeek-V3's format, blocks of
+``--fp8-block``; the embedding, tied to the head, kept in float) runs expanded, with its codes
+kept under ``--compress-weight`` (the head then compressed by the engine: 4 and 8 bits) and
+re-quantized (``--no-gguf-native``); and, timed side by side in bfloat16 with every weight on
+disk (``--prompts`` x ``--prompt-len``, ``--gen-len`` new), expanded against its codes kept
+with 8-bit for the rest. Reports, never asserts.
 """
 from __future__ import annotations
 
@@ -97,19 +103,77 @@ def gptq_rtn(src: Path, dst: Path, group: int) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
 
 
+def fp8_blocks(src: Path, dst: Path, block: int) -> None:
+    """``src``'s decoder-layer matrices as FP8 e4m3 in blocks of ``block`` x ``block`` (the
+    last ones partial), each beside its ``weight_scale_inv`` grid (amax / 448, float32):
+    ``quant_method: fp8`` as DeepSeek-V3, Qwen3-*-FP8 and GLM-4.5-FP8 ship; the rest as it is."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            out[name] = w
+            continue
+        rows, cols = w.shape
+        gr, gc = -(-rows // block), -(-cols // block)
+        pad = torch.zeros(gr * block, gc * block)
+        pad[:rows, :cols] = w
+        blocks = pad.reshape(gr, block, gc, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / scale[:, None, :, None]).reshape(pad.shape)[:rows, :cols]
+        out[name], out[name + "_scale_inv"] = q.to(torch.float8_e4m3fn).contiguous(), scale
+    _write_like(src, dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [block, block]})
+
+
+def _write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> None:
+    """``tensors`` as a checkpoint beside ``src``'s config (with ``quant``) and tokenizer."""
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+def throughput(model: str, opts: dict[str, Any], prompts: int, prompt_len: int, gen_len: int,
+               offload: str) -> dict[str, Any]:
+    """bfloat16, every weight on disk, greedy over synthetic prompts: the run's report."""
+    from .. import LLM
+
+    torch.manual_seed(0)
+    ids = torch.randint(100, 40000, (prompts, prompt_len)).tolist()
+    with LLM(model, dtype="bfloat16", percent=(0, 0, 100, 0, 100, 0), gpu_batch_size=prompts // 2,
+             num_gpu_batches=2, offload_dir=offload, ignore_eos=True, progress=False, **opts) as llm:
+        llm.generate(ids[:2], gen_len=2)  # warm-up: the kernels, the read buffers
+        llm.generate(ids, gen_len=gen_len)
+        m, stored = llm.metrics, llm.engine.weights.bytes_per_tier()
+    keys = ("prefill_throughput", "decode_throughput", "total_throughput")
+    return {"options": opts, **{k: m.get(k) for k in keys}, "weight_bytes": stored}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", type=int, default=64, help="GPTQ group size (input columns; divides 576 and 1536)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-windows", type=int, default=4)
+    ap.add_argument("--fp8-block", type=int, default=128, help="FP8 block (rows and columns)")
+    ap.add_argument("--prompts", type=int, default=16, help="the timed pair: prompts")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--json", default="bench_results/int-checkpoints.json")
     args = ap.parse_args(argv)
     ev: dict[str, Any] = {"window": args.window, "max_windows": args.max_windows}
     with tempfile.TemporaryDirectory() as tmp:
-        dense, gptq = Path(tmp) / "hf", Path(tmp) / "gptq"
+        dense, gptq, fp8 = Path(tmp) / "hf", Path(tmp) / "gptq", Path(tmp) / "fp8"
         dense.mkdir()
         export_hf(dense)
         gptq_rtn(dense, gptq, args.group)
+        fp8_blocks(dense, fp8, args.fp8_block)
         rows = ppl_rows(str(dense), False, [("float32 (the GGUF's values, as a HF directory)", {})], ev)
         rows += ppl_rows(str(gptq), False, [
             (f"GPTQ 4-bit g{args.group}, expanded (float32)", {}),
@@ -119,6 +183,22 @@ def main(argv: list[str] | None = None) -> int:
         ], ev)
         rows += ppl_rows(str(dense), False, [("float32 directory, the engine's 4-bit g64 (`--compress-weight`)",
                                               {"compress_weight": True})], ev)
+        b = args.fp8_block
+        rows += ppl_rows(str(fp8), False, [
+            (f"FP8 e4m3 {b}x{b} blocks, expanded (float32)", {}),
+            (f"FP8 {b}x{b}, codes kept, head 4-bit (`--compress-weight`)", {"compress_weight": True}),
+            (f"FP8 {b}x{b}, codes kept, head 8-bit (`--compress-weight --comp-bits 8`)",
+             {"compress_weight": True, "comp_bits": 8}),
+            (f"FP8 {b}x{b}, re-quantized 4-bit (`--compress-weight --no-gguf-native`)",
+             {"compress_weight": True, "gguf_native": False}),
+        ], ev)
+        timed = []
+        for name, opts in ((f"FP8 {b}x{b} expanded (bfloat16 on disk)", {}),
+                           (f"FP8 {b}x{b} codes kept, the rest 8-bit", {"compress_weight": True, "comp_bits": 8})):
+            t = throughput(str(fp8), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
+            timed.append({"mode": name, **t})
+            print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
+                  f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
     for r in rows:
         r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
     print("| mode | perplexity | vs float32 | next-token accuracy | weight bytes |")
@@ -126,8 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['mode']} | {r['ppl']:.4f} | {100 * r['ppl_change']:+.2f} % | {100 * r['accuracy']:.2f} % | "
               f"{r['weight_bytes'] / 2 ** 20:.1f} MiB |")
+    print("\n| weights on disk, bfloat16 | prefill tok/s | decode tok/s | total tok/s |")
+    print("|---|---|---|---|")
+    for t in timed:
+        print(f"| {t['mode']} | {t['prefill_throughput']:.1f} | {t['decode_throughput']:.1f} | "
+              f"{t['total_throughput']:.1f} |")
     write_json(args.json, {"benchmark": "int-checkpoints", "machine": machine(), "group": args.group, "eval": ev,
-                           "rows": rows})
+                           "rows": rows, "fp8_block": args.fp8_block, "timed": timed,
+                           "timed_shape": [args.prompts, args.prompt_len, args.gen_len]})
     return 0
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from .weights import TIED, TierPlacer, stored_nbytes
 
 TIERS = tuple(t.value for t in Tier)  # gpu (the compute device), cpu (host RAM), disk
 KINDS = ("w", "cache", "act")
-Packed = Callable[[str, int | None], dict[str, tuple[int, int]]]
+Packed = Callable[[str, int | None], dict[str, tuple[Any, ...]]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ from ..interrupts import submit
 from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
-from ..memory.quant import QTensor, dequantize, qtensor_layout, quantize
+from ..memory.quant import E4M3, INT, QTensor, dequantize, qtensor_layout, quantize
 from ..models.common import EXPERTS
 from ..models.packed import PackedWeight
 from .streams import OnStream
@@ -127,16 +127,17 @@ class WeightStore:
 
     def _stored_nbytes(self, w: torch.Tensor | PackedWeight) -> int:
         if isinstance(w, PackedWeight):
-            return stored_nbytes(w.shape, self.dtype.itemsize, (w.bits, w.group_size))
+            return stored_nbytes(w.shape, self.dtype.itemsize, (w.bits, w.group_size, w.fmt))
         return stored_nbytes(tuple(w.shape), self.dtype.itemsize,
                              (self.bits, self.group_size) if self.compress else None)
 
     def _put(self, slot: Slot, name: str, w: torch.Tensor | PackedWeight, tier: Tier) -> Placed:
         shape = tuple(w.shape)
         if isinstance(w, PackedWeight):
-            # the checkpoint's own groups (GGUF blocks along the input dim), adopted as they are
+            # the checkpoint's own groups (GGUF blocks, GPTQ groups, FP8 blocks' rows along the
+            # input dim), adopted as they are
             w = QTensor(data=w.codes, mins=w.mins, scales=w.scales, shape=torch.Size(w.shape),  # type: ignore[assignment]
-                        dtype=self.dtype, dim=1, group_size=w.group_size, bits=w.bits)
+                        dtype=self.dtype, dim=1, group_size=w.group_size, bits=w.bits, fmt=w.fmt)
         elif self.compress and w.dim() == 2:
             # grouped along the input dim (dim 1 of an (out, in) matrix), as GGUF blocks are
             w = quantize(w, bits=self.bits, group_size=self.group_size, dim=1)  # type: ignore[assignment]
@@ -265,7 +266,7 @@ class WeightStore:
                 for k in _PARTS:
                     getattr(q, k).read(out=b[k])
                 q = replace(q, **{k: b[k] for k in _PARTS})
-            if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2:
+            if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2 and q.fmt == INT:
                 # packed: the product reads the codes (decode), or expands them into the
                 # reused buffer (prefill); nothing is expanded here, on the I/O thread
                 return QWeight(q.data, q.mins, q.scales, (int(q.shape[0]), int(q.shape[1])),
@@ -414,10 +415,13 @@ def _on_disk(p: Placed) -> bool:
     return isinstance(p.data, DiskTensor) or (isinstance(p.data, QTensor) and isinstance(p.data.data, DiskTensor))
 
 
-def stored_nbytes(shape: tuple[int, ...], dtype_bytes: int, packed: tuple[int, int] | None = None) -> int:
+def stored_nbytes(shape: tuple[int, ...], dtype_bytes: int, packed: tuple[Any, ...] | None = None) -> int:
     """Bytes a weight of ``shape`` takes at rest: dense, or with ``packed = (bits, group_size)``
-    codes plus a min and a scale per group along dim 1 (the layout of a compressed weight)."""
+    codes plus a min and a scale per group along dim 1 (the layout of a compressed weight);
+    ``(8, group_size, "e4m3")``: FP8 codes and a float32 scale per group (no mins)."""
     if packed is None or len(shape) != 2:
         return math.prod(shape) * dtype_bytes
     data_shape, meta_shape = qtensor_layout(shape, packed[0], packed[1], dim=1)
+    if len(packed) > 2 and packed[2] == E4M3:
+        return math.prod(data_shape) + 4 * math.prod(meta_shape)
     return math.prod(data_shape) + 2 * math.prod(meta_shape) * dtype_bytes

@@ -25,6 +25,7 @@
 //
 // Every output element is computed by one thread, in an order that does not depend on the
 // number of threads: results are the same at any thread count.
+#include <cmath>
 #include "cpu_simd.h"
 
 static inline float load_as_f32(const void* p, int64_t i, int dt) {
@@ -328,6 +329,50 @@ void fg_dequant(const uint8_t* codes, int64_t n0, int64_t n1, int64_t cols, int6
                     _mm_storeu_si128((__m128i*)(oh + e), _mm256_cvtps_ph(_mm256_loadu_ps(t + e), _MM_FROUND_TO_NEAREST_INT));
             }
             for (; e < cols; e++) store_from_f32(oh, e, t[e], ot);
+        }
+    }
+}
+
+// The float value of each FP8 e4m3 (fn) byte: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+// exponent 0 subnormal, 0x7f / 0xff NaN (no infinities): torch's float8_e4m3fn values.
+static const float* e4m3_values() {
+    static float lut[256];
+    static bool made = false;
+    if (!made) {
+        for (int b = 0; b < 256; b++) {
+            const int e = (b >> 3) & 15, m = b & 7;
+            float v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+            if (e == 15 && m == 7) v = std::nanf("");
+            lut[b] = (b & 0x80) ? -v : v;
+        }
+        made = true;
+    }
+    return lut;
+}
+
+// Rows of FP8 codes expanded into the dtype ``ot``: codes (rows, >= groups * group bytes; row
+// stride ldc), float32 scales (rows, groups; row stride lds), each element fp8(code) * its
+// group's scale in float32, rounded to ``ot``; out contiguous (rows, cols).
+void fg_dequant_fp8(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ldc, const float* scales,
+                    int64_t lds, int64_t group, void* out, int ot, int nthreads) {
+    const float* lut = e4m3_values();
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t* c = codes + r * ldc;
+        const float* sc = scales + r * lds;
+        for (int64_t g0 = 0; g0 < cols; g0 += group) {
+            const float s = sc[g0 / group];
+            const int64_t g1 = g0 + group < cols ? g0 + group : cols;
+            if (ot == DT_F32) {
+                float* o = (float*)out + r * cols;
+                for (int64_t e = g0; e < g1; e++) o[e] = lut[c[e]] * s;
+            } else if (ot == DT_BF16) {
+                uint16_t* o = (uint16_t*)out + r * cols;
+                for (int64_t e = g0; e < g1; e++) o[e] = f32_to_bf16(lut[c[e]] * s);
+            } else {
+                uint16_t* o = (uint16_t*)out + r * cols;
+                for (int64_t e = g0; e < g1; e++) o[e] = f32_to_f16(lut[c[e]] * s);
+            }
         }
     }
 }

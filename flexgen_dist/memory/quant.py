@@ -21,6 +21,13 @@ number of groups; the padding is dropped again by :func:`dequantize`.
 
 Parts may also be :class:`~flexgen_dist.memory.disk.DiskTensor` s (a compressed tensor on the
 disk tier); only ``nbytes`` and ``copy_between`` apply to those.
+
+A QTensor of format ``E4M3`` (``fmt``) holds an FP8 checkpoint's own codes instead (8 bits, one
+float8 e4m3 value a byte, stored as uint8): element e of a group is ``fp8(code) * scale`` in
+float32, the scales float32, no mins (``mins`` is empty, ``L + (0,)``); the codes are padded
+with zeros (the value 0) to whole groups. Nothing quantizes to it: a checkpoint's codes are
+adopted (``models/packed.py``), and ``dequantize`` gives exactly the values the checkpoint's
+expansion gives (the same float32 product).
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from typing import Any
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
+INT, E4M3 = "int", "e4m3"  # a QTensor's formats: min-max integer codes, or FP8 codes times a scale
 
 
 @dataclass
@@ -45,6 +53,7 @@ class QTensor:
     dim: int            # grouping dim, normalised to 0 <= dim < len(shape)
     group_size: int
     bits: int
+    fmt: str = INT
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +162,19 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     if device is not None:
         data, mins, scales = (p.to(device) for p in (data, mins, scales))
     n = q.shape[q.dim]
+    if q.fmt == E4M3:  # each code's float value times its group's scale, in float32
+        if data.device.type == "cpu" and q.dim == len(q.shape) - 1 == 1:
+            from ..kernels import dequant_fp8  # the native one-pass expansion (a leaf: no cycle)
+
+            fast = dequant_fp8(data, scales, n, q.group_size, q.dtype, out)
+            if fast is not None:
+                return fast
+        num_groups = scales.shape[-1]
+        lead = scales.shape[:-1]
+        vals = data[..., :num_groups * q.group_size].view(torch.float8_e4m3fn).float()
+        x = (vals.reshape(*lead, num_groups, q.group_size) * scales.float().unsqueeze(-1))
+        x = x.reshape(*lead, num_groups * q.group_size)[..., :n].movedim(-1, q.dim).to(q.dtype)
+        return x.contiguous() if out is None else out.copy_(x)
     if q.dim == len(q.shape) - 1:
         # the same values in one pass (the kernels package is a leaf: no import cycle)
         from ..kernels.qweight import one_pass_expansion

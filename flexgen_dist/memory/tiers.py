@@ -157,12 +157,12 @@ def _copy_qtensor(dst: Movable, src: Movable, dst_rows: tuple[int, int] | None,
     if not (isinstance(dst, QTensor) and isinstance(src, QTensor)):
         raise TypeError("copy_between: a QTensor can only be copied into a QTensor; "
                         "quantize()/dequantize() explicitly to change representation")
-    if (dst.bits, dst.group_size, dst.dim, dst.dtype) != (src.bits, src.group_size, src.dim,
-                                                          src.dtype):
+    if (dst.bits, dst.group_size, dst.dim, dst.dtype, dst.fmt) != (src.bits, src.group_size, src.dim,
+                                                                   src.dtype, src.fmt):
         raise ValueError(
-            f"copy_between: QTensor layouts differ (bits, group_size, dim, dtype): "
-            f"dst {(dst.bits, dst.group_size, dst.dim, dst.dtype)} vs "
-            f"src {(src.bits, src.group_size, src.dim, src.dtype)}")
+            f"copy_between: QTensor layouts differ (bits, group_size, dim, dtype, format): "
+            f"dst {(dst.bits, dst.group_size, dst.dim, dst.dtype, dst.fmt)} vs "
+            f"src {(src.bits, src.group_size, src.dim, src.dtype, src.fmt)}")
     if (dst_rows is not None or src_rows is not None) and src.dim == 0:
         raise ValueError("copy_between: row ranges on a QTensor grouped along dim 0 would "
                          "cut through groups; quantize along another dim to copy rows")

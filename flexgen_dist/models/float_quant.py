@@ -1,5 +1,9 @@
 """Float-coded checkpoints: FP8 weights with their scales, and gpt-oss's MXFP4 experts; each
-matrix expanded to float32 as it is read (then kept in the run's dtype like any weight).
+matrix expanded to float32 as it is read (then kept in the run's dtype like any weight), or,
+for a 2-D FP8 matrix under ``--compress-weight``, kept as its codes (``fp8_packed``: a
+``PackedWeight`` of format e4m3, one byte a value and a float32 scale per row and block of
+columns, which the engine stores as a ``QTensor`` and expands on the compute device to
+exactly ``dequantize_fp8``'s values).
 
 FP8 (e4m3) matrices come in three layouts, told apart by the config (``fp8_layout``):
 
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .packed import PackedWeight
 from .source import ModelLoadError
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -118,24 +123,62 @@ def activation_note(cfg: dict[str, Any]) -> str | None:
             "computes them")
 
 
-def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
-    """An FP8 matrix (..., rows, cols) in float32: each element times the scale of its block,
-    ``scale`` (..., ceil(rows / b0), ceil(cols / b1)) holding them (E8M0 bytes: 2^(byte - 127)),
-    the last blocks partial. The block is the config's ``block`` where the grid is what it
-    gives (what the quantizer used), else the one the grid gives where it divides the matrix (a
-    scale per tensor or per output row, a block the config does not name: transformers' rule);
-    computed as transformers computes it (float32 product)."""
-    rows, cols = w.shape[-2:]
-    grid = tuple(scale.shape[-2:]) if scale.dim() >= 2 else (1, 1) if scale.numel() == 1 else (-1, -1)
-    given = block[0] > 0 and block[1] > 0 and (-(-rows // block[0]), -(-cols // block[1])) == grid
-    if not given and min(grid) > 0 and rows % grid[0] == 0 and cols % grid[1] == 0:
-        block = (rows // grid[0], cols // grid[1])
-    elif not given:
-        raise ModelLoadError(f"{name}: FP8 weight of shape {tuple(w.shape)} with a scale grid of "
-                             f"{tuple(scale.shape)} does not fit blocks of {block[0]}x{block[1]}: corrupt checkpoint?")
+def fp8_block(shape: tuple[int, ...], scale: torch.Tensor, block: tuple[int, int], name: str) -> tuple[int, int]:
+    """The block each scale of an FP8 matrix of ``shape`` (..., rows, cols) covers, ``scale``
+    (..., ceil(rows / b0), ceil(cols / b1)) holding one per block: the config's ``block`` where
+    the grid is what it gives (what the quantizer used), else the one the grid gives where it
+    divides the matrix (a scale per tensor or per output row, a block the config does not name:
+    transformers' rule)."""
+    rows, cols = shape[-2:]
+    grid = _grid(scale)
+    if block[0] > 0 and block[1] > 0 and (-(-rows // block[0]), -(-cols // block[1])) == grid:
+        return block
+    if min(grid) > 0 and rows % grid[0] == 0 and cols % grid[1] == 0:
+        return rows // grid[0], cols // grid[1]
+    raise ModelLoadError(f"{name}: FP8 weight of shape {tuple(shape)} with a scale grid of "
+                         f"{tuple(scale.shape)} does not fit blocks of {block[0]}x{block[1]}: corrupt checkpoint?")
+
+
+def _grid(scale: torch.Tensor) -> tuple[int, int]:
+    return tuple(scale.shape[-2:]) if scale.dim() >= 2 else (1, 1) if scale.numel() == 1 else (-1, -1)  # type: ignore[return-value]
+
+
+def _row_scales(shape: tuple[int, ...], scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(..., rows, groups) float32: each row's scale of each block of columns (E8M0 bytes:
+    2^(byte - 127))."""
     s = (scale.float() - 127.0).exp2() if scale.dtype == torch.uint8 else scale.float()
-    s = s.reshape(*w.shape[:-2], *grid).repeat_interleave(block[0], -2)[..., :rows, :]
-    return w.float() * s.repeat_interleave(block[1], -1)[..., :cols]
+    return s.reshape(*shape[:-2], *_grid(scale)).repeat_interleave(block[0], -2)[..., :shape[-2], :]
+
+
+def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> torch.Tensor:
+    """An FP8 matrix (..., rows, cols) in float32: each element times the scale of its block
+    (``fp8_block``), the last blocks partial; computed as transformers computes it (float32
+    product)."""
+    block = fp8_block(tuple(w.shape), scale, block, name)
+    s = _row_scales(tuple(w.shape), scale, block)
+    return w.float() * s.repeat_interleave(block[1], -1)[..., :w.shape[-1]]
+
+
+def fp8_packed(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> PackedWeight:
+    """An FP8 matrix (rows, cols) kept as its codes (``PackedWeight`` of format e4m3): groups of
+    the block's width along the row, each row's scale per group in float32, the codes padded
+    with zeros to whole groups; it expands to exactly ``dequantize_fp8``'s values."""
+    rows, cols = w.shape
+    block = fp8_block((rows, cols), scale, block, name)
+    scales = _row_scales((rows, cols), scale, block).contiguous()
+    codes = w.view(torch.uint8)
+    pad = scales.shape[-1] * block[1] - cols
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    return PackedWeight(codes.contiguous(), torch.empty(rows, 0), scales, (rows, cols), 8, block[1], "e4m3")
+
+
+def fp8_format(shape: tuple[int, ...], grid: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int, str]:
+    """``(bits, group_size, "e4m3")`` of an FP8 matrix ``fp8_packed`` keeps (``stored_nbytes``
+    sizes it), from its shape and its scales' shape alone (a file's header): the group is the
+    block's width."""
+    scale = torch.empty(grid, device="meta")
+    return 8, fp8_block(tuple(shape), scale, block, "")[1], "e4m3"
 
 
 # e2m1: the 16 values of a 4-bit code (sign, two exponent bits, one mantissa bit)

@@ -417,7 +417,7 @@ class GGUFSource(WeightSource):
             w -= self.arch.norm_shift
         return self._unpermute(k, w)
 
-    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[Any, ...]]:
         if not self.keep_packed:
             return {}
         shapes = self.shapes(part, layer)

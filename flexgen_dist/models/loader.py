@@ -24,7 +24,8 @@ from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
-from .float_quant import FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8, dequantize_mxfp4, fp8_layout
+from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8, dequantize_mxfp4, fp8_format,
+                          fp8_layout, fp8_packed)
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
@@ -108,7 +109,8 @@ class HFDirSource(WeightSource):
 
     def _read(self, part: str, layer: int | None, packed: bool = False) -> dict[str, Any]:
         """The part's tensors under canonical keys; ``packed``: a GPTQ/AWQ/compressed-tensors
-        matrix read whole comes as a ``PackedWeight`` where its codes can be kept (``get_packed``)."""
+        or FP8 matrix read whole comes as a ``PackedWeight`` where its codes can be kept
+        (``get_packed``)."""
         out: dict[str, Any] = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
             if packed and name in self._packed and not (rows or transposed or index or mxfp4):
@@ -119,6 +121,9 @@ class HFDirSource(WeightSource):
                                           shape[1] // scales.shape[1])
                     continue
             t = self._tensor(name)
+            if packed and t.dtype in FP8_DTYPES and t.dim() == 2 and not (rows or transposed or index or mxfp4):
+                out[k] = fp8_packed(t, self._fp8_scale(name), self.fp8.block, f"{self.path}: {name}")  # type: ignore[union-attr]
+                continue
             if mxfp4:  # codes and scales of all experts: one expert's, expanded
                 t = self._expand_mxfp4(name, int(index) if index else None)
                 index = ""
@@ -161,36 +166,60 @@ class HFDirSource(WeightSource):
         return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
-        if self.iq is None or not self.keep_packed:
+        if (self.iq is None and self.fp8 is None) or not self.keep_packed:
             return dict(self.get(part, layer))
         raw = self._read(part, layer, packed=True)
         packed = {k: v for k, v in raw.items() if isinstance(v, PackedWeight)}
         shapes = self.shapes(part, layer)
         for k, pw in packed.items():
             if tuple(pw.shape) != tuple(shapes[k]):
-                raise ModelLoadError(f"{self.path}: {self.iq.method} weight {k} of {part} {layer} has shape "
+                method = self.iq.method if self.iq is not None else "FP8"
+                raise ModelLoadError(f"{self.path}: {method} weight {k} of {part} {layer} has shape "
                                      f"{pw.shape}, expected {shapes[k]}: corrupt checkpoint?")
         dense = {k: v for k, v in raw.items() if k not in packed}
         return {**self._checked(part, layer, dense), **packed}
 
-    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
-        if self.iq is None or not self.keep_packed:
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[Any, ...]]:
+        if (self.iq is None and self.fp8 is None) or not self.keep_packed:
             return {}
         out = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
-            if name in self._packed and not (rows or transposed or index or mxfp4):
+            if rows or transposed or index or mxfp4:
+                continue
+            if self.fp8 is not None and self._is_fp8(name):
+                shape = self._shape(name)
+                if len(shape) == 2:
+                    out[k] = fp8_format(shape, self._shape(self._fp8_scale_name(name)), self.fp8.block)
+                continue
+            if self.iq is not None and name in self._packed and not (rows or transposed or index or mxfp4):
                 group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if group:
                     out[k] = (self.iq.bits, group)
         return out
 
-    def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
+    def _fp8_scale_name(self, name: str) -> str:
+        """The name of FP8 matrix ``name``'s scales (refused in one line where there are none)."""
         scale_name = name + (self.fp8.suffix if self.fp8 else "_scale_inv")
         if self.fp8 is None or scale_name not in self.index:
             raise ModelLoadError(f"{self.path}: tensor {name} is FP8 but "
                                  + ("the config has no FP8 quantization_config" if self.fp8 is None
                                     else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
-        scale = self._tensor(scale_name)
+        return scale_name
+
+    def _fp8_scale(self, name: str) -> torch.Tensor:
+        return self._tensor(self._fp8_scale_name(name))
+
+    def _is_fp8(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored in float8 (from the file's header)."""
+        if name not in self.index or name in self._packed:
+            return False
+        h = self._open(self.index[name])
+        if hasattr(h, "get_slice"):
+            return h.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E4M3FN")
+        return h[name].dtype in FP8_DTYPES
+
+    def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        scale = self._fp8_scale(name)
         return dequantize_fp8(t, scale[index] if index is not None and scale.dim() > 0 and scale.numel() > 1
                               else scale, self.fp8.block, f"{self.path}: {name}")
 

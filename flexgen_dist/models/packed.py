@@ -1,5 +1,6 @@
-"""Weights kept in a checkpoint's own group-wise quantization (GGUF Q4_0, Q4_1, Q8_0), in the
-layout of the engine's compressed tensors, so ``--compress-weight`` adopts them unexpanded."""
+"""Weights kept in a checkpoint's own group-wise quantization (GGUF Q4_0, Q4_1, Q8_0, GPTQ/AWQ
+codes, FP8 codes with their scales), in the layout of the engine's compressed tensors, so
+``--compress-weight`` adopts them unexpanded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ class PackedWeight:
     row is ``codes(e) * scales[g] + mins[g]`` with g = e // group_size. ``codes`` packs
     ``8 // bits`` codes per byte, low bits first: the layout of the engine's compressed
     tensors (``memory.quant.QTensor`` with dim 1), so the engine adopts it without a copy.
+    ``fmt`` ``e4m3`` (``memory.quant.E4M3``): FP8 codes, one a byte, each ``fp8(code) *
+    scales[g]`` in float32 (scales float32, ``mins`` empty: (rows, 0)).
     """
 
     codes: torch.Tensor  # uint8, (rows, cols * bits / 8)
@@ -24,6 +27,7 @@ class PackedWeight:
     shape: tuple[int, int]
     bits: int
     group_size: int
+    fmt: str = "int"
 
     @property
     def nbytes(self) -> int:
@@ -31,7 +35,8 @@ class PackedWeight:
 
     def rows(self, fn: Any) -> PackedWeight:
         """The same weight with ``fn`` applied to the rows of every part (a row permutation)."""
-        return PackedWeight(fn(self.codes), fn(self.mins), fn(self.scales), self.shape, self.bits, self.group_size)
+        return PackedWeight(fn(self.codes), fn(self.mins), fn(self.scales), self.shape, self.bits, self.group_size,
+                            self.fmt)
 
 
 

@@ -5,6 +5,7 @@ live with their formats: ``loader.py`` (Hugging Face directories, dummy weights)
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 
@@ -48,9 +49,10 @@ class WeightSource(abc.ABC):
         ``keep_packed`` is off (then every weight is expanded, as ``get``)."""
         return dict(self.get(part, layer))
 
-    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[int, int]]:
-        """``(bits, group_size)`` of each weight ``get_packed`` keeps in the file's own blocks,
-        read from the file's header alone (for the budget check, before anything is loaded)."""
+    def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[Any, ...]]:
+        """``(bits, group_size)`` of each weight ``get_packed`` keeps in the file's own blocks
+        (``(8, group_size, "e4m3")`` for FP8 codes), read from the file's header alone (for the
+        budget check, before anything is loaded)."""
         return {}
 
     @abc.abstractmethod
