@@ -271,6 +271,25 @@ def _state_bytes(spec: ModelSpec, z: StageShape) -> np.ndarray:
     return out
 
 
+def _prefill_scores_bytes(spec: ModelSpec, z: StageShape) -> int:
+    """What one GPU batch's prompt attention holds beyond q, k, v and its output
+    (``attention.prefill_attention``): its (b, 1, s, s) bool mask, and the scores where they
+    are materialised. On a CPU device SDPA's fused kernel materialises none (its largest
+    allocation is the output, measured with torch's profiler, grouped-query heads and an
+    explicit mask included); softcapped scores (Gemma 2) and sinks (gpt-oss) are computed one
+    sequence at a time: its float32 scores, with the sinks' column, their softmax and
+    temporaries (four such tensors, measured at most ~3.4). On a GPU every
+    head's float32 scores are counted: with an explicit mask and grouped-query heads SDPA may
+    fall back to its math kernel, which materialises them."""
+    b, s, nh = z.gpu_batch_size, z.prompt_len, spec.num_heads
+    mask = b * s * s
+    if z.cuda:
+        return mask + b * nh * s * s * 4
+    if spec.attn_softcap > 0 or spec.attn_sinks:
+        return mask + 4 * nh * s * s * 4
+    return mask
+
+
 def _linear_prefill_bytes(spec: ModelSpec, z: StageShape) -> int:
     """One GPU batch's temporaries of a linear layer's prefill (``deltanet.chunked_rule``): the
     chunk-square decay, system and attention matrices and the float32 q, k, v and outputs."""
@@ -306,8 +325,12 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     held = max(cache_positions(spec, z.first_layer, z.num_layers, s + n), default=s + n)
     for ph, toks, ctx in ((0, s, s), (1, 1, held)):
         # attention's scores, or (prefill) a linear layer's temporaries: never both at once
-        mixer = max(b * nh * toks * ctx * 4, _linear_prefill_bytes(spec, z) if ph == 0 else 0)
-        W[ph, 0, 9] += b * toks * e * (2 * h + max(q + 2 * kv, mlp)) + mixer
+        scores = _prefill_scores_bytes(spec, z) if ph == 0 else b * nh * toks * ctx * 4
+        mixer = max(scores, _linear_prefill_bytes(spec, z) if ph == 0 else 0)
+        # beside the layer's input (the block's activations): attention's normalised input, q,
+        # k, v and its output; then the residual stream, the MLP's normalised input, its
+        # intermediate and its output (the layer forwards drop q, k, v before the MLP)
+        W[ph, 0, 9] += b * toks * e * max(h + 2 * q + 2 * kv, 3 * h + mlp) + mixer
         W[ph, 0, [7, 8]] += 2 * b * toks * h * e  # the next GPU batch's hidden states in, the last out
         if z.compress_cache:  # one GPU batch's K and V of a layer, expanded for its attention
             W[ph, 0, 9] += b * held * seq_cache

@@ -77,6 +77,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         cos, sin = as_positions(pos).rope(spec.head_dim, spec.rope_theta, x.dtype, spec.rope_scaling, interleaved=True)
         q, k = apply_rope_interleaved(q, cos, sin, True), apply_rope_interleaved(k, cos, sin, True)
     a = attend(q, k, v)
+    del q, k, v  # not held through the MLP
     mlp = linear(silu_mul(linear(h, w["gate.w"]), linear(h, w["up.w"])), w["down.w"])
     return linear(a, w["o.w"], w.get("o.b"), x).add_(mlp)  # (x + attention) + MLP, the reference's order
 

@@ -95,13 +95,16 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     cos, sin = as_positions(pos).rope(d, theta, x.dtype, scaling)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     a = attend(q, k, v)
+    del q, k, v  # not held through the MLP (the footprint counts them in attention only)
     if spec.norm_layout == "pre":  # Gemma 1: the sublayers' outputs added as they are
         x = linear(a, w["o.w"], w.get("o.b"), residual)
+        del a, residual
         h = norm(x, w["mlp_norm.w"], eps)
         g = F.gelu(linear(h, w["gate.w"]), approximate="tanh").mul_(linear(h, w["up.w"]))
         return linear(g, w["down.w"], None, x)
     # residual + norm(out): the same sum as norm(out) + residual, so the add may be in place
     x = norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(residual)
+    del a
     residual = x
     h = norm(x, w["mlp_norm.w"], eps)
     g = F.gelu(linear(h, w["gate.w"]), approximate="tanh").mul_(linear(h, w["up.w"]))

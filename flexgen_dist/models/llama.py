@@ -247,6 +247,7 @@ def _post_norm_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Te
     eps = spec.norm_eps
     a = attend(*_qkv(spec, w, x, pos, layer))
     x = _norm(spec, linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
+    del a
     g = silu_mul(linear(x, w["gate.w"], w.get("gate.b")), linear(x, w["up.w"], w.get("up.b")))
     return _norm(spec, linear(g, w["down.w"], w.get("down.b")), w["post_mlp_norm.w"], eps).add_(x)
 
@@ -258,6 +259,7 @@ def _sandwich_layer(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Ten
     eps = spec.norm_eps
     a = attend(*_qkv(spec, w, rms_norm(x, w["attn_norm.w"], eps), pos, layer), *_sinks(spec, w))
     x = rms_norm(linear(a, w["o.w"], w.get("o.b")), w["post_attn_norm.w"], eps).add_(x)
+    del a
     h = rms_norm(x, w["mlp_norm.w"], eps)
     g = silu_mul(linear(h, w["gate.w"], w.get("gate.b")), linear(h, w["up.w"], w.get("up.b")))
     return rms_norm(linear(g, w["down.w"], w.get("down.b")), w["post_mlp_norm.w"], eps).add_(x)
@@ -343,6 +345,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
         return _sandwich_layer(spec, w, x, pos, attend, layer)
     eps = spec.norm_eps
     residual = x
+    xn = None
     if isinstance(attend, Recurrent):  # a linear-attention layer (Qwen3-Next)
         h = linear_attention(spec, w, _norm(spec, x, w["attn_norm.w"], eps, w.get("attn_norm.b")), attend)
         return _mlp_block(spec, w, linear(h, w["lin_o.w"], None, residual), layer)
@@ -358,6 +361,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     scaled = spec.residual_multiplier != 1.0
     x = _residual(spec, linear(a, w["o.w"], w.get("o.b")), residual) if scaled else \
         linear(a, w["o.w"], w.get("o.b"), residual)
+    del a, xn, residual  # not held through the MLP: a prefill's working set is what the footprint counts
     return _mlp_block(spec, w, x, layer)
 
 

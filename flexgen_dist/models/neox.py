@@ -197,6 +197,7 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     q, k, v = project_qkv(spec, w, h)
     cos, sin = as_positions(pos).rope(spec.rope_dim, spec.rope_theta, x.dtype, spec.rope_scaling)
     a = linear(attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v), w["o.w"], w.get("o.b"))
+    del q, k, v  # not held through the MLP
     if _shared(spec):  # Phi: attn + mlp + x, both on the one normalised input
         return (a + _mlp(spec, w, h)).add_(x)
     if spec.parallel_residual:  # GPT-NeoX: mlp + attn + x

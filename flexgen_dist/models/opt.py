@@ -89,7 +89,9 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     k = linear(x, w["k.w"], w["k.b"]).view(b, t, nh, d)
     v = linear(x, w["v.w"], w["v.b"]).view(b, t, nh, d)
     a = attend(q, k, v)
+    del q, k, v  # not held through the MLP: a prefill's working set is what the footprint counts
     x = linear(a, w["o.w"], w["o.b"], residual)
+    del a
     if not spec.pre_layer_norm:
         x = layer_norm(x, w["attn_norm.w"], w["attn_norm.b"], eps)
     residual = x
