@@ -13,10 +13,13 @@ the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Herme
 ``<tool_call>`` with ``<arg_key>``/``<arg_value>`` pairs, Qwen3-Coder's ``<function=NAME>`` with
 ``<parameter=KEY>`` tags, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
-``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``; the text before the calls is the message's
+``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``, MiniMax-M2's
+``<minimax:tool_call>`` with ``<invoke name=...>`` and ``<parameter name=...>`` tags; the text before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
-constrains nothing.
+constrains nothing. An argument written as a tag's text (GLM-4.5, Qwen3-Coder, MiniMax-M2) is
+that text where its parameter's schema says ``string``, else the JSON value the text is (the
+text where it is none).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _JSON = json.JSONDecoder()
 _SPECIALS = re.compile(r"(\s*<[^<>\s]+>)*\s*")  # nothing but special tokens' text (the end of turn)
 Calls = list[tuple[str, str]]  # (function name, arguments as JSON text)
+Tools = dict[str, dict[str, Any]]  # the request's functions: name -> its parameters' properties (schemas)
 
 
 class ToolError(ValueError):
@@ -96,7 +100,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
-                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, Llama 3's JSON, harmony): set "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Llama 3's JSON, harmony): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -111,7 +115,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     return ToolChoice(tuple(tools), name)
 
 
-def _call(obj: Any, names: set[str]) -> tuple[str, str] | None:
+def _call(obj: Any, names: Tools) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a ``{"name", "arguments" | "parameters"}`` object
     calling one of ``names``, else None."""
     if not isinstance(obj, dict) or obj.get("name") not in names:
@@ -120,7 +124,7 @@ def _call(obj: Any, names: set[str]) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args)
 
 
-def _json_call(name: str, body: str, names: set[str]) -> tuple[str, str] | None:
+def _json_call(name: str, body: str, names: Tools) -> tuple[str, str] | None:
     """The call of ``name`` whose arguments are the JSON value ``body`` begins with (text
     after it ignored), where ``name`` is one of ``names``; else None."""
     try:
@@ -137,7 +141,7 @@ def _head(raw: str, marker: str, calls: Calls) -> tuple[str | None, Calls]:
     return raw.split(marker, 1)[0].strip() or None, calls
 
 
-def hermes_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def hermes_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """(the content before the first block, or None where it is blank; each ``<tool_call>``
     block's (name, arguments as JSON)) of a completion's text with its special tokens (Qwen
     2.5/3, Hermes); no calls where a block is not a call of one of ``names`` (then the text is
@@ -154,7 +158,7 @@ def hermes_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return _head(raw, "<tool_call>", calls)
 
 
-def mistral_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def mistral_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """Mistral's calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (its v3
     tokenizers' templates), or ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]``
     (the newer ones'); anything else is content."""
@@ -176,7 +180,7 @@ def mistral_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return _head(raw, "[TOOL_CALLS]", calls)
 
 
-def llama3_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def llama3_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """Llama 3.1-3.3's JSON calls: the message is ``{"name", "parameters"}`` objects (after an
     optional ``<|python_tag|>``, several joined by ``;``), nothing else; anything else is content."""
     text = raw.replace("<|python_tag|>", "").strip()
@@ -202,41 +206,72 @@ _XML_BLOCK = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*<
 _XML_ARG = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-def _tagged_calls(raw: str, names: set[str], block: re.Pattern[str], arg: re.Pattern[str]) -> tuple[str | None, Calls]:
-    """Calls written as tags: each ``block`` match's name and body, the body's ``arg`` matches
-    its (key, value) pairs; a value that parses as JSON is that value, else the string."""
+def _value(text: str, schema: Any) -> Any:
+    """A tag's text as an argument: the text where the parameter's schema says ``string``, else
+    the JSON value it is (the text where it is none)."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _tagged_call(name: str, body: str, arg: re.Pattern[str], names: Tools) -> tuple[str, str] | None:
+    """The call of ``name`` whose arguments are ``body``'s ``arg`` matches, (key, value) pairs,
+    each value read by ``_value``; None where ``name`` is not one of ``names``."""
+    name = name.strip()
+    props = names.get(name, {}) if isinstance(names, dict) else {}
+    args = {k.strip(): _value(v, props.get(k.strip())) for k, v in arg.findall(body)}
+    return _call({"name": name, "arguments": args}, names)
+
+
+def _tagged_calls(raw: str, names: Tools, block: re.Pattern[str], arg: re.Pattern[str]) -> tuple[str | None, Calls]:
+    """Calls written as tags: each ``block`` match's name and body (``_tagged_call``)."""
     calls: Calls = []
     for m in block.finditer(raw):
-        args: dict[str, Any] = {}
-        for k, v in arg.findall(m.group(2)):
-            try:
-                args[k.strip()] = json.loads(v)
-            except json.JSONDecodeError:
-                args[k.strip()] = v
-        c = _call({"name": m.group(1), "arguments": args}, names)
+        c = _tagged_call(m.group(1), m.group(2), arg, names)
         if c is None:
             return raw, []
         calls.append(c)
     return _head(raw, "<tool_call>", calls)
 
 
-def glm_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def glm_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """GLM-4.5's calls: ``<tool_call>NAME`` then ``<arg_key>k</arg_key><arg_value>v</arg_value>``
     pairs, then ``</tool_call>``."""
     return _tagged_calls(raw, names, _GLM_BLOCK, _GLM_ARG)
 
 
-def xml_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def xml_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """Qwen3-Coder's calls: ``<tool_call>`` ``<function=NAME>`` then ``<parameter=KEY>`` value
     ``</parameter>`` per argument, ``</function>`` ``</tool_call>``."""
     return _tagged_calls(raw, names, _XML_BLOCK, _XML_ARG)
+
+
+_MM_BLOCK = re.compile(r"<minimax:tool_call>(.*?)</minimax:tool_call>", re.DOTALL)
+_MM_INVOKE = re.compile(r"<invoke name=[\"']?([^\"'>]+)[\"']?>(.*?)</invoke>", re.DOTALL)
+_MM_ARG = re.compile(r"<parameter name=[\"']?([^\"'>]+)[\"']?>\s*(.*?)\s*</parameter>", re.DOTALL)
+
+
+def minimax_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
+    """MiniMax-M2's calls: ``<minimax:tool_call>`` blocks, each holding ``<invoke name="NAME">``
+    elements with a ``<parameter name="KEY">`` value ``</parameter>`` per argument."""
+    calls: Calls = []
+    for blk in _MM_BLOCK.finditer(raw):
+        for m in _MM_INVOKE.finditer(blk.group(1)):
+            c = _tagged_call(m.group(1), m.group(2), _MM_ARG, names)
+            if c is None:
+                return raw, []
+            calls.append(c)
+    return _head(raw, "<minimax:tool_call>", calls)
 
 
 _DS_BEGIN, _DS_CALL = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
 _DS_SEP, _DS_END = "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 
 
-def deepseek_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def deepseek_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """DeepSeek-V3's calls after ``<｜tool▁calls▁begin｜>``, each ``<｜tool▁call▁begin｜>`` ...
     ``<｜tool▁call▁end｜>``: V3's ``function<｜tool▁sep｜>NAME`` and a fenced JSON block, or
     V3.1's ``NAME<｜tool▁sep｜>{...}``."""
@@ -261,7 +296,7 @@ _KIMI_BEGIN, _KIMI_CALL = "<|tool_calls_section_begin|>", "<|tool_call_begin|>"
 _KIMI_ARGS, _KIMI_END = "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
-def kimi_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def kimi_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """Kimi K2's calls after ``<|tool_calls_section_begin|>``, each ``<|tool_call_begin|>``
     ``functions.NAME:INDEX`` ``<|tool_call_argument_begin|>`` ``{...}`` ``<|tool_call_end|>``."""
     if _KIMI_BEGIN not in raw:
@@ -277,7 +312,7 @@ def kimi_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
     return _head(raw, _KIMI_BEGIN, calls)
 
 
-def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
+def harmony_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """gpt-oss' calls: harmony ``commentary`` messages to ``functions.NAME`` whose text is the
     arguments' JSON (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
     <|call|>``); the content is its final (and recipient-less commentary) messages' text, the
@@ -298,6 +333,7 @@ def harmony_calls(raw: str, names: set[str]) -> tuple[str | None, Calls]:
 # what a chat template teaches about calls -> the reader of its model's syntax (``tool_choice`` auto),
 # in the order they are looked for (GLM-4.5's and Qwen3-Coder's templates also write <tool_call>)
 READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi_calls),
+           "minimax": ("<minimax:tool_call>", minimax_calls),
            "xml": ("<parameter=", xml_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
@@ -323,7 +359,9 @@ def tool_message(choice: ToolChoice, text: str, key: str, raw: str | None = None
         return None
     if choice.call == AUTO:
         read = READERS[choice.syntax][1]
-        content, calls = read(raw if raw is not None else text, {t["function"]["name"] for t in choice.tools})
+        tools = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+                 for t in choice.tools}
+        content, calls = read(raw if raw is not None else text, tools)
         if not calls:
             return None
     elif choice.call == REQUIRED:

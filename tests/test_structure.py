@@ -278,6 +278,9 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
     "kimi-k2": ("{# <|tool_calls_section_begin|> #}",
                 "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
                 '{"unit": "c"}<|tool_call_end|><|tool_calls_section_end|>', None),
+    "minimax-m2": ("{# <minimax:tool_call> <invoke name=...> <parameter name=...> #}",
+                   'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="unit">c</parameter>\n'
+                   "</invoke>\n</minimax:tool_call>", "Checking."),
     "llama3": ('{# "parameters": dictionary of argument name and its value #}',
                '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
 }
@@ -350,6 +353,29 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
             '<|tool_call_argument_begin|>{"on": true}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
     assert kimi_calls(kimi, names) == ("Let me check.", [("get_weather", '{"unit": "c"}'), ("set_alarm", '{"on": true}')])
     assert kimi_calls(kimi.replace("set_alarm", "nope"), names) == (kimi.replace("set_alarm", "nope"), [])
+
+
+def test_tagged_arguments_follow_their_schemas_and_minimax_calls_are_read() -> None:
+    """A tag's text is a string argument where the parameter's schema says so (``"42"`` stays
+    text), else its JSON value (``42``); MiniMax-M2's ``<invoke>`` elements, several in one block, are
+    calls of known functions only; its template's marker picks its reader."""
+    from types import SimpleNamespace
+
+    from flexgen_dist.openai_tools import minimax_calls, reads_auto, xml_calls
+
+    tools = {"set_alarm": {"on": {"type": "boolean"}, "label": {"type": "string"}}, "get_weather": {}}
+    mm = ('Let me look.\n<minimax:tool_call>\n<invoke name="set_alarm">\n<parameter name="on">true</parameter>\n'
+          '<parameter name="label">42</parameter>\n</invoke>\n<invoke name="get_weather">\n'
+          '<parameter name="unit">c</parameter>\n</invoke>\n</minimax:tool_call>')
+    assert minimax_calls(mm, tools) == ("Let me look.", [("set_alarm", '{"on": true, "label": "42"}'),
+                                                         ("get_weather", '{"unit": "c"}')])
+    assert minimax_calls(mm.replace("get_weather", "nope"), tools) == (mm.replace("get_weather", "nope"), [])
+    assert minimax_calls("No calls.", tools) == ("No calls.", [])
+    xml = "<tool_call>\n<function=set_alarm>\n<parameter=label>\n42\n</parameter>\n</function>\n</tool_call>"
+    assert xml_calls(xml, tools)[1] == [("set_alarm", '{"label": "42"}')]
+    assert xml_calls(xml, {"set_alarm": {}})[1] == [("set_alarm", '{"label": 42}')]  # no schema: its JSON value
+    template = "{% for t in tools %}<minimax:tool_call><invoke name=...>{% endfor %}"
+    assert reads_auto(SimpleNamespace(chat_template=template)) == "minimax"
 
 
 @pytest.mark.gpu
