@@ -14,7 +14,8 @@ the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Herme
 ``<parameter=KEY>`` tags, ``[TOOL_CALLS]`` (Mistral), DeepSeek-V3's
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
 ``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``, MiniMax-M2's
-``<minimax:tool_call>`` with ``<invoke name=...>`` and ``<parameter name=...>`` tags; the text before the calls is the message's
+``<minimax:tool_call>`` with ``<invoke name=...>`` and ``<parameter name=...>`` tags, Granite 3.x's
+``<|tool_call|>`` and a JSON list; the text before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
 constrains nothing. An argument written as a tag's text (GLM-4.5, Qwen3-Coder, MiniMax-M2) is
@@ -100,7 +101,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
-                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Llama 3's JSON, harmony): set "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Granite's, Llama 3's JSON, harmony): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -198,6 +199,25 @@ def llama3_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     if not calls or not _SPECIALS.fullmatch(text):  # words after the calls: not a call message
         return raw, []
     return None, calls
+
+
+_GRANITE = "<|tool_call|>"
+
+
+def granite_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
+    """IBM Granite 3.x's calls: ``<|tool_call|>`` then a JSON list of ``{"name", "arguments"}``
+    (or the list alone, the whole message), nothing but end-of-turn tokens after it."""
+    head, marker, body = raw.partition(_GRANITE)
+    if not marker:
+        head, body = "", raw
+    try:
+        objs, end = _JSON.raw_decode(body.strip())
+    except json.JSONDecodeError:
+        return raw, []
+    found = [_call(o, names) for o in objs] if isinstance(objs, list) and objs else [None]
+    if None in found or not _SPECIALS.fullmatch(body.strip()[end:]):
+        return raw, []
+    return head.strip() or None, found  # type: ignore[return-value]
 
 
 _GLM_BLOCK = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.DOTALL)
@@ -334,6 +354,7 @@ def harmony_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
 # in the order they are looked for (GLM-4.5's and Qwen3-Coder's templates also write <tool_call>)
 READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi_calls),
            "minimax": ("<minimax:tool_call>", minimax_calls),
+           "granite": ("<|tool_call|> followed by a JSON list", granite_calls),
            "xml": ("<parameter=", xml_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}

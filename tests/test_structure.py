@@ -281,6 +281,8 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
     "minimax-m2": ("{# <minimax:tool_call> <invoke name=...> <parameter name=...> #}",
                    'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="unit">c</parameter>\n'
                    "</invoke>\n</minimax:tool_call>", "Checking."),
+    "granite": ("{# respond only with <|tool_call|> followed by a JSON list of tools used #}",
+                'Sure. <|tool_call|>[{"name": "get_weather", "arguments": {"unit": "c"}}]', "Sure."),
     "llama3": ('{# "parameters": dictionary of argument name and its value #}',
                '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
 }
@@ -355,13 +357,14 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
     assert kimi_calls(kimi.replace("set_alarm", "nope"), names) == (kimi.replace("set_alarm", "nope"), [])
 
 
-def test_tagged_arguments_follow_their_schemas_and_minimax_calls_are_read() -> None:
+def test_tagged_arguments_follow_their_schemas_and_minimax_and_granite_calls_are_read() -> None:
     """A tag's text is a string argument where the parameter's schema says so (``"42"`` stays
     text), else its JSON value (``42``); MiniMax-M2's ``<invoke>`` elements, several in one block, are
-    calls of known functions only; its template's marker picks its reader."""
+    calls of known functions only; so are Granite's ``<|tool_call|>`` lists; a template's marker
+    picks its reader."""
     from types import SimpleNamespace
 
-    from flexgen_dist.openai_tools import minimax_calls, reads_auto, xml_calls
+    from flexgen_dist.openai_tools import granite_calls, minimax_calls, reads_auto, xml_calls
 
     tools = {"set_alarm": {"on": {"type": "boolean"}, "label": {"type": "string"}}, "get_weather": {}}
     mm = ('Let me look.\n<minimax:tool_call>\n<invoke name="set_alarm">\n<parameter name="on">true</parameter>\n'
@@ -374,6 +377,13 @@ def test_tagged_arguments_follow_their_schemas_and_minimax_calls_are_read() -> N
     xml = "<tool_call>\n<function=set_alarm>\n<parameter=label>\n42\n</parameter>\n</function>\n</tool_call>"
     assert xml_calls(xml, tools)[1] == [("set_alarm", '{"label": "42"}')]
     assert xml_calls(xml, {"set_alarm": {}})[1] == [("set_alarm", '{"label": 42}')]  # no schema: its JSON value
+    gr = '<|tool_call|>[{"name": "set_alarm", "arguments": {"on": true}}, {"name": "get_weather", "arguments": {}}]'
+    assert granite_calls(gr + "<|end_of_text|>", tools) == (None, [("set_alarm", '{"on": true}'), ("get_weather", "{}")])
+    assert granite_calls("Sure. " + gr, tools)[0] == "Sure."
+    assert granite_calls(gr + " and more words", tools)[1] == []  # prose after the list: not a call message
+    assert granite_calls(gr.replace("set_alarm", "nope"), tools)[1] == []
+    assert granite_calls('[{"name": "get_weather", "arguments": {"unit": "c"}}]', tools)[1] == [("get_weather", '{"unit": "c"}')]
+    assert granite_calls("It is sunny.", tools) == ("It is sunny.", [])
     template = "{% for t in tools %}<minimax:tool_call><invoke name=...>{% endfor %}"
     assert reads_auto(SimpleNamespace(chat_template=template)) == "minimax"
 
