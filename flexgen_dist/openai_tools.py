@@ -15,7 +15,8 @@ the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Herme
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
 ``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``, MiniMax-M2's
 ``<minimax:tool_call>`` with ``<invoke name=...>`` and ``<parameter name=...>`` tags, Granite 3.x's
-``<|tool_call|>`` and a JSON list; the text before the calls is the message's
+``<|tool_call|>`` and a JSON list, the pythonic ``[name(key=value), ...]`` list (Llama 4); the text
+before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
 constrains nothing. An argument written as a tag's text (GLM-4.5, Qwen3-Coder, MiniMax-M2) is
@@ -24,6 +25,7 @@ text where it is none).
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -101,7 +103,8 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
     if choice is None or choice == AUTO:
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
-                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Granite's, Llama 3's JSON, harmony): set "
+                                             "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Granite's, Llama 3's JSON, "
+                                             "pythonic lists, harmony): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -218,6 +221,35 @@ def granite_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     if None in found or not _SPECIALS.fullmatch(body.strip()[end:]):
         return raw, []
     return head.strip() or None, found  # type: ignore[return-value]
+
+
+def pythonic_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
+    """Calls as a Python list, the whole message (Llama 4's template and the pythonic ones of
+    Llama 3.2 and Gemma 3 guides): ``[name(key=value, ...), ...]``, each value a literal (strings,
+    numbers, booleans, None, lists, dicts), read by ``ast`` (nothing is evaluated); Llama 4's
+    ``<|python_start|>``/``<|python_end|>`` around it and end-of-turn tokens after it allowed."""
+    text = raw.replace("<|python_start|>", "").replace("<|python_end|>", "")
+    m = re.match(r"\s*(\[.*\])", text, re.DOTALL)
+    if m is None or not _SPECIALS.fullmatch(text[m.end():]):
+        return raw, []
+    try:
+        tree = ast.parse(m.group(1).strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return raw, []
+        calls: Calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args):
+                return raw, []
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            if len(args) != len(node.keywords):
+                return raw, []
+            c = _call({"name": node.func.id, "arguments": args}, names)
+            if c is None:
+                return raw, []
+            calls.append(c)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return raw, []
+    return None, calls
 
 
 _GLM_BLOCK = re.compile(r"<tool_call>\s*([^<\s]+)\s*(.*?)</tool_call>", re.DOTALL)
@@ -357,7 +389,8 @@ READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi
            "granite": ("<|tool_call|> followed by a JSON list", granite_calls),
            "xml": ("<parameter=", xml_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
-           "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls)}
+           "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls),
+           "pythonic": ("[func_name1(params_name1=params_value1", pythonic_calls)}
 
 
 def reads_auto(tokenizer: Any | None) -> str:

@@ -283,6 +283,8 @@ AUTO_CASES = {  # what a template writes -> what the model answers (forced here)
                    "</invoke>\n</minimax:tool_call>", "Checking."),
     "granite": ("{# respond only with <|tool_call|> followed by a JSON list of tools used #}",
                 'Sure. <|tool_call|>[{"name": "get_weather", "arguments": {"unit": "c"}}]', "Sure."),
+    "llama4-pythonic": ("{# respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...)] #}",
+                        '[get_weather(unit="c")]', None),
     "llama3": ('{# "parameters": dictionary of argument name and its value #}',
                '<|python_tag|>{"name": "get_weather", "parameters": {"unit": "c"}}', None),
 }
@@ -360,11 +362,12 @@ def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
 def test_tagged_arguments_follow_their_schemas_and_minimax_and_granite_calls_are_read() -> None:
     """A tag's text is a string argument where the parameter's schema says so (``"42"`` stays
     text), else its JSON value (``42``); MiniMax-M2's ``<invoke>`` elements, several in one block, are
-    calls of known functions only; so are Granite's ``<|tool_call|>`` lists; a template's marker
-    picks its reader."""
+    calls of known functions only; so are Granite's ``<|tool_call|>`` lists and pythonic lists
+    (Llama 4; literals only, read without evaluating anything); a template's marker picks its
+    reader."""
     from types import SimpleNamespace
 
-    from flexgen_dist.openai_tools import granite_calls, minimax_calls, reads_auto, xml_calls
+    from flexgen_dist.openai_tools import granite_calls, minimax_calls, pythonic_calls, reads_auto, xml_calls
 
     tools = {"set_alarm": {"on": {"type": "boolean"}, "label": {"type": "string"}}, "get_weather": {}}
     mm = ('Let me look.\n<minimax:tool_call>\n<invoke name="set_alarm">\n<parameter name="on">true</parameter>\n'
@@ -384,6 +387,12 @@ def test_tagged_arguments_follow_their_schemas_and_minimax_and_granite_calls_are
     assert granite_calls(gr.replace("set_alarm", "nope"), tools)[1] == []
     assert granite_calls('[{"name": "get_weather", "arguments": {"unit": "c"}}]', tools)[1] == [("get_weather", '{"unit": "c"}')]
     assert granite_calls("It is sunny.", tools) == ("It is sunny.", [])
+    py = '<|python_start|>[set_alarm(on=True, label="7"), get_weather()]<|python_end|><|eot|>'
+    assert pythonic_calls(py, tools) == (None, [("set_alarm", '{"on": true, "label": "7"}'), ("get_weather", "{}")])
+    assert pythonic_calls("[get_weather(unit=[1, {'a': None}])]", tools)[1] == [("get_weather", '{"unit": [1, {"a": null}]}')]
+    for bad in ("[get_weather(unit=__import__('os'))]", "[nope(unit='c')]", "[get_weather('c')]",
+                "Sure: [get_weather()]", "[get_weather()] then prose", "[]", "[get_weather(**x)]"):
+        assert pythonic_calls(bad, tools) == (bad, []), bad  # nothing evaluated; not a call message
     template = "{% for t in tools %}<minimax:tool_call><invoke name=...>{% endfor %}"
     assert reads_auto(SimpleNamespace(chat_template=template)) == "minimax"
 
