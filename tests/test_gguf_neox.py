@@ -192,6 +192,8 @@ def test_a_phi2_file_with_fused_qkv_reads_as_llama_cpp_reads_it(built, tmp_path:
     ("phi-2", {"phi2.attention.sliding_window": 32}, (), {}, "key phi2.attention.sliding_window is not computed"),
     ("pythia", {"gptneox.logit_scale": 2.0}, (), {}, "key gptneox.logit_scale is not computed"),
     ("phi-2", {"phi2.rope.dimension_count": 7}, (), {}, "rope.dimension_count 7 is not an even count"),
+    # a checkpoint whose MLP is not 4 x hidden: Phi2Model still writes 4 x hidden (refused at load)
+    ("phi-2", {"phi2.feed_forward_length": 100}, (), {}, r"feed_forward_length is 100 but blk\.0\.ffn_up\.weight has"),
     ("pythia", {}, (), {"output.bias": np.zeros(49152, np.float32)}, r"tensor output\.bias is not read"),
     ("phi-2", {}, ("output.bias",), {}, r"tensor output\.bias missing"),
     ("pythia", {}, ("blk.1.attn_qkv.bias",), {}, r"tensor blk\.1\.attn_qkv\.bias missing"),

@@ -120,6 +120,11 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
+    up = tensors.get("blk.0.ffn_up.weight") if a.family == "neox" else None
+    if up is not None and int(up.shape[1]) != spec.ffn_size:  # refused here, not when the weights are read
+        raise ModelLoadError(f"{name}: {arch}.feed_forward_length is {spec.ffn_size} but blk.0.ffn_up.weight has "
+                             f"{int(up.shape[1])} rows: the file's key and tensors disagree (llama.cpp does not load "
+                             "it either; its phi2 converter writes 4 x hidden whatever the checkpoint's width)")
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec
