@@ -36,7 +36,7 @@ from .distributed.topology import DistContext, Topology, cuda_device_for, detect
 from .engine.sampling import SamplingConfig
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
-from .models.loader import LoadedModel, describe, load_model
+from .models.loader import LoadedModel, describe, load_model, with_lora
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
@@ -95,6 +95,8 @@ class LLM:
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
                                                  seed=cfg.seed, load_tokenizer=self._needs_tokenizer,
                                                  dummy_fill=cfg.dummy_fill)
+            if cfg.lora:  # merged as each part is read: every later step sees ordinary weights
+                self.model = with_lora(self.model, cfg.lora)
             self.model.source.keep_packed = cfg.gguf_native
             # measured once, before anything is placed: later calls are checked against the same
             budgets = machine_budgets(user_caps(cfg.gpu_mem, cfg.cpu_mem, cfg.disk_mem), self.device,

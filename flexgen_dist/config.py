@@ -50,6 +50,7 @@ def check_template_kwargs(kwargs: Any, where: str = "chat_template_kwargs") -> d
 @dataclass(frozen=True)
 class RunConfig:
     model: str | None = None
+    lora: str | None = None  # a PEFT LoRA adapter directory, merged into the weights as they are read
     dummy_weights: bool = False
     dummy_fill: str = "random"
     prompts: str | None = None

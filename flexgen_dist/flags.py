@@ -80,6 +80,8 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     """The model options: what runs, where and in what dtype."""
     g.add_argument("--model", help="registry name, Hugging Face model dir, or .gguf file "
                    "(default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--lora", metavar="DIR", help="a LoRA adapter (the directory PEFT's save_pretrained writes) "
+                   "merged into the model's weights as they are read")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
     g.add_argument("--dummy-fill", choices=DUMMY_FILLS, help="values of --dummy-weights: random (the default) "
                    "or ones (every weight 1, as FlexGen's dummy weights: for side-by-side timings with it, "

@@ -277,6 +277,20 @@ class LoadedModel:
     origin: str  # a human-readable description of where the weights came from
 
 
+def with_lora(model: LoadedModel, adapter: str) -> LoadedModel:
+    """``model`` with a LoRA adapter directory merged into its weights as they are read
+    (``lora.LoraSource``); refused in one line where it does not fit the model."""
+    from .lora import LoraAdapter, LoraSource
+
+    a = LoraAdapter(adapter)
+    ranks = sorted({int(t[0].shape[0]) for t in a.modules.values()})
+    source = LoraSource(model.source, a)
+    log.info("LoRA adapter %s: %d matrices (rank %s) merged as they are read", a.path, len(a.modules),
+             "/".join(map(str, ranks)))
+    return LoadedModel(model.spec, source, model.tokenizer,
+                       f"{model.origin} + LoRA {a.path.name} ({len(a.modules)} matrices, rank {'/'.join(map(str, ranks))})")
+
+
 # transformers reads these architectures' GGUF tokenizers from 5.18 on: 5.17 has none for the
 # Gemma files and builds Phi-3's with other ids for the same text.
 GGUF_TOKENIZER_SINCE = {"phi3": (5, 18), "gemma": (5, 18), "gemma2": (5, 18), "gemma3": (5, 18)}
