@@ -169,12 +169,7 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
             fast = dequant_fp8(data, scales, n, q.group_size, q.dtype, out)
             if fast is not None:
                 return fast
-        num_groups = scales.shape[-1]
-        lead = scales.shape[:-1]
-        vals = data[..., :num_groups * q.group_size].view(torch.float8_e4m3fn).float()
-        x = (vals.reshape(*lead, num_groups, q.group_size) * scales.float().unsqueeze(-1))
-        x = x.reshape(*lead, num_groups * q.group_size)[..., :n].movedim(-1, q.dim).to(q.dtype)
-        return x.contiguous() if out is None else out.copy_(x)
+        return _expand_e4m3(q, data, scales, n, out)
     if q.dim == len(q.shape) - 1:
         # the same values in one pass (the kernels package is a leaf: no import cycle)
         from ..kernels.qweight import one_pass_expansion
@@ -191,6 +186,30 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     x = x.reshape(*lead, num_groups * q.group_size)[..., :n]
     x = x.movedim(-1, q.dim).to(q.dtype).contiguous()
     return x if out is None else out.copy_(x)
+
+
+# values expanded at once in float32 by ``_expand_e4m3`` (a GPU's temporary stays ~64 MB)
+E4M3_CHUNK = 1 << 24
+
+
+def _expand_e4m3(q: QTensor, data: torch.Tensor, scales: torch.Tensor, n: int,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """An E4M3 QTensor's values (module doc) in ``q.dtype``, through a float32 product of at
+    most ``E4M3_CHUNK`` values at a time along the leading rows (so expanding a large matrix on
+    a GPU holds no float32 copy of all of it beyond the output the footprint counts)."""
+    num_groups, g = scales.shape[-1], q.group_size
+    lead = scales.shape[:-1]
+    rows = max(1, E4M3_CHUNK // max(1, num_groups * g))
+    codes = data[..., :num_groups * g].reshape(-1, num_groups, g)
+    sc = scales.reshape(-1, num_groups)
+    flat = torch.empty((codes.shape[0], n), dtype=q.dtype, device=data.device)
+    for r0 in range(0, codes.shape[0], rows):
+        vals = codes[r0:r0 + rows].view(torch.float8_e4m3fn).float() * sc[r0:r0 + rows].float().unsqueeze(-1)
+        flat[r0:r0 + rows] = vals.reshape(vals.shape[0], -1)[:, :n]
+    x = flat.reshape(*lead, n).movedim(-1, q.dim)
+    if out is not None:
+        return out.copy_(x)
+    return x if q.dim == len(q.shape) - 1 else x.contiguous()
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
