@@ -246,6 +246,26 @@ def reference_generate(tm: TinyModel, prompts: list[list[int]], gen_len: int) ->
     return out[:, s:].tolist()
 
 
+def kept_codes_sized_as_stored(path: Path) -> tuple[int, int]:
+    """(the budget check's predicted RAM bytes, the bytes the engine stores) for a checkpoint's
+    two layers alone in RAM under --compress-weight (its kept codes sized from the file's
+    header, ``packed_formats``): the two must be equal."""
+    from flexgen_dist.engine.footprint import predict_peaks
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.models.loader import load_model
+
+    lm = load_model(str(path), load_tokenizer=False)
+    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0, compress_weight=True)  # weights alone in RAM
+    peak = predict_peaks(lm.spec, pol, (0, 2), has_embed=False, has_head=False, prompt_len=4, gen_len=1,
+                         dtype_bytes=4, packed=lm.source.packed_formats)
+    eng = StageEngine(lm.spec, lm.source, (0, 2), has_embed=False, has_head=False, policy=pol,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    stored = eng.weights.bytes_per_tier()
+    eng.close()
+    return peak["cpu"], stored["cpu"]
+
+
 def copy_with_eos(src: Path, dst: Path, eos: int) -> Path:
     """A copy of the model directory ``src`` whose stop id is ``eos``: in config.json and, where
     the directory has one, generation_config.json (which the loader reads first, as transformers)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, TinyModel, reference_generate
+from conftest import PROMPTS, TinyModel, kept_codes_sized_as_stored, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.int_quant import IntQuant, dequantize
@@ -295,9 +295,6 @@ def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, t
     product on their expansion give teacher-forced log-probabilities equal to float32
     rounding; the budget check sizes them as stored. Act-ordered groups cannot be kept so:
     those layers are re-quantized into the engine's groups, with the error that adds."""
-    from flexgen_dist.engine.footprint import predict_peaks
-    from flexgen_dist.engine.policy import Policy
-    from flexgen_dist.engine.stage import StageEngine
     from flexgen_dist.memory.quant import QTensor
     from flexgen_dist.memory.quant import dequantize as dequantize_q
     from flexgen_dist.models.loader import load_model
@@ -322,14 +319,8 @@ def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, t
     assert diff < 1e-4
     lm = load_model(str(tm.path), load_tokenizer=False)
     assert (lm.source.packed_formats("layer", 0).get("q.w")) == (want if native else None)
-    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0, compress_weight=True)  # weights alone in RAM
-    peak = predict_peaks(lm.spec, pol, (0, 2), has_embed=False, has_head=False, prompt_len=4, gen_len=1,
-                         dtype_bytes=4, packed=lm.source.packed_formats)
-    eng = StageEngine(lm.spec, lm.source, (0, 2), has_embed=False, has_head=False, policy=pol,
-                      device=torch.device("cpu"), dtype=torch.float32)
-    stored = eng.weights.bytes_per_tier()
-    eng.close()
-    assert peak["cpu"] == stored["cpu"] > 0
+    predicted, stored = kept_codes_sized_as_stored(tm.path)
+    assert predicted == stored > 0
 
 
 def test_a_mixture_of_experts_with_quantized_experts(tmp_path: Path) -> None:

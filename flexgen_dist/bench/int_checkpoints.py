@@ -25,7 +25,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,16 +71,30 @@ def _words(codes: torch.Tensor, dim: int) -> torch.Tensor:
     return acc if dim == 0 else acc.t().contiguous()
 
 
-def gptq_rtn(src: Path, dst: Path, group: int) -> None:
-    """``src``'s decoder-layer matrices as 4-bit GPTQ layers (round to nearest, asymmetric,
-    zeros stored minus 1); everything else as it is."""
+def _quantized_copy(src: Path, dst: Path, layer: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+                    quant: dict[str, Any]) -> None:
+    """``src`` written to ``dst`` with each decoder-layer matrix replaced by what ``layer`` makes
+    of it (tensors under their checkpoint names), everything else as it is, beside ``src``'s
+    config (its ``quantization_config`` ``quant``) and tokenizer."""
     from safetensors.torch import load_file, save_file
 
     out: dict[str, torch.Tensor] = {}
     for name, w in load_file(str(src / "model.safetensors")).items():
-        if not (name.endswith("_proj.weight") and ".layers." in name):
-            out[name] = w
-            continue
+        out.update(layer(name, w) if name.endswith("_proj.weight") and ".layers." in name else {name: w})
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
+def gptq_rtn(src: Path, dst: Path, group: int) -> None:
+    """``src``'s decoder-layer matrices as 4-bit GPTQ layers (round to nearest, asymmetric,
+    zeros stored minus 1); everything else as it is."""
+    def layer(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         rows, cols = w.shape
         g = w.t().reshape(cols // group, group, rows)  # (groups, group, out)
         lo, hi = g.amin(1).clamp(max=0), g.amax(1).clamp(min=0)
@@ -88,32 +102,18 @@ def gptq_rtn(src: Path, dst: Path, group: int) -> None:
         zero = (-lo / scale.float()).round().clamp(0, 15).long()
         codes = ((g / scale.float()[:, None]).round().long() + zero[:, None]).clamp(0, 15).reshape(cols, rows)
         stem = name.removesuffix("weight")
-        out[stem + "qweight"] = _words(codes, 0)
-        out[stem + "qzeros"] = _words((zero - 1) & 15, 1)
-        out[stem + "scales"] = scale
-        out[stem + "g_idx"] = (torch.arange(cols) // group).to(torch.int32)
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-                                  "sym": False, "checkpoint_format": "gptq"}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            (dst / f.name).write_bytes(f.read_bytes())
+        return {stem + "qweight": _words(codes, 0), stem + "qzeros": _words((zero - 1) & 15, 1), stem + "scales": scale,
+                stem + "g_idx": (torch.arange(cols) // group).to(torch.int32)}
+
+    _quantized_copy(src, dst, layer, {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                      "sym": False, "checkpoint_format": "gptq"})
 
 
 def fp8_blocks(src: Path, dst: Path, block: int) -> None:
     """``src``'s decoder-layer matrices as FP8 e4m3 in blocks of ``block`` x ``block`` (the
     last ones partial), each beside its ``weight_scale_inv`` grid (amax / 448, float32):
     ``quant_method: fp8`` as DeepSeek-V3, Qwen3-*-FP8 and GLM-4.5-FP8 ship; the rest as it is."""
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for name, w in load_file(str(src / "model.safetensors")).items():
-        if not (name.endswith("_proj.weight") and ".layers." in name):
-            out[name] = w
-            continue
+    def layer(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         rows, cols = w.shape
         gr, gc = -(-rows // block), -(-cols // block)
         pad = torch.zeros(gr * block, gc * block)
@@ -121,23 +121,10 @@ def fp8_blocks(src: Path, dst: Path, block: int) -> None:
         blocks = pad.reshape(gr, block, gc, block)
         scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
         q = (blocks / scale[:, None, :, None]).reshape(pad.shape)[:rows, :cols]
-        out[name], out[name + "_scale_inv"] = q.to(torch.float8_e4m3fn).contiguous(), scale
-    _write_like(src, dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": [block, block]})
+        return {name: q.to(torch.float8_e4m3fn).contiguous(), name + "_scale_inv": scale}
 
-
-def _write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> None:
-    """``tensors`` as a checkpoint beside ``src``'s config (with ``quant``) and tokenizer."""
-    from safetensors.torch import save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = quant
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
-            (dst / f.name).write_bytes(f.read_bytes())
+    _quantized_copy(src, dst, layer, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [block, block]})
 
 
 def throughput(model: str, opts: dict[str, Any], prompts: int, prompt_len: int, gen_len: int,
