@@ -154,3 +154,23 @@ def test_what_is_not_merged_is_refused_in_one_line(edit: str, match: str, tiny_m
         with LLM(str(tm.path), lora=str(a), progress=False) as llm:
             llm.generate([[3, 4, 5]], gen_len=1)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.bundled
+def test_an_adapter_of_the_bundled_gguf_model(tmp_path: Path) -> None:
+    """The bundled GGUF file as a base: an adapter trained on its Hugging Face form (the same
+    values, ``bench.int_checkpoints.export_hf``) merges into the GGUF's weights as they are read,
+    the file's Q4 blocks expanded first; greedy tokens equal transformers' on PEFT's merged model."""
+    from transformers import AutoModelForCausalLM
+
+    from flexgen_dist.bench.int_checkpoints import export_hf
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    export_hf(hf)
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tm = TinyModel("smollm2", hf, base, base.config.pad_token_id or 0)
+    merged = _adapted(tm, tmp_path / "a", ["q_proj", "v_proj", "down_proj"], seed=7)
+    prompts = [p[:6] for p in PROMPTS]
+    with LLM(None, lora=str(tmp_path / "a"), dtype="float32", ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(prompts, gen_len=4)] == reference_generate(merged, prompts, 4)
