@@ -26,11 +26,16 @@ def submit(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Futu
     returns (two system calls; elsewhere, and where signal masks do not exist, a plain submit)."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         return pool.submit(fn, *args)
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    old = None
     try:
+        # a signal already received raises here, after the mask is set: the finally undoes it
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
         return pool.submit(fn, *args)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old is None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
+        else:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def join_bounded(pool: ThreadPoolExecutor, seconds: float) -> list[threading.Thread]:

@@ -53,6 +53,33 @@ def test_a_signal_sent_during_submit_arrives_after_it() -> None:
     assert got == ["submitted", "signal"]
 
 
+def test_a_signal_received_as_submit_blocks_leaves_no_mask_behind(monkeypatch) -> None:
+    """CPython runs the handlers of signals received before the mask changes inside the
+    ``pthread_sigmask`` call itself, after setting the mask: a Ctrl-C caught there raises out of
+    submit's first line. The stop signals are unblocked again (else no later stop would ever
+    reach the main thread)."""
+    import flexgen_dist.interrupts as interrupts
+
+    real = signal.pthread_sigmask
+
+    def blocks_then_raises(how, mask):  # what CPython does with a signal already received
+        old = real(how, mask)
+        if how == signal.SIG_BLOCK:
+            raise KeyboardInterrupt
+        return old
+
+    before = set(real(signal.SIG_BLOCK, []))
+    monkeypatch.setattr(interrupts.signal, "pthread_sigmask", blocks_then_raises)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            submit(pool, time.sleep, 0)
+            raised = False
+        except KeyboardInterrupt:
+            raised = True
+    monkeypatch.undo()
+    assert raised and set(real(signal.SIG_BLOCK, [])) == before
+
+
 def test_join_bounded_returns_the_stuck_workers_in_time() -> None:
     release = threading.Event()
     pool = ThreadPoolExecutor(max_workers=1)
