@@ -143,11 +143,22 @@ def test_full_disk_is_predicted(tiny_models, tmp_path: Path, capsys, monkeypatch
 def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
     off = tmp_path / "off"
     out = tmp_path / "o.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "flexgen_dist.run", "--model", "opt-125m", "--dummy-weights",
-                             "--num-prompts", "4", "--prompt-len", "16", "--gen-len", "400", "--ignore-eos",
-                             "--gpu-batch-size", "1", "--percent", "100", "0", "0", "0", "100", "0",
-                             "--offload-dir", str(off), "--output", str(out), "--no-progress"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    # A suite started in the background by a non-interactive shell has SIGINT ignored, and an
+    # ignored (or blocked) signal stays so across exec (Python then installs no Ctrl-C handler):
+    # the run gets SIGINT's default disposition and an open mask, as from a terminal (a handler
+    # resets on exec; the mask is the calling thread's).
+    here = (signal.getsignal(signal.SIGINT), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "flexgen_dist.run", "--model", "opt-125m", "--dummy-weights",
+                                 "--num-prompts", "4", "--prompt-len", "16", "--gen-len", "400", "--ignore-eos",
+                                 "--gpu-batch-size", "1", "--percent", "100", "0", "0", "0", "100", "0",
+                                 "--offload-dir", str(off), "--output", str(out), "--no-progress"],
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    finally:
+        signal.signal(signal.SIGINT, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (off.is_dir() and any(off.rglob("*-kv-*"))):
@@ -164,7 +175,7 @@ def test_ctrl_c_removes_offload_files(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, f"(the suite's SIGINT handler and blocked: {here})\n{err}"
     assert "interrupted" in err
     assert list(off.iterdir()) == []
 
