@@ -36,7 +36,8 @@ from .distributed.topology import DistContext, Topology, cuda_device_for, detect
 from .engine.sampling import SamplingConfig
 from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
-from .models.loader import LoadedModel, describe, load_model, with_lora
+from .models.loader import LoadedModel, describe, load_model
+from .models.lora import with_lora
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings

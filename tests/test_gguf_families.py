@@ -21,7 +21,8 @@ from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.models.common import rope_inv_freq
 from flexgen_dist.models.gguf import llama3_from_divisors
 from flexgen_dist.models.gguf_arch import ARCHS, gemma_fields
-from flexgen_dist.models.loader import GGUF_TOKENIZER_SINCE, _transformers_version, load_model
+from flexgen_dist.models.loader import load_model
+from flexgen_dist.models.tokenizers import GGUF_TOKENIZER_SINCE, transformers_version
 from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import RopeScaling
 from gguf_convert import (gguf_builder, llama3_rope_freqs, rewrite, roundtrip_, tokenizer_cache_kept_clean,
@@ -141,7 +142,7 @@ def test_greedy_tokens_match_transformers_offloaded(kind: str, qtype: str | None
              compress_weight=compress, offload_dir=str(tmp_path / "off"), ignore_eos=True,
              progress=False) as llm:
         assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref
-        if _transformers_version() >= GGUF_TOKENIZER_SINCE.get(kind, (0, 0)):  # else refused (a test below)
+        if transformers_version() >= GGUF_TOKENIZER_SINCE.get(kind, (0, 0)):  # else refused (a test below)
             assert llm.model.tokenizer is not None and llm.model.tokenizer("Hello world").input_ids == HELLO
         else:
             assert llm.model.tokenizer is None
@@ -250,8 +251,8 @@ def test_what_a_gemma_file_says_that_is_not_computed_is_refused(kind: str, chang
 
 def _needs_transformers(arch: str) -> None:
     need = GGUF_TOKENIZER_SINCE.get(arch, (0, 0))
-    if _transformers_version() < need:
-        pytest.skip(f"transformers {'.'.join(map(str, _transformers_version()))} converts no {arch} GGUF tokenizer "
+    if transformers_version() < need:
+        pytest.skip(f"transformers {'.'.join(map(str, transformers_version()))} converts no {arch} GGUF tokenizer "
                     f"right; the loader refuses it (test_an_old_transformers_is_refused_for_these_tokenizers)")
 
 
@@ -269,12 +270,12 @@ def test_transformers_reads_the_tokenizer_of_each_architecture(kind: str, built)
 def test_a_tokenizer_is_built_where_transformers_lacks_the_architecture(built, tmp_path: Path) -> None:
     """transformers rebuilds a model config before a GGUF's tokenizer and refuses an
     architecture it has no config for; the loader builds the tokenizer alone then."""
-    from flexgen_dist.models.loader import _load_tokenizer
+    from flexgen_dist.models.tokenizers import load_tokenizer
 
     _needs_transformers("gemma")  # before 5.18 no GGUF tokenizer of an unknown architecture converts
     _, path, _ = built("llama3")
     other = rewrite(path, tmp_path / "other.gguf", arch="gemma", tokenizer=True)
-    tok = _load_tokenizer(tmp_path, other.name)
+    tok = load_tokenizer(tmp_path, other.name)
     assert tok is not None and tok("Hello world").input_ids == HELLO
 
 
@@ -284,10 +285,10 @@ def test_an_old_transformers_is_refused_for_these_tokenizers(kind: str, built, m
                                                              caplog: pytest.LogCaptureFixture) -> None:
     """transformers 5.17 builds Phi-3's GGUF tokenizer with other ids for the same text and has
     none for Gemma's: below 5.18 the loader runs the model on ids and says which to install."""
-    from flexgen_dist.models import loader
+    from flexgen_dist.models import tokenizers
 
     _, path, _ = built(kind)
-    monkeypatch.setattr(loader, "_transformers_version", lambda: (5, 17))
+    monkeypatch.setattr(tokenizers, "transformers_version", lambda: (5, 17))
     with caplog.at_level(logging.WARNING, logger="flexgen_dist"):
         assert load_model(str(path)).tokenizer is None
     [said] = [r.getMessage() for r in caplog.records if "tokenizer cannot be built" in r.getMessage()]

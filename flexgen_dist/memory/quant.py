@@ -202,14 +202,18 @@ def _expand_e4m3(q: QTensor, data: torch.Tensor, scales: torch.Tensor, n: int,
     rows = max(1, E4M3_CHUNK // max(1, num_groups * g))
     codes = data[..., :num_groups * g].reshape(-1, num_groups, g)
     sc = scales.reshape(-1, num_groups)
-    flat = torch.empty((codes.shape[0], n), dtype=q.dtype, device=data.device)
+    last = q.dim == len(q.shape) - 1
+    into = out.view(-1, n) if out is not None and last else None  # straight into the caller's buffer
+    flat = torch.empty((codes.shape[0], n), dtype=q.dtype, device=data.device) if into is None else into
     for r0 in range(0, codes.shape[0], rows):
         vals = codes[r0:r0 + rows].view(torch.float8_e4m3fn).float() * sc[r0:r0 + rows].float().unsqueeze(-1)
         flat[r0:r0 + rows] = vals.reshape(vals.shape[0], -1)[:, :n]
+    if into is not None:
+        return out  # type: ignore[return-value]
     x = flat.reshape(*lead, n).movedim(-1, q.dim)
     if out is not None:
         return out.copy_(x)
-    return x if q.dim == len(q.shape) - 1 else x.contiguous()
+    return x if last else x.contiguous()
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .families import INDEX, ROWS
 from .gguf_arch import (ARCHS, INERT, QWEN_NEXT_ARCHS, USED, GGUFArch, cohere_fields, decimal32, gemma_fields,
                         exaone_moe_fields, layer_scalars, llama_fields, post_norm_fields)
 from .gguf_moe import MOE_ARCHS, nextn
-from .gguf_neox import neox_fields
+from .gguf_neox import check_mlp_width, neox_fields
 from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
@@ -120,11 +120,8 @@ def spec_from_gguf(reader: Any, name: str) -> ModelSpec:
             pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"), **fields)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
-    up = tensors.get("blk.0.ffn_up.weight") if a.family == "neox" else None
-    if up is not None and int(up.shape[1]) != spec.ffn_size:  # refused here, not when the weights are read
-        raise ModelLoadError(f"{name}: {arch}.feed_forward_length is {spec.ffn_size} but blk.0.ffn_up.weight has "
-                             f"{int(up.shape[1])} rows: the file's key and tensors disagree (llama.cpp does not load "
-                             "it either; its phi2 converter writes 4 x hidden whatever the checkpoint's width)")
+    if a.family == "neox":
+        check_mlp_width(spec, arch, tensors, name)
     # GLM-4.5's multi-token-prediction blocks follow the last layer: never read
     _check_tensors(spec, a, {t for t in tensors if _tensor_order(t)[0] < spec.num_layers}, name)
     return spec

@@ -9,6 +9,7 @@ from typing import Any
 
 from .gguf_arch import Key
 from .gguf_file import decimal32
+from .source import ModelLoadError
 
 log = logging.getLogger("flexgen_dist")
 
@@ -46,3 +47,14 @@ def neox_fields(arch: str, key: Key, tensors: set[str], heads: int, rotary: int)
                 mlp_activation=NEOX_ACTIVATION[arch],
                 parallel_residual=arch == "gptneox" and bool(key("use_parallel_residual")),
                 fused_proj=arch == "phi2" and "blk.0.attn_qkv.weight" in tensors)
+
+
+def check_mlp_width(spec: Any, arch: str, tensors: dict[str, Any], name: str) -> None:
+    """A file's MLP is as wide as its key says, refused at load (from the header) where not: a
+    phi2 file of a checkpoint not 4 x hidden wide, since Phi2Model writes 4 x hidden whatever the
+    width (llama.cpp does not load it either)."""
+    up = tensors.get("blk.0.ffn_up.weight")
+    if up is not None and int(up.shape[1]) != spec.ffn_size:  # GGUF shapes run innermost first
+        raise ModelLoadError(f"{name}: {arch}.feed_forward_length is {spec.ffn_size} but blk.0.ffn_up.weight has "
+                             f"{int(up.shape[1])} rows: the file's key and tensors disagree (llama.cpp does not load "
+                             "it either; its phi2 converter writes 4 x hidden whatever the checkpoint's width)")

@@ -8,19 +8,15 @@ model never materialises whole in RAM.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..kernels import cache_root
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
@@ -29,6 +25,7 @@ from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
+from .tokenizers import load_tokenizer as read_tokenizer
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
 from .spec import ModelSpec
@@ -191,7 +188,7 @@ class HFDirSource(WeightSource):
                 if len(shape) == 2:
                     out[k] = fp8_format(shape, self._shape(self._fp8_scale_name(name)), self.fp8.block)
                 continue
-            if self.iq is not None and name in self._packed and not (rows or transposed or index or mxfp4):
+            if self.iq is not None and name in self._packed:
                 group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if group:
                     out[k] = (self.iq.bits, group)
@@ -277,89 +274,6 @@ class LoadedModel:
     origin: str  # a human-readable description of where the weights came from
 
 
-def with_lora(model: LoadedModel, adapter: str) -> LoadedModel:
-    """``model`` with a LoRA adapter directory merged into its weights as they are read
-    (``lora.LoraSource``); refused in one line where it does not fit the model."""
-    from .lora import LoraAdapter, LoraSource
-
-    a = LoraAdapter(adapter)
-    ranks = sorted({int(t[0].shape[0]) for t in a.modules.values()})
-    source = LoraSource(model.source, a)
-    log.info("LoRA adapter %s: %d matrices (rank %s) merged as they are read", a.path, len(a.modules),
-             "/".join(map(str, ranks)))
-    return LoadedModel(model.spec, source, model.tokenizer,
-                       f"{model.origin} + LoRA {a.path.name} ({len(a.modules)} matrices, rank {'/'.join(map(str, ranks))})")
-
-
-# transformers reads these architectures' GGUF tokenizers from 5.18 on: 5.17 has none for the
-# Gemma files and builds Phi-3's with other ids for the same text.
-GGUF_TOKENIZER_SINCE = {"phi3": (5, 18), "gemma": (5, 18), "gemma2": (5, 18), "gemma3": (5, 18)}
-
-
-def _transformers_version() -> tuple[int, int]:
-    import transformers
-
-    major, minor = (re.findall(r"\d+", transformers.__version__) + ["0", "0"])[:2]
-    return int(major), int(minor)
-
-
-def _load_tokenizer(path: Path, gguf_file: str | None = None, arch: str | None = None) -> Any | None:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    try:
-        if gguf_file:
-            return _gguf_tokenizer(path / gguf_file, arch)
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                   "vocab.json", "tokenizer.model")):
-            return None
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001 - a model without a usable tokenizer still runs on ids
-        if gguf_file:  # a GGUF file carries its tokenizer: say why it is not used
-            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-            log.warning("%s: its tokenizer cannot be built (%s); prompts must be token ids", gguf_file, why)
-        return None
-
-
-def _gguf_tokenizer(gguf: Path, arch: str | None = None) -> Any:
-    """Tokenizer of a GGUF file; converted once per transformers version, then read from a
-    cache (seconds -> ms). Refused where the installed transformers reads ``arch``'s wrongly."""
-    import transformers
-    from transformers import AutoTokenizer
-
-    need = GGUF_TOKENIZER_SINCE.get(arch or "")
-    if need and _transformers_version() < need:
-        raise ValueError(f"transformers {transformers.__version__} reads a {arch} GGUF tokenizer wrongly or not "
-                         f"at all: pip install 'transformers>={need[0]}.{need[1]}'")
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()
-                         ).hexdigest()[:16]
-    cache = cache_root() / "tokenizers" / key
-    if (cache / "tokenizer_config.json").exists():
-        try:
-            return AutoTokenizer.from_pretrained(str(cache))
-        except Exception:  # noqa: BLE001 - a broken cache entry is rebuilt below
-            pass
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except ValueError as e:
-        if "architecture" not in str(e):
-            raise
-        # transformers rebuilds a model config from the file first, and knows fewer GGUF
-        # architectures than tokenizers: build the tokenizer alone from the file's tokenizer.*
-        from transformers import PreTrainedTokenizerFast
-
-        tok = PreTrainedTokenizerFast.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    try:
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        os.replace(tmp, cache) if not cache.exists() else None
-    except OSError:
-        pass  # an unwritable cache only costs time
-    return tok
-
-
 def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,
                seed: int = 0, load_tokenizer: bool = True, dummy_fill: str = "random") -> LoadedModel:
     """Resolve ``model`` (None: the bundled default) to a spec, a weight source and a tokenizer.
@@ -389,7 +303,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
         cfg = _read_config(p)
         spec = _generation_eos(p, spec_from_hf_config(cfg, p.name))
-        tok = _load_tokenizer(p) if load_tokenizer else None
+        tok = read_tokenizer(p) if load_tokenizer else None
         fp8, iq = fp8_layout(cfg), int_quant(cfg)
         if fp8:
             log.info("%s: FP8 checkpoint (%s, scales %s): its weights are expanded to %s as they are read",
@@ -465,7 +379,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str
     from .gguf import GGUFSource, gguf_field, spec_from_gguf  # it subclasses WeightSource: imported once this is
 
     spec = spec_from_gguf(reader, path.stem)
-    tok = _load_tokenizer(path.parent, path.name, gguf_field(reader, "general.architecture")) \
+    tok = read_tokenizer(path.parent, path.name, gguf_field(reader, "general.architecture")) \
         if load_tokenizer else None
     return LoadedModel(spec, GGUFSource(spec, dtype, reader, path), tok, origin)
 

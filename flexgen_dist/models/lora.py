@@ -21,10 +21,12 @@ family does not read (a vision tower's, say), or reads only as part of a tensor 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +34,10 @@ from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .packed import PackedWeight
 from .source import ModelLoadError, WeightSource
 
+if TYPE_CHECKING:
+    from .loader import LoadedModel
+
+log = logging.getLogger("flexgen_dist")
 PREFIX = "base_model.model."
 
 
@@ -212,3 +218,15 @@ class LoraSource(WeightSource):
         if name.startswith("__") or name in ("base", "adapter"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+def with_lora(model: LoadedModel, adapter: str) -> LoadedModel:
+    """``model`` with a LoRA adapter directory merged into its weights as they are read
+    (``lora.LoraSource``); refused in one line where it does not fit the model."""
+    a = LoraAdapter(adapter)
+    ranks = sorted({int(t[0].shape[0]) for t in a.modules.values()})
+    source = LoraSource(model.source, a)
+    log.info("LoRA adapter %s: %d matrices (rank %s) merged as they are read", a.path, len(a.modules),
+             "/".join(map(str, ranks)))
+    return replace(model, source=source,
+                   origin=f"{model.origin} + LoRA {a.path.name} ({len(a.modules)} matrices, rank {'/'.join(map(str, ranks))})")
