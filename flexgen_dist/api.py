@@ -30,7 +30,7 @@ import torch
 
 from .budgets import machine_budgets, user_caps
 from .completions import Completion, completion
-from .config import ConfigError, RunConfig, build_config
+from .config import ConfigError, RunConfig, build_config, lora_module_pairs
 from .distributed.group import RankGroup
 from .distributed.topology import DistContext, Topology, cuda_device_for, detect_topology, setup_rank_logging
 from .engine.sampling import SamplingConfig
@@ -38,6 +38,7 @@ from .memory.owners import reclaim_stale_dirs
 from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .models.lora import with_lora
+from .models.lora_stack import with_lora_modules
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
@@ -46,7 +47,7 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
-from .workloads import PromptLike, build_workload, scored_workload
+from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -98,6 +99,8 @@ class LLM:
                                                  dummy_fill=cfg.dummy_fill)
             if cfg.lora:  # merged as each part is read: every later step sees ordinary weights
                 self.model = with_lora(self.model, cfg.lora)
+            if cfg.lora_modules:  # served per request: each layer also holds every adapter's A and B
+                self.model = with_lora_modules(self.model, lora_module_pairs(cfg.lora_modules))
             self.model.source.keep_packed = cfg.gguf_native
             # measured once, before anything is placed: later calls are checked against the same
             budgets = machine_budgets(user_caps(cfg.gpu_mem, cfg.cpu_mem, cfg.disk_mem), self.device,
@@ -152,7 +155,8 @@ class LLM:
     def generate(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                  sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                  keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-                 stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None) -> list[Completion]:
+                 stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None,
+                 lora: LoraChoice = None) -> list[Completion]:
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
         ``gen_len`` and ``sampling`` default to the options the LLM was built with;
@@ -165,26 +169,29 @@ class LLM:
         prompt's index in this call): a job split over several calls passes ``keys`` (e.g. the
         prompts' indices in the whole job) to draw what one call would. ``logprobs`` (0 to 20)
         fills each completion's ``logprobs``: every generated token's log-probability under
-        the model and that many most likely alternatives (README, "Library API"). On ranks other than
-        0 the arguments are ignored and the result is empty."""
+        the model and that many most likely alternatives (README, "Library API"). ``lora`` names
+        the LoRA adapter (one of ``lora_modules``) every prompt runs with, or one per prompt (None:
+        the base model); one call mixes them. On ranks other than 0 the arguments are ignored and
+        the result is empty."""
         return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens,
-                                           stop=stop, logprobs=logprobs)
+                                           stop=stop, logprobs=logprobs, lora=lora)
                 for c in block]
 
     def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
              sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
              max_new_tokens: Sequence[int] | None = None,
-             logprobs: int | None = None) -> list[Completion]:
+             logprobs: int | None = None, lora: LoraChoice = None) -> list[Completion]:
         """Replies to ``conversations`` (each a list of ``{"role": ..., "content": ...}``
         messages), each rendered through the model's own chat template with the assistant's
         turn opened, exactly as transformers renders it; as ``generate`` otherwise."""
-        return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens, logprobs=logprobs)
+        return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens, logprobs=logprobs,
+                             lora=lora)
 
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-               stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None
-               ) -> Iterator[list[Completion]]:
+               stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None,
+               lora: LoraChoice = None) -> Iterator[list[Completion]]:
         """Like ``generate``, yielding completions as soon as they are final, in input order: a
         window of consecutive prompts at a time (the prompts one length-grouping window sorted
         into blocks; with ``sort_window=0``, one block). Exhaust it (a stream abandoned midway
@@ -193,7 +200,7 @@ class LLM:
         with self._guard():
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,
                                                              max_new_tokens=max_new_tokens, stop=stop,
-                                                             logprobs=logprobs))
+                                                             logprobs=logprobs, lora=lora))
             stops = StopStrings(work.stops, self.tokenizer) if work.stops is not None and self.is_driver else None
             for window in self._windows(self._run(work, peaks)):
                 yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
@@ -231,7 +238,8 @@ class LLM:
 
     def prepare(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                 sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
-                max_new_tokens: Sequence[int] | None = None, logprobs: int | None = None) -> Workload:
+                max_new_tokens: Sequence[int] | None = None, logprobs: int | None = None,
+                lora: LoraChoice = None) -> Workload:
         """Plan and build for a workload like this one without running it (every rank calls
         it; rank 0's arguments count). The plan is made at an LLM's first call and kept, so a
         job that first scores and then generates plans here for the generation (its block
@@ -240,7 +248,7 @@ class LLM:
         self._check_open()
         with self._guard():
             work, _ = self._start(lambda: self._workload(prompts, gen_len, sampling, max_new_tokens=max_new_tokens,
-                                                         logprobs=logprobs))
+                                                         logprobs=logprobs, lora=lora))
         return work
 
     def warmup(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
@@ -277,7 +285,7 @@ class LLM:
 
     def score(self, sequences: Sequence[PromptLike] | None = None,
               first_scored: Sequence[int] | None = None, decode_tokens: int = 0,
-              logprobs: int | None = None) -> list[Score]:
+              logprobs: int | None = None, lora: LoraChoice = None) -> list[Score]:
         """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order.
         Token j of sequence n counts from ``first_scored[n]`` on (default 1: every token that
         has a prefix). The last ``decode_tokens`` tokens of each sequence are predicted by
@@ -285,11 +293,11 @@ class LLM:
         this is where ``compress_cache`` and ``attn_sparsity`` act); the others by one
         prefill with the head on every position. ``logprobs=K`` (0-20) also gives each scored
         token's log-probability and its K most likely alternatives (``Score.logprobs``: an
-        ``echo`` of the prompt's logprobs, or a per-token perplexity filter). On ranks other
-        than 0 the arguments are ignored and the result is empty."""
+        ``echo`` of the prompt's logprobs, or a per-token perplexity filter). ``lora``: as
+        ``generate``'s. On ranks other than 0 the arguments are ignored and the result is empty."""
         self._check_open()
         with self._guard():
-            work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens, logprobs))
+            work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens, logprobs, lora))
             out: list[Score] = []
             for blk, rows in self._run(work, peaks):
                 for m, r in zip(blk.members, rows):
@@ -332,12 +340,12 @@ class LLM:
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
         return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer,
-                              reasoning=self.reasoning, **extra)
+                              reasoning=self.reasoning, served=self.model.adapters, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
-                decode_tokens: int, logprobs: int | None = None) -> Workload:
+                decode_tokens: int, logprobs: int | None = None, lora: LoraChoice = None) -> Workload:
         return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer,
-                               logprobs)
+                               logprobs, lora=lora, served=self.model.adapters)
 
     def _say_plan(self) -> None:
         plan = self.plan

@@ -47,10 +47,27 @@ def check_template_kwargs(kwargs: Any, where: str = "chat_template_kwargs") -> d
     return dict(kwargs)
 
 
+def lora_module_pairs(items: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """``NAME=DIR`` items -> (name, dir) pairs, refused in one line where malformed or repeated."""
+    out: list[tuple[str, str]] = []
+    for item in items:
+        name, eq, path = str(item).partition("=")
+        name, path = name.strip(), path.strip()
+        if not eq or not name or not path:
+            raise ConfigError(f"--lora-modules {item!r}: give NAME=DIR (the name requests use as their model, "
+                             "the directory PEFT's save_pretrained wrote)")
+        if any(name == n for n, _ in out):
+            raise ConfigError(f"--lora-modules: the name {name!r} is given twice: give each adapter its own name")
+        out.append((name, path))
+    return out
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: str | None = None
     lora: str | None = None  # a PEFT LoRA adapter directory, merged into the weights as they are read
+    # PEFT LoRA adapters served per request, "NAME=DIR" each: a request names its adapter as its model
+    lora_modules: tuple[str, ...] = ()
     dummy_weights: bool = False
     dummy_fill: str = "random"
     prompts: str | None = None
@@ -129,6 +146,7 @@ class RunConfig:
             raise ConfigError(f"--num-prompts {self.num_prompts}: must be >= 1")
         if self.prompt_len < 1:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
+        lora_module_pairs(self.lora_modules)  # its own checks
         if self.percent is not None and len(self.percent) != 6:
             raise ConfigError(f"--percent takes six numbers WG WC CG CC HG HC, got {len(self.percent)}")
         if self.state_percent is not None and len(self.state_percent) != 2:
@@ -281,6 +299,11 @@ def build_config(model: str | None, config: RunConfig | None, options: dict[str,
     for k in ("percent", "state_percent", "stage_layers"):
         if opts.get(k) is not None:
             opts[k] = tuple(opts[k])
+    if isinstance(opts.get("lora_modules"), dict):  # {name: directory}
+        opts["lora_modules"] = tuple(f"{k}={v}" for k, v in opts["lora_modules"].items())
+    elif isinstance(opts.get("lora_modules"), (list, str)):
+        opts["lora_modules"] = (opts["lora_modules"],) if isinstance(opts["lora_modules"], str) \
+            else tuple(opts["lora_modules"])
     if isinstance(opts.get("chat_template_kwargs"), dict):  # the template's variables as a dict
         opts["chat_template_kwargs"] = json.dumps(opts["chat_template_kwargs"])
     known = {f.name for f in fields(RunConfig)}

@@ -43,6 +43,8 @@ def _yaml_value(key: str, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise bad("a number")
         return float(v)
+    elif key == "lora_modules" and isinstance(v, dict):  # {name: directory}
+        return tuple(f"{k}={d}" for k, d in v.items())
     elif key in ("json_schema", "chat_template_kwargs") and isinstance(v, (dict, bool)):
         return json.dumps(v)  # the schema (or the template's variables) written as YAML
     elif base == "str":
@@ -82,6 +84,10 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--lora", metavar="DIR", help="a LoRA adapter (the directory PEFT's save_pretrained writes) "
                    "merged into the model's weights as they are read")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=DIR", type=str,
+                   help="LoRA adapters served per request: a batch request whose model is NAME (a prompt "
+                   "file's line whose \"lora\" is NAME) runs with the adapter in DIR, the others with the base "
+                   "model; one batch mixes them")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
     g.add_argument("--dummy-fill", choices=DUMMY_FILLS, help="values of --dummy-weights: random (the default) "
                    "or ones (every weight 1, as FlexGen's dummy weights: for side-by-side timings with it, "

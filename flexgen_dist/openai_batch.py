@@ -60,6 +60,8 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         spec = llm.model.spec
         reqs = parse_requests(lines, llm.tokenizer, spec.vocab_size, spec.max_positions, default, llm.config.seed,
                               spec.eos_token_ids, llm.config.template_kwargs)[skip:]
+        for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
+            r.adapter = r.model if r.model in llm.model.adapters else None
         return any(r.ok for r in reqs)
 
     def plan() -> tuple[bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), any generated
@@ -87,9 +89,10 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
             llm.prepare([r.prompt for r, _ in rows] + [r.prompt for r in scored],
                         max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows] + [SamplingConfig()] * len(scored),
                         max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(scored),
-                        logprobs=max(asked) if asked else None)
+                        logprobs=max(asked) if asked else None,
+                        lora=[r.adapter for r, _ in rows] + [r.adapter for r in scored])
         k = max(r.prompt_alternatives for r in scored)  # type: ignore[type-var]
-        for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k)):
+        for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k, lora=[r.adapter for r in scored])):
             r.scored = (sc.logprobs, sc.ranks)  # type: ignore[assignment]
     for r in reqs:
         if r.ok and r.max_tokens == 0:
@@ -101,7 +104,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         nonlocal out
         lines = []
         while out < len(reqs) and (not reqs[out].ok or len(reqs[out].choices) == reqs[out].n):
-            lines.append(output_line(reqs[out], llm.model.spec.name, tokenizer=llm.tokenizer))
+            lines.append(output_line(reqs[out], reqs[out].adapter or llm.model.spec.name, tokenizer=llm.tokenizer))
             out += 1
         return lines
 
@@ -110,7 +113,8 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                                   max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
                                   keys=[sampling_key(r, j) for r, j in rows],
                                   max_new_tokens=[r.max_tokens for r, _ in rows],
-                                  stop=[r.stop for r, _ in rows], logprobs=max(asked) if asked else None):
+                                  stop=[r.stop for r, _ in rows], logprobs=max(asked) if asked else None,
+                                  lora=[r.adapter for r, _ in rows]):
             for c in window:
                 rows[c.index][0].choices.append(c)
             lines = ready()

@@ -62,6 +62,8 @@ class Request:
     # the prompt's tokens 1.. scored (echo with logprobs, or prompt_logprobs): logprobs and ranks
     scored: tuple[TokenLogprobs, list[int]] | None = None
     tools: ToolChoice | None = None  # chat: its tools, and the call its completion must be
+    model: str | None = None  # the body's model: where it names a LoRA adapter the run serves, its adapter
+    adapter: str | None = None  # that adapter's name (``run_batch`` sets it; None: the base model)
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -146,6 +148,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
             continue
         raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
     req.echo = _echo(req.url, body.get("echo"))
+    req.model = body["model"] if isinstance(body.get("model"), str) else None
     try:
         req.tools = parse_tools(body, req.url == CHAT, reads_auto(tokenizer))
     except ToolError as e:

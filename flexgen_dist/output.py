@@ -28,7 +28,7 @@ def fingerprint_path(output: Path) -> Path:
 def prompts_digest(prompts: list[Prompt]) -> str:
     h = hashlib.sha256()
     for p in prompts:
-        h.update(json.dumps([p.id, p.ids], default=str).encode())
+        h.update(json.dumps([p.id, p.ids] + ([p.lora] if p.lora else []), default=str).encode())
         h.update(b"\n")
     return h.hexdigest()
 

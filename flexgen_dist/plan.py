@@ -57,6 +57,9 @@ class Workload:
     # per request, whether its block takes its shared prefix's keys and values from the block
     # before (``blocks.prefix_reuse``; None: none does)
     reuse: tuple[bool, ...] | None = None
+    # per request, its LoRA adapter served per request (``models/lora_stack.py``): 0 the base
+    # model, a > 0 the model's a-th adapter (``LoadedModel.adapters``); None: every request the base
+    adapters: tuple[int, ...] | None = None
     # what shared prefixes save the call's prefill (``blocks.PrefixShape``; None: none or not
     # shared): what the planner's cost model expects a block not to compute. Rank 0's alone
     prefix: PrefixShape | None = field(default=None, compare=False, repr=False)
@@ -68,7 +71,8 @@ class Workload:
             raise ValueError("a workload needs at least one request, each of >= 1 token")
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
-        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups", "reuse"):
+        for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups", "reuse",
+                     "adapters"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

@@ -1,6 +1,7 @@
 """Reading prompts (.jsonl, .txt, synthetic); writing outputs is ``output.py``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ DEFAULT_QUESTIONS = [
     "How do I make a cup of tea?",
 ]
 Messages = list[dict[str, str]]
-Raw = tuple[Any, "str | None", "list[int] | None", "Messages | None"]  # id, text, ids, messages
+Raw = tuple[Any, "str | None", "list[int] | None", "Messages | None", "str | None"]  # id, text, ids, messages, lora
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Prompt:
     text: str | None
     ids: list[int]
     messages: Messages | None = None
+    lora: str | None = None  # the LoRA adapter it runs with, by name (a served one; None: the base model)
 
 
 def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tokenizer: Any | None,
@@ -50,17 +52,19 @@ def read_prompts(path: str | None, num_prompts: int | None, prompt_len: int, tok
                             generator=g)
         return [Prompt(i, None, row) for i, row in enumerate(ids.tolist())]
     if path is None and has_chat_template(tokenizer):
-        raw: list[Raw] = [(i, None, None, [{"role": "user", "content": q}]) for i, q in enumerate(DEFAULT_QUESTIONS)]
+        raw: list[Raw] = [(i, None, None, [{"role": "user", "content": q}], None)
+                          for i, q in enumerate(DEFAULT_QUESTIONS)]
     elif path is None:
-        raw = [(i, t, None, None) for i, t in enumerate(DEFAULT_PROMPTS)]
+        raw = [(i, t, None, None, None) for i, t in enumerate(DEFAULT_PROMPTS)]
     else:
         raw = _read_file(path)
     if not raw:
         raise ConfigError(f"{path}: no prompts in the file")
     if num_prompts is not None:
         raw = raw[:num_prompts]
-    return [make_prompt(pid, text, ids, tokenizer, vocab_size, messages, template_kwargs=template_kwargs)
-            for pid, text, ids, messages in raw]
+    return [dataclasses.replace(make_prompt(pid, text, ids, tokenizer, vocab_size, messages,
+                                            template_kwargs=template_kwargs), lora=lora)
+            for pid, text, ids, messages, lora in raw]
 
 
 def has_chat_template(tokenizer: Any | None) -> bool:
@@ -155,18 +159,20 @@ def _read_file(path: str) -> list[Raw]:
         for n, rec in jsonl_records(p, "\n".join(lines)):
             if "prompt" not in rec and "input_ids" not in rec and "messages" not in rec:
                 raise ConfigError(f"{path}:{n + 1}: each line needs a 'prompt', 'messages' or 'input_ids' field")
-            pid = rec.get("id", n)
+            pid, lora = rec.get("id", n), rec.get("lora")
+            if lora is not None and not isinstance(lora, str):
+                raise ConfigError(f"{path}:{n + 1}: 'lora' must be the name of a LoRA adapter (--lora-modules NAME=DIR)")
             if "input_ids" in rec:
                 ids = rec["input_ids"]
                 if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
                     raise ConfigError(f"{path}:{n + 1}: 'input_ids' must be a list of integers")
-                out.append((pid, rec.get("prompt"), ids, None))
+                out.append((pid, rec.get("prompt"), ids, None, lora))
             elif "messages" in rec:
-                out.append((pid, None, None, rec["messages"]))
+                out.append((pid, None, None, rec["messages"], lora))
             else:
-                out.append((pid, str(rec["prompt"]), None, None))
+                out.append((pid, str(rec["prompt"]), None, None, lora))
         return out
-    return [(n, line, None, None) for n, line in enumerate(lines) if line.strip()]
+    return [(n, line, None, None, None) for n, line in enumerate(lines) if line.strip()]
 
 
 class StopStrings:

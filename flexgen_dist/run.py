@@ -66,7 +66,8 @@ def run(cfg: RunConfig) -> int:
                 if cfg.warmup:
                     llm.warmup(todo)
                 # each prompt keeps its job index as its sampling key: a resumed job draws the same
-                for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts))):
+                lora = [p.lora for p in todo] if todo is not None and any(p.lora for p in todo) else None
+                for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts)), lora=lora):
                     if writer is not None:
                         recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs,  # type: ignore[index]
                                               c.reasoning) for c in block]
@@ -116,6 +117,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
             **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
             **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
+            **({"lora": cfg.lora} if cfg.lora else {}),
+            **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
             **_structure_print(cfg)}
 
 

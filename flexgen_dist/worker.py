@@ -17,7 +17,7 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import (BlockPlan, plan_blocks, prefill_positions, prefix_groupings, prefix_reuse,
+from .engine.blocks import (MIN_SHARED, BlockPlan, plan_blocks, prefill_positions, prefix_groupings, prefix_reuse,
                             shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
@@ -44,6 +44,9 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
     if work.shared is not None:
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
+    if work.adapters is not None:
+        for blk in blocks:
+            blk.adapters = [work.adapters[m] for m in blk.members]
     if work.reuse is not None:
         for blk, nxt in zip(blocks, blocks[1:] + [None]):
             blk.reuse = work.reuse[blk.members[0]]
@@ -60,13 +63,19 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
     if not work.prompts or not shares_prefix(spec):
         return work
     ids, longest = [p.ids for p in work.prompts], longest_sharing(spec)
+    # requests of different LoRA adapters share no keys: each prompt opens with a token of its
+    # adapter's own for the comparisons (one more shared token where they agree; taken off after)
+    mixed = int(work.adapters is not None and len(set(work.adapters)) > 1)
+    if mixed:
+        ids = [[-1 - a] + list(p) for p, a in zip(ids, work.adapters)]  # type: ignore[arg-type]
+        longest = None if longest is None else longest + 1
     best: tuple[int, tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...]] | None = None
-    for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window)]:
+    for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window, MIN_SHARED + mixed)]:
         blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
-        shared = shared_prefixes(ids, blocks, longest=longest)
+        shared = tuple(max(0, n - mixed) for n in shared_prefixes(ids, blocks, MIN_SHARED + mixed, longest))
         if work.targets is not None:  # scoring: never over a scored position
             shared = unscored_prefixes(blocks, shared, work.lens, work.targets)
-        reuse = prefix_reuse(ids, blocks, shared)
+        reuse = prefix_reuse(ids, blocks, tuple(n + mixed if n else 0 for n in shared))
         cost = prefill_positions(blocks, shared, reuse)
         if best is None or cost < best[0]:
             best = (cost, groups, shared, reuse)

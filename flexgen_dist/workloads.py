@@ -20,6 +20,7 @@ from .reasoning import Reasoning
 from .scoring import score_split, score_targets
 
 PromptLike = str | Sequence[int] | Messages | Prompt  # a Prompt keeps its id and text (the CLI passes them)
+LoraChoice = str | Sequence[str | None] | None  # a served LoRA adapter's name for every prompt, or one per prompt
 log = logging.getLogger("flexgen_dist")
 
 
@@ -27,9 +28,11 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    sampling: SamplingConfig | Sequence[SamplingConfig] | None, cfg: RunConfig, spec: ModelSpec,
                    tokenizer: Any | None, *, keys: Sequence[int] | None = None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
-                   scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None) -> Workload:
+                   scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None,
+                   lora: LoraChoice = None, served: Sequence[str] = ()) -> Workload:
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
-    prompt of a reasoning model (``reasoning``) gets its structure after the thinking."""
+    prompt of a reasoning model (``reasoning``) gets its structure after the thinking.
+    ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's)."""
     what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
     if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ConfigError(f"{what} (strings or token-id lists)")
@@ -57,7 +60,10 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
     seen = tuple(tuple(sorted(set(p.ids))) if r else () for p, r in zip(ps, repeats)) \
         if any(repeats) and not scoring else None
-    prefix = PrefixShape.of_prompts([p.ids for p in ps], longest_sharing(spec)) \
+    adapters = adapter_indices(lora, len(ps), served)
+    mixed = adapters is not None and len(set(adapters)) > 1  # no keys shared across adapters: one opening each
+    prefix = PrefixShape.of_prompts([[-1 - a, *p.ids] if mixed else p.ids for p, a in
+                                     zip(ps, adapters or [0] * len(ps))], longest_sharing(spec)) \
         if cfg.share_prefix and not scoring and shares_prefix(spec) else None
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]
@@ -65,9 +71,30 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                         logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
-                        seen=seen, prefix=prefix, prompts=tuple(ps))
+                        seen=seen, adapters=adapters, prefix=prefix, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def adapter_indices(lora: LoraChoice, n: int, served: Sequence[str]) -> tuple[int, ...] | None:
+    """Each of ``n`` requests' adapter index (``Workload.adapters``: 0 the base model, a the
+    a-th of ``served``) from ``lora`` (one name for all, or one per request, None or "" for
+    the base model); None where every request runs the base model. An unknown name, or a
+    count that is not one per request, is refused in one line."""
+    if lora is None:
+        return None
+    names = [lora] * n if isinstance(lora, str) else list(lora)
+    if len(names) != n:
+        raise ConfigError(f"lora has {len(names)} names for {n} prompts: give one adapter name for all, or one per "
+                          "prompt (None: the base model)")
+    index = {name: a + 1 for a, name in enumerate(served)}
+    for name in names:
+        if name and name not in index:
+            raise ConfigError(f"unknown LoRA adapter {name!r}: " + (
+                f"this LLM serves {', '.join(served)} (lora_modules)" if served else
+                "this LLM serves none; load them with --lora-modules NAME=DIR (LLM(lora_modules={NAME: DIR}))"))
+    out = tuple(index[name] if name else 0 for name in names)
+    return out if any(out) else None
 
 
 def after_thinking(ps: Sequence[Prompt], each: tuple[SamplingConfig, ...] | None, samp: SamplingConfig,
@@ -133,10 +160,10 @@ def prompt_of(n: int, p: PromptLike, tokenizer: Any | None, vocab_size: int,
 
 def scored_workload(sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                     decode_tokens: int, cfg: RunConfig, spec: ModelSpec, tokenizer: Any | None,
-                    logprobs: int | None = None) -> Workload:
+                    logprobs: int | None = None, lora: LoraChoice = None, served: Sequence[str] = ()) -> Workload:
     """Scoring's workload: each sequence's prefill part, the decode steps, the targets, and
-    (``logprobs``) how many alternatives each scored token reports."""
-    work = build_workload(sequences, 1, None, cfg, spec, tokenizer, scoring=True)
+    (``logprobs``) how many alternatives each scored token reports; ``lora`` as ``build_workload``'s."""
+    work = build_workload(sequences, 1, None, cfg, spec, tokenizer, scoring=True, lora=lora, served=served)
     targets = score_targets([p.ids for p in work.prompts], first_scored)
     lens, steps = score_split(list(work.lens), decode_tokens)
     try:

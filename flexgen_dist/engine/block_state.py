@@ -53,6 +53,8 @@ class BlockState:
     # (``prefix.prefix_pass``, run at each slot before the block's first GPU batch)
     prefix: torch.Tensor | None = None
     prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per GPU batch (or "merged", "prefix"): which rows use which LoRA adapter (``StageEngine._lora``)
+    lora_rows: dict[int | str, Any] = field(default_factory=dict)
     prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``prefix.with_prefix``'s
 
 

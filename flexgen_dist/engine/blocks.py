@@ -56,6 +56,9 @@ class BlockMeta:
     # first L); keep: leave this block's (or the reused) keys and values for the next block
     reuse: bool = False
     keep: bool = False
+    # per GPU batch, each row's LoRA adapter served per request (0: the base model; None: every
+    # row the base model; ``models/lora_rows.py``)
+    adapters: list[list[int]] | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -75,10 +78,13 @@ class BlockPlan:
     shared: int = 0  # L: the leading tokens every prompt of the block shares, computed once (0: none)
     reuse: bool = False  # its prefix's keys and values are the previous block's (``prefix_reuse``)
     keep: bool = False  # the next block reuses its prefix's keys and values
+    adapters: list[int] | None = None  # per prompt, its LoRA adapter (``Workload.adapters``; None: none has one)
 
     def meta(self, gbs: int, gen_len: int) -> BlockMeta:
-        return BlockMeta([self.lens[a:a + gbs] for a in range(0, len(self.lens), gbs)], self.prompt_len, gen_len,
-                         shared=self.shared, reuse=self.reuse, keep=self.keep)
+        cut = range(0, len(self.lens), gbs)
+        adapters = [self.adapters[a:a + gbs] for a in cut] if self.adapters is not None and any(self.adapters) else None
+        return BlockMeta([self.lens[a:a + gbs] for a in cut], self.prompt_len, gen_len,
+                         shared=self.shared, reuse=self.reuse, keep=self.keep, adapters=adapters)
 
     @property
     def saved(self) -> int:

@@ -22,6 +22,7 @@ from ..memory.tiers import MemoryTracker, Tier
 from ..memory.units import format_bytes
 from ..models.common import Positions
 from ..models.families import get_family
+from ..models.lora_rows import LoraRows, with_rows
 from ..models.source import WeightSource
 from ..models.spec import ModelSpec
 from . import head
@@ -322,6 +323,7 @@ class StageEngine:
     def _compute_merged(self, st: BlockState, i: int, j: int, w: dict[str, torch.Tensor], num_gb: int) -> None:
         """Slot j for every GPU batch of the block at once (see ``_merged``)."""
         slot, spec = self.slots[j], self.spec
+        w = self._lora(st, w, slot, "merged")
         xs = [st.acts.get(kk) for kk in range(num_gb)]
         bounds = [0]
         for x in xs:
@@ -367,13 +369,15 @@ class StageEngine:
         w = self._weights(j)
         num_gb = len(st.meta.prompt_lens)
         if i == 0 and k == 0 and st.meta.shared and not st.meta.reuse:  # before the block's first GPU batch here
-            prefix_pass(self.family, self.spec, st, slot, w, self.device)
+            # the prefix's row: its block's prompts share their adapter (``worker.with_shared_prefixes``)
+            prefix_pass(self.family, self.spec, st, slot, self._lora(st, w, slot, "prefix"), self.device)
         if self._merged(st, i, slot, num_gb):
             if k == 0:  # every batch of the block, now; the steps of k > 0 find them done
                 self._compute_merged(st, i, j, w, num_gb)
             return
         x = st.acts.get(k)
         spec = self.spec
+        w = self._lora(st, w, slot, k)
         pos, mrows, pos0 = self._step_inputs(st, i, k, slot[1] if slot[0] == "layer" else None)  # type: ignore[arg-type]
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
@@ -395,6 +399,20 @@ class StageEngine:
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
+
+    def _lora(self, st: BlockState, w: dict[str, Any], slot: Slot, k: int | str) -> dict[str, Any]:
+        """A layer's weights with its adapted matrices adding each row's LoRA adapter
+        (``models/lora_rows.py``): the rows of GPU batch k, of every batch ("merged") or the
+        shared prefix's one row ("prefix"); ``w`` itself where no row has one."""
+        adapters = st.meta.adapters
+        if adapters is None or slot[0] != "layer":
+            return w
+        rows = st.lora_rows.get(k)
+        if rows is None:
+            ids = [a for batch in adapters for a in batch] if k == "merged" else \
+                adapters[0][:1] if k == "prefix" else adapters[k]  # type: ignore[index]
+            rows = st.lora_rows[k] = LoraRows.of(ids, self.device)
+        return with_rows(w, rows)
 
     def _step_inputs(self, st: BlockState, i: int, k: int,
                      layer: int | None = None) -> tuple[Positions, torch.Tensor | None, int]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .. import kernels
 from ..kernels import gemm
 from ..kernels.qweight import QWeight
+from .lora_rows import LoraWeight
 from .spec import ModelSpec, RopeScaling
 
 
@@ -101,6 +102,8 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None,
     where the fused kernel applies (few rows on the CPU), else expanded and multiplied as a
     dense one.
     """
+    if isinstance(w, LoraWeight):  # adapters served per request: the base product, then theirs
+        return w.add_updates(x, linear(x, w.base, b, residual))
     if isinstance(w, QWeight):
         y = w.linear(x, b, residual)
         if y is not None:

@@ -94,13 +94,20 @@ def register(family: Family) -> Family:
     return family
 
 
+LORA_A, LORA_B = ".lora_a", ".lora_b"  # suffixes of a matrix's stacked adapters (``ModelSpec.lora_stacks``)
+
+
 def part_shapes(spec: ModelSpec, part: str, layer: int | None = None) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of the weights of ``part`` ('embed', 'layer' or 'head'); a
     layer's depend on which layer it is where some layers are sparse (mixtures of experts)."""
     fam = get_family(spec.family)
-    if part == "layer":
-        return fam.layer_shapes(spec, layer)
-    return getattr(fam, f"{part}_shapes")(spec)
+    if part != "layer":
+        return getattr(fam, f"{part}_shapes")(spec)
+    shapes = fam.layer_shapes(spec, layer)
+    for key, n, r, i, o in spec.lora_stacks:  # adapters served per request (``lora_stack.py``)
+        if key in shapes:
+            shapes[f"{key}{LORA_A}"], shapes[f"{key}{LORA_B}"] = (n, r, i), (n, o, r)
+    return shapes
 
 
 def family_names() -> list[str]:

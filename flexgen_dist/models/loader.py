@@ -272,6 +272,7 @@ class LoadedModel:
     source: WeightSource
     tokenizer: Any | None
     origin: str  # a human-readable description of where the weights came from
+    adapters: tuple[str, ...] = ()  # LoRA adapters served per request, by name (``lora_stack.py``)
 
 
 def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,

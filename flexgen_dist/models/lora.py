@@ -132,44 +132,58 @@ def _rows_of(t: torch.Tensor, rows: str) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class LoraSource(WeightSource):
-    """A weight source with an adapter merged into what it reads (module doc); everything
-    else is the wrapped source's."""
+Hits = dict[tuple[str, int | None], dict[str, tuple[str, str]]]  # (part, layer) -> key -> (module, rows)
 
-    def __init__(self, base: WeightSource, adapter: LoraAdapter) -> None:
-        super().__init__(base.spec, base.dtype)
-        self.base, self.adapter = base, adapter
-        self._hits: dict[tuple[str, int | None], dict[str, tuple[str, str]]] = {}
-        used: set[str] = set()
-        parts = [("embed", None)] + [("layer", j) for j in range(self.spec.num_layers)] + [("head", None)]
-        for part, layer in parts:
-            hits = self._targets(part, layer)
-            self._hits[(part, layer)] = hits
-            used.update(m for m, _ in hits.values())
-        unused = sorted(set(adapter.modules) - used)
-        if unused:
-            raise ModelLoadError(f"{adapter.path}: the adapter adapts {unused[0]}"
-                                 + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
-                                 + f", which this {self.spec.family}-family model does not read as a whole linear "
-                                   "layer: an adapter of another model, or of a part this engine does not merge "
-                                   "(embeddings, the head, one expert of a fused tensor)")
 
-    def _targets(self, part: str, layer: int | None) -> dict[str, tuple[str, str]]:
-        """Per canonical key of a part that the adapter adapts: (module, rows of the fused
-        tensor or "")."""
+def adapted_keys(source: WeightSource, adapter: LoraAdapter) -> Hits:
+    """Per part of the model, each canonical key the adapter adapts: (its module in the
+    adapter, the rows of the fused tensor it is cut from or ""); an adapted module the
+    model's family does not read as a whole linear layer is refused in one line."""
+    spec = source.spec
+    hits: Hits = {}
+    used: set[str] = set()
+    for part, layer in [("embed", None)] + [("layer", j) for j in range(spec.num_layers)] + [("head", None)]:
         out = {}
-        for k, candidates in self.family.hf_names(self.spec, part, layer).items():
+        for k, candidates in source.family.hf_names(spec, part, layer).items():
             for c in candidates:
                 name, _, marks = c.partition("#")
                 module = name.removesuffix(".weight")
-                if not name.endswith(".weight") or module not in self.adapter.modules:
+                if not name.endswith(".weight") or module not in adapter.modules:
                     continue
                 marks = "#" + marks if marks else ""
                 if part != "layer" or any(m in marks for m in (INDEX, TRANSPOSED, MXFP4)):
-                    break  # an embedding, a head, an expert of a 3-D tensor: left unused, refused above
+                    break  # an embedding, a head, an expert of a 3-D tensor: left unused, refused below
                 out[k] = (module, marks.partition(ROWS)[2])
                 break
-        return out
+        hits[(part, layer)] = out
+        used.update(m for m, _ in out.values())
+    unused = sorted(set(adapter.modules) - used)
+    if unused:
+        raise ModelLoadError(f"{adapter.path}: the adapter adapts {unused[0]}"
+                             + (f" (and {len(unused) - 1} more)" if len(unused) > 1 else "")
+                             + f", which this {spec.family}-family model does not read as a whole linear "
+                               "layer: an adapter of another model, or of a part this engine does not merge "
+                               "(embeddings, the head, one expert of a fused tensor)")
+    return hits
+
+
+def checked_update(adapter: LoraAdapter, module: str, rows: str, shape: tuple[int, ...], what: str) -> None:
+    """Refuse, in one line, an adapter whose update of ``module`` (cut to ``rows``) is not
+    ``shape``, the model's matrix ``what``."""
+    a, b, _ = adapter.modules[module]
+    out = _rows_of(b, rows).shape[0] if rows else b.shape[0]
+    if (out, a.shape[1]) != tuple(shape):
+        raise ModelLoadError(f"{adapter.path}: {module}'s update is {(out, a.shape[1])} but the model's "
+                             f"{what} is {tuple(shape)}: an adapter of another model")
+
+
+class WrappedSource(WeightSource):
+    """A source that reads through another (``base``) and changes some of what it hands out;
+    everything else (its packing switch, its files, its own fields) is the base's."""
+
+    def __init__(self, base: WeightSource, spec: Any = None) -> None:
+        super().__init__(spec or base.spec, base.dtype)
+        self.base = base
 
     @property  # type: ignore[override]
     def keep_packed(self) -> bool:
@@ -179,15 +193,32 @@ class LoraSource(WeightSource):
     def keep_packed(self, value: bool) -> None:
         self.base.keep_packed = value
 
+    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
+        raise AssertionError(f"{type(self).__name__} reads through its base source")  # get/get_packed delegate
+
+    def close(self) -> None:
+        self.base.close()
+
+    def __getattr__(self, name: str) -> Any:  # the base source's own fields (its path, its head, ...)
+        if name.startswith("__") or name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+class LoraSource(WrappedSource):
+    """A weight source with an adapter merged into what it reads (module doc)."""
+
+    def __init__(self, base: WeightSource, adapter: LoraAdapter) -> None:
+        super().__init__(base)
+        self.adapter = adapter
+        self._hits = adapted_keys(base, adapter)
+
     def _merge(self, part: str, layer: int | None, out: dict[str, Any]) -> dict[str, Any]:
         for k, (module, rows) in self._hits.get((part, layer), {}).items():
             w = out[k]
+            checked_update(self.adapter, module, rows, tuple(w.shape), f"{k} of {part} {layer}")
             d = self.adapter.delta(module)
-            d = _rows_of(d, rows) if rows else d
-            if tuple(d.shape) != tuple(w.shape):
-                raise ModelLoadError(f"{self.adapter.path}: {module}'s update is {tuple(d.shape)} but the model's "
-                                     f"{k} of {part} {layer} is {tuple(w.shape)}: an adapter of another model")
-            out[k] = (w.float() + d).to(self.dtype)
+            out[k] = (w.float() + (_rows_of(d, rows) if rows else d)).to(self.dtype)
         return out
 
     def get(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor]:
@@ -207,17 +238,6 @@ class LoraSource(WeightSource):
 
     def shapes(self, part: str, layer: int | None = None) -> dict[str, tuple[int, ...]]:
         return self.base.shapes(part, layer)
-
-    def _read(self, part: str, layer: int | None) -> dict[str, torch.Tensor]:
-        raise AssertionError("LoraSource reads through its base source")  # get/get_packed delegate
-
-    def close(self) -> None:
-        self.base.close()
-
-    def __getattr__(self, name: str) -> Any:  # the base source's own fields (its path, its head, ...)
-        if name.startswith("__") or name in ("base", "adapter"):
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 def with_lora(model: LoadedModel, adapter: str) -> LoadedModel:

@@ -170,6 +170,11 @@ class ModelSpec(SpecChecks):
     # Phi-3.5-MoE's sparsemixer routing (router_scoring "sparsemixer"): an expert's weight is a
     # softmax over the logits within 2 * router_jitter (relative) of the best remaining one
     router_jitter: float = 0.0
+    # LoRA adapters served per request (``--lora-modules``): per adapted matrix of a layer, its
+    # canonical key, how many adapters, their (largest) rank, its input and output widths; each
+    # layer then also holds ``KEY.lora_a`` (n, r, in) and ``KEY.lora_b`` (n, out, r)
+    # (``models/lora_stack.py``)
+    lora_stacks: tuple[tuple[str, int, int, int, int], ...] = ()
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -331,11 +336,19 @@ class ModelSpec(SpecChecks):
 
     # sizes (element counts; multiply by the dtype's bytes) -------------------------
     def layer_numel(self, layer: int | None = None) -> float:
-        """Elements of one decoder layer's weights (attention + MLP + norms + biases); with
-        ``layer`` None, the mean over the layers (they differ where only some are sparse)."""
+        """Elements of one decoder layer's weights (attention + MLP + norms + biases, and the
+        stacked LoRA adapters served per request); with ``layer`` None, the mean over the
+        layers (they differ where only some are sparse)."""
+        return self._layer_numel(layer) + self.lora_numel()
+
+    def lora_numel(self) -> int:
+        """Elements of one layer's stacked LoRA adapters (``lora_stacks``)."""
+        return sum(n * r * (i + o) for _, n, r, i, o in self.lora_stacks)
+
+    def _layer_numel(self, layer: int | None = None) -> float:
         if layer is None:
             if self.num_experts and self.moe_layers and len(set(self.moe_layers)) > 1 or self.lin_v_heads:
-                return sum(self.layer_numel(j) for j in range(self.num_layers)) / self.num_layers
+                return sum(self._layer_numel(j) for j in range(self.num_layers)) / self.num_layers
             layer = 0
         h, f = self.hidden_size, self.ffn_size
         attn = self.mla_numel() if self.kv_lora_rank else \
