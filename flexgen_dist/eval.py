@@ -78,7 +78,8 @@ def read_ids(path: str | None, tokenizer: Any | None) -> tuple[list[int], str]:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
-    ap = ArgParser(prog="python -m flexgen_dist.eval", description=__doc__,
+    # no abbreviations: the run's flags pass through, and "--lora" must not read as "--lora-name"
+    ap = ArgParser(prog="python -m flexgen_dist.eval", description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Every flag of python -m flexgen_dist.run (model, placement, "
                                         "compression, distributed) is accepted too.")
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
                     help="score only the last N tokens of each window, predicted by teacher-forced decode "
                          "steps over the KV cache (where --compress-cache and --attn-sparsity act); the "
                          "rest of the window is context (default 0: every token, in prefill)")
+    ap.add_argument("--lora-name", metavar="NAME", help="score with this adapter of --lora-modules (default: the "
+                                                         "base model, or the --lora adapter merged into it)")
     ap.add_argument("--json", help="write the result here")
     args, rest = ap.parse_known_args(argv)
     args.stride = args.window if args.stride is None else args.stride
@@ -108,9 +111,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
 
 
 def evaluate(llm: LLM, *, text: str | None = None, window: int = 512, stride: int | None = None,
-             max_windows: int | None = None, decode_tokens: int = 0) -> dict[str, Any] | None:
-    """Score the windows of ``text`` (default: the bundled sample) as ``eval ppl`` does; rank 0
-    returns the result (the other ranks serve their stage and return None)."""
+             max_windows: int | None = None, decode_tokens: int = 0, lora: str | None = None) -> dict[str, Any] | None:
+    """Score the windows of ``text`` (default: the bundled sample) as ``eval ppl`` does, with
+    the served adapter ``lora`` (``--lora-modules``; None: the base model); rank 0 returns the
+    result (the other ranks serve their stage and return None)."""
     if not llm.is_driver:
         llm.score(None)
         return None
@@ -124,13 +128,14 @@ def evaluate(llm: LLM, *, text: str | None = None, window: int = 512, stride: in
     t0 = time.perf_counter()
     d = decode_tokens
     firsts = [max(f, b - a - d) if d else f for a, b, f in wins]  # decode-scored: the last d tokens only
-    scores: list[Score] = llm.score([ids[a:b] for a, b, _ in wins], firsts, decode_tokens=d)
+    scores: list[Score] = llm.score([ids[a:b] for a, b, _ in wins], firsts, decode_tokens=d, lora=lora)
     elapsed = time.perf_counter() - t0
     nll, count, correct = (sum(getattr(s, k) for s in scores) for k in ("nll", "count", "correct"))
     m = llm.metrics
     return {
         "text": name, "model": m["model"], "dtype": m["dtype"], "device": m["device"], "world_size": m["world_size"],
         "window": window, "stride": stride, "windows": len(wins), "decode_tokens": d,
+        **({"lora": lora} if lora else {}),
         "tokens_scored": count,
         "ppl": math.exp(nll / count), "nll_per_token": nll / count, "accuracy": correct / count,
         "time_s": elapsed, "tokens_per_s": sum(b - a for a, b, _ in wins) / elapsed,
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, cfg: RunConfig) -> int:
     with LLM(config=cfg) as llm:
         res = evaluate(llm, text=args.text, window=args.window, stride=args.stride,
-                       max_windows=args.max_windows, decode_tokens=args.decode_tokens)
+                       max_windows=args.max_windows, decode_tokens=args.decode_tokens, lora=args.lora_name)
     if res is not None:
         print(report(res))
         if args.json:

@@ -227,7 +227,7 @@ def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
             values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
-    for k in ("percent", "state_percent", "stage_layers", "choice"):
+    for k in ("percent", "state_percent", "stage_layers", "choice", "lora_modules"):
         if values.get(k) is not None:
             values[k] = tuple(values[k])
     if "stages" in values:

@@ -12,7 +12,8 @@ rows of the job. Log-probabilities are computed for the whole call at the most a
 asks for, and each request's line carries its own number of alternatives. A completions
 request with ``echo`` gets its prompt back before its completion, and with ``logprobs`` its
 prompt's tokens' too, from one teacher-forced scoring call (``LLM.score``) over every echoed
-prompt before the generation; with ``max_tokens`` 0 it generates nothing.
+prompt before the generation; with ``max_tokens`` 0 it generates nothing. A request whose
+``model`` names a LoRA adapter the run serves (``--lora-modules``) runs with it.
 
 ``openai_requests.py`` turns lines into requests and ``openai_lines.py`` results into lines;
 this module runs a batch of them (``LLM.batch``; ``python -m flexgen_dist.batch`` is the

@@ -44,8 +44,10 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
     if work.shared is not None:
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
-    if work.adapters is not None:
+    if work.adapters is not None:  # a block's rows by adapter: each adapter's rows one run (``lora_rows.py``)
         for blk in blocks:
+            order = sorted(range(len(blk.members)), key=lambda r: work.adapters[blk.members[r]])  # type: ignore[index]
+            blk.members, blk.lens = [blk.members[r] for r in order], [blk.lens[r] for r in order]
             blk.adapters = [work.adapters[m] for m in blk.members]
     if work.reuse is not None:
         for blk, nxt in zip(blocks, blocks[1:] + [None]):

@@ -607,3 +607,19 @@ def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_pat
     r = json.loads(scored.read_text())["variants"]["float32"]
     assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["unshared"]["shared_prefix_fraction"] == 0
     assert r["same_tokens"]
+
+
+def test_lora_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:
+    from flexgen_dist.bench import lora
+
+    out = tmp_path / "l.json"
+    assert lora.main(["--model", str(tiny_models["llama-gqa"].path), "--adapters", "2", "--rank", "2",
+                      "--prompts", "4", "--prompt-len", "6", "--gen-len", "2", "--gpu-batch-size", "2",
+                      "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["mode"], r["compress_weight"]) for r in data["rows"]] == [
+        (m, c) for c in (False, True) for m in ("base model", "one adapter merged (--lora)",
+                                                "one adapter per request, every request a0",
+                                                "2 adapters per request, spread over each batch")]
+    assert all(r["decode_throughput"] > 0 for r in data["rows"])
+    assert data["rows"][2]["weight_bytes"] > data["rows"][0]["weight_bytes"]  # the stacks are stored

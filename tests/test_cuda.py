@@ -410,3 +410,19 @@ def test_what_choosing_holds_is_within_the_peak_model(gpu_device: torch.device, 
         sorts = CUDA_SORT_BYTES if any(not c.greedy and c.top_p < 1.0 for c in cfgs) else 0
         allowed = b * V * (4 + choice_bytes(cfgs, k) + sorts)
         assert used <= allowed + (1 << 20), (what, used, allowed)
+
+
+def test_lora_adapters_per_request_on_the_gpu_match_peft(tiny_models, gpu_device, tmp_path: Path) -> None:
+    """Adapters served per request (``--lora-modules``) on the device, stacks on the GPU, in RAM
+    and with merged decode: each prompt's float32 tokens equal transformers' on PEFT's model
+    with its adapter."""
+    from flexgen_dist import LLM
+    from test_lora_modules import CHOICE, LLAMA_ALL, _expected, _two
+
+    tm = tiny_models["llama-gqa"]
+    modules, models = _two(tm, tmp_path, LLAMA_ALL)
+    want = _expected(models, CHOICE, PROMPTS, GEN)
+    for pct, ngb in (((100, 0, 100, 0, 100, 0), 1), ((0, 100, 0, 100, 100, 0), 3)):
+        with LLM(str(tm.path), lora_modules=modules, device=gpu_device.type, dtype="float32", percent=pct,
+                 gpu_batch_size=2, num_gpu_batches=ngb, ignore_eos=True, progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN, lora=CHOICE)] == want, pct

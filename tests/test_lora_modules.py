@@ -169,3 +169,84 @@ def test_two_stages_and_a_prompt_file_name_each_lines_adapter(tiny_models, tmp_p
                     nproc=2, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(out)] == _expected(models, CHOICE, PROMPTS, 5)
+
+
+def test_the_budget_check_counts_the_stacked_adapters(tiny_models, tmp_path: Path) -> None:
+    """The stacks are weights the planner sizes: two layers' predicted RAM equals what the
+    engine stores, adapters included, and exceeds the base model's by the stacks' bytes."""
+    from flexgen_dist.engine.footprint import predict_peaks
+    from flexgen_dist.engine.policy import Policy
+    from flexgen_dist.engine.stage import StageEngine
+    from flexgen_dist.models.loader import load_model
+    from flexgen_dist.models.lora_stack import with_lora_modules
+
+    tm = tiny_models["llama-gqa"]
+    modules, _ = _two(tm, tmp_path, LLAMA_ALL)
+    base = load_model(str(tm.path), load_tokenizer=False)
+    lm = with_lora_modules(base, list(modules.items()))
+    pol = Policy(1, 1, 0, 100, 100, 0, 100, 0)  # weights alone in RAM
+    peaks = {}
+    for name, m in (("base", base), ("lora", lm)):
+        peaks[name] = predict_peaks(m.spec, pol, (0, 2), has_embed=False, has_head=False, prompt_len=4, gen_len=1,
+                                    dtype_bytes=4)["cpu"]
+    eng = StageEngine(lm.spec, lm.source, (0, 2), has_embed=False, has_head=False, policy=pol,
+                      device=torch.device("cpu"), dtype=torch.float32)
+    stored = eng.weights.bytes_per_tier()["cpu"]
+    eng.close()
+    assert peaks["lora"] == stored
+    assert peaks["lora"] - peaks["base"] == 2 * lm.spec.lora_numel() * 4 > 0
+
+
+def test_each_run_of_rows_gets_its_adapters_update() -> None:
+    """``LoraRows`` finds each run of rows of one adapter (base rows in none), and
+    ``linear`` adds ``(x A_a^T) B_a^T`` to exactly the rows of adapter a, whatever their order
+    and the positions per row."""
+    from flexgen_dist.models.common import linear
+    from flexgen_dist.models.lora_rows import LoraRows, LoraWeight
+
+    ids = [2, 2, 0, 1, 1, 2, 0]
+    rows = LoraRows.of(ids)
+    assert rows.runs == ((1, 0, 2), (0, 3, 5), (1, 5, 6)) and rows.rows == 7
+    torch.manual_seed(0)
+    w, a, b = torch.randn(6, 5), torch.randn(2, 3, 5), torch.randn(2, 6, 3)
+    x = torch.randn(7, 4, 5)
+    y = linear(x, LoraWeight(w, a, b, rows))
+    want = torch.stack([x[n] @ w.t() + (x[n] @ a[i - 1].t() @ b[i - 1].t() if i else 0) for n, i in enumerate(ids)])
+    torch.testing.assert_close(y, want)
+    assert LoraRows.of([0, 0]).runs == ()
+
+
+def test_the_option_from_the_command_line_yaml_and_python(tmp_path: Path) -> None:
+    """``--lora-modules a=X b=Y``, a YAML mapping or list, and ``LLM(lora_modules={...})`` all
+    give the same ``NAME=DIR`` items."""
+    from flexgen_dist.config import build_config
+    from flexgen_dist.flags import parse_config
+
+    want = ("a=/x", "b=/y")
+    assert parse_config(["--lora-modules", "a=/x", "b=/y"]).lora_modules == want
+    for value in ("{a: /x, b: /y}", "[a=/x, b=/y]"):
+        y = tmp_path / "c.yaml"
+        y.write_text(f"lora_modules: {value}\n")
+        assert parse_config(["--config", str(y)]).lora_modules == want
+    assert build_config(None, None, {"lora_modules": {"a": "/x", "b": "/y"}}).lora_modules == want
+    assert build_config(None, None, {"lora_modules": ["a=/x", "b=/y"]}).lora_modules == want
+
+
+def test_eval_scores_with_a_served_adapter(tiny_models, tmp_path: Path) -> None:
+    """``eval ppl --lora-name NAME`` scores with the served adapter: the perplexity of the same
+    adapter merged (``--lora``), not the base model's."""
+    from flexgen_dist.eval import main as eval_main
+
+    tm = tiny_models["llama-gqa"]
+    modules, _ = _two(tm, tmp_path, LLAMA_ALL)
+    text = tmp_path / "ids.jsonl"
+    text.write_text("".join(json.dumps({"input_ids": p * 3}) + "\n" for p in PROMPTS))
+    res = {}
+    for name, extra in (("base", []), ("merged", ["--lora", modules["a1"]]),
+                        ("served", ["--lora-modules", *(f"{k}={v}" for k, v in modules.items()), "--lora-name", "a1"])):
+        out = tmp_path / f"{name}.json"
+        assert eval_main(["ppl", "--model", str(tm.path), "--text", str(text), "--window", "16", "--json", str(out),
+                          "--no-progress", *extra]) == 0
+        res[name] = json.loads(out.read_text())["ppl"]
+    assert res["served"] == pytest.approx(res["merged"], rel=1e-5)
+    assert abs(res["served"] - res["base"]) > 1e-3

@@ -411,7 +411,7 @@ class StageEngine:
         if rows is None:
             ids = [a for batch in adapters for a in batch] if k == "merged" else \
                 adapters[0][:1] if k == "prefix" else adapters[k]  # type: ignore[index]
-            rows = st.lora_rows[k] = LoraRows.of(ids, self.device)
+            rows = st.lora_rows[k] = LoraRows.of(ids)
         return with_rows(w, rows)
 
     def _step_inputs(self, st: BlockState, i: int, k: int,

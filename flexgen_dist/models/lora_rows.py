@@ -10,8 +10,11 @@ its scale, zero-padded to the largest rank (``lora_stack.py``). A row of adapter
 as PEFT computes an unmerged adapter (``lora_B(lora_A(x)) * scaling`` beside the base layer),
 so the base weight is never changed and rows of different adapters (and of none) share one
 batch and one pass over it. The update is computed once per adapter present in the batch,
-over its rows alone (gathered, multiplied, added back): two skinny products of r columns,
-about ``2 r / out`` of the base product per row, with no copy of any adapter per row.
+over its rows alone, a contiguous run of them (a block's rows are ordered by adapter), added
+into the output in place: two skinny products of r columns, about
+``r (in + out) / (in x out)`` of the base product's work per row, with no copy of any adapter
+per row (a gather of each row's A and B would read them once per row: on a GPU's decode step,
+more bytes than the base matrix itself).
 """
 from __future__ import annotations
 
@@ -25,20 +28,23 @@ from .families import LORA_A, LORA_B
 
 @dataclass(frozen=True)
 class LoraRows:
-    """The rows of a batch (its leading dim) per adapter: (stack index, rows or None for
-    every row) of each adapter present; base-model rows are in none."""
+    """The rows of a batch (its leading dim) per adapter: (stack index, first row, end row) of
+    each run of rows with the same adapter; base-model rows are in none. A block's rows are
+    ordered by adapter (``worker.call_blocks``), so a batch holds one run per adapter present."""
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    runs: tuple[tuple[int, int, int], ...]
     rows: int
 
     @classmethod
-    def of(cls, adapters: Sequence[int], device: torch.device) -> LoraRows:
+    def of(cls, adapters: Sequence[int]) -> LoraRows:
         """From each row's adapter (0: the base model, a > 0: stack index a - 1)."""
-        out = []
-        for a in sorted(set(adapters) - {0}):
-            idx = [n for n, x in enumerate(adapters) if x == a]
-            out.append((a - 1, None if len(idx) == len(adapters) else torch.tensor(idx, device=device)))
-        return cls(tuple(out), len(adapters))
+        runs, start = [], 0
+        for n in range(1, len(adapters) + 1):
+            if n == len(adapters) or adapters[n] != adapters[start]:
+                if adapters[start]:
+                    runs.append((adapters[start] - 1, start, n))
+                start = n
+        return cls(tuple(runs), len(adapters))
 
 
 class LoraWeight:
@@ -55,23 +61,19 @@ class LoraWeight:
     def add_updates(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (x's product with the base weight) plus each row's adapter update, in place.
         x's leading dims are the batch's rows then positions, row-major (as the layers pass them)."""
-        n = self.rows.rows
-        xs = x.reshape(n, -1, x.shape[-1])
-        ys = y.view(n, -1, y.shape[-1])
-        for a, idx in self.rows.groups:
-            xa = xs if idx is None else xs.index_select(0, idx)
-            d = torch.matmul(torch.matmul(xa, self.a[a].to(xa.dtype).t()), self.b[a].to(xa.dtype).t())
-            if idx is None:
-                ys.add_(d)
-            else:
-                ys.index_add_(0, idx, d)
+        n, k, m = self.rows.rows, x.shape[-1], y.shape[-1]
+        x2, y2 = x.reshape(-1, k), y.view(-1, m)
+        per = x2.shape[0] // n  # positions per row
+        for a, r0, r1 in self.rows.runs:  # a run's rows are contiguous: views, one product into y in place
+            rows = slice(r0 * per, r1 * per)
+            y2[rows].addmm_(torch.mm(x2[rows], self.a[a].to(x.dtype).t()), self.b[a].to(x.dtype).t())
         return y
 
 
 def with_rows(w: dict[str, Any], rows: LoraRows | None) -> dict[str, Any]:
     """A layer's weights with each adapted matrix a ``LoraWeight`` for ``rows`` (``w`` itself
     where no row of the batch has an adapter or the layer has none)."""
-    if rows is None or not rows.groups:
+    if rows is None or not rows.runs:
         return w
     out = dict(w)
     for k in w:
