@@ -18,7 +18,8 @@ from flexgen_dist.errors import ModelLoadError
 from flexgen_dist.run import main
 
 
-def _adapted(tm: TinyModel, path: Path, targets: list[str], seed: int = 0, **cfg) -> TinyModel:
+def _adapted(tm: TinyModel, path: Path, targets: list[str] | str, seed: int = 0, b_scale: float = 0.05,
+             **cfg) -> TinyModel:
     """A random (not a no-op) PEFT LoRA adapter of ``tm`` saved at ``path``, and the model PEFT
     merges it into, as a TinyModel over the base model's directory."""
     from peft import LoraConfig, get_peft_model
@@ -30,7 +31,7 @@ def _adapted(tm: TinyModel, path: Path, targets: list[str], seed: int = 0, **cfg
     with torch.no_grad():  # B small enough that the base model still matters
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.mul_(0.05)
+                p.mul_(b_scale)
     peft_model.save_pretrained(path)
     return TinyModel(tm.name, tm.path, peft_model.merge_and_unload().eval(), tm.pad_id)
 

@@ -250,3 +250,43 @@ def test_eval_scores_with_a_served_adapter(tiny_models, tmp_path: Path) -> None:
         res[name] = json.loads(out.read_text())["ppl"]
     assert res["served"] == pytest.approx(res["merged"], rel=1e-5)
     assert abs(res["served"] - res["base"]) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3", "phi3", "granite", "olmo3", "cohere2", "glm4", "gemma2",
+                                  "gemma3"])
+def test_every_family_serves_adapters_per_request(name: str, tmp_path: Path) -> None:
+    """Every linear layer adapted (PEFT's "all-linear"; Phi-3's fused qkv_proj and gate_up_proj
+    whole), two adapters and the base model mixed in one call: each prompt's tokens equal
+    transformers' on PEFT's model with its adapter."""
+    from test_families_pipeline import FAMILIES
+
+    torch.manual_seed(31)
+    m = FAMILIES[name]().eval()
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel(name, tmp_path / "m", m, 0)
+    # B larger than elsewhere: a few of these models' greedy tokens shrug off a small update
+    m1 = _adapted(tm, tmp_path / "a1", "all-linear", seed=3, b_scale=0.5)
+    m2 = _adapted(tm, tmp_path / "a2", "all-linear", seed=4, b_scale=0.5, r=2, lora_alpha=5)
+    want = _expected({"a1": m1, "a2": m2, None: tm}, CHOICE, PROMPTS, 5)
+    with LLM(str(tm.path), lora_modules={"a1": str(tmp_path / "a1"), "a2": str(tmp_path / "a2")}, gpu_batch_size=3,
+             num_gpu_batches=2, ignore_eos=True, progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=5, lora=CHOICE)] == want
+
+
+def test_a_mixture_serves_attention_adapters_and_refuses_expert_ones(tmp_path: Path) -> None:
+    """A mixture of experts (Qwen3-MoE): adapters of attention served per request equal PEFT's;
+    PEFT's "all-linear" adapts the fused experts tensor, refused in one line naming why."""
+    from test_moe import _model
+
+    tm = _model("qwen3_moe", tmp_path / "m")
+    targets = ["q_proj", "v_proj", "o_proj"]
+    m1 = _adapted(tm, tmp_path / "a1", targets, seed=3, b_scale=0.5)
+    m2 = _adapted(tm, tmp_path / "a2", targets, seed=4, b_scale=0.5, r=2, lora_alpha=5)
+    want = _expected({"a1": m1, "a2": m2, None: tm}, CHOICE, PROMPTS, 4)
+    modules = {"a1": str(tmp_path / "a1"), "a2": str(tmp_path / "a2")}
+    with LLM(str(tm.path), lora_modules=modules, gpu_batch_size=3, num_gpu_batches=2, ignore_eos=True,
+             progress=False) as llm:
+        assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=4, lora=CHOICE)] == want
+    _adapted(tm, tmp_path / "e", "all-linear", seed=5)
+    with pytest.raises(ModelLoadError, match=r"experts.*\(a mixture's experts: PEFT's target_parameters"):
+        LLM(str(tm.path), lora_modules={"e": str(tmp_path / "e")}, progress=False)

@@ -78,8 +78,11 @@ class LoraAdapter:
             r = int(_pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", a.shape[0])))
             alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", r)))
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+                why = ("an adapter of a 3-D parameter (a mixture's experts: PEFT's target_parameters, or "
+                       "'all-linear' on a fused experts tensor) is not supported; adapt attention and dense layers"
+                       if "experts" in module.split(".") else "corrupt adapter?")
                 raise ModelLoadError(f"{p}: {module}'s lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not "
-                                     f"of rank {r} (the config's): corrupt adapter?")
+                                     f"of rank {r} (the config's): {why}")
             scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
             self.modules[module] = (a, b, scale)
         others = sorted(k for k in tensors if not k.endswith((".lora_A.weight", ".lora_B.weight")))
