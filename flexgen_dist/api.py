@@ -47,6 +47,7 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
+from .embeddings import Embedding, check_dimensions, embed_workload, results
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -304,6 +305,26 @@ class LLM:
                     r, lp, ranks = r if work.logprobs is not None else (r, None, None)
                     out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp, ranks))
             return sorted(out, key=lambda sc: sc.index)
+
+    def embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
+              normalize: bool = True, lora: LoraChoice = None) -> list[Embedding]:
+        """Embeddings of ``inputs`` (strings, token-id lists or conversations), in input order:
+        each input's last hidden state after the model's final norm (last-token pooling, as
+        decoder embedding models such as Qwen3-Embedding define theirs; give the inputs as the
+        model card says, e.g. with its instruction prefix), cut to its first ``dimensions``
+        (None: all ``embed_dim``) and L2-normalized unless ``normalize`` is False. One prefill
+        per input, nothing generated; every placement, launcher and LoRA choice (``lora``, as
+        ``generate``'s) applies. On ranks other than 0 the arguments are ignored and the result
+        is empty."""
+        self._check_open()
+        with self._guard():
+            if self.is_driver:
+                check_dimensions(dimensions, self.model.spec)
+            work, peaks = self._start(lambda: embed_workload(build_workload(
+                inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
+                served=self.model.adapters, call="embed")))
+            blocks = list(self._run(work, peaks))
+            return results(blocks, work.prompts, dimensions, normalize) if self.is_driver else []
 
     def _check_open(self) -> None:
         if self._closed:

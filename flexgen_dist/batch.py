@@ -75,7 +75,7 @@ def run(cfg: RunConfig, input_path: Path) -> int:
             if llm.is_driver:
                 print(f"nothing to do: all {total} requests are already in {cfg.output}")
             return 0
-        t0, counts = time.perf_counter(), {"requests": 0, "errors": 0, "completion_tokens": 0}
+        t0, counts = time.perf_counter(), {"requests": 0, "errors": 0, "completion_tokens": 0, "embeddings": 0}
         try:
             for part in llm.stream_batch(lines if llm.is_driver else None, skip=done):
                 assert writer is not None
@@ -84,7 +84,9 @@ def run(cfg: RunConfig, input_path: Path) -> int:
                     counts["requests"] += 1
                     counts["errors"] += line["error"] is not None
                     if line["error"] is None:
-                        counts["completion_tokens"] += line["response"]["body"]["usage"]["completion_tokens"]
+                        out = line["response"]["body"]
+                        counts["completion_tokens"] += out["usage"].get("completion_tokens", 0)
+                        counts["embeddings"] += len(out["data"]) if out.get("object") == "list" else 0
         finally:
             if writer is not None:
                 writer.close()
@@ -120,7 +122,8 @@ def _report(cfg: RunConfig, llm: LLM, counts: dict[str, int], seconds: float, do
     print(f"{counts['requests']} requests written to {cfg.output} ({ok} answered, {counts['errors']} "
           f"with an error{f'; {done} already there before' if done else ''}); "
           f"{counts['completion_tokens']} completion tokens in {seconds:.1f} s "
-          f"({counts['completion_tokens'] / max(seconds, 1e-9):.1f} useful tok/s)")
+          f"({counts['completion_tokens'] / max(seconds, 1e-9):.1f} useful tok/s)"
+          + (f"; {counts['embeddings']} embeddings" if counts["embeddings"] else ""))
     if llm.metrics:
         print(summary(llm.metrics))
     if cfg.metrics:

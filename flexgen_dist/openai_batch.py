@@ -13,7 +13,9 @@ asks for, and each request's line carries its own number of alternatives. A comp
 request with ``echo`` gets its prompt back before its completion, and with ``logprobs`` its
 prompt's tokens' too, from one teacher-forced scoring call (``LLM.score``) over every echoed
 prompt before the generation; with ``max_tokens`` 0 it generates nothing. A request whose
-``model`` names a LoRA adapter the run serves (``--lora-modules``) runs with it.
+``model`` names a LoRA adapter the run serves (``--lora-modules``) runs with it. Embeddings
+requests (``/v1/embeddings``) get each input's vector from one ``LLM.embed`` call over every
+input of the file, before the completions run, each cut to its ``dimensions`` and normalized.
 
 ``openai_requests.py`` turns lines into requests and ``openai_lines.py`` results into lines;
 this module runs a batch of them (``LLM.batch``; ``python -m flexgen_dist.batch`` is the
@@ -25,10 +27,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import torch
+
 from .config import ConfigError
+from .embeddings import finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
-from .openai_requests import Request, parse_requests, sampling_key
+from .openai_requests import Request, RequestError, parse_requests, sampling_key
 
 
 
@@ -63,20 +68,26 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                               spec.eos_token_ids, llm.config.template_kwargs)[skip:]
         for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
             r.adapter = r.model if r.model in llm.model.adapters else None
+            if r.ok and r.dimensions is not None and r.dimensions > spec.embed_dim:
+                r.error = RequestError("invalid_value", f"dimensions {r.dimensions}: this model's embeddings have "
+                                                        f"{spec.embed_dim}")
         return any(r.ok for r in reqs)
 
-    def plan() -> tuple[bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), any generated
+    def plan() -> tuple[bool, bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), embedded, generated
         if not parse():
-            return False, False
+            return False, False, False
         assert reqs is not None
-        return any(r.prompt_alternatives is not None for r in reqs), any(r.ok and r.max_tokens > 0 for r in reqs)
+        return (any(r.prompt_alternatives is not None for r in reqs), any(r.ok and r.inputs is not None for r in reqs),
+                any(r.ok and r.max_tokens > 0 for r in reqs))
 
-    scores, runs = llm.on_driver(plan)
-    if not llm.is_driver:
-        if scores and runs:
+    scores, embeds, runs = llm.on_driver(plan)
+    if not llm.is_driver:  # the same calls as rank 0, in the same order
+        if (scores or embeds) and runs:
             llm.prepare()
         if scores:
             llm.score()
+        if embeds:
+            llm.embed()
         if runs:
             for _ in llm.stream():
                 pass
@@ -84,19 +95,25 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
     assert reqs is not None
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
     asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
+    scored = [r for r in reqs if r.prompt_alternatives is not None]
+    embedded = [(r, p) for r in reqs if r.ok and r.inputs is not None for p in r.inputs]
+    if rows and (scored or embedded):  # the plan is the generation's, with the scored and embedded prompts among its rows
+        extra = [r.prompt for r in scored] + [p for _, p in embedded]
+        llm.prepare([r.prompt for r, _ in rows] + extra,
+                    max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows] + [SamplingConfig()] * len(extra),
+                    max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(extra),
+                    logprobs=max(asked) if asked else None,
+                    lora=[r.adapter for r, _ in rows] + [r.adapter for r in scored] + [r.adapter for r, _ in embedded])
     if scores:  # the prompts' logprobs: one scoring call, every token with a prefix
-        scored = [r for r in reqs if r.prompt_alternatives is not None]
-        if rows:  # the plan is the generation's, with the scored prompts among its rows
-            llm.prepare([r.prompt for r, _ in rows] + [r.prompt for r in scored],
-                        max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows] + [SamplingConfig()] * len(scored),
-                        max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(scored),
-                        logprobs=max(asked) if asked else None,
-                        lora=[r.adapter for r, _ in rows] + [r.adapter for r in scored])
         k = max(r.prompt_alternatives for r in scored)  # type: ignore[type-var]
         for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k, lora=[r.adapter for r in scored])):
             r.scored = (sc.logprobs, sc.ranks)  # type: ignore[assignment]
+    if embeds:  # one embedding call over every input of every request, each cut and normalized as it asks
+        vecs = llm.embed([p for _, p in embedded], normalize=False, lora=[r.adapter for r, _ in embedded])
+        for (r, _), e in zip(embedded, vecs):
+            r.choices.append(finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
     for r in reqs:
-        if r.ok and r.max_tokens == 0:
+        if r.ok and r.max_tokens == 0 and r.inputs is None:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
                                   text="" if llm.tokenizer is not None else None) for _ in range(r.n)]
     out = 0  # the next request to write

@@ -2,12 +2,14 @@
 logprobs, usage) or its error, with an id stable across a resumed job."""
 from __future__ import annotations
 
+import base64
 import hashlib
+import struct
 import time
 from typing import Any
 
 from .engine.sampling import TokenLogprobs
-from .openai_requests import CHAT, Request
+from .openai_requests import CHAT, EMBEDDINGS, Request
 from .openai_tools import tool_message
 
 def request_id(req: Request) -> str:
@@ -26,6 +28,8 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
                 "response": {"status_code": 400, "request_id": rid,
                              "body": {"error": {**err, "type": "invalid_request_error"}}},
                 "error": err}
+    if req.url == EMBEDDINGS:
+        return _embeddings_line(req, model, rid)
     assert req.prompt is not None
     created = int(time.time()) if created is None else created
     chat = req.url == CHAT
@@ -67,6 +71,22 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
     if chat and req.prompt_logprobs is not None and req.scored is not None:  # vLLM: the response's, once
         body["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
+    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _embeddings_line(req: Request, model: str, rid: str) -> dict[str, Any]:
+    """An embeddings request's line: OpenAI's ``{"object": "list", "data": [{"object":
+    "embedding", "index", "embedding"}], "model", "usage"}``, each vector a list of floats or
+    (``encoding_format`` base64) its float32 little-endian bytes in base64."""
+    assert req.inputs is not None
+    data = []
+    for j, vec in enumerate(req.choices):
+        emb: Any = vec if req.encoding_format == "float" else \
+            base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
+        data.append({"object": "embedding", "index": j, "embedding": emb})
+    tokens = sum(len(p.ids) for p in req.inputs)
+    body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

@@ -1,5 +1,6 @@
 """OpenAI Batch request lines (``openai_batch.py`` runs them): each line parsed into a
-``Request``, what it asks for (prompt, limits, sampling, stops, ``n``, logprobs, echo) or the
+``Request``, what it asks for (prompt, limits, sampling, stops, ``n``, logprobs, echo; an
+embeddings request's inputs, dimensions and encoding) or the
 one-line error that keeps it from running (bad JSON, an unknown url, a body field that would
 change the output and is not computed, a prompt longer than the model's context)."""
 from __future__ import annotations
@@ -14,8 +15,10 @@ from .engine.structure import Structure, check_structure
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .prompts import Messages, Prompt, make_prompt
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 MAX_N = 128  # choices per request
+MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
+EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}  # an embeddings body's fields
 # vLLM's older spelling of its structured outputs, field -> ``Structure`` kind
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # body fields that cannot change the output
@@ -64,6 +67,9 @@ class Request:
     tools: ToolChoice | None = None  # chat: its tools, and the call its completion must be
     model: str | None = None  # the body's model: where it names a LoRA adapter the run serves, its adapter
     adapter: str | None = None  # that adapter's name (``run_batch`` sets it; None: the base model)
+    inputs: list[Prompt] | None = None  # embeddings: its inputs (``prompt`` is None)
+    dimensions: int | None = None  # embeddings: each vector's first that many (None: all)
+    encoding_format: str = "float"  # embeddings: "float" (a list) or "base64" (float32 little-endian bytes)
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -133,11 +139,14 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if method != "POST":
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
     req.url = str(rec.get("url", ""))
-    if req.url not in (CHAT, COMPLETIONS):
-        raise RequestError("invalid_url", f"url {req.url!r} is not served: use {CHAT} or {COMPLETIONS}")
+    if req.url not in (CHAT, COMPLETIONS, EMBEDDINGS):
+        raise RequestError("invalid_url", f"url {req.url!r} is not served: use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
     body = rec.get("body")
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request has no 'body' object")
+    if req.url == EMBEDDINGS:
+        _fill_embeddings(req, body, tokenizer, vocab_size, max_positions)
+        return
     for k, v in body.items():
         if k in USED or k in INERT:
             continue
@@ -185,6 +194,43 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.logprobs = _logprobs(req.url, body)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else _alternatives(pl, "prompt_logprobs")
+
+
+def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
+                     max_positions: int) -> None:
+    """An embeddings request: its inputs (a string, token ids, or a list of either), the
+    vectors' ``dimensions`` and ``encoding_format``."""
+    bad = sorted(set(body) - EMBED_FIELDS)
+    if bad:
+        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {EMBEDDINGS} (leave it out)")
+    req.model = body["model"] if isinstance(body.get("model"), str) else None
+    x = body.get("input")
+    ids = isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    items = [x] if isinstance(x, str) or ids else x
+    if not isinstance(items, list) or not items:
+        raise RequestError("invalid_request", "an embeddings request needs 'input': a string, a list of token ids, "
+                                              "or a non-empty list of either")
+    if len(items) > MAX_INPUTS:
+        raise RequestError("invalid_value", f"{len(items)} inputs: at most {MAX_INPUTS} per request")
+    req.inputs = []
+    for j, item in enumerate(items):
+        if isinstance(item, str) and item:
+            p = make_prompt(f"{req.custom_id}[{j}]", item, None, tokenizer, vocab_size)
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            p = make_prompt(f"{req.custom_id}[{j}]", None, item, tokenizer, vocab_size)
+        else:
+            raise RequestError("invalid_request", f"input {j} is not a non-empty string or list of token ids")
+        if len(p.ids) > max_positions:
+            raise RequestError("context_length_exceeded", f"input {j} has {len(p.ids)} tokens, more than the model's "
+                                                          f"{max_positions} positions: shorten it")
+        req.inputs.append(p)
+    req.n = len(req.inputs)  # one vector per input: the line is ready with all of them
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise RequestError("invalid_value", f"encoding_format {fmt!r}: give 'float' or 'base64'")
+    req.encoding_format = fmt
+    d = body.get("dimensions")
+    req.dimensions = None if d is None else _int(d, "dimensions", 1)
 
 
 def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,

@@ -60,6 +60,9 @@ class Workload:
     # per request, its LoRA adapter served per request (``models/lora_stack.py``): 0 the base
     # model, a > 0 the model's a-th adapter (``LoadedModel.adapters``); None: every request the base
     adapters: tuple[int, ...] | None = None
+    # embedding: no token is generated (gen_len 1, the prefill); each request's result is its
+    # last hidden state after the final norm (``head.embed``)
+    embed: bool = False
     # what shared prefixes save the call's prefill (``blocks.PrefixShape``; None: none or not
     # shared): what the planner's cost model expects a block not to compute. Rank 0's alone
     prefix: PrefixShape | None = field(default=None, compare=False, repr=False)
@@ -102,6 +105,8 @@ class Workload:
         """What this call asks of the last stage's head beyond its weights (the peak model's
         ``HeadLoad``): the bytes choosing the next tokens holds per (row, vocabulary entry)
         (``engine.sampling.choice_bytes``), or scoring and its per-token rows."""
+        if self.embed:
+            return HeadLoad(embed=True)
         if self.scoring:
             return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else score_width(self.logprobs))
         cfgs = self.samplings or (self.sampling,)

@@ -29,11 +29,12 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    tokenizer: Any | None, *, keys: Sequence[int] | None = None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
                    scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None,
-                   lora: LoraChoice = None, served: Sequence[str] = ()) -> Workload:
+                   lora: LoraChoice = None, served: Sequence[str] = (), call: str | None = None) -> Workload:
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
     prompt of a reasoning model (``reasoning``) gets its structure after the thinking.
     ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's)."""
-    what = "score() takes a non-empty list of sequences" if scoring else "generate() takes a non-empty list of prompts"
+    what = f"{call or ('score' if scoring else 'generate')}() takes a non-empty list of " + \
+        ("sequences" if scoring and call is None else "prompts")
     if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ConfigError(f"{what} (strings or token-id lists)")
     gen_len = cfg.gen_len if gen_len is None else int(gen_len)

@@ -82,7 +82,7 @@ def test_n_choices_and_seeded_sampling_reproducible_per_request(smol: LLM) -> No
 
 @pytest.mark.bundled
 def test_bad_requests_get_error_lines_and_the_others_run(smol: LLM) -> None:
-    reqs = ["{not json", chat("ok1", "Hi", max_tokens=3), {"custom_id": "url", "url": "/v1/embeddings", "body": {}},
+    reqs = ["{not json", chat("ok1", "Hi", max_tokens=3), {"custom_id": "url", "url": "/v1/images", "body": {}},
             compl("field", "Hi", tools=[{"type": "function", "function": {"name": "f"}}]),
             compl("unknown", "Hi", frobnicate=1),
             chat("long", "word " * 9000, max_tokens=4), compl("bad-temp", "Hi", temperature=5),

@@ -426,3 +426,21 @@ def test_lora_adapters_per_request_on_the_gpu_match_peft(tiny_models, gpu_device
         with LLM(str(tm.path), lora_modules=modules, device=gpu_device.type, dtype="float32", percent=pct,
                  gpu_batch_size=2, num_gpu_batches=ngb, ignore_eos=True, progress=False) as llm:
             assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN, lora=CHOICE)] == want, pct
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embeddings_on_the_gpu_match_transformers(tiny_models, gpu_device, dtype: torch.dtype) -> None:
+    """``LLM.embed`` on the device: the last hidden states transformers gives on the same device
+    (float32: to 2e-5; bfloat16: to its rounding)."""
+    from flexgen_dist import LLM
+
+    tm = tiny_models["llama-gqa"]
+    ids, mask = left_padded(tm, PROMPTS, gpu_device)
+    ref = copy.deepcopy(tm.model).to(gpu_device, dtype)
+    with torch.no_grad():
+        want = ref.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1].float().cpu()
+    with LLM(str(tm.path), device=gpu_device.type, dtype=str(dtype).replace("torch.", ""), gpu_batch_size=2,
+             progress=False) as llm:
+        got = torch.tensor([e.embedding for e in llm.embed(PROMPTS, normalize=False)])
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(got, want, **tol)

@@ -69,7 +69,7 @@ class Pipeline:
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
                  samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
                  logprobs: int | None = None, seen: Sequence[Sequence[int]] | None = None,
-                 guide: Any = None) -> None:
+                 guide: Any = None, embed: bool = False) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
         # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
@@ -77,6 +77,9 @@ class Pipeline:
         self._lp_width = 0 if logprobs is None else 1 + 2 * logprobs
         self.gen_len, self.sampling = gen_len, sampling
         self.targets = targets  # scoring: per sequence, the next id at each position (-1: not scored)
+        # embedding: each sequence's last hidden state after the final norm, in the scores' place
+        self.embed = embed
+        self.scoring = targets is not None or embed  # rows of floats back to stage 0, no sampling
         self.prefill = prefill  # prefill items: one per block, or one per GPU batch
         self.ride = ride  # the overlapped schedule: next blocks' prefill rides on decode steps
         sends = 4 * num_groups * (engine.policy.num_gpu_batches if prefill == "batch" else 1) * (1 + ride) + 4
@@ -92,7 +95,8 @@ class Pipeline:
         self.prefill_split = {"compute_s": 0.0, "io_wait_s": 0.0, "comm_wait_s": 0.0}
         self._states: dict[int, Any] = {}  # per block in flight: its engine state
         # scoring: each block's rows (sums, per-token rows) on the last stage, and their layout
-        self._scores = None if targets is None else BlockScores(blocks, targets, gen_len, logprobs)
+        self._scores = None if not self.scoring else \
+            BlockScores(blocks, targets, gen_len, logprobs, embed_dim=spec.embed_dim if embed else 0)
         dev, eos = engine.device, spec.eos_token_ids
         # stage 0: what it keeps of each block (``limits``: per sequence of the call, its own most
         # new tokens, None: gen_len; ``stops.hit(sequence, its new ids) -> bool`` for sequences
@@ -109,7 +113,7 @@ class Pipeline:
             blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len, gbs=self.gbs, sampling=sampling,
             samplings=samplings, limits=limits, seen=seen, guide=guide, logprobs=logprobs,
             keys=torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=dev),
-        ) if self.last and targets is None else None
+        ) if self.last and not self.scoring else None
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
 
     @property
@@ -249,8 +253,9 @@ class Pipeline:
 
     def _meta(self, blk: BlockPlan) -> Any:
         # scoring feeds gen_len - 1 known ids after the prefill and samples none after them
-        meta = blk.meta(self.gbs, self.gen_len if self.targets is None else self.gen_len - 1)
-        if self._scores is not None and self.last:
+        meta = blk.meta(self.gbs, self.gen_len if not self.scoring else self.gen_len - 1)
+        meta.embed = self.embed and self.last
+        if self.targets is not None and self._scores is not None and self.last:
             meta.targets = list(self._scores.targets_of(blk).to(self.engine.device).split(self.gbs))
             meta.score_k = self.logprobs
         return meta
@@ -327,7 +332,7 @@ class Pipeline:
                 x = x[:, blk.shared:]
             return x
         assert self.ledger is not None
-        if self.targets is not None or self.last:
+        if self.scoring or self.last:
             return self.ledger.fed(b, i)
         ids, ended = self.ledger.take(b, self.ring.wait(handle).cpu())
         ended = self.ledger.step(b, ids, i - 1) or ended
@@ -363,7 +368,7 @@ class Pipeline:
             return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
         if item.kind == COLLECT and self._scores is not None:
             return self.ring.post_from_last(self._scores.shape(item.block), torch.float64)
-        if item.kind == COLLECT or (item.kind == DECODE and not self.last and self.targets is None):
+        if item.kind == COLLECT or (item.kind == DECODE and not self.last and not self.scoring):
             return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
         return None
 

@@ -19,9 +19,12 @@ class BlockScores:
     (``k`` not None: per-token log-probabilities with k alternatives) P positions of w values,
     laid out as the block's cache positions (``score_rows``)."""
 
-    def __init__(self, blocks: list[BlockPlan], targets: list[list[int]], gen_len: int, k: int | None) -> None:
+    def __init__(self, blocks: list[BlockPlan], targets: list[list[int]] | None, gen_len: int, k: int | None,
+                 embed_dim: int = 0) -> None:
         self.blocks, self.targets, self.gen_len, self.k = blocks, targets, gen_len, k
         self.w = 0 if k is None else score_width(k)
+        # embedding (``embed_dim`` > 0): a row per sequence is its embedding, set at the prefill
+        self.embed_dim = embed_dim
         self._acc: dict[int, torch.Tensor] = {}  # last stage: the rows of each block so far
 
     def positions(self, b: int) -> int:
@@ -31,10 +34,13 @@ class BlockScores:
 
     def targets_of(self, blk: BlockPlan) -> torch.Tensor:
         """(sequences, positions) ids the block's positions are scored against (-1: not scored)."""
+        assert self.targets is not None
         return score_rows([self.targets[m] for m in blk.members], blk.lens, blk.prompt_len, self.positions(blk.index))
 
     def shape(self, b: int) -> tuple[int, int]:
         """The block's rows, as the last stage sends them and stage 0 receives them."""
+        if self.embed_dim:
+            return len(self.blocks[b].lens), self.embed_dim
         return len(self.blocks[b].lens), 3 + self.positions(b) * self.w
 
     def add(self, b: int, i: int, r0: int, r1: int, scores: torch.Tensor) -> None:
@@ -43,6 +49,9 @@ class BlockScores:
         acc = self._acc.get(b)
         if acc is None:
             acc = self._acc[b] = torch.zeros(self.shape(b), dtype=torch.float64, device=scores.device)
+        if self.embed_dim:  # the prefill's embeddings (``head.embed``)
+            acc[r0:r1] = scores
+            return
         acc[r0:r1, :3] += scores[:, :3]
         if self.w:
             blk = self.blocks[b]  # a prefill with a shared prefix computes slots [L, s)
@@ -57,9 +66,12 @@ class BlockScores:
         """Stage 0: block b's sums per sequence, each with (per-token) the ``TokenLogprobs``
         of its scored tokens and their ranks, in order."""
         acc = acc.cpu()
+        if self.embed_dim:  # one embedding per sequence
+            return list(acc.float().unbind(0))
         sums = acc[:, :3].tolist()
         if not self.w:
             return sums
+        assert self.targets is not None
         where = self.targets_of(self.blocks[b]) >= 0
         per = acc[:, 3:].view(len(self.blocks[b].lens), -1, self.w)
         return [(row, TokenLogprobs.of_rows(p[m], self.k or 0), [int(r) for r in p[m][:, -1].tolist()])

@@ -56,6 +56,9 @@ class BlockMeta:
     # first L); keep: leave this block's (or the reused) keys and values for the next block
     reuse: bool = False
     keep: bool = False
+    # embedding: the head gives each sequence's last hidden state after the final norm,
+    # (b, embed_dim) float64, at the prefill (``head.embed``), instead of logits
+    embed: bool = False
     # per GPU batch, each row's LoRA adapter served per request (0: the base model; None: every
     # row the base model; ``models/lora_rows.py``)
     adapters: list[list[int]] | None = None

@@ -156,6 +156,7 @@ class HeadLoad:
     scoring: bool = False
     score_width: int = 0
     sorts: bool = False  # some row samples with top-p: its probabilities are sorted
+    embed: bool = False  # embeddings: no logits, each batch's (rows, embed_dim) float64 and the block's
 
 
 # A sort of (rows, vocab) float32 probabilities with int64 order on a GPU also holds its radix
@@ -365,6 +366,8 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
     temporary of the same size (the log-sum-exp's), then the per-token
     rows of the step (float64) and each block's accumulated rows."""
     V, b, e, ngb, h = spec.vocab_size, z.gpu_batch_size, z.dtype_bytes, z.num_gpu_batches, z.head
+    if h.embed:  # ``head.embed``: a batch's last rows normed, then the blocks' accumulated float64 rows
+        return b * spec.embed_dim * (e + 8) + z.blocks_in_flight * ngb * b * spec.embed_dim * 8
     if not h.scoring:
         sort = CUDA_SORT_BYTES if h.sorts and z.cuda else 0
         return V * (ngb * b * e + b * ((4 if e < 4 else 0) + h.choice_bytes + sort))

@@ -1,4 +1,4 @@
-"""The LM head's passes on a last stage: prefill's one head per block, and scoring.
+"""The LM head's passes on a last stage: prefill's one head per block, scoring, and embeddings.
 
 Both take the stage's family, spec and head weights; the decode head is the family's ``head``
 over the step's rows (``StageEngine._compute``).
@@ -42,6 +42,14 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
     """Prefill logits of GPU batches [0, upto) that a later sweep computed (see
     ``prefill_head``), in batch order; they leave the state."""
     return [st.logits.pop(k) for k in range(upto)]
+
+
+def embed(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """(b, embed_dim) float64: each sequence's last position after the final norm (and OPT's
+    project_out), what transformers' ``last_hidden_state[:, -1]`` holds: last-token pooling,
+    as decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2) pool. Normalizing is
+    the caller's (``LLM.embed``), after any truncation to fewer dimensions."""
+    return family.final_norm(spec, w, x[:, -1]).double()
 
 
 SCORE_CHUNK_BYTES = 64 << 20  # float32 logits of the positions the head scores at once

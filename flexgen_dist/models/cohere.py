@@ -82,10 +82,14 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     return linear(a, w["o.w"], w.get("o.b"), x).add_(mlp)  # (x + attention) + MLP, the reference's order
 
 
+def final_norm(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm(x, w["norm.w"], spec.norm_eps)
+
+
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    logits = linear(layer_norm(x, w["norm.w"], spec.norm_eps), w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
+    logits = linear(final_norm(spec, w, x), w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
     return logits.mul_(spec.logit_scale) if spec.logit_scale != 1.0 else logits
 
 
 register(Family("cohere", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
-                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head, final_norm=final_norm))

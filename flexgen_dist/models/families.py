@@ -80,6 +80,9 @@ class Family:
     embed: Callable[[ModelSpec, Weights, torch.Tensor, Any], torch.Tensor]
     layer_forward: Callable[[ModelSpec, Weights, torch.Tensor, Any, Attend, int], torch.Tensor]
     head: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor]
+    # the head's input before the vocabulary matrix: the final norm (and OPT's project_out),
+    # (..., hidden) -> (..., embed_dim), what transformers' last_hidden_state holds (embeddings)
+    final_norm: Callable[[ModelSpec, Weights, torch.Tensor], torch.Tensor]
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -111,8 +111,12 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     return norm(linear(g, w["down.w"]), w["post_mlp_norm.w"], eps).add_(residual)
 
 
+def final_norm(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    return norm(x, w["norm.w"], spec.norm_eps)
+
+
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = norm(x, w["norm.w"], spec.norm_eps)
+    x = final_norm(spec, w, x)
     logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"])
     if spec.final_softcap > 0:  # logits / cap, tanh, * cap: the reference's three steps, in place
         logits.div_(spec.final_softcap).tanh_().mul_(spec.final_softcap)
@@ -120,4 +124,4 @@ def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 
 register(Family("gemma", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
-                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head, final_norm=final_norm))

@@ -403,11 +403,15 @@ def _head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def final_norm(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    return _norm(spec, x, w["norm.w"], spec.norm_eps, w.get("norm.b"))
+
+
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = _norm(spec, x, w["norm.w"], spec.norm_eps, w.get("norm.b"))
+    x = final_norm(spec, w, x)
     logits = linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"], w.get("lm_head.b"))
     return logits.div_(spec.logits_divisor) if spec.logits_divisor != 1.0 else logits  # Granite
 
 
 register(Family("llama", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=_head_shapes,
-                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head, final_norm=final_norm))

@@ -206,10 +206,14 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     return _mlp(spec, w, layer_norm(y, w["mlp_norm.w"], w["mlp_norm.b"], eps)).add_(y)
 
 
+def final_norm(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    return layer_norm(x, w["norm.w"], w["norm.b"], spec.norm_eps)
+
+
 def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
-    x = layer_norm(x, w["norm.w"], w["norm.b"], spec.norm_eps)
+    x = final_norm(spec, w, x)
     return linear(x, w["lm_head.w"] if "lm_head.w" in w else w["tok.w"], w.get("lm_head.b"))
 
 
 register(Family("neox", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
-                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head, final_norm=final_norm))

@@ -104,13 +104,17 @@ def layer_forward(spec: ModelSpec, w: Weights, x: torch.Tensor, pos: torch.Tenso
     return x
 
 
-def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+def final_norm(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
     if spec.pre_layer_norm:
         x = layer_norm(x, w["norm.w"], w["norm.b"], spec.norm_eps)
     if spec.has_projection:
         x = linear(x, w["proj_out.w"])
-    return linear(x, w["tok.w"])
+    return x
+
+
+def head(spec: ModelSpec, w: Weights, x: torch.Tensor) -> torch.Tensor:
+    return linear(final_norm(spec, w, x), w["tok.w"])
 
 
 register(Family("opt", layer_shapes=layer_shapes, embed_shapes=embed_shapes, head_shapes=head_shapes,
-                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head))
+                hf_names=hf_names, embed=embed, layer_forward=layer_forward, head=head, final_norm=final_norm))

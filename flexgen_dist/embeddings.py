@@ -1,0 +1,59 @@
+"""Embeddings (``LLM.embed``, a batch file's ``/v1/embeddings`` requests): each input's last
+hidden state after the model's final norm, last-token pooled, as decoder embedding models
+(Qwen3-Embedding, e5-mistral, gte-Qwen2, SFR-Embedding) define theirs; optionally cut to its
+first ``dimensions`` (Matryoshka-trained models, OpenAI's ``dimensions``), then L2-normalized.
+
+The run is a prefill with no token generated: the last stage's head gives each sequence's
+vector (``engine.head.embed``) in the place scoring's rows take, and stage 0 gets them at the
+block's end (``distributed.scores.BlockScores``), so every placement, pipeline and launcher
+serves embeddings as it serves generation."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .config import ConfigError
+from .models.spec import ModelSpec
+from .plan import Workload
+
+
+@dataclass
+class Embedding:
+    """One input's embedding."""
+
+    index: int  # position of the input in the embed call
+    embedding: list[float]
+    prompt_tokens: int  # the input's tokens
+
+
+def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> list[float]:
+    """A sequence's vector (float32) cut to its first ``dimensions`` (None: all), then divided
+    by its L2 norm where ``normalize`` (a zero vector stays zero)."""
+    v = vector.double()
+    if dimensions is not None:
+        v = v[:dimensions]
+    if normalize:
+        v = v / v.norm().clamp_min(1e-12)
+    return v.float().tolist()
+
+
+def check_dimensions(dimensions: int | None, spec: ModelSpec) -> None:
+    if dimensions is not None and not 1 <= int(dimensions) <= spec.embed_dim:
+        raise ConfigError(f"dimensions {dimensions}: this model's embeddings have {spec.embed_dim}; give 1 to "
+                          f"{spec.embed_dim} (or none for all)")
+
+
+def embed_workload(scored: Workload) -> Workload:
+    """The workload of an embed call from ``workloads.build_workload(..., scoring=True)``'s:
+    one prefill step, no sampling, the head's vectors for results."""
+    return dataclasses.replace(scored, gen_len=1, embed=True, logprobs=None)
+
+
+def results(blocks: Any, prompts: Sequence[Any], dimensions: int | None, normalize: bool) -> list[Embedding]:
+    """The embed call's results in input order, from ``LLM._run``'s (block, vectors) pairs."""
+    out = [Embedding(m, finish(v, dimensions, normalize), len(prompts[m].ids))
+           for blk, vecs in blocks for m, v in zip(blk.members, vecs)]
+    return sorted(out, key=lambda e: e.index)

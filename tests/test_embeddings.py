@@ -1,0 +1,129 @@
+"""Embeddings (``LLM.embed``, ``/v1/embeddings`` batch requests): each input's last hidden state
+after the final norm equals transformers' ``last_hidden_state[:, -1]`` (left-padded, float32) on
+every placement, with shared prefixes, a served LoRA adapter and two pipeline stages; cut to
+``dimensions`` and normalized as asked; batch lines in OpenAI's format (floats or base64)."""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TinyModel, left_padded, local_ranks, read_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.config import ConfigError
+
+EMB = "/v1/embeddings"
+
+
+def reference_vectors(tm: TinyModel, prompts: list[list[int]]) -> torch.Tensor:
+    """transformers' last hidden state (after the final norm) at each prompt's last token."""
+    ids, mask = left_padded(tm, prompts)
+    with torch.no_grad():
+        return tm.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -1].float()
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre", "opt-post-proj"])
+def test_vectors_equal_transformers_last_hidden_state_on_every_placement(kind: str, tiny_models,
+                                                                         tmp_path: Path) -> None:
+    """Weights on the device, half on disk, all on disk over three GPU batches; OPT with a
+    post-norm and project_out (its vectors have embed_dim, not hidden, values)."""
+    tm = tiny_models[kind]
+    want = reference_vectors(tm, PROMPTS)
+    for pol in (dict(percent=(100, 0, 100, 0, 100, 0)), dict(percent=(0, 50, 0, 50, 100, 0)),
+                dict(percent=(0, 0, 100, 0, 100, 0), num_gpu_batches=3)):
+        with LLM(str(tm.path), offload_dir=str(tmp_path / "off"), progress=False, gpu_batch_size=2,
+                 **{"num_gpu_batches": 1, **pol}) as llm:
+            got = llm.embed(PROMPTS, normalize=False)
+        assert [e.index for e in got] == list(range(len(PROMPTS)))
+        assert [e.prompt_tokens for e in got] == [len(p) for p in PROMPTS]
+        torch.testing.assert_close(torch.tensor([e.embedding for e in got]), want, atol=2e-5, rtol=1e-4)
+
+
+def test_dimensions_normalize_and_shared_prefixes(tiny_models) -> None:
+    """``dimensions`` keeps the first values, then normalizes (Matryoshka); prompts that open
+    alike share their prefix's keys and still give transformers' vectors."""
+    tm = tiny_models["llama-gqa"]
+    prompts = [list(range(30, 50)) + p for p in PROMPTS]
+    want = reference_vectors(tm, prompts)
+    with LLM(str(tm.path), progress=False, gpu_batch_size=3, sort_window=0) as llm:
+        raw = llm.embed(prompts, normalize=False)
+        work = llm.prepare(prompts, 1)
+        unit = llm.embed(prompts)
+        cut = llm.embed(prompts, dimensions=8)
+        with pytest.raises(ConfigError, match="dimensions 9999: this model's embeddings have 64"):
+            llm.embed(prompts, dimensions=9999)
+    assert set(work.shared or ()) == {20}
+    torch.testing.assert_close(torch.tensor([e.embedding for e in raw]), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in unit]), torch.nn.functional.normalize(want, dim=-1),
+                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in cut]),
+                               torch.nn.functional.normalize(want[:, :8], dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_a_served_adapters_vectors(tiny_models, tmp_path: Path) -> None:
+    """``lora=`` embeds with a served adapter: PEFT's model's last hidden state."""
+    from test_lora import _adapted
+
+    tm = tiny_models["llama-gqa"]
+    m1 = _adapted(tm, tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], seed=3, b_scale=0.5)
+    with LLM(str(tm.path), lora_modules={"a1": str(tmp_path / "a1")}, progress=False, gpu_batch_size=2) as llm:
+        got = llm.embed(PROMPTS, normalize=False, lora=["a1", None] * 3)
+    want = torch.stack([reference_vectors(m1, PROMPTS)[n] if n % 2 == 0 else reference_vectors(tm, PROMPTS)[n]
+                        for n in range(len(PROMPTS))])
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got]), want, atol=2e-5, rtol=1e-4)
+
+
+def _emb(cid: str, x: object, **body: object) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": EMB, "body": {"input": x, **body}}
+
+
+def test_batch_embeddings_lines_beside_completions(tiny_models) -> None:
+    """/v1/embeddings requests in a batch with completions: one line per request with a vector
+    per input (floats, or base64 float32), ``usage``, cut by ``dimensions``; bad bodies get
+    their own error lines."""
+    from test_batch import body, compl
+
+    tm = tiny_models["llama-gqa"]
+    want = torch.nn.functional.normalize(reference_vectors(tm, PROMPTS), dim=-1)
+    reqs = [_emb("one", PROMPTS[0]), compl("c", PROMPTS[1], max_tokens=3),
+            _emb("many", PROMPTS[2:5], model="whatever"), _emb("b64", PROMPTS[5], encoding_format="base64"),
+            _emb("cut", PROMPTS[1], dimensions=4), _emb("bad-field", PROMPTS[0], temperature=0.5),
+            _emb("bad-dims", PROMPTS[0], dimensions=65), _emb("empty", []), _emb("bad-fmt", PROMPTS[0],
+                                                                                 encoding_format="int8")]
+    with LLM(str(tm.path), progress=False, gpu_batch_size=2, ignore_eos=True) as llm:
+        lines = {x["custom_id"]: x for x in llm.batch(reqs)}
+        name = llm.model.spec.name
+    one = body(lines["one"])
+    assert one["object"] == "list" and one["model"] == name and one["usage"] == {"prompt_tokens": 6, "total_tokens": 6}
+    torch.testing.assert_close(torch.tensor(one["data"][0]["embedding"]), want[0], atol=1e-5, rtol=1e-4)
+    many = body(lines["many"])["data"]
+    assert [d["index"] for d in many] == [0, 1, 2] and all(d["object"] == "embedding" for d in many)
+    torch.testing.assert_close(torch.tensor([d["embedding"] for d in many]), want[2:5], atol=1e-5, rtol=1e-4)
+    raw = base64.b64decode(body(lines["b64"])["data"][0]["embedding"])
+    torch.testing.assert_close(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)), want[5], atol=1e-5, rtol=1e-4)
+    cut = torch.tensor(body(lines["cut"])["data"][0]["embedding"])
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(reference_vectors(tm, PROMPTS)[1, :4], dim=0),
+                               atol=1e-5, rtol=1e-4)
+    assert len(body(lines["c"])["choices"][0]["token_ids"]) == 3
+    for cid, code in (("bad-field", "unsupported_field"), ("bad-dims", "invalid_value"), ("empty", "invalid_request"),
+                      ("bad-fmt", "invalid_value")):
+        assert lines[cid]["error"]["code"] == code, cid
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_the_batch_command_on_two_ranks_embeds_as_one(tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models["opt-pre"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(_emb(f"e{n}", p)) + "\n" for n, p in enumerate(PROMPTS)))
+    out = tmp_path / "out.jsonl"
+    r = local_ranks(["-m", "flexgen_dist.batch", "--model", str(tm.path), "-i", str(inp), "-o", str(out),
+                     "--no-progress", "--gpu-batch-size", "2", "--num-gpu-batches", "2"], nproc=2, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = torch.tensor([x["response"]["body"]["data"][0]["embedding"] for x in read_jsonl(out)])
+    torch.testing.assert_close(got, torch.nn.functional.normalize(reference_vectors(tm, PROMPTS), dim=-1),
+                               atol=1e-5, rtol=1e-4)
