@@ -127,3 +127,26 @@ def test_the_batch_command_on_two_ranks_embeds_as_one(tiny_models, tmp_path: Pat
     got = torch.tensor([x["response"]["body"]["data"][0]["embedding"] for x in read_jsonl(out)])
     torch.testing.assert_close(got, torch.nn.functional.normalize(reference_vectors(tm, PROMPTS), dim=-1),
                                atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3Model", "MistralModel"])
+def test_a_base_model_checkpoint_loads_and_embeds(arch: str, tmp_path: Path, caplog) -> None:
+    """Embedding models ship as base models (``Qwen3Model``, ``MistralModel``: no ``model.``
+    prefix, no LM head): they load, the embedding matrix standing in for the head (said once),
+    and their vectors are transformers'."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg_cls = getattr(transformers, arch.replace("Model", "Config"))
+    cfg = cfg_cls(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0,
+                  tie_word_embeddings=arch == "Qwen3Model")
+    m = getattr(transformers, arch)(cfg).eval()
+    m.save_pretrained(tmp_path / "m")
+    tm = TinyModel(arch, tmp_path / "m", m, 0)
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        with LLM(str(tm.path), progress=False, gpu_batch_size=3) as llm:
+            got = llm.embed(PROMPTS, normalize=False)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got]), reference_vectors(tm, PROMPTS),
+                               atol=2e-5, rtol=1e-4)
+    assert ("a base model (MistralModel" in caplog.text) == (arch == "MistralModel")

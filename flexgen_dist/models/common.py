@@ -46,7 +46,8 @@ ATTN_MLP_GGUF = {
 # where a checkpoint keeps its language model: a text model's, or an image-text one's
 # (Gemma 3, Mistral 3: language_model.model.* as published; model.language_model.* as
 # transformers writes it)
-LM_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+# "": a base model's checkpoint (``Qwen3Model``, ``MistralModel``: embedding models' form)
+LM_PREFIXES = ("model.", "language_model.model.", "model.language_model.", "")
 LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 

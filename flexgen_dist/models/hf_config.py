@@ -6,6 +6,8 @@ a reader of their own (``gemma_config.py``), given this module's RoPE reader.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from .config_fields import USED, field_problem
@@ -35,12 +37,19 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
     if "chunked_attention" in (cfg.get("layer_types") or ()) and mt != "llama4_text":
         raise ModelLoadError(f"{name}: layer_types chunked_attention not supported for {mt!r} (Llama 4's alone)")
     try:
-        return _spec(cfg, mt, name)
+        spec = _spec(cfg, mt, name)
     except ValueError as e:
         raise ModelLoadError(f"{name}: {e}") from None
     except KeyError as e:
         raise ModelLoadError(f"{name}: config.json has no {e.args[0]!r}, which a {mt} model needs: the config is "
                              "incomplete; take it from the model's own release") from None
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch.endswith("Model") and not spec.tie_word_embeddings:  # a base model: no LM head in the checkpoint
+        logging.getLogger("flexgen_dist").warning(
+            "%s: a base model (%s, as embedding models ship): no LM head, so the embedding matrix stands in for one; "
+            "embed() gives its vectors, generated text would mean nothing", name, arch)
+        spec = dataclasses.replace(spec, tie_word_embeddings=True)
+    return spec
 
 
 def _spec(cfg: dict[str, Any], mt: str, name: str) -> ModelSpec:
