@@ -623,3 +623,15 @@ def test_lora_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:
                                                 "2 adapters per request, spread over each batch")]
     assert all(r["decode_throughput"] > 0 for r in data["rows"])
     assert data["rows"][2]["weight_bytes"] > data["rows"][0]["weight_bytes"]  # the stacks are stored
+
+
+@pytest.mark.bundled
+def test_embeddings_bench_runs_both_dtypes_and_placements(tmp_path: Path) -> None:
+    from flexgen_dist.bench import embeddings
+
+    out = tmp_path / "e.json"
+    assert embeddings.main(["--inputs", "4", "--input-len", "8", "--batch", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert rows[0]["weights on the compute device"]["max_abs_diff_normalized"] < 1e-4
+    assert all(r[w]["tok_s"] > 0 for r in rows for w in ("weights on the compute device", "every weight on disk"))
