@@ -47,7 +47,7 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
-from .embeddings import Embedding, check_dimensions, embed_workload, results
+from .embeddings import Embedding, check_dimensions, embed_workload, finish
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -316,6 +316,13 @@ class LLM:
         per input, nothing generated; every placement, launcher and LoRA choice (``lora``, as
         ``generate``'s) applies. On ranks other than 0 the arguments are ignored and the result
         is empty."""
+        return [e for part in self.stream_embed(inputs, dimensions=dimensions, normalize=normalize, lora=lora)
+                for e in part]
+
+    def stream_embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
+                     normalize: bool = True, lora: LoraChoice = None) -> Iterator[list[Embedding]]:
+        """Like ``embed``, yielding embeddings in input order as soon as they are final, a
+        window of length-grouped blocks at a time (as ``stream``): a long job writes as it goes."""
         self._check_open()
         with self._guard():
             if self.is_driver:
@@ -323,8 +330,8 @@ class LLM:
             work, peaks = self._start(lambda: embed_workload(build_workload(
                 inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
                 served=self.model.adapters, call="embed")))
-            blocks = list(self._run(work, peaks))
-            return results(blocks, work.prompts, dimensions, normalize) if self.is_driver else []
+            for window in self._windows(self._run(work, peaks)):
+                yield [Embedding(n, finish(v, dimensions, normalize), len(work.prompts[n].ids)) for n, v in window]
 
     def _check_open(self) -> None:
         if self._closed:

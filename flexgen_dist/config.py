@@ -84,6 +84,8 @@ class RunConfig:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
+    embed: bool = False  # the run writes each prompt's embedding instead of a completion (``LLM.embed``)
+    embed_dimensions: int | None = None  # with embed: each vector's first that many values
     # what every completion must match (at most one; engine/structure.py): a JSON schema (a
     # file or the JSON itself), a regex, one of some strings, a Lark/GBNF grammar (file or text)
     json_schema: str | None = None

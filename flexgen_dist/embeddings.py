@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
 
 import torch
 
@@ -50,10 +49,3 @@ def embed_workload(scored: Workload) -> Workload:
     """The workload of an embed call from ``workloads.build_workload(..., scoring=True)``'s:
     one prefill step, no sampling, the head's vectors for results."""
     return dataclasses.replace(scored, gen_len=1, embed=True, logprobs=None)
-
-
-def results(blocks: Any, prompts: Sequence[Any], dimensions: int | None, normalize: bool) -> list[Embedding]:
-    """The embed call's results in input order, from ``LLM._run``'s (block, vectors) pairs."""
-    out = [Embedding(m, finish(v, dimensions, normalize), len(prompts[m].ids))
-           for blk, vecs in blocks for m, v in zip(blk.members, vecs)]
-    return sorted(out, key=lambda e: e.index)

@@ -139,6 +139,11 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--overwrite", action="store_true", help="start the job in --output over")
     g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
+    g.add_argument("--embed", action="store_true", help="write each prompt's embedding instead of a completion "
+                   "(its last hidden state after the final norm, L2-normalized): {\"id\", \"embedding\", "
+                   "\"prompt_tokens\"} lines")
+    g.add_argument("--embed-dimensions", type=int, metavar="N", help="with --embed: each vector's first N values "
+                   "(Matryoshka-trained models), then normalized")
     g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "
                    "many blocks' worth at a time; outputs still go out in input order, a window at a "
                    "time (default 32; 0: blocks in input order)")

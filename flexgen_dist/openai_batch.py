@@ -108,10 +108,6 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         k = max(r.prompt_alternatives for r in scored)  # type: ignore[type-var]
         for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k, lora=[r.adapter for r in scored])):
             r.scored = (sc.logprobs, sc.ranks)  # type: ignore[assignment]
-    if embeds:  # one embedding call over every input of every request, each cut and normalized as it asks
-        vecs = llm.embed([p for _, p in embedded], normalize=False, lora=[r.adapter for r, _ in embedded])
-        for (r, _), e in zip(embedded, vecs):
-            r.choices.append(finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
     for r in reqs:
         if r.ok and r.max_tokens == 0 and r.inputs is None:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
@@ -126,6 +122,15 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
             out += 1
         return lines
 
+    if embeds:  # one embedding call over every input of every request, each cut and normalized as it asks
+        for window in llm.stream_embed([p for _, p in embedded], normalize=False,
+                                       lora=[r.adapter for r, _ in embedded]):
+            for e in window:  # windows come in input order: a request's vectors in its inputs' order
+                r = embedded[e.index][0]
+                r.choices.append(finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
+            lines = ready()
+            if lines:
+                yield lines
     if rows:
         for window in llm.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
                                   max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],

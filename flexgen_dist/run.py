@@ -67,7 +67,15 @@ def run(cfg: RunConfig) -> int:
                     llm.warmup(todo)
                 # each prompt keeps its job index as its sampling key: a resumed job draws the same
                 lora = [p.lora for p in todo] if todo is not None and any(p.lora for p in todo) else None
-                for block in llm.stream(todo, keys=None if prompts is None else range(done, len(prompts)), lora=lora):
+                if cfg.embed:  # vectors, a window at a time
+                    for part in llm.stream_embed(todo, dimensions=cfg.embed_dimensions, lora=lora):
+                        if writer is not None:
+                            recs = [{"id": todo[e.index].id, "embedding": e.embedding,  # type: ignore[index]
+                                     "prompt_tokens": e.prompt_tokens} for e in part]
+                            writer.write(recs)
+                            records.extend(recs)
+                for block in ([] if cfg.embed else
+                              llm.stream(todo, keys=None if prompts is None else range(done, len(prompts)), lora=lora)):
                     if writer is not None:
                         recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs,  # type: ignore[index]
                                               c.reasoning) for c in block]
@@ -118,6 +126,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
             **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
             **({"lora": cfg.lora} if cfg.lora else {}),
+            **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
             **_structure_print(cfg)}
 
@@ -143,7 +152,8 @@ def _write_json(path: str | Path, data: dict[str, Any]) -> None:
 def _report(cfg: RunConfig, records: list[dict[str, Any]], metrics: dict[str, Any]) -> None:
     for r in records[: cfg.print_outputs]:
         head = r["messages"][-1]["content"] if r.get("messages") else r.get("prompt")
-        body = r.get("text") if "text" in r else str(r["tokens"])
+        body = (f"{len(r['embedding'])} values {r['embedding'][:3]}..." if "embedding" in r else
+                r.get("text") if "text" in r else str(r["tokens"]))
         print(f"[{r['id']}] {head!r} -> {body!r}" if head is not None else f"[{r['id']}] -> {body}")
     if len(records) > cfg.print_outputs:
         more = f" (all in {cfg.output})" if cfg.output else " (use --output FILE for all)"

@@ -150,3 +150,29 @@ def test_a_base_model_checkpoint_loads_and_embeds(arch: str, tmp_path: Path, cap
     torch.testing.assert_close(torch.tensor([e.embedding for e in got]), reference_vectors(tm, PROMPTS),
                                atol=2e-5, rtol=1e-4)
     assert ("a base model (MistralModel" in caplog.text) == (arch == "MistralModel")
+
+
+def test_the_run_command_writes_embeddings_and_resumes(tiny_models, tmp_path: Path, capsys) -> None:
+    """``--embed`` writes ``{"id", "embedding", "prompt_tokens"}`` lines (cut by
+    ``--embed-dimensions``, normalized), a window at a time; ``--resume`` finishes the job."""
+    from flexgen_dist.run import main
+
+    tm = tiny_models["llama-gqa"]
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"id": f"d{n}", "input_ids": q}) + "\n" for n, q in enumerate(PROMPTS)))
+    out = tmp_path / "o.jsonl"
+    args = ["--model", str(tm.path), "--prompts", str(p), "--embed", "--embed-dimensions", "16", "--output", str(out),
+            "--no-progress", "--gpu-batch-size", "2"]
+    assert main(args) == 0
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == [f"d{n}" for n in range(len(PROMPTS))]
+    assert [r["prompt_tokens"] for r in rows] == [len(q) for q in PROMPTS]
+    want = torch.nn.functional.normalize(reference_vectors(tm, PROMPTS)[:, :16], dim=-1)
+    torch.testing.assert_close(torch.tensor([r["embedding"] for r in rows]), want, atol=1e-5, rtol=1e-4)
+    assert "16 values" in capsys.readouterr().out
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))  # an interrupted job
+    assert main(args + ["--resume"]) == 0
+    again = read_jsonl(out)
+    assert again[:2] == rows[:2] and [r["id"] for r in again] == [r["id"] for r in rows]
+    # the rest in other blocks (other padding): the same vectors to float32 rounding
+    torch.testing.assert_close(torch.tensor([r["embedding"] for r in again]), want, atol=1e-5, rtol=1e-4)
