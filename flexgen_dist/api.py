@@ -47,7 +47,7 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
-from .embeddings import Embedding, check_dimensions, embed_workload, finish
+from .embeddings import Classification, Embedding, check_dimensions, embed_workload, finish
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -323,13 +323,39 @@ class LLM:
                      normalize: bool = True, lora: LoraChoice = None) -> Iterator[list[Embedding]]:
         """Like ``embed``, yielding embeddings in input order as soon as they are final, a
         window of length-grouped blocks at a time (as ``stream``): a long job writes as it goes."""
+        if self.is_driver:
+            self._language_model("embed")
+        return self._pooled(inputs, dimensions, normalize, lora, "embed")
+
+    def classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
+                 ) -> list[Classification]:
+        """A sequence classifier's (``*ForSequenceClassification``: reward models, classifiers)
+        result per input, in input order: its labels' logits at the last token, as transformers'
+        model gives them, their softmax and the most likely label's name (a reward model's one
+        logit is its reward). On ranks other than 0 the arguments are ignored and the result is
+        empty."""
+        return [c for part in self.stream_classify(inputs, lora=lora) for c in part]
+
+    def stream_classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
+                        ) -> Iterator[list[Classification]]:
+        """Like ``classify``, a window of length-grouped blocks at a time (as ``stream``)."""
+        if self.is_driver and not self.model.spec.num_labels:
+            raise ConfigError("classify() needs a sequence classifier (a *ForSequenceClassification checkpoint): "
+                              "this is a language model; use generate(), score() or embed()")
+        labels = self.model.spec.labels
+        return ([Classification.of(e, labels) for e in part]
+                for part in self._pooled(inputs, None, False, lora, "classify"))
+
+    def _pooled(self, inputs: Sequence[PromptLike] | None, dimensions: int | None, normalize: bool,
+                lora: LoraChoice, call: str) -> Iterator[list[Embedding]]:
+        """The last token's head output per input (``head.embed``), a window at a time."""
         self._check_open()
         with self._guard():
             if self.is_driver:
                 check_dimensions(dimensions, self.model.spec)
             work, peaks = self._start(lambda: embed_workload(build_workload(
                 inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
-                served=self.model.adapters, call="embed")))
+                served=self.model.adapters, call=call)))
             for window in self._windows(self._run(work, peaks)):
                 yield [Embedding(n, finish(v, dimensions, normalize), len(work.prompts[n].ids)) for n, v in window]
 
@@ -365,13 +391,21 @@ class LLM:
         return with_shared_prefixes(work, plan, self.model.spec, lambda w: self._planner.fits(
             [s.policy for s in stages], [s.layers for s in stages], w, plan.num_micro_batches, plan.schedule))
 
+    def _language_model(self, call: str) -> None:
+        """Refuse ``call`` on a sequence classifier (it has no vocabulary head), in one line."""
+        if self.model.spec.num_labels:
+            raise ConfigError(f"{call}() needs a language model: this is a sequence classifier "
+                              f"({self.model.spec.num_labels} labels, no vocabulary head): use classify()")
+
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
+        self._language_model("generate")
         return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer,
                               reasoning=self.reasoning, served=self.model.adapters, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                 decode_tokens: int, logprobs: int | None = None, lora: LoraChoice = None) -> Workload:
+        self._language_model("score")
         return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer,
                                logprobs, lora=lora, served=self.model.adapters)
 

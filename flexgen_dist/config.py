@@ -86,6 +86,7 @@ class RunConfig:
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     embed: bool = False  # the run writes each prompt's embedding instead of a completion (``LLM.embed``)
     embed_dimensions: int | None = None  # with embed: each vector's first that many values
+    classify: bool = False  # a sequence classifier's run: each prompt's labels' logits (``LLM.classify``)
     # what every completion must match (at most one; engine/structure.py): a JSON schema (a
     # file or the JSON itself), a regex, one of some strings, a Lark/GBNF grammar (file or text)
     json_schema: str | None = None
@@ -149,6 +150,10 @@ class RunConfig:
         if self.prompt_len < 1:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
         lora_module_pairs(self.lora_modules)  # its own checks
+        if self.embed and self.classify:
+            raise ConfigError("--embed and --classify: give one (a classifier's results are its labels' logits)")
+        if self.embed_dimensions is not None and not self.embed:
+            raise ConfigError("--embed-dimensions cuts embeddings: give it with --embed")
         if self.percent is not None and len(self.percent) != 6:
             raise ConfigError(f"--percent takes six numbers WG WC CG CC HG HC, got {len(self.percent)}")
         if self.state_percent is not None and len(self.state_percent) != 2:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -28,6 +29,24 @@ class Embedding:
     prompt_tokens: int  # the input's tokens
 
 
+@dataclass
+class Classification:
+    """A sequence classifier's result for one input (``LLM.classify``)."""
+
+    index: int  # position of the input in the classify call
+    logits: list[float]  # per label, at the last token (a reward model: its one reward)
+    probs: list[float]  # their softmax
+    label: str  # the most likely label's name (``id2label``)
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, e: Embedding, labels: Sequence[str]) -> Classification:
+        logits = torch.tensor(e.embedding, dtype=torch.float64)
+        best = int(logits.argmax())
+        return cls(e.index, e.embedding, logits.softmax(-1).float().tolist(),
+                   labels[best] if best < len(labels) else f"LABEL_{best}", e.prompt_tokens)
+
+
 def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> list[float]:
     """A sequence's vector (float32) cut to its first ``dimensions`` (None: all), then divided
     by its L2 norm where ``normalize`` (a zero vector stays zero)."""
@@ -40,6 +59,8 @@ def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> lis
 
 
 def check_dimensions(dimensions: int | None, spec: ModelSpec) -> None:
+    if dimensions is not None and spec.num_labels:
+        raise ConfigError("dimensions: a sequence classifier's results are its labels' logits, not an embedding")
     if dimensions is not None and not 1 <= int(dimensions) <= spec.embed_dim:
         raise ConfigError(f"dimensions {dimensions}: this model's embeddings have {spec.embed_dim}; give 1 to "
                           f"{spec.embed_dim} (or none for all)")

@@ -142,6 +142,9 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--embed", action="store_true", help="write each prompt's embedding instead of a completion "
                    "(its last hidden state after the final norm, L2-normalized): {\"id\", \"embedding\", "
                    "\"prompt_tokens\"} lines")
+    g.add_argument("--classify", action="store_true", help="a sequence classifier (reward model) checkpoint: write "
+                   "each prompt's labels' logits, their softmax and the top label: {\"id\", \"logits\", \"probs\", "
+                   "\"label\", \"prompt_tokens\"} lines")
     g.add_argument("--embed-dimensions", type=int, metavar="N", help="with --embed: each vector's first N values "
                    "(Matryoshka-trained models), then normalized")
     g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "

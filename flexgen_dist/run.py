@@ -74,7 +74,14 @@ def run(cfg: RunConfig) -> int:
                                      "prompt_tokens": e.prompt_tokens} for e in part]
                             writer.write(recs)
                             records.extend(recs)
-                for block in ([] if cfg.embed else
+                if cfg.classify:  # a classifier's logits, a window at a time
+                    for cparts in llm.stream_classify(todo, lora=lora):
+                        if writer is not None:
+                            recs = [{"id": todo[c.index].id, "logits": c.logits, "probs": c.probs,  # type: ignore[index]
+                                     "label": c.label, "prompt_tokens": c.prompt_tokens} for c in cparts]
+                            writer.write(recs)
+                            records.extend(recs)
+                for block in ([] if cfg.embed or cfg.classify else
                               llm.stream(todo, keys=None if prompts is None else range(done, len(prompts)), lora=lora)):
                     if writer is not None:
                         recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs,  # type: ignore[index]
@@ -127,6 +134,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
             **({"lora": cfg.lora} if cfg.lora else {}),
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
+            **({"classify": True} if cfg.classify else {}),
             **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
             **_structure_print(cfg)}
 
@@ -153,6 +161,7 @@ def _report(cfg: RunConfig, records: list[dict[str, Any]], metrics: dict[str, An
     for r in records[: cfg.print_outputs]:
         head = r["messages"][-1]["content"] if r.get("messages") else r.get("prompt")
         body = (f"{len(r['embedding'])} values {r['embedding'][:3]}..." if "embedding" in r else
+                f"{r['label']} (logits {[round(x, 4) for x in r['logits']]})" if "label" in r else
                 r.get("text") if "text" in r else str(r["tokens"]))
         print(f"[{r['id']}] {head!r} -> {body!r}" if head is not None else f"[{r['id']}] -> {body}")
     if len(records) > cfg.print_outputs:

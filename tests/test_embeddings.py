@@ -176,3 +176,49 @@ def test_the_run_command_writes_embeddings_and_resumes(tiny_models, tmp_path: Pa
     assert again[:2] == rows[:2] and [r["id"] for r in again] == [r["id"] for r in rows]
     # the rest in other blocks (other padding): the same vectors to float32 rounding
     torch.testing.assert_close(torch.tensor([r["embedding"] for r in again]), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,labels", [("LlamaForSequenceClassification", 3), ("Qwen2ForSequenceClassification", 1)])
+def test_a_sequence_classifier_scores_as_transformers(arch: str, labels: int, tmp_path: Path) -> None:
+    """A ``*ForSequenceClassification`` checkpoint (a classifier; a reward model's one label):
+    ``classify`` gives transformers' logits at the last token, their softmax and the label's
+    name; the calls a language model serves are refused in one line."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, arch.replace("ForSequenceClassification", "Config"))(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, num_labels=labels,
+        id2label={i: f"class-{i}" for i in range(labels)}, label2id={f"class-{i}": i for i in range(labels)})
+    m = getattr(transformers, arch)(cfg).eval()
+    m.save_pretrained(tmp_path / "m")
+    ids, mask = left_padded(TinyModel(arch, tmp_path, m, 0), PROMPTS)
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).logits.float()
+    with LLM(str(tmp_path / "m"), progress=False, gpu_batch_size=2, num_gpu_batches=2) as llm:
+        got = llm.classify(PROMPTS)
+        for call, match in ((lambda: llm.generate(PROMPTS, gen_len=2), r"generate\(\) needs a language model"),
+                            (lambda: llm.embed(PROMPTS), r"embed\(\) needs a language model"),
+                            (lambda: llm.score(PROMPTS), r"score\(\) needs a language model")):
+            with pytest.raises(ConfigError, match=match):
+                call()
+    assert [c.index for c in got] == list(range(len(PROMPTS)))
+    torch.testing.assert_close(torch.tensor([c.logits for c in got]), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor([c.probs for c in got]), want.softmax(-1), atol=1e-5, rtol=1e-4)
+    assert [c.label for c in got] == [f"class-{int(i)}" for i in want.argmax(-1)]
+    if labels > 1:  # the run command's --classify writes the same, a line per prompt
+        from flexgen_dist.run import main
+
+        p, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+        p.write_text("".join(json.dumps({"id": n, "input_ids": q}) + "\n" for n, q in enumerate(PROMPTS)))
+        assert main(["--model", str(tmp_path / "m"), "--prompts", str(p), "--classify", "--output", str(out),
+                     "--no-progress"]) == 0
+        rows = read_jsonl(out)
+        assert [r["label"] for r in rows] == [c.label for c in got]
+        torch.testing.assert_close(torch.tensor([r["logits"] for r in rows]), want, atol=2e-5, rtol=1e-4)
+
+
+def test_classify_needs_a_classifier(tiny_models) -> None:
+    with LLM(str(tiny_models["llama-gqa"].path), progress=False) as llm:
+        with pytest.raises(ConfigError, match=r"classify\(\) needs a sequence classifier"):
+            llm.classify(PROMPTS)

@@ -96,7 +96,7 @@ class Pipeline:
         self._states: dict[int, Any] = {}  # per block in flight: its engine state
         # scoring: each block's rows (sums, per-token rows) on the last stage, and their layout
         self._scores = None if not self.scoring else \
-            BlockScores(blocks, targets, gen_len, logprobs, embed_dim=spec.embed_dim if embed else 0)
+            BlockScores(blocks, targets, gen_len, logprobs, embed_dim=spec.pooled_dim if embed else 0)
         dev, eos = engine.device, spec.eos_token_ids
         # stage 0: what it keeps of each block (``limits``: per sequence of the call, its own most
         # new tokens, None: gen_len; ``stops.hit(sequence, its new ids) -> bool`` for sequences

@@ -367,7 +367,7 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
     rows of the step (float64) and each block's accumulated rows."""
     V, b, e, ngb, h = spec.vocab_size, z.gpu_batch_size, z.dtype_bytes, z.num_gpu_batches, z.head
     if h.embed:  # ``head.embed``: a batch's last rows normed, then the blocks' accumulated float64 rows
-        return b * spec.embed_dim * (e + 8) + z.blocks_in_flight * ngb * b * spec.embed_dim * 8
+        return b * spec.pooled_dim * (e + 8) + b * spec.embed_dim * e + z.blocks_in_flight * ngb * b * spec.pooled_dim * 8
     if not h.scoring:
         sort = CUDA_SORT_BYTES if h.sorts and z.cuda else 0
         return V * (ngb * b * e + b * ((4 if e < 4 else 0) + h.choice_bytes + sort))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.common import linear
 from ..models.families import Family
 from ..models.spec import ModelSpec
 from .block_state import BlockState
@@ -45,11 +46,16 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
 
 
 def embed(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """(b, embed_dim) float64: each sequence's last position after the final norm (and OPT's
+    """(b, pooled_dim) float64: each sequence's last position after the final norm (and OPT's
     project_out), what transformers' ``last_hidden_state[:, -1]`` holds: last-token pooling,
     as decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2) pool. Normalizing is
-    the caller's (``LLM.embed``), after any truncation to fewer dimensions."""
-    return family.final_norm(spec, w, x[:, -1]).double()
+    the caller's (``LLM.embed``), after any truncation to fewer dimensions. A sequence
+    classifier's head then gives its labels' logits, as transformers' ``*ForSequenceClassification``
+    scores the last token (left padding: the last position)."""
+    y = family.final_norm(spec, w, x[:, -1])
+    if "score.w" in w:  # a sequence classifier: its labels' logits (``ModelSpec.num_labels``)
+        y = linear(y, w["score.w"])
+    return y.double()
 
 
 SCORE_CHUNK_BYTES = 64 << 20  # float32 logits of the positions the head scores at once

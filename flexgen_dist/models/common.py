@@ -58,6 +58,9 @@ def embed_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def head_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The final norm's weight and the head (the embedding itself where they are tied)."""
     shapes: dict[str, tuple[int, ...]] = {"norm.w": (spec.hidden_size,)}
+    if spec.num_labels:  # a sequence classifier's score head
+        shapes["score.w"] = (spec.num_labels, spec.hidden_size)
+        return shapes
     shapes["tok.w" if spec.tie_word_embeddings else "lm_head.w"] = (spec.vocab_size, spec.hidden_size)
     return shapes
 
@@ -73,7 +76,9 @@ def lm_hf_names(spec: ModelSpec, part: str, layer: int | None, table: dict[str, 
     if part == "embed":
         return {"tok.w": embed}
     out = {"norm.w": [f"{p}norm.weight" for p in LM_PREFIXES]}
-    if spec.tie_word_embeddings:
+    if spec.num_labels:
+        out["score.w"] = ["score.weight"]
+    elif spec.tie_word_embeddings:
         out["tok.w"] = embed + list(LM_HEADS)
     else:
         out["lm_head.w"] = list(LM_HEADS)

@@ -44,6 +44,13 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
         raise ModelLoadError(f"{name}: config.json has no {e.args[0]!r}, which a {mt} model needs: the config is "
                              "incomplete; take it from the model's own release") from None
     arch = (cfg.get("architectures") or [""])[0]
+    if arch.endswith("ForSequenceClassification"):  # reward models, classifiers: a score head, no LM head
+        if spec.family != "llama":
+            raise ModelLoadError(f"{name}: {arch}: sequence classifiers are read for the Llama family's "
+                                 "architectures (Llama, Mistral, Qwen2/3, ...): load the base language model")
+        id2label = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+        n = int(cfg.get("num_labels") or len(id2label) or 2)
+        spec = dataclasses.replace(spec, num_labels=n, labels=tuple(id2label.get(str(i), f"LABEL_{i}") for i in range(n)))
     if arch.endswith("Model") and not spec.tie_word_embeddings:  # a base model: no LM head in the checkpoint
         logging.getLogger("flexgen_dist").warning(
             "%s: a base model (%s, as embedding models ship): no LM head, so the embedding matrix stands in for one; "

@@ -175,6 +175,10 @@ class ModelSpec(SpecChecks):
     # layer then also holds ``KEY.lora_a`` (n, r, in) and ``KEY.lora_b`` (n, out, r)
     # (``models/lora_stack.py``)
     lora_stacks: tuple[tuple[str, int, int, int, int], ...] = ()
+    # a sequence classifier (``*ForSequenceClassification``: reward models, classifiers): its
+    # head is ``score`` (num_labels, hidden) at the last token, not the vocabulary; labels' names
+    num_labels: int = 0
+    labels: tuple[str, ...] = ()
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -317,6 +321,12 @@ class ModelSpec(SpecChecks):
     def embed_dim(self) -> int:
         """Width of the token embedding (OPT's word_embed_proj_dim)."""
         return self.word_embed_proj_dim or self.hidden_size
+
+    @property
+    def pooled_dim(self) -> int:
+        """Values the head gives per sequence at its last token when pooling (``head.embed``):
+        a classifier's labels, else the embedding's width."""
+        return self.num_labels or self.embed_dim
 
     @property
     def has_projection(self) -> bool:
