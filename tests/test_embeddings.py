@@ -178,7 +178,8 @@ def test_the_run_command_writes_embeddings_and_resumes(tiny_models, tmp_path: Pa
     torch.testing.assert_close(torch.tensor([r["embedding"] for r in again]), want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,labels", [("LlamaForSequenceClassification", 3), ("Qwen2ForSequenceClassification", 1)])
+@pytest.mark.parametrize("arch,labels", [("LlamaForSequenceClassification", 3), ("Qwen2ForSequenceClassification", 1),
+                                         ("Gemma2ForSequenceClassification", 1)])
 def test_a_sequence_classifier_scores_as_transformers(arch: str, labels: int, tmp_path: Path) -> None:
     """A ``*ForSequenceClassification`` checkpoint (a classifier; a reward model's one label):
     ``classify`` gives transformers' logits at the last token, their softmax and the label's

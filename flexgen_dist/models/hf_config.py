@@ -45,9 +45,10 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                              "incomplete; take it from the model's own release") from None
     arch = (cfg.get("architectures") or [""])[0]
     if arch.endswith("ForSequenceClassification"):  # reward models, classifiers: a score head, no LM head
-        if spec.family != "llama":
-            raise ModelLoadError(f"{name}: {arch}: sequence classifiers are read for the Llama family's "
-                                 "architectures (Llama, Mistral, Qwen2/3, ...): load the base language model")
+        if spec.family not in ("llama", "gemma", "cohere"):
+            raise ModelLoadError(f"{name}: {arch}: sequence classifiers are read for the Llama, Gemma and Cohere "
+                                 "families' architectures (Llama, Mistral, Qwen2/3, Gemma 2/3, ...): load the base "
+                                 "language model")
         id2label = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
         n = int(cfg.get("num_labels") or len(id2label) or 2)
         spec = dataclasses.replace(spec, num_labels=n, labels=tuple(id2label.get(str(i), f"LABEL_{i}") for i in range(n)))
