@@ -52,6 +52,7 @@ from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device this rank computes on: ``auto`` (CUDA where visible), ``cuda`` (this rank's GPU) or ``cpu``."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -62,6 +63,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The run's dtype: ``auto`` is float16 on a GPU, float32 on a CPU."""
     if name == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
@@ -323,8 +325,6 @@ class LLM:
                      normalize: bool = True, lora: LoraChoice = None) -> Iterator[list[Embedding]]:
         """Like ``embed``, yielding embeddings in input order as soon as they are final, a
         window of length-grouped blocks at a time (as ``stream``): a long job writes as it goes."""
-        if self.is_driver:
-            self._language_model("embed")
         return self._pooled(inputs, dimensions, normalize, lora, "embed")
 
     def classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
@@ -339,9 +339,6 @@ class LLM:
     def stream_classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
                         ) -> Iterator[list[Classification]]:
         """Like ``classify``, a window of length-grouped blocks at a time (as ``stream``)."""
-        if self.is_driver and not self.model.spec.num_labels:
-            raise ConfigError("classify() needs a sequence classifier (a *ForSequenceClassification checkpoint): "
-                              "this is a language model; use generate(), score() or embed()")
         labels = self.model.spec.labels
         return ([Classification.of(e, labels) for e in part]
                 for part in self._pooled(inputs, None, False, lora, "classify"))
@@ -391,21 +388,13 @@ class LLM:
         return with_shared_prefixes(work, plan, self.model.spec, lambda w: self._planner.fits(
             [s.policy for s in stages], [s.layers for s in stages], w, plan.num_micro_batches, plan.schedule))
 
-    def _language_model(self, call: str) -> None:
-        """Refuse ``call`` on a sequence classifier (it has no vocabulary head), in one line."""
-        if self.model.spec.num_labels:
-            raise ConfigError(f"{call}() needs a language model: this is a sequence classifier "
-                              f"({self.model.spec.num_labels} labels, no vocabulary head): use classify()")
-
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
-        self._language_model("generate")
         return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer,
                               reasoning=self.reasoning, served=self.model.adapters, **extra)
 
     def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
                 decode_tokens: int, logprobs: int | None = None, lora: LoraChoice = None) -> Workload:
-        self._language_model("score")
         return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer,
                                logprobs, lora=lora, served=self.model.adapters)
 

@@ -93,6 +93,28 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                 pass
         return
     assert reqs is not None
+    yield from _drive(llm, reqs)
+
+
+class _InOrder:
+    """Rank 0's requests written in input order: each line once its request has all its choices
+    (an error line at once)."""
+
+    def __init__(self, llm: Any, reqs: list[Request]) -> None:
+        self.llm, self.reqs, self.out = llm, reqs, 0  # out: the next request to write
+
+    def lines(self) -> list[dict[str, Any]]:
+        reqs, llm, lines = self.reqs, self.llm, []
+        while self.out < len(reqs) and (not reqs[self.out].ok or len(reqs[self.out].choices) == reqs[self.out].n):
+            r = reqs[self.out]
+            lines.append(output_line(r, r.adapter or llm.model.spec.name, tokenizer=llm.tokenizer))
+            self.out += 1
+        return lines
+
+
+def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
+    """Rank 0's calls, in the order the other ranks make them (``run_batch``): the plan, the
+    prompts' scores, the embeddings, the completions; lines yielded as they are ready."""
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
     asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     scored = [r for r in reqs if r.prompt_alternatives is not None]
@@ -104,7 +126,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                     max_new_tokens=[r.max_tokens for r, _ in rows] + [1] * len(extra),
                     logprobs=max(asked) if asked else None,
                     lora=[r.adapter for r, _ in rows] + [r.adapter for r in scored] + [r.adapter for r, _ in embedded])
-    if scores:  # the prompts' logprobs: one scoring call, every token with a prefix
+    if scored:  # the prompts' logprobs: one scoring call, every token with a prefix
         k = max(r.prompt_alternatives for r in scored)  # type: ignore[type-var]
         for r, sc in zip(scored, llm.score([r.prompt for r in scored], logprobs=k, lora=[r.adapter for r in scored])):
             r.scored = (sc.logprobs, sc.ranks)  # type: ignore[assignment]
@@ -112,25 +134,14 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         if r.ok and r.max_tokens == 0 and r.inputs is None:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
                                   text="" if llm.tokenizer is not None else None) for _ in range(r.n)]
-    out = 0  # the next request to write
-
-    def ready() -> list[dict[str, Any]]:
-        nonlocal out
-        lines = []
-        while out < len(reqs) and (not reqs[out].ok or len(reqs[out].choices) == reqs[out].n):
-            lines.append(output_line(reqs[out], reqs[out].adapter or llm.model.spec.name, tokenizer=llm.tokenizer))
-            out += 1
-        return lines
-
-    if embeds:  # one embedding call over every input of every request, each cut and normalized as it asks
+    ready = _InOrder(llm, reqs)
+    if embedded:  # one embedding call over every input of every request, each cut and normalized as it asks
         for window in llm.stream_embed([p for _, p in embedded], normalize=False,
                                        lora=[r.adapter for r, _ in embedded]):
             for e in window:  # windows come in input order: a request's vectors in its inputs' order
                 r = embedded[e.index][0]
                 r.choices.append(finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
-            lines = ready()
-            if lines:
-                yield lines
+            yield from _nonempty(ready.lines())
     if rows:
         for window in llm.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
                                   max(r.max_tokens for r, _ in rows), [r.sampling for r, _ in rows],
@@ -140,9 +151,9 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                                   lora=[r.adapter for r, _ in rows]):
             for c in window:
                 rows[c.index][0].choices.append(c)
-            lines = ready()
-            if lines:
-                yield lines
-    lines = ready()
-    if lines:
-        yield lines
+            yield from _nonempty(ready.lines())
+    yield from _nonempty(ready.lines())
+
+
+def _nonempty(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    return [lines] if lines else []

@@ -12,10 +12,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .api import LLM
 from .config import ConfigError, RunConfig
+from .embeddings import Classification, Embedding
 from .flags import parse_config
 from .errors import exit_code_of
 from .memory.tiers import MemoryBudgetError
@@ -65,27 +66,10 @@ def run(cfg: RunConfig) -> int:
                 todo = prompts[done:] if prompts is not None else None
                 if cfg.warmup:
                     llm.warmup(todo)
-                # each prompt keeps its job index as its sampling key: a resumed job draws the same
                 lora = [p.lora for p in todo] if todo is not None and any(p.lora for p in todo) else None
-                if cfg.embed:  # vectors, a window at a time
-                    for part in llm.stream_embed(todo, dimensions=cfg.embed_dimensions, lora=lora):
-                        if writer is not None:
-                            recs = [{"id": todo[e.index].id, "embedding": e.embedding,  # type: ignore[index]
-                                     "prompt_tokens": e.prompt_tokens} for e in part]
-                            writer.write(recs)
-                            records.extend(recs)
-                if cfg.classify:  # a classifier's logits, a window at a time
-                    for cparts in llm.stream_classify(todo, lora=lora):
-                        if writer is not None:
-                            recs = [{"id": todo[c.index].id, "logits": c.logits, "probs": c.probs,  # type: ignore[index]
-                                     "label": c.label, "prompt_tokens": c.prompt_tokens} for c in cparts]
-                            writer.write(recs)
-                            records.extend(recs)
-                for block in ([] if cfg.embed or cfg.classify else
-                              llm.stream(todo, keys=None if prompts is None else range(done, len(prompts)), lora=lora)):
+                for part in _results(cfg, llm, todo, done, len(prompts) if prompts is not None else 0, lora):
                     if writer is not None:
-                        recs = [writer.record(todo[c.index], c.token_ids, c.text, c.logprobs,  # type: ignore[index]
-                                              c.reasoning) for c in block]
+                        recs = [_record(writer, todo[r.index], r) for r in part]  # type: ignore[index]
                         writer.write(recs)
                         records.extend(recs)
         finally:
@@ -101,6 +85,27 @@ def run(cfg: RunConfig) -> int:
             assert prompts is not None
             _report(cfg, records, {**llm.metrics, "job_prompts": len(prompts), "resumed_prompts": done})
     return 0
+
+
+def _results(cfg: RunConfig, llm: LLM, todo: list[Prompt] | None, done: int, total: int,
+             lora: list[str | None] | None) -> Iterator[list[Any]]:
+    """The job's results a window at a time: embeddings (``--embed``), a classifier's logits
+    (``--classify``) or completions (each prompt's sampling key its index in the job: a resumed
+    job draws the same)."""
+    if cfg.embed:
+        return llm.stream_embed(todo, dimensions=cfg.embed_dimensions, lora=lora)
+    if cfg.classify:
+        return llm.stream_classify(todo, lora=lora)
+    return llm.stream(todo, keys=None if todo is None else range(done, total), lora=lora)
+
+
+def _record(writer: OutputWriter, p: Prompt, r: Any) -> dict[str, Any]:
+    """A result's output line: an embedding, a classifier's logits, or a completion."""
+    if isinstance(r, Embedding):
+        return {"id": p.id, "embedding": r.embedding, "prompt_tokens": r.prompt_tokens}
+    if isinstance(r, Classification):
+        return {"id": p.id, "logits": r.logits, "probs": r.probs, "label": r.label, "prompt_tokens": r.prompt_tokens}
+    return writer.record(p, r.token_ids, r.text, r.logprobs, r.reasoning)
 
 
 def _explain(llm: LLM, prompts: list[Prompt] | None) -> int:

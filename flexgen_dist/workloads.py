@@ -33,8 +33,14 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
     prompt of a reasoning model (``reasoning``) gets its structure after the thinking.
     ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's)."""
-    what = f"{call or ('score' if scoring else 'generate')}() takes a non-empty list of " + \
-        ("sequences" if scoring and call is None else "prompts")
+    name = call or ("score" if scoring else "generate")
+    if spec.num_labels and name != "classify":  # no vocabulary head: its head gives its labels' logits
+        raise ConfigError(f"{name}() needs a language model: this is a sequence classifier ({spec.num_labels} "
+                          "labels, no vocabulary head): use classify()")
+    if name == "classify" and not spec.num_labels:
+        raise ConfigError("classify() needs a sequence classifier (a *ForSequenceClassification checkpoint): "
+                          "this is a language model; use generate(), score() or embed()")
+    what = f"{name}() takes a non-empty list of " + ("sequences" if name == "score" else "prompts")
     if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
         raise ConfigError(f"{what} (strings or token-id lists)")
     gen_len = cfg.gen_len if gen_len is None else int(gen_len)
