@@ -48,6 +48,7 @@ from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
 from .embeddings import Classification, Embedding, check_dimensions, embed_workload, finish
+from .pairs import Pairs, Ranked, cross_encoder, ranked
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -342,6 +343,38 @@ class LLM:
         labels = self.model.spec.labels
         return ([Classification.of(e, labels) for e in part]
                 for part in self._pooled(inputs, None, False, lora, "classify"))
+
+    def score_pairs(self, texts_1: str | Sequence[str] | None = None, texts_2: str | Sequence[str] | None = None,
+                    *, activation: bool = True, lora: LoraChoice = None) -> list[float]:
+        """A score per text pair (``pairs.py``), paired 1:1, 1:N or N:N: a cross-encoder's (a
+        one-label classifier: the pair read as one sequence, its logit through a sigmoid, or
+        the logit itself without ``activation``), else the cosine of the two texts'
+        embeddings. vLLM's ``LLM.score``. On ranks other than 0 the arguments are ignored and
+        the result is empty."""
+        return self._pair_scores(lambda: Pairs.of(texts_1, texts_2), activation, lora)
+
+    def rerank(self, query: str | None = None, documents: Sequence[str] | None = None, *,
+               top_n: int | None = None, lora: LoraChoice = None) -> list[Ranked]:
+        """``documents`` ordered by their score against ``query`` (as ``score_pairs``), best
+        first, the first ``top_n`` (None: all). On ranks other than 0 the arguments are
+        ignored and the result is empty."""
+        scores = self._pair_scores(lambda: Pairs.of(query, documents, ("query", "documents"), one_first=True),
+                                   True, lora)
+        return ranked(list(documents or ()), scores, top_n) if self.is_driver else []
+
+    def _pair_scores(self, pairs_of: Callable[[], Pairs], activation: bool, lora: LoraChoice) -> list[float]:
+        spec = self.model.spec
+
+        def build() -> tuple[Pairs, list[Prompt]]:  # rank 0: the pairs and what the model runs for them
+            pairs = pairs_of()
+            return pairs, pairs.prompts(spec, self.tokenizer)
+
+        pairs, prompts = self.on_driver(build)
+        if cross_encoder(spec):
+            results = [c.logits for c in self.classify(prompts, lora=lora)]
+        else:
+            results = [e.embedding for e in self.embed(prompts, normalize=False, lora=lora)]
+        return pairs.scores(results, cross_encoder(spec), activation) if self.is_driver else []
 
     def _pooled(self, inputs: Sequence[PromptLike] | None, dimensions: int | None, normalize: bool,
                 lora: LoraChoice, call: str) -> Iterator[list[Embedding]]:

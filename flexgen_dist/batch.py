@@ -75,7 +75,8 @@ def run(cfg: RunConfig, input_path: Path) -> int:
             if llm.is_driver:
                 print(f"nothing to do: all {total} requests are already in {cfg.output}")
             return 0
-        t0, counts = time.perf_counter(), {"requests": 0, "errors": 0, "completion_tokens": 0, "embeddings": 0}
+        t0, counts = time.perf_counter(), {"requests": 0, "errors": 0, "completion_tokens": 0, "embeddings": 0,
+                                            "scores": 0}
         try:
             for part in llm.stream_batch(lines if llm.is_driver else None, skip=done):
                 assert writer is not None
@@ -86,7 +87,9 @@ def run(cfg: RunConfig, input_path: Path) -> int:
                     if line["error"] is None:
                         out = line["response"]["body"]
                         counts["completion_tokens"] += out["usage"].get("completion_tokens", 0)
-                        counts["embeddings"] += len(out["data"]) if out.get("object") == "list" else 0
+                        data = out.get("data") or []
+                        counts["embeddings"] += sum(d.get("object") == "embedding" for d in data)
+                        counts["scores"] += sum(d.get("object") == "score" for d in data) + len(out.get("results", ()))
         finally:
             if writer is not None:
                 writer.close()
@@ -123,7 +126,8 @@ def _report(cfg: RunConfig, llm: LLM, counts: dict[str, int], seconds: float, do
           f"with an error{f'; {done} already there before' if done else ''}); "
           f"{counts['completion_tokens']} completion tokens in {seconds:.1f} s "
           f"({counts['completion_tokens'] / max(seconds, 1e-9):.1f} useful tok/s)"
-          + (f"; {counts['embeddings']} embeddings" if counts["embeddings"] else ""))
+          + (f"; {counts['embeddings']} embeddings" if counts["embeddings"] else "")
+          + (f"; {counts['scores']} pair scores" if counts["scores"] else ""))
     if llm.metrics:
         print(summary(llm.metrics))
     if cfg.metrics:

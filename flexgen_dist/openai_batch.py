@@ -30,10 +30,11 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import ConfigError
-from .embeddings import finish
+from .embeddings import Classification, finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
-from .openai_requests import Request, RequestError, parse_requests, sampling_key
+from .models.spec import ModelSpec
+from .openai_requests import RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
 
 
 
@@ -68,25 +69,30 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                               spec.eos_token_ids, llm.config.template_kwargs)[skip:]
         for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
             r.adapter = r.model if r.model in llm.model.adapters else None
-            if r.ok and r.dimensions is not None and r.dimensions > spec.embed_dim:
-                r.error = RequestError("invalid_value", f"dimensions {r.dimensions}: this model's embeddings have "
-                                                        f"{spec.embed_dim}")
+            try:
+                _for_model(r, spec, llm.tokenizer)
+            except RequestError as e:
+                r.error = e
         return any(r.ok for r in reqs)
 
-    def plan() -> tuple[bool, bool, bool]:  # whether any prompt is scored (echo, prompt_logprobs), embedded, generated
+    def plan() -> tuple[bool, str, bool]:  # whether any prompt is scored (echo, prompt_logprobs), pooled how, generated
         if not parse():
-            return False, False, False
+            return False, "", False
         assert reqs is not None
-        return (any(r.prompt_alternatives is not None for r in reqs), any(r.ok and r.inputs is not None for r in reqs),
+        pooled = any(r.ok and r.inputs is not None for r in reqs)
+        return (any(r.prompt_alternatives is not None for r in reqs),
+                ("classify" if llm.model.spec.num_labels else "embed") if pooled else "",
                 any(r.ok and r.max_tokens > 0 for r in reqs))
 
-    scores, embeds, runs = llm.on_driver(plan)
+    scores, pooled, runs = llm.on_driver(plan)
     if not llm.is_driver:  # the same calls as rank 0, in the same order
-        if (scores or embeds) and runs:
+        if (scores or pooled) and runs:
             llm.prepare()
         if scores:
             llm.score()
-        if embeds:
+        if pooled == "classify":
+            llm.classify()
+        elif pooled:
             llm.embed()
         if runs:
             for _ in llm.stream():
@@ -135,12 +141,16 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
             r.choices = [_Nothing(None if r.logprobs is None else TokenLogprobs([], []),
                                   text="" if llm.tokenizer is not None else None) for _ in range(r.n)]
     ready = _InOrder(llm, reqs)
-    if embedded:  # one embedding call over every input of every request, each cut and normalized as it asks
-        for window in llm.stream_embed([p for _, p in embedded], normalize=False,
-                                       lora=[r.adapter for r, _ in embedded]):
-            for e in window:  # windows come in input order: a request's vectors in its inputs' order
+    if embedded:  # one call over every input of every request (embedded, or a cross-encoder's pairs classified)
+        classify = bool(llm.model.spec.num_labels)
+        prompts, lora = [p for _, p in embedded], [r.adapter for r, _ in embedded]
+        windows = llm.stream_classify(prompts, lora=lora) if classify else \
+            llm.stream_embed(prompts, normalize=False, lora=lora)
+        for window in windows:
+            for e in window:  # windows come in input order: a request's results in its inputs' order
                 r = embedded[e.index][0]
-                r.choices.append(finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
+                r.choices.append(e.logits if isinstance(e, Classification) else e.embedding if r.pairs is not None
+                                 else finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
             yield from _nonempty(ready.lines())
     if rows:
         for window in llm.stream([r.prompt for r, _ in rows],  # type: ignore[misc]
@@ -153,6 +163,21 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
                 rows[c.index][0].choices.append(c)
             yield from _nonempty(ready.lines())
     yield from _nonempty(ready.lines())
+
+
+def _for_model(r: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
+    """What a parsed request needs of this model: a language model for completions and
+    embeddings, room for its ``dimensions``, the pair inputs of a score or rerank request."""
+    if not r.ok:
+        return
+    if spec.num_labels and r.pairs is None:
+        raise RequestError("invalid_request", f"this model is a sequence classifier ({spec.num_labels} labels, no "
+                                              f"vocabulary head): {r.url} needs a language model" +
+                           (f"; it serves {SCORE} and {RERANK}" if spec.num_labels == 1 else ""))
+    if r.dimensions is not None and r.dimensions > spec.embed_dim:
+        raise RequestError("invalid_value", f"dimensions {r.dimensions}: this model's embeddings have {spec.embed_dim}")
+    if r.pairs is not None:
+        pair_inputs(r, spec, tokenizer)
 
 
 def _nonempty(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 from .engine.sampling import TokenLogprobs
-from .openai_requests import CHAT, EMBEDDINGS, Request
+from .openai_requests import CHAT, EMBEDDINGS, RERANK, SCORE, Request
+from .pairs import ranked
 from .openai_tools import tool_message
 
 def request_id(req: Request) -> str:
@@ -28,10 +29,12 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
                 "response": {"status_code": 400, "request_id": rid,
                              "body": {"error": {**err, "type": "invalid_request_error"}}},
                 "error": err}
+    created = int(time.time()) if created is None else created
     if req.url == EMBEDDINGS:
         return _embeddings_line(req, model, rid)
+    if req.url in (SCORE, RERANK):
+        return _pairs_line(req, model, rid, created)
     assert req.prompt is not None
-    created = int(time.time()) if created is None else created
     chat = req.url == CHAT
     echoed = req.prompt.text if req.prompt.text is not None else \
         tokenizer.decode(req.prompt.ids) if tokenizer is not None else None
@@ -87,6 +90,31 @@ def _embeddings_line(req: Request, model: str, rid: str) -> dict[str, Any]:
         data.append({"object": "embedding", "index": j, "embedding": emb})
     tokens = sum(len(p.ids) for p in req.inputs)
     body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _pairs_line(req: Request, model: str, rid: str, created: int) -> dict[str, Any]:
+    """A score request's line (vLLM's ``{"id", "object": "list", "created", "model", "data":
+    [{"index", "object": "score", "score"}], "usage"}``) or a rerank request's (vLLM's and
+    Jina's ``{"id", "model", "usage", "results": [{"index", "document": {"text"},
+    "relevance_score"}]}``, best first, its ``top_n``). Usage counts the tokens the model read."""
+    assert req.pairs is not None and req.inputs is not None
+    scores = req.pairs.scores(req.choices, req.cross, req.activation)
+    tokens = sum(len(p.ids) for p in req.inputs)
+    if req.url == SCORE:
+        body = {"id": f"score-{rid}", "object": "list", "created": created, "model": model,
+                "data": [{"index": j, "object": "score", "score": s} for j, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+    else:
+        results = []
+        for r in ranked(req.pairs.second, scores, req.top_n):
+            res: dict[str, Any] = {"index": r.index}
+            if req.return_documents:
+                res["document"] = {"text": r.document}
+            results.append({**res, "relevance_score": r.score})
+        body = {"id": f"rerank-{rid}", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "results": results}
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

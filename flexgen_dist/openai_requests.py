@@ -12,10 +12,21 @@ from typing import Any
 from .config import ConfigError, check_template_kwargs
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
+from .models.spec import ModelSpec
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
+from .pairs import Pairs, cross_encoder
 from .prompts import Messages, Prompt, make_prompt
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+SCORE, RERANK = "/v1/score", "/v1/rerank"  # text pairs (``pairs.py``): vLLM's routes
+ROUTES = {CHAT: CHAT, COMPLETIONS: COMPLETIONS, EMBEDDINGS: EMBEDDINGS, SCORE: SCORE, "/score": SCORE,
+          RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK}  # url -> endpoint
+# a score body's pair of sides, under any of vLLM's names for them
+SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
+# fields of a score or rerank body besides its texts (vLLM's), and a rerank body's own (Jina's, Cohere's)
+PAIR_FIELDS = {"model", "user", "priority", "truncate_prompt_tokens", "mm_processor_kwargs", "use_activation",
+               "activation", "softmax"}
+RERANK_FIELDS = {"top_n", "return_documents"}
 MAX_N = 128  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}  # an embeddings body's fields
@@ -70,6 +81,11 @@ class Request:
     inputs: list[Prompt] | None = None  # embeddings: its inputs (``prompt`` is None)
     dimensions: int | None = None  # embeddings: each vector's first that many (None: all)
     encoding_format: str = "float"  # embeddings: "float" (a list) or "base64" (float32 little-endian bytes)
+    pairs: Pairs | None = None  # score, rerank: its texts (``inputs`` are what the model runs for them)
+    activation: bool = True  # score, rerank: a cross-encoder's logit through a sigmoid (False: the logit)
+    cross: bool = False  # score, rerank: the model reads each pair as one sequence (else embeds each text)
+    top_n: int = 0  # rerank: the best that many documents (0: all)
+    return_documents: bool = True  # rerank: each result carries its document's text
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -138,14 +154,19 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     method = rec.get("method", "POST")
     if method != "POST":
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
-    req.url = str(rec.get("url", ""))
-    if req.url not in (CHAT, COMPLETIONS, EMBEDDINGS):
-        raise RequestError("invalid_url", f"url {req.url!r} is not served: use {CHAT}, {COMPLETIONS} or {EMBEDDINGS}")
+    url = str(rec.get("url", ""))
+    if url not in ROUTES:
+        raise RequestError("invalid_url", f"url {url!r} is not served: use {CHAT}, {COMPLETIONS}, {EMBEDDINGS}, "
+                                          f"{SCORE} or {RERANK}")
+    req.url = ROUTES[url]
     body = rec.get("body")
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request has no 'body' object")
     if req.url == EMBEDDINGS:
         _fill_embeddings(req, body, tokenizer, vocab_size, max_positions)
+        return
+    if req.url in (SCORE, RERANK):
+        _fill_pairs(req, body)
         return
     for k, v in body.items():
         if k in USED or k in INERT:
@@ -231,6 +252,58 @@ def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, 
     req.encoding_format = fmt
     d = body.get("dimensions")
     req.dimensions = None if d is None else _int(d, "dimensions", 1)
+
+
+def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
+    """A score request (two sides of texts, under any of vLLM's names) or a rerank request
+    (``query``, ``documents``, ``top_n``); the model's inputs for it come with the model
+    (``pair_inputs``)."""
+    rerank = req.url == RERANK
+    sides = [("query", "documents")] if rerank else [s for s in SCORE_SIDES if s[0] in body and s[1] in body]
+    if len(sides) != 1:
+        raise RequestError("invalid_request", f"a {req.url} request needs " + (
+            "'query' and 'documents'" if rerank else "its two sides: 'text_1' and 'text_2' (or 'queries' and "
+                                                     "'documents' or 'items', or 'data_1' and 'data_2'), one pair"))
+    names = sides[0]
+    bad = sorted(set(body) - PAIR_FIELDS - set(names) - (RERANK_FIELDS if rerank else set()))
+    bad += [k for k in ("truncate_prompt_tokens", "mm_processor_kwargs") if body.get(k) is not None]  # None only
+    if bad:
+        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {req.url} (leave it out)")
+    req.model = body["model"] if isinstance(body.get("model"), str) else None
+    try:
+        req.pairs = Pairs.of(body.get(names[0]), body.get(names[1]), names, one_first=rerank)
+    except ConfigError as e:
+        raise RequestError("invalid_request", str(e)) from None
+    if len(req.pairs.first) + len(req.pairs.second) > MAX_INPUTS:
+        raise RequestError("invalid_value", f"{len(req.pairs.first) + len(req.pairs.second)} texts: at most "
+                                            f"{MAX_INPUTS} per request")
+    for k in ("use_activation", "activation", "softmax"):  # vLLM's three names of one switch
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
+        if v is False:
+            req.activation = False
+    if rerank:
+        top = body.get("top_n")
+        req.top_n = 0 if top is None or (isinstance(top, int) and not isinstance(top, bool) and top < 0) \
+            else _int(top, "top_n", 0)  # 0 or negative: every document (vLLM's)
+        rd = body.get("return_documents", True)
+        if not isinstance(rd, bool):
+            raise RequestError("invalid_value", f"return_documents {rd!r}: true or false")
+        req.return_documents = rd
+
+
+def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
+    """A score or rerank request's ``inputs`` for this model (``Pairs.prompts``), or its error;
+    one result per input makes its line ready (``n``)."""
+    assert req.pairs is not None
+    try:
+        req.cross = cross_encoder(spec)
+        req.inputs = req.pairs.prompts(spec, tokenizer, req.custom_id)
+    except ConfigError as e:
+        code = "context_length_exceeded" if "positions" in str(e) else "invalid_request"
+        raise RequestError(code, str(e)) from None
+    req.n = len(req.inputs)
 
 
 def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,

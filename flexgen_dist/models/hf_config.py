@@ -51,7 +51,9 @@ def spec_from_hf_config(cfg: dict[str, Any], name: str) -> ModelSpec:
                                  "language model")
         id2label = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
         n = int(cfg.get("num_labels") or len(id2label) or 2)
-        spec = dataclasses.replace(spec, num_labels=n, labels=tuple(id2label.get(str(i), f"LABEL_{i}") for i in range(n)))
+        sep = cfg.get("use_sep_token", cfg.get("use_pad_token", True))  # vLLM's field (and its older name)
+        spec = dataclasses.replace(spec, num_labels=n, labels=tuple(id2label.get(str(i), f"LABEL_{i}") for i in range(n)),
+                                   pair_sep=bool(sep))
     if arch.endswith("Model") and not spec.tie_word_embeddings:  # a base model: no LM head in the checkpoint
         logging.getLogger("flexgen_dist").warning(
             "%s: a base model (%s, as embedding models ship): no LM head, so the embedding matrix stands in for one; "

@@ -179,6 +179,9 @@ class ModelSpec(SpecChecks):
     # head is ``score`` (num_labels, hidden) at the last token, not the vocabulary; labels' names
     num_labels: int = 0
     labels: tuple[str, ...] = ()
+    # a one-label classifier scoring a text pair (a cross-encoder, ``pairs.py``) reads it as the
+    # tokenizer's pair encoding; False (the config's ``use_sep_token``): the two texts joined
+    pair_sep: bool = True
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

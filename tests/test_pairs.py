@@ -1,0 +1,186 @@
+"""Scoring text pairs (``LLM.score_pairs``, ``LLM.rerank``, ``/v1/score`` and ``/v1/rerank``
+batch requests): a one-label classifier reads each pair as the tokenizer's pair encoding and its
+logit through a sigmoid equals transformers' (float32); a language model's score is the cosine
+of transformers' last hidden states at each text's last token; 1:1, 1:N and N:N pairs; rerank
+orders and cuts; bad requests get their own error lines."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import BPE_TEXT, local_ranks, read_jsonl
+from flexgen_dist import LLM
+from flexgen_dist.config import ConfigError
+
+Q = "The quick brown fox."
+DOCS = ['{"name": "Ada", "age": 36}', "yes no maybe", "The quick fox.", "[1, 2, 3] {\"ok\": true}"]
+
+
+def _tokenizer() -> Any:
+    """A byte-level BPE tokenizer of 300 tokens whose pair encoding is ``A <sep> B <eos>`` (a
+    single text: ``A <eos>``), as a cross-encoder's is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(BPE_TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<sep>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tk.post_processor = processors.TemplateProcessing(single="$A <eos>", pair="$A <sep> $B <eos>",
+                                                      special_tokens=[("<eos>", 1), ("<sep>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", sep_token="<sep>")
+
+
+def _model(tmp_path: Path, arch: str, labels: int = 1, **extra: Any) -> tuple[Path, torch.nn.Module, Any]:
+    import transformers
+
+    torch.manual_seed(3)
+    cfg = getattr(transformers, arch.split("For")[0] + "Config")(
+        vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=1, num_labels=labels, **extra)
+    m = getattr(transformers, arch)(cfg).eval()
+    tok = _tokenizer()
+    d = tmp_path / arch
+    m.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, m, transformers.AutoTokenizer.from_pretrained(d)  # as the engine loads it (the model type's class)
+
+
+def _logit(m: torch.nn.Module, ids: list[int]) -> float:
+    with torch.no_grad():
+        return float(m(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+def _last_state(m: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return m.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].double()
+
+
+def _req(cid: str, url: str, **body: Any) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def _body(line: dict) -> dict:
+    assert line["error"] is None, line["error"]
+    return line["response"]["body"]
+
+
+@pytest.mark.parametrize("sep", [True, False])
+def test_a_cross_encoder_scores_pairs_as_transformers(sep: bool, tmp_path: Path) -> None:
+    """A one-label ``Qwen2ForSequenceClassification``: each pair read as the tokenizer's pair
+    encoding (``use_sep_token`` false: the two texts joined), sigmoid of the logit; 1:N and N:N;
+    ``activation`` off gives the logit; rerank orders by it and keeps ``top_n``."""
+    d, m, tok = _model(tmp_path, "Qwen2ForSequenceClassification",
+                       **({} if sep else {"use_sep_token": False}))
+    ids = [tok(text=Q, text_pair=t)["input_ids"] if sep else tok(Q + t)["input_ids"] for t in DOCS]
+    assert (2 in ids[0]) == sep  # the separator is there only in the pair encoding
+    logits = torch.tensor([_logit(m, x) for x in ids])
+    with LLM(str(d), progress=False, gpu_batch_size=2, num_gpu_batches=2) as llm:
+        got = llm.score_pairs(Q, DOCS)
+        raw = llm.score_pairs([Q] * len(DOCS), DOCS, activation=False)
+        top = llm.rerank(Q, DOCS, top_n=2)
+    torch.testing.assert_close(torch.tensor(got), logits.sigmoid(), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(raw), logits, atol=2e-5, rtol=1e-4)
+    best = logits.argsort(descending=True)[:2].tolist()
+    assert [r.index for r in top] == best and [r.document for r in top] == [DOCS[i] for i in best]
+    assert top[0].score >= top[1].score
+
+
+def test_a_language_model_scores_by_cosine_of_embeddings(tmp_path: Path) -> None:
+    """Any model that embeds: the cosine of the two texts' last hidden states (after the final
+    norm); the query of a 1:N scoring embedded once."""
+    d, m, tok = _model(tmp_path, "LlamaForCausalLM")
+    q = _last_state(m, tok(Q)["input_ids"])
+    want = torch.tensor([float(torch.nn.functional.cosine_similarity(q, _last_state(m, tok(t)["input_ids"]), dim=0))
+                         for t in DOCS])
+    with LLM(str(d), progress=False, gpu_batch_size=3) as llm:
+        got = llm.score_pairs(Q, DOCS)
+        pairwise = llm.score_pairs(DOCS, DOCS[::-1])
+        ranked = llm.rerank(Q, DOCS)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.double(), atol=1e-5, rtol=1e-4)
+    assert pairwise[0] == pytest.approx(pairwise[3], abs=1e-6) and pairwise[1] == pytest.approx(pairwise[2], abs=1e-6)
+    assert [r.index for r in ranked] == want.argsort(descending=True).tolist()
+
+
+def test_batch_score_and_rerank_lines(tmp_path: Path) -> None:
+    """``/v1/score`` (each of vLLM's names for the two sides) and ``/v1/rerank`` lines in vLLM's
+    format, beside error lines of their own: sides that do not pair, a field not computed, a
+    completion asked of a classifier, a pair longer than the model."""
+    d, m, tok = _model(tmp_path, "Qwen2ForSequenceClassification")
+    probs = torch.tensor([_logit(m, tok(text=Q, text_pair=t)["input_ids"]) for t in DOCS]).sigmoid()
+    reqs = [_req("s", "/v1/score", text_1=Q, text_2=DOCS, model="reranker"),
+            _req("s-qd", "/score", queries=[Q, Q], documents=DOCS[:2]),
+            _req("s-raw", "/v1/score", data_1=Q, data_2=DOCS[2], use_activation=False),
+            _req("r", "/v1/rerank", query=Q, documents=DOCS, top_n=3),
+            _req("r-all", "/rerank", query=Q, documents=DOCS, return_documents=False),
+            _req("bad-pairing", "/v1/score", text_1=DOCS[:3], text_2=DOCS[:2]),
+            _req("bad-field", "/v1/rerank", query=Q, documents=DOCS, truncate_prompt_tokens=8),
+            _req("bad-query", "/v1/rerank", query=[Q], documents=DOCS),
+            _req("no-completions", "/v1/completions", prompt="hello", max_tokens=2),
+            _req("too-long", "/v1/score", text_1=Q, text_2="yes no maybe " * 200)]
+    with LLM(str(d), progress=False, gpu_batch_size=2) as llm:
+        lines = {x["custom_id"]: x for x in llm.batch(reqs)}
+    s = _body(lines["s"])
+    assert s["object"] == "list" and s["id"].startswith("score-") and [x["index"] for x in s["data"]] == [0, 1, 2, 3]
+    torch.testing.assert_close(torch.tensor([x["score"] for x in s["data"]]), probs, atol=1e-5, rtol=1e-4)
+    tokens = sum(len(tok(text=Q, text_pair=t)["input_ids"]) for t in DOCS)
+    assert s["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    qd = [x["score"] for x in _body(lines["s-qd"])["data"]]
+    assert qd == pytest.approx(probs[:2].tolist(), abs=1e-5)
+    assert _body(lines["s-raw"])["data"][0]["score"] == pytest.approx(float(probs[2].logit()), abs=1e-4)
+    r = _body(lines["r"])
+    best = probs.argsort(descending=True).tolist()
+    assert [x["index"] for x in r["results"]] == best[:3]
+    assert [x["document"]["text"] for x in r["results"]] == [DOCS[i] for i in best[:3]]
+    assert [x["relevance_score"] for x in r["results"]] == pytest.approx(probs[best[:3]].tolist(), abs=1e-5)
+    assert r["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    every = _body(lines["r-all"])["results"]
+    assert [x["index"] for x in every] == best and all("document" not in x for x in every)
+    for cid, code, words in (("bad-pairing", "invalid_request", "1:1, 1:N or N:N"),
+                             ("bad-field", "unsupported_field", "truncate_prompt_tokens"),
+                             ("bad-query", "invalid_request", "query must be one"),
+                             ("no-completions", "invalid_request", "sequence classifier"),
+                             ("too-long", "context_length_exceeded", "positions")):
+        assert lines[cid]["error"]["code"] == code and words in lines[cid]["error"]["message"], (cid, lines[cid])
+
+
+def test_pairs_need_one_label_and_a_tokenizer(tmp_path: Path, tiny_models) -> None:
+    """A classifier of several labels gives no one score; a model without a tokenizer cannot
+    read text pairs; sides must pair: each a one-line error."""
+    d, _, _ = _model(tmp_path, "LlamaForSequenceClassification", labels=3)
+    with LLM(str(d), progress=False) as llm:
+        with pytest.raises(ConfigError, match="one-label classifier"):
+            llm.score_pairs(Q, DOCS)
+        line = llm.batch([_req("s", "/v1/score", text_1=Q, text_2=DOCS)])[0]
+        assert "3 labels" in line["error"]["message"]
+    with LLM(str(tiny_models["llama-gqa"].path), progress=False) as llm:
+        with pytest.raises(ConfigError, match="needs the model's tokenizer"):
+            llm.score_pairs(Q, DOCS)
+        with pytest.raises(ConfigError, match="pair them 1:1, 1:N or N:N"):
+            llm.score_pairs(DOCS[:2], DOCS)
+        with pytest.raises(ConfigError, match="query must be one non-empty string"):
+            llm.rerank(DOCS, DOCS)
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_the_batch_command_on_two_ranks_scores_pairs(tmp_path: Path) -> None:
+    """Two pipeline stages serve a cross-encoder's score and rerank requests as one rank does."""
+    d, m, tok = _model(tmp_path, "Qwen2ForSequenceClassification")
+    probs = torch.tensor([_logit(m, tok(text=Q, text_pair=t)["input_ids"]) for t in DOCS]).sigmoid()
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(_req("s", "/v1/score", text_1=Q, text_2=DOCS)) + "\n"
+                   + json.dumps(_req("r", "/v1/rerank", query=Q, documents=DOCS)) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = local_ranks(["-m", "flexgen_dist.batch", "--model", str(d), "-i", str(inp), "-o", str(out), "--no-progress",
+                     "--gpu-batch-size", "2"], nproc=2, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "4 pair scores" not in r.stdout and "8 pair scores" in r.stdout
+    s, rr = (x["response"]["body"] for x in read_jsonl(out))
+    torch.testing.assert_close(torch.tensor([x["score"] for x in s["data"]]), probs, atol=1e-5, rtol=1e-4)
+    assert [x["index"] for x in rr["results"]] == probs.argsort(descending=True).tolist()
