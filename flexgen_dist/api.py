@@ -39,6 +39,7 @@ from .metrics import merge_metrics, summary
 from .models.loader import LoadedModel, describe, load_model
 from .models.lora import with_lora
 from .models.lora_stack import with_lora_modules
+from .models.token_score import token_ids, with_token_classifier
 from .plan import Peaks, RunPlan, Workload
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
@@ -101,6 +102,9 @@ class LLM:
             self.model: LoadedModel = load_model(cfg.model, dummy_weights=cfg.dummy_weights, dtype=self.dtype,
                                                  seed=cfg.seed, load_tokenizer=self._needs_tokenizer,
                                                  dummy_fill=cfg.dummy_fill)
+            if cfg.classifier_from_token:  # an LLM reranker: its head is the tokens' logits' difference
+                self.model = with_token_classifier(self.model, cfg.classifier_from_token, lambda: self._group.broadcast(
+                    token_ids(self.model.tokenizer, cfg.classifier_from_token) if self.is_driver else None))
             if cfg.lora:  # merged as each part is read: every later step sees ordinary weights
                 self.model = with_lora(self.model, cfg.lora)
             if cfg.lora_modules:  # served per request: each layer also holds every adapter's A and B

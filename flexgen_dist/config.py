@@ -68,6 +68,9 @@ class RunConfig:
     lora: str | None = None  # a PEFT LoRA adapter directory, merged into the weights as they are read
     # PEFT LoRA adapters served per request, "NAME=DIR" each: a request names its adapter as its model
     lora_modules: tuple[str, ...] = ()
+    # a language model read as a one-label classifier (an LLM reranker): one token (its logit) or
+    # two (the second's logit minus the first's), vLLM's classifier_from_token
+    classifier_from_token: tuple[str, ...] = ()
     dummy_weights: bool = False
     dummy_fill: str = "random"
     prompts: str | None = None
@@ -150,6 +153,9 @@ class RunConfig:
         if self.prompt_len < 1:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
         lora_module_pairs(self.lora_modules)  # its own checks
+        if len(self.classifier_from_token) > 2 or not all(self.classifier_from_token):
+            raise ConfigError("--classifier-from-token takes one token (its logit is the score) or two (e.g. no yes: "
+                              "the second's logit minus the first's)")
         if self.embed and self.classify:
             raise ConfigError("--embed and --classify: give one (a classifier's results are its labels' logits)")
         if self.embed_dimensions is not None and not self.embed:
@@ -306,6 +312,9 @@ def build_config(model: str | None, config: RunConfig | None, options: dict[str,
     for k in ("percent", "state_percent", "stage_layers"):
         if opts.get(k) is not None:
             opts[k] = tuple(opts[k])
+    if isinstance(opts.get("classifier_from_token"), (list, str)):
+        v = opts["classifier_from_token"]
+        opts["classifier_from_token"] = (v,) if isinstance(v, str) else tuple(v)
     if isinstance(opts.get("lora_modules"), dict):  # {name: directory}
         opts["lora_modules"] = tuple(f"{k}={v}" for k, v in opts["lora_modules"].items())
     elif isinstance(opts.get("lora_modules"), (list, str)):

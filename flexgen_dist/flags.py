@@ -88,6 +88,10 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    help="LoRA adapters served per request: a batch request whose model is NAME (a prompt "
                    "file's line whose \"lora\" is NAME) runs with the adapter in DIR, the others with the base "
                    "model; one batch mixes them")
+    g.add_argument("--classifier-from-token", nargs="+", metavar="TOKEN",
+                   help="read a language model as a one-label classifier from its logits of TOKEN (one: its "
+                   "logit; two, e.g. 'no yes': the second's minus the first's): LLM rerankers such as "
+                   "Qwen3-Reranker, for score_pairs, rerank and /v1/score, /v1/rerank")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
     g.add_argument("--dummy-fill", choices=DUMMY_FILLS, help="values of --dummy-weights: random (the default) "
                    "or ones (every weight 1, as FlexGen's dummy weights: for side-by-side timings with it, "
@@ -235,7 +239,7 @@ def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
             values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
-    for k in ("percent", "state_percent", "stage_layers", "choice", "lora_modules"):
+    for k in ("percent", "state_percent", "stage_layers", "choice", "lora_modules", "classifier_from_token"):
         if values.get(k) is not None:
             values[k] = tuple(values[k])
     if "stages" in values:

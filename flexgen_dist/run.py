@@ -141,6 +141,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"classify": True} if cfg.classify else {}),
             **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
+            **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
             **_structure_print(cfg)}
 
 

@@ -167,18 +167,88 @@ def test_pairs_need_one_label_and_a_tokenizer(tmp_path: Path, tiny_models) -> No
             llm.rerank(DOCS, DOCS)
 
 
+def _token_logits(m: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return m(input_ids=torch.tensor([ids])).logits[0, -1].double()
+
+
+def _two_tokens(tok: Any) -> tuple[list[str], list[int]]:
+    """Two of the vocabulary's tokens (as it spells them: byte-level BPE's "Ġ" is a space) and
+    their ids."""
+    names = ["Ġn", "yes"]
+    ids = [tok.convert_tokens_to_ids(t) for t in names]
+    assert None not in ids and tok.unk_token_id not in ids
+    return names, ids
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "CohereForCausalLM"])
+def test_a_language_model_read_as_a_classifier_of_its_tokens(arch: str, tmp_path: Path) -> None:
+    """``classifier_from_token=["Ġn", "yes"]`` (an LLM reranker such as Qwen3-Reranker): the
+    score of a pair is the sigmoid of logit(yes) - logit(no) of transformers' causal LM over the
+    two texts joined, its head's scale included (Cohere's ``logit_scale``), a tied head too
+    (Qwen3's); one token: its logit."""
+    extra = {"tie_word_embeddings": True} if arch.startswith("Qwen3") else {"logit_scale": 0.5}
+    d, m, tok = _model(tmp_path, arch, **extra)
+    names, (no, yes) = _two_tokens(tok)
+    logits = [_token_logits(m, tok(Q + t)["input_ids"]) for t in DOCS]
+    want = torch.stack([lg[yes] - lg[no] for lg in logits])
+    with LLM(str(d), progress=False, gpu_batch_size=2, classifier_from_token=names) as llm:
+        assert llm.model.spec.num_labels == 1 and not llm.model.spec.pair_sep
+        got = llm.score_pairs(Q, DOCS)
+        top = llm.rerank(Q, DOCS, top_n=1)
+        line = llm.batch([_req("r", "/v1/rerank", query=Q, documents=DOCS)])[0]
+        with pytest.raises(ConfigError, match=r"generate\(\) needs a language model"):
+            llm.generate([Q], gen_len=2)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.sigmoid(), atol=1e-5, rtol=1e-4)
+    assert top[0].index == int(want.argmax())
+    assert [x["index"] for x in _body(line)["results"]] == want.argsort(descending=True).tolist()
+    assert tok(" n", add_special_tokens=False)["input_ids"] == [no]  # a text read as one token serves as well
+    with LLM(str(d), progress=False, classifier_from_token=[" n"]) as llm:
+        one = llm.score_pairs(Q, DOCS, activation=False)
+    torch.testing.assert_close(torch.tensor(one, dtype=torch.float64), torch.stack([lg[no] for lg in logits]),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_classifier_from_token_refusals(tmp_path: Path) -> None:
+    """What cannot be read that way is refused in one line: a soft-capped head (Gemma 2), a
+    token the tokenizer does not have as one, three tokens, a model already a classifier."""
+    from flexgen_dist.models.source import ModelLoadError
+
+    d, _, _ = _model(tmp_path, "Gemma2ForCausalLM", head_dim=16)
+    with pytest.raises(ModelLoadError, match="soft-caps its logits"):
+        LLM(str(d), progress=False, classifier_from_token=["Ġn", "yes"])
+    d, _, _ = _model(tmp_path, "Qwen2ForCausalLM")
+    with pytest.raises(ModelLoadError, match="not one token of this tokenizer"):
+        LLM(str(d), progress=False, classifier_from_token=["no", "The quick brown fox jumps"])
+    with pytest.raises(ConfigError, match="takes one token"):
+        LLM(str(d), progress=False, classifier_from_token=["a", "b", "c"])
+    d, _, _ = _model(tmp_path, "Qwen2ForSequenceClassification")
+    with pytest.raises(ModelLoadError, match="already a sequence classifier"):
+        LLM(str(d), progress=False, classifier_from_token=["yes"])
+
+
 @pytest.mark.slow
 @pytest.mark.multinode
-def test_the_batch_command_on_two_ranks_scores_pairs(tmp_path: Path) -> None:
-    """Two pipeline stages serve a cross-encoder's score and rerank requests as one rank does."""
-    d, m, tok = _model(tmp_path, "Qwen2ForSequenceClassification")
-    probs = torch.tensor([_logit(m, tok(text=Q, text_pair=t)["input_ids"]) for t in DOCS]).sigmoid()
+@pytest.mark.parametrize("arch", ["Qwen2ForSequenceClassification", "Qwen3ForCausalLM"])
+def test_the_batch_command_on_two_ranks_scores_pairs(arch: str, tmp_path: Path) -> None:
+    """Two pipeline stages serve a cross-encoder's score and rerank requests as one rank does,
+    a language model read as a classifier of its tokens too (the last stage's head from the
+    ids rank 0 found)."""
+    d, m, tok = _model(tmp_path, arch)
+    if arch.endswith("CausalLM"):
+        names, (no, yes) = _two_tokens(tok)
+        probs = torch.tensor([float(lg[yes] - lg[no]) for lg in
+                              (_token_logits(m, tok(Q + t)["input_ids"]) for t in DOCS)]).sigmoid()
+        extra = ["--classifier-from-token", *names]
+    else:
+        probs = torch.tensor([_logit(m, tok(text=Q, text_pair=t)["input_ids"]) for t in DOCS]).sigmoid()
+        extra = []
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps(_req("s", "/v1/score", text_1=Q, text_2=DOCS)) + "\n"
                    + json.dumps(_req("r", "/v1/rerank", query=Q, documents=DOCS)) + "\n")
     out = tmp_path / "out.jsonl"
     r = local_ranks(["-m", "flexgen_dist.batch", "--model", str(d), "-i", str(inp), "-o", str(out), "--no-progress",
-                     "--gpu-batch-size", "2"], nproc=2, timeout=240)
+                     "--gpu-batch-size", "2", *extra], nproc=2, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "4 pair scores" not in r.stdout and "8 pair scores" in r.stdout
     s, rr = (x["response"]["body"] for x in read_jsonl(out))

@@ -429,6 +429,8 @@ class ModelSpec(SpecChecks):
     def head_numel(self) -> int:
         """Final norm + LM head (0 extra for a tied head)."""
         n = 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+        if self.num_labels:  # a sequence classifier: its score rows
+            return n + self.num_labels * self.hidden_size
         if self.family != "opt" and not self.tie_word_embeddings:
             n += self.vocab_size * (self.hidden_size + self.lm_head_bias)
         return n

@@ -187,7 +187,7 @@ def _extra_io_numel(spec: ModelSpec, has_embed: bool, has_head: bool) -> int:
     """Elements of the stage's embedding and head loaded per token: a tied head reads the
     embedding matrix, so a stage with both loads it twice (they are separate slots)."""
     io = (spec.embed_numel() if has_embed else 0) + (spec.head_numel() if has_head else 0)
-    if has_head and spec.tie_word_embeddings:
+    if has_head and spec.tie_word_embeddings and not spec.num_labels:  # a classifier's head is its score rows
         io += spec.vocab_size * spec.embed_dim
     return io
 
