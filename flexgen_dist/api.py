@@ -48,7 +48,7 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
-from .embeddings import Classification, Embedding, check_dimensions, embed_workload, finish
+from .embeddings import Classification, Embedding, check_embed, embed_workload, finish
 from .pairs import Pairs, Ranked, cross_encoder, ranked
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
@@ -105,6 +105,9 @@ class LLM:
             if cfg.classifier_from_token:  # an LLM reranker: its head is the tokens' logits' difference
                 self.model = with_token_classifier(self.model, cfg.classifier_from_token, lambda: self._group.broadcast(
                     token_ids(self.model.tokenizer, cfg.classifier_from_token) if self.is_driver else None))
+            if cfg.pooling != "auto":  # embeddings pooled as the run says, not as the model's files do
+                self.model = dataclasses.replace(self.model, spec=dataclasses.replace(self.model.spec,
+                                                                                      pooling=cfg.pooling))
             if cfg.lora:  # merged as each part is read: every later step sees ordinary weights
                 self.model = with_lora(self.model, cfg.lora)
             if cfg.lora_modules:  # served per request: each layer also holds every adapter's A and B
@@ -386,7 +389,7 @@ class LLM:
         self._check_open()
         with self._guard():
             if self.is_driver:
-                check_dimensions(dimensions, self.model.spec)
+                check_embed(dimensions, self.model.spec)
             work, peaks = self._start(lambda: embed_workload(build_workload(
                 inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
                 served=self.model.adapters, call=call)))

@@ -17,6 +17,7 @@ import yaml
 from .engine.policy import PERCENT_FIELDS, STATE_FIELDS, Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 from .engine.structure import structure_option
+from .models.pooling import POOLINGS
 
 
 class ConfigError(ValueError):
@@ -71,6 +72,9 @@ class RunConfig:
     # a language model read as a one-label classifier (an LLM reranker): one token (its logit) or
     # two (the second's logit minus the first's), vLLM's classifier_from_token
     classifier_from_token: tuple[str, ...] = ()
+    # how embeddings pool the last hidden states: "auto" (as the model's files say: the last
+    # token where they say nothing) or one of ``models.pooling.POOLINGS``
+    pooling: str = "auto"
     dummy_weights: bool = False
     dummy_fill: str = "random"
     prompts: str | None = None
@@ -153,6 +157,8 @@ class RunConfig:
         if self.prompt_len < 1:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
         lora_module_pairs(self.lora_modules)  # its own checks
+        if self.pooling not in ("auto", *POOLINGS):
+            raise ConfigError(f"--pooling {self.pooling!r}: give auto or one of {', '.join(POOLINGS)}")
         if len(self.classifier_from_token) > 2 or not all(self.classifier_from_token):
             raise ConfigError("--classifier-from-token takes one token (its logit is the score) or two (e.g. no yes: "
                               "the second's logit minus the first's)")

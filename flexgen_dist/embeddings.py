@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from .config import ConfigError
+from .models.pooling import POOLINGS
 from .models.spec import ModelSpec
 from .plan import Workload
 
@@ -58,7 +59,14 @@ def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> lis
     return v.float().tolist()
 
 
-def check_dimensions(dimensions: int | None, spec: ModelSpec) -> None:
+def check_embed(dimensions: int | None, spec: ModelSpec) -> None:
+    """What keeps ``embed`` from giving this model's vectors cut to ``dimensions``: a
+    sentence-transformers step it does not compute, no one pooling mode, too many dimensions."""
+    if spec.embed_refusal and not spec.num_labels:
+        raise ConfigError(f"embed(): {spec.name}: {spec.embed_refusal}")
+    if not spec.pooling and not spec.num_labels:
+        raise ConfigError(f"embed(): {spec.name}'s Pooling module sets no one pooling mode: choose one with "
+                          f"--pooling ({', '.join(POOLINGS)})")
     if dimensions is not None and spec.num_labels:
         raise ConfigError("dimensions: a sequence classifier's results are its labels' logits, not an embedding")
     if dimensions is not None and not 1 <= int(dimensions) <= spec.embed_dim:

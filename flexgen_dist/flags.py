@@ -12,6 +12,7 @@ from dataclasses import fields
 from typing import Any, NoReturn
 
 from .config import DUMMY_FILLS, REASONING_PARSERS, ConfigError, RunConfig, read_yaml
+from .models.pooling import POOLINGS
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -92,6 +93,9 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    help="read a language model as a one-label classifier from its logits of TOKEN (one: its "
                    "logit; two, e.g. 'no yes': the second's minus the first's): LLM rerankers such as "
                    "Qwen3-Reranker, for score_pairs, rerank and /v1/score, /v1/rerank")
+    g.add_argument("--pooling", choices=["auto", *POOLINGS],
+                   help="how embeddings pool the last hidden states (default auto: as the model's "
+                   "sentence-transformers or GGUF metadata says, else the last token)")
     g.add_argument("--dummy-weights", action="store_true", help="random weights for a registry shape")
     g.add_argument("--dummy-fill", choices=DUMMY_FILLS, help="values of --dummy-weights: random (the default) "
                    "or ones (every weight 1, as FlexGen's dummy weights: for side-by-side timings with it, "

@@ -30,11 +30,11 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .config import ConfigError
-from .embeddings import Classification, finish
+from .embeddings import Classification, check_embed, finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
 from .models.spec import ModelSpec
-from .openai_requests import RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
+from .openai_requests import EMBEDDINGS, RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
 
 
 
@@ -174,8 +174,12 @@ def _for_model(r: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
         raise RequestError("invalid_request", f"this model is a sequence classifier ({spec.num_labels} labels, no "
                                               f"vocabulary head): {r.url} needs a language model" +
                            (f"; it serves {SCORE} and {RERANK}" if spec.num_labels == 1 else ""))
-    if r.dimensions is not None and r.dimensions > spec.embed_dim:
-        raise RequestError("invalid_value", f"dimensions {r.dimensions}: this model's embeddings have {spec.embed_dim}")
+    if r.url == EMBEDDINGS or (r.pairs is not None and not spec.num_labels):  # vectors of this model
+        try:
+            check_embed(r.dimensions, spec)
+        except ConfigError as e:
+            raise RequestError("invalid_value" if r.dimensions is not None and "dimensions" in str(e)
+                               else "invalid_request", str(e)) from None
     if r.pairs is not None:
         pair_inputs(r, spec, tokenizer)
 

@@ -62,8 +62,8 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
     plan still ``fits`` with the prefixes' keys held; else ``work`` as it is. Where the
     window's prompts open differently, the requests are grouped by opening first if a grouping
     computes fewer prefill positions (``blocks.prefix_groupings``, ``blocks.prefill_positions``)."""
-    if not work.prompts or not shares_prefix(spec):
-        return work
+    if not work.prompts or not shares_prefix(spec) or (work.embed and spec.pooling != "last"):
+        return work  # (an embedding pooled over every position needs each input's states whole)
     ids, longest = [p.ids for p in work.prompts], longest_sharing(spec)
     # requests of different LoRA adapters share no keys: each prompt opens with a token of its
     # adapter's own for the comparisons (one more shared token where they agree; taken off after)

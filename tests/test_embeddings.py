@@ -223,3 +223,111 @@ def test_classify_needs_a_classifier(tiny_models) -> None:
     with LLM(str(tiny_models["llama-gqa"].path), progress=False) as llm:
         with pytest.raises(ConfigError, match=r"classify\(\) needs a sequence classifier"):
             llm.classify(PROMPTS)
+
+
+def _sentence_model(tmp_path: Path, modes: dict[str, bool], dense: bool = False) -> tuple[Path, torch.nn.Module]:
+    """A random Qwen3 embedding model in sentence-transformers' layout: modules.json, a Pooling
+    module with ``modes`` set, a Normalize module (and a Dense projection with ``dense``)."""
+    import transformers
+
+    torch.manual_seed(5)
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, pad_token_id=0, tie_word_embeddings=True)
+    m = transformers.Qwen3Model(cfg).eval()
+    d = tmp_path / "st"
+    m.save_pretrained(d)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if dense:
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (d / "modules.json").write_text(json.dumps(modules))
+    (d / "1_Pooling").mkdir()
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes,
+                                                             "include_prompt": True}))
+    return d, m
+
+
+def _pooled_reference(m: torch.nn.Module, prompts: list[list[int]], how: str) -> torch.Tensor:
+    """sentence-transformers' pooling of transformers' last hidden states, one input at a time."""
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            h = m(input_ids=torch.tensor([p])).last_hidden_state[0].double()
+        n = torch.tensor(float(len(p)), dtype=torch.float64)
+        w = torch.arange(1, len(p) + 1, dtype=torch.float64)[:, None]
+        out.append({"last": h[-1], "cls": h[0], "mean": h.mean(0), "max": h.amax(0),
+                    "mean_sqrt_len": h.sum(0) / n.sqrt(), "weighted_mean": (h * w).sum(0) / w.sum()}[how])
+    return torch.stack(out)
+
+
+SHARED = list(range(30, 50))  # 20 leading tokens: a prefix the engine would compute once
+
+
+@pytest.mark.parametrize("how", ["mean", "cls", "max", "mean_sqrt_len", "weighted_mean", "last"])
+def test_pooling_as_the_sentence_transformers_config_says(how: str, tmp_path: Path, caplog) -> None:
+    """The Pooling module's mode (or ``--pooling``): the pooled last hidden states equal
+    sentence-transformers' pooling of transformers' (float32), over left-padded batches of
+    several lengths, with prompts that share a prefix (each input's states whole)."""
+    st_name = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+               "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+               "weighted_mean": "pooling_mode_weightedmean_tokens", "last": "pooling_mode_lasttoken"}[how]
+    d, m = _sentence_model(tmp_path, {st_name: True})
+    prompts = PROMPTS + [SHARED + [7, 8], SHARED + [9, 10, 11], SHARED + [12]]
+    want = _pooled_reference(m, prompts, how)
+    with caplog.at_level("INFO", logger="flexgen_dist"):
+        with LLM(str(d), progress=False, gpu_batch_size=3, num_gpu_batches=2) as llm:
+            assert llm.model.spec.pooling == how
+            got = llm.embed(prompts, normalize=False)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got], dtype=torch.float64), want,
+                               atol=2e-5, rtol=1e-4)
+    assert ("embeddings pool" in caplog.text) == (how != "last")
+
+
+def test_pooling_override_and_what_is_refused(tmp_path: Path, caplog) -> None:
+    """``pooling=`` overrides the files; a Dense projection (not computed) and a Pooling module
+    of two modes are refused by ``embed`` and by embeddings requests in one line each."""
+    d, m = _sentence_model(tmp_path, {"pooling_mode_lasttoken": True})
+    with LLM(str(d), progress=False, pooling="mean") as llm:
+        got = llm.embed(PROMPTS, normalize=False)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got], dtype=torch.float64),
+                               _pooled_reference(m, PROMPTS, "mean"), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="--pooling 'sum'"):
+        LLM(str(d), progress=False, pooling="sum")
+    d, _ = _sentence_model(tmp_path / "dense", {"pooling_mode_mean_tokens": True}, dense=True)
+    with LLM(str(d), progress=False) as llm:
+        with pytest.raises(ConfigError, match="ends with Dense after pooling"):
+            llm.embed(PROMPTS)
+        line = llm.batch([_emb("e", PROMPTS[0])])[0]
+        assert line["error"]["code"] == "invalid_request" and "Dense" in line["error"]["message"]
+        assert len(llm.generate(PROMPTS[:1], gen_len=2)[0].token_ids) == 2  # generation is untouched
+    with caplog.at_level("WARNING", logger="flexgen_dist"):
+        d, m = _sentence_model(tmp_path / "two", {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})
+        with LLM(str(d), progress=False) as llm:
+            with pytest.raises(ConfigError, match="no one pooling mode: choose one with --pooling"):
+                llm.embed(PROMPTS)
+    assert "sets 2 modes (mean, max)" in caplog.text
+    with LLM(str(d), progress=False, pooling="max") as llm:
+        got = llm.embed(PROMPTS, normalize=False)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got], dtype=torch.float64),
+                               _pooled_reference(m, PROMPTS, "max"), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value,how", [(1, "mean"), (2, "cls"), (3, "last"), (0, "last")])
+def test_a_gguf_files_pooling_type(value: int, how: str, tmp_path: Path) -> None:
+    """A GGUF embedding model's ``{arch}.pooling_type`` (llama.cpp's: 1 mean, 2 cls, 3 last;
+    0 none) sets its pooling."""
+    import transformers
+
+    from flexgen_dist.models.loader import load_model
+    from gguf_convert import rewrite, write_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=64, tie_word_embeddings=True)
+    path = write_gguf(transformers.Qwen3ForCausalLM(cfg).eval(), tmp_path / "q.gguf")
+    spec = load_model(str(rewrite(path, tmp_path / "p.gguf", {"qwen3.pooling_type": value})),
+                      load_tokenizer=False).spec
+    assert spec.pooling == how

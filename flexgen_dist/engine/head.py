@@ -45,17 +45,48 @@ def prefill_logits(st: BlockState, upto: int) -> list[torch.Tensor]:
     return [st.logits.pop(k) for k in range(upto)]
 
 
-def embed(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """(b, pooled_dim) float64: each sequence's last position after the final norm (and OPT's
-    project_out), what transformers' ``last_hidden_state[:, -1]`` holds: last-token pooling,
-    as decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2) pool. Normalizing is
-    the caller's (``LLM.embed``), after any truncation to fewer dimensions. A sequence
-    classifier's head then gives its labels' logits, as transformers' ``*ForSequenceClassification``
-    scores the last token (left padding: the last position)."""
-    y = family.final_norm(spec, w, x[:, -1])
+def embed(family: Family, spec: ModelSpec, w: dict[str, torch.Tensor], x: torch.Tensor,
+          lens: list[int] | None = None) -> torch.Tensor:
+    """(b, pooled_dim) float64: each sequence's last hidden states after the final norm (and
+    OPT's project_out), what transformers' ``last_hidden_state`` holds, pooled as the model
+    says (``ModelSpec.pooling``): the last position, as decoder embedding models (Qwen3-Embedding,
+    e5-mistral, gte-Qwen2) pool, or over each sequence's ``lens`` true (left-padded) positions
+    (``pool``). Normalizing is the caller's (``LLM.embed``), after any truncation to fewer
+    dimensions. A sequence classifier's head then gives its labels' logits, as transformers'
+    ``*ForSequenceClassification`` scores the last token (left padding: the last position)."""
+    if spec.pooling == "last" or spec.num_labels:
+        y = family.final_norm(spec, w, x[:, -1])
+    else:
+        assert lens is not None and len(lens) == x.shape[0] and max(lens) <= x.shape[1], "pooling needs every position"
+        y = pool(family.final_norm(spec, w, x).double(), lens, spec.pooling)
     if "score.w" in w:  # a sequence classifier: its labels' logits (``ModelSpec.num_labels``)
         y = linear(y, w["score.w"])
     return y.double()
+
+
+def pool(y: torch.Tensor, lens: list[int], how: str) -> torch.Tensor:
+    """(b, d) of (b, s, d) states whose row r holds its ``lens[r]`` true positions last (left
+    padding), as sentence-transformers pools them: their mean, sum / sqrt(length), mean
+    weighted by position (1, 2, ... from the first true token), maximum, or first ("cls").
+    Padded positions never count (whatever they hold)."""
+    b, s, _ = y.shape
+    n = torch.tensor(lens, device=y.device)
+    first = s - n  # each row's first true position
+    at = torch.arange(s, device=y.device)[None] - first[:, None]  # (b, s): 0 at the first true token
+    keep = (at >= 0)[..., None]
+    if how == "cls":
+        return y[torch.arange(b, device=y.device), first]
+    if how == "max":
+        return y.masked_fill(~keep, float("-inf")).amax(1)
+    weight = (at + 1).clamp_min(0).double()[..., None] if how == "weighted_mean" else keep.double()
+    total = torch.where(keep, y * weight, 0).sum(1)
+    if how == "mean":
+        return total / n[:, None]
+    if how == "mean_sqrt_len":
+        return total / n.double().sqrt()[:, None]
+    if how == "weighted_mean":
+        return total / weight.sum(1)
+    raise ValueError(f"pooling {how!r}")
 
 
 SCORE_CHUNK_BYTES = 64 << 20  # float32 logits of the positions the head scores at once

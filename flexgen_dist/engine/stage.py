@@ -382,7 +382,7 @@ class StageEngine:
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head" and st.meta.embed:  # embeddings: the prefill's last hidden states
-            y = head.embed(self.family, spec, w, x)
+            y = head.embed(self.family, spec, w, x, st.meta.prompt_lens[k])
             st.outputs[k - st.out_base] = y
         elif slot[0] == "head" and i == 0 and st.meta.targets is None:
             st.acts.put(k, head.prefill_head(self.family, spec, st, w, k, x))  # the batch's rows, not its hidden states

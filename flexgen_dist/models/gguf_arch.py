@@ -179,7 +179,8 @@ USED = frozenset({"block_count", "context_length", "embedding_length", "feed_for
                   "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
                   "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "expert_count",
                   "expert_used_count", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-                  "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor"})
+                  "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_attn_factor",
+                  "pooling_type"})  # an embedding model's pooling (``models/pooling.py``)
 INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
 
 # llama.cpp's loader tells the 27B models by their layer count; their attention is scaled by

@@ -25,6 +25,7 @@ from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
+from .pooling import gguf_pooling, sentence_pooling
 from .tokenizers import load_tokenizer as read_tokenizer
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -303,7 +304,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         if not (p / "config.json").exists():
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
         cfg = _read_config(p)
-        spec = _generation_eos(p, spec_from_hf_config(cfg, p.name))
+        spec = _with_pooling(p, _generation_eos(p, spec_from_hf_config(cfg, p.name)))
         tok = read_tokenizer(p) if load_tokenizer else None
         fp8, iq = fp8_layout(cfg), int_quant(cfg)
         if fp8:
@@ -338,6 +339,18 @@ def untie_if_the_file_differs(src: HFDirSource) -> tuple[ModelSpec, HFDirSource]
              "kept apart, as transformers does", src.path.name, head)
     src.spec = dataclasses.replace(src.spec, tie_word_embeddings=False)
     return src.spec, src
+
+
+def _with_pooling(p: Path, spec: ModelSpec) -> ModelSpec:
+    """The spec with the embedding pooling a sentence-transformers directory sets, and the
+    reason ``embed`` refuses what its pipeline adds (``pooling.sentence_pooling``)."""
+    mode, refusal = sentence_pooling(p)
+    if mode is None and not refusal:
+        return spec
+    if mode and mode != "last":
+        log.info("%s: embeddings pool %s (its sentence-transformers Pooling module)", p.name,
+                 {"cls": "the first token"}.get(mode, f"by {mode.replace('_', ' ')}"))
+    return dataclasses.replace(spec, pooling=spec.pooling if mode is None else mode, embed_refusal=refusal)
 
 
 def _generation_eos(p: Path, spec: ModelSpec) -> ModelSpec:
@@ -380,6 +393,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, load_tokenizer: bool, origin: str
     from .gguf import GGUFSource, gguf_field, spec_from_gguf  # it subclasses WeightSource: imported once this is
 
     spec = spec_from_gguf(reader, path.stem)
+    pooling = gguf_pooling(gguf_field(reader, f"{gguf_field(reader, 'general.architecture')}.pooling_type"))
+    if pooling is not None:
+        spec = dataclasses.replace(spec, pooling=pooling)
     tok = read_tokenizer(path.parent, path.name, gguf_field(reader, "general.architecture")) \
         if load_tokenizer else None
     return LoadedModel(spec, GGUFSource(spec, dtype, reader, path), tok, origin)

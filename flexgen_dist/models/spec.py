@@ -182,6 +182,11 @@ class ModelSpec(SpecChecks):
     # a one-label classifier scoring a text pair (a cross-encoder, ``pairs.py``) reads it as the
     # tokenizer's pair encoding; False (the config's ``use_sep_token``): the two texts joined
     pair_sep: bool = True
+    # how embeddings pool the last hidden states (``models/pooling.py``: "last", "mean", "cls",
+    # "max", "mean_sqrt_len", "weighted_mean"), and why ``embed`` refuses this model ("" : it
+    # does not; e.g. a sentence-transformers Dense projection that is not computed)
+    pooling: str = "last"
+    embed_refusal: str = ""
     # token ids
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
