@@ -389,12 +389,14 @@ class LLM:
         self._check_open()
         with self._guard():
             if self.is_driver:
-                check_embed(dimensions, self.model.spec)
+                check_embed(dimensions, self.model.spec, self.model.embed_dim)
             work, peaks = self._start(lambda: embed_workload(build_workload(
                 inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
                 served=self.model.adapters, call=call)))
+            project = self.model.projection if call == "embed" else None  # a pipeline's Dense steps
             for window in self._windows(self._run(work, peaks)):
-                yield [Embedding(n, finish(v, dimensions, normalize), len(work.prompts[n].ids)) for n, v in window]
+                yield [Embedding(n, finish(v if project is None else project(v), dimensions, normalize),
+                                 len(work.prompts[n].ids)) for n, v in window]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -59,9 +59,11 @@ def finish(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> lis
     return v.float().tolist()
 
 
-def check_embed(dimensions: int | None, spec: ModelSpec) -> None:
-    """What keeps ``embed`` from giving this model's vectors cut to ``dimensions``: a
-    sentence-transformers step it does not compute, no one pooling mode, too many dimensions."""
+def check_embed(dimensions: int | None, spec: ModelSpec, width: int | None = None) -> None:
+    """What keeps ``embed`` from giving this model's vectors (``width`` values: default the
+    spec's ``embed_dim``) cut to ``dimensions``: a sentence-transformers step it does not
+    compute, no one pooling mode, too many dimensions."""
+    width = spec.embed_dim if width is None else width
     if spec.embed_refusal and not spec.num_labels:
         raise ConfigError(f"embed(): {spec.name}: {spec.embed_refusal}")
     if not spec.pooling and not spec.num_labels:
@@ -69,9 +71,9 @@ def check_embed(dimensions: int | None, spec: ModelSpec) -> None:
                           f"--pooling ({', '.join(POOLINGS)})")
     if dimensions is not None and spec.num_labels:
         raise ConfigError("dimensions: a sequence classifier's results are its labels' logits, not an embedding")
-    if dimensions is not None and not 1 <= int(dimensions) <= spec.embed_dim:
-        raise ConfigError(f"dimensions {dimensions}: this model's embeddings have {spec.embed_dim}; give 1 to "
-                          f"{spec.embed_dim} (or none for all)")
+    if dimensions is not None and not 1 <= int(dimensions) <= width:
+        raise ConfigError(f"dimensions {dimensions}: this model's embeddings have {width}; give 1 to "
+                          f"{width} (or none for all)")
 
 
 def embed_workload(scored: Workload) -> Workload:

@@ -33,7 +33,7 @@ from .config import ConfigError
 from .embeddings import Classification, check_embed, finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
-from .models.spec import ModelSpec
+from .models.loader import LoadedModel
 from .openai_requests import EMBEDDINGS, RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
 
 
@@ -70,7 +70,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
             r.adapter = r.model if r.model in llm.model.adapters else None
             try:
-                _for_model(r, spec, llm.tokenizer)
+                _for_model(r, llm.model, llm.tokenizer)
             except RequestError as e:
                 r.error = e
         return any(r.ok for r in reqs)
@@ -165,18 +165,19 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
     yield from _nonempty(ready.lines())
 
 
-def _for_model(r: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
+def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None) -> None:
     """What a parsed request needs of this model: a language model for completions and
     embeddings, room for its ``dimensions``, the pair inputs of a score or rerank request."""
     if not r.ok:
         return
+    spec = model.spec
     if spec.num_labels and r.pairs is None:
         raise RequestError("invalid_request", f"this model is a sequence classifier ({spec.num_labels} labels, no "
                                               f"vocabulary head): {r.url} needs a language model" +
                            (f"; it serves {SCORE} and {RERANK}" if spec.num_labels == 1 else ""))
     if r.url == EMBEDDINGS or (r.pairs is not None and not spec.num_labels):  # vectors of this model
         try:
-            check_embed(r.dimensions, spec)
+            check_embed(r.dimensions, spec, model.embed_dim)
         except ConfigError as e:
             raise RequestError("invalid_value" if r.dimensions is not None and "dimensions" in str(e)
                                else "invalid_request", str(e)) from None

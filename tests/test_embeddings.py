@@ -225,9 +225,10 @@ def test_classify_needs_a_classifier(tiny_models) -> None:
             llm.classify(PROMPTS)
 
 
-def _sentence_model(tmp_path: Path, modes: dict[str, bool], dense: bool = False) -> tuple[Path, torch.nn.Module]:
+def _sentence_model(tmp_path: Path, modes: dict[str, bool], extra: str = "") -> tuple[Path, torch.nn.Module]:
     """A random Qwen3 embedding model in sentence-transformers' layout: modules.json, a Pooling
-    module with ``modes`` set, a Normalize module (and a Dense projection with ``dense``)."""
+    module with ``modes`` set, a Normalize module; ``extra`` "Dense": a Dense step (64 -> 24,
+    tanh) after pooling; "LayerNorm": a step that is not computed."""
     import transformers
 
     torch.manual_seed(5)
@@ -239,8 +240,17 @@ def _sentence_model(tmp_path: Path, modes: dict[str, bool], dense: bool = False)
     m.save_pretrained(d)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if dense:
-        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    if extra:
+        modules.append({"idx": 2, "name": "2", "path": f"2_{extra}", "type": f"sentence_transformers.models.{extra}"})
+    if extra == "Dense":
+        from safetensors.torch import save_file
+
+        (d / "2_Dense").mkdir()
+        (d / "2_Dense" / "config.json").write_text(json.dumps({
+            "in_features": 64, "out_features": 24, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh"}))
+        save_file({"linear.weight": torch.randn(24, 64) * 0.1, "linear.bias": torch.randn(24) * 0.1},
+                  str(d / "2_Dense" / "model.safetensors"))
     modules.append({"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"})
     (d / "modules.json").write_text(json.dumps(modules))
     (d / "1_Pooling").mkdir()
@@ -295,12 +305,12 @@ def test_pooling_override_and_what_is_refused(tmp_path: Path, caplog) -> None:
                                _pooled_reference(m, PROMPTS, "mean"), atol=2e-5, rtol=1e-4)
     with pytest.raises(ConfigError, match="--pooling 'sum'"):
         LLM(str(d), progress=False, pooling="sum")
-    d, _ = _sentence_model(tmp_path / "dense", {"pooling_mode_mean_tokens": True}, dense=True)
+    d, _ = _sentence_model(tmp_path / "norm", {"pooling_mode_mean_tokens": True}, extra="LayerNorm")
     with LLM(str(d), progress=False) as llm:
-        with pytest.raises(ConfigError, match="ends with Dense after pooling"):
+        with pytest.raises(ConfigError, match="has a LayerNorm step, which is not computed"):
             llm.embed(PROMPTS)
         line = llm.batch([_emb("e", PROMPTS[0])])[0]
-        assert line["error"]["code"] == "invalid_request" and "Dense" in line["error"]["message"]
+        assert line["error"]["code"] == "invalid_request" and "LayerNorm" in line["error"]["message"]
         assert len(llm.generate(PROMPTS[:1], gen_len=2)[0].token_ids) == 2  # generation is untouched
     with caplog.at_level("WARNING", logger="flexgen_dist"):
         d, m = _sentence_model(tmp_path / "two", {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})
@@ -312,6 +322,32 @@ def test_pooling_override_and_what_is_refused(tmp_path: Path, caplog) -> None:
         got = llm.embed(PROMPTS, normalize=False)
     torch.testing.assert_close(torch.tensor([e.embedding for e in got], dtype=torch.float64),
                                _pooled_reference(m, PROMPTS, "max"), atol=2e-5, rtol=1e-4)
+
+
+def test_a_dense_step_after_pooling(tmp_path: Path) -> None:
+    """A pipeline's Dense step (tanh(W v + b), 64 -> 24) applies to each pooled vector before
+    ``dimensions`` and normalizing, as sentence-transformers computes it; batch lines and
+    pair scores get the projected vectors too."""
+    from safetensors.torch import load_file
+
+    d, m = _sentence_model(tmp_path, {"pooling_mode_mean_tokens": True}, extra="Dense")
+    dense = load_file(str(d / "2_Dense" / "model.safetensors"))
+    want = torch.tanh(_pooled_reference(m, PROMPTS, "mean") @ dense["linear.weight"].double().T
+                      + dense["linear.bias"].double())
+    with LLM(str(d), progress=False, gpu_batch_size=4) as llm:
+        assert llm.model.embed_dim == 24
+        got = llm.embed(PROMPTS, normalize=False)
+        cut = llm.embed(PROMPTS[:2], dimensions=8)
+        with pytest.raises(ConfigError, match="this model's embeddings have 24"):
+            llm.embed(PROMPTS, dimensions=64)
+        lines = llm.batch([_emb("e", PROMPTS[0]), _emb("too-wide", PROMPTS[0], dimensions=30)])
+    torch.testing.assert_close(torch.tensor([e.embedding for e in got], dtype=torch.float64), want,
+                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor([e.embedding for e in cut], dtype=torch.float64),
+                               torch.nn.functional.normalize(want[:2, :8], dim=-1), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(lines[0]["response"]["body"]["data"][0]["embedding"], dtype=torch.float64),
+                               torch.nn.functional.normalize(want[0], dim=0), atol=2e-5, rtol=1e-4)
+    assert lines[1]["error"]["code"] == "invalid_value"
 
 
 @pytest.mark.parametrize("value,how", [(1, "mean"), (2, "cls"), (3, "last"), (0, "last")])

@@ -25,7 +25,7 @@ from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
-from .pooling import gguf_pooling, sentence_pooling
+from .pooling import Projection, gguf_pooling, sentence_pipeline
 from .tokenizers import load_tokenizer as read_tokenizer
 from .registry import get_spec
 from .source import ModelLoadError, WeightSource
@@ -274,6 +274,13 @@ class LoadedModel:
     tokenizer: Any | None
     origin: str  # a human-readable description of where the weights came from
     adapters: tuple[str, ...] = ()  # LoRA adapters served per request, by name (``lora_stack.py``)
+    # a sentence-transformers pipeline's Dense steps after pooling (``pooling.Projection``; None: none)
+    projection: Projection | None = None
+
+    @property
+    def embed_dim(self) -> int:
+        """The width of this model's embeddings (after any Dense steps)."""
+        return self.projection.out_dim if self.projection is not None else self.spec.embed_dim
 
 
 def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.dtype = torch.float32,
@@ -304,7 +311,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         if not (p / "config.json").exists():
             raise ModelLoadError(f"{p}: not a model directory (no config.json)")
         cfg = _read_config(p)
-        spec = _with_pooling(p, _generation_eos(p, spec_from_hf_config(cfg, p.name)))
+        spec, projection = _with_pooling(p, _generation_eos(p, spec_from_hf_config(cfg, p.name)))
         tok = read_tokenizer(p) if load_tokenizer else None
         fp8, iq = fp8_layout(cfg), int_quant(cfg)
         if fp8:
@@ -318,7 +325,8 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         note = activation_note(cfg)
         if note:
             log.warning("%s: %s", p.name, note)
-        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p))
+        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p),
+                           projection=projection)
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
     try:
@@ -341,16 +349,21 @@ def untie_if_the_file_differs(src: HFDirSource) -> tuple[ModelSpec, HFDirSource]
     return src.spec, src
 
 
-def _with_pooling(p: Path, spec: ModelSpec) -> ModelSpec:
-    """The spec with the embedding pooling a sentence-transformers directory sets, and the
-    reason ``embed`` refuses what its pipeline adds (``pooling.sentence_pooling``)."""
-    mode, refusal = sentence_pooling(p)
-    if mode is None and not refusal:
-        return spec
-    if mode and mode != "last":
+def _with_pooling(p: Path, spec: ModelSpec) -> tuple[ModelSpec, Projection | None]:
+    """The spec with the embedding pooling a sentence-transformers directory sets and the
+    reason ``embed`` refuses what its pipeline adds, and its Dense steps after pooling
+    (``pooling.sentence_pipeline``)."""
+    pipe = sentence_pipeline(p)
+    if pipe.pooling and pipe.pooling != "last":
         log.info("%s: embeddings pool %s (its sentence-transformers Pooling module)", p.name,
-                 {"cls": "the first token"}.get(mode, f"by {mode.replace('_', ' ')}"))
-    return dataclasses.replace(spec, pooling=spec.pooling if mode is None else mode, embed_refusal=refusal)
+                 {"cls": "the first token"}.get(pipe.pooling, f"by {pipe.pooling.replace('_', ' ')}"))
+    spec = dataclasses.replace(spec, pooling=spec.pooling if pipe.pooling is None else pipe.pooling,
+                               embed_refusal=pipe.refusal)
+    projection = Projection.load(list(pipe.dense), spec.embed_dim) if pipe.dense and not pipe.refusal else None
+    if projection is not None:
+        log.info("%s: pooled vectors go through its %d Dense step(s) to %d values", p.name, len(pipe.dense),
+                 projection.out_dim)
+    return spec, projection
 
 
 def _generation_eos(p: Path, spec: ModelSpec) -> ModelSpec:
