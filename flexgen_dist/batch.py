@@ -86,7 +86,8 @@ def run(cfg: RunConfig, input_path: Path) -> int:
                     counts["errors"] += line["error"] is not None
                     if line["error"] is None:
                         out = line["response"]["body"]
-                        counts["completion_tokens"] += out["usage"].get("completion_tokens", 0)
+                        used = out.get("usage") or {}  # a response's output tokens are its completion tokens
+                        counts["completion_tokens"] += used.get("completion_tokens", used.get("output_tokens", 0))
                         data = out.get("data") or []
                         counts["embeddings"] += sum(d.get("object") == "embedding" for d in data)
                         counts["scores"] += sum(d.get("object") == "score" for d in data) + len(out.get("results", ()))

@@ -1,7 +1,10 @@
 """Batch jobs in the OpenAI Batch format: request lines in, response lines out.
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}``; an output line is ``{"id", "custom_id", "response":
+"/v1/completions" | "/v1/responses" | "/v1/embeddings" | "/v1/score" | "/v1/rerank", "body":
+{...}}`` (a Responses request runs as the chat completion it amounts to,
+``openai_responses.py``; score and rerank requests as ``pairs.py`` reads them); an output line
+is ``{"id", "custom_id", "response":
 {"status_code", "request_id", "body"}, "error"}``, with the body shaped as the endpoint's
 response (``choices``, ``usage``), so the readers of hosted batch APIs parse it. A request the
 engine cannot serve as asked (bad JSON, an unknown url, a body field that would change the

@@ -10,6 +10,7 @@ from typing import Any
 
 from .engine.sampling import TokenLogprobs
 from .openai_requests import CHAT, EMBEDDINGS, RERANK, SCORE, Request
+from .openai_responses import RESPONSES, response_body
 from .pairs import ranked
 from .openai_tools import tool_message
 
@@ -35,7 +36,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     if req.url in (SCORE, RERANK):
         return _pairs_line(req, model, rid, created)
     assert req.prompt is not None
-    chat = req.url == CHAT
+    chat = req.url in (CHAT, RESPONSES)
     echoed = req.prompt.text if req.prompt.text is not None else \
         tokenizer.decode(req.prompt.ids) if tokenizer is not None else None
     choices = []
@@ -69,6 +70,11 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
     prompt_tokens = len(req.prompt.ids)
+    if req.url == RESPONSES:  # one choice, in the Responses format
+        body = response_body(rid, created, model, req.choices[0], choices[0]["message"], choices[0]["logprobs"],
+                             prompt_tokens)
+        return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}

@@ -13,6 +13,7 @@ from .config import ConfigError, check_template_kwargs
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
 from .models.spec import ModelSpec
+from .openai_responses import RESPONSES, ResponsesError, chat_body
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .pairs import Pairs, cross_encoder
 from .prompts import Messages, Prompt, make_prompt
@@ -20,7 +21,7 @@ from .prompts import Messages, Prompt, make_prompt
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 SCORE, RERANK = "/v1/score", "/v1/rerank"  # text pairs (``pairs.py``): vLLM's routes
 ROUTES = {CHAT: CHAT, COMPLETIONS: COMPLETIONS, EMBEDDINGS: EMBEDDINGS, SCORE: SCORE, "/score": SCORE,
-          RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK}  # url -> endpoint
+          RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK, RESPONSES: RESPONSES}  # url -> endpoint
 # a score body's pair of sides, under any of vLLM's names for them
 SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 # fields of a score or rerank body besides its texts (vLLM's), and a rerank body's own (Jina's, Cohere's)
@@ -156,8 +157,8 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
     url = str(rec.get("url", ""))
     if url not in ROUTES:
-        raise RequestError("invalid_url", f"url {url!r} is not served: use {CHAT}, {COMPLETIONS}, {EMBEDDINGS}, "
-                                          f"{SCORE} or {RERANK}")
+        raise RequestError("invalid_url", f"url {url!r} is not served: use {CHAT}, {COMPLETIONS}, {RESPONSES}, "
+                                          f"{EMBEDDINGS}, {SCORE} or {RERANK}")
     req.url = ROUTES[url]
     body = rec.get("body")
     if not isinstance(body, dict):
@@ -168,6 +169,12 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if req.url in (SCORE, RERANK):
         _fill_pairs(req, body)
         return
+    kind = req.url
+    if req.url == RESPONSES:  # read as the chat completion it amounts to, answered in its own format
+        try:
+            body, kind = {**chat_body(body), **({"model": body["model"]} if "model" in body else {})}, CHAT
+        except ResponsesError as e:
+            raise RequestError(e.code, str(e)) from None
     for k, v in body.items():
         if k in USED or k in INERT:
             continue
@@ -177,13 +184,13 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                                                         "not supported (leave it out)")
             continue
         raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
-    req.echo = _echo(req.url, body.get("echo"))
+    req.echo = _echo(kind, body.get("echo"))
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     try:
-        req.tools = parse_tools(body, req.url == CHAT, reads_auto(tokenizer))
+        req.tools = parse_tools(body, kind == CHAT, reads_auto(tokenizer))
     except ToolError as e:
         raise RequestError(e.code, str(e)) from None
-    req.prompt = _prompt(req, body, tokenizer, vocab_size, template_kwargs)
+    req.prompt = _prompt(req, kind, body, tokenizer, vocab_size, template_kwargs)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
     req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
@@ -212,7 +219,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.n = _int(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
-    req.logprobs = _logprobs(req.url, body)
+    req.logprobs = _logprobs(kind, body)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else _alternatives(pl, "prompt_logprobs")
 
@@ -424,9 +431,9 @@ def _alternatives(v: Any, name: str) -> int:
     return k
 
 
-def _prompt(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
+def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
             template_kwargs: dict[str, Any] | None = None) -> Prompt:
-    if req.url == CHAT:
+    if kind == CHAT:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
