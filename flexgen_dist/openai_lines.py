@@ -54,7 +54,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
             choice["message"] = {"role": "assistant", "content": text}
         if chat and c.reasoning is not None:  # a reasoning model's thinking (vLLM's field)
             choice["message"]["reasoning"] = c.reasoning
-        else:
+        if not chat:  # a completion's text (a chat choice has its message alone)
             choice["text"] = (echoed or "") + text if req.echo else text
         if c.text is None:  # a model without a tokenizer: the ids are the answer
             choice["token_ids"] = (req.prompt.ids if req.echo else []) + c.token_ids

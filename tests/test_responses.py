@@ -139,3 +139,15 @@ def test_what_a_response_request_cannot_ask(plain) -> None:
         err = lines[cid]["error"]
         assert err is not None and err["code"] == code and words in err["message"], (cid, err)
     assert _body(lines["ok"])["usage"]["output_tokens"] == 2
+
+
+def test_a_chat_choice_has_its_message_alone(plain) -> None:
+    """A chat completion's choice carries ``message`` and no completions ``text`` (OpenAI's
+    shape); a completions choice ``text`` and no ``message``."""
+    d, _, _ = plain
+    with LLM(str(d), progress=False) as llm:
+        c, p = (_body(x)["choices"][0] for x in llm.batch([
+            _req("c", CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2),
+            _req("p", "/v1/completions", prompt="hi", max_tokens=2)]))
+    assert set(c) == {"index", "message", "logprobs", "finish_reason"}
+    assert set(p) == {"index", "text", "logprobs", "finish_reason"}
