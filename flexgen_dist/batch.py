@@ -117,6 +117,8 @@ def _fingerprint(cfg: RunConfig, llm: LLM, input_path: Path) -> dict[str, Any]:
             **({"lora": cfg.lora} if cfg.lora else {}),
             **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
             **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
+            **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
+            **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
             **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
             **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
             "input_sha256": hashlib.sha256(input_path.read_bytes()).hexdigest()}

@@ -142,6 +142,9 @@ class RunConfig:
     print_outputs: int = 8
     sort_window: int = DEFAULT_SORT_WINDOW  # blocks' worth of requests grouped by length at a time (0: input order)
     share_prefix: bool = True  # a block's common leading tokens computed once (engine/blocks.py)
+    # a longer prompt is cut to its last that many tokens (-1: as many as fit with its
+    # generation); None: a prompt longer than the model allows is an error (vLLM's option)
+    truncate_prompt_tokens: int | None = None
     progress: bool = True
     warmup: bool = False
     explain: bool = False
@@ -157,6 +160,10 @@ class RunConfig:
         if self.prompt_len < 1:
             raise ConfigError(f"--prompt-len {self.prompt_len}: must be >= 1")
         lora_module_pairs(self.lora_modules)  # its own checks
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                              or self.truncate_prompt_tokens >= 1):
+            raise ConfigError(f"--truncate-prompt-tokens {self.truncate_prompt_tokens}: give an integer >= 1 (keep "
+                              "each prompt's last that many tokens) or -1 (as many as the model has room for)")
         if self.pooling not in ("auto", *POOLINGS):
             raise ConfigError(f"--pooling {self.pooling!r}: give auto or one of {', '.join(POOLINGS)}")
         if len(self.classifier_from_token) > 2 or not all(self.classifier_from_token):

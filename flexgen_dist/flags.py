@@ -155,6 +155,9 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "\"label\", \"prompt_tokens\"} lines")
     g.add_argument("--embed-dimensions", type=int, metavar="N", help="with --embed: each vector's first N values "
                    "(Matryoshka-trained models), then normalized")
+    g.add_argument("--truncate-prompt-tokens", type=int, metavar="K", help="cut a longer prompt to its last K "
+                   "tokens (-1: as many as fit with its generation) instead of refusing it; a batch request's own "
+                   "truncate_prompt_tokens overrides it")
     g.add_argument("--sort-window", type=int, help="group requests of similar length into blocks, this "
                    "many blocks' worth at a time; outputs still go out in input order, a window at a "
                    "time (default 32; 0: blocks in input order)")

@@ -16,7 +16,7 @@ from .models.spec import ModelSpec
 from .openai_responses import RESPONSES, ResponsesError, chat_body
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .pairs import Pairs, cross_encoder
-from .prompts import Messages, Prompt, make_prompt
+from .prompts import Messages, Prompt, check_truncation, make_prompt, truncated
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 SCORE, RERANK = "/v1/score", "/v1/rerank"  # text pairs (``pairs.py``): vLLM's routes
@@ -30,7 +30,8 @@ PAIR_FIELDS = {"model", "user", "priority", "truncate_prompt_tokens", "mm_proces
 RERANK_FIELDS = {"top_n", "return_documents"}
 MAX_N = 128  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
-EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}  # an embeddings body's fields
+EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user",
+                "truncate_prompt_tokens"}  # an embeddings body's fields (the last: vLLM's)
 # vLLM's older spelling of its structured outputs, field -> ``Structure`` kind
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # body fields that cannot change the output
@@ -46,7 +47,8 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
         "tools", "tool_choice",  # chat only: function calling, named or required (openai_tools.py)
         "chat_template_kwargs", "reasoning_effort",  # chat only: the template's variables (vLLM's; OpenAI's)
-        "echo"}  # completions only
+        "echo",  # completions only
+        "truncate_prompt_tokens"}  # vLLM's: a longer prompt cut to its last K tokens
 EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort, as the template reads it
 
 
@@ -87,6 +89,7 @@ class Request:
     cross: bool = False  # score, rerank: the model reads each pair as one sequence (else embeds each text)
     top_n: int = 0  # rerank: the best that many documents (0: all)
     return_documents: bool = True  # rerank: each result carries its document's text
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: the request's own, else the run's
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -104,17 +107,19 @@ class Request:
 
 def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
                    default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
-                   template_kwargs: dict[str, Any] | None = None) -> list[Request]:
+                   template_kwargs: dict[str, Any] | None = None, truncate: int | None = None) -> list[Request]:
     """One ``Request`` per non-blank line, in order; a duplicate ``custom_id`` is refused
     before anything runs (``ConfigError``), a bad request gets its ``error``. Chats render with
-    the template's variables ``template_kwargs`` (the run's), a request's own on top."""
+    the template's variables ``template_kwargs`` (the run's), a request's own on top; prompts
+    are cut as ``truncate`` says (the run's ``truncate_prompt_tokens``) unless a request says
+    otherwise."""
     out: list[Request] = []
     seen: dict[str, int] = {}
     for n, raw in enumerate(lines):
         if not raw.strip():
             continue
         req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids,
-                            template_kwargs)
+                            template_kwargs, truncate)
         if req.custom_id in seen:
             raise ConfigError(f"line {n + 1}: custom_id {req.custom_id!r} is also on line {seen[req.custom_id] + 1}; "
                               "each request needs its own custom_id")
@@ -127,9 +132,9 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
 
 def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_positions: int,
                   default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
-                  template_kwargs: dict[str, Any] | None = None) -> Request:
+                  template_kwargs: dict[str, Any] | None = None, truncate: int | None = None) -> Request:
     """Request of line ``n`` (0-based); a request that cannot run carries its error."""
-    req = Request(n, f"line-{n + 1}")
+    req = Request(n, f"line-{n + 1}", truncate=truncate)
     try:
         rec = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -163,6 +168,11 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     body = rec.get("body")
     if not isinstance(body, dict):
         raise RequestError("invalid_request", "the request has no 'body' object")
+    if body.get("truncate_prompt_tokens") is not None:
+        try:
+            req.truncate = check_truncation(body["truncate_prompt_tokens"])
+        except ConfigError as e:
+            raise RequestError("invalid_value", str(e)) from None
     if req.url == EMBEDDINGS:
         _fill_embeddings(req, body, tokenizer, vocab_size, max_positions)
         return
@@ -194,11 +204,13 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
     req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
+    req.prompt = truncated(req.prompt, req.truncate, max_positions - req.max_tokens)
     total = len(req.prompt.ids) + req.max_tokens
     if total > max_positions:
         raise RequestError("context_length_exceeded",
                            f"the prompt has {len(req.prompt.ids)} tokens; with max_tokens {req.max_tokens} that "
-                           f"exceeds the model's {max_positions} positions: shorten it or lower max_tokens")
+                           f"exceeds the model's {max_positions} positions: shorten it, lower max_tokens or give "
+                           "truncate_prompt_tokens")
     hot = any(k in body for k in ("top_p", "top_k", "min_p"))  # a sampling setting without a temperature
     temp = _number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
     top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
@@ -248,9 +260,11 @@ def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, 
             p = make_prompt(f"{req.custom_id}[{j}]", None, item, tokenizer, vocab_size)
         else:
             raise RequestError("invalid_request", f"input {j} is not a non-empty string or list of token ids")
+        p = truncated(p, req.truncate, max_positions)
         if len(p.ids) > max_positions:
             raise RequestError("context_length_exceeded", f"input {j} has {len(p.ids)} tokens, more than the model's "
-                                                          f"{max_positions} positions: shorten it")
+                                                          f"{max_positions} positions: shorten it (or give "
+                                                          "truncate_prompt_tokens)")
         req.inputs.append(p)
     req.n = len(req.inputs)  # one vector per input: the line is ready with all of them
     fmt = body.get("encoding_format", "float")
@@ -273,7 +287,7 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
                                                      "'documents' or 'items', or 'data_1' and 'data_2'), one pair"))
     names = sides[0]
     bad = sorted(set(body) - PAIR_FIELDS - set(names) - (RERANK_FIELDS if rerank else set()))
-    bad += [k for k in ("truncate_prompt_tokens", "mm_processor_kwargs") if body.get(k) is not None]  # None only
+    bad += [k for k in ("mm_processor_kwargs",) if body.get(k) is not None]  # None only
     if bad:
         raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {req.url} (leave it out)")
     req.model = body["model"] if isinstance(body.get("model"), str) else None
@@ -306,7 +320,7 @@ def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
     assert req.pairs is not None
     try:
         req.cross = cross_encoder(spec)
-        req.inputs = req.pairs.prompts(spec, tokenizer, req.custom_id)
+        req.inputs = req.pairs.prompts(spec, tokenizer, req.custom_id, req.truncate)
     except ConfigError as e:
         code = "context_length_exceeded" if "positions" in str(e) else "invalid_request"
         raise RequestError(code, str(e)) from None

@@ -31,7 +31,7 @@ OFF: dict[str, tuple[Any, ...]] = {"stream": (False, None), "background": (False
                                    "truncation": ("disabled", None), "max_tool_calls": (None,)}
 # vLLM's sampling extensions, passed to the chat body as they are
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "seed", "frequency_penalty", "presence_penalty",
-              "logit_bias", "stop")
+              "logit_bias", "stop", "truncate_prompt_tokens")
 READ = {"input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "text",
         "reasoning", "include", "top_logprobs", *EXTENSIONS}
 STATEFUL = ("previous_response_id", "conversation", "prompt")  # what a stored conversation or prompt gives

@@ -24,7 +24,7 @@ import torch
 
 from .config import ConfigError
 from .models.spec import ModelSpec
-from .prompts import Prompt, make_prompt
+from .prompts import Prompt, make_prompt, truncated
 
 
 @dataclass
@@ -70,9 +70,11 @@ class Pairs:
         return self.first[n if len(self.first) > 1 else 0], self.second[n]
 
     # --- what the model runs, per kind ---------------------------------------------------
-    def prompts(self, spec: ModelSpec, tokenizer: Any | None, pid: str = "pair") -> list[Prompt]:
+    def prompts(self, spec: ModelSpec, tokenizer: Any | None, pid: str = "pair", truncate: int | None = None
+                ) -> list[Prompt]:
         """The sequences the model runs: each pair's joined tokens (a cross-encoder), else each
-        text once (the first side, then the second), each within the model's positions."""
+        text once (the first side, then the second), each within the model's positions (cut to
+        its last ``truncate`` tokens first, where given: vLLM's ``truncate_prompt_tokens``)."""
         if tokenizer is None:
             raise ConfigError("scoring text pairs needs the model's tokenizer: this model has none")
         if cross_encoder(spec):
@@ -81,10 +83,12 @@ class Pairs:
         else:
             out = [make_prompt(f"{pid}[{n}]", t, None, tokenizer, spec.vocab_size)
                    for n, t in enumerate(self.first + self.second)]
+        out = [truncated(p, truncate, spec.max_positions) for p in out]
         for n, p in enumerate(out):
             if len(p.ids) > spec.max_positions:
                 raise ConfigError(f"{'pair' if cross_encoder(spec) else 'text'} {n} has {len(p.ids)} tokens, more "
-                                  f"than the model's {spec.max_positions} positions: shorten it")
+                                  f"than the model's {spec.max_positions} positions: shorten it (or give "
+                                  "truncate_prompt_tokens)")
         return out
 
     def scores(self, results: Sequence[Sequence[float]], cross: bool, activation: bool = True) -> list[float]:

@@ -126,12 +126,31 @@ def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: An
     return Prompt(pid, text, [int(t) for t in ids], messages)
 
 
+def truncated(p: Prompt, keep: int | None, room: int) -> Prompt:
+    """``p`` cut to its last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``: left
+    truncation; -1: the ``room`` the model leaves it; None: uncut); a cut prompt keeps no text
+    (its ids are the prompt now)."""
+    n = room if keep == -1 else keep
+    if n is None or n < 1 or len(p.ids) <= n:
+        return p
+    return dataclasses.replace(p, text=None, ids=p.ids[-n:])
+
+
+def check_truncation(keep: Any, name: str = "truncate_prompt_tokens") -> int | None:
+    """A ``truncate_prompt_tokens`` value: None, -1 or an integer >= 1; else a one-line error."""
+    if keep is None or (isinstance(keep, int) and not isinstance(keep, bool) and (keep == -1 or keep >= 1)):
+        return keep
+    raise ConfigError(f"{name} {keep!r}: give an integer >= 1 (keep a prompt's last that many tokens) or -1 "
+                      "(as many as the model has room for)")
+
+
 def check_prompt_lengths(prompts: list[Prompt], gen_len: int, max_positions: int) -> None:
     """Refuse a prompt that, with ``gen_len`` new tokens, needs more positions than the model has."""
     for p in prompts:
         if len(p.ids) + gen_len > max_positions:
             raise ConfigError(f"prompt {p.id!r} has {len(p.ids)} tokens; with --gen-len {gen_len} that "
-                              f"exceeds the model's {max_positions} positions: shorten it or lower --gen-len")
+                              f"exceeds the model's {max_positions} positions: shorten it, lower --gen-len or give "
+                              "--truncate-prompt-tokens")
 
 
 def jsonl_records(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:

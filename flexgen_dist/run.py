@@ -22,7 +22,7 @@ from .errors import exit_code_of
 from .memory.tiers import MemoryBudgetError
 from .metrics import summary
 from .output import OutputWriter, check_writable
-from .prompts import Prompt, read_prompts
+from .prompts import Prompt, read_prompts, truncated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +46,7 @@ def run(cfg: RunConfig) -> int:
         def prepare() -> int:
             """Rank 0: read the prompts, check the output against them; the number left."""
             nonlocal prompts, writer
-            prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
-                                   llm.model.spec.vocab_size, cfg.seed, cfg.template_kwargs)
+            prompts = _read(cfg, llm)
             writer = OutputWriter(cfg.output, llm.tokenizer, resume=cfg.resume, overwrite=cfg.overwrite)
             done = writer.start(prompts, fingerprint(cfg, llm))
             if done:
@@ -55,9 +54,7 @@ def run(cfg: RunConfig) -> int:
             return len(prompts) - done
 
         if cfg.explain:  # the plan only: no output is touched, nothing is placed
-            return _explain(llm, read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer,
-                                              llm.model.spec.vocab_size, cfg.seed, cfg.template_kwargs)
-                            if llm.is_driver else None)
+            return _explain(llm, _read(cfg, llm) if llm.is_driver else None)
         left = llm.on_driver(prepare)  # every rank learns what rank 0 found
         done = writer.done if writer is not None else 0
         records: list[dict[str, Any]] = []
@@ -85,6 +82,14 @@ def run(cfg: RunConfig) -> int:
             assert prompts is not None
             _report(cfg, records, {**llm.metrics, "job_prompts": len(prompts), "resumed_prompts": done})
     return 0
+
+
+def _read(cfg: RunConfig, llm: LLM) -> list[Prompt]:
+    """Rank 0: the job's prompts, each cut as ``--truncate-prompt-tokens`` says."""
+    prompts = read_prompts(cfg.prompts, cfg.num_prompts, cfg.prompt_len, llm.tokenizer, llm.model.spec.vocab_size,
+                           cfg.seed, cfg.template_kwargs)
+    room = llm.model.spec.max_positions - (0 if cfg.embed or cfg.classify else cfg.gen_len)
+    return [truncated(p, cfg.truncate_prompt_tokens, room) for p in prompts]
 
 
 def _results(cfg: RunConfig, llm: LLM, todo: list[Prompt] | None, done: int, total: int,
@@ -142,6 +147,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"classify": True} if cfg.classify else {}),
             **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
             **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
+            **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
+            **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
             **_structure_print(cfg)}
 
 

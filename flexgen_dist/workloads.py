@@ -15,7 +15,7 @@ from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
 from .models.spec import ModelSpec
 from .plan import Workload
-from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt
+from .prompts import Messages, Prompt, check_prompt_lengths, make_prompt, truncated
 from .reasoning import Reasoning
 from .scoring import score_split, score_targets
 
@@ -48,6 +48,11 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
         raise ConfigError(f"gen_len {gen_len}: must be >= 1")
     ps: list[Prompt] = [p if isinstance(p, Prompt) else prompt_of(n, p, tokenizer, spec.vocab_size, cfg.template_kwargs)
                         for n, p in enumerate(prompts)]
+    if cfg.truncate_prompt_tokens is not None and name != "score":  # scoring counts positions: never cut
+        # the prompts made here (a ``Prompt`` given is final: a batch request's cut as it asked)
+        gens = [0] * len(ps) if scoring else list(max_new_tokens or [gen_len] * len(ps))
+        ps = [p if isinstance(q, Prompt) else truncated(p, cfg.truncate_prompt_tokens, spec.max_positions - g)
+              for p, q, g in zip(ps, prompts, gens)]
     # a scored sequence generates nothing: it may fill every position
     check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
     each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
