@@ -47,6 +47,7 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
         "tools", "tool_choice",  # chat only: function calling, named or required (openai_tools.py)
         "chat_template_kwargs", "reasoning_effort",  # chat only: the template's variables (vLLM's; OpenAI's)
+        "continue_final_message", "add_generation_prompt",  # chat only (vLLM's): an assistant prefill continued
         "echo",  # completions only
         "truncate_prompt_tokens"}  # vLLM's: a longer prompt cut to its last K tokens
 EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort, as the template reads it
@@ -451,10 +452,12 @@ def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
+        cont, opened = _continuation(body)
         return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs),
                            tools=list(req.tools.tools) if req.tools is not None else None,
-                           template_kwargs={**(template_kwargs or {}), **_template_kwargs(body)})
-    for k in ("chat_template_kwargs", "reasoning_effort"):
+                           template_kwargs={**(template_kwargs or {}), **_template_kwargs(body)},
+                           continue_final=cont, generation_prompt=opened)
+    for k in ("chat_template_kwargs", "reasoning_effort", "continue_final_message", "add_generation_prompt"):
         if body.get(k) is not None:
             raise RequestError("unsupported_field", f"{k} is a chat field: a completions request has no chat template")
     p = body.get("prompt")
@@ -466,6 +469,19 @@ def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None
         return make_prompt(req.custom_id, None, p, tokenizer, vocab_size)
     raise RequestError("invalid_request", "a completions request needs 'prompt': a non-empty string or a list of "
                                           "token ids (one prompt per request)")
+
+
+def _continuation(body: dict[str, Any]) -> tuple[bool, bool]:
+    """vLLM's ``continue_final_message`` (the final assistant message goes on: a prefill) and
+    ``add_generation_prompt`` (the assistant's turn opened; default true), checked together."""
+    cont, opened = body.get("continue_final_message", False), body.get("add_generation_prompt")
+    for k, v in (("continue_final_message", cont), ("add_generation_prompt", opened)):
+        if v is not None and not isinstance(v, bool):
+            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
+    if cont and opened:
+        raise RequestError("invalid_value", "continue_final_message and add_generation_prompt are both true: a "
+                                            "continued message opens no new turn (set add_generation_prompt false)")
+    return bool(cont), opened is not False
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

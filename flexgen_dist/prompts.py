@@ -72,11 +72,18 @@ def has_chat_template(tokenizer: Any | None) -> bool:
 
 
 def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                template_kwargs: dict[str, Any] | None = None, continue_final: bool | None = None,
+                generation_prompt: bool = True) -> tuple[str, list[int]]:
     """The conversation through the model's own chat template, as transformers renders it
     (with the assistant's turn opened, ``tools``' definitions where given, and the template's
     own variables ``template_kwargs``, e.g. ``enable_thinking``), and its token ids (the
-    template writes the special tokens itself, so none are added)."""
+    template writes the special tokens itself, so none are added).
+
+    A conversation whose last message is the assistant's is continued, not answered
+    (``continue_final``; None: as transformers' text-generation pipeline decides, by the last
+    message's role): its text is a prefill the completion goes on from (an opening ``{``, an
+    "Answer:"). ``generation_prompt`` False (vLLM's ``add_generation_prompt``) leaves the
+    assistant's turn unopened."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
@@ -85,16 +92,23 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict
     if not has_chat_template(tokenizer):
         raise ConfigError(f"prompt {pid!r} is a chat but this model has no chat template: give "
                           "'prompt' text or 'input_ids' instead")
-    extra = template_kwargs or {}
+    last = messages[-1]["role"] == "assistant"
+    cont = last if continue_final is None else continue_final
+    if cont and not last:
+        raise ConfigError(f"prompt {pid!r}: continue_final_message needs the conversation to end with the "
+                          "assistant's message (the text to go on from)")
+    extra = {**(template_kwargs or {}), "add_generation_prompt": generation_prompt and not cont,
+             **({"continue_final_message": True} if cont else {})}
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                             **extra)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
     except TemplateError as e:  # the template's own refusal (raise_exception) or a bad variable
         raise ConfigError(f"prompt {pid!r}: the model's chat template refused it ({e})") from None
+    except ValueError as e:  # transformers: the final message cannot be found in the rendered text
+        raise ConfigError(f"prompt {pid!r}: the assistant's final message cannot be continued under this chat "
+                          f"template ({e})") from None
     template = tokenizer.chat_template
     if tools and template not in _RENDERS_TOOLS:  # asked once per template, warned once
-        _RENDERS_TOOLS[template] = text != tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                         tokenize=False, **extra)
+        _RENDERS_TOOLS[template] = text != tokenizer.apply_chat_template(messages, tokenize=False, **extra)
         if not _RENDERS_TOOLS[template]:
             logging.getLogger("flexgen_dist").warning(
                 "this model's chat template does not render tools: the model is not shown the functions' "
@@ -107,12 +121,13 @@ _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the t
 
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
                 vocab_size: int, messages: Messages | None = None,
-                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                continue_final: bool | None = None, generation_prompt: bool = True) -> Prompt:
     """A checked prompt: a chat is rendered by the model's template (with ``tools``' and the
-    template's variables where given), text is tokenized; ids must be non-empty and inside
-    the vocabulary."""
+    template's variables where given; a final assistant message continued as ``render_chat``
+    says), text is tokenized; ids must be non-empty and inside the vocabulary."""
     if messages is not None:
-        text, ids = render_chat(pid, messages, tokenizer, tools, template_kwargs)
+        text, ids = render_chat(pid, messages, tokenizer, tools, template_kwargs, continue_final, generation_prompt)
     if ids is None:
         if tokenizer is None:
             raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
