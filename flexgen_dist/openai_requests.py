@@ -13,7 +13,7 @@ from .config import ConfigError, check_template_kwargs
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
 from .engine.structure import Structure, check_structure
 from .models.spec import ModelSpec
-from .openai_responses import RESPONSES, ResponsesError, chat_body
+from .openai_responses import RESPONSES, ResponsesError, chat_body, unsupported_field
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .pairs import Pairs, cross_encoder
 from .prompts import Messages, Prompt, check_truncation, make_prompt, truncated
@@ -186,15 +186,9 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
             body, kind = {**chat_body(body), **({"model": body["model"]} if "model" in body else {})}, CHAT
         except ResponsesError as e:
             raise RequestError(e.code, str(e)) from None
-    for k, v in body.items():
-        if k in USED or k in INERT:
-            continue
-        if k in OFF:
-            if v not in OFF[k]:
-                raise RequestError("unsupported_field", f"body field {k!r}={v!r} would change the output and is "
-                                                        "not supported (leave it out)")
-            continue
-        raise RequestError("unsupported_field", f"body field {k!r} is not supported (leave it out)")
+    bad = unsupported_field(body, USED | INERT, OFF)
+    if bad:
+        raise RequestError("unsupported_field", bad)
     req.echo = _echo(kind, body.get("echo"))
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     try:

@@ -47,21 +47,28 @@ class ResponsesError(ValueError):
         self.code = code
 
 
+def unsupported_field(body: dict[str, Any], known: set[str], off: dict[str, tuple[Any, ...]], where: str = ""
+                      ) -> str | None:
+    """Why the first field of ``body`` that is neither ``known`` nor at its ``off`` value
+    cannot be served (None: every field can)."""
+    for k, v in body.items():
+        if k in known or (k in off and v in off[k]):
+            continue
+        if k in off:
+            return f"body field {k!r}={v!r} would change the output and is not supported (leave it out)"
+        return f"body field {k!r} is not supported{where} (leave it out)"
+    return None
+
+
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat completions body a Responses body amounts to (module doc)."""
     for k in STATEFUL:
         if body.get(k) is not None:
             raise ResponsesError("unsupported_field", f"body field {k!r} needs state a batch job does not keep: give "
                                                       "the whole conversation as 'input'")
-    for k, v in body.items():
-        if k in READ or k in INERT or k in STATEFUL:
-            continue
-        if k in OFF:
-            if v not in OFF[k]:
-                raise ResponsesError("unsupported_field", f"body field {k!r}={v!r} would change the output and is "
-                                                          "not supported (leave it out)")
-            continue
-        raise ResponsesError("unsupported_field", f"body field {k!r} is not supported on {RESPONSES} (leave it out)")
+    bad = unsupported_field(body, READ | INERT | set(STATEFUL), OFF, f" on {RESPONSES}")
+    if bad:
+        raise ResponsesError("unsupported_field", bad)
     out: dict[str, Any] = {"messages": _messages(body.get("input"), body.get("instructions"))}
     for k in ("temperature", "top_p", *EXTENSIONS):
         if body.get(k) is not None:
