@@ -41,6 +41,7 @@ from .models.lora import with_lora
 from .models.lora_stack import with_lora_modules
 from .models.token_score import token_ids, with_token_classifier
 from .plan import Peaks, RunPlan, Workload
+from .pooled_calls import PooledCalls
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
 from .reasoning import Reasoning, reasoning_of
@@ -48,8 +49,6 @@ from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes
-from .embeddings import Classification, Embedding, check_embed, embed_workload, finish
-from .pairs import Pairs, Ranked, cross_encoder, ranked
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -71,7 +70,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class LLM:
+class LLM(PooledCalls):
     """A model placed over GPU, CPU and disk (one stage per rank), ready to generate.
 
     A thin facade: rank 0 turns a call's arguments into a ``Workload``, ``RunPlanner`` makes
@@ -315,88 +314,6 @@ class LLM:
                     r, lp, ranks = r if work.logprobs is not None else (r, None, None)
                     out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp, ranks))
             return sorted(out, key=lambda sc: sc.index)
-
-    def embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
-              normalize: bool = True, lora: LoraChoice = None) -> list[Embedding]:
-        """Embeddings of ``inputs`` (strings, token-id lists or conversations), in input order:
-        each input's last hidden state after the model's final norm (last-token pooling, as
-        decoder embedding models such as Qwen3-Embedding define theirs; give the inputs as the
-        model card says, e.g. with its instruction prefix), cut to its first ``dimensions``
-        (None: all ``embed_dim``) and L2-normalized unless ``normalize`` is False. One prefill
-        per input, nothing generated; every placement, launcher and LoRA choice (``lora``, as
-        ``generate``'s) applies. On ranks other than 0 the arguments are ignored and the result
-        is empty."""
-        return [e for part in self.stream_embed(inputs, dimensions=dimensions, normalize=normalize, lora=lora)
-                for e in part]
-
-    def stream_embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
-                     normalize: bool = True, lora: LoraChoice = None) -> Iterator[list[Embedding]]:
-        """Like ``embed``, yielding embeddings in input order as soon as they are final, a
-        window of length-grouped blocks at a time (as ``stream``): a long job writes as it goes."""
-        return self._pooled(inputs, dimensions, normalize, lora, "embed")
-
-    def classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
-                 ) -> list[Classification]:
-        """A sequence classifier's (``*ForSequenceClassification``: reward models, classifiers)
-        result per input, in input order: its labels' logits at the last token, as transformers'
-        model gives them, their softmax and the most likely label's name (a reward model's one
-        logit is its reward). On ranks other than 0 the arguments are ignored and the result is
-        empty."""
-        return [c for part in self.stream_classify(inputs, lora=lora) for c in part]
-
-    def stream_classify(self, inputs: Sequence[PromptLike] | None = None, *, lora: LoraChoice = None
-                        ) -> Iterator[list[Classification]]:
-        """Like ``classify``, a window of length-grouped blocks at a time (as ``stream``)."""
-        labels = self.model.spec.labels
-        return ([Classification.of(e, labels) for e in part]
-                for part in self._pooled(inputs, None, False, lora, "classify"))
-
-    def score_pairs(self, texts_1: str | Sequence[str] | None = None, texts_2: str | Sequence[str] | None = None,
-                    *, activation: bool = True, lora: LoraChoice = None) -> list[float]:
-        """A score per text pair (``pairs.py``), paired 1:1, 1:N or N:N: a cross-encoder's (a
-        one-label classifier: the pair read as one sequence, its logit through a sigmoid, or
-        the logit itself without ``activation``), else the cosine of the two texts'
-        embeddings. vLLM's ``LLM.score``. On ranks other than 0 the arguments are ignored and
-        the result is empty."""
-        return self._pair_scores(lambda: Pairs.of(texts_1, texts_2), activation, lora)
-
-    def rerank(self, query: str | None = None, documents: Sequence[str] | None = None, *,
-               top_n: int | None = None, lora: LoraChoice = None) -> list[Ranked]:
-        """``documents`` ordered by their score against ``query`` (as ``score_pairs``), best
-        first, the first ``top_n`` (None: all). On ranks other than 0 the arguments are
-        ignored and the result is empty."""
-        scores = self._pair_scores(lambda: Pairs.of(query, documents, ("query", "documents"), one_first=True),
-                                   True, lora)
-        return ranked(list(documents or ()), scores, top_n) if self.is_driver else []
-
-    def _pair_scores(self, pairs_of: Callable[[], Pairs], activation: bool, lora: LoraChoice) -> list[float]:
-        spec = self.model.spec
-
-        def build() -> tuple[Pairs, list[Prompt]]:  # rank 0: the pairs and what the model runs for them
-            pairs = pairs_of()
-            return pairs, pairs.prompts(spec, self.tokenizer)
-
-        pairs, prompts = self.on_driver(build)
-        if cross_encoder(spec):
-            results = [c.logits for c in self.classify(prompts, lora=lora)]
-        else:
-            results = [e.embedding for e in self.embed(prompts, normalize=False, lora=lora)]
-        return pairs.scores(results, cross_encoder(spec), activation) if self.is_driver else []
-
-    def _pooled(self, inputs: Sequence[PromptLike] | None, dimensions: int | None, normalize: bool,
-                lora: LoraChoice, call: str) -> Iterator[list[Embedding]]:
-        """The last token's head output per input (``head.embed``), a window at a time."""
-        self._check_open()
-        with self._guard():
-            if self.is_driver:
-                check_embed(dimensions, self.model.spec, self.model.embed_dim)
-            work, peaks = self._start(lambda: embed_workload(build_workload(
-                inputs, 1, None, self.config, self.model.spec, self.tokenizer, scoring=True, lora=lora,
-                served=self.model.adapters, call=call)))
-            project = self.model.projection if call == "embed" else None  # a pipeline's Dense steps
-            for window in self._windows(self._run(work, peaks)):
-                yield [Embedding(n, finish(v if project is None else project(v), dimensions, normalize),
-                                 len(work.prompts[n].ids)) for n, v in window]
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,24 +1,27 @@
 """OpenAI Batch request lines (``openai_batch.py`` runs them): each line parsed into a
 ``Request``, what it asks for (prompt, limits, sampling, stops, ``n``, logprobs, echo; an
-embeddings request's inputs, dimensions and encoding) or the
-one-line error that keeps it from running (bad JSON, an unknown url, a body field that would
-change the output and is not computed, a prompt longer than the model's context)."""
+embeddings request's inputs, dimensions and encoding; a score or rerank request's pairs) or
+the one-line error that keeps it from running (bad JSON, an unknown url, a body field that
+would change the output and is not computed, a prompt longer than the model's context). Each
+field's own check is ``openai_fields.py``'s; a Responses body is read as its chat body
+(``openai_responses.py``)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError, check_template_kwargs
-from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION, SamplingConfig, TokenLogprobs
-from .engine.structure import Structure, check_structure
+from . import openai_fields as fields
+from .config import ConfigError
+from .engine.sampling import MAX_PENALTY, SamplingConfig, TokenLogprobs
 from .models.spec import ModelSpec
+from .openai_fields import CHAT, COMPLETIONS, GUIDED, RequestError
 from .openai_responses import RESPONSES, ResponsesError, chat_body, unsupported_field
 from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
 from .pairs import Pairs, cross_encoder
-from .prompts import Messages, Prompt, check_truncation, make_prompt, truncated
+from .prompts import Prompt, check_truncation, make_prompt, truncated
 
-CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+EMBEDDINGS = "/v1/embeddings"
 SCORE, RERANK = "/v1/score", "/v1/rerank"  # text pairs (``pairs.py``): vLLM's routes
 ROUTES = {CHAT: CHAT, COMPLETIONS: COMPLETIONS, EMBEDDINGS: EMBEDDINGS, SCORE: SCORE, "/score": SCORE,
           RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK, RESPONSES: RESPONSES}  # url -> endpoint
@@ -32,8 +35,6 @@ MAX_N = 128  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user",
                 "truncate_prompt_tokens"}  # an embeddings body's fields (the last: vLLM's)
-# vLLM's older spelling of its structured outputs, field -> ``Structure`` kind
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # body fields that cannot change the output
 INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # fields accepted at the value that means "off" only: any other value would change the output
@@ -50,15 +51,7 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "continue_final_message", "add_generation_prompt",  # chat only (vLLM's): an assistant prefill continued
         "echo",  # completions only
         "truncate_prompt_tokens"}  # vLLM's: a longer prompt cut to its last K tokens
-EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort, as the template reads it
 
-
-class RequestError(ValueError):
-    """What is wrong with one request: an OpenAI-style error code and a one-line message."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -189,7 +182,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     bad = unsupported_field(body, USED | INERT, OFF)
     if bad:
         raise RequestError("unsupported_field", bad)
-    req.echo = _echo(kind, body.get("echo"))
+    req.echo = fields.echo(kind, body.get("echo"))
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     try:
         req.tools = parse_tools(body, kind == CHAT, reads_auto(tokenizer))
@@ -198,7 +191,7 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.prompt = _prompt(req, kind, body, tokenizer, vocab_size, template_kwargs)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
-    req.max_tokens = default_max_tokens if mt is None else _int(mt, "max_tokens", 0 if req.echo else 1)
+    req.max_tokens = default_max_tokens if mt is None else fields.integer(mt, "max_tokens", 0 if req.echo else 1)
     req.prompt = truncated(req.prompt, req.truncate, max_positions - req.max_tokens)
     total = len(req.prompt.ids) + req.max_tokens
     if total > max_positions:
@@ -207,28 +200,28 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                            f"exceeds the model's {max_positions} positions: shorten it, lower max_tokens or give "
                            "truncate_prompt_tokens")
     hot = any(k in body for k in ("top_p", "top_k", "min_p"))  # a sampling setting without a temperature
-    temp = _number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
-    top_p = _number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
+    temp = fields.number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
+    top_p = fields.number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
     if top_p <= 0:
         raise RequestError("invalid_value", "top_p must be in (0, 1]")
     s = body.get("seed")
-    penalties = [_number(body.get(k) or 0.0, k, -MAX_PENALTY, MAX_PENALTY)
+    penalties = [fields.number(body.get(k) or 0.0, k, -MAX_PENALTY, MAX_PENALTY)
                  for k in ("frequency_penalty", "presence_penalty")]
     top_k = body.get("top_k")
-    top_k = 0 if top_k in (None, -1) else _int(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
-    req.sampling = SamplingConfig(temp, top_p, seed if s is None else _int(s, "seed", 0), False, *penalties,
-                                  _logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
-                                  min_p=_number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
-                                  repetition_penalty=_repetition(body.get("repetition_penalty")),
-                                  structure=_structure(body, tokenizer, vocab_size, eos_ids, req.tools))
+    top_k = 0 if top_k in (None, -1) else fields.integer(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
+    req.sampling = SamplingConfig(temp, top_p, seed if s is None else fields.integer(s, "seed", 0), False, *penalties,
+                                  fields.logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
+                                  min_p=fields.number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
+                                  repetition_penalty=fields.repetition(body.get("repetition_penalty")),
+                                  structure=fields.structure(body, tokenizer, vocab_size, eos_ids, req.tools))
     req.seeded = s is not None
-    req.stop = _stops(body.get("stop"))
-    req.n = _int(body.get("n", 1), "n", 1)
+    req.stop = fields.stops(body.get("stop"))
+    req.n = fields.integer(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
-    req.logprobs = _logprobs(kind, body)
+    req.logprobs = fields.logprobs(kind, body)
     pl = body.get("prompt_logprobs")
-    req.prompt_logprobs = None if pl is None else _alternatives(pl, "prompt_logprobs")
+    req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
 
 
 def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
@@ -267,7 +260,7 @@ def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, 
         raise RequestError("invalid_value", f"encoding_format {fmt!r}: give 'float' or 'base64'")
     req.encoding_format = fmt
     d = body.get("dimensions")
-    req.dimensions = None if d is None else _int(d, "dimensions", 1)
+    req.dimensions = None if d is None else fields.integer(d, "dimensions", 1)
 
 
 def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
@@ -302,7 +295,7 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
     if rerank:
         top = body.get("top_n")
         req.top_n = 0 if top is None or (isinstance(top, int) and not isinstance(top, bool) and top < 0) \
-            else _int(top, "top_n", 0)  # 0 or negative: every document (vLLM's)
+            else fields.integer(top, "top_n", 0)  # 0 or negative: every document (vLLM's)
         rd = body.get("return_documents", True)
         if not isinstance(rd, bool):
             raise RequestError("invalid_value", f"return_documents {rd!r}: true or false")
@@ -322,134 +315,16 @@ def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
     req.n = len(req.inputs)
 
 
-def _structure(body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
-               eos_ids: tuple[int, ...], tools: ToolChoice | None = None) -> Structure | None:
-    """What the completion must match: ``response_format`` (OpenAI's ``json_object`` or
-    ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
-    ``grammar``, ``json_object``) or its older ``guided_*`` fields, or a named or required
-    tool call (``openai_tools.py``); at most one of them."""
-    asks: list[tuple[str, Any]] = []
-    call = tools.structure() if tools is not None else None
-    if call is not None:
-        asks.append(("json", call.value))
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        kind = rf.get("type") if isinstance(rf, dict) else None
-        if kind == "json_object":
-            asks.append(("json_object", None))
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
-                raise RequestError("invalid_value", "response_format json_schema needs 'json_schema': {'name', "
-                                                    "'schema': {...}}")
-            asks.append(("json", js.get("schema", {})))
-        else:
-            raise RequestError("invalid_value", f"response_format {rf!r}: use type text, json_object or json_schema")
-    so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise RequestError("invalid_value", "structured_outputs must be an object, e.g. {'regex': '...'}")
-        for k, v in so.items():
-            if k not in ("json", "regex", "choice", "grammar", "json_object"):
-                raise RequestError("unsupported_field", f"structured_outputs field {k!r} is not supported (use json, "
-                                                        "regex, choice, grammar or json_object)")
-            if k != "json_object" or v:
-                asks.append((k, v))
-    asks += [(GUIDED[k], body[k]) for k in GUIDED if body.get(k) is not None]
-    if not asks:
-        return None
-    if len(asks) > 1:
-        raise RequestError("invalid_value", "a request follows one structure: give one of response_format, "
-                                            "structured_outputs, the guided_* fields and a tool_choice that calls, "
-                                            "with one field")
-    kind, v = asks[0]
-    try:
-        if kind == "json":
-            st = Structure.json_schema(v)
-        elif kind == "choice":
-            st = Structure.choice(v if isinstance(v, list) else [])
-        elif kind == "json_object":
-            st = Structure.json_object()
-        else:
-            st = Structure(kind, v if isinstance(v, str) else "")
-        check_structure(st, tokenizer, vocab_size, eos_ids)
-    except ValueError as e:
-        raise RequestError("invalid_value", f"{kind}: {e}") from None
-    return st
-
-
-def _repetition(v: Any) -> float:
-    if v is None:
-        return 1.0
-    p = _number(v, "repetition_penalty", 0.0, MAX_REPETITION)
-    if p <= 0:
-        raise RequestError("invalid_value", f"repetition_penalty must be in (0, {MAX_REPETITION:g}]")
-    return p
-
-
-def _echo(url: str, v: Any) -> bool:
-    if v in (None, False):
-        return False
-    if v is not True:
-        raise RequestError("invalid_value", f"echo {v!r}: true or false")
-    if url != COMPLETIONS:
-        raise RequestError("unsupported_field", "echo is a completions field: a chat request has no echo")
-    return True
-
-
-def _logit_bias(v: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """``logit_bias``: ``{"token id": bias in [-100, 100]}`` (ids as strings, as JSON keys are)."""
-    if v is None:
-        return ()
-    if not isinstance(v, dict):
-        raise RequestError("invalid_value", "logit_bias must be an object of token ids to biases")
-    out = []
-    for k, b in v.items():
-        try:
-            i = int(k)
-        except (TypeError, ValueError):
-            raise RequestError("invalid_value", f"logit_bias key {k!r} is not a token id") from None
-        if not 0 <= i < vocab_size:
-            raise RequestError("invalid_value", f"logit_bias token id {i} is outside the vocabulary [0, {vocab_size})")
-        out.append((i, _number(b, f"logit_bias[{k!r}]", -MAX_BIAS, MAX_BIAS)))
-    return tuple(out)
-
-
-def _logprobs(url: str, body: dict[str, Any]) -> int | None:
-    """The alternatives per token a request's logprobs ask for (None: no logprobs). Chat:
-    ``logprobs`` true, with ``top_logprobs`` 0-20; completions: ``logprobs`` an integer 0-20."""
-    lp, top = body.get("logprobs"), body.get("top_logprobs")
-    if url == CHAT:
-        if lp not in (None, False, True):
-            raise RequestError("invalid_value", f"logprobs {lp!r}: a chat request takes true or false "
-                                                "(top_logprobs sets the alternatives)")
-        k = 0 if top is None else _alternatives(top, "top_logprobs")
-        if k and not lp:
-            raise RequestError("invalid_value", "top_logprobs needs logprobs: true")
-        return k if lp else None
-    if top is not None:
-        raise RequestError("unsupported_field", "top_logprobs is a chat field: a completions request sets "
-                                                "logprobs to the number of alternatives")
-    return None if lp is None else _alternatives(lp, "logprobs")
-
-
-def _alternatives(v: Any, name: str) -> int:
-    k = _int(v, name, 0)
-    if k > MAX_LOGPROBS:
-        raise RequestError("invalid_value", f"{name} {k}: at most {MAX_LOGPROBS}")
-    return k
-
-
 def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
             template_kwargs: dict[str, Any] | None = None) -> Prompt:
     if kind == CHAT:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("invalid_request", "a chat request needs 'messages', a non-empty list")
-        cont, opened = _continuation(body)
-        return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, _messages(msgs),
+        cont, opened = fields.continuation(body)
+        return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, fields.chat_messages(msgs),
                            tools=list(req.tools.tools) if req.tools is not None else None,
-                           template_kwargs={**(template_kwargs or {}), **_template_kwargs(body)},
+                           template_kwargs={**(template_kwargs or {}), **fields.template_kwargs(body)},
                            continue_final=cont, generation_prompt=opened)
     for k in ("chat_template_kwargs", "reasoning_effort", "continue_final_message", "add_generation_prompt"):
         if body.get(k) is not None:
@@ -463,77 +338,6 @@ def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None
         return make_prompt(req.custom_id, None, p, tokenizer, vocab_size)
     raise RequestError("invalid_request", "a completions request needs 'prompt': a non-empty string or a list of "
                                           "token ids (one prompt per request)")
-
-
-def _continuation(body: dict[str, Any]) -> tuple[bool, bool]:
-    """vLLM's ``continue_final_message`` (the final assistant message goes on: a prefill) and
-    ``add_generation_prompt`` (the assistant's turn opened; default true), checked together."""
-    cont, opened = body.get("continue_final_message", False), body.get("add_generation_prompt")
-    for k, v in (("continue_final_message", cont), ("add_generation_prompt", opened)):
-        if v is not None and not isinstance(v, bool):
-            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
-    if cont and opened:
-        raise RequestError("invalid_value", "continue_final_message and add_generation_prompt are both true: a "
-                                            "continued message opens no new turn (set add_generation_prompt false)")
-    return bool(cont), opened is not False
-
-
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """A chat request's own template variables: vLLM's ``chat_template_kwargs`` (e.g.
-    ``{"enable_thinking": false}``) and OpenAI's ``reasoning_effort`` (gpt-oss' template reads it)."""
-    try:
-        kw = check_template_kwargs(body.get("chat_template_kwargs"))
-    except ConfigError as e:
-        raise RequestError("invalid_value", str(e)) from None
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in EFFORTS:
-            raise RequestError("invalid_value", f"reasoning_effort {effort!r}: use one of {', '.join(EFFORTS)}")
-        kw["reasoning_effort"] = effort
-    return kw
-
-
-def _messages(msgs: list[Any]) -> Messages:
-    out: Messages = []
-    for m in msgs:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise RequestError("invalid_request", "each message needs a role of system, user, assistant or tool "
-                                                  "and a content")
-        c = m.get("content")
-        if m["role"] == "assistant" and c is None and isinstance(m.get("tool_calls"), list):
-            out.append({"role": "assistant", "content": "", "tool_calls": m["tool_calls"]})  # type: ignore[dict-item]
-            continue
-        if isinstance(c, list):  # content parts: text only
-            if not all(isinstance(part, dict) and part.get("type") == "text" for part in c):
-                raise RequestError("unsupported_field", "message content parts other than text are not supported")
-            c = "".join(str(part.get("text", "")) for part in c)
-        if not isinstance(c, str):
-            raise RequestError("invalid_request", "a message's content must be a string or text parts")
-        role = "system" if m["role"] == "developer" else m["role"]
-        extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m}  # a call and its result
-        out.append({"role": role, "content": c, **extra})
-    return out
-
-
-def _int(v: Any, name: str, low: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise RequestError("invalid_value", f"{name} {v!r}: must be an integer >= {low}")
-    return v
-
-
-def _number(v: Any, name: str, low: float, high: float) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not low <= v <= high:
-        raise RequestError("invalid_value", f"{name} {v!r}: must be a number in [{low:g}, {high:g}]")
-    return float(v)
-
-
-def _stops(v: Any) -> tuple[str, ...]:
-    if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("invalid_value", "stop must be a non-empty string or a list of them")
-    return tuple(stops)
 
 
 def sampling_key(req: Request, choice: int) -> int:

@@ -17,8 +17,8 @@ from conftest import PROMPTS, left_padded, local_ranks, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig, TokenLogprobs
 from flexgen_dist.batch import main as batch_main
 from flexgen_dist.engine.sampling import token_logprobs
-from flexgen_dist.openai_requests import RequestError
-from flexgen_dist.openai_requests import _logprobs as request_logprobs
+from flexgen_dist.openai_fields import RequestError
+from flexgen_dist.openai_fields import logprobs as request_logprobs
 from flexgen_dist.plan import Workload
 from flexgen_dist.run import main
 

@@ -119,7 +119,8 @@ def test_batch_score_and_rerank_lines(tmp_path: Path) -> None:
             _req("r", "/v1/rerank", query=Q, documents=DOCS, top_n=3),
             _req("r-all", "/rerank", query=Q, documents=DOCS, return_documents=False),
             _req("bad-pairing", "/v1/score", text_1=DOCS[:3], text_2=DOCS[:2]),
-            _req("bad-field", "/v1/rerank", query=Q, documents=DOCS, truncate_prompt_tokens=8),
+            _req("bad-field", "/v1/rerank", query=Q, documents=DOCS, mm_processor_kwargs={"x": 1}),
+            _req("cut", "/v1/score", text_1=Q, text_2="yes no maybe " * 200, truncate_prompt_tokens=20),
             _req("bad-query", "/v1/rerank", query=[Q], documents=DOCS),
             _req("no-completions", "/v1/completions", prompt="hello", max_tokens=2),
             _req("too-long", "/v1/score", text_1=Q, text_2="yes no maybe " * 200)]
@@ -139,10 +140,14 @@ def test_batch_score_and_rerank_lines(tmp_path: Path) -> None:
     assert [x["document"]["text"] for x in r["results"]] == [DOCS[i] for i in best[:3]]
     assert [x["relevance_score"] for x in r["results"]] == pytest.approx(probs[best[:3]].tolist(), abs=1e-5)
     assert r["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    cut = tok(text=Q, text_pair="yes no maybe " * 200)["input_ids"][-20:]  # the pair's last 20 tokens
+    assert _body(lines["cut"])["usage"]["prompt_tokens"] == 20
+    assert _body(lines["cut"])["data"][0]["score"] == pytest.approx(float(torch.tensor(_logit(m, cut)).sigmoid()),
+                                                                    abs=1e-5)
     every = _body(lines["r-all"])["results"]
     assert [x["index"] for x in every] == best and all("document" not in x for x in every)
     for cid, code, words in (("bad-pairing", "invalid_request", "1:1, 1:N or N:N"),
-                             ("bad-field", "unsupported_field", "truncate_prompt_tokens"),
+                             ("bad-field", "unsupported_field", "mm_processor_kwargs"),
                              ("bad-query", "invalid_request", "query must be one"),
                              ("no-completions", "invalid_request", "sequence classifier"),
                              ("too-long", "context_length_exceeded", "positions")):
