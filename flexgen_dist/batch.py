@@ -76,7 +76,7 @@ def run(cfg: RunConfig, input_path: Path) -> int:
                 print(f"nothing to do: all {total} requests are already in {cfg.output}")
             return 0
         t0, counts = time.perf_counter(), {"requests": 0, "errors": 0, "completion_tokens": 0, "embeddings": 0,
-                                            "scores": 0}
+                                            "scores": 0, "classified": 0}
         try:
             for part in llm.stream_batch(lines if llm.is_driver else None, skip=done):
                 assert writer is not None
@@ -91,6 +91,7 @@ def run(cfg: RunConfig, input_path: Path) -> int:
                         data = out.get("data") or []
                         counts["embeddings"] += sum(d.get("object") == "embedding" for d in data)
                         counts["scores"] += sum(d.get("object") == "score" for d in data) + len(out.get("results", ()))
+                        counts["classified"] += sum("label" in d for d in data)
         finally:
             if writer is not None:
                 writer.close()
@@ -131,7 +132,8 @@ def _report(cfg: RunConfig, llm: LLM, counts: dict[str, int], seconds: float, do
           f"{counts['completion_tokens']} completion tokens in {seconds:.1f} s "
           f"({counts['completion_tokens'] / max(seconds, 1e-9):.1f} useful tok/s)"
           + (f"; {counts['embeddings']} embeddings" if counts["embeddings"] else "")
-          + (f"; {counts['scores']} pair scores" if counts["scores"] else ""))
+          + (f"; {counts['scores']} pair scores" if counts["scores"] else "")
+          + (f"; {counts['classified']} inputs classified" if counts["classified"] else ""))
     if llm.metrics:
         print(summary(llm.metrics))
     if cfg.metrics:

@@ -1,11 +1,10 @@
 """Batch jobs in the OpenAI Batch format: request lines in, response lines out.
 
 An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions" | "/v1/responses" | "/v1/embeddings" | "/v1/score" | "/v1/rerank", "body":
-{...}}`` (a Responses request runs as the chat completion it amounts to,
-``openai_responses.py``; score and rerank requests as ``pairs.py`` reads them); an output line
-is ``{"id", "custom_id", "response":
-{"status_code", "request_id", "body"}, "error"}``, with the body shaped as the endpoint's
+"/v1/completions" | "/v1/responses" | "/v1/embeddings" | "/v1/classify" | "/v1/score" |
+"/v1/rerank", "body": {...}}`` (a Responses request runs as the chat completion it amounts to,
+``openai_responses.py``; score and rerank requests as ``pairs.py`` reads them); an output
+line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, with the body shaped as the endpoint's
 response (``choices``, ``usage``), so the readers of hosted batch APIs parse it. A request the
 engine cannot serve as asked (bad JSON, an unknown url, a body field that would change the
 output and is not computed, a prompt longer than the model's context) gets an error line of
@@ -37,7 +36,7 @@ from .embeddings import Classification, check_embed, finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
 from .models.loader import LoadedModel
-from .openai_requests import EMBEDDINGS, RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
+from .openai_requests import CLASSIFY, EMBEDDINGS, RERANK, SCORE, Request, RequestError, pair_inputs, parse_requests, sampling_key
 
 
 
@@ -174,10 +173,16 @@ def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None) -> None:
     if not r.ok:
         return
     spec = model.spec
+    if r.url == CLASSIFY:
+        if not spec.num_labels:
+            raise RequestError("invalid_request", f"{CLASSIFY} needs a sequence classifier (a "
+                                                  "*ForSequenceClassification checkpoint): this is a language model")
+        r.labels = spec.labels
+        return
     if spec.num_labels and r.pairs is None:
         raise RequestError("invalid_request", f"this model is a sequence classifier ({spec.num_labels} labels, no "
-                                              f"vocabulary head): {r.url} needs a language model" +
-                           (f"; it serves {SCORE} and {RERANK}" if spec.num_labels == 1 else ""))
+                                              f"vocabulary head): {r.url} needs a language model; it serves "
+                                              + (f"{CLASSIFY}, {SCORE} and {RERANK}" if spec.num_labels == 1 else CLASSIFY))
     if r.url == EMBEDDINGS or (r.pairs is not None and not spec.num_labels):  # vectors of this model
         try:
             check_embed(r.dimensions, spec, model.embed_dim)

@@ -8,8 +8,10 @@ import struct
 import time
 from typing import Any
 
+import torch
+
 from .engine.sampling import TokenLogprobs
-from .openai_requests import CHAT, EMBEDDINGS, RERANK, SCORE, Request
+from .openai_requests import CHAT, CLASSIFY, EMBEDDINGS, RERANK, SCORE, Request
 from .openai_responses import RESPONSES, response_body
 from .pairs import ranked
 from .openai_tools import tool_message
@@ -35,6 +37,8 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         return _embeddings_line(req, model, rid)
     if req.url in (SCORE, RERANK):
         return _pairs_line(req, model, rid, created)
+    if req.url == CLASSIFY:
+        return _classify_line(req, model, rid, created)
     assert req.prompt is not None
     chat = req.url in (CHAT, RESPONSES)
     echoed = req.prompt.text if req.prompt.text is not None else \
@@ -96,6 +100,26 @@ def _embeddings_line(req: Request, model: str, rid: str) -> dict[str, Any]:
         data.append({"object": "embedding", "index": j, "embedding": emb})
     tokens = sum(len(p.ids) for p in req.inputs)
     body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _classify_line(req: Request, model: str, rid: str, created: int) -> dict[str, Any]:
+    """A classify request's line (vLLM's ``{"id", "object": "list", "created", "model", "data":
+    [{"index", "label", "probs", "num_classes"}], "usage"}``): each input's labels' softmax (a
+    one-label model's sigmoid; the logits themselves with ``use_activation`` off) and the
+    most likely label's name."""
+    assert req.inputs is not None
+    data = []
+    for j, logits in enumerate(req.choices):
+        x = torch.tensor(logits, dtype=torch.float64)
+        probs = (x.sigmoid() if x.numel() == 1 else x.softmax(-1)) if req.activation else x
+        best = int(x.argmax())
+        data.append({"index": j, "label": req.labels[best] if best < len(req.labels) else f"LABEL_{best}",
+                     "probs": probs.tolist(), "num_classes": x.numel()})
+    tokens = sum(len(p.ids) for p in req.inputs)
+    body = {"id": f"classify-{rid}", "object": "list", "created": created, "model": model, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

@@ -23,8 +23,10 @@ from .prompts import Prompt, check_truncation, make_prompt, truncated
 
 EMBEDDINGS = "/v1/embeddings"
 SCORE, RERANK = "/v1/score", "/v1/rerank"  # text pairs (``pairs.py``): vLLM's routes
+CLASSIFY = "/v1/classify"  # a sequence classifier's labels (vLLM's route)
 ROUTES = {CHAT: CHAT, COMPLETIONS: COMPLETIONS, EMBEDDINGS: EMBEDDINGS, SCORE: SCORE, "/score": SCORE,
-          RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK, RESPONSES: RESPONSES}  # url -> endpoint
+          RERANK: RERANK, "/rerank": RERANK, "/v2/rerank": RERANK, RESPONSES: RESPONSES,
+          CLASSIFY: CLASSIFY, "/classify": CLASSIFY}  # url -> endpoint
 # a score body's pair of sides, under any of vLLM's names for them
 SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 # fields of a score or rerank body besides its texts (vLLM's), and a rerank body's own (Jina's, Cohere's)
@@ -35,6 +37,8 @@ MAX_N = 128  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user",
                 "truncate_prompt_tokens"}  # an embeddings body's fields (the last: vLLM's)
+CLASSIFY_FIELDS = {"input", "model", "user", "truncate_prompt_tokens", "priority", "use_activation", "activation",
+                   "softmax"}  # a classify body's (vLLM's)
 # body fields that cannot change the output
 INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # fields accepted at the value that means "off" only: any other value would change the output
@@ -79,8 +83,9 @@ class Request:
     dimensions: int | None = None  # embeddings: each vector's first that many (None: all)
     encoding_format: str = "float"  # embeddings: "float" (a list) or "base64" (float32 little-endian bytes)
     pairs: Pairs | None = None  # score, rerank: its texts (``inputs`` are what the model runs for them)
-    activation: bool = True  # score, rerank: a cross-encoder's logit through a sigmoid (False: the logit)
+    activation: bool = True  # score, rerank, classify: the logits through a sigmoid / softmax (False: as they are)
     cross: bool = False  # score, rerank: the model reads each pair as one sequence (else embeds each text)
+    labels: tuple[str, ...] = ()  # classify: the classifier's labels' names
     top_n: int = 0  # rerank: the best that many documents (0: all)
     return_documents: bool = True  # rerank: each result carries its document's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: the request's own, else the run's
@@ -167,8 +172,8 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
             req.truncate = check_truncation(body["truncate_prompt_tokens"])
         except ConfigError as e:
             raise RequestError("invalid_value", str(e)) from None
-    if req.url == EMBEDDINGS:
-        _fill_embeddings(req, body, tokenizer, vocab_size, max_positions)
+    if req.url in (EMBEDDINGS, CLASSIFY):
+        _fill_inputs(req, body, tokenizer, vocab_size, max_positions)
         return
     if req.url in (SCORE, RERANK):
         _fill_pairs(req, body)
@@ -224,19 +229,20 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
 
 
-def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
-                     max_positions: int) -> None:
-    """An embeddings request: its inputs (a string, token ids, or a list of either), the
-    vectors' ``dimensions`` and ``encoding_format``."""
-    bad = sorted(set(body) - EMBED_FIELDS)
+def _fill_inputs(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
+                 max_positions: int) -> None:
+    """An embeddings or classify request: its inputs (a string, token ids, or a list of
+    either); an embeddings request's ``dimensions`` and ``encoding_format``, a classify
+    request's ``use_activation``."""
+    bad = sorted(set(body) - (EMBED_FIELDS if req.url == EMBEDDINGS else CLASSIFY_FIELDS))
     if bad:
-        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {EMBEDDINGS} (leave it out)")
+        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {req.url} (leave it out)")
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     x = body.get("input")
     ids = isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
     items = [x] if isinstance(x, str) or ids else x
     if not isinstance(items, list) or not items:
-        raise RequestError("invalid_request", "an embeddings request needs 'input': a string, a list of token ids, "
+        raise RequestError("invalid_request", f"a {req.url} request needs 'input': a string, a list of token ids, "
                                               "or a non-empty list of either")
     if len(items) > MAX_INPUTS:
         raise RequestError("invalid_value", f"{len(items)} inputs: at most {MAX_INPUTS} per request")
@@ -255,6 +261,9 @@ def _fill_embeddings(req: Request, body: dict[str, Any], tokenizer: Any | None, 
                                                           "truncate_prompt_tokens)")
         req.inputs.append(p)
     req.n = len(req.inputs)  # one vector per input: the line is ready with all of them
+    if req.url == CLASSIFY:
+        req.activation = _activation(body)
+        return
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise RequestError("invalid_value", f"encoding_format {fmt!r}: give 'float' or 'base64'")
@@ -286,12 +295,7 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
     if len(req.pairs.first) + len(req.pairs.second) > MAX_INPUTS:
         raise RequestError("invalid_value", f"{len(req.pairs.first) + len(req.pairs.second)} texts: at most "
                                             f"{MAX_INPUTS} per request")
-    for k in ("use_activation", "activation", "softmax"):  # vLLM's three names of one switch
-        v = body.get(k)
-        if v is not None and not isinstance(v, bool):
-            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
-        if v is False:
-            req.activation = False
+    req.activation = _activation(body)
     if rerank:
         top = body.get("top_n")
         req.top_n = 0 if top is None or (isinstance(top, int) and not isinstance(top, bool) and top < 0) \
@@ -300,6 +304,18 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
         if not isinstance(rd, bool):
             raise RequestError("invalid_value", f"return_documents {rd!r}: true or false")
         req.return_documents = rd
+
+
+def _activation(body: dict[str, Any]) -> bool:
+    """vLLM's switch of a classifier's activation (softmax, a one-label model's sigmoid), under
+    its three names; off: the logits themselves."""
+    on = True
+    for k in ("use_activation", "activation", "softmax"):
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
+        on = on and v is not False
+    return on
 
 
 def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None) -> None:

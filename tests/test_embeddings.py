@@ -367,3 +367,43 @@ def test_a_gguf_files_pooling_type(value: int, how: str, tmp_path: Path) -> None
     spec = load_model(str(rewrite(path, tmp_path / "p.gguf", {"qwen3.pooling_type": value})),
                       load_tokenizer=False).spec
     assert spec.pooling == how
+
+
+def test_batch_classify_requests(tmp_path: Path, tiny_models) -> None:
+    """``/v1/classify`` requests (vLLM's): each input's labels' softmax (the logits with
+    ``use_activation`` off) and its label's name, equal to transformers'; a language model
+    answers them, and a classifier completions, with an error line naming what it serves."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   pad_token_id=0, num_labels=3, id2label={0: "neg", 1: "neu", 2: "pos"},
+                                   label2id={"neg": 0, "neu": 1, "pos": 2})
+    m = transformers.LlamaForSequenceClassification(cfg).eval()
+    m.save_pretrained(tmp_path / "m")
+    ids, mask = left_padded(TinyModel("c", tmp_path, m, 0), PROMPTS)
+    with torch.no_grad():
+        want = m(input_ids=ids, attention_mask=mask).logits.double()
+
+    def cls(cid: str, x: object, **body: object) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/classify", "body": {"input": x, **body}}
+
+    reqs = [cls("all", PROMPTS), cls("raw", PROMPTS[0], use_activation=False), cls("bad", PROMPTS[0], top_k=2),
+            {"custom_id": "gen", "url": "/v1/completions", "body": {"prompt": PROMPTS[0]}}]
+    with LLM(str(tmp_path / "m"), progress=False, gpu_batch_size=4) as llm:
+        lines = {x["custom_id"]: x for x in llm.batch(reqs)}
+    body = lines["all"]["response"]["body"]
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(len(PROMPTS)))
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in body["data"]], dtype=torch.float64),
+                               want.softmax(-1), atol=1e-5, rtol=1e-4)
+    assert [d["label"] for d in body["data"]] == [["neg", "neu", "pos"][int(i)] for i in want.argmax(-1)]
+    assert all(d["num_classes"] == 3 for d in body["data"])
+    assert body["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
+    raw = lines["raw"]["response"]["body"]["data"][0]["probs"]
+    torch.testing.assert_close(torch.tensor(raw, dtype=torch.float64), want[0], atol=2e-5, rtol=1e-4)
+    assert lines["bad"]["error"]["code"] == "unsupported_field"
+    assert "it serves /v1/classify" in lines["gen"]["error"]["message"]
+    with LLM(str(tiny_models["llama-gqa"].path), progress=False) as llm:
+        line = llm.batch([cls("lm", PROMPTS[0])])[0]
+    assert "needs a sequence classifier" in line["error"]["message"]
