@@ -4,8 +4,9 @@ An input line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions"
 "/v1/completions" | "/v1/responses" | "/v1/embeddings" | "/v1/classify" | "/v1/score" |
 "/v1/rerank", "body": {...}}`` (a Responses request runs as the chat completion it amounts to,
 ``openai_responses.py``; score and rerank requests as ``pairs.py`` reads them); an output
-line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``, with the body shaped as the endpoint's
-response (``choices``, ``usage``), so the readers of hosted batch APIs parse it. A request the
+line is ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``,
+with the body shaped as the endpoint's response (``choices``, ``usage``), so the readers of
+hosted batch APIs parse it. A request the
 engine cannot serve as asked (bad JSON, an unknown url, a body field that would change the
 output and is not computed, a prompt longer than the model's context) gets an error line of
 its own; the others run. Each request keeps its own ``max_tokens``, sampling (penalties,
