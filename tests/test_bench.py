@@ -635,3 +635,16 @@ def test_embeddings_bench_runs_both_dtypes_and_placements(tmp_path: Path) -> Non
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
     assert rows[0]["weights on the compute device"]["max_abs_diff_normalized"] < 1e-4
     assert all(r[w]["tok_s"] > 0 for r in rows for w in ("weights on the compute device", "every weight on disk"))
+
+
+@pytest.mark.bundled
+def test_rerank_bench_matches_transformers_scores(tmp_path: Path) -> None:
+    from flexgen_dist.bench import rerank
+
+    out = tmp_path / "r.json"
+    assert rerank.main(["--queries", "2", "--docs", "3", "--query-len", "6", "--doc-len", "10", "--batch", "2",
+                        "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"] and all(r["pairs"] == 6 for r in rows)
+    assert rows[0]["max_abs_diff_to_transformers"] < 1e-5  # float32: the same scores
+    assert all(r["pairs_s"] > 0 and r["transformers_pairs_s"] > 0 for r in rows)
