@@ -444,3 +444,33 @@ def test_embeddings_on_the_gpu_match_transformers(tiny_models, gpu_device, dtype
         got = torch.tensor([e.embedding for e in llm.embed(PROMPTS, normalize=False)])
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("how", ["mean", "weighted_mean", "cls"])
+def test_pooling_on_the_gpu_matches_sentence_transformers(tmp_path: Path, gpu_device, how: str) -> None:
+    """A sentence-transformers model's pooling over each input's positions on the device (its
+    left-padded rows masked there): transformers' states pooled alike, float32."""
+    from flexgen_dist import LLM
+    from test_embeddings import _pooled_reference, _sentence_model
+
+    mode = {"mean": "pooling_mode_mean_tokens", "weighted_mean": "pooling_mode_weightedmean_tokens",
+            "cls": "pooling_mode_cls_token"}[how]
+    d, m = _sentence_model(tmp_path, {mode: True})
+    want = _pooled_reference(m, PROMPTS, how)
+    with LLM(str(d), device=gpu_device.type, gpu_batch_size=3, progress=False) as llm:
+        got = torch.tensor([e.embedding for e in llm.embed(PROMPTS, normalize=False)], dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_token_judge_reranks_on_the_gpu_as_transformers(tmp_path: Path, gpu_device) -> None:
+    """``classifier_from_token`` on the device: the sigmoid of logit(yes) - logit(no) of
+    transformers' causal LM over each joined pair, float32."""
+    from flexgen_dist import LLM
+    from test_pairs import DOCS, Q, _model, _token_logits, _two_tokens
+
+    d, m, tok = _model(tmp_path, "Qwen3ForCausalLM", tie_word_embeddings=True)
+    names, (no, yes) = _two_tokens(tok)
+    want = torch.stack([lg[yes] - lg[no] for lg in (_token_logits(m, tok(Q + t)["input_ids"]) for t in DOCS)])
+    with LLM(str(d), device=gpu_device.type, classifier_from_token=names, gpu_batch_size=2, progress=False) as llm:
+        got = torch.tensor(llm.score_pairs(Q, DOCS), dtype=torch.float64)
+    torch.testing.assert_close(got, want.sigmoid(), atol=1e-5, rtol=1e-4)
