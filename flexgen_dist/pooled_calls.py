@@ -85,7 +85,7 @@ class PooledCalls:
 
         def build() -> tuple[Pairs, list[Prompt]]:  # rank 0: the pairs and what the model runs for them
             pairs = pairs_of()
-            return pairs, pairs.prompts(spec, self.tokenizer)
+            return pairs, pairs.prompts(spec, self.tokenizer, truncate=self.config.truncate_prompt_tokens)
 
         pairs, prompts = self.on_driver(build)
         if cross_encoder(spec):

@@ -80,3 +80,19 @@ def test_the_run_command_cuts_a_prompt_file(tiny_models, tmp_path, capsys) -> No
     assert main(args + ["--truncate-prompt-tokens", "-1"]) == 0
     rows = read_jsonl(out)
     assert [r["tokens"] for r in rows] == reference_generate(tm, [LONG[-124:], PROMPTS[2]], 4)
+
+
+def test_pair_scores_cut_as_the_run_says(tmp_path) -> None:
+    """``score_pairs`` / ``rerank`` cut each pair's tokens as the run's truncate_prompt_tokens
+    says (a cross-encoder's pair: its last K tokens)."""
+    from test_pairs import Q, _logit, _model
+
+    d, m, tok = _model(tmp_path, "Qwen2ForSequenceClassification")
+    long_doc = "yes no maybe " * 200
+    cut = tok(text=Q, text_pair=long_doc)["input_ids"][-24:]
+    with LLM(str(d), progress=False, truncate_prompt_tokens=24) as llm:
+        got = llm.score_pairs(Q, [long_doc])
+    with LLM(str(d), progress=False) as llm:
+        with pytest.raises(ConfigError, match="truncate_prompt_tokens"):
+            llm.rerank(Q, [long_doc])
+    assert got[0] == pytest.approx(float(torch.tensor(_logit(m, cut)).sigmoid()), abs=1e-5)
