@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -25,16 +25,27 @@ from .int_checkpoints import export_hf
 from .single import machine, write_json
 
 
+def left_padded_batches(ids: list[list[int]], batch: int, pad: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask) of each batch of ``ids``, left-padded with ``pad``."""
+    for a in range(0, len(ids), batch):
+        rows = ids[a:a + batch]
+        s = max(map(len, rows))
+        yield (torch.tensor([[pad] * (s - len(r)) + r for r in rows]),
+               torch.tensor([[0] * (s - len(r)) + [1] * len(r) for r in rows]))
+
+
+def bundled_hf(tmp: str) -> Path:
+    """The bundled SmolLM2-135M written as a Hugging Face directory under ``tmp`` (its GGUF's values)."""
+    hf = Path(tmp) / "hf"
+    hf.mkdir()
+    export_hf(hf)
+    return hf
+
+
 def hf_vectors(model: Any, ids: list[list[int]], batch: int, pad: int) -> torch.Tensor:
-    out = []
     with torch.no_grad():
-        for a in range(0, len(ids), batch):
-            rows = ids[a:a + batch]
-            s = max(map(len, rows))
-            x = torch.tensor([[pad] * (s - len(r)) + r for r in rows])
-            mask = torch.tensor([[0] * (s - len(r)) + [1] * len(r) for r in rows])
-            out.append(model.base_model(input_ids=x, attention_mask=mask).last_hidden_state[:, -1].float())
-    return torch.cat(out)
+        return torch.cat([model.base_model(input_ids=x, attention_mask=mask).last_hidden_state[:, -1].float()
+                          for x, mask in left_padded_batches(ids, batch, pad)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Path(tmp) / "hf"
-        hf.mkdir()
-        export_hf(hf)
+        hf = bundled_hf(tmp)
         torch.manual_seed(0)
         ids = torch.randint(100, 40000, (args.inputs, args.input_len)).tolist()
         tokens = args.inputs * args.input_len

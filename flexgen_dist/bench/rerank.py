@@ -17,12 +17,11 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from .int_checkpoints import export_hf
+from .embeddings import bundled_hf, left_padded_batches
 from .single import machine, write_json
 
 
@@ -30,11 +29,7 @@ def hf_scores(model: Any, ids: list[list[int]], batch: int, pad: int, yes: int, 
     """sigmoid(logit(yes) - logit(no)) at each sequence's last position, float64."""
     out = []
     with torch.no_grad():
-        for a in range(0, len(ids), batch):
-            rows = ids[a:a + batch]
-            s = max(map(len, rows))
-            x = torch.tensor([[pad] * (s - len(r)) + r for r in rows])
-            mask = torch.tensor([[0] * (s - len(r)) + [1] * len(r) for r in rows])
+        for x, mask in left_padded_batches(ids, batch, pad):
             lg = model(input_ids=x, attention_mask=mask, logits_to_keep=1).logits[:, -1].double()
             out.append((lg[:, yes] - lg[:, no]).sigmoid())
     return torch.cat(out)
@@ -55,9 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = Path(tmp) / "hf"
-        hf.mkdir()
-        export_hf(hf)
+        hf = bundled_hf(tmp)
         tok = AutoTokenizer.from_pretrained(hf)
         yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
         g = torch.Generator().manual_seed(0)
