@@ -13,9 +13,9 @@ template around a question; with ``--qwen3-reranker`` it is Qwen3-Reranker's doc
 prompt and its tokens "no" and "yes". The same in a batch file: ``"url": "/v1/rerank",
 "body": {"query": ..., "documents": [...]}`` with ``--classifier-from-token``.
 
-The bundled 135M model is a weak judge: it orders these four only roughly. Its scores are
-exactly its own probabilities (``generate(..., logprobs=20)`` gives the same "Yes" and "No"
-log-probabilities); a trained reranker orders them as one would.
+The bundled 135M model is a weak judge: it puts the answer first, but its scores are low
+and close together. They are exactly its own probabilities (``generate(..., logprobs=20)``
+gives the same "Yes" and "No" log-probabilities); a trained reranker separates them clearly.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def chat_sides(llm: LLM, query: str) -> tuple[str, str]:
     the model's chat template rendered around a placeholder."""
     mark = "\x00DOCUMENT\x00"
     text = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Does the document answer the question? Answer Yes or No.\n"
-                                     f"Question: {query}\nDocument: {mark}"}],
+        [{"role": "user", "content": f"Question: {query}\nDocument: {mark}\nDoes this document answer the question? "
+                                     "Answer Yes or No."}],
         tokenize=False, add_generation_prompt=True)
     head, tail = text.split(mark)
     return head, tail
