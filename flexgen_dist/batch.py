@@ -120,6 +120,7 @@ def _fingerprint(cfg: RunConfig, llm: LLM, input_path: Path) -> dict[str, Any]:
             **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
             **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
             **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
+            **({"score_template": cfg.score_template_text} if cfg.score_template else {}),
             **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
             **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
             "input_sha256": hashlib.sha256(input_path.read_bytes()).hexdigest()}

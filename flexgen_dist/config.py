@@ -72,6 +72,10 @@ class RunConfig:
     # a language model read as a one-label classifier (an LLM reranker): one token (its logit) or
     # two (the second's logit minus the first's), vLLM's classifier_from_token
     classifier_from_token: tuple[str, ...] = ()
+    # a cross-encoder's pair as one prompt: a Jinja template (a file, or its text) over the
+    # messages [{"role": "query"}, {"role": "document"}] (vLLM's score template); None: the
+    # tokenizer's pair encoding (or the texts joined)
+    score_template: str | None = None
     # how embeddings pool the last hidden states: "auto" (as the model's files say: the last
     # token where they say nothing) or one of ``models.pooling.POOLINGS``
     pooling: str = "auto"
@@ -217,6 +221,7 @@ class RunConfig:
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
         _ = self.template_kwargs  # its own checks
+        _ = self.score_template_text
         try:
             _ = self.sampling  # its own checks, as config errors
         except (TypeError, ValueError) as e:
@@ -229,6 +234,19 @@ class RunConfig:
                               self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
                               repetition_penalty=self.repetition_penalty,
                               structure=structure_option(self.json_schema, self.regex, self.choice, self.grammar))
+
+    @cached_property
+    def score_template_text(self) -> str | None:
+        """``--score-template``'s Jinja text: the file's, or the option itself where it is a
+        template (it holds ``{{`` or ``{%``)."""
+        t = self.score_template
+        if t is None or "{{" in t or "{%" in t:
+            return t
+        try:
+            return Path(t).expanduser().read_text()
+        except OSError as e:
+            raise ConfigError(f"--score-template {t}: cannot read it ({e.strerror}): give a Jinja file or the "
+                              "template itself") from None
 
     @cached_property
     def template_kwargs(self) -> dict[str, Any]:

@@ -93,6 +93,10 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    help="read a language model as a one-label classifier from its logits of TOKEN (one: its "
                    "logit; two, e.g. 'no yes': the second's minus the first's): LLM rerankers such as "
                    "Qwen3-Reranker, for score_pairs, rerank and /v1/score, /v1/rerank")
+    g.add_argument("--score-template", metavar="FILE|JINJA", help="a cross-encoder's (or --classifier-from-token "
+                   "judge's) prompt for a text pair: a Jinja template over the messages [{role: query}, {role: "
+                   "document}] (vLLM's score template; configs/score_templates/qwen3_reranker.jinja for "
+                   "Qwen3-Reranker); its variables from --chat-template-kwargs")
     g.add_argument("--pooling", choices=["auto", *POOLINGS],
                    help="how embeddings pool the last hidden states (default auto: as the model's "
                    "sentence-transformers or GGUF metadata says, else the last token)")

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, RunConfig
 from .embeddings import Classification, check_embed, finish
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
@@ -73,7 +73,7 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
             r.adapter = r.model if r.model in llm.model.adapters else None
             try:
-                _for_model(r, llm.model, llm.tokenizer)
+                _for_model(r, llm.model, llm.tokenizer, llm.config)
             except RequestError as e:
                 r.error = e
         return any(r.ok for r in reqs)
@@ -168,7 +168,7 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
     yield from _nonempty(ready.lines())
 
 
-def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None) -> None:
+def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None, cfg: RunConfig) -> None:
     """What a parsed request needs of this model: a language model for completions and
     embeddings, room for its ``dimensions``, the pair inputs of a score or rerank request."""
     if not r.ok:
@@ -191,7 +191,7 @@ def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None) -> None:
             raise RequestError("invalid_value" if r.dimensions is not None and "dimensions" in str(e)
                                else "invalid_request", str(e)) from None
     if r.pairs is not None:
-        pair_inputs(r, spec, tokenizer)
+        pair_inputs(r, spec, tokenizer, cfg.score_template_text, cfg.template_kwargs)
 
 
 def _nonempty(lines: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -318,13 +318,14 @@ def _activation(body: dict[str, Any]) -> bool:
     return on
 
 
-def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None) -> None:
+def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None, template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> None:
     """A score or rerank request's ``inputs`` for this model (``Pairs.prompts``), or its error;
     one result per input makes its line ready (``n``)."""
     assert req.pairs is not None
     try:
         req.cross = cross_encoder(spec)
-        req.inputs = req.pairs.prompts(spec, tokenizer, req.custom_id, req.truncate)
+        req.inputs = req.pairs.prompts(spec, tokenizer, req.custom_id, req.truncate, template, template_kwargs)
     except ConfigError as e:
         code = "context_length_exceeded" if "positions" in str(e) else "invalid_request"
         raise RequestError(code, str(e)) from None

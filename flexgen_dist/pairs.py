@@ -70,16 +70,22 @@ class Pairs:
         return self.first[n if len(self.first) > 1 else 0], self.second[n]
 
     # --- what the model runs, per kind ---------------------------------------------------
-    def prompts(self, spec: ModelSpec, tokenizer: Any | None, pid: str = "pair", truncate: int | None = None
-                ) -> list[Prompt]:
-        """The sequences the model runs: each pair's joined tokens (a cross-encoder), else each
-        text once (the first side, then the second), each within the model's positions (cut to
-        its last ``truncate`` tokens first, where given: vLLM's ``truncate_prompt_tokens``)."""
+    def prompts(self, spec: ModelSpec, tokenizer: Any | None, pid: str = "pair", truncate: int | None = None,
+                template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[Prompt]:
+        """The sequences the model runs: each pair's joined tokens (a cross-encoder: through
+        ``template`` where given, ``score_prompt``), else each text once (the first side, then
+        the second), each within the model's positions (cut to its last ``truncate`` tokens
+        first, where given: vLLM's ``truncate_prompt_tokens``)."""
         if tokenizer is None:
             raise ConfigError("scoring text pairs needs the model's tokenizer: this model has none")
-        if cross_encoder(spec):
-            out = [make_prompt(f"{pid}[{n}]", None, pair_ids(tokenizer, *self.joined(n), spec.pair_sep), tokenizer,
-                               spec.vocab_size) for n in range(len(self))]
+        cross = cross_encoder(spec)
+        if template is not None and not cross:
+            raise ConfigError("a score template joins a pair for a cross-encoder: this model embeds each text (leave "
+                              "--score-template out, or load a one-label classifier or --classifier-from-token)")
+        if cross:
+            out = [make_prompt(f"{pid}[{n}]", None, pair_ids(tokenizer, *self.joined(n), spec.pair_sep, template,
+                                                              template_kwargs), tokenizer, spec.vocab_size)
+                   for n in range(len(self))]
         else:
             out = [make_prompt(f"{pid}[{n}]", t, None, tokenizer, spec.vocab_size)
                    for n, t in enumerate(self.first + self.second)]
@@ -110,9 +116,21 @@ def cross_encoder(spec: ModelSpec) -> bool:
     return spec.num_labels == 1
 
 
-def pair_ids(tokenizer: Any, first: str, second: str, sep: bool = True) -> list[int]:
-    """A pair's tokens: the tokenizer's pair encoding (its separator and special tokens, as
-    the cross-encoder was trained), or, without ``sep``, the two texts joined as one."""
+def pair_ids(tokenizer: Any, first: str, second: str, sep: bool = True, template: str | None = None,
+             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """A pair's tokens: the Jinja ``template`` rendered over the messages ``[{"role": "query",
+    "content": first}, {"role": "document", "content": second}]`` (vLLM's score template; the
+    text holds its own special tokens), or the tokenizer's pair encoding (its separator and
+    special tokens, as the cross-encoder was trained), or, without ``sep``, the two texts
+    joined as one."""
+    if template is not None:
+        msgs = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+        try:
+            text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                                 **(template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - the template's own error, in one line
+            raise ConfigError(f"the score template failed on a pair ({type(e).__name__}: {e})") from None
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     enc = tokenizer(text=first, text_pair=second) if sep else tokenizer(first + second)
     return list(enc["input_ids"])
 

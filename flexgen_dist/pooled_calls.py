@@ -85,7 +85,9 @@ class PooledCalls:
 
         def build() -> tuple[Pairs, list[Prompt]]:  # rank 0: the pairs and what the model runs for them
             pairs = pairs_of()
-            return pairs, pairs.prompts(spec, self.tokenizer, truncate=self.config.truncate_prompt_tokens)
+            cfg = self.config
+            return pairs, pairs.prompts(spec, self.tokenizer, truncate=cfg.truncate_prompt_tokens,
+                                        template=cfg.score_template_text, template_kwargs=cfg.template_kwargs)
 
         pairs, prompts = self.on_driver(build)
         if cross_encoder(spec):

@@ -149,6 +149,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
             **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
             **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
+            **({"score_template": cfg.score_template_text} if cfg.score_template else {}),
             **_structure_print(cfg)}
 
 

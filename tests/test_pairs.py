@@ -259,3 +259,44 @@ def test_the_batch_command_on_two_ranks_scores_pairs(arch: str, tmp_path: Path) 
     s, rr = (x["response"]["body"] for x in read_jsonl(out))
     torch.testing.assert_close(torch.tensor([x["score"] for x in s["data"]]), probs, atol=1e-5, rtol=1e-4)
     assert [x["index"] for x in rr["results"]] == probs.argsort(descending=True).tolist()
+
+
+QWEN3_PROMPT = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+                "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+                "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_score_template_writes_each_pairs_prompt(tmp_path: Path) -> None:
+    """``--score-template`` (a file or its text): each pair rendered over [{query}, {document}]
+    with the run's template variables, then read by the judge as transformers reads that text;
+    the shipped Qwen3-Reranker template writes its model card's prompt."""
+    import transformers
+
+    from flexgen_dist.pairs import pair_ids
+
+    d, m, tok = _model(tmp_path, "Qwen3ForCausalLM", tie_word_embeddings=True)
+    names, (no, yes) = _two_tokens(tok)
+    tmpl = "Q: {{ messages[0].content }} D: {{ messages[1].content }} {{ tail }}"
+    (tmp_path / "t.jinja").write_text(tmpl)
+    texts = [f"Q: {Q} D: {t} yes or no?" for t in DOCS]
+    want = torch.stack([(lambda lg: lg[yes] - lg[no])(_token_logits(m, tok(x, add_special_tokens=False)["input_ids"]))
+                        for x in texts]).sigmoid()
+    for given in (str(tmp_path / "t.jinja"), tmpl):
+        with LLM(str(d), progress=False, classifier_from_token=names, score_template=given,
+                 chat_template_kwargs={"tail": "yes or no?"}) as llm:
+            got = llm.score_pairs(Q, DOCS)
+            line = llm.batch([_req("r", "/v1/rerank", query=Q, documents=DOCS)])[0]
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, atol=1e-5, rtol=1e-4)
+        assert [x["index"] for x in _body(line)["results"]] == want.argsort(descending=True).tolist()
+    shipped = (Path(__file__).parent.parent / "configs/score_templates/qwen3_reranker.jinja").read_text()
+    word = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
+    text = word.decode(pair_ids(word, "what is x?", "x is y.", template=shipped))
+    assert text == QWEN3_PROMPT.format(instruction="Given a web search query, retrieve relevant passages that "
+                                                   "answer the query", query="what is x?", doc="x is y.")
+    d2, _, _ = _model(tmp_path / "lm", "LlamaForCausalLM")
+    with LLM(str(d2), progress=False, score_template=tmpl) as llm:
+        with pytest.raises(ConfigError, match="a score template joins a pair for a cross-encoder"):
+            llm.score_pairs(Q, DOCS)
+    with pytest.raises(ConfigError, match="--score-template .*cannot read it"):
+        LLM(str(d), progress=False, score_template=str(tmp_path / "missing.jinja"))
