@@ -300,3 +300,23 @@ def test_a_score_template_writes_each_pairs_prompt(tmp_path: Path) -> None:
             llm.score_pairs(Q, DOCS)
     with pytest.raises(ConfigError, match="--score-template .*cannot read it"):
         LLM(str(d), progress=False, score_template=str(tmp_path / "missing.jinja"))
+
+
+def test_compress_weight_leaves_the_score_head_dense(tmp_path: Path) -> None:
+    """--compress-weight compresses the layers as always but keeps a classifier's score rows
+    dense (4-bit groups of a one-row difference would move the judge's logit, by up to 1 on
+    the bundled model): placed dense, and the head's stored bytes are what the footprint
+    predicts."""
+    from flexgen_dist.engine.footprint import _cached_slots
+    from flexgen_dist.memory.quant import QTensor
+
+    d, m, tok = _model(tmp_path, "Qwen3ForCausalLM", tie_word_embeddings=True)
+    names, _ = _two_tokens(tok)
+    with LLM(str(d), progress=False, classifier_from_token=names, compress_weight=True) as llm:
+        assert len(llm.score_pairs(Q, DOCS)) == len(DOCS)
+        head, layer = llm.engine.weights.placed[("head", None)], llm.engine.weights.placed[("layer", 0)]
+        assert isinstance(layer["q.w"].data, QTensor) and isinstance(head["score.w"].data, torch.Tensor)
+        spec = llm.model.spec
+        sizes, _ = _cached_slots(spec, 0, spec.num_layers, True, True, 4, (4, 64))[-1]
+        assert head["score.w"].nbytes == spec.hidden_size * 4  # dense float32
+        assert sizes[list(head).index("score.w")] == head["score.w"].nbytes  # as the footprint predicts

@@ -41,7 +41,7 @@ from .head import SCORE_CHUNK_BYTES
 from .kvcache import cache_bytes_per_position, split_rows
 from .policy import Policy
 from .states import STAGED_LAYERS, staged, state_tiers
-from .weights import TIED, TierPlacer, stored_nbytes
+from .weights import DENSE, TIED, TierPlacer, stored_nbytes
 
 TIERS = tuple(t.value for t in Tier)  # gpu (the compute device), cpu (host RAM), disk
 KINDS = ("w", "cache", "act")
@@ -228,7 +228,8 @@ def _slots(spec: ModelSpec, first: int, num_layers: int, has_embed: bool, has_he
         if part == "head" and has_embed:
             shapes = {k: v for k, v in shapes.items() if k != TIED}  # stored once, with the embedding
         fmt = packed(part, j) if packed is not None else {}
-        sizes = tuple(stored_nbytes(sh, dtype_bytes, fmt.get(k, default)) for k, sh in shapes.items())
+        sizes = tuple(stored_nbytes(sh, dtype_bytes, None if k in DENSE else fmt.get(k, default))
+                      for k, sh in shapes.items())
         dense = sum(_numel(sh) for sh in shapes.values()) * dtype_bytes
         parts.append((sizes, dense))
     return tuple(parts)

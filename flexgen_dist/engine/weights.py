@@ -26,6 +26,10 @@ from ..models.packed import PackedWeight
 from .streams import OnStream
 
 _PARTS = ("data", "mins", "scales")  # a compressed weight's parts, each a file on disk
+# matrices --compress-weight leaves dense: a sequence classifier's score rows (a few rows of the
+# hidden size: 4-bit groups would save nothing worth having and move its logits, by up to 1
+# in a one-row judge's difference of head rows)
+DENSE = frozenset({"score.w"})
 Slot = tuple[str, int | None]  # ("embed", None) | ("layer", model layer index) | ("head", None)
 TIED = "tok.w"  # the canonical name of a token embedding, and of an LM head tied to it
 
@@ -93,7 +97,7 @@ class WeightStore:
             ws = read(*slot)
             tied = self._tied_head(slot, ws)
             names = [n for n in ws if tied is None or n != TIED]
-            tiers = placer.place([self._stored_nbytes(ws[n]) for n in names])
+            tiers = placer.place([self._stored_nbytes(n, ws[n]) for n in names])
             self.placed[slot] = {n: self._put(slot, n, ws[n], t) for n, t in zip(names, tiers)}
             if tied is not None:
                 self.placed[slot][TIED] = tied
@@ -125,11 +129,11 @@ class WeightStore:
         embed = self.placed.get(("embed", None), {})
         return embed.get(TIED) if slot == ("head", None) and TIED in ws else None
 
-    def _stored_nbytes(self, w: torch.Tensor | PackedWeight) -> int:
+    def _stored_nbytes(self, name: str, w: torch.Tensor | PackedWeight) -> int:
         if isinstance(w, PackedWeight):
             return stored_nbytes(w.shape, self.dtype.itemsize, (w.bits, w.group_size, w.fmt))
         return stored_nbytes(tuple(w.shape), self.dtype.itemsize,
-                             (self.bits, self.group_size) if self.compress else None)
+                             (self.bits, self.group_size) if self.compress and name not in DENSE else None)
 
     def _put(self, slot: Slot, name: str, w: torch.Tensor | PackedWeight, tier: Tier) -> Placed:
         shape = tuple(w.shape)
@@ -138,7 +142,7 @@ class WeightStore:
             # input dim), adopted as they are
             w = QTensor(data=w.codes, mins=w.mins, scales=w.scales, shape=torch.Size(w.shape),  # type: ignore[assignment]
                         dtype=self.dtype, dim=1, group_size=w.group_size, bits=w.bits, fmt=w.fmt)
-        elif self.compress and w.dim() == 2:
+        elif self.compress and w.dim() == 2 and name not in DENSE:
             # grouped along the input dim (dim 1 of an (out, in) matrix), as GGUF blocks are
             w = quantize(w, bits=self.bits, group_size=self.group_size, dim=1)  # type: ignore[assignment]
         if isinstance(w, QTensor) and tier == Tier.DISK:  # compressed on disk too: ~4x less to read
