@@ -115,15 +115,7 @@ def _fingerprint(cfg: RunConfig, llm: LLM, input_path: Path) -> dict[str, Any]:
     return {"model": cfg.model or "(bundled)", "model_name": llm.model.spec.name, "dtype": str(llm.dtype),
             "dummy_weights": cfg.dummy_weights, "default_max_tokens": cfg.gen_len, "seed": cfg.seed,
             "ignore_eos": cfg.ignore_eos,
-            **({"lora": cfg.lora} if cfg.lora else {}),
-            **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
-            **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
-            **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
-            **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
-            **({"score_template": cfg.score_template_text} if cfg.score_template else {}),
-            **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
-            **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
-            "input_sha256": hashlib.sha256(input_path.read_bytes()).hexdigest()}
+            **cfg.model_options(), "input_sha256": hashlib.sha256(input_path.read_bytes()).hexdigest()}
 
 
 def _report(cfg: RunConfig, llm: LLM, counts: dict[str, int], seconds: float, done: int) -> None:

@@ -235,6 +235,19 @@ class RunConfig:
                               repetition_penalty=self.repetition_penalty,
                               structure=structure_option(self.json_schema, self.regex, self.choice, self.grammar))
 
+    def model_options(self) -> dict[str, Any]:
+        """The options set away from their defaults that change what the model reads or
+        computes (adapters, a token judge, truncation, pooling, templates): part of a job's
+        fingerprint (``run.py``, ``batch.py``)."""
+        return {**({"lora": self.lora} if self.lora else {}),
+                **({"lora_modules": list(self.lora_modules)} if self.lora_modules else {}),
+                **({"classifier_from_token": list(self.classifier_from_token)} if self.classifier_from_token else {}),
+                **({"truncate_prompt_tokens": self.truncate_prompt_tokens} if self.truncate_prompt_tokens else {}),
+                **({"pooling": self.pooling} if self.pooling != "auto" else {}),
+                **({"score_template": self.score_template_text} if self.score_template else {}),
+                **({"chat_template_kwargs": self.template_kwargs} if self.template_kwargs else {}),
+                **({"reasoning_parser": self.reasoning_parser} if self.reasoning_parser != "auto" else {})}
+
     @cached_property
     def score_template_text(self) -> str | None:
         """``--score-template``'s Jinja text: the file's, or the option itself where it is a

@@ -152,8 +152,8 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--metrics", help="JSON file of throughputs, timings, peaks, policy")
     g.add_argument("--print-outputs", type=int, help="completions to print (default 8)")
     g.add_argument("--embed", action="store_true", help="write each prompt's embedding instead of a completion "
-                   "(its last hidden state after the final norm, L2-normalized): {\"id\", \"embedding\", "
-                   "\"prompt_tokens\"} lines")
+                   "(its last hidden states after the final norm, pooled as --pooling says, L2-normalized): "
+                   "{\"id\", \"embedding\", \"prompt_tokens\"} lines")
     g.add_argument("--classify", action="store_true", help="a sequence classifier (reward model) checkpoint: write "
                    "each prompt's labels' logits, their softmax and the top label: {\"id\", \"logits\", \"probs\", "
                    "\"label\", \"prompt_tokens\"} lines")

@@ -152,7 +152,8 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
         for window in windows:
             for e in window:  # windows come in input order: a request's results in its inputs' order
                 r = embedded[e.index][0]
-                r.choices.append(e.logits if isinstance(e, Classification) else e.embedding if r.pairs is not None
+                r.choices.append(e if r.url == CLASSIFY else e.logits if isinstance(e, Classification)
+                                 else e.embedding if r.pairs is not None
                                  else finish(torch.tensor(e.embedding), r.dimensions, normalize=True))
             yield from _nonempty(ready.lines())
     if rows:
@@ -178,7 +179,6 @@ def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None, cfg: RunCo
         if not spec.num_labels:
             raise RequestError("invalid_request", f"{CLASSIFY} needs a sequence classifier (a "
                                                   "*ForSequenceClassification checkpoint): this is a language model")
-        r.labels = spec.labels
         return
     if spec.num_labels and r.pairs is None:
         raise RequestError("invalid_request", f"this model is a sequence classifier ({spec.num_labels} labels, no "

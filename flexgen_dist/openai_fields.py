@@ -1,7 +1,7 @@
 """The fields of an OpenAI Batch request's body, checked one at a time (``openai_requests.py``
 reads a line with them): sampling values and their ranges, logit biases, logprobs, stop
-strings, structured output, a chat's messages, its template's variables and a continued
-final message; each bad value is a ``RequestError`` with OpenAI's error code and a one-line
+strings, structured output, a chat's messages, its template's variables, a continued final
+message and a classifier's activation; each bad value is a ``RequestError`` with OpenAI's error code and a one-line
 message."""
 from __future__ import annotations
 
@@ -214,3 +214,15 @@ def stops(v: Any) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("invalid_value", "stop must be a non-empty string or a list of them")
     return tuple(stops)
+
+
+def activation(body: dict[str, Any]) -> bool:
+    """vLLM's switch of a classifier's activation (softmax, a one-label model's sigmoid), under
+    its three names; off: the logits themselves."""
+    on = True
+    for k in ("use_activation", "activation", "softmax"):
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
+        on = on and v is not False
+    return on

@@ -77,15 +77,13 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
     if req.url == RESPONSES:  # one choice, in the Responses format
         body = response_body(rid, created, model, req.choices[0], choices[0]["message"], choices[0]["logprobs"],
                              prompt_tokens)
-        return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
-                "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+        return _answered(req, rid, body)
     body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
     if chat and req.prompt_logprobs is not None and req.scored is not None:  # vLLM: the response's, once
         body["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
-    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
-            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+    return _answered(req, rid, body)
 
 
 def _embeddings_line(req: Request, model: str, rid: str) -> dict[str, Any]:
@@ -100,8 +98,7 @@ def _embeddings_line(req: Request, model: str, rid: str) -> dict[str, Any]:
         data.append({"object": "embedding", "index": j, "embedding": emb})
     tokens = sum(len(p.ids) for p in req.inputs)
     body = {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
-            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+    return _answered(req, rid, body)
 
 
 def _classify_line(req: Request, model: str, rid: str, created: int) -> dict[str, Any]:
@@ -111,17 +108,14 @@ def _classify_line(req: Request, model: str, rid: str, created: int) -> dict[str
     most likely label's name."""
     assert req.inputs is not None
     data = []
-    for j, logits in enumerate(req.choices):
-        x = torch.tensor(logits, dtype=torch.float64)
+    for j, c in enumerate(req.choices):  # each a ``Classification``
+        x = torch.tensor(c.logits, dtype=torch.float64)
         probs = (x.sigmoid() if x.numel() == 1 else x.softmax(-1)) if req.activation else x
-        best = int(x.argmax())
-        data.append({"index": j, "label": req.labels[best] if best < len(req.labels) else f"LABEL_{best}",
-                     "probs": probs.tolist(), "num_classes": x.numel()})
+        data.append({"index": j, "label": c.label, "probs": probs.tolist(), "num_classes": x.numel()})
     tokens = sum(len(p.ids) for p in req.inputs)
     body = {"id": f"classify-{rid}", "object": "list", "created": created, "model": model, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
-    return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
-            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+    return _answered(req, rid, body)
 
 
 def _pairs_line(req: Request, model: str, rid: str, created: int) -> dict[str, Any]:
@@ -145,6 +139,11 @@ def _pairs_line(req: Request, model: str, rid: str, created: int) -> dict[str, A
             results.append({**res, "relevance_score": r.score})
         body = {"id": f"rerank-{rid}", "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": results}
+    return _answered(req, rid, body)
+
+
+def _answered(req: Request, rid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The output line of a request answered with ``body``."""
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

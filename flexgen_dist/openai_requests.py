@@ -1,7 +1,7 @@
 """OpenAI Batch request lines (``openai_batch.py`` runs them): each line parsed into a
 ``Request``, what it asks for (prompt, limits, sampling, stops, ``n``, logprobs, echo; an
-embeddings request's inputs, dimensions and encoding; a score or rerank request's pairs) or
-the one-line error that keeps it from running (bad JSON, an unknown url, a body field that
+embeddings or classify request's inputs, dimensions and encoding; a score or rerank
+request's pairs) or the one-line error that keeps it from running (bad JSON, an unknown url, a body field that
 would change the output and is not computed, a prompt longer than the model's context). Each
 field's own check is ``openai_fields.py``'s; a Responses body is read as its chat body
 (``openai_responses.py``)."""
@@ -30,8 +30,7 @@ ROUTES = {CHAT: CHAT, COMPLETIONS: COMPLETIONS, EMBEDDINGS: EMBEDDINGS, SCORE: S
 # a score body's pair of sides, under any of vLLM's names for them
 SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 # fields of a score or rerank body besides its texts (vLLM's), and a rerank body's own (Jina's, Cohere's)
-PAIR_FIELDS = {"model", "user", "priority", "truncate_prompt_tokens", "mm_processor_kwargs", "use_activation",
-               "activation", "softmax"}
+PAIR_FIELDS = {"model", "user", "priority", "truncate_prompt_tokens", "use_activation", "activation", "softmax"}
 RERANK_FIELDS = {"top_n", "return_documents"}
 MAX_N = 128  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
@@ -85,7 +84,6 @@ class Request:
     pairs: Pairs | None = None  # score, rerank: its texts (``inputs`` are what the model runs for them)
     activation: bool = True  # score, rerank, classify: the logits through a sigmoid / softmax (False: as they are)
     cross: bool = False  # score, rerank: the model reads each pair as one sequence (else embeds each text)
-    labels: tuple[str, ...] = ()  # classify: the classifier's labels' names
     top_n: int = 0  # rerank: the best that many documents (0: all)
     return_documents: bool = True  # rerank: each result carries its document's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: the request's own, else the run's
@@ -161,8 +159,8 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
     url = str(rec.get("url", ""))
     if url not in ROUTES:
-        raise RequestError("invalid_url", f"url {url!r} is not served: use {CHAT}, {COMPLETIONS}, {RESPONSES}, "
-                                          f"{EMBEDDINGS}, {SCORE} or {RERANK}")
+        raise RequestError("invalid_url", f"url {url!r} is not served: use one of "
+                                          f"{', '.join(dict.fromkeys(ROUTES.values()))}")
     req.url = ROUTES[url]
     body = rec.get("body")
     if not isinstance(body, dict):
@@ -234,9 +232,9 @@ def _fill_inputs(req: Request, body: dict[str, Any], tokenizer: Any | None, voca
     """An embeddings or classify request: its inputs (a string, token ids, or a list of
     either); an embeddings request's ``dimensions`` and ``encoding_format``, a classify
     request's ``use_activation``."""
-    bad = sorted(set(body) - (EMBED_FIELDS if req.url == EMBEDDINGS else CLASSIFY_FIELDS))
+    bad = unsupported_field(body, EMBED_FIELDS if req.url == EMBEDDINGS else CLASSIFY_FIELDS, {}, f" on {req.url}")
     if bad:
-        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {req.url} (leave it out)")
+        raise RequestError("unsupported_field", bad)
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     x = body.get("input")
     ids = isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -262,7 +260,7 @@ def _fill_inputs(req: Request, body: dict[str, Any], tokenizer: Any | None, voca
         req.inputs.append(p)
     req.n = len(req.inputs)  # one vector per input: the line is ready with all of them
     if req.url == CLASSIFY:
-        req.activation = _activation(body)
+        req.activation = fields.activation(body)
         return
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
@@ -283,10 +281,10 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
             "'query' and 'documents'" if rerank else "its two sides: 'text_1' and 'text_2' (or 'queries' and "
                                                      "'documents' or 'items', or 'data_1' and 'data_2'), one pair"))
     names = sides[0]
-    bad = sorted(set(body) - PAIR_FIELDS - set(names) - (RERANK_FIELDS if rerank else set()))
-    bad += [k for k in ("mm_processor_kwargs",) if body.get(k) is not None]  # None only
+    bad = unsupported_field(body, PAIR_FIELDS | set(names) | (RERANK_FIELDS if rerank else set()),
+                            {"mm_processor_kwargs": (None,)}, f" on {req.url}")
     if bad:
-        raise RequestError("unsupported_field", f"body field {bad[0]!r} is not supported on {req.url} (leave it out)")
+        raise RequestError("unsupported_field", bad)
     req.model = body["model"] if isinstance(body.get("model"), str) else None
     try:
         req.pairs = Pairs.of(body.get(names[0]), body.get(names[1]), names, one_first=rerank)
@@ -295,7 +293,7 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
     if len(req.pairs.first) + len(req.pairs.second) > MAX_INPUTS:
         raise RequestError("invalid_value", f"{len(req.pairs.first) + len(req.pairs.second)} texts: at most "
                                             f"{MAX_INPUTS} per request")
-    req.activation = _activation(body)
+    req.activation = fields.activation(body)
     if rerank:
         top = body.get("top_n")
         req.top_n = 0 if top is None or (isinstance(top, int) and not isinstance(top, bool) and top < 0) \
@@ -304,18 +302,6 @@ def _fill_pairs(req: Request, body: dict[str, Any]) -> None:
         if not isinstance(rd, bool):
             raise RequestError("invalid_value", f"return_documents {rd!r}: true or false")
         req.return_documents = rd
-
-
-def _activation(body: dict[str, Any]) -> bool:
-    """vLLM's switch of a classifier's activation (softmax, a one-label model's sigmoid), under
-    its three names; off: the logits themselves."""
-    on = True
-    for k in ("use_activation", "activation", "softmax"):
-        v = body.get(k)
-        if v is not None and not isinstance(v, bool):
-            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
-        on = on and v is not False
-    return on
 
 
 def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None, template: str | None = None,

@@ -73,7 +73,7 @@ class Pairs:
     def prompts(self, spec: ModelSpec, tokenizer: Any | None, pid: str = "pair", truncate: int | None = None,
                 template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[Prompt]:
         """The sequences the model runs: each pair's joined tokens (a cross-encoder: through
-        ``template`` where given, ``score_prompt``), else each text once (the first side, then
+        ``template`` where given, ``pair_ids``), else each text once (the first side, then
         the second), each within the model's positions (cut to its last ``truncate`` tokens
         first, where given: vLLM's ``truncate_prompt_tokens``)."""
         if tokenizer is None:
@@ -92,7 +92,7 @@ class Pairs:
         out = [truncated(p, truncate, spec.max_positions) for p in out]
         for n, p in enumerate(out):
             if len(p.ids) > spec.max_positions:
-                raise ConfigError(f"{'pair' if cross_encoder(spec) else 'text'} {n} has {len(p.ids)} tokens, more "
+                raise ConfigError(f"{'pair' if cross else 'text'} {n} has {len(p.ids)} tokens, more "
                                   f"than the model's {spec.max_positions} positions: shorten it (or give "
                                   "truncate_prompt_tokens)")
         return out

@@ -30,9 +30,11 @@ class PooledCalls:
     def embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
               normalize: bool = True, lora: LoraChoice = None) -> list[Embedding]:
         """Embeddings of ``inputs`` (strings, token-id lists or conversations), in input order:
-        each input's last hidden state after the model's final norm (last-token pooling, as
-        decoder embedding models such as Qwen3-Embedding define theirs; give the inputs as the
-        model card says, e.g. with its instruction prefix), cut to its first ``dimensions``
+        each input's last hidden states after the model's final norm, pooled as the model's
+        files say (``ModelSpec.pooling``: the last token where they say nothing, as decoder
+        embedding models such as Qwen3-Embedding define theirs; give the inputs as the model
+        card says, e.g. with its instruction prefix), through its sentence-transformers Dense
+        steps where it has them, cut to its first ``dimensions``
         (None: all ``embed_dim``) and L2-normalized unless ``normalize`` is False. One prefill
         per input, nothing generated; every placement, launcher and LoRA choice (``lora``, as
         ``generate``'s) applies. On ranks other than 0 the arguments are ignored and the result
@@ -90,11 +92,12 @@ class PooledCalls:
                                         template=cfg.score_template_text, template_kwargs=cfg.template_kwargs)
 
         pairs, prompts = self.on_driver(build)
-        if cross_encoder(spec):
+        cross = cross_encoder(spec)
+        if cross:
             results = [c.logits for c in self.classify(prompts, lora=lora)]
         else:
             results = [e.embedding for e in self.embed(prompts, normalize=False, lora=lora)]
-        return pairs.scores(results, cross_encoder(spec), activation) if self.is_driver else []
+        return pairs.scores(results, cross, activation) if self.is_driver else []
 
     def _pooled(self, inputs: Sequence[PromptLike] | None, dimensions: int | None, normalize: bool,
                 lora: LoraChoice, call: str) -> Iterator[list[Embedding]]:

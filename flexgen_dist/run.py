@@ -140,17 +140,9 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}),
             **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)},
             **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
-            **({"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}),
-            **({"reasoning_parser": cfg.reasoning_parser} if cfg.reasoning_parser != "auto" else {}),
-            **({"lora": cfg.lora} if cfg.lora else {}),
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"classify": True} if cfg.classify else {}),
-            **({"lora_modules": list(cfg.lora_modules)} if cfg.lora_modules else {}),
-            **({"classifier_from_token": list(cfg.classifier_from_token)} if cfg.classifier_from_token else {}),
-            **({"truncate_prompt_tokens": cfg.truncate_prompt_tokens} if cfg.truncate_prompt_tokens else {}),
-            **({"pooling": cfg.pooling} if cfg.pooling != "auto" else {}),
-            **({"score_template": cfg.score_template_text} if cfg.score_template else {}),
-            **_structure_print(cfg)}
+            **cfg.model_options(), **_structure_print(cfg)}
 
 
 def _structure_print(cfg: RunConfig) -> dict[str, Any]:
