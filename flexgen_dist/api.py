@@ -170,8 +170,8 @@ class LLM(PooledCalls):
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
         ``gen_len`` and ``sampling`` default to the options the LLM was built with;
-        ``sampling`` may also be one ``SamplingConfig`` per prompt (its temperature, top-p and
-        seed; ``ignore_eos`` is the first one's). ``max_new_tokens`` (one per prompt, each <=
+        ``sampling`` may also be one ``SamplingConfig`` per prompt (all of it: temperature,
+        penalties, ``ignore_eos``, vLLM's ``min_tokens``, ``stop_token_ids``, ``bad_words``, ...). ``max_new_tokens`` (one per prompt, each <=
         gen_len) cuts a completion shorter; ``stop`` (one list of strings per prompt) ends it
         before the first of its stop strings. A finished completion costs no more steps once
         its whole block is done, and blocks group prompts of similar length (``sort_window``).
@@ -211,10 +211,9 @@ class LLM(PooledCalls):
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,
                                                              max_new_tokens=max_new_tokens, stop=stop,
                                                              logprobs=logprobs, lora=lora))
-            stops = StopStrings(work.stops, self.tokenizer) if work.stops is not None and self.is_driver else None
+            stops = work.stop_strings(self.tokenizer) if self.is_driver else None
             for window in self._windows(self._run(work, peaks)):
-                yield [self._completion(n, work.prompts[n], toks, stops, work.sampling.ignore_eos)
-                       for n, toks in window]
+                yield [self._completion(n, work.prompts[n], toks, stops, work.sampling_of(n)) for n, toks in window]
 
     def batch(self, requests: Sequence[dict[str, Any] | str] | None = None,
               max_tokens: int | None = None) -> list[dict[str, Any]]:
@@ -388,10 +387,9 @@ class LLM(PooledCalls):
         predicted = {} if plan.prediction is None else dataclasses.asdict(plan.prediction)
         self.metrics = {**merge_metrics(run, self._worker.timings, stages, predicted), "plan": plan.to_dict()}
 
-    def _completion(self, index: int, p: Prompt, res: Any, stops: StopStrings | None = None,
-                    ignore_eos: bool = False) -> Completion:
-        return completion(index, p, res, self.tokenizer, self.reasoning, self.model.spec.eos_token_ids, stops,
-                          ignore_eos)
+    def _completion(self, index: int, p: Prompt, res: Any, stops: StopStrings | None,
+                    cfg: SamplingConfig) -> Completion:
+        return completion(index, p, res, self.tokenizer, self.reasoning, self.model.spec.eos_token_ids, stops, cfg)
 
     def summary(self) -> str:
         """The last call's throughputs in words (rank 0)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Collection
 
-from .engine.sampling import TokenLogprobs
+from .engine.sampling import SamplingConfig, TokenLogprobs
 from .prompts import Prompt, StopStrings
 from .reasoning import Reasoning
 
@@ -27,27 +27,43 @@ class Completion:
     # answer alone) and where the answer starts in ``token_ids``
     reasoning: str | None = None
     answer_from: int = 0
+    # vLLM's: what ended it, where not EOS or its length: the stop id, or the stop string
+    stop_reason: int | str | None = None
 
 
 def completion(index: int, p: Prompt, res: Any, tokenizer: Any, reasoning: Reasoning | None,
-               eos_ids: Collection[int], stops: StopStrings | None = None, ignore_eos: bool = False) -> Completion:
+               eos_ids: Collection[int], stops: StopStrings | None = None,
+               cfg: SamplingConfig = SamplingConfig()) -> Completion:
     """Request ``index``'s ``Completion`` from its result ``res`` (token ids, or ids and their
-    log-probabilities): a reasoning model's chat split into thinking and answer, the text cut
-    before a stop string (in the thinking where the answer is empty), ``finish_reason`` "stop"
-    at an EOS (unless ignored) or a stop string."""
+    log-probabilities) under its sampling ``cfg``: a reasoning model's chat split into thinking
+    and answer, the text cut before a stop string (in the thinking where the answer is empty),
+    ``finish_reason`` "stop" at an id that ends it (EOS unless ignored, a stop id) or a stop
+    string, whose text the completion's leaves out unless ``cfg.include_stop_str_in_output``."""
     toks, lps = res if isinstance(res, tuple) else (res, None)
-    split = reasoning.split(toks, p.ids, tokenizer) if reasoning is not None and p.messages is not None else None
+    ends = cfg.ends(tuple(eos_ids))
+    ended = bool(toks) and toks[-1] in ends
+    shown = toks[:-1] if ended and not cfg.include_stop_str_in_output else toks
+    split = reasoning.split(shown, p.ids, tokenizer) if reasoning is not None and p.messages is not None else None
     if split is not None:  # a reasoning model's chat: its answer and its thinking
         text, thought = split.content, split.reasoning
     else:
-        text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer is not None else None
+        text = tokenizer.decode(shown, skip_special_tokens=cfg.skip_special_tokens) if tokenizer is not None else None
         thought = None
-    stopped = bool(toks) and toks[-1] in eos_ids and not ignore_eos
+    reason: int | str | None = toks[-1] if ended and toks[-1] not in eos_ids else None
     if stops is not None and text is not None and stops.has(index):
         if thought is not None and not text:  # the stop string ended the thinking
-            thought, hit = stops.cut(index, thought)
+            thought, hit = stops.cut(index, thought, _floor(tokenizer, shown, 0, cfg), cfg.include_stop_str_in_output)
         else:
-            text, hit = stops.cut(index, text)
-        stopped = stopped or hit
-    return Completion(index, p.ids, toks, text, p.text, "stop" if stopped else "length", lps, thought,
-                      split.answer_from if split is not None else 0)
+            text, hit = stops.cut(index, text, _floor(tokenizer, shown, split.answer_from if split else 0, cfg),
+                                  cfg.include_stop_str_in_output)
+        ended, reason = ended or hit is not None, hit if hit is not None else reason
+    return Completion(index, p.ids, toks, text, p.text, "stop" if ended else "length", lps, thought,
+                      split.answer_from if split is not None else 0, reason)
+
+
+def _floor(tokenizer: Any, toks: list[int], start: int, cfg: SamplingConfig) -> int:
+    """How many characters of the text of ``toks[start:]`` the first ``cfg.min_tokens`` new
+    tokens make: a stop string ending within them does not count (vLLM's)."""
+    if cfg.min_tokens <= start:
+        return 0
+    return len(tokenizer.decode(toks[start:cfg.min_tokens], skip_special_tokens=cfg.skip_special_tokens))

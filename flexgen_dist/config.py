@@ -94,6 +94,11 @@ class RunConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's controls (``SamplingConfig``): no EOS or stop id before this many new tokens; ids
+    # that end a completion as EOS does; words never generated
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     embed: bool = False  # the run writes each prompt's embedding instead of a completion (``LLM.embed``)
     embed_dimensions: int | None = None  # with embed: each vector's first that many values
@@ -232,7 +237,8 @@ class RunConfig:
         """The run's sampling (built once: a schema or grammar file is read once)."""
         return SamplingConfig(self.temperature, self.top_p, self.seed, self.ignore_eos,
                               self.frequency_penalty, self.presence_penalty, top_k=self.top_k, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty,
+                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids), bad_words=tuple(self.bad_words),
                               structure=structure_option(self.json_schema, self.regex, self.choice, self.grammar))
 
     def model_options(self) -> dict[str, Any]:
@@ -353,9 +359,11 @@ def build_config(model: str | None, config: RunConfig | None, options: dict[str,
         pols = [pol] if isinstance(pol, (Policy, dict)) else list(pol)
         opts["stages"] = tuple(p.to_dict() if isinstance(p, Policy) else dict(p) for p in pols)
         opts["policy"] = None
-    for k in ("percent", "state_percent", "stage_layers"):
+    for k in ("percent", "state_percent", "stage_layers", "stop_token_ids"):
         if opts.get(k) is not None:
             opts[k] = tuple(opts[k])
+    if isinstance(opts.get("bad_words"), (list, str)):
+        opts["bad_words"] = (opts["bad_words"],) if isinstance(opts["bad_words"], str) else tuple(opts["bad_words"])
     if isinstance(opts.get("classifier_from_token"), (list, str)):
         v = opts["classifier_from_token"]
         opts["classifier_from_token"] = (v,) if isinstance(v, str) else tuple(v)

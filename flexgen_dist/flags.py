@@ -131,6 +131,12 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--repetition-penalty", type=float, help="divide the logit of every token of the prompt or "
                    "generated already by this where positive, multiply where negative (as transformers; "
                    "default 1: off; greedy too)")
+    g.add_argument("--min-tokens", type=int, metavar="N", help="no EOS (or stop token) before N new tokens, and no "
+                   "stop string ending before them (vLLM's min_tokens; default 0)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID", help="token ids that end a completion "
+                   "as EOS does (kept in its tokens, left out of its text)")
+    g.add_argument("--bad-words", nargs="+", metavar="WORD", help="words never generated (vLLM's bad_words: a "
+                   "word's last token is banned where the newest tokens are the rest of it)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--json-schema", metavar="FILE|JSON", help="every completion is JSON matching this schema "
@@ -250,7 +256,8 @@ def parse_config_with(argv: list[str] | None, parser: argparse.ArgumentParser,
                 raise ConfigError(f"unknown key {k!r} in --config file; known keys: {', '.join(sorted(known))}")
             values[key] = v if key == "stages" else _yaml_value(key, v)
     values.update(ns)
-    for k in ("percent", "state_percent", "stage_layers", "choice", "lora_modules", "classifier_from_token"):
+    for k in ("percent", "state_percent", "stage_layers", "choice", "lora_modules", "classifier_from_token",
+              "stop_token_ids", "bad_words"):
         if values.get(k) is not None:
             values[k] = tuple(values[k])
     if "stages" in values:

@@ -51,6 +51,7 @@ class _Nothing:
     finish_reason: str = "length"
     reasoning: str | None = None
     answer_from: int = 0
+    stop_reason: int | str | None = None
 
 
 # --- running a batch ----------------------------------------------------------------------
@@ -69,7 +70,8 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         lines = [r if isinstance(r, str) else json.dumps(r) for r in requests]
         spec = llm.model.spec
         reqs = parse_requests(lines, llm.tokenizer, spec.vocab_size, spec.max_positions, default, llm.config.seed,
-                              spec.eos_token_ids, llm.config.template_kwargs, llm.config.truncate_prompt_tokens)[skip:]
+                              spec.eos_token_ids, llm.config.template_kwargs, llm.config.truncate_prompt_tokens,
+                              llm.config.ignore_eos)[skip:]
         for r in reqs:  # a model naming a served LoRA adapter runs with it; any other, the base model
             r.adapter = r.model if r.model in llm.model.adapters else None
             try:

@@ -1,6 +1,7 @@
 """The fields of an OpenAI Batch request's body, checked one at a time (``openai_requests.py``
 reads a line with them): sampling values and their ranges, logit biases, logprobs, stop
-strings, structured output, a chat's messages, its template's variables, a continued final
+strings, vLLM's sampling controls (``min_tokens``, ``stop_token_ids``, ``bad_words``, ...),
+structured output, a chat's messages, its template's variables, a continued final
 message and a classifier's activation; each bad value is a ``RequestError`` with OpenAI's error code and a one-line
 message."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import ConfigError, check_template_kwargs
+from .engine.bans import bad_word_ids
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_REPETITION
 from .engine.structure import Structure, check_structure
 from .openai_tools import ToolChoice
@@ -226,3 +228,47 @@ def activation(body: dict[str, Any]) -> bool:
             raise RequestError("invalid_value", f"{k} {v!r}: true or false")
         on = on and v is not False
     return on
+
+
+# vLLM's sampling controls a request may set (``SamplingConfig``'s fields of those names)
+CONTROLS = ("min_tokens", "stop_token_ids", "ignore_eos", "bad_words", "allowed_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens")
+
+
+def controls(body: dict[str, Any], vocab_size: int, tokenizer: Any | None) -> dict[str, Any]:
+    """vLLM's sampling controls of ``body`` as ``SamplingConfig`` keywords: ``min_tokens``,
+    ``stop_token_ids``, ``ignore_eos``, ``bad_words`` (made ids here, as vLLM makes them),
+    ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``."""
+    out: dict[str, Any] = {}
+    for k in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        v = body.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError("invalid_value", f"{k} {v!r}: true or false")
+        if v is not None:
+            out[k] = v
+    if body.get("min_tokens") is not None:
+        out["min_tokens"] = integer(body["min_tokens"], "min_tokens", 0)
+    for k in ("stop_token_ids", "allowed_token_ids"):
+        v = body.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v) or \
+                not all(0 <= t < vocab_size for t in v):
+            raise RequestError("invalid_value", f"{k} must be a list of token ids in [0, {vocab_size})")
+        if k == "allowed_token_ids" and not v:
+            raise RequestError("invalid_value", "allowed_token_ids must not be empty (leave it out to allow every "
+                                                "token)")
+        out[k] = tuple(v)
+    words = body.get("bad_words")
+    if words is not None:
+        if isinstance(words, str):
+            words = [words]
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise RequestError("invalid_value", "bad_words must be a list of non-empty strings")
+        if words and tokenizer is None:
+            raise RequestError("invalid_request", "bad_words need the model's tokenizer (this model has none)")
+        ids = bad_word_ids(words, tokenizer) if words else ()
+        if any(i >= vocab_size for w in ids for i in w):
+            raise RequestError("invalid_value", "bad_words encode to ids outside the model's vocabulary")
+        out["bad_words_ids"] = ids
+    return out

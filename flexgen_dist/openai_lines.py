@@ -71,6 +71,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         if req.prompt_logprobs is not None and req.scored is not None and not chat:
             choice["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
         choice["finish_reason"] = "tool_calls" if called is not None and c.finish_reason == "stop" else c.finish_reason
+        choice["stop_reason"] = c.stop_reason  # vLLM's: the stop id or string (None: EOS, length)
         choices.append(choice)
     used = sum(len(c.token_ids) for c in req.choices)
     prompt_tokens = len(req.prompt.ids)

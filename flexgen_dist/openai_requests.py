@@ -44,6 +44,7 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options",
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
     "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
+    "spaces_between_special_tokens": (None, True),  # vLLM's: only a slow tokenizer's decode reads it
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
@@ -52,6 +53,7 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "tools", "tool_choice",  # chat only: function calling, named or required (openai_tools.py)
         "chat_template_kwargs", "reasoning_effort",  # chat only: the template's variables (vLLM's; OpenAI's)
         "continue_final_message", "add_generation_prompt",  # chat only (vLLM's): an assistant prefill continued
+        *fields.CONTROLS,  # vLLM's: min_tokens, stop_token_ids, ignore_eos, bad_words, ...
         "echo",  # completions only
         "truncate_prompt_tokens"}  # vLLM's: a longer prompt cut to its last K tokens
 
@@ -104,9 +106,11 @@ class Request:
 
 def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max_positions: int,
                    default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
-                   template_kwargs: dict[str, Any] | None = None, truncate: int | None = None) -> list[Request]:
+                   template_kwargs: dict[str, Any] | None = None, truncate: int | None = None,
+                   ignore_eos: bool = False) -> list[Request]:
     """One ``Request`` per non-blank line, in order; a duplicate ``custom_id`` is refused
-    before anything runs (``ConfigError``), a bad request gets its ``error``. Chats render with
+    before anything runs (``ConfigError``), a bad request gets its ``error``. ``seed`` and
+    ``ignore_eos`` (the run's) are a request's unless it gives its own. Chats render with
     the template's variables ``template_kwargs`` (the run's), a request's own on top; prompts
     are cut as ``truncate`` says (the run's ``truncate_prompt_tokens``) unless a request says
     otherwise."""
@@ -116,7 +120,7 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
         if not raw.strip():
             continue
         req = parse_request(n, raw, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids,
-                            template_kwargs, truncate)
+                            template_kwargs, truncate, ignore_eos)
         if req.custom_id in seen:
             raise ConfigError(f"line {n + 1}: custom_id {req.custom_id!r} is also on line {seen[req.custom_id] + 1}; "
                               "each request needs its own custom_id")
@@ -129,7 +133,8 @@ def parse_requests(lines: list[str], tokenizer: Any | None, vocab_size: int, max
 
 def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_positions: int,
                   default_max_tokens: int, seed: int = 0, eos_ids: tuple[int, ...] = (),
-                  template_kwargs: dict[str, Any] | None = None, truncate: int | None = None) -> Request:
+                  template_kwargs: dict[str, Any] | None = None, truncate: int | None = None,
+                  ignore_eos: bool = False) -> Request:
     """Request of line ``n`` (0-based); a request that cannot run carries its error."""
     req = Request(n, f"line-{n + 1}", truncate=truncate)
     try:
@@ -143,7 +148,8 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
     if rec.get("custom_id") is not None:
         req.custom_id = str(rec["custom_id"])
     try:
-        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids, template_kwargs)
+        _fill(req, rec, tokenizer, vocab_size, max_positions, default_max_tokens, seed, eos_ids, template_kwargs,
+              ignore_eos)
     except RequestError as e:
         req.error = e
     except ConfigError as e:  # what make_prompt refuses (ids outside the vocabulary, no template)
@@ -153,7 +159,7 @@ def parse_request(n: int, raw: str, tokenizer: Any | None, vocab_size: int, max_
 
 def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: int, max_positions: int,
           default_max_tokens: int, seed: int, eos_ids: tuple[int, ...] = (),
-          template_kwargs: dict[str, Any] | None = None) -> None:
+          template_kwargs: dict[str, Any] | None = None, ignore_eos: bool = False) -> None:
     method = rec.get("method", "POST")
     if method != "POST":
         raise RequestError("invalid_request", f"method {method!r}: batch requests are POST")
@@ -212,11 +218,18 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                  for k in ("frequency_penalty", "presence_penalty")]
     top_k = body.get("top_k")
     top_k = 0 if top_k in (None, -1) else fields.integer(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
-    req.sampling = SamplingConfig(temp, top_p, seed if s is None else fields.integer(s, "seed", 0), False, *penalties,
-                                  fields.logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
+    ctl = fields.controls(body, vocab_size, tokenizer)
+    st = fields.structure(body, tokenizer, vocab_size, eos_ids, req.tools)
+    if ctl.get("ignore_eos") and st is not None:
+        raise RequestError("invalid_value", "ignore_eos with a structured output: the completion ends at EOS once "
+                                            "the structure is complete; drop ignore_eos")
+    ctl.setdefault("ignore_eos", ignore_eos and st is None)  # the run's --ignore-eos, where it can hold
+    req.sampling = SamplingConfig(temp, top_p, seed if s is None else fields.integer(s, "seed", 0),
+                                  frequency_penalty=penalties[0], presence_penalty=penalties[1],
+                                  logit_bias=fields.logit_bias(body.get("logit_bias"), vocab_size), top_k=top_k,
                                   min_p=fields.number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
                                   repetition_penalty=fields.repetition(body.get("repetition_penalty")),
-                                  structure=fields.structure(body, tokenizer, vocab_size, eos_ids, req.tools))
+                                  structure=st, **ctl)
     req.seeded = s is not None
     req.stop = fields.stops(body.get("stop"))
     req.n = fields.integer(body.get("n", 1), "n", 1)

@@ -16,7 +16,7 @@ from .engine.footprint import HeadLoad
 from .engine.head import score_width
 from .engine.policy import Policy
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig, choice_bytes
-from .prompts import Prompt
+from .prompts import Prompt, StopStrings
 
 TIERS = ("gpu", "cpu", "disk")
 
@@ -27,8 +27,7 @@ class Workload:
 
     ``gen_len`` is the call's number of token steps; ``max_new_tokens`` (one per request,
     each in [1, gen_len]) cuts a request's completion shorter. ``samplings`` (one per request)
-    give requests their own temperature, top-p and seed (default: ``sampling`` for all;
-    ``ignore_eos`` is the call's). ``stops`` (one tuple of strings per request) end a
+    give requests their own sampling (default: ``sampling`` for all). ``stops`` (one tuple of strings per request) end a
     completion at the first of its stop strings. ``keys`` are the requests' sampling keys
     (default: their index in the call). ``logprobs`` (None: off) asks for each generated
     token's log-probability and that many most likely alternatives (scoring: each scored
@@ -124,6 +123,17 @@ class Workload:
     def limit(self, n: int) -> int:
         """Request ``n``'s own number of new tokens at most."""
         return self.gen_len if self.max_new_tokens is None else self.max_new_tokens[n]
+
+    def sampling_of(self, n: int) -> SamplingConfig:
+        """Request ``n``'s sampling."""
+        return self.sampling if self.samplings is None else self.samplings[n]
+
+    def stop_strings(self, tokenizer: Any) -> StopStrings | None:
+        """The requests' stop strings, each counted past its ``min_tokens`` (None: no request
+        has any)."""
+        if self.stops is None or not any(self.stops):
+            return None
+        return StopStrings(self.stops, tokenizer, [self.sampling_of(n).min_tokens for n in range(len(self.lens))])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from jinja2 import TemplateError
@@ -212,25 +212,46 @@ def _read_file(path: str) -> list[Raw]:
 class StopStrings:
     """Each request's stop strings, checked on its newest ids as they come (stage 0 of the loop)
     and cut from its text at the end (``cut``): the completion ends before the first of them.
+    ``floors``: per request, its ``min_tokens`` (vLLM's): a stop string counts only where it
+    ends after that many new tokens' text.
 
     A stop string of c characters is spread over at most 4c byte-level tokens, so decoding
     that many of the newest ids finds it the step it completes."""
 
-    def __init__(self, stops: tuple[tuple[str, ...], ...], tokenizer: Any | None) -> None:
+    def __init__(self, stops: tuple[tuple[str, ...], ...], tokenizer: Any | None,
+                 floors: Sequence[int] | None = None) -> None:
         if tokenizer is None and any(stops):
             raise ConfigError("stop strings need the model's tokenizer (this model has none): drop 'stop'")
         self.stops, self.tokenizer = stops, tokenizer
+        self.floors = list(floors) if floors is not None else [0] * len(stops)
         self._tail = [4 * max((len(s) for s in st), default=0) + 2 for st in stops]
 
     def has(self, n: int) -> bool:
         return bool(self.stops[n])
 
     def hit(self, n: int, ids: list[int]) -> bool:
-        """Whether request n's completion so far (``ids``) holds one of its stop strings."""
-        text = self.tokenizer.decode(ids[-self._tail[n]:], skip_special_tokens=True)
-        return any(s in text for s in self.stops[n])
+        """Whether request n's completion so far (``ids``) holds one of its stop strings (past
+        its floor)."""
+        floor = self.floors[n]
+        if len(ids) <= floor:
+            return False
+        start = max(0, len(ids) - self._tail[n])
+        text = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        before = len(self.tokenizer.decode(ids[start:floor], skip_special_tokens=True)) if floor > start else 0
+        return first_stop(text, self.stops[n], before) is not None
 
-    def cut(self, n: int, text: str) -> tuple[str, bool]:
-        """Request n's text up to its first stop string, and whether one was found."""
-        at = min((i for i in (text.find(s) for s in self.stops[n]) if i >= 0), default=-1)
-        return (text, False) if at < 0 else (text[:at], True)
+    def cut(self, n: int, text: str, floor: int = 0, include: bool = False) -> tuple[str, str | None]:
+        """Request n's text up to its first stop string ending past character ``floor`` (through
+        it where ``include``), and that string (None: none found)."""
+        found = first_stop(text, self.stops[n], floor)
+        if found is None:
+            return text, None
+        at, s = found
+        return text[:at + len(s) if include else at], s
+
+
+def first_stop(text: str, stops: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
+    """Where the first of ``stops`` that ends past character ``floor`` starts in ``text``, and
+    which (None: none does)."""
+    hits = [(i, s) for s in stops for i in [text.find(s, max(0, floor - len(s) + 1))] if i >= 0]
+    return min(hits, key=lambda h: h[0]) if hits else None

@@ -139,6 +139,8 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             "ignore_eos": cfg.ignore_eos, **({"dummy_fill": cfg.dummy_fill} if cfg.dummy_fill != "random" else {}),
             **({"logprobs": cfg.logprobs} if cfg.logprobs is not None else {}),
             **{k: getattr(cfg, k) for k in ("frequency_penalty", "presence_penalty", "top_k", "min_p") if getattr(cfg, k)},
+            **{k: list(getattr(cfg, k)) for k in ("stop_token_ids", "bad_words") if getattr(cfg, k)},
+            **({"min_tokens": cfg.min_tokens} if cfg.min_tokens else {}),
             **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"classify": True} if cfg.classify else {}),

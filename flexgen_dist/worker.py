@@ -28,7 +28,6 @@ from .memory.disk import DiskStore
 from .metrics import progress_bar
 from .models.loader import LoadedModel
 from .plan import Peaks, RunPlan, Workload
-from .prompts import StopStrings
 from .threads import ThreadChoice
 
 log = logging.getLogger("flexgen_dist")
@@ -151,9 +150,7 @@ class StageWorker:
         engine = self.engine
         assert engine is not None, "build() first"
         blocks = self.blocks  # cut by prepare()
-        stops = None
-        if work.stops is not None and any(work.stops) and self.group.is_driver:
-            stops = StopStrings(work.stops, self.model.tokenizer)
+        stops = work.stop_strings(self.model.tokenizer) if self.group.is_driver else None
         guide = None
         if engine.has_head and work.structured:  # the last stage masks the choices by llguidance's tokenizer
             spec = self.model.spec

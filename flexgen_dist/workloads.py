@@ -10,6 +10,7 @@ from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
 from .engine.blocks import PrefixShape
+from .engine.bans import bad_word_ids
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
@@ -56,13 +57,11 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     # a scored sequence generates nothing: it may fill every position
     check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
     each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
-    for cfg_ in each or ([sampling] if isinstance(sampling, SamplingConfig) else []):
-        bad = [i for i, _ in cfg_.logit_bias if i >= spec.vocab_size]
-        if bad:
-            raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {spec.vocab_size})")
-    samp = (each[0] if each else sampling) or cfg.sampling
+    if each is not None:
+        each = tuple(with_word_ids(c, tokenizer, spec.vocab_size) for c in each)
+    samp = with_word_ids((each[0] if each else sampling) or cfg.sampling, tokenizer, spec.vocab_size)
     if not scoring:
-        check_structures(each or [samp], samp.ignore_eos, spec, tokenizer)  # type: ignore[list-item]
+        check_structures(each or [samp], spec, tokenizer)  # type: ignore[list-item]
         if reasoning is not None:
             each = after_thinking(ps, each, samp, reasoning)  # type: ignore[arg-type]
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
@@ -86,6 +85,23 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         seen=seen, adapters=adapters, prefix=prefix, prompts=tuple(ps))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def with_word_ids(c: SamplingConfig, tokenizer: Any | None, vocab_size: int) -> SamplingConfig:
+    """``c`` checked against the vocabulary (its logit biases, stop, allowed and bad ids), its
+    ``bad_words`` made ids by the tokenizer as vLLM makes them (``bans.bad_word_ids``)."""
+    if c.bad_words:
+        if tokenizer is None:
+            raise ConfigError("bad_words need the model's tokenizer (this model has none): give bad_words_ids")
+        c = dataclasses.replace(c, bad_words=(), bad_words_ids=tuple(dict.fromkeys(
+            (*c.bad_words_ids, *bad_word_ids(c.bad_words, tokenizer)))))
+    for name, ids in (("logit_bias token id", [i for i, _ in c.logit_bias]), ("stop_token_ids", c.stop_token_ids),
+                      ("allowed_token_ids", c.allowed_token_ids),
+                      ("bad_words_ids", [i for w in c.bad_words_ids for i in w])):
+        bad = [i for i in ids if i >= vocab_size]
+        if bad:
+            raise ConfigError(f"{name} {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return c
 
 
 def adapter_indices(lora: LoraChoice, n: int, served: Sequence[str]) -> tuple[int, ...] | None:
@@ -123,13 +139,13 @@ def after_thinking(ps: Sequence[Prompt], each: tuple[SamplingConfig, ...] | None
     return out if any(a is not b for a, b in zip(out, cfgs)) else each
 
 
-def check_structures(cfgs: Sequence[SamplingConfig], ignore_eos: bool, spec: ModelSpec, tokenizer: Any | None) -> None:
+def check_structures(cfgs: Sequence[SamplingConfig], spec: ModelSpec, tokenizer: Any | None) -> None:
     """Refuse, in one line, a structure this model cannot follow (an invalid schema, regex or
-    grammar; no tokenizer) or a call that would not end a structured completion at EOS."""
+    grammar; no tokenizer) or a request that would not end a structured completion at EOS."""
     structures = {c.structure for c in cfgs if c.structure is not None}
     if not structures:
         return
-    if ignore_eos:
+    if any(c.ignore_eos for c in cfgs if c.structure is not None):
         raise ConfigError("a structured output ends its completion at EOS once the structure is complete: "
                           "drop --ignore-eos (ignore_eos)")
     for st in structures:

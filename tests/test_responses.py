@@ -149,5 +149,5 @@ def test_a_chat_choice_has_its_message_alone(plain) -> None:
         c, p = (_body(x)["choices"][0] for x in llm.batch([
             _req("c", CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2),
             _req("p", "/v1/completions", prompt="hi", max_tokens=2)]))
-    assert set(c) == {"index", "message", "logprobs", "finish_reason"}
-    assert set(p) == {"index", "text", "logprobs", "finish_reason"}
+    assert set(c) == {"index", "message", "logprobs", "finish_reason", "stop_reason"}  # the last: vLLM's
+    assert set(p) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}

@@ -32,11 +32,12 @@ def _limits(limits: Sequence[int] | None, blk: BlockPlan) -> list[int] | None:
 class Ledger:
     """Stage 0's record of the blocks in flight (module doc)."""
 
-    def __init__(self, blocks: list[BlockPlan], *, device: torch.device, eos: Sequence[int], pad: int,
-                 gen_len: int, ignore_eos: bool, limits: Sequence[int] | None, stops: Any,
+    def __init__(self, blocks: list[BlockPlan], *, device: torch.device, ends: Sequence[tuple[int, ...]], pad: int,
+                 gen_len: int, limits: Sequence[int] | None, stops: Any,
                  logprobs: int | None, scores: BlockScores | None, timings: Timings) -> None:
-        self.blocks, self.device, self.eos, self.pad = blocks, device, eos, pad
-        self.gen_len, self.ignore_eos, self.limits, self.stops = gen_len, ignore_eos, limits, stops
+        """``ends``: per sequence of the call, the ids that end it (``SamplingConfig.ends``)."""
+        self.blocks, self.device, self.ends, self.pad = blocks, device, ends, pad
+        self.gen_len, self.limits, self.stops = gen_len, limits, stops
         self.logprobs, self.scores, self.timings = logprobs, scores, timings
         self.lp_width = 0 if logprobs is None else 1 + 2 * logprobs  # a token's row: see token_logprobs
         self.tokens: dict[int, list[torch.Tensor]] = {}  # per step (b,) ids; scoring: [the (b, 3) sums]
@@ -57,7 +58,7 @@ class Ledger:
             return
         if self.logprobs is not None:
             self.lps[b] = []
-        self.watch[b] = BlockWatch(EosTracker(len(blk.members), self.eos, self.pad, self.ignore_eos, self.device,
+        self.watch[b] = BlockWatch(EosTracker([self.ends[m] for m in blk.members], self.pad, self.device,
                                               _limits(self.limits, blk)), blk.members, self.stops)
 
     def keep(self, b: int, ids: torch.Tensor, lp: torch.Tensor | None = None) -> None:
@@ -108,7 +109,7 @@ class Ledger:
         if self.scores is not None:
             return self.scores.results(b, tokens[0])
         seqs = torch.stack(tokens, 1).tolist()
-        outs = finished_rows(seqs, blk.members, self.eos, self.ignore_eos, self.limits,
+        outs = finished_rows(seqs, blk.members, self.ends, self.limits,
                              watch.stopped if watch is not None else {})
         lps = self.lps.pop(b, None)
         tm.generated_rows += len(seqs[0]) * len(seqs) if seqs else 0
@@ -139,14 +140,14 @@ class Choosers:
         blk = self.blocks[b]
         limits, g = _limits(self.limits, blk), self.gbs
         rows = [blk.members[a:a + g] for a in range(0, len(blk.members), g)]
-        self.trackers[b] = [EosTracker(len(r), self.eos, self.pad, self.sampling.ignore_eos, self.device,
+        cfgs = [[self.sampling if self.samplings is None else self.samplings[m] for m in r] for r in rows]
+        self.trackers[b] = [EosTracker([c.ends(self.eos) for c in cs], self.pad, self.device,
                                        None if limits is None else limits[a * g:a * g + len(r)])
-                            for a, r in enumerate(rows)]
-        self.samplers[b] = [RowSampling([self.sampling if self.samplings is None else self.samplings[m] for m in r],
-                                        self.device, self.gen_len,
+                            for a, (r, cs) in enumerate(zip(rows, cfgs))]
+        self.samplers[b] = [RowSampling(cs, self.device, self.gen_len,
                                         None if self.seen is None else [self.seen[m] for m in r],
                                         self.guide, self.eos)
-                            for r in rows]
+                            for r, cs in zip(rows, cfgs)]
 
     def drop(self, b: int) -> None:
         self.trackers.pop(b, None)

@@ -101,14 +101,15 @@ class Pipeline:
         # stage 0: what it keeps of each block (``limits``: per sequence of the call, its own most
         # new tokens, None: gen_len; ``stops.hit(sequence, its new ids) -> bool`` for sequences
         # with stop strings, ``stops.has(sequence)``, None: no sequence has any)
-        self.ledger = Ledger(blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len,
-                             ignore_eos=sampling.ignore_eos, limits=limits, stops=stops, logprobs=logprobs,
+        n = sum(len(b.lens) for b in blocks)
+        ends = [c.ends(eos) for c in samplings] if samplings is not None else [sampling.ends(eos)] * n
+        self.ledger = Ledger(blocks, device=dev, ends=ends, pad=self.pad, gen_len=gen_len,
+                             limits=limits, stops=stops, logprobs=logprobs,
                              scores=self._scores, timings=self.timings) if self.first else None
         # the last stage's samplers (``samplings``: per sequence of the call, None: ``sampling`` for
         # all; ``seen``: per sequence, its prompt's ids where a repetition penalty needs them;
         # ``guide``: llguidance's tokenizer where a sequence has a structure; ``keys``: each
         # prompt's key for its random draws, its index in the job, default: in this call)
-        n = sum(len(b.lens) for b in blocks)
         self.choosers = Choosers(
             blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len, gbs=self.gbs, sampling=sampling,
             samplings=samplings, limits=limits, seen=seen, guide=guide, logprobs=logprobs,

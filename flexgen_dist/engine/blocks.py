@@ -296,21 +296,21 @@ def pad_token(spec_pad: int | None, eos: tuple[int, ...]) -> int:
     return eos[0] if eos else 0
 
 
-def trim(seq: list[int], eos: tuple[int, ...], ignore_eos: bool) -> list[int]:
-    """Generated ids up to and including the first EOS."""
-    if not ignore_eos:
-        for n, t in enumerate(seq):
-            if t in eos:
-                return seq[: n + 1]
+def trim(seq: list[int], ends: Sequence[int]) -> list[int]:
+    """Generated ids up to and including the first of ``ends`` (EOS, a stop id)."""
+    for n, t in enumerate(seq):
+        if t in ends:
+            return seq[: n + 1]
     return seq
 
 
-def finished_rows(seqs: list[list[int]], members: Sequence[int], eos: tuple[int, ...], ignore_eos: bool,
+def finished_rows(seqs: list[list[int]], members: Sequence[int], ends: Sequence[Sequence[int]],
                   limits: Sequence[int] | None, stopped: dict[int, int]) -> list[list[int]]:
     """A finished block's rows of sampled ids (``seqs``, one per member) as the caller gets
-    them: each cut after its first EOS (``trim``), at its request's limit of new tokens, and
-    where its stop string completed (``stopped``: row -> tokens it keeps)."""
-    outs = [trim(q, eos, ignore_eos) for q in seqs]
+    them: each cut after the first id that ends it (``trim``; ``ends``: per sequence of the
+    call), at its request's limit of new tokens, and where its stop string completed
+    (``stopped``: row -> tokens it keeps)."""
+    outs = [trim(q, ends[m]) for q, m in zip(seqs, members)]
     if limits is not None:
         outs = [o[:limits[m]] for m, o in zip(members, outs)]
     for n, kept in stopped.items():

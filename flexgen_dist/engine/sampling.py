@@ -14,6 +14,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from .bans import TokenBans
 from .structure import GUIDE_BYTES, RowGuides, Structure
 
 
@@ -47,6 +48,21 @@ class SamplingConfig:
     # what the completion must match (``structure.py``): a JSON schema, a regex, a choice, a
     # grammar; None: anything
     structure: Structure | None = None
+    # vLLM's controls (``bans.py``): no EOS or stop id before ``min_tokens`` new tokens (nor a
+    # stop string ending before them); ``stop_token_ids`` end the completion as EOS does (kept
+    # in its ids); ``bad_words`` (words, made ids by the tokenizer as vLLM makes them) and
+    # ``bad_words_ids`` (id sequences, transformers' form): a word's last token is never chosen
+    # where the completion's newest tokens are the rest of it; ``allowed_token_ids``: no other
+    # token is chosen (empty: any)
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    # what the completion's text keeps (vLLM's): the stop string or stop id's text that ended
+    # it; special tokens' text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -67,6 +83,7 @@ class SamplingConfig:
         if self.structure is not None and not isinstance(self.structure, Structure):
             raise ValueError(f"structure {self.structure!r}: give a Structure (Structure.json_schema(...), "
                              ".regex, .choice, .grammar, .json_object())")
+        check_controls(self)
         bias = tuple((int(i), float(b)) for i, b in dict(self.logit_bias).items())  # a dict works too
         object.__setattr__(self, "logit_bias", bias)
         for i, b in bias:
@@ -79,6 +96,15 @@ class SamplingConfig:
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or self.repeats)
 
     @property
+    def bans(self) -> bool:
+        """Whether some tokens may not be chosen (``bans.py``)."""
+        return bool(self.min_tokens or self.bad_words_ids or self.allowed_token_ids)
+
+    def ends(self, eos_ids: Sequence[int]) -> tuple[int, ...]:
+        """The ids that end this completion: the model's EOS (unless ignored) and its stop ids."""
+        return tuple(dict.fromkeys((*(() if self.ignore_eos else eos_ids), *self.stop_token_ids)))
+
+    @property
     def repeats(self) -> bool:
         """Whether a repetition penalty applies (it needs the prompt's ids where it is chosen)."""
         return self.repetition_penalty != 1.0
@@ -86,6 +112,26 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_controls(cfg: SamplingConfig) -> None:
+    """vLLM's controls of ``cfg`` as tuples of ints (lists work too), or a one-line error."""
+    def ids(v: Any, name: str) -> tuple[int, ...]:
+        if isinstance(v, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in v):
+            raise ValueError(f"{name} {v!r}: give a list of token ids (ints >= 0)")
+        return tuple(int(t) for t in v)
+    if isinstance(cfg.min_tokens, bool) or not isinstance(cfg.min_tokens, int) or cfg.min_tokens < 0:
+        raise ValueError(f"min_tokens {cfg.min_tokens!r}: must be an int >= 0")
+    if isinstance(cfg.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in cfg.bad_words):
+        raise ValueError(f"bad_words {cfg.bad_words!r}: give a list of non-empty strings")
+    words = tuple(ids(w, "bad_words_ids") for w in cfg.bad_words_ids)
+    if any(not w for w in words):
+        raise ValueError("bad_words_ids: each word is a non-empty list of token ids")
+    for name, v in (("stop_token_ids", ids(cfg.stop_token_ids, "stop_token_ids")),
+                    ("allowed_token_ids", ids(cfg.allowed_token_ids, "allowed_token_ids")),
+                    ("bad_words", tuple(cfg.bad_words)), ("bad_words_ids", words)):
+        object.__setattr__(cfg, name, v)
 
 
 _M32 = 0xFFFFFFFF
@@ -150,8 +196,9 @@ class RowSampling:
         """``steps``: the most choices this sampler will make (needed by penalties);
         ``prompts``: each row's prompt ids (needed by a repetition penalty); ``guide``:
         llguidance's tokenizer (``structure.guide_tokenizer``) and ``eos_ids`` the model's,
-        needed by rows with a structure."""
+        needed by rows with a structure and by ``min_tokens``."""
         self.adjust = LogitAdjust(cfgs, device, steps, prompts) if any(c.adjusts for c in cfgs) else None
+        self.bans = TokenBans(cfgs, device, eos_ids) if any(c.bans for c in cfgs) else None
         self.guides = None
         if any(c.structure is not None for c in cfgs):
             if guide is None:
@@ -177,15 +224,19 @@ class RowSampling:
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, step: int) -> torch.Tensor:
         """Token ids (b,) from last-position logits (b, vocab), each row by its own settings
         (``logits`` is not changed: the adjusted ones are a new tensor)."""
-        if self.adjust is None and self.guides is None:
+        if self.adjust is None and self.guides is None and self.bans is None:
             return self._choose(logits, keys, step)
         if self.adjust is not None:
             logits = self.adjust(logits)
+        if self.bans is not None:
+            logits = self.bans(logits, step, fresh=self.adjust is not None)
         if self.guides is not None:  # after the adjustments: a disallowed id stays at -inf
             logits = self.guides.mask(logits)
         ids = self._choose(logits, keys, step)
         if self.adjust is not None:
             self.adjust.count(ids)
+        if self.bans is not None:
+            self.bans.count(ids)
         if self.guides is not None:
             self.guides.advance(ids)
         return ids
@@ -302,24 +353,28 @@ def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class EosTracker:
-    """Which sequences of a block have finished (at EOS, or at their own limit of new tokens),
-    and the ids to feed once they have."""
+    """Which sequences of a block have finished (at one of their ending ids: EOS unless
+    ignored, and their ``stop_token_ids``; or at their own limit of new tokens), and the ids
+    to feed once they have."""
 
-    def __init__(self, batch: int, eos_ids: tuple[int, ...], pad_id: int, ignore_eos: bool,
-                 device: torch.device, limits: list[int] | None = None) -> None:
-        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.eos = torch.tensor(list(eos_ids) or [-1], device=device)
-        self.pad_id, self.ignore = pad_id, ignore_eos or not eos_ids
+    def __init__(self, ends: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                 limits: list[int] | None = None) -> None:
+        """``ends``: per row, the ids that end it (``SamplingConfig.ends``)."""
+        width = max((len(e) for e in ends), default=0)
+        self.done = torch.zeros(len(ends), dtype=torch.bool, device=device)
+        self.ends = torch.tensor([list(e) + [-1] * (width - len(e)) for e in ends], dtype=torch.long,
+                                 device=device) if width else None
+        self.pad_id, self.ignore = pad_id, not width
         self.limits = None if limits is None else torch.tensor(limits, dtype=torch.long, device=device)
 
     def update(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """Replace tokens of finished sequences by padding; mark new EOS and the rows whose
+        """Replace tokens of finished sequences by padding; mark new endings and the rows whose
         token ``step`` was their last. Returns the tokens."""
         if self.ignore and self.limits is None:
             return tokens
         tokens = torch.where(self.done, torch.full_like(tokens, self.pad_id), tokens)
-        if not self.ignore:
-            self.done |= torch.isin(tokens, self.eos)
+        if self.ends is not None:
+            self.done |= (tokens.view(-1, 1) == self.ends).any(dim=1)
         if self.limits is not None:
             self.done |= self.limits <= step + 1
         return tokens
@@ -360,6 +415,7 @@ class BlockWatch:
 # structure's masked copy (``structure.GUIDE_BYTES``).
 SAMPLE_BYTES = 32
 ADJUST_BYTES = 4
+ALLOWED_BYTES = 1  # ``allowed_token_ids``: a row's banned ids as a mask
 LOGPROB_BYTES = 4
 
 
@@ -367,8 +423,8 @@ def choice_bytes(samplings: Iterable[SamplingConfig], logprobs: int | None) -> i
     """What choosing the next tokens holds per (row, vocabulary entry) beyond the logits (see
     ``SAMPLE_BYTES``): 0 for greedy choice alone, which keeps only each row's maximum."""
     cfgs = list(samplings)
-    draw = SAMPLE_BYTES * any(not c.greedy for c in cfgs) + ADJUST_BYTES * any(c.adjusts for c in cfgs) + \
-        GUIDE_BYTES * any(c.structure is not None for c in cfgs)
+    draw = SAMPLE_BYTES * any(not c.greedy for c in cfgs) + ADJUST_BYTES * any(c.adjusts or c.bans for c in cfgs) + \
+        ALLOWED_BYTES * any(c.allowed_token_ids for c in cfgs) + GUIDE_BYTES * any(c.structure is not None for c in cfgs)
     # the log-softmax comes after the draw, whose buffers are gone by then
     return max(draw, LOGPROB_BYTES * (logprobs is not None))
 
