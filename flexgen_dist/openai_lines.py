@@ -64,9 +64,10 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
             choice["token_ids"] = (req.prompt.ids if req.echo else []) + c.token_ids
         choice["logprobs"] = None
         if req.logprobs is not None and c.logprobs is not None:
-            choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), tokenizer)
+            speller = _AsIds() if req.as_ids else tokenizer  # vLLM's return_tokens_as_token_ids
+            choice["logprobs"] = _logprobs_object(chat, c.token_ids, c.logprobs.trimmed(req.logprobs), speller)
             if req.echo and req.scored is not None:
-                choice["logprobs"] = _echoed(req.prompt.ids, req.scored[0].trimmed(req.logprobs), tokenizer,
+                choice["logprobs"] = _echoed(req.prompt.ids, req.scored[0].trimmed(req.logprobs), speller,
                                              choice["logprobs"])
         if req.prompt_logprobs is not None and req.scored is not None and not chat:
             choice["prompt_logprobs"] = _prompt_logprobs(req.prompt.ids, req.scored, req.prompt_logprobs, tokenizer)
@@ -147,6 +148,13 @@ def _answered(req: Request, rid: str, body: dict[str, Any]) -> dict[str, Any]:
     """The output line of a request answered with ``body``."""
     return {"id": f"batch_req_{rid}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+class _AsIds:
+    """Spells each token as vLLM's ``return_tokens_as_token_ids`` does: ``token_id:{id}``."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
 
 
 def _logprobs_object(chat: bool, ids: list[int], lps: TokenLogprobs, tokenizer: Any | None) -> dict[str, Any]:

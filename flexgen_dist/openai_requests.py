@@ -39,7 +39,8 @@ EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user",
 CLASSIFY_FIELDS = {"input", "model", "user", "truncate_prompt_tokens", "priority", "use_activation", "activation",
                    "softmax"}  # a classify body's (vLLM's)
 # body fields that cannot change the output
-INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
+INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls",
+         "priority", "request_id", "cache_salt"}  # the last three: vLLM's scheduling and cache keys
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
@@ -55,7 +56,8 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "continue_final_message", "add_generation_prompt",  # chat only (vLLM's): an assistant prefill continued
         *fields.CONTROLS,  # vLLM's: min_tokens, stop_token_ids, ignore_eos, bad_words, ...
         "echo",  # completions only
-        "truncate_prompt_tokens"}  # vLLM's: a longer prompt cut to its last K tokens
+        "truncate_prompt_tokens",  # vLLM's: a longer prompt cut to its last K tokens
+        "add_special_tokens", "return_tokens_as_token_ids"}  # vLLM's: a BOS for the text; logprobs' tokens as ids
 
 
 
@@ -89,6 +91,7 @@ class Request:
     top_n: int = 0  # rerank: the best that many documents (0: all)
     return_documents: bool = True  # rerank: each result carries its document's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: the request's own, else the run's
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs spell tokens "token_id:{id}"
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -236,6 +239,10 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     req.logprobs = fields.logprobs(kind, body)
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise RequestError("invalid_value", f"return_tokens_as_token_ids {as_ids!r}: true or false")
+    req.as_ids = bool(as_ids)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
 
@@ -333,6 +340,9 @@ def pair_inputs(req: Request, spec: ModelSpec, tokenizer: Any | None, template: 
 
 def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,
             template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    special = body.get("add_special_tokens")  # vLLM's: default true for a completion, false for a chat
+    if special is not None and not isinstance(special, bool):
+        raise RequestError("invalid_value", f"add_special_tokens {special!r}: true or false")
     if kind == CHAT:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -341,7 +351,7 @@ def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None
         return make_prompt(req.custom_id, None, None, tokenizer, vocab_size, fields.chat_messages(msgs),
                            tools=list(req.tools.tools) if req.tools is not None else None,
                            template_kwargs={**(template_kwargs or {}), **fields.template_kwargs(body)},
-                           continue_final=cont, generation_prompt=opened)
+                           continue_final=cont, generation_prompt=opened, special=special)
     for k in ("chat_template_kwargs", "reasoning_effort", "continue_final_message", "add_generation_prompt"):
         if body.get(k) is not None:
             raise RequestError("unsupported_field", f"{k} is a chat field: a completions request has no chat template")
@@ -349,7 +359,7 @@ def _prompt(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # one prompt given as a list of one
     if isinstance(p, str) and p:
-        return make_prompt(req.custom_id, p, None, tokenizer, vocab_size)
+        return make_prompt(req.custom_id, p, None, tokenizer, vocab_size, special=special)
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         return make_prompt(req.custom_id, None, p, tokenizer, vocab_size)
     raise RequestError("invalid_request", "a completions request needs 'prompt': a non-empty string or a list of "

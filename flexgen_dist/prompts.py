@@ -73,11 +73,11 @@ def has_chat_template(tokenizer: Any | None) -> bool:
 
 def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None, continue_final: bool | None = None,
-                generation_prompt: bool = True) -> tuple[str, list[int]]:
+                generation_prompt: bool = True, special: bool = False) -> tuple[str, list[int]]:
     """The conversation through the model's own chat template, as transformers renders it
     (with the assistant's turn opened, ``tools``' definitions where given, and the template's
     own variables ``template_kwargs``, e.g. ``enable_thinking``), and its token ids (the
-    template writes the special tokens itself, so none are added).
+    template writes the special tokens itself, so none are added unless ``special``).
 
     A conversation whose last message is the assistant's is continued, not answered
     (``continue_final``; None: as transformers' text-generation pipeline decides, by the last
@@ -113,7 +113,7 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict
             logging.getLogger("flexgen_dist").warning(
                 "this model's chat template does not render tools: the model is not shown the functions' "
                 "definitions (a named or required call is still held to their parameters)")
-    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the tools it is given
@@ -122,17 +122,22 @@ _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the t
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,
                 vocab_size: int, messages: Messages | None = None,
                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
-                continue_final: bool | None = None, generation_prompt: bool = True) -> Prompt:
+                continue_final: bool | None = None, generation_prompt: bool = True,
+                special: bool | None = None) -> Prompt:
     """A checked prompt: a chat is rendered by the model's template (with ``tools``' and the
     template's variables where given; a final assistant message continued as ``render_chat``
-    says), text is tokenized; ids must be non-empty and inside the vocabulary."""
+    says), text is tokenized; ids must be non-empty and inside the vocabulary. ``special``
+    (vLLM's ``add_special_tokens``): whether the tokenizer adds its special tokens (a BOS) to
+    the text; None: as transformers does for text, not for a rendered chat (its template
+    writes them)."""
     if messages is not None:
-        text, ids = render_chat(pid, messages, tokenizer, tools, template_kwargs, continue_final, generation_prompt)
+        text, ids = render_chat(pid, messages, tokenizer, tools, template_kwargs, continue_final, generation_prompt,
+                                bool(special))
     if ids is None:
         if tokenizer is None:
             raise ConfigError(f"prompt {pid!r} is text but this model has no tokenizer: give "
                               "'input_ids' in a .jsonl file, or --num-prompts N --prompt-len S for synthetic prompts")
-        ids = list(tokenizer(text)["input_ids"])
+        ids = list(tokenizer(text, add_special_tokens=special is not False)["input_ids"])
     if not ids:
         raise ConfigError(f"prompt {pid!r} is empty: remove it or give it some text")
     bad = [t for t in ids if not 0 <= int(t) < vocab_size]

@@ -261,3 +261,47 @@ def test_two_ranks_and_the_cli_flags(tiny_models, prompts_file: Path, tmp_path: 
     r = local_ranks(["-m", "flexgen_dist.run", *args, "--output", str(two)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["tokens"] for x in read_jsonl(two)] == want
+
+
+# --- vLLM's request extras: add_special_tokens, return_tokens_as_token_ids -----------------
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    """A ``bpe_chat_model`` whose tokenizer puts a BOS (``<s>``) before every text, as Llama's."""
+    from tokenizers import processors
+
+    from conftest import bpe_chat_model
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    d, model, tok = bpe_chat_model(tmp_path_factory, "bos", template, specials=("<s>",))
+    bos = tok.convert_tokens_to_ids("<s>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save_pretrained(d)
+    return d, tok, bos
+
+
+def test_add_special_tokens_and_tokens_as_ids(bos_model) -> None:
+    d, tok, bos = bos_model
+    text = "The quick brown fox."
+    msgs = [{"role": "user", "content": "yes no maybe"}]
+    reqs = [{"custom_id": "plain", "url": COMPL, "body": {"prompt": text, "max_tokens": 3, "logprobs": 2,
+                                                         "return_tokens_as_token_ids": True}},
+            {"custom_id": "bare", "url": COMPL, "body": {"prompt": text, "max_tokens": 3, "add_special_tokens": False}},
+            {"custom_id": "chat", "url": CHAT, "body": {"messages": msgs, "max_tokens": 3, "logprobs": True,
+                                                       "top_logprobs": 1, "return_tokens_as_token_ids": True}},
+            {"custom_id": "chat-bos", "url": CHAT, "body": {"messages": msgs, "max_tokens": 3,
+                                                           "add_special_tokens": True, "priority": 3}},
+            {"custom_id": "bad", "url": COMPL, "body": {"prompt": text, "add_special_tokens": "no"}}]
+    with LLM(str(d), progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+    body = {k: out[k]["response"]["body"] for k in ("plain", "bare", "chat", "chat-bos")}
+    ids = tok(text)["input_ids"]
+    assert ids[0] == bos and tok(text, add_special_tokens=False)["input_ids"] == ids[1:]
+    assert body["plain"]["usage"]["prompt_tokens"] == len(ids)
+    assert body["bare"]["usage"]["prompt_tokens"] == len(ids) - 1
+    assert body["chat-bos"]["usage"]["prompt_tokens"] == body["chat"]["usage"]["prompt_tokens"] + 1
+    lp = body["plain"]["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"]) and all(
+        k.startswith("token_id:") for alts in lp["top_logprobs"] for k in alts)
+    content = body["chat"]["choices"][0]["logprobs"]["content"]
+    assert content and all(e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+                           for e in content)
+    assert "add_special_tokens 'no': true or false" in out["bad"]["error"]["message"]
