@@ -41,6 +41,7 @@ from .models.lora import with_lora
 from .models.lora_stack import with_lora_modules
 from .models.token_score import token_ids, with_token_classifier
 from .plan import Peaks, RunPlan, Workload
+from .beam_calls import BeamCalls
 from .pooled_calls import PooledCalls
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
@@ -70,7 +71,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class LLM(PooledCalls):
+class LLM(PooledCalls, BeamCalls):
     """A model placed over GPU, CPU and disk (one stage per rank), ready to generate.
 
     A thin facade: rank 0 turns a call's arguments into a ``Workload``, ``RunPlanner`` makes

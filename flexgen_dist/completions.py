@@ -29,6 +29,9 @@ class Completion:
     answer_from: int = 0
     # vLLM's: what ended it, where not EOS or its length: the stop id, or the stop string
     stop_reason: int | str | None = None
+    # a beam search's (``LLM.beam_search``): the sum of its tokens' log-probabilities over its
+    # length to the power length_penalty
+    score: float | None = None
 
 
 def completion(index: int, p: Prompt, res: Any, tokenizer: Any, reasoning: Reasoning | None,

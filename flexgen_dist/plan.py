@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .engine.beams import BeamConfig
 from .engine.blocks import PrefixShape
 from .engine.footprint import HeadLoad
 from .engine.head import score_width
@@ -62,6 +63,9 @@ class Workload:
     # embedding: no token is generated (gen_len 1, the prefill); each request's result is its
     # last hidden state after the final norm (``head.embed``)
     embed: bool = False
+    # beam search (``engine/beams.py``; None: none): each prompt runs as ``beams.width``
+    # consecutive requests, its beams, one GPU batch holding all of them
+    beams: BeamConfig | None = None
     # what shared prefixes save the call's prefill (``blocks.PrefixShape``; None: none or not
     # shared): what the planner's cost model expects a block not to compute. Rank 0's alone
     prefix: PrefixShape | None = field(default=None, compare=False, repr=False)
@@ -82,6 +86,8 @@ class Workload:
             bad = [m for m in self.max_new_tokens if not 1 <= m <= self.gen_len]
             if bad:
                 raise ValueError(f"max_new_tokens {bad[0]}: each must be in [1, gen_len={self.gen_len}]")
+        if self.beams is not None and n % self.beams.width:
+            raise ValueError(f"a beam search of {self.beams.width} beams runs whole prompts: {n} requests")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs {self.logprobs}: give 0 (the chosen token's only) to {MAX_LOGPROBS} "
                              "alternatives per token, or None")

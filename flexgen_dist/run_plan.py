@@ -25,6 +25,7 @@ import torch
 from .budgets import Budgets, check_budgets, fits
 from .config import DEFAULT_SORT_WINDOW, ConfigError, RunConfig
 from .distributed.partition import partition_layers
+from .engine.beams import beams_refusal
 from .engine.footprint import predict_peaks
 from .engine.policy import Policy
 from .models.loader import LoadedModel
@@ -149,7 +150,8 @@ class RunPlanner:
         whole); and the reason. Where not even one row fits, one row: the budget check then
         reports what the placement needs at the least."""
         G = self.config.num_micro_batches or self.world_size
-        size = default_block(work.num_prompts, G, self.device)
+        unit = work.beams.width if work.beams is not None else 1  # a prompt's beams share a GPU batch
+        size = -(-default_block(work.num_prompts, G, self.device) // unit) * unit
         cap = DEFAULT_MAX_BLOCK[self.device.type]
         groups = f" over {G} micro-batch groups" if G > 1 else ""
         reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
@@ -163,10 +165,10 @@ class RunPlanner:
                     if gbs < size:
                         reason += f"; halved from {size} to fit {share:.0%} of the memory budgets"
                     return sized, reason
-                if gbs == 1:
+                if gbs == unit:
                     break
-                gbs = max(1, gbs // 2)
-        return ([dataclasses.replace(p, gpu_batch_size=1) for p in policies],
+                gbs = max(unit, gbs // 2 // unit * unit)
+        return ([dataclasses.replace(p, gpu_batch_size=unit) for p in policies],
                 "no --gpu-batch-size, and not even one row fits the memory budgets: the placement must change")
 
     # --- memory ------------------------------------------------------------------------------
@@ -192,6 +194,11 @@ class RunPlanner:
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""
         st = plan.stage(rank)
+        if work.beams is not None:  # the same on every rank: each checks every stage
+            for s in plan.stages:
+                why = beams_refusal(s.policy, work.beams.width)
+                if why:
+                    raise ConfigError(why)
         peaks = self.peaks(st.policy, st.layers, rank, work, plan.blocks_in_flight)
         check_budgets(peaks, self.budgets, stage=rank)
         return peaks

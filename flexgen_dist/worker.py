@@ -161,7 +161,7 @@ class StageWorker:
                         keys=None if work.keys is None else list(work.keys), prefill=plan.prefill_items,
                         ride=plan.schedule == "overlapped", limits=work.max_new_tokens,
                         samplings=work.samplings, stops=stops, logprobs=work.logprobs, seen=work.seen,
-                        guide=guide, embed=work.embed)
+                        guide=guide, embed=work.embed, beams=work.beams)
         times0 = engine.times.as_dict()
         experts0 = engine.weights.expert_stats.copy()
         read0 = self.disk.bytes_read if self.disk is not None else 0

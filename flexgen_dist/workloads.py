@@ -11,6 +11,7 @@ from typing import Any, Sequence, cast
 from .config import ConfigError, RunConfig
 from .engine.blocks import PrefixShape
 from .engine.bans import bad_word_ids
+from .engine.beams import BeamConfig
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.sampling import SamplingConfig
 from .engine.structure import check_structure
@@ -30,10 +31,13 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    tokenizer: Any | None, *, keys: Sequence[int] | None = None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
                    scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None,
-                   lora: LoraChoice = None, served: Sequence[str] = (), call: str | None = None) -> Workload:
+                   lora: LoraChoice = None, served: Sequence[str] = (), call: str | None = None,
+                   beams: BeamConfig | None = None) -> Workload:
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
     prompt of a reasoning model (``reasoning``) gets its structure after the thinking.
-    ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's)."""
+    ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's).
+    ``beams``: a beam search (``LLM.beam_search``): every prompt is there ``beams.width`` times
+    in a row, its beams."""
     name = call or ("score" if scoring else "generate")
     if spec.num_labels and name != "classify":  # no vocabulary head: its head gives its labels' logits
         raise ConfigError(f"{name}() needs a language model: this is a sequence classifier ({spec.num_labels} "
@@ -66,6 +70,8 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
             each = after_thinking(ps, each, samp, reasoning)  # type: ignore[arg-type]
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
+    if beams is not None:
+        check_beams(each or (samp,), stop, logprobs if logprobs is not None else cfg.logprobs, max_new_tokens, spec)
     if not scoring:
         warn_longrope_crossing(spec, [len(p.ids) for p in ps], max_new_tokens or [gen_len] * len(ps))
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
@@ -82,9 +88,30 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         max_new_tokens=None if max_new_tokens is None else tuple(int(m) for m in max_new_tokens),
                         samplings=each, stops=None if stop is None else tuple(tuple(s) for s in stop),
                         logprobs=None if scoring else cfg.logprobs if logprobs is None else int(logprobs),
-                        seen=seen, adapters=adapters, prefix=prefix, prompts=tuple(ps))
+                        seen=seen, adapters=adapters, prefix=prefix, prompts=tuple(ps), beams=beams)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_beams(cfgs: Sequence[SamplingConfig], stop: Any, logprobs: int | None, max_new_tokens: Any,
+                spec: ModelSpec) -> None:
+    """Refuse, in one line, what a beam search does not compute: sampling, penalties, a
+    structure, stop strings, logprobs, per-prompt limits, linear-attention layers."""
+    for c in cfgs:
+        if not c.greedy:
+            raise ConfigError("beam search keeps the most likely beams: give temperature 0 (beam sampling is not "
+                              "supported)")
+        if c.adjusts or c.structure is not None:
+            raise ConfigError("beam search takes no penalties, logit biases or structured output (min_tokens, "
+                              "stop_token_ids, bad_words, allowed_token_ids and ignore_eos apply)")
+    if stop is not None and any(stop):
+        raise ConfigError("beam search takes no stop strings: give stop_token_ids")
+    if logprobs is not None:
+        raise ConfigError("beam search reports each sequence's score, not per-token logprobs: drop logprobs")
+    if max_new_tokens is not None:
+        raise ConfigError("a beam search has one max_tokens for every prompt")
+    if any(spec.linear(j) for j in range(spec.num_layers)):
+        raise ConfigError("beam search is not supported for models with linear-attention layers")
 
 
 def with_word_ids(c: SamplingConfig, tokenizer: Any | None, vocab_size: int) -> SamplingConfig:

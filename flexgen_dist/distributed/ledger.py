@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from ..engine.blocks import BlockPlan, finished_rows
+from ..engine.beams import BeamConfig, BeamSearch, BeamStep, beamed_rows
 from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..metrics import Timings
 from .scores import BlockScores
@@ -34,9 +35,14 @@ class Ledger:
 
     def __init__(self, blocks: list[BlockPlan], *, device: torch.device, ends: Sequence[tuple[int, ...]], pad: int,
                  gen_len: int, limits: Sequence[int] | None, stops: Any,
-                 logprobs: int | None, scores: BlockScores | None, timings: Timings) -> None:
-        """``ends``: per sequence of the call, the ids that end it (``SamplingConfig.ends``)."""
+                 logprobs: int | None, scores: BlockScores | None, timings: Timings,
+                 beams: BeamConfig | None = None) -> None:
+        """``ends``: per sequence of the call, the ids that end it (``SamplingConfig.ends``);
+        ``beams``: a beam search's (its blocks' results come from the last stage whole)."""
         self.blocks, self.device, self.ends, self.pad = blocks, device, ends, pad
+        self.beams = beams
+        self.beam_results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per block: ids, scores
+        self.parents: dict[int, torch.Tensor] = {}  # per block: its last step's rows' parents
         self.gen_len, self.limits, self.stops = gen_len, limits, stops
         self.logprobs, self.scores, self.timings = logprobs, scores, timings
         self.lp_width = 0 if logprobs is None else 1 + 2 * logprobs  # a token's row: see token_logprobs
@@ -58,6 +64,8 @@ class Ledger:
             return
         if self.logprobs is not None:
             self.lps[b] = []
+        if self.beams is not None:  # the last stage says when the search is over
+            return
         self.watch[b] = BlockWatch(EosTracker([self.ends[m] for m in blk.members], self.pad, self.device,
                                               _limits(self.limits, blk)), blk.members, self.stops)
 
@@ -67,12 +75,27 @@ class Ledger:
         if lp is not None:
             self.lps[b].append(lp)
 
+    def keep_beams(self, b: int, step: BeamStep) -> None:
+        """A beam search step chosen in this process: its ids (fed in next) and, at its end, its
+        results."""
+        self.tokens[b].append(step.ids)
+        if step.results is not None:
+            self.beam_results[b] = step.results
+
     def take(self, b: int, msg: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A step's message from the last stage (``Ring.send_tokens``): keep its ids (and
-        logprob rows); returns the ids and the last stage's early-stop flag."""
+        logprob rows); returns the ids and the last stage's early-stop flag. A beam block's
+        (``Ring.send_beams``) also brings the rows' parents (``parents``) and, at its end, the
+        search's results."""
         n = len(self.blocks[b].lens)
         ids = msg[:n]
         self.tokens[b].append(ids)
+        if self.beams is not None:
+            T = self.gen_len
+            self.parents[b] = msg[n:2 * n]
+            self.beam_results[b] = (msg[2 * n:2 * n + n * T].view(n, T),
+                                    msg[2 * n + n * T:2 * n + n * T + n].view(torch.float64))
+            return ids, bool(msg[-1])
         if self.lp_width:
             self.lps[b].append(msg[n:-1].view(torch.float64).view(n, self.lp_width))
         return ids, bool(msg[-1])
@@ -108,6 +131,13 @@ class Ledger:
         tm.prompt_shared += blk.saved  # positions not computed again
         if self.scores is not None:
             return self.scores.results(b, tokens[0])
+        if self.beams is not None:  # each row's hypothesis, whole
+            self.parents.pop(b, None)
+            outs = beamed_rows(*self.beam_results.pop(b))
+            tm.generated_rows += len(tokens) * len(outs)
+            tm.generated_tokens += sum(len(o.tokens) for o in outs)
+            tm.decode_tokens += sum(max(0, len(o.tokens) - 1) for o in outs)
+            return outs
         seqs = torch.stack(tokens, 1).tolist()
         outs = finished_rows(seqs, blk.members, self.ends, self.limits,
                              watch.stopped if watch is not None else {})
@@ -128,8 +158,10 @@ class Choosers:
     def __init__(self, blocks: list[BlockPlan], *, device: torch.device, eos: Sequence[int], pad: int,
                  gen_len: int, gbs: int, sampling: SamplingConfig, samplings: Sequence[SamplingConfig] | None,
                  limits: Sequence[int] | None, seen: Sequence[Sequence[int]] | None, guide: Any,
-                 keys: torch.Tensor, logprobs: int | None) -> None:
+                 keys: torch.Tensor, logprobs: int | None, beams: BeamConfig | None = None) -> None:
         self.blocks, self.device, self.eos, self.pad = blocks, device, eos, pad
+        self.beams = beams
+        self.searches: dict[int, list[BeamSearch]] = {}
         self.gen_len, self.gbs, self.sampling, self.samplings = gen_len, gbs, sampling, samplings
         self.limits, self.seen, self.guide, self.keys, self.logprobs = limits, seen, guide, keys, logprobs
         self.trackers: dict[int, list[EosTracker]] = {}
@@ -141,6 +173,13 @@ class Choosers:
         limits, g = _limits(self.limits, blk), self.gbs
         rows = [blk.members[a:a + g] for a in range(0, len(blk.members), g)]
         cfgs = [[self.sampling if self.samplings is None else self.samplings[m] for m in r] for r in rows]
+        if self.beams is not None:  # each GPU batch's prompts, each as its beams' rows in a row
+            k = self.beams.width
+            for r in rows:
+                if any(r[a:a + k] != list(range(r[a], r[a] + k)) or r[a] % k for a in range(0, len(r), k)):
+                    raise RuntimeError(f"block {b}'s GPU batches do not hold whole prompts of {k} beams")
+            self.searches[b] = [BeamSearch(self.beams, cs, self.eos, self.gen_len, self.device) for cs in cfgs]
+            return
         self.trackers[b] = [EosTracker([c.ends(self.eos) for c in cs], self.pad, self.device,
                                        None if limits is None else limits[a * g:a * g + len(r)])
                             for a, (r, cs) in enumerate(zip(rows, cfgs))]
@@ -152,6 +191,28 @@ class Choosers:
     def drop(self, b: int) -> None:
         self.trackers.pop(b, None)
         self.samplers.pop(b, None)
+        self.searches.pop(b, None)
+
+    def choose_beams(self, b: int, i: int, batches: tuple[int, int], logits: list[torch.Tensor],
+                     last: bool) -> BeamStep:
+        """Token i of block b's beams (every GPU batch of ``batches``, from their ``logits``):
+        the new ids, each row's parent row in the block, per GPU batch its parents (to reorder
+        the cache), whether every prompt's search is over, and then its results."""
+        parts, perms, base = [], {}, 0
+        searches = self.searches[b]
+        for kb, (bs, lg) in enumerate(zip(searches[batches[0]:batches[1]], logits), start=batches[0]):
+            ids, rows = bs.step(lg, i)
+            parts.append((ids, rows + base))
+            perms[kb] = rows
+            base += rows.shape[0]
+        ended = all(s.done() for s in searches)
+        over = last and (ended or i == self.gen_len - 1)
+        results = None
+        if over:
+            res = [s.results() for s in searches]
+            results = (torch.cat([r[0] for r in res]), torch.cat([r[1] for r in res]))
+            self.drop(b)
+        return BeamStep(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), perms, ended, results)
 
     def choose(self, b: int, i: int, rows: tuple[int, int], batches: tuple[int, int],
                logits: list[torch.Tensor], last: bool) -> tuple[torch.Tensor, torch.Tensor | None, bool]:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ..engine.beams import BeamConfig
 from ..engine.blocks import BlockPlan, left_pad, pad_token
 from ..engine.sampling import SamplingConfig
 from ..engine.stage import StageEngine
@@ -69,8 +70,13 @@ class Pipeline:
                  prefill: str = "block", ride: bool = False, limits: Sequence[int] | None = None,
                  samplings: Sequence[SamplingConfig] | None = None, stops: Any = None,
                  logprobs: int | None = None, seen: Sequence[Sequence[int]] | None = None,
-                 guide: Any = None, embed: bool = False) -> None:
+                 guide: Any = None, embed: bool = False, beams: BeamConfig | None = None) -> None:
         self.engine, self.blocks, self.G = engine, blocks, num_groups
+        # beam search (``engine/beams.py``): the last stage's searches choose each step's ids and
+        # each row's parent row; every stage reorders its cache rows by them before the next
+        # step (stage 0 gets them with the ids, the others in the hidden states' header)
+        self.beams = beams
+        self._parents: dict[int, torch.Tensor] = {}  # per beam block: the parents this stage passes on
         # per token: its log-probability and the ``logprobs`` most likely alternatives (None: off);
         # the last stage computes them beside the sampled ids, as (b, width) float64 rows
         self.logprobs = logprobs
@@ -105,7 +111,7 @@ class Pipeline:
         ends = [c.ends(eos) for c in samplings] if samplings is not None else [sampling.ends(eos)] * n
         self.ledger = Ledger(blocks, device=dev, ends=ends, pad=self.pad, gen_len=gen_len,
                              limits=limits, stops=stops, logprobs=logprobs,
-                             scores=self._scores, timings=self.timings) if self.first else None
+                             scores=self._scores, timings=self.timings, beams=beams) if self.first else None
         # the last stage's samplers (``samplings``: per sequence of the call, None: ``sampling`` for
         # all; ``seen``: per sequence, its prompt's ids where a repetition penalty needs them;
         # ``guide``: llguidance's tokenizer where a sequence has a structure; ``keys``: each
@@ -113,7 +119,7 @@ class Pipeline:
         self.choosers = Choosers(
             blocks, device=dev, eos=eos, pad=self.pad, gen_len=gen_len, gbs=self.gbs, sampling=sampling,
             samplings=samplings, limits=limits, seen=seen, guide=guide, logprobs=logprobs,
-            keys=torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=dev),
+            keys=torch.tensor(list(range(n)) if keys is None else keys, dtype=torch.long, device=dev), beams=beams,
         ) if self.last and not self.scoring else None
         self._ride_share = 0.0  # the current item's share of prefill compute (a rider's)
 
@@ -242,6 +248,7 @@ class Pipeline:
         return {p: o for (p, _), o in zip(live, outs)}
 
     def _free(self, b: int) -> None:
+        self._parents.pop(b, None)
         if self.choosers is not None:
             self.choosers.drop(b)
         st = self._states.pop(b, None)
@@ -281,7 +288,7 @@ class Pipeline:
             if i == 0 and self.blocks[b].computes_prefix and item.batches[0] == 0:  # the prefix's row goes along
                 st = self._states[b]
                 out, st.prefix = torch.cat([out.reshape(-1), st.prefix.reshape(-1)]), None
-            self.ring.send_hidden(out)
+            self.ring.send_hidden(out, self._parents.pop(b) if self._beam_step(item) else None)
             return False
         if self._scores is not None:  # summed over the block's steps, handed over after the last
             self._scores.add(b, i, *self._rows(item), torch.cat(outs))
@@ -299,6 +306,15 @@ class Pipeline:
             outs = self.engine.prefill_logits(self._states[b], k0) + outs
             r0 = k0 = 0
         assert self.choosers is not None
+        if self.beams is not None:
+            step = self.choosers.choose_beams(b, i, (k0, item.batches[1]), outs, item.last)
+            if self.ledger is None:
+                self.ring.send_beams(step, self.gen_len)
+                return False
+            self.ledger.keep_beams(b, step)
+            if not step.ended and i < self.gen_len - 1:
+                self._reorder(b, step.perms)
+            return step.ended
         nxt, lp, ended = self.choosers.choose(b, i, (r0, r1), (k0, item.batches[1]), outs, item.last)
         if self.ledger is not None:
             self.ledger.keep(b, nxt, lp)  # stays on the device: fed back in at i + 1
@@ -311,10 +327,13 @@ class Pipeline:
         b, i = item.block, item.i
         blk = self.blocks[b]
         if not self.first:
-            x = self.ring.hidden(handle)
+            x, parents = self.ring.hidden(handle)
             if x is None:
                 return None
             st = self._state(b, None)
+            if self._beam_step(item):  # the rows' parents: this stage's cache follows, the next stage's too
+                self._reorder(b, self._split(b, parents))
+                self._parents[b] = parents
             if i == 0 and blk.computes_prefix and item.batches[0] == 0:  # the rows, then the shared prefix's row
                 r0, r1 = self._rows(item)
                 n = (r1 - r0) * (blk.prompt_len - blk.shared) * self.hidden
@@ -337,6 +356,10 @@ class Pipeline:
             return self.ledger.fed(b, i)
         ids, ended = self.ledger.take(b, self.ring.wait(handle).cpu())
         ended = self.ledger.step(b, ids, i - 1) or ended
+        if self.beams is not None and not ended:
+            parents = self.ledger.parents.pop(b)
+            self._reorder(b, self._split(b, parents))
+            self._parents[b] = parents
         return None if ended else ids[:, None]
 
     # --- messages (``ring.py``) -----------------------------------------------------------
@@ -366,14 +389,42 @@ class Pipeline:
             return None
         n = len(self.blocks[item.block].lens)
         if not self.first:
-            return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype)
+            return self.ring.post_hidden(self._hidden_shape(item), self.engine.dtype, self._tail(item))
         if item.kind == COLLECT and self._scores is not None:
             return self.ring.post_from_last(self._scores.shape(item.block), torch.float64)
         if item.kind == COLLECT or (item.kind == DECODE and not self.last and not self.scoring):
-            return self.ring.post_from_last((n * (1 + self._lp_width) + 1,), torch.long)
+            width = 3 + self.gen_len if self.beams is not None else 1 + self._lp_width  # ``Ring.send_beams``
+            return self.ring.post_from_last((n * width + 1,), torch.long)
         return None
 
     def _pass_skip(self, item: Item) -> None:
         """Tell the next stage to drop this block from this item on."""
         if not self.last:
-            self.ring.send_skip(self._hidden_shape(item), self.engine.dtype)
+            self.ring.send_skip(self._hidden_shape(item), self.engine.dtype, self._tail(item))
+            self._parents.pop(item.block, None)
+
+    # --- beam search ------------------------------------------------------------------------
+    def _beam_step(self, item: Item) -> bool:
+        """Whether the item is a beam block's decode step (its rows' parents travel with it)."""
+        return self.beams is not None and item.kind == DECODE and item.i > 0
+
+    def _tail(self, item: Item) -> int:
+        """Ids after the hidden states' header: a beam step's parents, one per row of the block."""
+        return len(self.blocks[item.block].lens) if self._beam_step(item) else 0
+
+    def _split(self, b: int, parents: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The block's rows' parents (block rows) as each GPU batch's own (its rows from 0)."""
+        out, a = {}, 0
+        for kb, size in enumerate(self._states[b].meta.batch_sizes):
+            out[kb] = parents[a:a + size] - a
+            a += size
+        return out
+
+    def _reorder(self, b: int, perms: dict[int, torch.Tensor]) -> None:
+        """This stage's cache rows of block b follow their beams' parents (``BlockCache.reorder``);
+        a GPU batch whose beams all continue themselves stays as it is."""
+        st = self._states[b]
+        moved = {kb: p for kb, p in perms.items()
+                 if not torch.equal(p.cpu(), torch.arange(p.shape[0]))}
+        if moved and st.cache is not None:
+            st.cache.reorder(moved)

@@ -59,10 +59,11 @@ class Ring:
         self.wait_s = 0.0
 
     # --- receives --------------------------------------------------------------------------
-    def post_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, Any]:
-        """The header and the hidden states of the next item from the previous stage."""
+    def post_hidden(self, shape: tuple[int, ...], dtype: torch.dtype, tail: int = 0) -> tuple[Any, Any]:
+        """The header (with ``tail`` more ids: a beam step's parent rows) and the hidden states
+        of the next item from the previous stage."""
         assert self.comm is not None and self.prev is not None
-        header = torch.empty((1,), dtype=torch.long, device=self.wire)
+        header = torch.empty((1 + tail,), dtype=torch.long, device=self.wire)
         buf = torch.empty(shape, dtype=dtype, device=self.wire)
         return self.comm.irecv(header, self.prev), self.comm.irecv(buf, self.prev)
 
@@ -71,12 +72,13 @@ class Ring:
         assert self.comm is not None
         return self.comm.irecv(torch.empty(shape, dtype=dtype, device=self.wire), self.last_rank)
 
-    def hidden(self, handle: tuple[Any, Any]) -> torch.Tensor | None:
-        """The hidden states ``post_hidden`` received, or None where the header says skip."""
+    def hidden(self, handle: tuple[Any, Any]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The hidden states ``post_hidden`` received (None where the header says skip), and the
+        header's tail."""
         header, body = handle
-        go = int(self.wait(header).item()) == 0
+        head = self.wait(header)
         x = self.wait(body)
-        return x if go else None
+        return (x if int(head[0].item()) == 0 else None), head[1:]
 
     def wait(self, handle: Any) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -85,16 +87,17 @@ class Ring:
         return out  # type: ignore[return-value]
 
     # --- sends -----------------------------------------------------------------------------
-    def send_hidden(self, y: torch.Tensor) -> None:
-        """The item's hidden states to the next stage, behind a go header."""
-        self._send(self._go, self.next)  # type: ignore[arg-type]
+    def send_hidden(self, y: torch.Tensor, tail: torch.Tensor | None = None) -> None:
+        """The item's hidden states to the next stage, behind a go header (and its ``tail``)."""
+        self._send(self._go if tail is None else torch.cat([self._go, tail.to(self.wire)]), self.next)  # type: ignore[arg-type]
         self._send(y, self.next)  # type: ignore[arg-type]
 
-    def send_skip(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Tell the next stage to drop the block from this item on: a skip header, then an
-        unread tensor of the shape that stage has posted its receive for (every receive it
-        posted is matched, so none is left waiting)."""
-        self._send(self._skip, self.next)  # type: ignore[arg-type]
+    def send_skip(self, shape: tuple[int, ...], dtype: torch.dtype, tail: int = 0) -> None:
+        """Tell the next stage to drop the block from this item on: a skip header (padded to the
+        ``tail`` its receive expects), then an unread tensor of the shape that stage has posted
+        its receive for (every receive it posted is matched, so none is left waiting)."""
+        self._send(self._skip if not tail else torch.cat([self._skip, self._skip.new_zeros(tail)]),
+                   self.next)  # type: ignore[arg-type]
         self._send(torch.empty(shape, dtype=dtype, device=self.wire), self.next)  # type: ignore[arg-type]
 
     def send_tokens(self, ids: torch.Tensor, ended: bool, logprobs: torch.Tensor | None = None) -> None:
@@ -104,6 +107,16 @@ class Ring:
         if logprobs is not None:
             parts.append(logprobs.contiguous().view(torch.long).reshape(-1).to(self.wire))
         self._send(torch.cat([*parts, self._skip if ended else self._go]), 0)
+
+    def send_beams(self, step: Any, steps: int) -> None:
+        """The last stage: a beam search step of a block to stage 0 (``Ledger.take``): its ids,
+        each row's parent row, then its results (rows x ``steps`` ids, and the rows' float64
+        scores bit for bit; zeros until the search is over), then the end flag: one message."""
+        n = step.ids.shape[0]
+        ids, scores = step.results if step.results is not None else \
+            (torch.zeros((n, steps), dtype=torch.long), torch.zeros(n, dtype=torch.float64))
+        parts = [step.ids, step.parents, ids.reshape(-1), scores.to(torch.float64).view(torch.long)]
+        self._send(torch.cat([*(p.to(self.wire) for p in parts), self._skip if step.ended else self._go]), 0)
 
     def send_scores(self, acc: torch.Tensor) -> None:
         """The last stage: a block's summed scores to stage 0."""

@@ -86,6 +86,11 @@ class TokenBans:
             out[rows] = out[rows].masked_fill(self._banned(out.shape[-1]), float("-inf"))
         return out
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row r now continues row ``rows[r]``'s completion (beam search): its window follows."""
+        if self.words is not None:
+            self.recent = self.recent[rows.to(self.recent.device)]
+
     def count(self, ids: torch.Tensor) -> None:
         """Each row generated ``ids`` (b,) at this step (the multi-token words' window moves)."""
         if self.words is not None:

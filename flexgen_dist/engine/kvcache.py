@@ -120,6 +120,8 @@ class BlockCache:
         # fresh ones each step cost more in page faults than the dequantization itself
         self._scratch: dict[str, torch.Tensor] = {}
         self._whole: dict[int, Chunk] = {}  # layer -> one chunk over every GPU batch's rows
+        # beam search: (layer, GPU batch) -> its rows' new order, applied at its next write (``reorder``)
+        self._perm: dict[tuple[int, int], torch.Tensor] = {}
         for j in layers:
             cap = min(max_len, (windows or {}).get(j) or max_len)
             splits = [split_rows(b * kv_heads, fractions) for b in batch_sizes]
@@ -209,6 +211,35 @@ class BlockCache:
                         self._disk_store.free(p)
         self.chunks.clear()
 
+    def reorder(self, perms: dict[int, torch.Tensor]) -> None:
+        """Beam search: from the next decode step on, row r of GPU batch kb continues the
+        sequence of its row ``perms[kb][r]`` (a beam taking over its parent's history): every
+        layer's keys and values of the positions held so far follow, each layer's as its next
+        attention writes there (``_append``). A batch's cache is one chunk for this (one tier,
+        ``Policy.beams_refusal``); a disk chunk is rewritten whole from its staged copy."""
+        layers = sorted({j for j, _ in self.chunks})
+        for kb, p in perms.items():
+            parts = self.chunks[(layers[0], kb)] if layers else []
+            if len(parts) != 1 or parts[0].r0 != 0:
+                raise RuntimeError("beam search needs each GPU batch's cache on one tier")
+            rows = (p.to(torch.long)[:, None] * self.kv_heads
+                    + torch.arange(self.kv_heads, device=p.device)).reshape(-1)
+            for j in layers:
+                self._perm[(j, kb)] = rows
+
+    def _whole_perm(self, j: int) -> torch.Tensor | None:
+        """The rows' new order over layer j's whole buffer (every GPU batch, in order), or None."""
+        kbs = sorted(kb for jj, kb in self.chunks if jj == j)
+        if not any((j, kb) in self._perm for kb in kbs):
+            return None
+        out, base = [], 0
+        for kb in kbs:
+            n = self.chunks[(j, kb)][0].r1
+            p = self._perm.pop((j, kb), None)
+            out.append((torch.arange(n) if p is None else p.cpu()) + base)
+            base += n
+        return torch.cat(out)
+
     # --- overlapped I/O steps ----------------------------------------------------------
     def load(self, j: int, kb: int, length: int) -> None:
         """Prefetch: read the first ``length`` positions of disk chunks into RAM (async)."""
@@ -287,7 +318,9 @@ class BlockCache:
         chunk is attended where it lives. ``scale``, ``softcap``, ``sinks`` (rows, G): see
         ``attend_rows``.
         """
-        outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks))
+        perm = self._perm.pop((j, kb), None)
+        outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks,
+                                                  perm))
                 for ch in self.chunks[(j, kb)]]
         return merge_partial(outs, q.shape[0], self.device)
 
@@ -303,18 +336,21 @@ class BlockCache:
         """``attend`` for the rows of every GPU batch of the block at once (merged decode, where
         ``whole_layer(j)``): one cache write and one attention over the layer's buffer, the
         batches' rows in batch order."""
-        out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks)
+        out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks,
+                                 self._whole_perm(j))
         return out.to(self.device, non_blocking=True)
 
     def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       mask: torch.Tensor, pos0: int, sparsity: float, scale: float | None,
-                      softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Write the chunk's rows of k_new/v_new at pos0 and attend its rows where it lives."""
+                      softcap: float, sinks: torch.Tensor | None = None,
+                      perm: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the chunk's rows of k_new/v_new at pos0 and attend its rows where it lives
+        (``perm``: the rows' new order first, ``reorder``)."""
         length = pos0 + k_new.shape[1]
         kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
         qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
         sinks = None if sinks is None else sinks[ch.r0:ch.r1]
-        kc, vc, pos_major = self._append(ch, kn, vn, pos0, length)
+        kc, vc, pos_major = self._append(ch, kn, vn, pos0, length, perm)
         dev = self.device
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
@@ -339,21 +375,29 @@ class BlockCache:
         return out.transpose(0, 1) if pos_major else out
 
     def _append(self, ch: Chunk, kn: torch.Tensor, vn: torch.Tensor, pos0: int,
-                length: int) -> tuple[Stored, Stored, bool]:
+                length: int, perm: torch.Tensor | None = None) -> tuple[Stored, Stored, bool]:
         """Write positions [pos0, length) (one decode step: one position, at its slot); return
         K, V over the slots held, as stored, in memory, and whether they are position-major (a
-        staged disk chunk)."""
+        staged disk chunk). ``perm``: the rows' new order, applied to the slots held before."""
         a, b, n = ch.slot(pos0), ch.slot(pos0) + length - pos0, ch.held(length)
         if ch.tier == Tier.DISK:
             for f in ch.futures:
                 f.result()
             ch.futures = []
             kbuf, vbuf = ch.staged  # type: ignore[misc]
+            if perm is not None and ch.held(pos0):
+                old = ch.held(pos0)
+                _permute_rows((kbuf,) if vbuf is kbuf else (kbuf, vbuf), perm, old, pos_major=True)
+                ch.pending.append((0, *_kv(kbuf, vbuf, lambda x: _positions(x, 0, old, 0))))
             for dst, src in _pairs(kbuf, kn, vbuf, vn):
                 copy_between(_positions(dst, a, b, 0), self._encode(src.transpose(0, 1)))
             ch.pending.append((a, *_kv(kbuf, vbuf, lambda x: _positions(x, a, b, 0))))
             return (*_kv(kbuf, vbuf, lambda x: _positions(x, 0, n, 0)), True)
         nb = self._non_blocking(ch)
+        if perm is not None and ch.held(pos0):
+            if ch.tier != Tier.GPU and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the last step's writes into RAM have landed
+            _permute_rows((ch.k,) if ch.v is ch.k else (ch.k, ch.v), perm, ch.held(pos0), pos_major=False)
         for dst, src in _pairs(ch.k, kn, ch.v, vn):
             copy_between(_positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
         return (*_kv(ch.k, ch.v, lambda x: _positions(x, 0, n, 1)), False)
@@ -376,6 +420,16 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocki
             n = min(kvh - h, r1 - r)
             dst[r - r0: r - r0 + n].copy_(src[bi, :, h:h + n].transpose(0, 1), non_blocking=non_blocking)
             r += n
+
+
+def _permute_rows(stored: tuple[Stored, ...], perm: torch.Tensor, n: int, pos_major: bool) -> None:
+    """Row r of each tensor (each part of a compressed one) over its first ``n`` slots becomes
+    row ``perm[r]``'s, in place (rows: dim 0, or dim 1 position-major)."""
+    rows, slots = (1, 0) if pos_major else (0, 1)
+    for x in stored:
+        for part in _parts(x):
+            held = part.narrow(slots, 0, n)
+            held.copy_(held.index_select(rows, perm.to(part.device)))
 
 
 def _pairs(k: Stored, k_src: Any, v: Stored, v_src: Any) -> tuple[tuple[Stored, Any], ...]:

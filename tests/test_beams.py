@@ -1,0 +1,232 @@
+"""Beam search (``LLM.beam_search``, batch requests' ``use_beam_search``): each prompt's best
+hypotheses and their scores equal transformers' ``generate(num_beams=k)`` in float32, token
+for token, for every beam width, length penalty and early stopping, with hypotheses that end
+at EOS or a stop id mid-search, on the placements that reorder the cache in place (the
+compute device, RAM with merged decode, disk, 4-bit groups), on one rank and two."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import PROMPTS, local_ranks
+from flexgen_dist import LLM, ConfigError, SamplingConfig
+
+T = 8
+EOS = 2
+
+
+def hf_beams(tm, prompt: list[int], k: int, gen: int = T, *, lp: float = 1.0, early: bool | str = False,
+             ends: tuple[int, ...] = (EOS,), returns: int | None = None, min_new: int = 0,
+             bad: list[list[int]] | None = None) -> list[tuple[list[int], float]]:
+    """transformers' beam search of one prompt: (ids up to and including its end, score), best first."""
+    with torch.no_grad():
+        out = tm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                dtype=torch.long), max_new_tokens=gen, num_beams=k, do_sample=False,
+                                length_penalty=lp, early_stopping=early, num_return_sequences=returns or k,
+                                eos_token_id=list(ends), pad_token_id=tm.pad_id, min_new_tokens=min_new,
+                                bad_words_ids=bad, output_scores=True, return_dict_in_generate=True)
+    res = []
+    for row, score in zip(out.sequences[:, len(prompt):].tolist(), out.sequences_scores.tolist()):
+        n = next((i + 1 for i, t in enumerate(row) if t in ends), len(row))
+        res.append((row[:n], score))
+    return res
+
+
+def ours(outs) -> list[list[tuple[list[int], float]]]:
+    return [[(c.token_ids, c.score) for c in o.sequences] for o in outs]
+
+
+def same(got, want) -> None:
+    for g, w in zip(got, want):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert [s for _, s in g] == pytest.approx([s for _, s in w], abs=1e-4)
+    assert len(got) == len(want)
+
+
+def stop_ids(tm, k: int) -> tuple[int, ...]:
+    """Ids that end some hypotheses mid-search: the second token of each prompt's best beam."""
+    return tuple(sorted({hf_beams(tm, p, k)[0][0][1] for p in PROMPTS[:3]}))
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_hypotheses_and_scores_equal_transformers(k: int, tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    with LLM(str(tm.path), gpu_batch_size=2 * k, num_gpu_batches=2, progress=False) as llm:
+        got = ours(llm.beam_search(PROMPTS, beam_width=k, max_tokens=T))
+    assert got == [[(t, pytest.approx(s, abs=1e-4)) for t, s in hf_beams(tm, p, k)] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("lp,early", [(1.0, False), (0.0, "never"), (2.0, True), (-1.0, False), (1.5, "never")])
+def test_hypotheses_that_end_midway_rank_as_transformers_ranks_them(lp: float, early, tiny_models) -> None:
+    tm = tiny_models["opt-post-proj"]
+    ends = stop_ids(tm, 3)
+    cfg = SamplingConfig(stop_token_ids=ends)
+    with LLM(str(tm.path), gpu_batch_size=6, num_gpu_batches=1, progress=False) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=3, max_tokens=T, length_penalty=lp, early_stopping=early,
+                               sampling=cfg)
+    want = [hf_beams(tm, p, 3, lp=lp, early=early, ends=(EOS, *ends)) for p in PROMPTS]
+    same(ours(outs), want)
+    short = [len(t) < T for w in want for t, _ in w]
+    if lp > 1 and early == "never":  # a longer hypothesis is worth more: none that ended early is kept
+        assert not any(short)
+        return
+    assert any(short)  # some hypotheses ended at a stop id
+    assert {c.finish_reason for o in outs for c in o.sequences} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("policy", [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(0, 100, 0, 100, 100, 0), num_gpu_batches=3),  # RAM: merged decode over the batches
+    dict(percent=(50, 50, 0, 0, 100, 0), cpu_attention=True),  # the cache on disk, rewritten when it moves
+    dict(percent=(100, 0, 0, 100, 100, 0), compress_cache=True),  # 4-bit groups
+], ids=["device", "ram-merged", "disk", "compressed"])
+def test_each_cache_placement_follows_its_beams(policy: dict, tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models["llama-gqa"]
+    ends = stop_ids(tm, 2)
+    with LLM(str(tm.path), gpu_batch_size=4, offload_dir=str(tmp_path / "off"), progress=False,
+             **{"num_gpu_batches": 1, **policy}) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=2, max_tokens=T, sampling=SamplingConfig(stop_token_ids=ends))
+    got = ours(outs)
+    if policy.get("compress_cache"):  # 4-bit keys and values move the scores a little: the same on any tier
+        with LLM(str(tm.path), gpu_batch_size=4, offload_dir=str(tmp_path / "off2"), percent=(100, 0, 0, 0, 100, 0),
+                 compress_cache=True, progress=False) as llm:
+            on_disk = ours(llm.beam_search(PROMPTS, beam_width=2, max_tokens=T,
+                                           sampling=SamplingConfig(stop_token_ids=ends)))
+        assert on_disk == got
+        return
+    same(got, [hf_beams(tm, p, 2, ends=(EOS, *ends)) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_reorder_moves_every_held_position_of_each_row(tier: str, compress: bool, tmp_path: Path) -> None:
+    """``BlockCache.reorder`` then a decode write: row r holds what row perm[r] held (its
+    compressed groups whole), the new position written after."""
+    from flexgen_dist.engine.kvcache import BlockCache
+    from flexgen_dist.memory.disk import DiskStore
+    from flexgen_dist.memory.quant import dequantize
+    from flexgen_dist.memory.tiers import MemoryTracker
+
+    b, kvh, d, s = 4, 2, 16, 5
+    fractions = {"gpu": (1.0, 0.0, 0.0), "cpu": (0.0, 1.0, 0.0), "disk": (0.0, 0.0, 1.0)}[tier]
+    disk = DiskStore(str(tmp_path)) if tier == "disk" else None
+    cache = BlockCache([0], [b], kvh, s + 2, d, fractions, torch.device("cpu"), torch.float32, MemoryTracker(), disk,
+                       cpu_attention=True, compress=compress, group_size=8)
+    torch.manual_seed(0)
+    k, v = torch.randn(b, s, kvh, d), torch.randn(b, s, kvh, d)
+    cache.write_prefill(0, 0, k, v)
+    if tier == "disk":
+        for f in cache.store(0, 0):
+            f.result()
+
+    def held(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ch = cache.chunks[(0, 0)][0]
+        if tier == "disk":
+            cache.load(0, 0, n)
+            for f in ch.futures:
+                f.result()
+            kk, vv = ch.staged
+            out = tuple((dequantize(x, torch.device("cpu")) if compress else x)[:n].transpose(0, 1) for x in (kk, vv))
+            cache.store(0, 0)
+            return out
+        return tuple((dequantize(x, torch.device("cpu")) if compress else x)[:, :n].clone() for x in (ch.k, ch.v))
+
+    before = held(s)
+    perm = torch.tensor([2, 2, 0, 3])
+    cache.reorder({0: perm})
+    rows = (perm[:, None] * kvh + torch.arange(kvh)).reshape(-1)
+    if tier == "disk":
+        cache.load(0, 0, s)
+    q = torch.randn(b * kvh, 1, 1, d)
+    kn, vn = torch.randn(b * kvh, 1, d), torch.randn(b * kvh, 1, d)
+    cache.attend(0, 0, q, kn, vn, torch.ones(b * kvh, 1, 1, s + 1, dtype=torch.bool), s)
+    if tier == "disk":
+        for f in cache.store(0, 0):
+            f.result()
+    after = held(s + 1)
+    for x, y in zip(before, after):
+        assert torch.equal(y[:, :s], x[rows])
+    if not compress:
+        assert torch.equal(after[0][:, s], kn[:, 0]) and torch.equal(after[1][:, s], vn[:, 0])
+    cache.free()
+
+
+def test_returns_min_tokens_and_bad_words(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    best = hf_beams(tm, PROMPTS[0], 4)[0][0]
+    cfg = SamplingConfig(min_tokens=3, stop_token_ids=(best[0], best[2]), bad_words_ids=((best[1],),))
+    with LLM(str(tm.path), gpu_batch_size=4, progress=False) as llm:
+        outs = llm.beam_search(PROMPTS[:3], beam_width=4, max_tokens=T, num_return_sequences=2, sampling=cfg)
+    want = [hf_beams(tm, p, 4, returns=2, min_new=3, ends=(EOS, best[0], best[2]), bad=[[best[1]]])
+            for p in PROMPTS[:3]]
+    same(ours(outs), want)
+    assert [len(o.sequences) for o in outs] == [2, 2, 2] and [o.index for o in outs] == [0, 1, 2]
+
+
+def test_what_a_beam_search_refuses(tiny_models) -> None:
+    tm = tiny_models["llama-gqa"]
+    with LLM(str(tm.path), gpu_batch_size=4, progress=False) as llm:
+        with pytest.raises(ConfigError, match="needs a GPU batch size that is a multiple of 3"):
+            llm.beam_search(PROMPTS[:2], beam_width=3, max_tokens=4)
+        with pytest.raises(ConfigError, match="give temperature 0"):
+            llm.beam_search(PROMPTS[:2], beam_width=2, sampling=SamplingConfig(temperature=0.7))
+        with pytest.raises(ConfigError, match="no penalties"):
+            llm.beam_search(PROMPTS[:2], beam_width=2, sampling=SamplingConfig(presence_penalty=1.0))
+        with pytest.raises(ConfigError, match="early_stopping 'soon'"):
+            llm.beam_search(PROMPTS[:2], beam_width=2, early_stopping="soon")
+        with pytest.raises(ConfigError, match="num_return_sequences 3"):
+            llm.beam_search(PROMPTS[:2], beam_width=2, num_return_sequences=3)
+    with LLM(str(tm.path), gpu_batch_size=2, percent=(100, 0, 50, 50, 100, 0), progress=False) as llm:
+        with pytest.raises(ConfigError, match="on one tier"):
+            llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=4)
+
+
+def test_the_default_block_holds_whole_prompts(tiny_models) -> None:
+    """Without a GPU batch size the plan's is a multiple of the beam width."""
+    tm = tiny_models["llama-gqa"]
+    with LLM(str(tm.path), progress=False) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=3, max_tokens=4)
+        assert llm.plan.stages[0].policy.gpu_batch_size % 3 == 0
+    same(ours(outs), [hf_beams(tm, p, 3, gen=4) for p in PROMPTS])
+
+
+def test_a_block_ends_once_every_search_is_over(tiny_models) -> None:
+    """early_stopping=True: a prompt is done with its k hypotheses; the block's remaining steps
+    are skipped when all of its prompts are."""
+    tm = tiny_models["opt-post-proj"]
+    ends = tuple(sorted({t for p in PROMPTS for t in hf_beams(tm, p, 2)[0][0][1:3]}))
+    with LLM(str(tm.path), gpu_batch_size=4, num_gpu_batches=3, progress=False) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=2, max_tokens=16, early_stopping=True,
+                               sampling=SamplingConfig(stop_token_ids=ends))
+        steps = llm.metrics["stage_times"][0]["token_steps"]
+    same(ours(outs), [hf_beams(tm, p, 2, 16, early=True, ends=(EOS, *ends)) for p in PROMPTS])
+    assert steps < 16  # one block of 12 rows, ended early
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+@pytest.mark.parametrize("opts", [{}, {"num_micro_batches": 2, "prefill_items": "batch", "early_stopping": True},
+                                  {"schedule": "overlapped", "num_micro_batches": 2}],
+                         ids=["plain", "groups-early", "overlapped"])
+def test_two_ranks_pass_the_parents_along(opts: dict, tiny_models, tmp_path: Path) -> None:
+    tm = tiny_models["opt-post-proj"]
+    ends = tuple(sorted({t for p in PROMPTS for t in hf_beams(tm, p, 2)[0][0][1:3]}))
+    early = opts.pop("early_stopping", False)
+    script = tmp_path / "beams.py"
+    out = tmp_path / "out.json"
+    script.write_text(f"""
+import json
+from flexgen_dist import LLM, SamplingConfig
+with LLM({str(tm.path)!r}, gpu_batch_size=2, num_gpu_batches=1, progress=False, **{opts!r}) as llm:
+    outs = llm.beam_search({PROMPTS!r}, beam_width=2, max_tokens=12, early_stopping={early!r},
+                           sampling=SamplingConfig(stop_token_ids={ends!r}))
+    if llm.is_driver:
+        json.dump([[[c.token_ids, c.score] for c in o.sequences] for o in outs], open({str(out)!r}, "w"))
+""")
+    r = local_ranks([str(script)], timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [[(t, s) for t, s in o] for o in json.loads(out.read_text())]
+    same(got, [hf_beams(tm, p, 2, 12, early=early, ends=(EOS, *ends)) for p in PROMPTS])
