@@ -150,6 +150,16 @@ class LLM(PooledCalls, BeamCalls):
         return reasoning_of(self.tokenizer, self.config.reasoning_parser)
 
     @property
+    def gpu_batch_unit(self) -> int:
+        """The plan's default GPU batch size is a multiple of this (rank 0, before the first
+        call: e.g. every beam width a batch job will run)."""
+        return self._planner.row_unit
+
+    @gpu_batch_unit.setter
+    def gpu_batch_unit(self, n: int) -> None:
+        self._planner.row_unit = int(n)
+
+    @property
     def engine(self) -> Any:
         """This rank's stage engine (None before the first call)."""
         return self._worker.engine

@@ -27,6 +27,7 @@ command).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -34,6 +35,7 @@ import torch
 
 from .config import ConfigError, RunConfig
 from .embeddings import Classification, check_embed, finish
+from .engine.beams import beams_refusal
 from .engine.sampling import SamplingConfig, TokenLogprobs
 from .openai_lines import output_line
 from .models.loader import LoadedModel
@@ -80,16 +82,19 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
                 r.error = e
         return any(r.ok for r in reqs)
 
-    def plan() -> tuple[bool, str, bool]:  # whether any prompt is scored (echo, prompt_logprobs), pooled how, generated
+    def plan() -> tuple[bool, str, bool, int]:  # scored (echo, prompt_logprobs)? pooled how, generated? beam calls
         if not parse():
-            return False, "", False
+            return False, "", False, 0
         assert reqs is not None
         pooled = any(r.ok and r.inputs is not None for r in reqs)
+        widths = {r.beams.width for r in reqs if r.ok and r.beams is not None}
+        if widths:  # a GPU batch holds whole prompts' beams: the plan's is a multiple of every width
+            llm.gpu_batch_unit = math.lcm(*widths)
         return (any(r.prompt_alternatives is not None for r in reqs),
                 ("classify" if llm.model.spec.num_labels else "embed") if pooled else "",
-                any(r.ok and r.max_tokens > 0 for r in reqs))
+                any(r.ok and r.max_tokens > 0 and r.beams is None for r in reqs), len(beam_groups(reqs)))
 
-    scores, pooled, runs = llm.on_driver(plan)
+    scores, pooled, runs, searches = llm.on_driver(plan)
     if not llm.is_driver:  # the same calls as rank 0, in the same order
         if (scores or pooled) and runs:
             llm.prepare()
@@ -102,6 +107,10 @@ def run_batch(llm: Any, requests: Sequence[dict[str, Any] | str] | None, default
         if runs:
             for _ in llm.stream():
                 pass
+        for _ in range(searches):
+            if llm.on_driver(lambda: None):
+                for _ in llm.stream_beam_search():
+                    pass
         return
     assert reqs is not None
     yield from _drive(llm, reqs)
@@ -126,7 +135,8 @@ class _InOrder:
 def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
     """Rank 0's calls, in the order the other ranks make them (``run_batch``): the plan, the
     prompts' scores, the embeddings, the completions; lines yielded as they are ready."""
-    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 for j in range(r.n)]
+    rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 and r.beams is None
+                                       for j in range(r.n)]
     asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
     scored = [r for r in reqs if r.prompt_alternatives is not None]
     embedded = [(r, p) for r in reqs if r.ok and r.inputs is not None for p in r.inputs]
@@ -168,7 +178,33 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
             for c in window:
                 rows[c.index][0].choices.append(c)
             yield from _nonempty(ready.lines())
+    for group in beam_groups(reqs):  # vLLM's use_beam_search: one call per beam setting and max_tokens
+        r0 = group[0]
+        why = None if llm.plan is None else next(
+            (w for w in (beams_refusal(s.policy, r0.beams.width) for s in llm.plan.stages) if w), None)
+        if llm.on_driver(lambda: why is None):
+            for window in llm.stream_beam_search([r.prompt for r in group], r0.beams.width, r0.max_tokens,
+                                                 length_penalty=r0.beams.length_penalty,
+                                                 early_stopping=r0.beams.early_stopping,
+                                                 sampling=[r.sampling for r in group],
+                                                 lora=[r.adapter for r in group]):
+                for o in window:
+                    group[o.index].choices = list(o.sequences)
+                yield from _nonempty(ready.lines())
+        else:
+            for r in group:
+                r.error = RequestError("invalid_request", str(why))
+        yield from _nonempty(ready.lines())
     yield from _nonempty(ready.lines())
+
+
+def beam_groups(reqs: list[Request]) -> list[list[Request]]:
+    """The beam search requests that can run, by beam setting and max_tokens, in input order."""
+    out: dict[tuple[Any, int], list[Request]] = {}
+    for r in reqs:
+        if r.ok and r.beams is not None and r.max_tokens > 0:
+            out.setdefault((r.beams, r.max_tokens), []).append(r)
+    return list(out.values())
 
 
 def _for_model(r: Request, model: LoadedModel, tokenizer: Any | None, cfg: RunConfig) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from .config import ConfigError, check_template_kwargs
 from .engine.bans import bad_word_ids
+from .engine.beams import BeamConfig
 from .engine.sampling import MAX_BIAS, MAX_LOGPROBS, MAX_REPETITION
 from .engine.structure import Structure, check_structure
 from .openai_tools import ToolChoice
@@ -272,3 +273,18 @@ def controls(body: dict[str, Any], vocab_size: int, tokenizer: Any | None) -> di
             raise RequestError("invalid_value", "bad_words encode to ids outside the model's vocabulary")
         out["bad_words_ids"] = ids
     return out
+
+
+def beams(body: dict[str, Any], n: int) -> BeamConfig | None:
+    """vLLM's ``use_beam_search``: ``n`` beams (its n choices, best first), ``length_penalty``
+    and ``early_stopping`` (read only with it, as vLLM reads them); None without it."""
+    on = body.get("use_beam_search")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError("invalid_value", f"use_beam_search {on!r}: true or false")
+    lp = body.get("length_penalty", 1.0)
+    if not isinstance(lp, (int, float)) or isinstance(lp, bool):
+        raise RequestError("invalid_value", f"length_penalty {lp!r}: a number")
+    early = body.get("early_stopping", False)
+    if early not in (False, True, "never") or not isinstance(early, (bool, str)):
+        raise RequestError("invalid_value", f"early_stopping {early!r}: true, false or \"never\"")
+    return BeamConfig(n, float(lp), early) if on else None

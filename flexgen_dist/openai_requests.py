@@ -13,6 +13,7 @@ from typing import Any
 
 from . import openai_fields as fields
 from .config import ConfigError
+from .engine.beams import BeamConfig
 from .engine.sampling import MAX_PENALTY, SamplingConfig, TokenLogprobs
 from .models.spec import ModelSpec
 from .openai_fields import CHAT, COMPLETIONS, GUIDED, RequestError
@@ -57,7 +58,8 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         *fields.CONTROLS,  # vLLM's: min_tokens, stop_token_ids, ignore_eos, bad_words, ...
         "echo",  # completions only
         "truncate_prompt_tokens",  # vLLM's: a longer prompt cut to its last K tokens
-        "add_special_tokens", "return_tokens_as_token_ids"}  # vLLM's: a BOS for the text; logprobs' tokens as ids
+        "add_special_tokens", "return_tokens_as_token_ids",  # vLLM's: a BOS for the text; logprobs' tokens as ids
+        "use_beam_search", "length_penalty", "early_stopping"}  # vLLM's: n beams (the last two: its beam settings)
 
 
 
@@ -92,6 +94,7 @@ class Request:
     return_documents: bool = True  # rerank: each result carries its document's text
     truncate: int | None = None  # vLLM's truncate_prompt_tokens: the request's own, else the run's
     as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs spell tokens "token_id:{id}"
+    beams: BeamConfig | None = None  # vLLM's use_beam_search: its n choices are its n best beams
     error: RequestError | None = None
     choices: list[Any] = field(default_factory=list)  # filled by the run (Completions)
 
@@ -245,6 +248,16 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     req.as_ids = bool(as_ids)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
+    req.beams = fields.beams(body, req.n)
+    if req.beams is not None:
+        asks = [k for k, on in (("stop", bool(req.stop)), ("logprobs", req.logprobs is not None),
+                                ("prompt_logprobs", req.prompt_logprobs is not None), ("echo", req.echo),
+                                ("a sampling temperature", not req.sampling.greedy),
+                                ("penalties or logit_bias", req.sampling.adjusts),
+                                ("structured output", req.sampling.structure is not None)) if on]
+        if asks:
+            raise RequestError("invalid_request", f"use_beam_search does not take {asks[0]}"
+                                                  + (": give stop_token_ids" if asks[0] == "stop" else ""))
 
 
 def _fill_inputs(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,

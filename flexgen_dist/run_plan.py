@@ -18,6 +18,7 @@ Each choice is recorded with its reason (``RunPlan.choices``; ``--explain`` prin
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ class RunPlanner:
         self.budgets = budgets
         self.dtype = dtype
         self.dtype_bytes = torch.finfo(dtype).bits // 8
+        # a default GPU batch size is a multiple of this (a batch job's beam searches: every width)
+        self.row_unit = 1
 
     def plan(self, work: Workload) -> RunPlan:
         """Every stage's layers, policy and peaks, G, prefill items and schedule for ``work``."""
@@ -150,7 +153,7 @@ class RunPlanner:
         whole); and the reason. Where not even one row fits, one row: the budget check then
         reports what the placement needs at the least."""
         G = self.config.num_micro_batches or self.world_size
-        unit = work.beams.width if work.beams is not None else 1  # a prompt's beams share a GPU batch
+        unit = math.lcm(self.row_unit, work.beams.width if work.beams is not None else 1)  # a prompt's beams share a GPU batch
         size = -(-default_block(work.num_prompts, G, self.device) // unit) * unit
         cap = DEFAULT_MAX_BLOCK[self.device.type]
         groups = f" over {G} micro-batch groups" if G > 1 else ""

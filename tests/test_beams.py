@@ -102,15 +102,19 @@ def test_each_cache_placement_follows_its_beams(policy: dict, tiny_models, tmp_p
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu", "disk"])
 @pytest.mark.parametrize("compress", [False, True])
-def test_a_reorder_moves_every_held_position_of_each_row(tier: str, compress: bool, tmp_path: Path) -> None:
+def test_a_reorder_moves_every_held_position_of_each_row(tier: str, compress: bool, tmp_path: Path,
+                                                         monkeypatch) -> None:
     """``BlockCache.reorder`` then a decode write: row r holds what row perm[r] held (its
-    compressed groups whole), the new position written after."""
+    compressed groups whole), the new position written after; the rows move a few positions
+    at a time (a bounded temporary)."""
+    from flexgen_dist.engine import kvcache
     from flexgen_dist.engine.kvcache import BlockCache
     from flexgen_dist.memory.disk import DiskStore
     from flexgen_dist.memory.quant import dequantize
     from flexgen_dist.memory.tiers import MemoryTracker
 
     b, kvh, d, s = 4, 2, 16, 5
+    monkeypatch.setattr(kvcache, "PERMUTE_BYTES", 2 * b * kvh * d)  # two positions' rows a piece (dense)
     fractions = {"gpu": (1.0, 0.0, 0.0), "cpu": (0.0, 1.0, 0.0), "disk": (0.0, 0.0, 1.0)}[tier]
     disk = DiskStore(str(tmp_path)) if tier == "disk" else None
     cache = BlockCache([0], [b], kvh, s + 2, d, fractions, torch.device("cpu"), torch.float32, MemoryTracker(), disk,
@@ -193,6 +197,37 @@ def test_the_default_block_holds_whole_prompts(tiny_models) -> None:
     same(ours(outs), [hf_beams(tm, p, 3, gen=4) for p in PROMPTS])
 
 
+def test_batch_requests_use_beam_search(tiny_models) -> None:
+    """vLLM's ``use_beam_search``: a request's n choices are its n best beams, best first; the
+    plan's GPU batch holds every width's beams; other requests run beside them."""
+    tm = tiny_models["llama-gqa"]
+    url = "/v1/completions"
+    reqs = [{"custom_id": "b2", "url": url, "body": {"prompt": PROMPTS[0], "max_tokens": T, "n": 2,
+                                                     "use_beam_search": True}},
+            {"custom_id": "greedy", "url": url, "body": {"prompt": PROMPTS[1], "max_tokens": T}},
+            {"custom_id": "b3", "url": url, "body": {"prompt": PROMPTS[2], "max_tokens": 6, "n": 3,
+                                                     "use_beam_search": True, "length_penalty": 0.5}},
+            {"custom_id": "b2-again", "url": url, "body": {"prompt": PROMPTS[3], "max_tokens": T, "n": 2,
+                                                           "use_beam_search": True}},
+            {"custom_id": "stop", "url": url, "body": {"prompt": PROMPTS[0], "n": 2, "use_beam_search": True,
+                                                       "stop": ["x"]}},
+            {"custom_id": "hot", "url": url, "body": {"prompt": PROMPTS[0], "n": 2, "use_beam_search": True,
+                                                      "temperature": 0.8}},
+            {"custom_id": "flag", "url": url, "body": {"prompt": PROMPTS[0], "use_beam_search": "yes"}}]
+    with LLM(str(tm.path), progress=False) as llm:
+        out = {line["custom_id"]: line for line in llm.batch(reqs)}
+        assert llm.plan.stages[0].policy.gpu_batch_size % 6 == 0
+    ids = {k: [c["token_ids"] for c in out[k]["response"]["body"]["choices"]] for k in ("b2", "b3", "b2-again")}
+    assert ids["b2"] == [t for t, _ in hf_beams(tm, PROMPTS[0], 2)]
+    assert ids["b3"] == [t for t, _ in hf_beams(tm, PROMPTS[2], 3, 6, lp=0.5)]
+    assert ids["b2-again"] == [t for t, _ in hf_beams(tm, PROMPTS[3], 2)]
+    greedy = out["greedy"]["response"]["body"]["choices"]
+    assert len(greedy) == 1 and len(greedy[0]["token_ids"]) == T
+    assert "use_beam_search does not take stop: give stop_token_ids" in out["stop"]["error"]["message"]
+    assert "a sampling temperature" in out["hot"]["error"]["message"]
+    assert "use_beam_search 'yes': true or false" in out["flag"]["error"]["message"]
+
+
 def test_a_block_ends_once_every_search_is_over(tiny_models) -> None:
     """early_stopping=True: a prompt is done with its k hypotheses; the block's remaining steps
     are skipped when all of its prompts are."""
@@ -230,3 +265,31 @@ with LLM({str(tm.path)!r}, gpu_batch_size=2, num_gpu_batches=1, progress=False, 
     assert r.returncode == 0, r.stderr[-3000:]
     got = [[(t, s) for t, s in o] for o in json.loads(out.read_text())]
     same(got, [hf_beams(tm, p, 2, 12, early=early, ends=(EOS, *ends)) for p in PROMPTS])
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_a_batch_job_of_beam_searches_on_two_ranks(tiny_models, tmp_path: Path) -> None:
+    """The batch CLI on two ranks: the other rank makes the same beam calls (one per setting),
+    and a request the plan cannot hold gets its error line."""
+    tm = tiny_models["llama-gqa"]
+    url = "/v1/completions"
+    reqs = [{"custom_id": "b2", "url": url, "body": {"prompt": PROMPTS[0], "max_tokens": T, "n": 2,
+                                                     "use_beam_search": True}},
+            {"custom_id": "g", "url": url, "body": {"prompt": PROMPTS[1], "max_tokens": T}},
+            {"custom_id": "b3", "url": url, "body": {"prompt": PROMPTS[2], "max_tokens": T, "n": 3,
+                                                     "use_beam_search": True}},
+            {"custom_id": "b2-short", "url": url, "body": {"prompt": PROMPTS[4], "max_tokens": 4, "n": 2,
+                                                           "use_beam_search": True, "early_stopping": True}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    r = local_ranks(["-m", "flexgen_dist.batch", "--model", str(tm.path), "-i", str(inp), "-o", str(out),
+                     "--gpu-batch-size", "4", "--no-progress"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    assert [c["token_ids"] for c in lines["b2"]["response"]["body"]["choices"]] == \
+        [t for t, _ in hf_beams(tm, PROMPTS[0], 2)]
+    assert [c["token_ids"] for c in lines["b2-short"]["response"]["body"]["choices"]] == \
+        [t for t, _ in hf_beams(tm, PROMPTS[4], 2, 4, early=True)]
+    assert "multiple of 3" in lines["b3"]["error"]["message"] and "--gpu-batch-size" in lines["b3"]["error"]["message"]
+    assert len(lines["g"]["response"]["body"]["choices"][0]["token_ids"]) == T

@@ -422,14 +422,21 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocki
             r += n
 
 
+PERMUTE_BYTES = 8 << 20  # a cache reorder's temporary at most (slots are independent: moved a piece at a time)
+
+
 def _permute_rows(stored: tuple[Stored, ...], perm: torch.Tensor, n: int, pos_major: bool) -> None:
     """Row r of each tensor (each part of a compressed one) over its first ``n`` slots becomes
     row ``perm[r]``'s, in place (rows: dim 0, or dim 1 position-major)."""
     rows, slots = (1, 0) if pos_major else (0, 1)
     for x in stored:
         for part in _parts(x):
-            held = part.narrow(slots, 0, n)
-            held.copy_(held.index_select(rows, perm.to(part.device)))
+            p = perm.to(part.device)
+            per_slot = part.numel() // part.shape[slots] * part.element_size()
+            step = max(1, PERMUTE_BYTES // max(1, per_slot))  # slots per piece: a bounded temporary
+            for a in range(0, n, step):
+                held = part.narrow(slots, a, min(step, n - a))
+                held.copy_(held.index_select(rows, p))
 
 
 def _pairs(k: Stored, k_src: Any, v: Stored, v_src: Any) -> tuple[tuple[Stored, Any], ...]:
