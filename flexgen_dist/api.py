@@ -394,7 +394,8 @@ class LLM(PooledCalls, BeamCalls):
         run = {"model": describe(self.model), "device": str(self.device),
                "dtype": str(self.dtype).replace("torch.", ""), "num_prompts": work.num_prompts,
                "prompt_len": work.prompt_len, "gen_len": work.gen_len, "num_micro_batches": plan.num_micro_batches,
-               "prefill_items": plan.prefill_items, "schedule": plan.schedule}
+               "prefill_items": plan.prefill_items, "schedule": plan.schedule,
+               **({"beam_width": work.beams.width} if work.beams is not None else {})}
         predicted = {} if plan.prediction is None else dataclasses.asdict(plan.prediction)
         self.metrics = {**merge_metrics(run, self._worker.timings, stages, predicted), "plan": plan.to_dict()}
 

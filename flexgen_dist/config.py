@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from .engine.policy import PERCENT_FIELDS, STATE_FIELDS, Policy
+from .engine.beams import BeamConfig
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 from .engine.structure import structure_option
 from .models.pooling import POOLINGS
@@ -102,6 +103,12 @@ class RunConfig:
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     embed: bool = False  # the run writes each prompt's embedding instead of a completion (``LLM.embed``)
     embed_dimensions: int | None = None  # with embed: each vector's first that many values
+    # beam search (``LLM.beam_search``; 0: off): beams per prompt, the length penalty, early
+    # stopping (false, true, never) and how many of the best each output line keeps (0: all)
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: str = "false"
+    num_return_sequences: int = 0
     classify: bool = False  # a sequence classifier's run: each prompt's labels' logits (``LLM.classify``)
     # what every completion must match (at most one; engine/structure.py): a JSON schema (a
     # file or the JSON itself), a regex, one of some strings, a Lark/GBNF grammar (file or text)
@@ -227,10 +234,30 @@ class RunConfig:
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
         _ = self.template_kwargs  # its own checks
         _ = self.score_template_text
+        if not self.beam_width and (self.length_penalty != 1.0 or str(self.early_stopping).lower() != "false"
+                                    or self.num_return_sequences):
+            raise ConfigError("--length-penalty, --early-stopping and --num-return-sequences are beam search "
+                              "settings: give --beam-width K")
+        if self.beam_width:
+            if self.embed or self.classify:
+                raise ConfigError("--beam-width generates: drop --embed / --classify")
+            try:
+                _ = self.beams
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         try:
             _ = self.sampling  # its own checks, as config errors
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def beams(self) -> BeamConfig | None:
+        """The run's beam search (None: --beam-width not given)."""
+        if not self.beam_width:
+            return None
+        early = {"false": False, "true": True, "never": "never"}.get(str(self.early_stopping).lower(),
+                                                                      self.early_stopping)
+        return BeamConfig(self.beam_width, self.length_penalty, early, self.num_return_sequences)
 
     @cached_property
     def sampling(self) -> SamplingConfig:

@@ -137,6 +137,15 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "as EOS does (kept in its tokens, left out of its text)")
     g.add_argument("--bad-words", nargs="+", metavar="WORD", help="words never generated (vLLM's bad_words: a "
                    "word's last token is banned where the newest tokens are the rest of it)")
+    g.add_argument("--beam-width", type=int, metavar="K", help="beam search with K beams per prompt (as "
+                   "transformers' num_beams); each output line is the best hypothesis, with the others under "
+                   "'beams' (--num-return-sequences of them)")
+    g.add_argument("--length-penalty", type=float, help="with --beam-width: a hypothesis' score is its summed "
+                   "log-probabilities over its length to this power (default 1)")
+    g.add_argument("--early-stopping", choices=["false", "true", "never"], help="with --beam-width: when a "
+                   "prompt's search ends (transformers' early_stopping; default false)")
+    g.add_argument("--num-return-sequences", type=int, metavar="N", help="with --beam-width: the best N "
+                   "hypotheses per prompt (default: all K)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--json-schema", metavar="FILE|JSON", help="every completion is JSON matching this schema "

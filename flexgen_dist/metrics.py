@@ -80,10 +80,15 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
     }
 
 
+def _prompts(metrics: dict[str, Any]) -> str:
+    k = metrics.get("beam_width")
+    return f"{metrics['num_prompts'] // k} prompts x {k} beams" if k else f"{metrics['num_prompts']} prompts"
+
+
 def summary(metrics: dict[str, Any]) -> str:
     """One or two lines: measured throughputs, and the planner's where it made a plan."""
     line = (f"prefill {metrics['prefill_throughput']:.1f} tok/s | decode {metrics['decode_throughput']:.1f} "
-            f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({metrics['num_prompts']} prompts, "
+            f"tok/s | total {metrics['total_throughput']:.1f} tok/s  ({_prompts(metrics)}, "
             f"gen-len {metrics['gen_len']}, {metrics['prefill_time_s'] + metrics['decode_time_s']:.2f} s)")
     if metrics.get("padding_fraction"):
         line += (f"; {100 * metrics['padding_fraction']:.1f} % of the prompt positions were padding, "

@@ -7,6 +7,7 @@ interrupted job (output.py). Nothing in the package imports this module.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .api import LLM
+from .beam_calls import BeamOutput
 from .config import ConfigError, RunConfig
 from .embeddings import Classification, Embedding
 from .flags import parse_config
@@ -61,6 +63,8 @@ def run(cfg: RunConfig) -> int:
         try:
             if left:
                 todo = prompts[done:] if prompts is not None else None
+                if cfg.beam_width and llm.is_driver:  # the plan's GPU batch holds whole prompts' beams
+                    llm.gpu_batch_unit = cfg.beam_width
                 if cfg.warmup:
                     llm.warmup(todo)
                 lora = [p.lora for p in todo] if todo is not None and any(p.lora for p in todo) else None
@@ -101,6 +105,11 @@ def _results(cfg: RunConfig, llm: LLM, todo: list[Prompt] | None, done: int, tot
         return llm.stream_embed(todo, dimensions=cfg.embed_dimensions, lora=lora)
     if cfg.classify:
         return llm.stream_classify(todo, lora=lora)
+    if cfg.beams is not None:
+        b = cfg.beams
+        return llm.stream_beam_search(todo, b.width, cfg.gen_len, length_penalty=b.length_penalty,
+                                      early_stopping=b.early_stopping, num_return_sequences=b.num_return or None,
+                                      lora=lora)
     return llm.stream(todo, keys=None if todo is None else range(done, total), lora=lora)
 
 
@@ -110,6 +119,13 @@ def _record(writer: OutputWriter, p: Prompt, r: Any) -> dict[str, Any]:
         return {"id": p.id, "embedding": r.embedding, "prompt_tokens": r.prompt_tokens}
     if isinstance(r, Classification):
         return {"id": p.id, "logits": r.logits, "probs": r.probs, "label": r.label, "prompt_tokens": r.prompt_tokens}
+    if isinstance(r, BeamOutput):  # the best hypothesis as the line, every one returned under "beams"
+        best = r.sequences[0]
+        rec = {**writer.record(p, best.token_ids, best.text, None, best.reasoning), "score": best.score}
+        if len(r.sequences) > 1:
+            rec["beams"] = [{k: v for k, v in (("text", c.text), ("tokens", c.token_ids), ("score", c.score))
+                             if v is not None} for c in r.sequences]
+        return rec
     return writer.record(p, r.token_ids, r.text, r.logprobs, r.reasoning)
 
 
@@ -144,6 +160,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"repetition_penalty": cfg.repetition_penalty} if cfg.repetition_penalty != 1.0 else {}),
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"classify": True} if cfg.classify else {}),
+            **({"beams": dataclasses.asdict(cfg.beams)} if cfg.beams is not None else {}),
             **cfg.model_options(), **_structure_print(cfg)}
 
 

@@ -293,3 +293,24 @@ def test_a_batch_job_of_beam_searches_on_two_ranks(tiny_models, tmp_path: Path) 
         [t for t, _ in hf_beams(tm, PROMPTS[4], 2, 4, early=True)]
     assert "multiple of 3" in lines["b3"]["error"]["message"] and "--gpu-batch-size" in lines["b3"]["error"]["message"]
     assert len(lines["g"]["response"]["body"]["choices"][0]["token_ids"]) == T
+
+
+def test_the_cli_writes_the_best_and_its_rivals(tiny_models, prompts_file: Path, tmp_path: Path, capsys) -> None:
+    from conftest import read_jsonl
+    from flexgen_dist.run import main
+
+    tm = tiny_models["llama-gqa"]
+    prompts = [json.loads(line)["input_ids"] for line in prompts_file.read_text().splitlines()]
+    out = tmp_path / "out.jsonl"
+    assert main(["--model", str(tm.path), "--prompts", str(prompts_file), "--gen-len", str(T), "--beam-width", "3",
+                 "--num-return-sequences", "2", "--length-penalty", "0.5", "--output", str(out),
+                 "--no-progress"]) == 0
+    for line, p in zip(read_jsonl(out), prompts):
+        want = hf_beams(tm, p, 3, lp=0.5, returns=2)
+        assert line["tokens"] == want[0][0] and line["score"] == pytest.approx(want[0][1], abs=1e-4)
+        assert [b["tokens"] for b in line["beams"]] == [t for t, _ in want]
+    fp = json.loads((tmp_path / "out.jsonl.run.json").read_text())
+    assert fp["beams"] == {"width": 3, "length_penalty": 0.5, "early_stopping": False, "num_return": 2}
+    assert "x 3 beams" in capsys.readouterr().out
+    assert main(["--model", str(tm.path), "--num-prompts", "2", "--length-penalty", "2"]) == 2
+    assert "give --beam-width K" in capsys.readouterr().err
