@@ -158,6 +158,20 @@ def test_a_reorder_moves_every_held_position_of_each_row(tier: str, compress: bo
     cache.free()
 
 
+def test_long_prompts_share_their_prefix_across_beams(tiny_models) -> None:
+    """A prompt's beams are the same prompt: its prefix is computed once for them (and for the
+    block's other prompts where they share it), each beam computing its last position."""
+    tm = tiny_models["llama-gqa"]
+    opening = list(range(30, 60))
+    prompts = [opening + [7, 8], opening + [9], list(range(100, 124)), opening + [5, 6, 7], opening + [11, 12],
+               opening + [13]]
+    with LLM(str(tm.path), gpu_batch_size=4, num_gpu_batches=1, progress=False) as llm:
+        outs = llm.beam_search(prompts, beam_width=2, max_tokens=T)
+        shared = llm.metrics["shared_prefix_fraction"]
+    same(ours(outs), [hf_beams(tm, p, 2) for p in prompts])
+    assert shared > 0.4
+
+
 def test_returns_min_tokens_and_bad_words(tiny_models) -> None:
     tm = tiny_models["llama-gqa"]
     best = hf_beams(tm, PROMPTS[0], 4)[0][0]
