@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .engine.beams import BeamConfig
+from .engine.beams import BEAM_BYTES, BeamConfig
 from .engine.blocks import PrefixShape
 from .engine.footprint import HeadLoad
 from .engine.head import score_width
@@ -115,7 +115,9 @@ class Workload:
         if self.scoring:
             return HeadLoad(scoring=True, score_width=0 if self.logprobs is None else score_width(self.logprobs))
         cfgs = self.samplings or (self.sampling,)
-        return HeadLoad(choice_bytes(cfgs, self.logprobs), sorts=any(not c.greedy and c.top_p < 1.0 for c in cfgs))
+        beams = BEAM_BYTES if self.beams is not None else 0  # a beam search's log-softmax and its sums
+        return HeadLoad(choice_bytes(cfgs, self.logprobs) + beams,
+                        sorts=any(not c.greedy and c.top_p < 1.0 for c in cfgs))
 
     @property
     def structured(self) -> bool:

@@ -113,7 +113,18 @@ class RunPlanner:
             lambda pols, rngs, G, schedule: self.fits(pols, rngs, work, G, schedule), self.budgets,
             packed=self.model.source.packed_formats, dtype=self.dtype, head=work.head_load, prefix=work.prefix)
         predicted["why"] = _model_reasons(cfg, predicted)
+        unit = self._unit(work)
+        if unit > 1 and any(p.gpu_batch_size % unit for p in policies):  # whole prompts' beams per GPU batch
+            policies = [dataclasses.replace(p, gpu_batch_size=max(unit, p.gpu_batch_size // unit * unit))
+                        for p in policies]
+            predicted["why"].append(Choice("gpu_batch_size", str(policies[0].gpu_batch_size),
+                                           f"the planner's, rounded to a multiple of {unit} (each prompt's beams in "
+                                           "one GPU batch)"))
         return policies, predicted, ranges
+
+    def _unit(self, work: Workload) -> int:
+        """A GPU batch size's unit: every beam width the run will search with."""
+        return math.lcm(self.row_unit, work.beams.width if work.beams is not None else 1)
 
     def _fixed(self, work: Workload, ranges: Ranges, policies: list[Policy]) -> dict[str, Any]:
         from .planner.auto import fixed_policy_choice
@@ -153,7 +164,7 @@ class RunPlanner:
         whole); and the reason. Where not even one row fits, one row: the budget check then
         reports what the placement needs at the least."""
         G = self.config.num_micro_batches or self.world_size
-        unit = math.lcm(self.row_unit, work.beams.width if work.beams is not None else 1)  # a prompt's beams share a GPU batch
+        unit = self._unit(work)  # a prompt's beams share a GPU batch
         size = -(-default_block(work.num_prompts, G, self.device) // unit) * unit
         cap = DEFAULT_MAX_BLOCK[self.device.type]
         groups = f" over {G} micro-batch groups" if G > 1 else ""

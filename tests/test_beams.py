@@ -255,6 +255,17 @@ def test_a_block_ends_once_every_search_is_over(tiny_models) -> None:
     assert steps < 16  # one block of 12 rows, ended early
 
 
+def test_the_planners_gpu_batch_holds_whole_prompts(tiny_models) -> None:
+    """--policy auto: the planner's GPU batch size rounded to a multiple of the width."""
+    tm = tiny_models["llama-gqa"]
+    hw = Path(__file__).resolve().parents[1] / "configs" / "hardware" / "cpu-2core.yaml"
+    with LLM(str(tm.path), policy="auto", hardware=str(hw), progress=False) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=3, max_tokens=4)
+        gbs = llm.plan.stages[0].policy.gpu_batch_size
+    assert gbs % 3 == 0
+    same(ours(outs), [hf_beams(tm, p, 3, gen=4) for p in PROMPTS])
+
+
 @pytest.mark.slow
 @pytest.mark.multinode
 @pytest.mark.parametrize("opts", [{}, {"num_micro_batches": 2, "prefill_items": "batch", "early_stopping": True},

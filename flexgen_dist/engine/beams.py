@@ -29,6 +29,9 @@ import torch
 from .bans import TokenBans
 
 NEG = -1.0e9  # transformers' "never": added to a score that must not be chosen
+# bytes per (row, vocabulary entry) a step holds beside the logits: the float32 log-softmax and
+# the float32 running sums over every beam's continuations (``engine/footprint.py`` counts them)
+BEAM_BYTES = 8
 EARLY = (False, True, "never")
 
 
