@@ -16,10 +16,11 @@ from .api import LLM, Completion  # noqa: E402
 from .scoring import Score  # noqa: E402
 from .embeddings import Classification, Embedding  # noqa: E402
 from .pairs import Ranked  # noqa: E402
+from .beam_calls import BeamOutput  # noqa: E402
 from .config import ConfigError, RunConfig  # noqa: E402
 from .engine.policy import Policy  # noqa: E402
 from .engine.sampling import SamplingConfig, TokenLogprobs  # noqa: E402
 from .engine.structure import Structure  # noqa: E402
 
-__all__ = ["LLM", "Completion", "Score", "Embedding", "Classification", "Ranked", "ConfigError", "Policy", "RunConfig", "SamplingConfig", "Structure",
+__all__ = ["LLM", "Completion", "Score", "Embedding", "Classification", "Ranked", "BeamOutput", "ConfigError", "Policy", "RunConfig", "SamplingConfig", "Structure",
            "TokenLogprobs"]

@@ -4,11 +4,12 @@ its best hypotheses as ``Completion`` s, best first, each with its ``score``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from .completions import Completion, completion
 from .engine.beams import BeamConfig, Beamed
 from .engine.sampling import SamplingConfig
+from .facade import Facade
 from .workloads import LoraChoice, PromptLike
 
 
@@ -24,21 +25,9 @@ class BeamOutput:
     sequences: list[Completion] = field(default_factory=list)
 
 
-class BeamCalls:
+class BeamCalls(Facade):
     """``beam_search`` (and its stream) of ``LLM``, on its ``_guard``, ``_start``, ``_run`` and
     ``_windows``."""
-
-    model: Any
-    config: Any
-    tokenizer: Any
-    reasoning: Any
-    is_driver: bool
-    _check_open: Callable[[], None]
-    _guard: Callable[..., Any]
-    _start: Callable[..., Any]
-    _run: Callable[..., Any]
-    _windows: Callable[..., Any]
-    _workload: Callable[..., Any]
 
     def beam_search(self, prompts: Sequence[PromptLike] | None = None, beam_width: int = 4,
                     max_tokens: int | None = None, *, length_penalty: float = 1.0,

@@ -188,8 +188,9 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if req.url in (SCORE, RERANK):
         _fill_pairs(req, body)
         return
-    kind = req.url
+    kind, auto = req.url, False
     if req.url == RESPONSES:  # read as the chat completion it amounts to, answered in its own format
+        auto = body.get("truncation") == "auto"  # the conversation's first turns may go to fit
         try:
             body, kind = {**chat_body(body), **({"model": body["model"]} if "model" in body else {})}, CHAT
         except ResponsesError as e:
@@ -207,6 +208,12 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
     req.max_tokens = default_max_tokens if mt is None else fields.integer(mt, "max_tokens", 0 if req.echo else 1)
+    while auto and len(req.prompt.ids) + req.max_tokens > max_positions:
+        shorter = first_turn_dropped(body["messages"])
+        if shorter is None:
+            break
+        body = {**body, "messages": shorter}
+        req.prompt = _prompt(req, kind, body, tokenizer, vocab_size, template_kwargs)
     req.prompt = truncated(req.prompt, req.truncate, max_positions - req.max_tokens)
     total = len(req.prompt.ids) + req.max_tokens
     if total > max_positions:
@@ -258,6 +265,15 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         if asks:
             raise RequestError("invalid_request", f"use_beam_search does not take {asks[0]}"
                                                   + (": give stop_token_ids" if asks[0] == "stop" else ""))
+
+
+def first_turn_dropped(msgs: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The Responses API's ``truncation: "auto"``: the conversation without its first turn (its
+    first message after the instructions, up to the next user message: a turn's calls and their
+    outputs go together), or None where only the last turn is left."""
+    lead = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
+    nxt = next((i for i in range(lead + 1, len(msgs)) if msgs[i].get("role") == "user"), None)
+    return None if nxt is None else msgs[:lead] + msgs[nxt:]
 
 
 def _fill_inputs(req: Request, body: dict[str, Any], tokenizer: Any | None, vocab_size: int,

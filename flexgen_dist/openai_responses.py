@@ -9,7 +9,9 @@ out, as chat templates leave out earlier thinking); ``max_output_tokens``, ``tem
 ``top_p``; function ``tools`` and ``tool_choice`` in the Responses shape (no ``function``
 wrapper); ``text.format`` (``json_schema``, ``json_object``, ``text``) as ``response_format``;
 ``reasoning.effort`` as the template's ``reasoning_effort``; logprobs with ``include``
-``message.output_text.logprobs`` and ``top_logprobs``. What needs state this runtime does not
+``message.output_text.logprobs`` and ``top_logprobs``; ``truncation: "auto"`` lets the
+request drop the conversation's first turns to fit (``openai_requests.first_turn_dropped``).
+What needs state this runtime does not
 keep (``previous_response_id``, ``conversation``, stored prompts) or input it does not read
 (images, files) is a request error naming it.
 
@@ -28,7 +30,7 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "parallel_tool_ca
          "prompt_cache_key", "prompt_cache_retention"}
 # accepted at the value that means "off" only
 OFF: dict[str, tuple[Any, ...]] = {"stream": (False, None), "background": (False, None),
-                                   "truncation": ("disabled", None), "max_tool_calls": (None,)}
+                                   "truncation": ("disabled", "auto", None), "max_tool_calls": (None,)}
 # vLLM's sampling extensions, passed to the chat body as they are
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "seed", "frequency_penalty", "presence_penalty",
               "logit_bias", "stop", "truncate_prompt_tokens")

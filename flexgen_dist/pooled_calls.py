@@ -4,28 +4,18 @@ vector per input (``engine.head.embed``) instead of logits; the calls differ in 
 vectors are read (``embeddings.py``, ``pairs.py``)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .embeddings import Classification, Embedding, check_embed, embed_workload, finish
+from .facade import Facade
 from .pairs import Pairs, Ranked, cross_encoder, ranked
 from .prompts import Prompt
 from .workloads import LoraChoice, PromptLike, build_workload
 
 
-class PooledCalls:
+class PooledCalls(Facade):
     """``embed``, ``classify``, ``score_pairs`` and ``rerank`` (and their streams) of ``LLM``,
     on its ``_guard``, ``_start``, ``_run`` and ``_windows``."""
-
-    model: Any
-    config: Any
-    tokenizer: Any
-    is_driver: bool
-    _check_open: Callable[[], None]
-    _guard: Callable[..., Any]
-    _start: Callable[..., Any]
-    _run: Callable[..., Any]
-    _windows: Callable[..., Any]
-    on_driver: Callable[..., Any]
 
     def embed(self, inputs: Sequence[PromptLike] | None = None, *, dimensions: int | None = None,
               normalize: bool = True, lora: LoraChoice = None) -> list[Embedding]:

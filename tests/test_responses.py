@@ -151,3 +151,35 @@ def test_a_chat_choice_has_its_message_alone(plain) -> None:
             _req("p", "/v1/completions", prompt="hi", max_tokens=2)]))
     assert set(c) == {"index", "message", "logprobs", "finish_reason", "stop_reason"}  # the last: vLLM's
     assert set(p) == {"index", "text", "logprobs", "finish_reason", "stop_reason"}
+
+
+def test_truncation_auto_drops_the_first_turns_until_the_conversation_fits(plain) -> None:
+    """``truncation: "auto"``: the instructions stay, whole turns go from the start (a turn's
+    call and output together) until the prompt and max_output_tokens fit; the answer is the
+    chat completion of what is left. Without it, or where one turn alone is too long, the
+    request's error says so."""
+    d, _, tok = plain
+    long = " ".join(["The quick brown fox. yes no maybe 123-4567 abc"] * 30)  # a turn of a few hundred tokens
+    turns = []
+    for n in range(6):
+        turns += [{"role": "user", "content": f"{n} {long}"}, {"role": "assistant", "content": f"ok {n}"}]
+    items = turns + [{"role": "user", "content": "yes no maybe"}]
+    body = dict(instructions="be brief", input=items, max_output_tokens=8)
+    with LLM(str(d), progress=False) as llm:
+        limit = llm.model.spec.max_positions
+        kept = list(turns)
+        def size(msgs: list) -> int:
+            return len(tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"])
+        while size([{"role": "system", "content": "be brief"}, *kept, items[-1]]) + 8 > limit:
+            kept = kept[2:]
+        assert 0 < len(kept) < len(turns)  # some turns had to go, not all
+        out = llm.batch([_req("auto", RESP, truncation="auto", **body), _req("off", RESP, **body),
+                         _req("chat", CHAT, messages=[{"role": "system", "content": "be brief"}, *kept, items[-1]],
+                              max_tokens=8),
+                         _req("one", RESP, truncation="auto", input=" ".join([long] * 8), max_output_tokens=8)])
+    auto, off, chat, one = out
+    assert _body(auto)["output"][-1]["content"][0]["text"] == _body(chat)["choices"][0]["message"]["content"]
+    assert _body(auto)["usage"]["input_tokens"] == _body(chat)["usage"]["prompt_tokens"] <= limit - 8
+    assert off["error"]["code"] == "context_length_exceeded"
+    assert one["error"]["code"] == "context_length_exceeded"

@@ -216,7 +216,7 @@ class BlockCache:
         sequence of its row ``perms[kb][r]`` (a beam taking over its parent's history): every
         layer's keys and values of the positions held so far follow, each layer's as its next
         attention writes there (``_append``). A batch's cache is one chunk for this (one tier,
-        ``Policy.beams_refusal``); a disk chunk is rewritten whole from its staged copy."""
+        ``beams.beams_refusal``); a disk chunk is rewritten whole from its staged copy."""
         layers = sorted({j for j, _ in self.chunks})
         for kb, p in perms.items():
             parts = self.chunks[(layers[0], kb)] if layers else []
