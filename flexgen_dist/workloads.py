@@ -32,12 +32,13 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                    max_new_tokens: Sequence[int] | None = None, stop: Sequence[Sequence[str]] | None = None,
                    scoring: bool = False, logprobs: int | None = None, reasoning: Reasoning | None = None,
                    lora: LoraChoice = None, served: Sequence[str] = (), call: str | None = None,
-                   beams: BeamConfig | None = None) -> Workload:
+                   beams: BeamConfig | None = None, truncate: int | None = None) -> Workload:
     """The workload of one call; ``gen_len`` and ``sampling`` default to the config's. A chat
     prompt of a reasoning model (``reasoning``) gets its structure after the thinking.
     ``lora``: the adapter of every prompt or of each, by name among ``served`` (the model's).
     ``beams``: a beam search (``LLM.beam_search``): every prompt is there ``beams.width`` times
-    in a row, its beams."""
+    in a row, its beams. ``truncate``: the call's ``truncate_prompt_tokens`` (None: the run's);
+    a prompt's sampling's own wins."""
     name = call or ("score" if scoring else "generate")
     if spec.num_labels and name != "classify":  # no vocabulary head: its head gives its labels' logits
         raise ConfigError(f"{name}() needs a language model: this is a sequence classifier ({spec.num_labels} "
@@ -53,11 +54,12 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
         raise ConfigError(f"gen_len {gen_len}: must be >= 1")
     ps: list[Prompt] = [p if isinstance(p, Prompt) else prompt_of(n, p, tokenizer, spec.vocab_size, cfg.template_kwargs)
                         for n, p in enumerate(prompts)]
-    if cfg.truncate_prompt_tokens is not None and name != "score":  # scoring counts positions: never cut
+    keeps = cut_to(len(ps), sampling, cfg.truncate_prompt_tokens if truncate is None else truncate)
+    if any(k is not None for k in keeps) and name != "score":  # scoring counts positions: never cut
         # the prompts made here (a ``Prompt`` given is final: a batch request's cut as it asked)
         gens = [0] * len(ps) if scoring else list(max_new_tokens or [gen_len] * len(ps))
-        ps = [p if isinstance(q, Prompt) else truncated(p, cfg.truncate_prompt_tokens, spec.max_positions - g)
-              for p, q, g in zip(ps, prompts, gens)]
+        ps = [p if isinstance(q, Prompt) else truncated(p, k, spec.max_positions - g)
+              for p, q, g, k in zip(ps, prompts, gens, keeps)]
     # a scored sequence generates nothing: it may fill every position
     check_prompt_lengths(ps, 0 if scoring else gen_len, spec.max_positions)
     each = None if sampling is None or isinstance(sampling, SamplingConfig) else tuple(sampling)
@@ -91,6 +93,16 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
                         seen=seen, adapters=adapters, prefix=prefix, prompts=tuple(ps), beams=beams)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def cut_to(n: int, sampling: SamplingConfig | Sequence[SamplingConfig] | None, default: int | None
+           ) -> list[int | None]:
+    """Each of ``n`` prompts' ``truncate_prompt_tokens``: its sampling's own, else ``default``."""
+    cfgs = [sampling] * n if sampling is None or isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(cfgs) != n:  # the workload refuses it, naming the counts
+        cfgs = [None] * n
+    return [c.truncate_prompt_tokens if c is not None and c.truncate_prompt_tokens is not None else default
+            for c in cfgs]
 
 
 def check_beams(cfgs: Sequence[SamplingConfig], stop: Any, logprobs: int | None, max_new_tokens: Any,

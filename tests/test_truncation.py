@@ -37,6 +37,32 @@ def test_generation_and_embeddings_of_cut_prompts(tiny_models) -> None:
         LLM(str(tm.path), progress=False, truncate_prompt_tokens=0)
 
 
+def test_a_call_cuts_as_it_says(tiny_models) -> None:
+    """A call's own: a prompt's SamplingConfig(truncate_prompt_tokens=K) (vLLM's SamplingParams
+    field) for generation and beam search, truncate_prompt_tokens=K for the pooled calls; each
+    wins over the LLM's setting."""
+    from flexgen_dist import SamplingConfig
+
+    tm = tiny_models["llama-gqa"]
+    with LLM(str(tm.path), progress=False, ignore_eos=True, truncate_prompt_tokens=-1) as llm:
+        got = llm.generate([LONG, LONG, PROMPTS[0]], gen_len=3, sampling=[
+            SamplingConfig(ignore_eos=True, truncate_prompt_tokens=20), SamplingConfig(ignore_eos=True),
+            SamplingConfig(ignore_eos=True, truncate_prompt_tokens=2)])
+        cut = llm.embed([LONG], normalize=False, truncate_prompt_tokens=16)
+        beams = llm.beam_search([LONG], beam_width=2, max_tokens=3,
+                                sampling=SamplingConfig(truncate_prompt_tokens=30))
+    assert [c.prompt_ids for c in got] == [LONG[-20:], LONG[-125:], PROMPTS[0][-2:]]
+    assert [c.token_ids for c in got] == reference_generate(tm, [LONG[-20:], LONG[-125:], PROMPTS[0][-2:]], 3)
+    assert cut[0].prompt_tokens == 16 and beams[0].prompt_ids == LONG[-30:]
+    with LLM(str(tm.path), progress=False) as llm:
+        whole = llm.embed([LONG[-16:]], normalize=False)
+        with pytest.raises(ConfigError, match="truncate_prompt_tokens 0"):
+            llm.embed([LONG], truncate_prompt_tokens=0)
+    assert cut[0].embedding == pytest.approx(whole[0].embedding, abs=1e-5)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens -2"):
+        SamplingConfig(truncate_prompt_tokens=-2)
+
+
 def test_batch_requests_cut_as_they_ask(tiny_models) -> None:
     """A request's own truncate_prompt_tokens (completions, chat-less models' embeddings), the
     run's for the others; a bad value is that request's error line."""

@@ -63,6 +63,9 @@ class SamplingConfig:
     # it; special tokens' text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: a longer prompt cut to its last K tokens (-1: what fits with its generation);
+    # None: as the run says (``--truncate-prompt-tokens``)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -123,6 +126,10 @@ def check_controls(cfg: SamplingConfig) -> None:
         return tuple(int(t) for t in v)
     if isinstance(cfg.min_tokens, bool) or not isinstance(cfg.min_tokens, int) or cfg.min_tokens < 0:
         raise ValueError(f"min_tokens {cfg.min_tokens!r}: must be an int >= 0")
+    keep = cfg.truncate_prompt_tokens
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1)):
+        raise ValueError(f"truncate_prompt_tokens {keep!r}: give an integer >= 1 (keep a prompt's last that many "
+                         "tokens) or -1 (as many as the model has room for)")
     if isinstance(cfg.bad_words, str) or not all(isinstance(w, str) and w.strip() for w in cfg.bad_words):
         raise ValueError(f"bad_words {cfg.bad_words!r}: give a list of non-empty strings")
     words = tuple(ids(w, "bad_words_ids") for w in cfg.bad_words_ids)
