@@ -474,3 +474,38 @@ def test_a_token_judge_reranks_on_the_gpu_as_transformers(tmp_path: Path, gpu_de
     with LLM(str(d), device=gpu_device.type, classifier_from_token=names, gpu_batch_size=2, progress=False) as llm:
         got = torch.tensor(llm.score_pairs(Q, DOCS), dtype=torch.float64)
     torch.testing.assert_close(got, want.sigmoid(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("placement", [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=False),  # RAM written without blocking, then moved
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=True),
+    dict(percent=(100, 0, 0, 0, 100, 0)),  # disk
+], ids=["device", "ram-copied", "ram-cpu-attention", "disk"])
+def test_beam_search_on_the_gpu_as_transformers(placement: dict, tiny_models, tmp_path: Path, gpu_device) -> None:
+    """``beam_search`` in float32 on the device: transformers' hypotheses (on the CPU) token for
+    token, the cache rows moved to their beams on each tier."""
+    from flexgen_dist import LLM
+    from test_beams import hf_beams, stop_ids
+
+    tm = tiny_models["llama-gqa"]
+    ends = stop_ids(tm, 2)
+    with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=4,
+             offload_dir=str(tmp_path / "off"), progress=False, **placement) as llm:
+        outs = llm.beam_search(PROMPTS, beam_width=2, max_tokens=8, sampling=SamplingConfig(stop_token_ids=ends))
+    got = [[c.token_ids for c in o.sequences] for o in outs]
+    assert got == [[t for t, _ in hf_beams(tm, p, 2, 8, ends=(2, *ends))] for p in PROMPTS]
+
+
+def test_vllm_controls_on_the_gpu(tiny_models, gpu_device) -> None:
+    """min_tokens, stop_token_ids, bad words and allowed ids per row on the device: the
+    vLLM-rules loop over transformers' float32 logits."""
+    from flexgen_dist import LLM
+    from test_controls import GEN, reference, settings
+
+    tm = tiny_models["llama-gqa"]
+    cfgs = settings(tm)
+    with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=2, num_gpu_batches=3,
+             progress=False) as llm:
+        got = [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN, sampling=cfgs)]
+    assert got == [reference(tm, p, c, GEN) for p, c in zip(PROMPTS, cfgs)]
