@@ -236,6 +236,9 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     if ctl.get("ignore_eos") and st is not None:
         raise RequestError("invalid_value", "ignore_eos with a structured output: the completion ends at EOS once "
                                             "the structure is complete; drop ignore_eos")
+    if ctl.get("min_tokens") and st is not None:
+        raise RequestError("invalid_value", "min_tokens with a structured output: the completion ends where its "
+                                            "structure is complete; drop min_tokens")
     ctl.setdefault("ignore_eos", ignore_eos and st is None)  # the run's --ignore-eos, where it can hold
     req.sampling = SamplingConfig(temp, top_p, seed if s is None else fields.integer(s, "seed", 0),
                                   frequency_penalty=penalties[0], presence_penalty=penalties[1],

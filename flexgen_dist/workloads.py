@@ -187,6 +187,9 @@ def check_structures(cfgs: Sequence[SamplingConfig], spec: ModelSpec, tokenizer:
     if any(c.ignore_eos for c in cfgs if c.structure is not None):
         raise ConfigError("a structured output ends its completion at EOS once the structure is complete: "
                           "drop --ignore-eos (ignore_eos)")
+    if any(c.min_tokens for c in cfgs if c.structure is not None):
+        raise ConfigError("a structured output ends where its structure is complete: drop min_tokens "
+                          "(--min-tokens)")
     for st in structures:
         try:
             check_structure(st, tokenizer, spec.vocab_size, spec.eos_token_ids)

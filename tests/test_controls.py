@@ -135,6 +135,10 @@ def test_bad_controls_say_what_to_give(tiny_models, capsys) -> None:
             llm.generate([[5, 6]], gen_len=2, sampling=SamplingConfig(bad_words=("no",)))
     assert main(["--model", str(tm.path), "--num-prompts", "2", "--min-tokens", "-3"]) == 2
     assert "min_tokens -3: must be an int >= 0" in capsys.readouterr().err
+    from flexgen_dist import Structure
+    with LLM(str(tiny_models["llama-gqa"].path), progress=False) as llm:
+        with pytest.raises(ConfigError, match="drop min_tokens"):
+            llm.generate([[5, 6]], gen_len=2, sampling=SamplingConfig(min_tokens=1, structure=Structure.regex("a+")))
 
 
 def test_batch_requests_carry_their_own_controls(tiny_models) -> None:
