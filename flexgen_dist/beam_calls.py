@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 from .completions import Completion, completion
+from .config import ConfigError
 from .engine.beams import BeamConfig, Beamed
 from .engine.sampling import SamplingConfig
 from .facade import Facade
@@ -72,8 +73,6 @@ class BeamCalls(Facade):
     def _beam_workload(self, prompts: Sequence[PromptLike] | None, beams: BeamConfig | None, max_tokens: int | None,
                        sampling: SamplingConfig | Sequence[SamplingConfig] | None, lora: LoraChoice) -> Any:
         """Rank 0: the call's workload, each prompt (its sampling, its adapter) ``width`` times."""
-        from .config import ConfigError
-
         assert beams is not None
         if prompts is None or isinstance(prompts, (str, bytes)) or len(prompts) == 0:
             raise ConfigError("beam_search() takes a non-empty list of prompts (strings, token-id lists or "
@@ -93,8 +92,6 @@ class BeamCalls(Facade):
 
 
 def _beams(width: int, length_penalty: float, early_stopping: bool | str, num_return: int | None) -> BeamConfig:
-    from .config import ConfigError
-
     try:
         return BeamConfig(width, length_penalty, early_stopping, num_return or 0)
     except (TypeError, ValueError) as e:

@@ -234,6 +234,14 @@ class RunConfig:
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r}: use {', '.join(REASONING_PARSERS)}")
         _ = self.template_kwargs  # its own checks
         _ = self.score_template_text
+        self._check_beams()
+        try:
+            _ = self.sampling  # its own checks, as config errors
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+
+    def _check_beams(self) -> None:
+        """The beam search options: settings only with --beam-width, which generates."""
         if not self.beam_width and (self.length_penalty != 1.0 or str(self.early_stopping).lower() != "false"
                                     or self.num_return_sequences):
             raise ConfigError("--length-penalty, --early-stopping and --num-return-sequences are beam search "
@@ -245,10 +253,6 @@ class RunConfig:
                 _ = self.beams
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        try:
-            _ = self.sampling  # its own checks, as config errors
-        except (TypeError, ValueError) as e:
-            raise ConfigError(str(e)) from None
 
     @property
     def beams(self) -> BeamConfig | None:

@@ -204,6 +204,14 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         req.tools = parse_tools(body, kind == CHAT, reads_auto(tokenizer))
     except ToolError as e:
         raise RequestError(e.code, str(e)) from None
+    _fill_prompt(req, kind, body, auto, tokenizer, vocab_size, max_positions, default_max_tokens, template_kwargs)
+    _fill_sampling(req, kind, body, tokenizer, vocab_size, seed, eos_ids, ignore_eos)
+
+
+def _fill_prompt(req: Request, kind: str, body: dict[str, Any], auto: bool, tokenizer: Any | None, vocab_size: int,
+                 max_positions: int, default_max_tokens: int, template_kwargs: dict[str, Any] | None) -> None:
+    """A completion or chat request's prompt and ``max_tokens``, cut as it asks (a Responses
+    body's ``truncation: "auto"``: its first turns dropped), or its context error."""
     req.prompt = _prompt(req, kind, body, tokenizer, vocab_size, template_kwargs)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
     # echo and max_tokens 0: the prompt's own logprobs, nothing generated (a loglikelihood)
@@ -215,12 +223,17 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
         body = {**body, "messages": shorter}
         req.prompt = _prompt(req, kind, body, tokenizer, vocab_size, template_kwargs)
     req.prompt = truncated(req.prompt, req.truncate, max_positions - req.max_tokens)
-    total = len(req.prompt.ids) + req.max_tokens
-    if total > max_positions:
+    if len(req.prompt.ids) + req.max_tokens > max_positions:
         raise RequestError("context_length_exceeded",
                            f"the prompt has {len(req.prompt.ids)} tokens; with max_tokens {req.max_tokens} that "
                            f"exceeds the model's {max_positions} positions: shorten it, lower max_tokens or give "
                            "truncate_prompt_tokens")
+
+
+def _fill_sampling(req: Request, kind: str, body: dict[str, Any], tokenizer: Any | None, vocab_size: int, seed: int,
+                   eos_ids: tuple[int, ...], ignore_eos: bool) -> None:
+    """A completion or chat request's sampling (vLLM's controls and structured output
+    included), stops, ``n``, logprobs and beam search."""
     hot = any(k in body for k in ("top_p", "top_k", "min_p"))  # a sampling setting without a temperature
     temp = fields.number(body.get("temperature", 1.0 if hot else 0.0), "temperature", 0.0, 2.0)
     top_p = fields.number(body.get("top_p", 1.0), "top_p", 0.0, 1.0)
@@ -233,12 +246,6 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
     top_k = 0 if top_k in (None, -1) else fields.integer(top_k, "top_k", 0)  # -1 (vLLM's off) or 0: every token
     ctl = fields.controls(body, vocab_size, tokenizer)
     st = fields.structure(body, tokenizer, vocab_size, eos_ids, req.tools)
-    if ctl.get("ignore_eos") and st is not None:
-        raise RequestError("invalid_value", "ignore_eos with a structured output: the completion ends at EOS once "
-                                            "the structure is complete; drop ignore_eos")
-    if ctl.get("min_tokens") and st is not None:
-        raise RequestError("invalid_value", "min_tokens with a structured output: the completion ends where its "
-                                            "structure is complete; drop min_tokens")
     ctl.setdefault("ignore_eos", ignore_eos and st is None)  # the run's --ignore-eos, where it can hold
     req.sampling = SamplingConfig(temp, top_p, seed if s is None else fields.integer(s, "seed", 0),
                                   frequency_penalty=penalties[0], presence_penalty=penalties[1],
@@ -246,6 +253,9 @@ def _fill(req: Request, rec: dict[str, Any], tokenizer: Any | None, vocab_size: 
                                   min_p=fields.number(body.get("min_p", 0.0), "min_p", 0.0, 1.0),
                                   repetition_penalty=fields.repetition(body.get("repetition_penalty")),
                                   structure=st, **ctl)
+    why = req.sampling.structure_conflict()
+    if why:
+        raise RequestError("invalid_value", why)
     req.seeded = s is not None
     req.stop = fields.stops(body.get("stop"))
     req.n = fields.integer(body.get("n", 1), "n", 1)

@@ -184,12 +184,9 @@ def check_structures(cfgs: Sequence[SamplingConfig], spec: ModelSpec, tokenizer:
     structures = {c.structure for c in cfgs if c.structure is not None}
     if not structures:
         return
-    if any(c.ignore_eos for c in cfgs if c.structure is not None):
-        raise ConfigError("a structured output ends its completion at EOS once the structure is complete: "
-                          "drop --ignore-eos (ignore_eos)")
-    if any(c.min_tokens for c in cfgs if c.structure is not None):
-        raise ConfigError("a structured output ends where its structure is complete: drop min_tokens "
-                          "(--min-tokens)")
+    why = next((w for w in (c.structure_conflict() for c in cfgs) if w), None)
+    if why:
+        raise ConfigError(why)
     for st in structures:
         try:
             check_structure(st, tokenizer, spec.vocab_size, spec.eos_token_ids)

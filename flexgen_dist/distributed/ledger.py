@@ -20,7 +20,8 @@ import torch
 
 from ..engine.blocks import BlockPlan, finished_rows
 from ..engine.beams import BeamConfig, BeamSearch, BeamStep, beamed_rows
-from ..engine.sampling import BlockWatch, EosTracker, RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
+from ..engine.endings import BlockWatch, EosTracker
+from ..engine.sampling import RowSampling, SamplingConfig, TokenLogprobs, token_logprobs
 from ..metrics import Timings
 from .scores import BlockScores
 

@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .endings import id_table
+
 WILD = -2  # a prefix position before a shorter word's first token: matches any id
 NONE = -1  # no id yet (a row has generated fewer tokens than the window)
 
@@ -52,13 +54,11 @@ class TokenBans:
         # word) or before the row's min_tokens (its ending ids); NONE pads
         always = [sorted({w[0] for w in c.bad_words_ids if len(w) == 1}) for c in cfgs]
         ending = [list(dict.fromkeys((*eos_ids, *c.stop_token_ids))) if c.min_tokens else [] for c in cfgs]
-        width = max((len(a) + len(e) for a, e in zip(always, ending)), default=0)
         self.single = None
-        if width:
-            ids = [a + e + [NONE] * (width - len(a) - len(e)) for a, e in zip(always, ending)]
-            kind = [[0] * len(a) + [1] * len(e) + [2] * (width - len(a) - len(e)) for a, e in zip(always, ending)]
-            self.single = torch.tensor(ids, dtype=torch.long, device=device)
-            self.kind = torch.tensor(kind, dtype=torch.long, device=device)  # 0 always, 1 before min, 2 padding
+        if any(always) or any(ending):
+            self.single = id_table([a + e for a, e in zip(always, ending)], device, fill=NONE)
+            self.kind = id_table([[0] * len(a) + [1] * len(e) for a, e in zip(always, ending)], device,
+                                 width=self.single.shape[1], fill=2)  # 0 always, 1 before min, 2 padding
             self.min_tokens = torch.tensor([c.min_tokens for c in cfgs], dtype=torch.long, device=device)
         # longer words: per word its row, its prefix (right-aligned, WILD before it) and last id
         words = [(n, w) for n, c in enumerate(cfgs) for w in dict.fromkeys(c.bad_words_ids) if len(w) > 1]

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from .bans import TokenBans
+from .endings import id_table
 
 NEG = -1.0e9  # transformers' "never": added to a score that must not be chosen
 # bytes per (row, vocabulary entry) a step holds beside the logits: the float32 log-softmax and
@@ -76,9 +77,8 @@ class BeamSearch:
         self.k, self.P, self.T, self.device = k, len(cfgs) // k, steps, device
         self.lp, self.early = beams.length_penalty, beams.early_stopping
         own = [cfgs[p * k] for p in range(self.P)]
-        ends = [list(c.ends(eos_ids)) for c in own]
-        width = max(1, max(len(e) for e in ends))
-        self.ends = torch.tensor([e + [-1] * (width - len(e)) for e in ends], dtype=torch.long, device=device)
+        ends = [c.ends(eos_ids) for c in own]
+        self.ends = id_table(ends, device, width=1)
         self.K = max(2, 1 + max(len(e) for e in ends)) * k  # continuations kept per prompt
         self.top = torch.arange(self.K, device=device) < k  # the first k: the ones that may finish
         self.bans = TokenBans(cfgs, device, eos_ids) if any(c.bans for c in cfgs) else None

@@ -229,6 +229,8 @@ class BlockCache:
 
     def _whole_perm(self, j: int) -> torch.Tensor | None:
         """The rows' new order over layer j's whole buffer (every GPU batch, in order), or None."""
+        if not self._perm:  # no beam search: nothing to look up per layer
+            return None
         kbs = sorted(kb for jj, kb in self.chunks if jj == j)
         if not any((j, kb) in self._perm for kb in kbs):
             return None

@@ -1,5 +1,6 @@
 """Next-token choice: greedy, temperature, top-k, top-p, min-p; frequency and presence
-penalties and logit biases; per-sequence EOS; per-sequence randomness.
+penalties and logit biases; vLLM's bans (``bans.py``); per-sequence randomness (which
+sequences are done: ``endings.py``).
 
 A sampled token is drawn by inverting the cumulative distribution at a uniform number that
 is a hash of (seed, the sequence's key, the step), computed for every row at once: a
@@ -106,6 +107,18 @@ class SamplingConfig:
     def ends(self, eos_ids: Sequence[int]) -> tuple[int, ...]:
         """The ids that end this completion: the model's EOS (unless ignored) and its stop ids."""
         return tuple(dict.fromkeys((*(() if self.ignore_eos else eos_ids), *self.stop_token_ids)))
+
+    def structure_conflict(self) -> str | None:
+        """Why this sampling cannot hold its structure, which decides where the completion ends
+        (None: it can, or it has none)."""
+        if self.structure is None:
+            return None
+        if self.ignore_eos:
+            return ("a structured output ends its completion at EOS once the structure is complete: drop --ignore-eos "
+                    "(ignore_eos)")
+        if self.min_tokens:
+            return "a structured output ends where its structure is complete: drop min_tokens (--min-tokens)"
+        return None
 
     @property
     def repeats(self) -> bool:
@@ -357,62 +370,6 @@ def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     choice = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True)
     return choice.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
-
-
-class EosTracker:
-    """Which sequences of a block have finished (at one of their ending ids: EOS unless
-    ignored, and their ``stop_token_ids``; or at their own limit of new tokens), and the ids
-    to feed once they have."""
-
-    def __init__(self, ends: Sequence[Sequence[int]], pad_id: int, device: torch.device,
-                 limits: list[int] | None = None) -> None:
-        """``ends``: per row, the ids that end it (``SamplingConfig.ends``)."""
-        width = max((len(e) for e in ends), default=0)
-        self.done = torch.zeros(len(ends), dtype=torch.bool, device=device)
-        self.ends = torch.tensor([list(e) + [-1] * (width - len(e)) for e in ends], dtype=torch.long,
-                                 device=device) if width else None
-        self.pad_id, self.ignore = pad_id, not width
-        self.limits = None if limits is None else torch.tensor(limits, dtype=torch.long, device=device)
-
-    def update(self, tokens: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """Replace tokens of finished sequences by padding; mark new endings and the rows whose
-        token ``step`` was their last. Returns the tokens."""
-        if self.ignore and self.limits is None:
-            return tokens
-        tokens = torch.where(self.done, torch.full_like(tokens, self.pad_id), tokens)
-        if self.ends is not None:
-            self.done |= (tokens.view(-1, 1) == self.ends).any(dim=1)
-        if self.limits is not None:
-            self.done |= self.limits <= step + 1
-        return tokens
-
-    def all_done(self) -> bool:
-        return (not self.ignore or self.limits is not None) and bool(self.done.all())
-
-
-class BlockWatch:
-    """Stage 0's view of which sequences of one block are done: EOS and limits (``tracker``),
-    and stop strings (``stops.hit(sequence, its new ids)``, for the sequences that have any).
-    ``stopped``: row -> the number of tokens it keeps, where its stop string completed."""
-
-    def __init__(self, tracker: EosTracker, members: list[int], stops: Any | None) -> None:
-        self.tracker, self.members, self.stops = tracker, members, stops
-        self.hist: dict[int, list[int]] = {} if stops is None else \
-            {n: [] for n, m in enumerate(members) if stops.has(m)}
-        self.stopped: dict[int, int] = {}
-
-    def step(self, ids: torch.Tensor, i: int) -> bool:
-        """Token i of every row is ``ids`` (b,); whether every row is now done."""
-        self.tracker.update(ids, i)
-        if self.hist:
-            vals = ids.tolist()  # one host copy per step, only for blocks with stop strings
-            for n in list(self.hist):
-                self.hist[n].append(vals[n])
-                if self.stops.hit(self.members[n], self.hist[n]):  # type: ignore[union-attr]
-                    self.stopped[n] = i + 1
-                    self.tracker.done[n] = True
-                    del self.hist[n]
-        return bool(self.tracker.done.all())
 
 
 # Bytes per (row, vocabulary entry) that choosing a token holds beside a GPU batch's logits, at
