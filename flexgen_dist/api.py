@@ -49,7 +49,7 @@ from .reasoning import Reasoning, reasoning_of
 from .run_plan import RunPlanner
 from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
-from .worker import StageWorker, with_shared_prefixes
+from .worker import StageWorker, with_shared_prefixes, with_twins
 from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
 
 
@@ -294,7 +294,7 @@ class LLM(PooledCalls, BeamCalls):
         self._check_open()
         if not self.is_driver:
             return None
-        return self.plan or self._planner.plan(self._workload(prompts, gen_len, sampling))
+        return self.plan or self._planner.plan(self._twins(self._workload(prompts, gen_len, sampling)))
 
     def check_plan(self, plan: RunPlan, prompts: Sequence[PromptLike] | None = None,
                    gen_len: int | None = None) -> list[Peaks]:
@@ -332,7 +332,7 @@ class LLM(PooledCalls, BeamCalls):
     def _start(self, workload: Callable[[], Workload]) -> tuple[Workload, Peaks]:
         """Rank 0 builds the workload and, at the first call, the plan; every rank receives
         both, checks its stage's peaks for this workload and builds its engine once."""
-        work = workload() if self.is_driver else None
+        work = self._twins(workload()) if self.is_driver else None
         plan = (self.plan or self._planner.plan(work)) if work is not None else None
         if work is not None and plan is not None:
             work = self._shared(work, plan)
@@ -348,6 +348,11 @@ class LLM(PooledCalls, BeamCalls):
                   f"{cost['gemm_shapes_tuned']} shapes timed in {cost['gemm_tune_s']:.1f} s (kept for later "
                   "runs; not part of the throughputs)", file=sys.stderr)
         return work, peaks
+
+    def _twins(self, work: Workload) -> Workload:
+        """Rank 0: ``work`` with its repeated prompts, where sharing is on (``worker.with_twins``),
+        before the plan is made: its cost model counts what they save."""
+        return with_twins(work, self.model.spec) if self.config.share_prefix else work
 
     def _shared(self, work: Workload, plan: RunPlan) -> Workload:
         """Rank 0: ``work`` with its blocks' shared prefixes, where sharing is on (``worker.with_shared_prefixes``)."""

@@ -157,7 +157,9 @@ class RunConfig:
     threads: int | None = None  # compute threads per rank (None: from the CPUs this rank may use)
     print_outputs: int = 8
     sort_window: int = DEFAULT_SORT_WINDOW  # blocks' worth of requests grouped by length at a time (0: input order)
-    share_prefix: bool = True  # a block's common leading tokens computed once (engine/blocks.py)
+    # a block's common leading tokens computed once (engine/blocks.py), and a GPU batch's
+    # repeated prompts (engine/twins.py)
+    share_prefix: bool = True
     # a longer prompt is cut to its last that many tokens (-1: as many as fit with its
     # generation); None: a prompt longer than the model allows is an error (vLLM's option)
     truncate_prompt_tokens: int | None = None

@@ -182,7 +182,8 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "time (default 32; 0: blocks in input order)")
     g.add_argument("--no-share-prefix", dest="share_prefix", action="store_false", help="compute the leading "
                    "tokens the prompts of a block share for every prompt (default: once per block, where "
-                   "they share at least 16)")
+                   "they share at least 16), and a prompt asked more than once for each of its rows "
+                   "(default: once per GPU batch)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     g.add_argument("--warmup", action="store_true", help="before the job, place the weights and run one "
                    "untimed token of one GPU batch, so one-time costs (CUDA context, kernels, allocator) "

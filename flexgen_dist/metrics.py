@@ -28,6 +28,7 @@ class Timings:
     prompt_positions: int = 0
     prompt_padding: int = 0
     prompt_shared: int = 0  # prompt positions a block's shared prefix spared (computed once, not per row)
+    prompt_repeated: int = 0  # prompt positions of rows repeating another row of their GPU batch (``twins.py``)
     generated_rows: int = 0
 
     def metrics(self) -> dict[str, float]:
@@ -40,6 +41,7 @@ class Timings:
             "computed_throughput": self.generated_rows / tot if tot else 0.0,
             "padding_fraction": self.prompt_padding / self.prompt_positions if self.prompt_positions else 0.0,
             "shared_prefix_fraction": self.prompt_shared / self.prompt_positions if self.prompt_positions else 0.0,
+            "repeated_prompt_fraction": self.prompt_repeated / self.prompt_positions if self.prompt_positions else 0.0,
             "finished_rows_fraction": (1 - self.generated_tokens / self.generated_rows) if self.generated_rows else 0.0,
             "prefill_time_s": self.prefill_s, "decode_time_s": self.decode_s,
             "prefill_throughput": self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0,
@@ -96,6 +98,9 @@ def summary(metrics: dict[str, Any]) -> str:
     if metrics.get("shared_prefix_fraction"):
         line += (f"; {100 * metrics['shared_prefix_fraction']:.1f} % of the prompt positions were a shared prefix, "
                  "computed once per block or taken from the block before")
+    if metrics.get("repeated_prompt_fraction"):
+        line += (f"; {100 * metrics['repeated_prompt_fraction']:.1f} % of the prompt positions repeated another "
+                 "row's prompt, computed once")
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "

@@ -60,6 +60,10 @@ class Workload:
     # per request, its LoRA adapter served per request (``models/lora_stack.py``): 0 the base
     # model, a > 0 the model's a-th adapter (``LoadedModel.adapters``); None: every request the base
     adapters: tuple[int, ...] | None = None
+    # per request, the first request with the same prompt and adapter (``blocks.repeated_prompts``;
+    # None: no prompt repeats another, or repeats are computed each): rank 0 finds them, the header
+    # carries them; a GPU batch's prefill computes each prompt once (``engine/twins.py``)
+    twins: tuple[int, ...] | None = None
     # embedding: no token is generated (gen_len 1, the prefill); each request's result is its
     # last hidden state after the final norm (``head.embed``)
     embed: bool = False
@@ -78,7 +82,7 @@ class Workload:
         if self.gen_len < 1:
             raise ValueError(f"gen_len {self.gen_len}: must be >= 1")
         for name in ("keys", "max_new_tokens", "targets", "samplings", "stops", "seen", "shared", "groups", "reuse",
-                     "adapters"):
+                     "adapters", "twins"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"{name} has {len(v)} entries for {n} requests: give one per request")

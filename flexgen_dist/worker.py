@@ -17,12 +17,13 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import (MIN_SHARED, BlockPlan, plan_blocks, prefill_positions, prefix_groupings, prefix_reuse,
-                            shared_prefixes, unscored_prefixes)
+from .engine.blocks import (MIN_SHARED, BlockPlan, PrefixShape, plan_blocks, prefill_positions, prefix_groupings,
+                            prefix_reuse, repeat_counts, repeated_prompts, shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
 from .engine.structure import guide_tokenizer
+from .engine.twins import repeats_once
 from .kernels import gemm
 from .memory.disk import DiskStore
 from .metrics import progress_bar
@@ -39,7 +40,7 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
     with the prefix its prompts share."""
     limits = None if work.max_new_tokens is None else list(work.max_new_tokens)
     blocks = plan_blocks(list(work.lens), block_size, limits, sort_window if work.targets is None else 0,
-                         work.groups)
+                         work.groups, work.twins)
     if work.shared is not None:
         for blk in blocks:
             blk.shared = work.shared[blk.members[0]]
@@ -48,11 +49,28 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
             order = sorted(range(len(blk.members)), key=lambda r: work.adapters[blk.members[r]])  # type: ignore[index]
             blk.members, blk.lens = [blk.members[r] for r in order], [blk.lens[r] for r in order]
             blk.adapters = [work.adapters[m] for m in blk.members]
+    if work.twins is not None:  # a block's repeated prompts (``engine/twins.py``)
+        for blk in blocks:
+            firsts = [work.twins[m] for m in blk.members]
+            blk.twins = firsts if len(set(firsts)) < len(firsts) else None
     if work.reuse is not None:
         for blk, nxt in zip(blocks, blocks[1:] + [None]):
             blk.reuse = work.reuse[blk.members[0]]
             blk.keep = nxt is not None and work.reuse[nxt.members[0]]
     return blocks
+
+
+def with_twins(work: Workload, spec: Any) -> Workload:
+    """Rank 0: ``work`` with each request's first request of the same prompt and adapter
+    (``blocks.repeated_prompts``), where the model computes a GPU batch's repeats once
+    (``twins.repeats_once``; generation and embeddings, not scoring); else ``work`` as it is."""
+    if not work.prompts or work.targets is not None or not repeats_once(spec):
+        return work
+    twins = repeated_prompts([p.ids for p in work.prompts], work.adapters)
+    if twins is None:
+        return work
+    shape = dataclasses.replace(work.prefix or PrefixShape(), repeats=repeat_counts(twins))  # what the planner expects
+    return dataclasses.replace(work, twins=twins, prefix=shape)
 
 
 def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callable[[Workload], bool]) -> Workload:

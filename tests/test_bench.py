@@ -607,6 +607,14 @@ def test_shared_prefix_bench_runs_both_ways_on_one_workload(tiny_models, tmp_pat
     r = json.loads(scored.read_text())["variants"]["float32"]
     assert r["shared"]["shared_prefix_fraction"] > 0.5 and r["unshared"]["shared_prefix_fraction"] == 0
     assert r["same_tokens"]
+    repeats = tmp_path / "repeats.json"  # four questions, each four times: no prefix, each batch's repeats once
+    assert shared_prefix.main(["--model", str(tiny_models["llama-gqa"].path), "--prompts", "16", "--prefix", "0",
+                               "--tail", "12", "--repeats", "4", "--gen-len", "2", "--gpu-batch-size", "4",
+                               "--num-gpu-batches", "2", "--rounds", "1", "--variants", "float32",
+                               "--json", str(repeats)]) == 0
+    r = json.loads(repeats.read_text())["variants"]["float32"]
+    assert r["shared"]["repeated_prompt_fraction"] == pytest.approx(0.75) and r["same_tokens"]
+    assert r["unshared"]["repeated_prompt_fraction"] == 0 and r["shared"]["shared_prefix_fraction"] == 0
 
 
 def test_lora_bench_runs_every_mode(tiny_models, tmp_path: Path) -> None:

@@ -14,6 +14,10 @@ shared prefixes (the default) and with ``--no-share-prefix``, and the two run al
 (request n is task n mod K): blocks cut by length alone would mix the tasks, so what is saved
 there comes from grouping the requests by opening (``blocks.prefix_groupings``).
 
+``--repeats N`` asks each prompt N times in a row (a request's ``n`` choices; ``--prefix 0``
+for prompts that share nothing else): the shared run computes each GPU batch's repeats once
+(``engine/twins.py``, ``repeated_prompt_fraction``), the unshared one every row.
+
 ``--score`` scores each prompt's own tokens instead (``LLM.score(first_scored=prefix)``, a
 few-shot log-likelihood job) and compares the scores: the context is computed once per block
 where the prefix is shared, never over a scored position.
@@ -61,7 +65,8 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
                     tokens[share] = [c.token_ids for c in llm.generate(prompts, gen_len=gen_len)]
                 m = llm.metrics
                 runs[share].append({k: m[k] for k in ("prefill_time_s", "decode_time_s", "prefill_throughput",
-                                                      "total_throughput", "shared_prefix_fraction")})
+                                                      "total_throughput", "shared_prefix_fraction",
+                                                      "repeated_prompt_fraction")})
                 if (m.get("predicted") or {}).get("prefill_time_s") is not None:  # with a hardware profile
                     runs[share][-1]["predicted_prefill_s"] = m["predicted"]["prefill_time_s"]
     finally:
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", type=int, default=384, help="tokens every prompt begins with")
     ap.add_argument("--tail", type=int, default=48, help="most tokens of a prompt's own (at least 8)")
     ap.add_argument("--tasks", type=int, default=1, help="prefixes, interleaved in the input")
+    ap.add_argument("--repeats", type=int, default=1, help="each prompt asked this many times in a row (n choices)")
     ap.add_argument("--gen-len", type=int, default=8)
     ap.add_argument("--score", action="store_true", help="score each prompt's own tokens instead of generating")
     ap.add_argument("--gpu-batch-size", type=int, default=16)
@@ -104,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with LLM(a.model, progress=False) as probe:
         vocab = probe.model.spec.vocab_size
-    prompts = workload(a.prompts, a.prefix, a.tail, vocab, tasks=a.tasks)
+    if a.repeats < 1 or a.prompts % a.repeats:
+        ap.error(f"--repeats {a.repeats}: give a divisor of --prompts {a.prompts}")
+    prompts = [p for p in workload(a.prompts // a.repeats, a.prefix, a.tail, vocab, tasks=a.tasks)
+               for _ in range(a.repeats)]
     block = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
     results = {"machine": machine(), "model": a.model or "(bundled)", "prompts": a.prompts, "prefix": a.prefix,
-               "tasks": a.tasks, "score": a.score,
+               "tasks": a.tasks, "repeats": a.repeats, "score": a.score,
                "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
     for name in a.variants:
         opts = {**VARIANTS[name], **({"hardware": a.hardware} if a.hardware else {})}
@@ -116,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         s, u = r["shared"], r["unshared"]
         print(f"{name:>14}: prefill {u['prefill_time_s']:.2f} -> {s['prefill_time_s']:.2f} s "
               f"({r['prefill_speedup']:.2f}x), total {u['total_time_s']:.2f} -> {s['total_time_s']:.2f} s "
-              f"({r['total_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % of the prompt "
-              f"positions, same tokens: {r['same_tokens']}", file=sys.stderr)
+              f"({r['total_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % and repeated "
+              f"{100 * s['repeated_prompt_fraction']:.0f} % of the prompt positions, same tokens: {r['same_tokens']}",
+              file=sys.stderr)
         if "predicted_prefill_s" in s:
             print(f"{'':>14}  predicted prefill {u['predicted_prefill_s']:.2f} -> {s['predicted_prefill_s']:.2f} s",
                   file=sys.stderr)

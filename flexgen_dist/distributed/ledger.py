@@ -37,10 +37,12 @@ class Ledger:
     def __init__(self, blocks: list[BlockPlan], *, device: torch.device, ends: Sequence[tuple[int, ...]], pad: int,
                  gen_len: int, limits: Sequence[int] | None, stops: Any,
                  logprobs: int | None, scores: BlockScores | None, timings: Timings,
-                 beams: BeamConfig | None = None) -> None:
+                 beams: BeamConfig | None = None, gbs: int | None = None) -> None:
         """``ends``: per sequence of the call, the ids that end it (``SamplingConfig.ends``);
-        ``beams``: a beam search's (its blocks' results come from the last stage whole)."""
-        self.blocks, self.device, self.ends, self.pad = blocks, device, ends, pad
+        ``beams``: a beam search's (its blocks' results come from the last stage whole);
+        ``gbs``: the GPU batch size, which decides which repeated prompts are computed once
+        (``BlockPlan.repeated``; None: none counted)."""
+        self.blocks, self.device, self.ends, self.pad, self.gbs = blocks, device, ends, pad, gbs
         self.beams = beams
         self.beam_results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per block: ids, scores
         self.parents: dict[int, torch.Tensor] = {}  # per block: its last step's rows' parents
@@ -130,6 +132,7 @@ class Ledger:
         tm.prompt_positions += blk.prompt_len * len(blk.members)
         tm.prompt_padding += blk.padding
         tm.prompt_shared += blk.saved  # positions not computed again
+        tm.prompt_repeated += blk.repeated(self.gbs) if self.gbs else 0
         if self.scores is not None:
             return self.scores.results(b, tokens[0])
         if self.beams is not None:  # each row's hypothesis, whole

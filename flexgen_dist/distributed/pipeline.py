@@ -111,7 +111,7 @@ class Pipeline:
         ends = [c.ends(eos) for c in samplings] if samplings is not None else [sampling.ends(eos)] * n
         self.ledger = Ledger(blocks, device=dev, ends=ends, pad=self.pad, gen_len=gen_len,
                              limits=limits, stops=stops, logprobs=logprobs,
-                             scores=self._scores, timings=self.timings, beams=beams) if self.first else None
+                             scores=self._scores, timings=self.timings, beams=beams, gbs=self.gbs) if self.first else None
         # the last stage's samplers (``samplings``: per sequence of the call, None: ``sampling`` for
         # all; ``seen``: per sequence, its prompt's ids where a repetition penalty needs them;
         # ``guide``: llguidance's tokenizer where a sequence has a structure; ``keys``: each

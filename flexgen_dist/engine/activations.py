@@ -21,6 +21,7 @@ class ActStore:
                  device: torch.device, dtype: torch.dtype, tracker: MemoryTracker,
                  disk: DiskStore | None, tag: str = "") -> None:
         self.device, self.dtype, self.tracker, self.disk = device, dtype, tracker, disk
+        self.fractions, self.sizes = fractions, batch_sizes
         self.splits = [split_rows(b, fractions) for b in batch_sizes]
         self.on_device = all(len(sp) == 1 and sp[0][0] == Tier.GPU for sp in self.splits)
         self.cur: list[Any] = [None] * len(batch_sizes)  # device tensor or Future of one
@@ -57,7 +58,10 @@ class ActStore:
             return []
         y = self.get(k)
         parts, futs = [], []
-        for tier, r0, r1 in self.splits[k]:
+        # a prefill computing a batch's repeated prompts once holds fewer rows (``twins.py``);
+        # their tiers' shares are no larger than the whole batch's (a disk file holds them)
+        splits = self.splits[k] if y.shape[0] == self.sizes[k] else split_rows(y.shape[0], self.fractions)
+        for tier, r0, r1 in splits:
             rows = y[r0:r1]
             if tier == Tier.GPU:
                 data: Any = rows

@@ -13,16 +13,18 @@ from ..models.spec import ModelSpec
 from .attention import prefill_attention, q_to_rows, rows_to_out, sink_rows, to_rows
 from .block_state import BlockState, merged_mask
 from .prefix import with_prefix
+from .twins import Twins
 
 Attend = Callable[..., torch.Tensor]
 
 
 def attend_fn(spec: ModelSpec, sparsity: float, st: BlockState, layer: int, k: int, mask: torch.Tensor | None,
-              pos0: int) -> Attend:
+              pos0: int, twins: Twins | None = None) -> Attend:
     """GPU batch ``k``'s ``attend`` at ``layer``: at a prefill (``pos0`` 0) its keys and values
     written to the cache (the block's shared prefix's in front, where it has one) and attended
     over; at a decode step the new ones written and the cache attended (``BlockCache.attend``,
-    the policy's ``attn_sparsity``)."""
+    the policy's ``attn_sparsity``). ``twins``: the prefill computed only the batch's first
+    row of each prompt (``mask`` is theirs), whose keys and values every row of the cache takes."""
     kvh, scale, softcap = spec.num_kv_heads, spec.softmax_scale, spec.attn_softcap
     cache = st.cache
     assert cache is not None
@@ -33,8 +35,12 @@ def attend_fn(spec: ModelSpec, sparsity: float, st: BlockState, layer: int, k: i
         def prefill(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
             if shared:  # the batch computed positions [L, s); the prefix's are shared
-                kk, vv = with_prefix(st, layer, k, kk, vv)
-            cache.write_prefill(layer, k, kk, vv)
+                kk, vv = with_prefix(st, layer, k, kk, vv, None if twins is None else twins.reps)
+            if twins is None:
+                cache.write_prefill(layer, k, kk, vv)
+            else:  # a latent cache's one tensor (``BlockCache.shared``) stays one
+                wk = twins.widen(kk)
+                cache.write_prefill(layer, k, wk, wk if vv is kk else twins.widen(vv))
             return prefill_attention(q, kk, vv, mask, scale, softcap, sinks)
 
         return prefill

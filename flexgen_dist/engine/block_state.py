@@ -54,8 +54,9 @@ class BlockState:
     prefix: torch.Tensor | None = None
     prefix_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # per GPU batch (or "merged", "prefix"): which rows use which LoRA adapter (``StageEngine._lora``)
-    lora_rows: dict[int | str, Any] = field(default_factory=dict)
+    lora_rows: dict[Any, Any] = field(default_factory=dict)
     prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``prefix.with_prefix``'s
+    twins: dict[int, Any] = field(default_factory=dict)  # per GPU batch with repeats: its ``twins.Twins``
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:

@@ -18,6 +18,12 @@ of the window's prompts in token order whose neighbours share at least a thresho
 leading tokens), each group cut by length as above, and keeps whichever grouping computes the
 fewest prefill positions (``prefill_positions``: padded rows minus what the prefixes save).
 The group of each request travels with the lengths (``plan_blocks``' ``groups``).
+
+A prompt that repeats another (a request's ``n`` choices, a beam search's beams, the same
+question asked twice) is computed once per GPU batch at the prefill: ``repeated_prompts`` gives
+each request the first request with the same ids and adapter, ``plan_blocks`` puts a length's
+repeats next to each other, and ``BlockMeta.twins`` tells every stage which row of a GPU batch
+each row copies (``engine/twins.py``).
 """
 from __future__ import annotations
 
@@ -62,6 +68,10 @@ class BlockMeta:
     # per GPU batch, each row's LoRA adapter served per request (0: the base model; None: every
     # row the base model; ``models/lora_rows.py``)
     adapters: list[list[int]] | None = None
+    # per GPU batch, the row each row repeats (its first row with the same prompt and adapter;
+    # None: no row of the batch repeats another): the prefill computes the first of each once
+    # (``engine/twins.py``). None: no batch has a repeat
+    twins: list[list[int] | None] | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -82,12 +92,27 @@ class BlockPlan:
     reuse: bool = False  # its prefix's keys and values are the previous block's (``prefix_reuse``)
     keep: bool = False  # the next block reuses its prefix's keys and values
     adapters: list[int] | None = None  # per prompt, its LoRA adapter (``Workload.adapters``; None: none has one)
+    # per prompt, the first request of the call with the same prompt (``Workload.twins``; None:
+    # no prompt of the block repeats another)
+    twins: list[int] | None = None
 
     def meta(self, gbs: int, gen_len: int) -> BlockMeta:
         cut = range(0, len(self.lens), gbs)
         adapters = [self.adapters[a:a + gbs] for a in cut] if self.adapters is not None and any(self.adapters) else None
+        twins = None
+        if self.twins is not None:
+            twins = [batch_twins(self.twins[a:a + gbs]) for a in cut]
+            twins = twins if any(t is not None for t in twins) else None
         return BlockMeta([self.lens[a:a + gbs] for a in cut], self.prompt_len, gen_len,
-                         shared=self.shared, reuse=self.reuse, keep=self.keep, adapters=adapters)
+                         shared=self.shared, reuse=self.reuse, keep=self.keep, adapters=adapters, twins=twins)
+
+    def repeated(self, gbs: int) -> int:
+        """Prompt positions the block's prefill does not compute because a row repeats an
+        earlier row of its GPU batch (past a shared prefix, which is computed once anyway)."""
+        if self.twins is None:
+            return 0
+        rows = sum(len(t) - len(set(t)) for t in (self.twins[a:a + gbs] for a in range(0, len(self.twins), gbs)))
+        return rows * (self.prompt_len - self.shared)
 
     @property
     def saved(self) -> int:
@@ -106,12 +131,14 @@ class BlockPlan:
 
 
 def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = None,
-                window_blocks: int = 0, groups: Sequence[int] | None = None) -> list[BlockPlan]:
+                window_blocks: int = 0, groups: Sequence[int] | None = None,
+                twins: Sequence[int] | None = None) -> list[BlockPlan]:
     """Cut prompts (given by their lengths) into blocks of ``block_size``: in input order with
     ``window_blocks`` 0, else grouped by length within windows of that many blocks (module
     doc; ``limits``: each request's own most new tokens, the second sort key; ``groups``: each
     request's prefix group in its window, -1 for none: the groups in order, then the rest,
-    each ordered so)."""
+    each ordered so; ``twins``: each request's ``repeated_prompts``, which puts repeats of a
+    prompt next to each other among its length)."""
     n = len(lens)
     span = n if window_blocks <= 0 else window_blocks * block_size
     out: list[BlockPlan] = []
@@ -119,9 +146,10 @@ def plan_blocks(lens: list[int], block_size: int, limits: list[int] | None = Non
         idx = list(range(a, min(n, a + span)))
         if window_blocks > 0 and groups is not None:
             ids = sorted({groups[m] for m in idx}, key=lambda g: (g < 0, g))
-            idx = [m for g in ids for m in _window_order([m for m in idx if groups[m] == g], lens, limits, block_size)]
+            idx = [m for g in ids for m in _window_order([m for m in idx if groups[m] == g], lens, limits, block_size,
+                                                              twins)]
         elif window_blocks > 0:
-            idx = _window_order(idx, lens, limits, block_size)
+            idx = _window_order(idx, lens, limits, block_size, twins)
         for b in range(0, len(idx), block_size):
             members = idx[b:b + block_size]
             ls = [lens[m] for m in members]
@@ -198,6 +226,32 @@ def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) 
     return n if n >= minimum else 0
 
 
+def repeated_prompts(ids: Sequence[Sequence[int]], adapters: Sequence[int] | None = None) -> tuple[int, ...] | None:
+    """Per request, the first request with the same prompt ids (and LoRA adapter): itself
+    where none before has them. None where no prompt repeats another."""
+    first: dict[tuple[int, ...], int] = {}
+    out = tuple(first.setdefault((-1 - (adapters[n] if adapters is not None else 0), *p), n)
+                for n, p in enumerate(ids))
+    return out if len(first) < len(out) else None
+
+
+def repeat_counts(twins: Sequence[int]) -> tuple[int, ...]:
+    """From ``repeated_prompts``: how many requests ask each prompt, in the order of each
+    prompt's first request (``PrefixShape.repeats``)."""
+    counts: dict[int, int] = {}
+    for t in twins:
+        counts[t] = counts.get(t, 0) + 1
+    return tuple(counts.values())
+
+
+def batch_twins(twins: Sequence[int]) -> list[int] | None:
+    """One GPU batch's rows from their requests' ``repeated_prompts``: per row, the batch's
+    first row of the same prompt (None: every row a prompt of its own)."""
+    at: dict[int, int] = {}
+    out = [at.setdefault(t, r) for r, t in enumerate(twins)]
+    return out if len(at) < len(out) else None
+
+
 def saved_positions(rows: int, shared: int, reuse: bool) -> int:
     """Prompt positions a block of ``rows`` does not compute with a prefix of ``shared`` tokens:
     every row's but the one prefix row, or every row's where it ``reuse``s an earlier block's."""
@@ -260,20 +314,23 @@ def prefix_groupings(prompts: Sequence[Sequence[int]], block_size: int, window_b
 LIMIT_GROUP = 2  # blocks whose requests, adjacent by length, are ordered by limit
 
 
-def _window_order(idx: list[int], lens: list[int], limits: list[int] | None, block_size: int) -> list[int]:
+def _window_order(idx: list[int], lens: list[int], limits: list[int] | None, block_size: int,
+                  twins: Sequence[int] | None = None) -> list[int]:
     """The requests of one window in block order: by prompt length, longest first; then each
     run of ``LIMIT_GROUP`` blocks' worth of them by limit, largest first. Length order makes a
     block pad little; ordering a few neighbouring blocks by limit lets each block's requests
     finish together (a decode step costs about as much for one live row as for all of them
     when the weights stream from RAM or disk), at the cost of a little more padding: on
     uniform lengths 16-2048 and limits 16-256, blocks of 32 from 768 requests pad 7 % of the
-    prompt positions instead of 4 % and run 24 % fewer decode steps."""
-    out = sorted(idx, key=lambda m: (-lens[m], m))
+    prompt positions instead of 4 % and run 24 % fewer decode steps. Among equals, a prompt's
+    repeats (``twins``) follow it, so that they share GPU batches."""
+    first = (lambda m: m) if twins is None else twins.__getitem__
+    out = sorted(idx, key=lambda m: (-lens[m], first(m), m))
     if limits is None:
         return out
     span = LIMIT_GROUP * block_size
     return [m for g in range(0, len(out), span)
-            for m in sorted(out[g:g + span], key=lambda m: (-limits[m], -lens[m], m))]
+            for m in sorted(out[g:g + span], key=lambda m: (-limits[m], -lens[m], first(m), m))]
 
 
 def left_pad(prompts: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
@@ -330,10 +387,15 @@ class PrefixShape:
     that order); a run whose prefix is the start of the last one computed takes its keys
     instead (``prefix_reuse``). The run's own choice among groupings (``prefix_groupings``)
     saves at most this. Or one opening of ``opening`` tokens that every prompt shares
-    (``call_wide``, the planner's ``--shared-prefix``), computed once per block."""
+    (``call_wide``, the planner's ``--shared-prefix``), computed once per block.
+
+    ``repeats``: how many requests ask each prompt (those of a prompt next to each other, as
+    the blocks put them): a GPU batch's prefill computes each of its prompts once
+    (``computed_share``)."""
 
     prompts: tuple[Sequence[int], ...] = field(default=(), repr=False)
     opening: int = 0
+    repeats: tuple[int, ...] = field(default=(), repr=False)
     _saved: dict[int, float] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -361,6 +423,17 @@ class PrefixShape:
         if rows not in self._saved:
             self._saved[rows] = self._runs(rows)
         return self._saved[rows]
+
+    def computed_share(self, gbs: int) -> float:
+        """The share of the rows a prefill computes with GPU batches of ``gbs``: each batch
+        computes each of its prompts once (``repeats`` laid out in a row, cut every gbs)."""
+        if not self.repeats:
+            return 1.0
+        gbs, pos, rows = max(1, int(gbs)), 0, 0
+        for n in self.repeats:
+            rows += (pos + n - 1) // gbs - pos // gbs + 1  # the batches the prompt's requests fall in
+            pos += n
+        return rows / pos
 
     def _runs(self, rows: int) -> float:
         lcp = self.lcp

@@ -84,13 +84,15 @@ def prefix_pass(family: Family, spec: ModelSpec, st: BlockState, slot: tuple[str
 
 
 def with_prefix(st: BlockState, layer: int, k: int, kk: torch.Tensor,
-                vv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                vv: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GPU batch k's keys and values over all s positions: positions [0, L) from the shared
     prefix's (row r, left-padded by p_r, holds prefix position c - p_r at slot c; its padding
-    slots take any, masked), then the batch's own [L, s)."""
+    slots take any, masked), then the batch's own [L, s). ``rows``: the batch's rows computed
+    (``twins.Twins.reps``; None: all)."""
     pk, pv = st.prefix_kv[layer]
     idx = st.prefix_index.get(k)
     if idx is None:  # once per GPU batch of the block
-        pads = torch.tensor([st.meta.prompt_len - n for n in st.meta.prompt_lens[k]], device=kk.device)
+        lens = st.meta.prompt_lens[k] if rows is None else [st.meta.prompt_lens[k][r] for r in rows.tolist()]
+        pads = torch.tensor([st.meta.prompt_len - n for n in lens], device=kk.device)
         idx = st.prefix_index[k] = (torch.arange(st.meta.shared, device=kk.device)[None] - pads[:, None]).clamp_(min=0)
     return torch.cat([pk[0][idx], kk], 1), torch.cat([pv[0][idx], vv], 1)

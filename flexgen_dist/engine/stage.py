@@ -36,6 +36,7 @@ from .prefix import chain_prefix, prefix_pass
 from .schedule import Step, sweep_steps
 from .states import StateStore
 from .streams import load_stream, ready
+from .twins import twins_at
 from .weights import Slot, WeightStore, expert_of
 
 
@@ -377,8 +378,17 @@ class StageEngine:
             return
         x = st.acts.get(k)
         spec = self.spec
-        w = self._lora(st, w, slot, k)
+        tw = twins_at(st, i, k, self.device)  # a prefill computing each prompt of the batch once
+        if tw is not None and j == 0:
+            x = tw.narrow(x)
+        w = self._lora(st, w, slot, k if tw is None else ("twins", k))
         pos, mrows, pos0 = self._step_inputs(st, i, k, slot[1] if slot[0] == "layer" else None)  # type: ignore[arg-type]
+        if tw is not None and slot[0] != "head":
+            layer = slot[1] if slot[0] == "layer" else None
+            pos, mrows = tw.narrow_inputs((0, False) if layer is None else (spec.window(layer), spec.chunked(layer)),
+                                          pos, mrows)
+        elif tw is not None:  # every row again, for the head
+            x = tw.widen(x if st.meta.embed else x[:, -1:])
         if slot[0] == "embed":
             y = self.family.embed(spec, w, x, pos)
         elif slot[0] == "head" and st.meta.embed:  # embeddings: the prefill's last hidden states
@@ -395,25 +405,29 @@ class StageEngine:
             rec = recurrent(st, slot[1], i, range(k, k + 1))  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, rec, slot[1])
         else:
-            attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0)  # type: ignore[arg-type]
+            attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0, tw)  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
             if i == 0 and k == num_gb - 1 and not st.meta.keep:  # every batch has used the prefix's keys
                 st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
+        if tw is not None and slot[0] != "head" and j == len(self.slots) - 1:  # the stage's rows leave whole
+            y = tw.widen(y)
         if slot[0] != "head" and j == len(self.slots) - 1:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
 
-    def _lora(self, st: BlockState, w: dict[str, Any], slot: Slot, k: int | str) -> dict[str, Any]:
+    def _lora(self, st: BlockState, w: dict[str, Any], slot: Slot, k: int | str | tuple[str, int]) -> dict[str, Any]:
         """A layer's weights with its adapted matrices adding each row's LoRA adapter
-        (``models/lora_rows.py``): the rows of GPU batch k, of every batch ("merged") or the
-        shared prefix's one row ("prefix"); ``w`` itself where no row has one."""
+        (``models/lora_rows.py``): the rows of GPU batch k, of every batch ("merged"), the
+        shared prefix's one row ("prefix") or batch k's rows a prefill computes (("twins", k)); ``w`` itself where no row has one."""
         adapters = st.meta.adapters
         if adapters is None or slot[0] != "layer":
             return w
         rows = st.lora_rows.get(k)
         if rows is None:
             ids = [a for batch in adapters for a in batch] if k == "merged" else \
-                adapters[0][:1] if k == "prefix" else adapters[k]  # type: ignore[index]
+                adapters[0][:1] if k == "prefix" else adapters[k[1]] if isinstance(k, tuple) else adapters[k]  # type: ignore[index]
+            if isinstance(k, tuple):  # the rows a prefill computes
+                ids = [ids[r] for r in sorted(set(st.meta.twins[k[1]]))]  # type: ignore[index]
             rows = st.lora_rows[k] = LoraRows.of(ids)
         return with_rows(w, rows)
 

@@ -42,11 +42,15 @@ class WorkShape:
     # what shared prefixes save a block's prefill (``plan.Workload.prefix``; None: nothing)
     prefix: PrefixShape | None = None
 
-    def prefill_rows(self, block_rows: int) -> float:
-        """Positions a block of ``block_rows`` requests computes in its prefill: each row's
-        padded prompt, less what the shared prefixes save (``PrefixShape.saved``)."""
-        saved = self.prefix.saved(block_rows) if self.prefix is not None else 0.0
-        return max(float(block_rows), block_rows * self.prompt_len - saved)
+    def prefill_rows(self, block_rows: int, gbs: int = 0) -> float:
+        """Positions a block of ``block_rows`` requests (GPU batches of ``gbs``) computes in
+        its prefill: each row's padded prompt, less what the shared prefixes save
+        (``PrefixShape.saved``), of the rows a batch computes once each prompt it repeats
+        (``PrefixShape.computed_share``)."""
+        if self.prefix is None:
+            return float(block_rows * self.prompt_len)
+        rows = max(float(block_rows), block_rows * self.prompt_len - self.prefix.saved(block_rows))
+        return rows * self.prefix.computed_share(gbs) if gbs else rows
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.gen_len < 1:
@@ -229,7 +233,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
     dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
     kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
-    rows_pre = workload.prefill_rows(bls)  # a shared prefix is computed once a block, or not at all
+    # a shared prefix is computed once a block, or not at all; a batch's repeated prompt once
+    rows_pre = workload.prefill_rows(bls, gpu_batch_size)
     a_pre, a_dec = int(rows_pre * spec.hidden_size * b), bls * spec.hidden_size * b  # hidden states
     # Disk bytes pass through host RAM on their way to/from a GPU; on a CPU device the
     # compute tier *is* host RAM, so disk reads and writes land in place (no second hop).
