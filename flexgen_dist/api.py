@@ -352,7 +352,7 @@ class LLM(PooledCalls, BeamCalls):
     def _twins(self, work: Workload) -> Workload:
         """Rank 0: ``work`` with its repeated prompts, where sharing is on (``worker.with_twins``),
         before the plan is made: its cost model counts what they save."""
-        return with_twins(work, self.model.spec) if self.config.share_prefix else work
+        return with_twins(work) if self.config.share_prefix else work
 
     def _shared(self, work: Workload, plan: RunPlan) -> Workload:
         """Rank 0: ``work`` with its blocks' shared prefixes, where sharing is on (``worker.with_shared_prefixes``)."""

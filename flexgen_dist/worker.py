@@ -23,7 +23,6 @@ from .engine.footprint import needs_disk
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
 from .engine.structure import guide_tokenizer
-from .engine.twins import repeats_once
 from .kernels import gemm
 from .memory.disk import DiskStore
 from .metrics import progress_bar
@@ -60,11 +59,11 @@ def call_blocks(work: Workload, block_size: int, sort_window: int) -> list[Block
     return blocks
 
 
-def with_twins(work: Workload, spec: Any) -> Workload:
+def with_twins(work: Workload) -> Workload:
     """Rank 0: ``work`` with each request's first request of the same prompt and adapter
-    (``blocks.repeated_prompts``), where the model computes a GPU batch's repeats once
-    (``twins.repeats_once``; generation and embeddings, not scoring); else ``work`` as it is."""
-    if not work.prompts or work.targets is not None or not repeats_once(spec):
+    (``blocks.repeated_prompts``), whose prefill a GPU batch computes once (``engine/twins.py``;
+    generation and embeddings, not scoring); else ``work`` as it is."""
+    if not work.prompts or work.targets is not None:
         return work
     twins = repeated_prompts([p.ids for p in work.prompts], work.adapters)
     if twins is None:

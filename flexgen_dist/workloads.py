@@ -73,7 +73,7 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     if stop is not None and (isinstance(stop, str) or any(isinstance(s, str) for s in stop)):
         raise ConfigError("stop takes one list of stop strings per prompt, e.g. [['\\n'], []]")
     if beams is not None:
-        check_beams(each or (samp,), stop, logprobs if logprobs is not None else cfg.logprobs, max_new_tokens, spec)
+        check_beams(each or (samp,), stop, logprobs if logprobs is not None else cfg.logprobs, max_new_tokens)
     if not scoring:
         warn_longrope_crossing(spec, [len(p.ids) for p in ps], max_new_tokens or [gen_len] * len(ps))
     repeats = [c.repeats for c in each] if each else [samp.repeats] * len(ps)  # type: ignore[union-attr]
@@ -105,10 +105,9 @@ def cut_to(n: int, sampling: SamplingConfig | Sequence[SamplingConfig] | None, d
             for c in cfgs]
 
 
-def check_beams(cfgs: Sequence[SamplingConfig], stop: Any, logprobs: int | None, max_new_tokens: Any,
-                spec: ModelSpec) -> None:
+def check_beams(cfgs: Sequence[SamplingConfig], stop: Any, logprobs: int | None, max_new_tokens: Any) -> None:
     """Refuse, in one line, what a beam search does not compute: sampling, penalties, a
-    structure, stop strings, logprobs, per-prompt limits, linear-attention layers."""
+    structure, stop strings, logprobs, per-prompt limits."""
     for c in cfgs:
         if not c.greedy:
             raise ConfigError("beam search keeps the most likely beams: give temperature 0 (beam sampling is not "
@@ -122,8 +121,6 @@ def check_beams(cfgs: Sequence[SamplingConfig], stop: Any, logprobs: int | None,
         raise ConfigError("beam search reports each sequence's score, not per-token logprobs: drop logprobs")
     if max_new_tokens is not None:
         raise ConfigError("a beam search has one max_tokens for every prompt")
-    if any(spec.linear(j) for j in range(spec.num_layers)):
-        raise ConfigError("beam search is not supported for models with linear-attention layers")
 
 
 def with_word_ids(c: SamplingConfig, tokenizer: Any | None, vocab_size: int) -> SamplingConfig:

@@ -184,6 +184,24 @@ def test_returns_min_tokens_and_bad_words(tiny_models) -> None:
     assert [len(o.sequences) for o in outs] == [2, 2, 2] and [o.index for o in outs] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("kind,opts", [
+    ("next", dict(num_gpu_batches=1)),
+    ("next", dict(num_gpu_batches=2, state_percent=(0, 0))),  # states staged from disk around their layer
+    ("3.5", dict(num_gpu_batches=2, percent=(0, 100, 0, 100, 100, 0), state_percent=(0, 100))),  # merged decode
+], ids=["device", "disk-states", "ram-merged"])
+def test_linear_attention_states_follow_their_beams(kind: str, opts: dict, tmp_path: Path) -> None:
+    """Qwen3-Next and Qwen3.5: after each step every linear layer's states move to the beams
+    that continue them (as the attention layers' cache rows), wherever they live; hypotheses
+    and scores equal transformers'."""
+    from test_qwen3_next import PROMPTS as LONG, _model
+
+    tm = _model(kind, tmp_path / kind)
+    ps = [LONG[0], LONG[1], LONG[3], LONG[2][:40]]
+    with LLM(str(tm.path), gpu_batch_size=4, offload_dir=str(tmp_path / "off"), progress=False, **opts) as llm:
+        got = ours(llm.beam_search(ps, beam_width=2, max_tokens=T, sampling=SamplingConfig(stop_token_ids=(EOS,))))
+    same(got, [hf_beams(tm, p, 2) for p in ps])  # (this config names no EOS: 2 as a stop id)
+
+
 def test_what_a_beam_search_refuses(tiny_models) -> None:
     tm = tiny_models["llama-gqa"]
     with LLM(str(tm.path), gpu_batch_size=4, progress=False) as llm:

@@ -3,8 +3,8 @@ prompt and adapter (a request's ``n`` choices, a beam search's beams, a question
 the prefill runs each prompt's first row only and copies its keys and values to the others.
 Greedy tokens equal transformers' (each prompt alone) and the run without the copying, for the
 families whose attention differs (GQA, learned positions, sliding windows, softcaps, a latent
-cache, experts) and every placement, with shared prefixes, per-request adapters and sampling,
-on one rank and two; what was saved is reported; nothing is copied where it cannot be."""
+cache, experts, linear-attention states) and every placement, with shared prefixes, per-request
+adapters and sampling, on one rank and two; what was saved is reported; scoring computes each row."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,6 @@ import torch
 from conftest import TinyModel, local_ranks, read_jsonl, reference_generate, write_jsonl
 from flexgen_dist import LLM, SamplingConfig
 from flexgen_dist.engine.blocks import BlockPlan, batch_twins, plan_blocks, repeated_prompts
-from flexgen_dist.engine.twins import repeats_once
 
 GEN = 5
 
@@ -168,26 +167,31 @@ def test_which_rows_repeat_which() -> None:
     assert blk.repeated(4) == 2 * 1  # past the shared prefix only
 
 
-def test_nothing_is_copied_where_it_cannot_be(models: dict, tmp_path: Path) -> None:
-    """Scoring computes each sequence (its targets decide the head); a linear-attention layer's
-    state would need copying too; sharing off computes every row."""
+def test_scoring_and_sharing_off_compute_every_row(models: dict, tmp_path: Path) -> None:
     tm = models["llama-gqa"]
     ps = repeated(256)
     with LLM(str(tm.path), progress=False) as llm:
         assert llm.prepare(ps, 4).twins == (0, 1, 0, 3, 1, 0, 6, 3)
-        assert repeats_once(llm.model.spec)
         llm.score(ps)
         assert llm.metrics["repeated_prompt_fraction"] == 0
     with LLM(str(tm.path), progress=False, share_prefix=False) as llm:
         assert llm.prepare(ps, 4).twins is None
 
-    class Linear:  # what repeats_once reads of a spec
-        num_layers = 2
 
-        def linear(self, layer: int) -> bool:
-            return layer == 1
+@pytest.mark.parametrize("kind,states", [("next", (100, 0)), ("next", (0, 0)), ("3.5", (0, 100))])
+def test_linear_attention_states_are_copied_to_the_repeats(kind: str, states: tuple[int, int],
+                                                           tmp_path: Path) -> None:
+    """Qwen3-Next and Qwen3.5: each linear layer's state after a repeated prompt is computed once
+    and copied to its repeats' rows, on the device, staged from disk (``--state-percent 0 0``)
+    and in RAM; prompts of 3 to 150 tokens, padded and past the delta rule's chunk."""
+    from test_qwen3_next import PROMPTS, _model
 
-    assert not repeats_once(Linear())  # type: ignore[arg-type]
+    tm = _model(kind, tmp_path / kind)
+    ps = [PROMPTS[n] for n in (1, 0, 1, 2, 2, 3, 1, 0)]
+    got, fraction = _run(tm, ps, tmp_path, True, state_percent=states)
+    assert fraction > 0
+    assert got == _run(tm, ps, tmp_path, False, state_percent=states)[0] == \
+        [reference_generate(tm, [p], GEN)[0] for p in ps]
 
 
 @pytest.mark.slow

@@ -421,10 +421,13 @@ class Pipeline:
         return out
 
     def _reorder(self, b: int, perms: dict[int, torch.Tensor]) -> None:
-        """This stage's cache rows of block b follow their beams' parents (``BlockCache.reorder``);
-        a GPU batch whose beams all continue themselves stays as it is."""
+        """This stage's cache rows and linear-attention states of block b follow their beams'
+        parents (``BlockCache.reorder``, ``block_state.recurrent``); a GPU batch whose beams all
+        continue themselves stays as it is."""
         st = self._states[b]
         moved = {kb: p for kb, p in perms.items()
                  if not torch.equal(p.cpu(), torch.arange(p.shape[0]))}
         if moved and st.cache is not None:
             st.cache.reorder(moved)
+        if moved and st.states is not None:  # each linear layer's states as they are next used
+            st.state_perm.update({(j, kb): p for j in st.states.tiers for kb, p in moved.items()})

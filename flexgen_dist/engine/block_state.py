@@ -57,6 +57,9 @@ class BlockState:
     lora_rows: dict[Any, Any] = field(default_factory=dict)
     prefix_index: dict[int, torch.Tensor] = field(default_factory=dict)  # per GPU batch: ``prefix.with_prefix``'s
     twins: dict[int, Any] = field(default_factory=dict)  # per GPU batch with repeats: its ``twins.Twins``
+    # beam search: per (linear layer, GPU batch), the rows its states take from (each row's
+    # parent), applied at the layer's next use (``recurrent``), wherever the states live
+    state_perm: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
@@ -75,7 +78,16 @@ def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:
         st.rec_rows[key] = (a, a + sum(sizes[k] for k in ks), valid)
     a, b, valid = st.rec_rows[key]
     conv, ssm, base = st.states.views(layer)  # type: ignore[union-attr]
-    return Recurrent(conv[a - base:b - base], ssm[a - base:b - base], fresh=i == 0, valid=valid)
+    conv, ssm = conv[a - base:b - base], ssm[a - base:b - base]
+    if st.state_perm:  # a beam search's last step: each row continues its parent's state
+        r0 = 0
+        for k in ks:
+            n, p = st.meta.batch_sizes[k], st.state_perm.pop((layer, k), None)
+            if p is not None:
+                for x in (conv, ssm):
+                    x[r0:r0 + n] = x[r0:r0 + n].index_select(0, p.to(x.device))
+            r0 += n
+    return Recurrent(conv, ssm, fresh=i == 0, valid=valid)
 
 
 def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,

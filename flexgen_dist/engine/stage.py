@@ -403,7 +403,10 @@ class StageEngine:
             st.outputs[k - st.out_base] = y
         elif spec.linear(slot[1]):  # type: ignore[arg-type]
             rec = recurrent(st, slot[1], i, range(k, k + 1))  # type: ignore[arg-type]
-            y = self.family.layer_forward(spec, w, x, pos, rec, slot[1])
+            run = rec if tw is None else tw.recurrent(rec)
+            y = self.family.layer_forward(spec, w, x, pos, run, slot[1])
+            if tw is not None:  # the computed rows' states to every row
+                tw.copy_states(run, rec)
         else:
             attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0, tw)  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])

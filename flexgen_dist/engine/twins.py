@@ -10,10 +10,11 @@ rows back whole at the stage's end (``Twins.widen`` of the last layer's output, 
 last position before a last stage's head), so messages between stages, the cache and every
 decode step are as without. Decode then differs row by row (sampling draws, beams).
 
-Rank 0 finds the repeats (``blocks.repeated_prompts``), the blocks put them next to each other
+A linear-attention layer computes its state for the computed rows in buffers of their own
+(``Twins.recurrent``) and copies it to every row's (``Twins.copy_states``), as attention copies its
+keys and values. Rank 0 finds the repeats (``blocks.repeated_prompts``; not for scoring,
+whose sequences are rarely repeated), the blocks put them next to each other
 (``blocks.plan_blocks``), and ``BlockMeta.twins`` gives every stage each batch's rows.
-Not for a model with linear-attention layers (their per-row states would need the same
-copying) nor for scoring (``repeats_once``).
 """
 from __future__ import annotations
 
@@ -23,14 +24,8 @@ from typing import Any
 import torch
 
 from ..models.common import Positions
-from ..models.spec import ModelSpec
+from ..models.families import Recurrent
 from .block_state import BlockState
-
-
-def repeats_once(spec: ModelSpec) -> bool:
-    """Whether this model computes a GPU batch's repeated prompts once: every layer keeps
-    keys and values in the cache, which the widening copies to the repeats."""
-    return not any(spec.linear(j) for j in range(spec.num_layers))
 
 
 @dataclass
@@ -57,6 +52,17 @@ class Twins:
     def widen(self, x: torch.Tensor) -> torch.Tensor:
         """Every row of the batch from the computed rows' (u, ...)."""
         return x.index_select(0, self.spread.to(x.device))
+
+    def recurrent(self, rec: Recurrent) -> Recurrent:
+        """A linear-attention layer's prefill state for the computed rows, in buffers of its
+        own (``rec``'s views are every row's); ``copy_states`` then copies it to every row."""
+        return Recurrent(self.narrow(rec.conv), self.narrow(rec.ssm), fresh=rec.fresh,
+                         valid=None if rec.valid is None else self.narrow(rec.valid))
+
+    def copy_states(self, small: Recurrent, rec: Recurrent) -> None:
+        """Every row's state from the computed rows' (``recurrent``)."""
+        rec.conv.copy_(self.widen(small.conv))
+        rec.ssm.copy_(self.widen(small.ssm))
 
     def narrow_inputs(self, key: tuple[int, bool], pos: Positions,
                       mask: torch.Tensor | None) -> tuple[Positions, torch.Tensor | None]:
