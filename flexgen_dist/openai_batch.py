@@ -125,8 +125,9 @@ class _InOrder:
 
     def lines(self) -> list[dict[str, Any]]:
         reqs, llm, lines = self.reqs, self.llm, []
-        while self.out < len(reqs) and (not reqs[self.out].ok or len(reqs[self.out].choices) == reqs[self.out].n):
+        while self.out < len(reqs) and (not reqs[self.out].ok or len(reqs[self.out].choices) == reqs[self.out].best_of):
             r = reqs[self.out]
+            best_choices(r)
             lines.append(output_line(r, r.adapter or llm.model.spec.name, tokenizer=llm.tokenizer))
             self.out += 1
         return lines
@@ -136,8 +137,9 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
     """Rank 0's calls, in the order the other ranks make them (``run_batch``): the plan, the
     prompts' scores, the embeddings, the completions; lines yielded as they are ready."""
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 and r.beams is None
-                                       for j in range(r.n)]
-    asked = [r.logprobs for r, _ in rows if r.logprobs is not None]  # one call: the most any asks
+                                       for j in range(r.best_of)]
+    # one call: the most any asks (best_of's ranking needs the chosen tokens' own)
+    asked = [r.logprobs or 0 for r, _ in rows if r.logprobs is not None or r.best_of > r.n]
     scored = [r for r in reqs if r.prompt_alternatives is not None]
     embedded = [(r, p) for r in reqs if r.ok and r.inputs is not None for p in r.inputs]
     if rows and (scored or embedded):  # the plan is the generation's, with the scored and embedded prompts among its rows
@@ -196,6 +198,23 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
                 r.error = RequestError("invalid_request", str(why))
         yield from _nonempty(ready.lines())
     yield from _nonempty(ready.lines())
+
+
+def best_choices(r: Request) -> None:
+    """A request's ``best_of`` candidates cut to its ``n`` best, best first: by the mean
+    log-probability of their tokens (OpenAI's rule: the model's own distribution, as
+    ``logprobs`` reports it; ties in candidate order), or as its beam search ranked them.
+    Its usage then counts every candidate's tokens (``Request.generated``), as generated."""
+    if not r.ok or r.best_of == r.n or len(r.choices) <= r.n:
+        return
+    r.generated = sum(len(c.token_ids) for c in r.choices)
+    if r.beams is None:
+        def mean(c: Any) -> float:
+            lps = c.logprobs.token_logprobs if c.logprobs is not None else []
+            return sum(lps) / len(lps) if lps else float("-inf")
+
+        r.choices = sorted(r.choices, key=lambda c: -mean(c))
+    r.choices = r.choices[:r.n]
 
 
 def beam_groups(reqs: list[Request]) -> list[list[Request]]:

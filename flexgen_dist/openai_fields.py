@@ -276,7 +276,7 @@ def controls(body: dict[str, Any], vocab_size: int, tokenizer: Any | None) -> di
 
 
 def beams(body: dict[str, Any], n: int) -> BeamConfig | None:
-    """vLLM's ``use_beam_search``: ``n`` beams (its n choices, best first), ``length_penalty``
+    """vLLM's ``use_beam_search``: ``n`` beams (its best_of, the best of which are its choices), ``length_penalty``
     and ``early_stopping`` (read only with it, as vLLM reads them); None without it."""
     on = body.get("use_beam_search")
     if on is not None and not isinstance(on, bool):

@@ -74,7 +74,7 @@ def output_line(req: Request, model: str, created: int | None = None, tokenizer:
         choice["finish_reason"] = "tool_calls" if called is not None and c.finish_reason == "stop" else c.finish_reason
         choice["stop_reason"] = c.stop_reason  # vLLM's: the stop id or string (None: EOS, length)
         choices.append(choice)
-    used = sum(len(c.token_ids) for c in req.choices)
+    used = req.generated if req.generated is not None else sum(len(c.token_ids) for c in req.choices)
     prompt_tokens = len(req.prompt.ids)
     if req.url == RESPONSES:  # one choice, in the Responses format
         body = response_body(rid, created, model, req.choices[0], choices[0]["message"], choices[0]["logprobs"],

@@ -45,10 +45,11 @@ INERT = {"model", "user", "metadata", "store", "service_tier", "stream_options",
 # fields accepted at the value that means "off" only: any other value would change the output
 OFF: dict[str, tuple[Any, ...]] = {
     "stream": (False, None),
-    "functions": (None, []), "function_call": (None, "none", "auto"), "best_of": (None, 1), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "suffix": (None, ""),
     "spaces_between_special_tokens": (None, True),  # vLLM's: only a slow tokenizer's decode reads it
 }
 USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+        "best_of",
         "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
         "top_k", "min_p", "repetition_penalty", "prompt_logprobs",  # these four: vLLM's extensions
         "response_format", "structured_outputs", *GUIDED,  # the last two: vLLM's structured outputs
@@ -59,7 +60,7 @@ USED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperatur
         "echo",  # completions only
         "truncate_prompt_tokens",  # vLLM's: a longer prompt cut to its last K tokens
         "add_special_tokens", "return_tokens_as_token_ids",  # vLLM's: a BOS for the text; logprobs' tokens as ids
-        "use_beam_search", "length_penalty", "early_stopping"}  # vLLM's: n beams (the last two: its beam settings)
+        "use_beam_search", "length_penalty", "early_stopping"}  # vLLM's: best_of beams (then its beam settings)
 
 
 
@@ -75,6 +76,10 @@ class Request:
     sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()
     n: int = 1
+    # candidates generated, of which the n with the highest mean log-probability per token are
+    # returned (``best_of``; a beam search's width); n where it asks for none
+    best_of: int = 1
+    generated: int | None = None  # tokens of every candidate (``best_choices``; None: of the choices)
     seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
     logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
     echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
@@ -261,6 +266,11 @@ def _fill_sampling(req: Request, kind: str, body: dict[str, Any], tokenizer: Any
     req.n = fields.integer(body.get("n", 1), "n", 1)
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
+    best_of = body.get("best_of")
+    req.best_of = req.n if best_of is None else fields.integer(best_of, "best_of", 1)
+    if not req.n <= req.best_of <= MAX_N:
+        raise RequestError("invalid_value", f"best_of {req.best_of}: give n ({req.n}) to {MAX_N}: that many "
+                                            "candidates are generated and the n best returned")
     req.logprobs = fields.logprobs(kind, body)
     as_ids = body.get("return_tokens_as_token_ids")
     if as_ids is not None and not isinstance(as_ids, bool):
@@ -268,7 +278,9 @@ def _fill_sampling(req: Request, kind: str, body: dict[str, Any], tokenizer: Any
     req.as_ids = bool(as_ids)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
-    req.beams = fields.beams(body, req.n)
+    req.beams = fields.beams(body, req.best_of)  # vLLM's: best_of beams, the n best returned
+    if (req.beams is None and req.sampling.greedy) or req.max_tokens == 0:  # every candidate the same
+        req.best_of = req.n
     if req.beams is not None:
         asks = [k for k, on in (("stop", bool(req.stop)), ("logprobs", req.logprobs is not None),
                                 ("prompt_logprobs", req.prompt_logprobs is not None), ("echo", req.echo),
