@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .budgets import machine_budgets, user_caps
+from .choices import Choices
 from .completions import Completion, completion
 from .config import ConfigError, RunConfig, build_config, lora_module_pairs
 from .distributed.group import RankGroup
@@ -177,7 +178,7 @@ class LLM(PooledCalls, BeamCalls):
                  sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                  keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
                  stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None,
-                 lora: LoraChoice = None) -> list[Completion]:
+                 lora: LoraChoice = None, n: int = 1, best_of: int | None = None) -> list[Completion]:
         """Completions of ``prompts`` (strings or token-id lists), in input order.
 
         ``gen_len`` and ``sampling`` default to the options the LLM was built with;
@@ -192,31 +193,55 @@ class LLM(PooledCalls, BeamCalls):
         fills each completion's ``logprobs``: every generated token's log-probability under
         the model and that many most likely alternatives (README, "Library API"). ``lora`` names
         the LoRA adapter (one of ``lora_modules``) every prompt runs with, or one per prompt (None:
-        the base model); one call mixes them. On ranks other than 0 the arguments are ignored and
-        the result is empty."""
+        the base model); one call mixes them. ``n``: that many completions per prompt (each
+        prompt's in a row, ``Completion.choice`` 0..n-1), the best ``n`` of ``best_of`` sampled
+        candidates by their mean log-probability per token where ``best_of`` is larger
+        (``choices.py``; a prompt's prefill is computed once for all). On ranks other than 0
+        the arguments are ignored and the result is empty."""
         return [c for block in self.stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens,
-                                           stop=stop, logprobs=logprobs, lora=lora)
+                                           stop=stop, logprobs=logprobs, lora=lora, n=n, best_of=best_of)
                 for c in block]
 
     def chat(self, conversations: Sequence[Messages] | None = None, gen_len: int | None = None,
              sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
              max_new_tokens: Sequence[int] | None = None,
-             logprobs: int | None = None, lora: LoraChoice = None) -> list[Completion]:
+             logprobs: int | None = None, lora: LoraChoice = None, n: int = 1,
+             best_of: int | None = None) -> list[Completion]:
         """Replies to ``conversations`` (each a list of ``{"role": ..., "content": ...}``
         messages), each rendered through the model's own chat template with the assistant's
         turn opened, exactly as transformers renders it; as ``generate`` otherwise."""
         return self.generate(conversations, gen_len, sampling, max_new_tokens=max_new_tokens, logprobs=logprobs,
-                             lora=lora)
+                             lora=lora, n=n, best_of=best_of)
 
     def stream(self, prompts: Sequence[PromptLike] | None = None, gen_len: int | None = None,
                sampling: SamplingConfig | Sequence[SamplingConfig] | None = None, *,
                keys: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
                stop: Sequence[Sequence[str]] | None = None, logprobs: int | None = None,
-               lora: LoraChoice = None) -> Iterator[list[Completion]]:
+               lora: LoraChoice = None, n: int = 1, best_of: int | None = None) -> Iterator[list[Completion]]:
         """Like ``generate``, yielding completions as soon as they are final, in input order: a
         window of consecutive prompts at a time (the prompts one length-grouping window sorted
         into blocks; with ``sort_window=0``, one block). Exhaust it (a stream abandoned midway
         on several ranks fails the other ranks)."""
+        try:
+            ch = Choices.of(n, best_of, sampling, self.config.sampling)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if ch.many:  # each prompt's candidates as rows of their own (``choices.py``)
+            count = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 0
+            rows = self._stream(ch.rows(prompts), gen_len, sampling if not isinstance(sampling, Sequence)
+                                else ch.rows(sampling), keys=ch.keys(keys, count),
+                                max_new_tokens=ch.rows(max_new_tokens), stop=ch.rows(stop),
+                                logprobs=ch.logprobs(logprobs),
+                                lora=lora if lora is None or isinstance(lora, str) else ch.rows(lora))
+            yield from ch.fold(rows, logprobs)
+            return
+        yield from self._stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens, stop=stop,
+                                logprobs=logprobs, lora=lora)
+
+    def _stream(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
+                sampling: SamplingConfig | Sequence[SamplingConfig] | None, *, keys: Sequence[int] | None,
+                max_new_tokens: Sequence[int] | None, stop: Sequence[Sequence[str]] | None,
+                logprobs: int | None, lora: LoraChoice) -> Iterator[list[Completion]]:
         self._check_open()
         with self._guard():
             work, peaks = self._start(lambda: self._workload(prompts, gen_len, sampling, keys=keys,

@@ -32,6 +32,9 @@ class Completion:
     # a beam search's (``LLM.beam_search``): the sum of its tokens' log-probabilities over its
     # length to the power length_penalty
     score: float | None = None
+    # with several choices per prompt (``generate(n=, best_of=)``): its place among its prompt's,
+    # best first where best_of ranked them (``choices.py``)
+    choice: int = 0
 
 
 def completion(index: int, p: Prompt, res: Any, tokenizer: Any, reasoning: Reasoning | None,

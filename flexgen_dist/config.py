@@ -18,6 +18,7 @@ from .engine.policy import PERCENT_FIELDS, STATE_FIELDS, Policy
 from .engine.beams import BeamConfig
 from .engine.sampling import MAX_LOGPROBS, SamplingConfig
 from .engine.structure import structure_option
+from .choices import MAX_CHOICES
 from .models.pooling import POOLINGS
 
 
@@ -109,6 +110,10 @@ class RunConfig:
     length_penalty: float = 1.0
     early_stopping: str = "false"
     num_return_sequences: int = 0
+    # completions per prompt (``choices.py``): n choices, the best n of best_of sampled
+    # candidates by mean log-probability per token (None: n)
+    n: int = 1
+    best_of: int | None = None
     classify: bool = False  # a sequence classifier's run: each prompt's labels' logits (``LLM.classify``)
     # what every completion must match (at most one; engine/structure.py): a JSON schema (a
     # file or the JSON itself), a regex, one of some strings, a Lark/GBNF grammar (file or text)
@@ -248,6 +253,13 @@ class RunConfig:
                                     or self.num_return_sequences):
             raise ConfigError("--length-penalty, --early-stopping and --num-return-sequences are beam search "
                               "settings: give --beam-width K")
+        if self.n != 1 or self.best_of is not None:
+            if self.beam_width or self.embed or self.classify:
+                raise ConfigError("--n and --best-of sample several completions per prompt: drop --beam-width "
+                                  "(--num-return-sequences gives several beams), --embed or --classify")
+            best = self.n if self.best_of is None else self.best_of
+            if not 1 <= self.n <= best <= MAX_CHOICES:
+                raise ConfigError(f"--n {self.n} --best-of {best}: give 1 <= N <= M <= {MAX_CHOICES}")
         if self.beam_width:
             if self.embed or self.classify:
                 raise ConfigError("--beam-width generates: drop --embed / --classify")

@@ -146,6 +146,10 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "prompt's search ends (transformers' early_stopping; default false)")
     g.add_argument("--num-return-sequences", type=int, metavar="N", help="with --beam-width: the best N "
                    "hypotheses per prompt (default: all K)")
+    g.add_argument("--n", type=int, metavar="N", help="N sampled completions per prompt (vLLM's and OpenAI's n): "
+                   "each output line holds them under 'choices', the first also as the line's own text")
+    g.add_argument("--best-of", type=int, metavar="M", help="sample M candidates per prompt and keep the --n "
+                   "with the highest mean log-probability per token, best first (OpenAI's best_of; default N)")
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--json-schema", metavar="FILE|JSON", help="every completion is JSON matching this schema "

@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from .choices import by_mean_logprob
 from .config import ConfigError, RunConfig
 from .embeddings import Classification, check_embed, finish
 from .engine.beams import beams_refusal
@@ -209,11 +210,7 @@ def best_choices(r: Request) -> None:
         return
     r.generated = sum(len(c.token_ids) for c in r.choices)
     if r.beams is None:
-        def mean(c: Any) -> float:
-            lps = c.logprobs.token_logprobs if c.logprobs is not None else []
-            return sum(lps) / len(lps) if lps else float("-inf")
-
-        r.choices = sorted(r.choices, key=lambda c: -mean(c))
+        r.choices = by_mean_logprob(r.choices)
     r.choices = r.choices[:r.n]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import openai_fields as fields
+from .choices import MAX_CHOICES
 from .config import ConfigError
 from .engine.beams import BeamConfig
 from .engine.sampling import MAX_PENALTY, SamplingConfig, TokenLogprobs
@@ -33,7 +34,7 @@ SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "item
 # fields of a score or rerank body besides its texts (vLLM's), and a rerank body's own (Jina's, Cohere's)
 PAIR_FIELDS = {"model", "user", "priority", "truncate_prompt_tokens", "use_activation", "activation", "softmax"}
 RERANK_FIELDS = {"top_n", "return_documents"}
-MAX_N = 128  # choices per request
+MAX_N = MAX_CHOICES  # choices per request
 MAX_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 EMBED_FIELDS = {"input", "model", "encoding_format", "dimensions", "user",
                 "truncate_prompt_tokens"}  # an embeddings body's fields (the last: vLLM's)

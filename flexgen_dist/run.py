@@ -70,7 +70,8 @@ def run(cfg: RunConfig) -> int:
                 lora = [p.lora for p in todo] if todo is not None and any(p.lora for p in todo) else None
                 for part in _results(cfg, llm, todo, done, len(prompts) if prompts is not None else 0, lora):
                     if writer is not None:
-                        recs = [_record(writer, todo[r.index], r) for r in part]  # type: ignore[index]
+                        recs = [_record(writer, todo[rs[0].index], *rs)  # type: ignore[index]
+                                for rs in (part[a:a + cfg.n] for a in range(0, len(part), cfg.n))]
                         writer.write(recs)
                         records.extend(recs)
         finally:
@@ -110,11 +111,18 @@ def _results(cfg: RunConfig, llm: LLM, todo: list[Prompt] | None, done: int, tot
         return llm.stream_beam_search(todo, b.width, cfg.gen_len, length_penalty=b.length_penalty,
                                       early_stopping=b.early_stopping, num_return_sequences=b.num_return or None,
                                       lora=lora)
-    return llm.stream(todo, keys=None if todo is None else range(done, total), lora=lora)
+    return llm.stream(todo, keys=None if todo is None else range(done, total), lora=lora, n=cfg.n,
+                      best_of=cfg.best_of)
 
 
-def _record(writer: OutputWriter, p: Prompt, r: Any) -> dict[str, Any]:
-    """A result's output line: an embedding, a classifier's logits, or a completion."""
+def _record(writer: OutputWriter, p: Prompt, r: Any, *more: Any) -> dict[str, Any]:
+    """A result's output line: an embedding, a classifier's logits, or a completion (``more``:
+    the prompt's other choices, all of them then under "choices", the first also the line's)."""
+    if more:
+        rec = _record(writer, p, r)
+        rec["choices"] = [{k: v for k, v in writer.record(p, c.token_ids, c.text, c.logprobs, c.reasoning).items()
+                           if k not in ("id", "messages", "prompt")} for c in (r, *more)]
+        return rec
     if isinstance(r, Embedding):
         return {"id": p.id, "embedding": r.embedding, "prompt_tokens": r.prompt_tokens}
     if isinstance(r, Classification):
@@ -161,6 +169,7 @@ def fingerprint(cfg: RunConfig, llm: LLM) -> dict[str, Any]:
             **({"embed": True, "embed_dimensions": cfg.embed_dimensions} if cfg.embed else {}),
             **({"classify": True} if cfg.classify else {}),
             **({"beams": dataclasses.asdict(cfg.beams)} if cfg.beams is not None else {}),
+            **({"n": cfg.n, "best_of": cfg.best_of or cfg.n} if cfg.n != 1 or cfg.best_of is not None else {}),
             **cfg.model_options(), **_structure_print(cfg)}
 
 

@@ -5,10 +5,12 @@ the choices an ``n = best_of`` request of the same seed draws (each prompt's pre
 once for all of them), and usage counts every candidate's tokens."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import PROMPTS
-from flexgen_dist import LLM
+from flexgen_dist import LLM, ConfigError, SamplingConfig
 from test_beams import hf_beams
 
 URL = "/v1/completions"
@@ -65,3 +67,66 @@ def test_best_of_beams_are_the_search_width(tiny_models) -> None:
         out = llm.batch(reqs)[0]
     want = [t for t, _ in hf_beams(tm, PROMPTS[2], 3, T)]
     assert [c["token_ids"] for c in _choices(out)] == want[:2]
+
+
+HOT = SamplingConfig(temperature=1.1, seed=9)
+
+
+def test_the_library_gives_n_choices_of_each_prompt(tiny_models) -> None:
+    """``generate(n=)``: each prompt's choices in a row (``index`` its prompt, ``choice`` its
+    place), candidate j of prompt i drawing with key ``i * MAX_CHOICES + j`` (what a call of
+    the rows with those keys draws); ``best_of``: the n best of them by mean logprob, whatever
+    windows cut the candidates apart."""
+    from flexgen_dist.choices import MAX_CHOICES
+
+    tm = tiny_models["llama-gqa"]
+    ps = PROMPTS[:3]
+    with LLM(str(tm.path), progress=False, gpu_batch_size=4, ignore_eos=True) as llm:
+        three = llm.generate(ps, gen_len=T, sampling=HOT, n=3, logprobs=0)
+        rows = llm.generate([p for p in ps for _ in range(3)], gen_len=T, sampling=HOT,
+                            keys=[i * MAX_CHOICES + j for i in range(3) for j in range(3)])
+        best = llm.generate(ps, gen_len=T, sampling=HOT, n=2, best_of=3)
+        greedy = llm.generate(ps, gen_len=T, n=2, best_of=5)
+        assert llm.metrics["num_prompts"] == 6  # greedy: no candidate beyond n is drawn
+    assert [(c.index, c.choice) for c in three] == [(i, j) for i in range(3) for j in range(3)]
+    assert [c.token_ids for c in three] == [c.token_ids for c in rows]
+    assert len({tuple(c.token_ids) for c in three}) == 9
+    for i in range(3):
+        cands = three[3 * i:3 * i + 3]
+        mean = [sum(c.logprobs.token_logprobs) / len(c.token_ids) for c in cands]
+        order = sorted(range(3), key=lambda j: -mean[j])
+        assert [c.token_ids for c in best[2 * i:2 * i + 2]] == [cands[j].token_ids for j in order[:2]]
+    assert all(c.logprobs is None for c in best)  # ranked with them, returned without: none asked
+    assert [c.token_ids for c in greedy[0::2]] == [c.token_ids for c in greedy[1::2]]
+    with LLM(str(tm.path), progress=False, gpu_batch_size=2, num_gpu_batches=1, sort_window=1,
+             ignore_eos=True) as llm:  # windows of two rows: a prompt's three candidates straddle them
+        parts = list(llm.stream(ps, gen_len=T, sampling=HOT, n=2, best_of=3))
+    assert len(parts) > 1 and [c.token_ids for part in parts for c in part] == [c.token_ids for c in best]
+    with LLM(str(tm.path), progress=False) as llm:
+        with pytest.raises(ConfigError, match="give 1 <= n <= best_of <= 128"):
+            llm.generate(ps, n=3, best_of=2)
+        with pytest.raises(ConfigError, match="give 1 <= n <= best_of <= 128"):
+            llm.generate(ps, n=0)
+
+
+def test_the_command_line_writes_each_prompts_choices(tiny_models, tmp_path: Path, capsys) -> None:
+    from conftest import read_jsonl, write_jsonl
+    from flexgen_dist.run import main
+
+    tm = tiny_models["llama-gqa"]
+    out = tmp_path / "o.jsonl"
+    args = ["--model", str(tm.path), "--prompts", str(write_jsonl(tmp_path / "p.jsonl", PROMPTS[:3])),
+            "--gen-len", str(T), "--temperature", "1.1", "--seed", "9", "--ignore-eos", "--no-progress",
+            "--output", str(out)]
+    assert main([*args, "--n", "2", "--best-of", "3"]) == 0
+    lines = read_jsonl(out)
+    with LLM(str(tm.path), progress=False, ignore_eos=True) as llm:
+        want = llm.generate(PROMPTS[:3], gen_len=T, sampling=HOT, n=2, best_of=3,
+                            keys=range(3))
+    assert [[c["tokens"] for c in x["choices"]] for x in lines] == \
+        [[c.token_ids for c in want[2 * i:2 * i + 2]] for i in range(3)]
+    assert all(x["tokens"] == x["choices"][0]["tokens"] for x in lines)
+    assert main([*args, "--overwrite", "--n", "2", "--beam-width", "2"]) == 2
+    assert "drop --beam-width" in capsys.readouterr().err
+    assert main([*args, "--overwrite", "--n", "3", "--best-of", "2"]) == 2
+    assert "--n 3 --best-of 2: give 1 <= N <= M <= 128" in capsys.readouterr().err

@@ -51,6 +51,8 @@ PLACEMENTS = {
     "offloaded": dict(percent=(0, 50, 0, 50, 50, 50), cpu_attention=True),  # activations of the few rows on disk
     "compressed": dict(percent=(0, 100, 30, 30, 0, 100), compress_cache=True, cpu_attention=False),
     "ram-merged": dict(percent=(0, 100, 0, 100, 100, 0), cpu_attention=True),
+    # a block's prefill pieces riding on the block before's decode steps (``run_sweep`` parts)
+    "overlapped": dict(schedule="overlapped", gpu_batch_size=2, num_gpu_batches=2),  # [1 1|3 0] [0 0|2 2]
 }
 
 
