@@ -226,20 +226,15 @@ class LLM(PooledCalls, BeamCalls):
             ch = Choices.of(n, best_of, sampling, self.config.sampling)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if ch.many:  # each prompt's candidates as rows of their own (``choices.py``)
-            count = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, str) else 0
-            rows = self._stream(ch.rows(prompts), gen_len, sampling if not isinstance(sampling, Sequence)
-                                else ch.rows(sampling), keys=ch.keys(keys, count),
-                                max_new_tokens=ch.rows(max_new_tokens), stop=ch.rows(stop),
-                                logprobs=ch.logprobs(logprobs),
-                                lora=lora if lora is None or isinstance(lora, str) else ch.rows(lora))
-            yield from ch.fold(rows, logprobs)
+        call = dict(prompts=prompts, sampling=sampling, keys=keys, max_new_tokens=max_new_tokens, stop=stop,
+                    logprobs=logprobs, lora=lora)
+        if ch.many and isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+            yield from ch.fold(self._stream(gen_len, **ch.expand(**call)), logprobs)  # each candidate a row
             return
-        yield from self._stream(prompts, gen_len, sampling, keys=keys, max_new_tokens=max_new_tokens, stop=stop,
-                                logprobs=logprobs, lora=lora)
+        yield from self._stream(gen_len, **call)
 
-    def _stream(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
-                sampling: SamplingConfig | Sequence[SamplingConfig] | None, *, keys: Sequence[int] | None,
+    def _stream(self, gen_len: int | None, prompts: Sequence[PromptLike] | None,
+                sampling: SamplingConfig | Sequence[SamplingConfig] | None, keys: Sequence[int] | None,
                 max_new_tokens: Sequence[int] | None, stop: Sequence[Sequence[str]] | None,
                 logprobs: int | None, lora: LoraChoice) -> Iterator[list[Completion]]:
         self._check_open()

@@ -64,14 +64,19 @@ class Choices:
         """A per-prompt argument given per candidate row."""
         return None if xs is None else [x for x in xs for _ in range(self.best_of)]
 
-    def keys(self, keys: Sequence[int] | None, prompts: int) -> list[int]:
-        """Each candidate row's sampling key (module doc)."""
-        base = range(prompts) if keys is None else keys
-        return [int(k) * MAX_CHOICES + j for k in base for j in range(self.best_of)]
-
-    def logprobs(self, asked: int | None) -> int | None:
-        """What the call asks for: the chosen tokens' log-probabilities at least, to rank."""
-        return asked if self.best_of == self.n else max(asked or 0, 0)
+    def expand(self, prompts: Sequence[Any], sampling: Any, keys: Sequence[int] | None,
+               max_new_tokens: Sequence[int] | None, stop: Sequence[Sequence[str]] | None,
+               logprobs: int | None, lora: Any) -> dict[str, Any]:
+        """A call's per-prompt arguments per candidate row: each prompt's key k gives its
+        candidate j the key ``k * MAX_CHOICES + j`` (module doc); the call asks for the chosen
+        tokens' log-probabilities at least where it ranks."""
+        base = range(len(prompts)) if keys is None else keys
+        return dict(prompts=self.rows(prompts),
+                    sampling=self.rows(sampling) if isinstance(sampling, (list, tuple)) else sampling,
+                    keys=[int(k) * MAX_CHOICES + j for k in base for j in range(self.best_of)],
+                    max_new_tokens=self.rows(max_new_tokens), stop=self.rows(stop),
+                    logprobs=logprobs if self.best_of == self.n else max(logprobs or 0, 0),
+                    lora=self.rows(lora) if isinstance(lora, (list, tuple)) else lora)
 
     def fold(self, windows: Iterator[list[Completion]], asked: int | None) -> Iterator[list[Completion]]:
         """The rows' completions (windows in row order) as each prompt's ``n`` best, prompt

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import openai_fields as fields
-from .choices import MAX_CHOICES
+from .choices import MAX_CHOICES, Choices
 from .config import ConfigError
 from .engine.beams import BeamConfig
 from .engine.sampling import MAX_PENALTY, SamplingConfig, TokenLogprobs
@@ -268,10 +268,12 @@ def _fill_sampling(req: Request, kind: str, body: dict[str, Any], tokenizer: Any
     if req.n > MAX_N:
         raise RequestError("invalid_value", f"n {req.n}: at most {MAX_N} choices per request")
     best_of = body.get("best_of")
-    req.best_of = req.n if best_of is None else fields.integer(best_of, "best_of", 1)
-    if not req.n <= req.best_of <= MAX_N:
-        raise RequestError("invalid_value", f"best_of {req.best_of}: give n ({req.n}) to {MAX_N}: that many "
-                                            "candidates are generated and the n best returned")
+    best_of = None if best_of is None else fields.integer(best_of, "best_of", 1)
+    try:  # with greedy sampling every candidate is the greedy one: none beyond n
+        choices = Choices.of(req.n, best_of, req.sampling, req.sampling)
+    except ValueError as e:
+        raise RequestError("invalid_value", f"{e}: best_of candidates are generated and the n best returned") \
+            from None
     req.logprobs = fields.logprobs(kind, body)
     as_ids = body.get("return_tokens_as_token_ids")
     if as_ids is not None and not isinstance(as_ids, bool):
@@ -279,9 +281,8 @@ def _fill_sampling(req: Request, kind: str, body: dict[str, Any], tokenizer: Any
     req.as_ids = bool(as_ids)
     pl = body.get("prompt_logprobs")
     req.prompt_logprobs = None if pl is None else fields.alternatives(pl, "prompt_logprobs")
-    req.beams = fields.beams(body, req.best_of)  # vLLM's: best_of beams, the n best returned
-    if (req.beams is None and req.sampling.greedy) or req.max_tokens == 0:  # every candidate the same
-        req.best_of = req.n
+    req.beams = fields.beams(body, best_of or req.n)  # vLLM's: best_of beams, the n best returned
+    req.best_of = req.n if req.max_tokens == 0 else req.beams.width if req.beams is not None else choices.best_of
     if req.beams is not None:
         asks = [k for k, on in (("stop", bool(req.stop)), ("logprobs", req.logprobs is not None),
                                 ("prompt_logprobs", req.prompt_logprobs is not None), ("echo", req.echo),

@@ -53,8 +53,8 @@ def test_the_best_of_the_candidates_by_mean_logprob(tiny_models) -> None:
     assert len(_choices(out["stops"])) == 1
     greedy = out["greedy"]["response"]["body"]  # every candidate the greedy one: generated once
     assert len(greedy["choices"]) == 1 and greedy["usage"]["completion_tokens"] == T
-    assert "best_of 2: give n (3) to 128" in out["few"]["error"]["message"]
-    assert "best_of 500: give n (1) to 128" in out["many"]["error"]["message"]
+    assert "n 3, best_of 2: give 1 <= n <= best_of <= 128" in out["few"]["error"]["message"]
+    assert "n 1, best_of 500: give 1 <= n <= best_of <= 128" in out["many"]["error"]["message"]
     assert "best_of" in out["word"]["error"]["message"]
 
 
@@ -107,6 +107,8 @@ def test_the_library_gives_n_choices_of_each_prompt(tiny_models) -> None:
             llm.generate(ps, n=3, best_of=2)
         with pytest.raises(ConfigError, match="give 1 <= n <= best_of <= 128"):
             llm.generate(ps, n=0)
+        with pytest.raises(ConfigError, match="non-empty list of prompts"):
+            llm.generate("one prompt", n=2)
 
 
 def test_the_command_line_writes_each_prompts_choices(tiny_models, tmp_path: Path, capsys) -> None:
