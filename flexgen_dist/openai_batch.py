@@ -126,7 +126,7 @@ class _InOrder:
 
     def lines(self) -> list[dict[str, Any]]:
         reqs, llm, lines = self.reqs, self.llm, []
-        while self.out < len(reqs) and (not reqs[self.out].ok or len(reqs[self.out].choices) == reqs[self.out].best_of):
+        while self.out < len(reqs) and (not reqs[self.out].ok or len(reqs[self.out].choices) == reqs[self.out].candidates):
             r = reqs[self.out]
             best_choices(r)
             lines.append(output_line(r, r.adapter or llm.model.spec.name, tokenizer=llm.tokenizer))
@@ -138,9 +138,9 @@ def _drive(llm: Any, reqs: list[Request]) -> Iterator[list[dict[str, Any]]]:
     """Rank 0's calls, in the order the other ranks make them (``run_batch``): the plan, the
     prompts' scores, the embeddings, the completions; lines yielded as they are ready."""
     rows: list[tuple[Request, int]] = [(r, j) for r in reqs if r.ok and r.max_tokens > 0 and r.beams is None
-                                       for j in range(r.best_of)]
+                                       for j in range(r.candidates)]
     # one call: the most any asks (best_of's ranking needs the chosen tokens' own)
-    asked = [r.logprobs or 0 for r, _ in rows if r.logprobs is not None or r.best_of > r.n]
+    asked = [r.logprobs or 0 for r, _ in rows if r.logprobs is not None or r.candidates > r.n]
     scored = [r for r in reqs if r.prompt_alternatives is not None]
     embedded = [(r, p) for r in reqs if r.ok and r.inputs is not None for p in r.inputs]
     if rows and (scored or embedded):  # the plan is the generation's, with the scored and embedded prompts among its rows
@@ -206,7 +206,7 @@ def best_choices(r: Request) -> None:
     log-probability of their tokens (OpenAI's rule: the model's own distribution, as
     ``logprobs`` reports it; ties in candidate order), or as its beam search ranked them.
     Its usage then counts every candidate's tokens (``Request.generated``), as generated."""
-    if not r.ok or r.best_of == r.n or len(r.choices) <= r.n:
+    if not r.ok or r.candidates == r.n or len(r.choices) <= r.n:
         return
     r.generated = sum(len(c.token_ids) for c in r.choices)
     if r.beams is None:

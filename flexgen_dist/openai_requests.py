@@ -78,8 +78,8 @@ class Request:
     stop: tuple[str, ...] = ()
     n: int = 1
     # candidates generated, of which the n with the highest mean log-probability per token are
-    # returned (``best_of``; a beam search's width); n where it asks for none
-    best_of: int = 1
+    # returned (``best_of``; a beam search's width; 0: n, as for every request that asks for none)
+    best_of: int = 0
     generated: int | None = None  # tokens of every candidate (``best_choices``; None: of the choices)
     seeded: bool = False  # its own seed: its draws depend on nothing else (not its line)
     logprobs: int | None = None  # alternatives per token in its logprobs (None: no logprobs)
@@ -107,6 +107,11 @@ class Request:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def candidates(self) -> int:
+        """Results it runs for before its line is written: its ``best_of``, else its ``n``."""
+        return self.best_of or self.n
 
     @property
     def prompt_alternatives(self) -> int | None:
