@@ -509,3 +509,31 @@ def test_vllm_controls_on_the_gpu(tiny_models, gpu_device) -> None:
              progress=False) as llm:
         got = [c.token_ids for c in llm.generate(PROMPTS, gen_len=GEN, sampling=cfgs)]
     assert got == [reference(tm, p, c, GEN) for p, c in zip(PROMPTS, cfgs)]
+
+
+@pytest.mark.parametrize("placement", [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(50, 50, 0, 100, 0, 100), cpu_attention=True),  # a narrowed batch's activations in RAM
+], ids=["device", "offloaded"])
+def test_repeated_prompts_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, gpu_device) -> None:
+    """Each GPU batch's repeated prompts computed once on the device (the keys and values
+    copied to the repeats' cache rows, on the device and in RAM): transformers' tokens, and
+    the n best of best_of sampled candidates as the run that computes every row draws them."""
+    from conftest import reference_generate
+    from flexgen_dist import LLM
+    from test_twins import repeated
+
+    tm = tiny_models["llama-gqa"]
+    ps = repeated(256)
+    hot = SamplingConfig(temperature=1.0, seed=2)
+    got = {}
+    for share in (True, False):
+        with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=4, num_gpu_batches=2,
+                 share_prefix=share, ignore_eos=True, offload_dir=str(tmp_path / "off"), progress=False,
+                 **placement) as llm:
+            greedy = [c.token_ids for c in llm.generate(ps, gen_len=5)]
+            assert (llm.metrics["repeated_prompt_fraction"] > 0) == share
+            sampled = [c.token_ids for c in llm.generate(ps[:3], gen_len=5, sampling=hot, n=2, best_of=4)]
+            got[share] = (greedy, sampled)
+    assert got[True][0] == [reference_generate(tm, [p], 5)[0] for p in ps]
+    assert got[True] == got[False]

@@ -228,11 +228,17 @@ def common_opening(prompts: Sequence[Sequence[int]], minimum: int = MIN_SHARED) 
 
 def repeated_prompts(ids: Sequence[Sequence[int]], adapters: Sequence[int] | None = None) -> tuple[int, ...] | None:
     """Per request, the first request with the same prompt ids (and LoRA adapter): itself
-    where none before has them. None where no prompt repeats another."""
-    first: dict[tuple[int, ...], int] = {}
-    out = tuple(first.setdefault((-1 - (adapters[n] if adapters is not None else 0), *p), n)
-                for n, p in enumerate(ids))
-    return out if len(first) < len(out) else None
+    where none before has them. None where no prompt repeats another. The prompts are keyed by
+    their hash (a job's prompts are not copied), equal ids confirmed on a match."""
+    firsts: dict[tuple[int, int, int], list[int]] = {}  # (adapter, length, hash) -> distinct prompts' first
+    out = []
+    for n, p in enumerate(ids):
+        seen = firsts.setdefault((adapters[n] if adapters is not None else 0, len(p), hash(tuple(p))), [])
+        m = next((m for m in seen if list(ids[m]) == list(p)), None)
+        if m is None:
+            seen.append(n)
+        out.append(n if m is None else m)
+    return tuple(out) if any(m != n for n, m in enumerate(out)) else None
 
 
 def repeat_counts(twins: Sequence[int]) -> tuple[int, ...]:
