@@ -69,14 +69,22 @@ def _qwen3_moe(path: Path) -> TinyModel:
     return _model("qwen3_moe", path)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
+def attention_shapes(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]
+                     ) -> dict[str, TinyModel]:
+    """The tiny models whose attention differs: GQA, learned positions, a sliding window
+    shorter than the prompts, softcaps."""
     out = {k: tiny_models[k] for k in ("llama-gqa", "opt-pre-proj")}
     for name, build in (("mistral", _mistral), ("gemma2", _gemma2)):
         m = build().eval()
         d = tmp_path_factory.mktemp(name)
         m.save_pretrained(d)
         out[name] = TinyModel(name, d, m, 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
+    out = attention_shapes(tmp_path_factory, tiny_models)
     out["gpt_oss"] = _gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
     out["qwen3_moe"] = _qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
     out["llama4"] = _llama4(tmp_path_factory.mktemp("llama4"))

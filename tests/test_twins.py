@@ -34,14 +34,9 @@ SAVED_ROWS = 3
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
     from test_latent_cache import _model
-    from test_shared_prefix import _gemma2, _mistral
+    from test_shared_prefix import attention_shapes
 
-    out = {k: tiny_models[k] for k in ("llama-gqa", "opt-pre-proj")}
-    for name, build in (("mistral", _mistral), ("gemma2", _gemma2)):
-        m = build().eval()
-        d = tmp_path_factory.mktemp(name)
-        m.save_pretrained(d)
-        out[name] = TinyModel(name, d, m, 0)
+    out = attention_shapes(tmp_path_factory, tiny_models)
     out["deepseek_v3"] = _model("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"))  # a latent cache, experts
     return out
 
