@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeVar
+from typing import Any, Iterator, Sequence, TypeVar
 
 from .engine.sampling import SamplingConfig
-
-if TYPE_CHECKING:  # (completions imports the config, which takes MAX_CHOICES from here)
-    from .completions import Completion
 
 MAX_CHOICES = 128  # candidates per prompt at most (keys of a prompt's candidates stay apart)
 
@@ -78,13 +75,14 @@ class Choices:
                     logprobs=logprobs if self.best_of == self.n else max(logprobs or 0, 0),
                     lora=self.rows(lora) if isinstance(lora, (list, tuple)) else lora)
 
-    def fold(self, windows: Iterator[list[Completion]], asked: int | None) -> Iterator[list[Completion]]:
-        """The rows' completions (windows in row order) as each prompt's ``n`` best, prompt
+    def fold(self, windows: Iterator[list[Any]], asked: int | None) -> Iterator[list[Any]]:
+        """The rows' completions (``completions.Completion``, which this module does not import:
+        the config takes ``MAX_CHOICES`` from here) (windows in row order) as each prompt's ``n`` best, prompt
         index and choice set, logprobs dropped where the call did not ask for them; a prompt
         whose candidates straddle two windows comes with the later."""
-        held: list[Completion] = []
+        held: list[Any] = []
         for window in windows:
-            out: list[Completion] = []
+            out: list[Any] = []
             held += window
             whole = len(held) - len(held) % self.best_of
             for a in range(0, whole, self.best_of):
