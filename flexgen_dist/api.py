@@ -230,6 +230,8 @@ class LLM(PooledCalls, BeamCalls):
                     logprobs=logprobs, lora=lora)
         if ch.many and isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
             yield from ch.fold(self._stream(gen_len, **ch.expand(**call)), logprobs)  # each candidate a row
+            if self.metrics:  # rank 0's report counts rows: say how many each prompt had
+                self.metrics.update(candidates_per_prompt=ch.best_of, choices_per_prompt=ch.n)
             return
         yield from self._stream(gen_len, **call)
 

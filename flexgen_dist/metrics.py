@@ -83,8 +83,12 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
 
 
 def _prompts(metrics: dict[str, Any]) -> str:
-    k = metrics.get("beam_width")
-    return f"{metrics['num_prompts'] // k} prompts x {k} beams" if k else f"{metrics['num_prompts']} prompts"
+    """The call's prompts in words: each a row, or each its beams' or candidates' rows."""
+    for key, what in (("beam_width", "beams"), ("candidates_per_prompt", "candidates")):
+        k = metrics.get(key)
+        if k:
+            return f"{metrics['num_prompts'] // k} prompts x {k} {what}"
+    return f"{metrics['num_prompts']} prompts"
 
 
 def summary(metrics: dict[str, Any]) -> str:

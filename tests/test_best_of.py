@@ -86,6 +86,8 @@ def test_the_library_gives_n_choices_of_each_prompt(tiny_models) -> None:
         rows = llm.generate([p for p in ps for _ in range(3)], gen_len=T, sampling=HOT,
                             keys=[i * MAX_CHOICES + j for i in range(3) for j in range(3)])
         best = llm.generate(ps, gen_len=T, sampling=HOT, n=2, best_of=3)
+        assert llm.metrics["candidates_per_prompt"] == 3 and llm.metrics["choices_per_prompt"] == 2
+        assert "(3 prompts x 3 candidates," in llm.summary()
         greedy = llm.generate(ps, gen_len=T, n=2, best_of=5)
         assert llm.metrics["num_prompts"] == 6  # greedy: no candidate beyond n is drawn
     assert [(c.index, c.choice) for c in three] == [(i, j) for i in range(3) for j in range(3)]
