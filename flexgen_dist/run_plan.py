@@ -26,7 +26,7 @@ import torch
 from .budgets import Budgets, check_budgets, fits
 from .config import DEFAULT_SORT_WINDOW, ConfigError, RunConfig
 from .distributed.partition import partition_layers
-from .engine.beams import beams_refusal
+from .engine.beams import beams_refusal, one_tier_caches
 from .engine.footprint import predict_peaks
 from .engine.policy import Policy
 from .models.loader import LoadedModel
@@ -120,7 +120,33 @@ class RunPlanner:
             predicted["why"].append(Choice("gpu_batch_size", str(policies[0].gpu_batch_size),
                                            f"the planner's, rounded to a multiple of {unit} (each prompt's beams in "
                                            "one GPU batch)"))
+        if work.beams is not None and any(len(one_tier_caches(p)) > 1 for p in policies):
+            policies = self._one_tier(policies, ranges, work, unit, predicted)
         return policies, predicted, ranges
+
+    def _one_tier(self, policies: list[Policy], ranges: Ranges, work: Workload, unit: int,
+                  predicted: dict[str, Any]) -> list[Policy]:
+        """A beam search moves each GPU batch's cache rows in place, on one tier: each stage's
+        split cache on its highest tier that fits (``one_tier_caches``), the GPU batch halved
+        (whole prompts' beams) until one does; the reasons join ``predicted["why"]``."""
+        G, schedule = predicted.get("num_micro_batches", 1), predicted.get("schedule", "sequential")
+        gbs = policies[0].gpu_batch_size
+        while True:
+            sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
+            for s, p in enumerate(sized):
+                sized[s] = next((o for o in one_tier_caches(p)
+                                 if self.fits([*sized[:s], o, *sized[s + 1:]], ranges, work, G, schedule)), p)
+            if all(len(one_tier_caches(p)) == 1 for p in sized) or gbs == unit:
+                break
+            gbs = max(unit, gbs // 2 // unit * unit)
+        for s, (p, q) in enumerate(zip(policies, sized)):
+            if (p.cache_gpu_percent, p.cache_cpu_percent) != (q.cache_gpu_percent, q.cache_cpu_percent):
+                predicted["why"].append(Choice(
+                    "cache percent", f"{q.cache_gpu_percent:g} {q.cache_cpu_percent:g} (stage {s})",
+                    "the planner's split cache on its highest tier that fits"
+                    + (f" with GPU batches of {gbs}" if gbs != p.gpu_batch_size else "")
+                    + ": a beam search reorders each GPU batch's cache on one tier"))
+        return sized
 
     def _unit(self, work: Workload) -> int:
         """A GPU batch size's unit: every beam width the run will search with."""

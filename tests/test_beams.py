@@ -202,6 +202,37 @@ def test_linear_attention_states_follow_their_beams(kind: str, opts: dict, tmp_p
     same(got, [hf_beams(tm, p, 2) for p in ps])  # (this config names no EOS: 2 as a stop id)
 
 
+def test_the_planners_split_cache_is_put_on_one_tier(tiny_models, tmp_path: Path) -> None:
+    """``policy="auto"`` under a budget where the cost model splits the cache over tiers: for a
+    beam search the plan keeps it whole on the highest tier that fits (and says so), and the
+    hypotheses are transformers'."""
+    from flexgen_dist.engine.beams import one_tier_caches
+    from flexgen_dist.engine.policy import Policy
+
+    tm = tiny_models["llama-gqa"]
+    opts = dict(policy="auto", hardware=str(Path(__file__).resolve().parents[1] / "configs/hardware/cpu-2core.yaml"),
+                gpu_mem="1MB", cpu_mem="4MB", offload_dir=str(tmp_path / "off"), progress=False)
+    with LLM(str(tm.path), **opts) as llm:  # the planner's own choice for these rows: 14 % / 86 % of the cache
+        outs = llm.beam_search(PROMPTS * 4, beam_width=2, max_tokens=64)
+        p = llm.plan.stages[0].policy
+        why = [c for c in llm.plan.choices if c.name == "cache percent"]
+    assert sum(1 for t in (p.cache_gpu_percent, p.cache_cpu_percent, p.cache_disk_percent) if t) == 1
+    assert why and "a beam search reorders each GPU batch's cache on one tier" in why[0].why
+    given = dict(gpu_batch_size=p.gpu_batch_size, num_gpu_batches=p.num_gpu_batches, percent=p.percent(),
+                 cpu_attention=p.cpu_attention)
+    with LLM(str(tm.path), offload_dir=str(tmp_path / "off2"), progress=False, **given) as llm:
+        assert ours(llm.beam_search(PROMPTS * 4, beam_width=2, max_tokens=64)) == ours(outs)
+        short = ours(llm.beam_search(PROMPTS, beam_width=2, max_tokens=T))  # the placement's searches are transformers'
+    same(short, [hf_beams(tm, q, 2) for q in PROMPTS])
+    assert one_tier_caches(Policy(cache_gpu_percent=30, cache_cpu_percent=50)) == [
+        Policy(cache_gpu_percent=100, cache_cpu_percent=0), Policy(cache_gpu_percent=0, cache_cpu_percent=100),
+        Policy(cache_gpu_percent=0, cache_cpu_percent=0)]
+    assert one_tier_caches(Policy(cache_gpu_percent=0, cache_cpu_percent=40)) == [
+        Policy(cache_gpu_percent=0, cache_cpu_percent=100), Policy(cache_gpu_percent=0, cache_cpu_percent=0)]
+    assert one_tier_caches(Policy(cache_gpu_percent=0, cache_cpu_percent=100)) == [
+        Policy(cache_gpu_percent=0, cache_cpu_percent=100)]
+
+
 def test_what_a_beam_search_refuses(tiny_models) -> None:
     tm = tiny_models["llama-gqa"]
     with LLM(str(tm.path), gpu_batch_size=4, progress=False) as llm:

@@ -21,6 +21,8 @@ tensor over the batch's prompts; no Python loop runs per prompt or per step beyo
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -175,6 +177,17 @@ def beamed_rows(ids: torch.Tensor, scores: torch.Tensor) -> list[Beamed]:
         n = row.index(-1) if -1 in row else len(row)
         out.append(Beamed(row[:n], sc))
     return out
+
+
+def one_tier_caches(policy: Any) -> list[Any]:
+    """``policy`` with its cache whole on one tier (``beams_refusal``'s need), from the highest
+    tier it uses down to disk (the same policy where it is on one already)."""
+    tiers = [(100.0, 0.0), (0.0, 100.0), (0.0, 0.0)]  # (gpu %, cpu %): GPU, CPU, disk
+    shares = (policy.cache_gpu_percent, policy.cache_cpu_percent, policy.cache_disk_percent)
+    used = [t for t, share in enumerate(shares) if share > 0]
+    if len(used) <= 1:
+        return [policy]
+    return [dataclasses.replace(policy, cache_gpu_percent=g, cache_cpu_percent=c) for g, c in tiers[used[0]:]]
 
 
 def beams_refusal(policy: Any, width: int) -> str | None:
