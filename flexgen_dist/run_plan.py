@@ -191,23 +191,31 @@ class RunPlanner:
         reports what the placement needs at the least."""
         G = self.config.num_micro_batches or self.world_size
         unit = self._unit(work)  # a prompt's beams share a GPU batch
-        size = -(-default_block(work.num_prompts, G, self.device) // unit) * unit
         cap = DEFAULT_MAX_BLOCK[self.device.type]
+        # a prompt's candidates (n choices, best_of) share one too where the block allows: each
+        # batch then computes each prompt's prefill once (``engine/twins.py``)
+        same = set(work.prefix.repeats) if work.prefix is not None and work.prefix.repeats else set()
+        base = default_block(work.num_prompts, G, self.device)
+        cut = base < -(-work.num_prompts // G)  # a group's rows over several GPU batches
+        soft = math.lcm(unit, *same) if cut and len(same) == 1 and max(same) > 1 else unit
         groups = f" over {G} micro-batch groups" if G > 1 else ""
-        reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
-                  f"on a {self.device.type} device, rounded up to a multiple of {BLOCK_ROUND}")
-        for share, budgets in ((DEFAULT_BLOCK_HEADROOM, self.budgets.with_headroom(DEFAULT_BLOCK_HEADROOM)),
-                               (1.0, self.budgets)):
-            gbs = size
-            while True:
-                sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
-                if self.fits(sized, ranges, work, G, "sequential", budgets):
-                    if gbs < size:
-                        reason += f"; halved from {size} to fit {share:.0%} of the memory budgets"
-                    return sized, reason
-                if gbs == unit:
-                    break
-                gbs = max(unit, gbs // 2 // unit * unit)
+        for u in dict.fromkeys((soft if soft <= cap else unit, unit)):
+            size = -(-base // u) * u
+            reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
+                      f"on a {self.device.type} device, rounded up to a multiple of {BLOCK_ROUND}"
+                      + (f" and of {u} (each prompt's {max(same)} candidates in one GPU batch)" if u != unit else ""))
+            for share, budgets in ((DEFAULT_BLOCK_HEADROOM, self.budgets.with_headroom(DEFAULT_BLOCK_HEADROOM)),
+                                   (1.0, self.budgets)):
+                gbs = size
+                while True:
+                    sized = [dataclasses.replace(p, gpu_batch_size=gbs) for p in policies]
+                    if self.fits(sized, ranges, work, G, "sequential", budgets):
+                        if gbs < size:
+                            reason += f"; halved from {size} to fit {share:.0%} of the memory budgets"
+                        return sized, reason
+                    if gbs == u:
+                        break
+                    gbs = max(u, gbs // 2 // u * u)
         return ([dataclasses.replace(p, gpu_batch_size=unit) for p in policies],
                 "no --gpu-batch-size, and not even one row fits the memory budgets: the placement must change")
 

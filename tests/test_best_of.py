@@ -134,3 +134,19 @@ def test_the_command_line_writes_each_prompts_choices(tiny_models, tmp_path: Pat
     assert "drop --beam-width" in capsys.readouterr().err
     assert main([*args, "--overwrite", "--n", "3", "--best-of", "2"]) == 2
     assert "--n 3 --best-of 2: give 1 <= N <= M <= 128" in capsys.readouterr().err
+
+
+def test_the_default_batch_holds_whole_prompts_candidates(tiny_models) -> None:
+    """Without a GPU batch size the plan's is a multiple of the candidates per prompt, so no
+    prompt's candidates straddle two batches and each is computed once: 20 prompts x 5 are two
+    blocks of 60 (not of 56, which would cut a prompt's five apart)."""
+    tm = tiny_models["llama-gqa"]
+    ps = [PROMPTS[k % 6] + [3 + k] for k in range(20)]  # 20 different prompts
+    with LLM(str(tm.path), progress=False, ignore_eos=True) as llm:
+        llm.generate(ps, gen_len=2, sampling=HOT, n=5)
+        assert llm.plan.stages[0].policy.gpu_batch_size == 60
+        assert llm.metrics["repeated_prompt_fraction"] == pytest.approx(4 / 5)
+        assert any("each prompt's 5 candidates in one GPU batch" in c.why for c in llm.plan.choices)
+    with LLM(str(tm.path), progress=False, ignore_eos=True, gpu_batch_size=56) as llm:
+        llm.generate(ps, gen_len=2, sampling=HOT, n=5)
+        assert llm.metrics["repeated_prompt_fraction"] < 4 / 5  # a prompt cut apart: computed twice
