@@ -111,6 +111,23 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    "at start, at most OMP_NUM_THREADS); the metrics say what was chosen and why")
 
 
+def _completions_args(g: argparse._ArgumentGroup) -> None:
+    """How many completions a prompt gets: a beam search's, or n of best_of samples."""
+    g.add_argument("--beam-width", type=int, metavar="K", help="beam search with K beams per prompt (as "
+                   "transformers' num_beams); each output line is the best hypothesis, with the others under "
+                   "'beams' (--num-return-sequences of them)")
+    g.add_argument("--length-penalty", type=float, help="with --beam-width: a hypothesis' score is its summed "
+                   "log-probabilities over its length to this power (default 1)")
+    g.add_argument("--early-stopping", choices=["false", "true", "never"], help="with --beam-width: when a "
+                   "prompt's search ends (transformers' early_stopping; default false)")
+    g.add_argument("--num-return-sequences", type=int, metavar="N", help="with --beam-width: the best N "
+                   "hypotheses per prompt (default: all K)")
+    g.add_argument("--n", type=int, metavar="N", help="N sampled completions per prompt (vLLM's and OpenAI's n): "
+                   "each output line holds them under 'choices', the first also as the line's own text")
+    g.add_argument("--best-of", type=int, metavar="M", help="sample M candidates per prompt and keep the --n "
+                   "with the highest mean log-probability per token, best first (OpenAI's best_of; default N)")
+
+
 def _workload_args(g: argparse._ArgumentGroup) -> None:
     """The workload options: the prompts, the sampling and what is written."""
     g.add_argument("--prompts", help=".jsonl with {id, prompt|input_ids} per line, or .txt one per line")
@@ -137,19 +154,7 @@ def _workload_args(g: argparse._ArgumentGroup) -> None:
                    "as EOS does (kept in its tokens, left out of its text)")
     g.add_argument("--bad-words", nargs="+", metavar="WORD", help="words never generated (vLLM's bad_words: a "
                    "word's last token is banned where the newest tokens are the rest of it)")
-    g.add_argument("--beam-width", type=int, metavar="K", help="beam search with K beams per prompt (as "
-                   "transformers' num_beams); each output line is the best hypothesis, with the others under "
-                   "'beams' (--num-return-sequences of them)")
-    g.add_argument("--length-penalty", type=float, help="with --beam-width: a hypothesis' score is its summed "
-                   "log-probabilities over its length to this power (default 1)")
-    g.add_argument("--early-stopping", choices=["false", "true", "never"], help="with --beam-width: when a "
-                   "prompt's search ends (transformers' early_stopping; default false)")
-    g.add_argument("--num-return-sequences", type=int, metavar="N", help="with --beam-width: the best N "
-                   "hypotheses per prompt (default: all K)")
-    g.add_argument("--n", type=int, metavar="N", help="N sampled completions per prompt (vLLM's and OpenAI's n): "
-                   "each output line holds them under 'choices', the first also as the line's own text")
-    g.add_argument("--best-of", type=int, metavar="M", help="sample M candidates per prompt and keep the --n "
-                   "with the highest mean log-probability per token, best first (OpenAI's best_of; default N)")
+    _completions_args(g)
     g.add_argument("--logprobs", type=int, metavar="K", help="write each generated token's log-probability "
                    "under the model, and its K most likely alternatives (0-20), in each output line")
     g.add_argument("--json-schema", metavar="FILE|JSON", help="every completion is JSON matching this schema "

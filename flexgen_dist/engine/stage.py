@@ -36,7 +36,7 @@ from .prefix import chain_prefix, prefix_pass
 from .schedule import Step, sweep_steps
 from .states import StateStore
 from .streams import load_stream, ready
-from .twins import twins_at
+from .twins import Twins, twins_at
 from .weights import Slot, WeightStore, expert_of
 
 
@@ -381,7 +381,7 @@ class StageEngine:
         tw = twins_at(st, i, k, self.device)  # a prefill computing each prompt of the batch once
         if tw is not None and j == 0:
             x = tw.narrow(x)
-        w = self._lora(st, w, slot, k if tw is None else ("twins", k))
+        w = self._lora(st, w, slot, k, tw)
         pos, mrows, pos0 = self._step_inputs(st, i, k, slot[1] if slot[0] == "layer" else None)  # type: ignore[arg-type]
         if tw is not None and slot[0] != "head":
             layer = slot[1] if slot[0] == "layer" else None
@@ -418,20 +418,23 @@ class StageEngine:
             st.outputs[k - st.out_base] = y
         st.acts.put(k, y)
 
-    def _lora(self, st: BlockState, w: dict[str, Any], slot: Slot, k: int | str | tuple[str, int]) -> dict[str, Any]:
+    def _lora(self, st: BlockState, w: dict[str, Any], slot: Slot, k: int | str, tw: Twins | None = None
+              ) -> dict[str, Any]:
         """A layer's weights with its adapted matrices adding each row's LoRA adapter
         (``models/lora_rows.py``): the rows of GPU batch k, of every batch ("merged"), the
-        shared prefix's one row ("prefix") or batch k's rows a prefill computes (("twins", k)); ``w`` itself where no row has one."""
+        shared prefix's one row ("prefix"), or (``tw``) batch k's rows a prefill computes;
+        ``w`` itself where no row has one."""
         adapters = st.meta.adapters
         if adapters is None or slot[0] != "layer":
             return w
-        rows = st.lora_rows.get(k)
+        key = k if tw is None else ("twins", k)
+        rows = st.lora_rows.get(key)
         if rows is None:
             ids = [a for batch in adapters for a in batch] if k == "merged" else \
-                adapters[0][:1] if k == "prefix" else adapters[k[1]] if isinstance(k, tuple) else adapters[k]  # type: ignore[index]
-            if isinstance(k, tuple):  # the rows a prefill computes
-                ids = [ids[r] for r in sorted(set(st.meta.twins[k[1]]))]  # type: ignore[index]
-            rows = st.lora_rows[k] = LoraRows.of(ids)
+                adapters[0][:1] if k == "prefix" else adapters[k]  # type: ignore[index]
+            if tw is not None:
+                ids = [ids[r] for r in tw.reps.tolist()]
+            rows = st.lora_rows[key] = LoraRows.of(ids)
         return with_rows(w, rows)
 
     def _step_inputs(self, st: BlockState, i: int, k: int,
