@@ -28,6 +28,7 @@ from .config import DEFAULT_SORT_WINDOW, ConfigError, RunConfig
 from .distributed.partition import partition_layers
 from .engine.beams import beams_refusal, one_tier_caches
 from .engine.footprint import predict_peaks
+from .engine.held import holds_prefix
 from .engine.policy import Policy
 from .models.loader import LoadedModel
 from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
@@ -237,7 +238,9 @@ class RunPlanner:
                                       num_blocks_in_flight=blocks_in_flight,
                                       packed=self.model.source.packed_formats, num_stages=self.world_size,
                                       cuda=self.device.type == "cuda", head=work.head_load,
-                                      shared=max(work.shared or (0,))))
+                                      shared=max(work.shared or (0,)),
+                                      held=min(work.shared or (0,)) if holds_prefix(self.model.spec, policy.attn_sparsity)
+                                      else None))
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""

@@ -122,6 +122,49 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return _bmm_attend(q, k, v, mask, scale, softcap)
 
 
+def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attend_rows`` (no sparsity, softcap or sinks) and each query's log-sum-exp of its
+    scores, (R, G, t) float32: what merging it with attention over other keys takes
+    (``merge_lse``). A decode on the CPU runs the native kernel, as ``attend_rows`` does."""
+    if q.shape[2] == 1 and q.device.type == "cpu":
+        got = kernels.attention_lse(q, k, v, mask, scale)
+        if got is not None:
+            return got
+    r, g, t, d = q.shape
+    scores = _scores(q, k, scale, 0.0).masked_fill_(~mask, float("-inf")).float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.bmm(probs.reshape(r, g * t, k.shape[1]), v).view(r, g, t, d), lse
+
+
+def prefix_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every row over keys all rows share (a block's shared prefix, held once):
+    q (R, G, t, d) with row r on kv head r % kv_heads, pk/pv (kv_heads, L, d) -> the output
+    (R, G, t, d) and each query's log-sum-exp (R, G, t) float32. One product per kv head over
+    the queries of all its rows: the prefix is read once a step, not once per row."""
+    r, g, t, d = q.shape
+    kvh = pk.shape[0]
+    b = r // kvh
+    qh = q.reshape(b, kvh, g * t, d).transpose(0, 1).reshape(kvh, b * g * t, d)
+    scores = torch.bmm(qh, pk.transpose(1, 2)).mul_(scale).float()  # (kvh, b * g * t, L)
+    lse = torch.logsumexp(scores, dim=-1)
+    o = torch.bmm(torch.exp(scores - lse[..., None]).to(pv.dtype), pv)
+    return (o.view(kvh, b, g, t, d).transpose(0, 1).reshape(r, g, t, d),
+            lse.view(kvh, b, g, t).transpose(0, 1).reshape(r, g, t))
+
+
+def merge_lse(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One attention output from two over disjoint key sets, each (output, log-sum-exp): each
+    weighted by its share of the whole softmax's denominator, in float32, rounded once."""
+    (oa, la), (ob, lb) = a, b
+    m = torch.maximum(la, lb)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
+    return out.to(oa.dtype)
+
+
 def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """One query position per head with SDPA: the G query heads of a row become G queries

@@ -131,6 +131,10 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
     else:
         held = torch.arange(s + i, device=device)
         keys = valid[:, : s + i]
+        base = 0 if st.cache is None else st.cache.held
+        if base:  # a shared prefix held once (``held.py``): the cache holds positions [L, s + i),
+            # and a row's own are those past its prefix (its left padding, then L positions)
+            keys = keys[:, base:] & keys[:, :-base]
     if chunked:  # only the keys of the query's own chunk: the query's slot pos0 is its position
         # pos_ids plus the row's padding, so the chunk starts pos_ids % window slots back
         keys = keys & (held[None] >= pos0 - pos_ids % window)

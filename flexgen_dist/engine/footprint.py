@@ -190,6 +190,10 @@ class StageShape:
     head: HeadLoad = field(default_factory=lambda: HeadLoad())  # what the last stage's head holds
     state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)  # the linear layers' states (policy's)
     shared: int = 0  # the longest prefix a block's prompts share (computed once: its row's keys are held)
+    # a shared prefix held once through decode (``held.py``): its keys stay on the compute device,
+    # and each row's cache leaves out ``held`` positions (the fewest any block's rows leave out)
+    hold: bool = False
+    held: int = 0
 
 
 def stage_footprint(spec: ModelSpec, z: StageShape, packed: Packed | None = None) -> Footprint:
@@ -307,7 +311,8 @@ def _cache_rows(spec: ModelSpec, z: StageShape) -> tuple[int, int, int]:
     V (or the latent alone: ``spec.cache_tensors``) of what ``cache_positions`` says."""
     per_pos = cache_bytes_per_position(spec.head_dim, z.dtype_bytes, z.compress_cache, z.comp_bits,
                                        z.comp_group_size)
-    held = sum(cache_positions(spec, z.first_layer, z.num_layers, z.prompt_len + z.gen_len))
+    per_layer = cache_positions(spec, z.first_layer, z.num_layers, z.prompt_len + z.gen_len)
+    held = sum(max(0, n - z.held) if n else 0 for n in per_layer) if z.hold else sum(per_layer)
     return (z.gpu_batch_size * spec.num_kv_heads, spec.cache_tensors * held * per_pos,
             z.num_gpu_batches * z.blocks_in_flight)
 
@@ -347,6 +352,10 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     if z.shared:  # a shared prefix's keys and values, each layer's until the block's last batch has
         # used them (every layer of the stage, with a prefill item per GPU batch), and its row's states
         W[0, 0, 9] += z.shared * (seq_cache * z.num_layers + 2 * h * e)
+        if z.hold:  # every layer's held copy (kv heads first) through decode; at the prefill, one
+            # layer's beside the prefix's own keys (each layer's leave when its copy is made)
+            W[0, 0, 9] += z.shared * seq_cache
+            W[1, 0, 9] += z.shared * seq_cache * z.num_layers
     if z.cpu_attention:  # q goes to the cache and the output comes back; scores on the host
         W[1, 0, [4, 5]] += 2 * b * (q + 2 * kv) * e
         W[1, host, 9] += b * nh * held * 4 + 2 * b * q * 4
@@ -384,9 +393,12 @@ def _head_bytes(spec: ModelSpec, z: StageShape, ph: int) -> float:
 def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, has_embed: bool,
                   has_head: bool, prompt_len: int, gen_len: int, dtype_bytes: int,
                   num_blocks_in_flight: int = 1, packed: Packed | None = None, num_stages: int = 1,
-                  cuda: bool = False, head: HeadLoad | None = None, shared: int = 0) -> dict[str, int]:
+                  cuda: bool = False, head: HeadLoad | None = None, shared: int = 0,
+                  held: int | None = None) -> dict[str, int]:
     """Peak bytes per tier of a stage under ``policy`` (the larger of prefill and decode),
-    which a run checks against its budgets before anything is allocated."""
+    which a run checks against its budgets before anything is allocated. ``held``: a shared
+    prefix is held once through decode, and every row's cache leaves out at least that many
+    positions (None: prefixes are not held)."""
     z = StageShape(num_layers=layers[1] - layers[0], has_embed=has_embed, has_head=has_head,
                    prompt_len=prompt_len, gen_len=gen_len, dtype_bytes=dtype_bytes,
                    gpu_batch_size=policy.gpu_batch_size, num_gpu_batches=policy.num_gpu_batches,
@@ -394,7 +406,8 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
                    num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad(),
-                   state_fractions=policy.fractions("state"), shared=shared)
+                   state_fractions=policy.fractions("state"), shared=shared, hold=held is not None and shared > 0,
+                   held=held or 0)
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)
     return {t: int(np.ceil(pk[i] - 1e-6)) for i, t in enumerate(TIERS)}

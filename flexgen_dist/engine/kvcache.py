@@ -20,6 +20,10 @@ positions, so a larger one would only store padding.
 With ``shared`` the values are the keys (latent attention: DeepSeek-V3 caches one latent per
 token and attends it as both), so a chunk stores K alone and its V is the same tensor: half
 the memory, half the disk traffic, one write and one expansion per step.
+
+With ``held`` = L (a block's shared prefix held once, ``held.py``) a row keeps positions
+[L, max_len) only, at slots [0, max_len - L), and decode merges each chunk's attention with the
+prefix's (``HeldPrefix.attend``).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ import torch
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor, dequantize, empty_qtensor, qtensor_layout, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between
-from .attention import attend_rows, merge_partial, to_rows
+from .attention import attend_rows, attend_rows_lse, merge_partial, to_rows
+from .held import HeldPrefix
 
 
 def split_rows(rows: int, fractions: tuple[float, float, float]) -> list[tuple[Tier, int, int]]:
@@ -71,17 +76,19 @@ class Chunk:
     k: Stored  # (rows, cap, d) in RAM / on device, (cap, rows, d) on disk; QTensor when compressed
     v: Stored  # k itself where the values are the keys (``BlockCache.shared``)
     cap: int  # positions held: the block's length, or a sliding layer's window (a ring)
+    base: int = 0  # the first position held (a shared prefix held once, ``held.py``, is not)
     staged: tuple[Stored, Stored] | None = None  # disk: slots [0, p] in RAM
     pending: list[tuple[int, Stored, Stored]] = field(default_factory=list)  # disk: (slot0, k, v) to write
     futures: list[Future] = field(default_factory=list)
 
     def slot(self, pos: int) -> int:
-        """Where position ``pos`` lives: itself, or its place in the ring of a sliding layer."""
-        return pos % self.cap
+        """Where position ``pos`` lives: itself (less ``base``), or its place in the ring of a
+        sliding layer."""
+        return (pos - self.base) % self.cap
 
     def held(self, length: int) -> int:
         """How many slots hold positions once [0, length) were written."""
-        return min(length, self.cap)
+        return max(0, min(length - self.base, self.cap))
 
 
 def ring_pieces(s: int, cap: int) -> list[tuple[int, int, int]]:
@@ -106,13 +113,19 @@ class BlockCache:
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
                  cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
                  group_size: int = 64, windows: dict[int, int] | None = None,
-                 shared: bool = False) -> None:
+                 shared: bool = False, held: int = 0) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
         self.shared = shared
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
         self.cpu_attention = cpu_attention
         self.compress, self.bits = compress, bits
         self.group_size = cache_group_size(head_dim, group_size)
+        self.held = held
+        # where a disk chunk's staged copy is counted: host RAM beside a GPU, else the compute
+        # tier's memory (the footprint's ``W[1, 0, 5]`` on a CPU device)
+        self._host_tier = Tier.CPU if device.type == "cuda" else Tier.GPU
+        self.prefix = HeldPrefix(held, device, dtype, tracker, (bits, self.group_size) if compress else None) \
+            if held else None
         self._disk_store = disk
         self.chunks: dict[tuple[int, int], list[Chunk]] = {}
         self._bytes: list[tuple[Tier, int]] = []
@@ -124,6 +137,9 @@ class BlockCache:
         self._perm: dict[tuple[int, int], torch.Tensor] = {}
         for j in layers:
             cap = min(max_len, (windows or {}).get(j) or max_len)
+            if held and cap < max_len:
+                raise ValueError("a shared prefix is held once only where every layer attends to all positions")
+            cap -= held
             splits = [split_rows(b * kv_heads, fractions) for b in batch_sizes]
             # one buffer per in-memory tier for every GPU batch of the layer, each batch's
             # chunk a slice of it in batch order (a slice of rows is laid out as a buffer of
@@ -141,7 +157,7 @@ class BlockCache:
                     buf, a = bufs[tier], at[tier]
                     at[tier] += r1 - r0
                     k, v = _kv(buf.k, buf.v, lambda x: _positions(x, a, a + r1 - r0, 0))
-                    parts.append(Chunk(tier, r0, r1, k, v, cap))
+                    parts.append(Chunk(tier, r0, r1, k, v, cap, held))
                 self.chunks[(j, kb)] = parts
             if len(bufs) == 1 and all(len(sp) == 1 and sp[0][0] != Tier.DISK for sp in splits):
                 self._whole[j] = next(iter(bufs.values()))
@@ -164,7 +180,7 @@ class BlockCache:
         nbytes = int(k.nbytes + (0 if v is k else v.nbytes))
         self.tracker.add(tier, nbytes)
         self._bytes.append((tier, nbytes))
-        return Chunk(tier, r0, r1, k, v, cap)
+        return Chunk(tier, r0, r1, k, v, cap, self.held)
 
     def _empty(self, shape: tuple[int, ...], device: torch.device, pin: bool = False) -> Stored:
         if self.compress:
@@ -196,6 +212,8 @@ class BlockCache:
         return j not in self._off_device
 
     def free(self) -> None:
+        if self.prefix is not None:
+            self.prefix.free()
         for buf in self._scratch.values():
             self.tracker.sub(Tier.GPU, buf.nbytes)
         self._scratch.clear()
@@ -251,7 +269,7 @@ class BlockCache:
             shape = (ch.held(length + 1), ch.r1 - ch.r0, self.head_dim)
             kbuf = self._empty(shape, torch.device("cpu"))
             vbuf = kbuf if self.shared else self._empty(shape, torch.device("cpu"))
-            self.tracker.add(Tier.CPU, _staged_nbytes((kbuf, vbuf)))
+            self.tracker.add(self._host_tier, _staged_nbytes((kbuf, vbuf)))
             ch.staged = (kbuf, vbuf)
             n = ch.held(length)
             ch.futures = [p.store.submit_read(p, out=b[:n], rows=(0, n))
@@ -269,7 +287,7 @@ class BlockCache:
                              for p, s in zip(_parts(dst), _parts(src))]
             ch.pending = []
             if ch.staged is not None:
-                self.tracker.sub(Tier.CPU, _staged_nbytes(ch.staged))
+                self.tracker.sub(self._host_tier, _staged_nbytes(ch.staged))
                 ch.staged = None
         return futs
 
@@ -283,7 +301,10 @@ class BlockCache:
         chunk at positions [0, s) (a ring: the last ``cap`` of them, at their slots).
 
         Uncompressed, each chunk's rows are gathered straight from that layout into the cache
-        (one copy, not a row-major copy first and then the cache write)."""
+        (one copy, not a row-major copy first and then the cache write). A held prefix's
+        positions are not stored."""
+        if self.held:
+            k_new, v_new = k_new[:, self.held:], v_new[:, self.held:]
         s = k_new.shape[1]
         if self.compress:  # quantization works on rows
             k_rows = to_rows(k_new)
@@ -324,6 +345,8 @@ class BlockCache:
         outs = [(ch.r0, ch.r1, self._attend_chunk(ch, q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks,
                                                   perm))
                 for ch in self.chunks[(j, kb)]]
+        if self.prefix is not None:
+            return self.prefix.attend(j, q, outs, _scale(scale, q))
         return merge_partial(outs, q.shape[0], self.device)
 
     def whole_layer(self, j: int) -> bool:
@@ -340,14 +363,17 @@ class BlockCache:
         batches' rows in batch order."""
         out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks,
                                  self._whole_perm(j))
+        if self.prefix is not None:
+            return self.prefix.attend(j, q, [(0, q.shape[0], out)], _scale(scale, q))
         return out.to(self.device, non_blocking=True)
 
     def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       mask: torch.Tensor, pos0: int, sparsity: float, scale: float | None,
                       softcap: float, sinks: torch.Tensor | None = None,
-                      perm: torch.Tensor | None = None) -> torch.Tensor:
+                      perm: torch.Tensor | None = None) -> Any:
         """Write the chunk's rows of k_new/v_new at pos0 and attend its rows where it lives
-        (``perm``: the rows' new order first, ``reorder``)."""
+        (``perm``: the rows' new order first, ``reorder``); with a held prefix, the output and
+        its log-sum-exps (``attend_rows_lse``)."""
         length = pos0 + k_new.shape[1]
         kn, vn = k_new[ch.r0:ch.r1], v_new[ch.r0:ch.r1]
         qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
@@ -359,6 +385,8 @@ class BlockCache:
             qr, m = qr.to(dev), m.to(dev)
         kd = self._expand(kc, dev, pos_major, "k")
         vd = kd if vc is kc else self._expand(vc, dev, pos_major, "v")
+        if self.prefix is not None:
+            return attend_rows_lse(qr, kd, vd, m, _scale(scale, q))
         return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
@@ -480,3 +508,7 @@ def _dense(x: Stored, device: torch.device, pos_major: bool) -> torch.Tensor:
 def _host(x: Stored) -> Stored:
     """A CPU copy that an async disk write can own."""
     return x.to("cpu") if isinstance(x, QTensor) else x.contiguous().cpu()
+
+
+def _scale(scale: float | None, q: torch.Tensor) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale

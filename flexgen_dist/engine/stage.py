@@ -30,6 +30,7 @@ from .activations import ActStore
 from .attend import attend_fn, attend_layer_fn
 from .block_state import BlockState, merged_positions, recurrent, step_inputs, step_targets
 from .blocks import BlockMeta
+from .held import holds_prefix
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
 from .prefix import chain_prefix, prefix_pass
@@ -139,7 +140,8 @@ class StageEngine:
                                compress=self.policy.compress_cache, bits=self.policy.comp_bits,
                                group_size=self.policy.comp_group_size,
                                windows={j: self.spec.window(j) for j in self.layers},
-                               shared=self.spec.cache_tensors == 1)
+                               shared=self.spec.cache_tensors == 1,
+                               held=meta.shared if holds_prefix(self.spec, self.policy.attn_sparsity) else 0)
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []
@@ -410,8 +412,11 @@ class StageEngine:
         else:
             attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0, tw)  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
-            if i == 0 and k == num_gb - 1 and not st.meta.keep:  # every batch has used the prefix's keys
-                st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
+            if i == 0 and k == num_gb - 1:  # every batch has used the prefix's keys
+                if st.cache is not None and st.cache.prefix is not None:  # decode attends to them too
+                    st.cache.prefix.hold(slot[1], *st.prefix_kv[slot[1]])  # type: ignore[index]
+                if not st.meta.keep:
+                    st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
         if tw is not None and slot[0] != "head" and j == len(self.slots) - 1:  # the stage's rows leave whole
             y = tw.widen(y)
         if slot[0] != "head" and j == len(self.slots) - 1:

@@ -123,7 +123,7 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_f32.restype = None
     lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
-                                 ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+                                 ctypes.c_float, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_attention.restype = None
     lib.fg_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_rms_norm.restype = None
@@ -226,6 +226,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     bool -> (R, G, 1, d); or None where the kernel does not apply (no library, another dtype,
     device or layout, head_dim not a multiple of the vector width). ``sinks`` (R, G): a logit
     per query head joining each softmax's denominator (gpt-oss)."""
+    got = _attention(q, k, v, mask, scale, sinks, False)
+    return None if got is None else got[0]
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``attention`` and each query head's log-sum-exp of its scores, (R, G, 1) float32: what
+    merging it with attention over other keys takes (``attention.merge_lse``)."""
+    return _attention(q, k, v, mask, scale, None, True)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               sinks: torch.Tensor | None, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     lib = library()
     if lib is None:
         return None
@@ -238,14 +251,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             or k.shape[0] != r or any(x.stride(2) != 1 for x in (k, v))):
         return None
     out = torch.empty((r, g, 1, d), dtype=dt)
+    lse = torch.empty((r, g, 1), dtype=torch.float32) if with_lse else None
     if sinks is not None:
         sinks = sinks.to("cpu", torch.float32).contiguous()
         if sinks.shape != (r, g):
             return None
     lib.fg_attention(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
                      v.stride(1), L, mask.data_ptr(), mask.stride(0), None if sinks is None else sinks.data_ptr(),
-                     scale, out.data_ptr(), _DT[dt], torch.get_num_threads())
-    return out
+                     scale, out.data_ptr(), None if lse is None else lse.data_ptr(), _DT[dt],
+                     torch.get_num_threads())
+    return out, lse
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -121,11 +121,13 @@ extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx,
 // ldv, ldvl), positions [0, L) (a row-major chunk has ldl = d, a position-major staged disk
 // chunk ldl = rows * d); mask (R, L) with row stride ldm (nonzero = visible; every row must
 // see at least one position). d must be a multiple of the vector width. sinks (R, G) float32,
-// or null: a logit per query head that joins the softmax's denominator only (gpt-oss).
+// or null: a logit per query head that joins the softmax's denominator only (gpt-oss). lse
+// (R, G) float32, or null: each query head's log-sum-exp of its scores (the sink's included),
+// for merging with attention over other keys (a shared prefix held once).
 template <int DT>
 static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
                       const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
-                      const float* sinks, float scale, void* out, int nthreads) {
+                      const float* sinks, float scale, void* out, float* lse, int nthreads) {
     const int esz = DT == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -166,7 +168,9 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void
                     vstore(sg + l, e);
                     sv = sv + e;
                 }
-                vf inv = _set1(1.f / (hsum(sv) + (sinks ? expf(sink - m) : 0.f)));
+                const float sum = hsum(sv) + (sinks ? expf(sink - m) : 0.f);
+                if (lse) lse[r * G + g] = m + logf(sum);
+                vf inv = _set1(1.f / sum);
                 for (int64_t l = 0; l < Lp; l += VW) vstore(sg + l, vload(sg + l) * inv);
             }
             // out = p v, reading each position of v once, in order (G * d sums in L1)
@@ -299,12 +303,12 @@ extern "C" {
 // fg_attention for a dtype code dt (0 float32, 1 bfloat16, 2 float16); see attention above.
 void fg_attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
                   const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
-                  const float* sinks, float scale, void* out, int dt, int nthreads) {
+                  const float* sinks, float scale, void* out, float* lse, int dt, int nthreads) {
     if (dt == DT_BF16)
-        attention<DT_BF16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
+        attention<DT_BF16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, lse, nthreads);
     else if (dt == DT_F16)
-        attention<DT_F16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
-    else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, nthreads);
+        attention<DT_F16>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, lse, nthreads);
+    else attention<DT_F32>(q, R, G, d, k, ldk, ldl, v, ldv, ldvl, L, mask, ldm, sinks, scale, out, lse, nthreads);
 }
 
 // The elementwise kernels for a dtype code dt (0 float32, 1 bfloat16, 2 float16), as

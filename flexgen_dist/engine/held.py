@@ -1,0 +1,87 @@
+"""A block's shared prefix held once for its decode, not in every row of its cache.
+
+Where every prompt of a block opens with the same L tokens (``blocks.shared_prefixes``), each
+row's cache would hold L positions of keys and values that are the same in every row. With
+the prefix held (``BlockCache(held=L)``), a row's cache keeps only its positions from L on,
+and each layer keeps the prefix's keys and values once, on the compute device, from the
+prefill's prefix pass (``hold``). A decode step attends in two parts (cascade attention): the
+prefix, with one product per kv head over the queries of every row of the GPU batch
+(``attention.prefix_attention``: the prefix read once a step, as a matrix product, where row
+by row it would be read once per row), and each chunk of rows over its own positions where
+the chunk lives (``attention.attend_rows_lse``); the two merge by their log-sum-exps
+(``attention.merge_lse``). The row's own keys before L (its prefix's place after its left
+padding) are masked (``block_state.step_inputs``).
+
+The cache of a block shrinks by L positions a row, and every decode step reads that much less
+of it (from RAM, or from disk). With a compressed cache the held prefix is quantized and
+expanded once, so attention sees the values a row's cache would have held.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..memory.quant import dequantize, quantize
+from ..memory.tiers import MemoryTracker, Tier
+from ..models.spec import ModelSpec
+from .attention import merge_lse, prefix_attention
+
+
+def holds_prefix(spec: ModelSpec, sparsity: float) -> bool:
+    """Whether a block's shared prefix can be held once at decode for this model and policy:
+    every layer attends to all positions (a sliding or chunked layer's ring would drop the
+    prefix's positions as the sequence grows), with no softcap or sinks, and attention reads
+    every key (top-k sparsity picks over all of a row's keys at once)."""
+    return (sparsity >= 1.0 and spec.attn_softcap == 0 and not spec.attn_sinks
+            and not any(spec.window(j) for j in range(spec.num_layers)))
+
+
+class HeldPrefix:
+    """Each layer's keys and values of a block's shared prefix, (kv_heads, L, d) on the
+    compute device, from the end of the block's prefill there to the end of the block."""
+
+    def __init__(self, length: int, device: torch.device, dtype: torch.dtype, tracker: MemoryTracker,
+                 compress: tuple[int, int] | None = None) -> None:
+        self.length, self.device, self.dtype, self.tracker = length, device, dtype, tracker
+        self.compress = compress  # (bits, group size) of a compressed cache
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bytes = 0
+
+    def hold(self, j: int, pk: torch.Tensor, pv: torch.Tensor) -> None:
+        """Keep layer j's prefix: ``pk``/``pv`` (1, L', kv_heads, d) as the prefix pass made
+        them (L' >= L: a prefix kept from an earlier block, whose first L are this one's)."""
+        if j in self.kv:
+            return
+        kv = tuple(self._form(x) for x in (pk, pv))
+        self.kv[j] = kv  # type: ignore[assignment]
+        n = sum(x.nbytes for x in kv)
+        self.tracker.add(Tier.GPU, n)
+        self._bytes += n
+
+    def _form(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[0, :self.length].transpose(0, 1).to(self.device, self.dtype)
+        if self.compress is not None:  # the values a compressed row would have held
+            bits, group = self.compress
+            return dequantize(quantize(x, bits, group, dim=-1))
+        return x.contiguous()
+
+    def attend(self, j: int, q: torch.Tensor, parts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]],
+               scale: float) -> torch.Tensor:
+        """Layer j's decode output for the rows of ``q`` (R, G, 1, d): the prefix's part for all
+        rows at once, merged with each chunk's [(first row, end row, (output, log-sum-exp))]."""
+        if j not in self.kv:
+            raise RuntimeError(f"layer {j} decodes before the block's prefill left its shared prefix: "
+                               "a block's GPU batches must all finish their prefill on a stage before its decode")
+        pk, pv = self.kv[j]
+        op, lp = prefix_attention(q, pk, pv, scale)
+        if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == q.shape[0]:
+            o, lse = parts[0][2]
+            return merge_lse((op, lp), (o.to(self.device), lse.to(self.device)))
+        out = torch.empty_like(op)
+        for r0, r1, (o, lse) in parts:
+            out[r0:r1] = merge_lse((op[r0:r1], lp[r0:r1]), (o.to(self.device), lse.to(self.device)))
+        return out
+
+    def free(self) -> None:
+        self.tracker.sub(Tier.GPU, self._bytes)
+        self._bytes = 0
+        self.kv.clear()
