@@ -10,6 +10,7 @@ from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
 from .engine.blocks import PrefixShape
+from .engine.held import holds_prefix
 from .engine.bans import bad_word_ids
 from .engine.beams import BeamConfig
 from .engine.prefix import longest_sharing, shares_prefix
@@ -82,7 +83,8 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     adapters = adapter_indices(lora, len(ps), served)
     mixed = adapters is not None and len(set(adapters)) > 1  # no keys shared across adapters: one opening each
     prefix = PrefixShape.of_prompts([[-1 - a, *p.ids] if mixed else p.ids for p, a in
-                                     zip(ps, adapters or [0] * len(ps))], longest_sharing(spec)) \
+                                     zip(ps, adapters or [0] * len(ps))], longest_sharing(spec),
+                                    holds_prefix(spec, 1.0 if cfg.attn_sparsity is None else cfg.attn_sparsity)) \
         if cfg.share_prefix and not scoring and shares_prefix(spec) else None
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]

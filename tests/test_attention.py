@@ -138,7 +138,7 @@ def test_top_k_sparse_attention() -> None:
 def test_copy_rows_gathers_cache_rows_from_the_projection_layout(r0: int, r1: int, pos_major: bool) -> None:
     """Prefill writes k/v (b, t, kvh, d) straight into a chunk's rows [r0, r1), which may
     split a sequence's kv heads, in a row-major cache view or a position-major buffer."""
-    from flexgen_dist.engine.kvcache import copy_rows
+    from flexgen_dist.engine.cache_layout import copy_rows
 
     src = torch.randn(3, 5, 4, 2)  # 3 sequences x 4 kv heads = 12 rows
     n = r1 - r0

@@ -107,14 +107,14 @@ def test_a_reorder_moves_every_held_position_of_each_row(tier: str, compress: bo
     """``BlockCache.reorder`` then a decode write: row r holds what row perm[r] held (its
     compressed groups whole), the new position written after; the rows move a few positions
     at a time (a bounded temporary)."""
-    from flexgen_dist.engine import kvcache
+    from flexgen_dist.engine import cache_layout
     from flexgen_dist.engine.kvcache import BlockCache
     from flexgen_dist.memory.disk import DiskStore
     from flexgen_dist.memory.quant import dequantize
     from flexgen_dist.memory.tiers import MemoryTracker
 
     b, kvh, d, s = 4, 2, 16, 5
-    monkeypatch.setattr(kvcache, "PERMUTE_BYTES", 2 * b * kvh * d)  # two positions' rows a piece (dense)
+    monkeypatch.setattr(cache_layout, "PERMUTE_BYTES", 2 * b * kvh * d)  # two positions' rows a piece (dense)
     fractions = {"gpu": (1.0, 0.0, 0.0), "cpu": (0.0, 1.0, 0.0), "disk": (0.0, 0.0, 1.0)}[tier]
     disk = DiskStore(str(tmp_path)) if tier == "disk" else None
     cache = BlockCache([0], [b], kvh, s + 2, d, fractions, torch.device("cpu"), torch.float32, MemoryTracker(), disk,

@@ -64,7 +64,8 @@ def test_prefix_and_rows_merge_to_attention_over_both(dtype: torch.dtype, split:
     want = attend_rows(q.float(), full_k.float(), full_v.float(), full_mask, scale=0.3)
     pre = prefix_attention(q, pk, pv, 0.3)
     bounds = [(0, b * kvh)] if split is None else [(0, split), (split, b * kvh)]
-    got = torch.cat([merge_lse((pre[0][a:z], pre[1][a:z]), attend_rows_lse(q[a:z], k[a:z], v[a:z], mask[a:z], 0.3))
+    got = torch.cat([merge_lse((pre[0][a:z], pre[1][a:z]), attend_rows_lse(q[a:z], k[a:z], v[a:z], mask[a:z], 0.3),
+                               dtype)
                      for a, z in bounds])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
@@ -172,3 +173,34 @@ def test_the_footprint_leaves_the_held_positions_out(models: dict) -> None:
     per_pos = spec.num_kv_heads * spec.head_dim * 4 * 2 * spec.num_layers  # K and V of every layer
     assert plain["cpu"] - held["cpu"] == 8 * 4 * 40 * per_pos  # every row: 40 positions fewer
     assert none["cpu"] == plain["cpu"] and held["gpu"] > plain["gpu"]  # the held copies on the device
+
+
+def test_the_cost_model_reads_each_row_without_its_prefix(models: dict) -> None:
+    """The planner's decode reads each row's cache less its block's prefix where the model
+    holds it (``PrefixShape.held_positions``); not where a window keeps every row's copy."""
+    from flexgen_dist.config import RunConfig
+    from flexgen_dist.planner.hardware import load_hardware_stages
+    from flexgen_dist.planner.terms import WorkShape, stage_sizes
+    from flexgen_dist.workloads import build_workload
+
+    from conftest import REPO
+
+    hw = load_hardware_stages(str(REPO / "configs/hardware/cpu-2core.yaml"))[0]
+    ps = prompts(256)  # 6 prompts, 24 tokens in common
+    for name, holds in (("llama-gqa", True), ("mistral", False)):
+        with LLM(str(models[name].path), progress=False) as llm:
+            spec, tok = llm.model.spec, llm.tokenizer
+        shape = build_workload(ps, GEN, None, RunConfig(), spec, tok).prefix
+        assert shape is not None and shape.held == holds
+        assert shape.held_positions(6) == (5 * 24 / 6 if holds else 0)
+        s = max(len(p) for p in ps)
+        sizes = {p is None: stage_sizes(spec, spec.num_layers, hw, WorkShape(s, GEN, 4, prefix=p), gpu_batch_size=6,
+                                        num_gpu_batches=1, cpu_attention=True, has_embed=True, has_head=True)
+                 for p in (shape, None)}
+        if holds:
+            assert sizes[False].c_avg < sizes[True].c_avg and sizes[False].c_pre < sizes[True].c_pre
+        else:
+            assert sizes[False].c_avg == sizes[True].c_avg
+        if holds:  # top-k attention keeps every row's copy
+            off = build_workload(ps, GEN, None, RunConfig(attn_sparsity=0.5), spec, tok).prefix
+            assert off is not None and not off.held

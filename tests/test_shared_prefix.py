@@ -374,4 +374,5 @@ def test_the_planner_expects_what_the_prefixes_save(models: dict, tmp_path: Path
                         "--shared-prefix", str(shared), "--json", str(out)]) == 0
         pred[shared] = json.loads(out.read_text())[0]["predicted"]
     assert pred[448]["prefill_throughput"] > 3 * pred[0]["prefill_throughput"]
-    assert pred[448]["decode_throughput"] == pytest.approx(pred[0]["decode_throughput"])
+    # OPT holds the prefix once through decode (``engine/held.py``): each step reads each row's cache less it
+    assert pred[448]["decode_throughput"] > 1.5 * pred[0]["decode_throughput"]

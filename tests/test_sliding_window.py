@@ -11,7 +11,8 @@ import torch
 
 from conftest import PROMPTS, TinyModel, reference_generate
 from flexgen_dist import LLM
-from flexgen_dist.engine.kvcache import BlockCache, ring_pieces
+from flexgen_dist.engine.cache_layout import ring_pieces
+from flexgen_dist.engine.kvcache import BlockCache
 from flexgen_dist.memory.tiers import MemoryTracker
 
 WINDOW = 8

@@ -9,6 +9,9 @@ bfloat16 with 4-bit weights, ``--compress-weight``), the same model is loaded tw
 shared prefixes (the default) and with ``--no-share-prefix``, and the two run alternately
 ``--rounds`` times; reports the medians of prefill time, prefill throughput and total time,
 ``shared_prefix_fraction``, and whether the two gave the same tokens. Reports, never asserts.
+The shared run also holds the prefix once through decode (``engine/held.py``): its decode
+time beside the unshared one's is what that saves (``decode_speedup``; ``--percent`` places
+the cache, e.g. in RAM with the CPU attending, as on a GPU host).
 
 ``--tasks K`` mixes K such workloads, each with its own prefix, interleaved in the input
 (request n is task n mod K): blocks cut by length alone would mix the tasks, so what is saved
@@ -85,6 +88,8 @@ def run_variant(model: str | None, opts: dict[str, Any], prompts: list[list[int]
         out["same_tokens"] = tokens[True] == tokens[False]
     out["prefill_speedup"] = out["unshared"]["prefill_time_s"] / out["shared"]["prefill_time_s"]
     out["total_speedup"] = out["unshared"]["total_time_s"] / out["shared"]["total_time_s"]
+    # decode: each row's cache without its prefix, the prefix attended once per kv head (``engine/held.py``)
+    out["decode_speedup"] = out["unshared"]["decode_time_s"] / out["shared"]["decode_time_s"]
     return out
 
 
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-batch-size", type=int, default=16)
     ap.add_argument("--num-gpu-batches", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--percent", type=float, nargs=6, default=None, metavar="P",
+                    help="placement: weights, cache, activations on the compute device and in RAM (as the CLI's)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--hardware", default=None, help="a hardware profile (a YAML file, or 'auto': this "
                     "machine's cached one): the planner's predicted prefill beside each measured one")
@@ -114,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats {a.repeats}: give a divisor of --prompts {a.prompts}")
     prompts = [p for p in workload(a.prompts // a.repeats, a.prefix, a.tail, vocab, tasks=a.tasks)
                for _ in range(a.repeats)]
-    block = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
+    block: dict[str, Any] = dict(gpu_batch_size=a.gpu_batch_size, num_gpu_batches=a.num_gpu_batches)
+    if a.percent is not None:
+        block["percent"] = tuple(a.percent)
     results = {"machine": machine(), "model": a.model or "(bundled)", "prompts": a.prompts, "prefix": a.prefix,
                "tasks": a.tasks, "repeats": a.repeats, "score": a.score,
                "tail": a.tail, "gen_len": a.gen_len, "rounds": a.rounds, **block, "variants": {}}
@@ -125,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         s, u = r["shared"], r["unshared"]
         print(f"{name:>14}: prefill {u['prefill_time_s']:.2f} -> {s['prefill_time_s']:.2f} s "
               f"({r['prefill_speedup']:.2f}x), total {u['total_time_s']:.2f} -> {s['total_time_s']:.2f} s "
-              f"({r['total_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % and repeated "
+              f"({r['total_speedup']:.2f}x), decode {u['decode_time_s']:.2f} -> {s['decode_time_s']:.2f} s "
+              f"({r['decode_speedup']:.2f}x), shared {100 * s['shared_prefix_fraction']:.0f} % and repeated "
               f"{100 * s['repeated_prompt_fraction']:.0f} % of the prompt positions, same tokens: {r['same_tokens']}",
               file=sys.stderr)
         if "predicted_prefill_s" in s:

@@ -13,7 +13,7 @@ import torch
 
 from ..memory.disk import DiskStore
 from ..memory.tiers import MemoryTracker, Tier, copy_between, host_empty
-from .kvcache import split_rows
+from .cache_layout import split_rows
 
 
 class ActStore:

@@ -142,27 +142,29 @@ def prefix_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every row over keys all rows share (a block's shared prefix, held once):
     q (R, G, t, d) with row r on kv head r % kv_heads, pk/pv (kv_heads, L, d) -> the output
-    (R, G, t, d) and each query's log-sum-exp (R, G, t) float32. One product per kv head over
-    the queries of all its rows: the prefix is read once a step, not once per row."""
+    (R, G, t, d) float32 and each query's log-sum-exp (R, G, t) float32. One product per kv head over
+    the queries of all its rows: the prefix is read once a step, not once per row. In float32
+    whatever the dtype, as the native decode kernel computes (the prefix is one row's keys)."""
     r, g, t, d = q.shape
     kvh = pk.shape[0]
     b = r // kvh
-    qh = q.reshape(b, kvh, g * t, d).transpose(0, 1).reshape(kvh, b * g * t, d)
-    scores = torch.bmm(qh, pk.transpose(1, 2)).mul_(scale).float()  # (kvh, b * g * t, L)
+    qh = q.reshape(b, kvh, g * t, d).transpose(0, 1).reshape(kvh, b * g * t, d).float()
+    scores = torch.bmm(qh, pk.float().transpose(1, 2)).mul_(scale)  # (kvh, b * g * t, L)
     lse = torch.logsumexp(scores, dim=-1)
-    o = torch.bmm(torch.exp(scores - lse[..., None]).to(pv.dtype), pv)
+    o = torch.bmm(scores.sub_(lse[..., None]).exp_(), pv.float())
     return (o.view(kvh, b, g, t, d).transpose(0, 1).reshape(r, g, t, d),
             lse.view(kvh, b, g, t).transpose(0, 1).reshape(r, g, t))
 
 
-def merge_lse(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def merge_lse(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+              dtype: torch.dtype) -> torch.Tensor:
     """One attention output from two over disjoint key sets, each (output, log-sum-exp): each
-    weighted by its share of the whole softmax's denominator, in float32, rounded once."""
+    weighted by its share of the whole softmax's denominator, in float32, rounded once to ``dtype``."""
     (oa, la), (ob, lb) = a, b
     m = torch.maximum(la, lb)
     wa, wb = torch.exp(la - m), torch.exp(lb - m)
     out = (oa.float() * wa[..., None] + ob.float() * wb[..., None]) / (wa + wb)[..., None]
-    return out.to(oa.dtype)
+    return out.to(dtype)
 
 
 def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -397,23 +397,35 @@ class PrefixShape:
 
     ``repeats``: how many requests ask each prompt (those of a prompt next to each other, as
     the blocks put them): a GPU batch's prefill computes each of its prompts once
-    (``computed_share``)."""
+    (``computed_share``). ``held``: each row's cache leaves its block's prefix out through
+    decode (``held.holds_prefix``; ``held_positions``)."""
 
     prompts: tuple[Sequence[int], ...] = field(default=(), repr=False)
     opening: int = 0
     repeats: tuple[int, ...] = field(default=(), repr=False)
+    held: bool = False
     _saved: dict[int, float] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of_prompts(cls, prompts: Sequence[Sequence[int]], longest: int | None = None) -> "PrefixShape | None":
+    def of_prompts(cls, prompts: Sequence[Sequence[int]], longest: int | None = None,
+                   held: bool = False) -> "PrefixShape | None":
         """The shape of ``prompts`` (None for fewer than two): a prompt longer than ``longest``
         shares nothing (``shared_prefixes``)."""
         keep = tuple(p for p in prompts if longest is None or len(p) <= longest)
-        return cls(prompts=keep) if len(keep) > 1 else None
+        return cls(prompts=keep, held=held) if len(keep) > 1 else None
 
     @classmethod
-    def call_wide(cls, opening: int) -> "PrefixShape":
-        return cls(opening=int(opening))
+    def call_wide(cls, opening: int, held: bool = False) -> "PrefixShape":
+        return cls(opening=int(opening), held=held)
+
+    def held_positions(self, rows: int) -> float:
+        """Mean positions a row's cache leaves out in a block of ``rows`` requests (its block's
+        prefix, held once: ``engine/held.py``): what the block's rows do not compute, less the
+        prefix's own row, per row."""
+        if not self.held:
+            return 0.0
+        rows = max(1, int(rows))
+        return self.saved(rows) / rows
 
     @cached_property
     def lcp(self) -> np.ndarray:

@@ -38,7 +38,7 @@ from ..models.deltanet import CHUNK
 from ..models.families import part_shapes
 from ..models.spec import ModelSpec
 from .head import SCORE_CHUNK_BYTES
-from .kvcache import cache_bytes_per_position, split_rows
+from .cache_layout import cache_bytes_per_position, split_rows
 from .policy import Policy
 from .states import STAGED_LAYERS, staged, state_tiers
 from .weights import DENSE, TIED, TierPlacer, stored_nbytes

@@ -75,10 +75,10 @@ class HeldPrefix:
         op, lp = prefix_attention(q, pk, pv, scale)
         if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == q.shape[0]:
             o, lse = parts[0][2]
-            return merge_lse((op, lp), (o.to(self.device), lse.to(self.device)))
-        out = torch.empty_like(op)
+            return merge_lse((op, lp), (o.to(self.device), lse.to(self.device)), q.dtype)
+        out = torch.empty(op.shape, dtype=q.dtype, device=op.device)
         for r0, r1, (o, lse) in parts:
-            out[r0:r1] = merge_lse((op[r0:r1], lp[r0:r1]), (o.to(self.device), lse.to(self.device)))
+            out[r0:r1] = merge_lse((op[r0:r1], lp[r0:r1]), (o.to(self.device), lse.to(self.device)), q.dtype)
         return out
 
     def free(self) -> None:

@@ -28,77 +28,18 @@ prefix's (``HeldPrefix.attend``).
 from __future__ import annotations
 
 import math
-
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..memory.disk import DiskStore
-from ..memory.quant import QTensor, dequantize, empty_qtensor, qtensor_layout, quantize
+from ..memory.quant import QTensor, dequantize, empty_qtensor, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between
 from .attention import attend_rows, attend_rows_lse, merge_partial, to_rows
+from .cache_layout import (Chunk, Stored, cache_group_size, copy_rows, dense, each_kv, host_copy, pairs, parts,
+                           permute_rows, positions, ring_pieces, split_rows, staged_nbytes)
 from .held import HeldPrefix
-
-
-def split_rows(rows: int, fractions: tuple[float, float, float]) -> list[tuple[Tier, int, int]]:
-    """[(tier, r0, r1)] for the non-empty tiers, in gpu, cpu, disk order."""
-    g, c, _ = fractions
-    n_g = int(round(rows * g))
-    n_c = min(rows - n_g, int(round(rows * (g + c))) - n_g)
-    bounds = [(Tier.GPU, 0, n_g), (Tier.CPU, n_g, n_g + n_c), (Tier.DISK, n_g + n_c, rows)]
-    return [(t, a, b) for t, a, b in bounds if b > a]
-
-
-def cache_group_size(head_dim: int, group_size: int) -> int:
-    """The quantization group of the cache: at most head_dim (groups never span positions)."""
-    return min(group_size, head_dim)
-
-
-def cache_bytes_per_position(head_dim: int, dtype_bytes: int, compress: bool = False,
-                             bits: int = 4, group_size: int = 64) -> int:
-    """Bytes one row of K (or of V) stores per position, exactly as :class:`BlockCache` allocates."""
-    if not compress:
-        return head_dim * dtype_bytes
-    data, meta = qtensor_layout((head_dim,), bits, cache_group_size(head_dim, group_size), -1)
-    return data[-1] + 2 * meta[-1] * dtype_bytes  # packed codes + a min and a scale per group
-
-
-Stored = Any  # torch.Tensor, DiskTensor, or a QTensor of either
-
-
-@dataclass
-class Chunk:
-    tier: Tier
-    r0: int
-    r1: int
-    k: Stored  # (rows, cap, d) in RAM / on device, (cap, rows, d) on disk; QTensor when compressed
-    v: Stored  # k itself where the values are the keys (``BlockCache.shared``)
-    cap: int  # positions held: the block's length, or a sliding layer's window (a ring)
-    base: int = 0  # the first position held (a shared prefix held once, ``held.py``, is not)
-    staged: tuple[Stored, Stored] | None = None  # disk: slots [0, p] in RAM
-    pending: list[tuple[int, Stored, Stored]] = field(default_factory=list)  # disk: (slot0, k, v) to write
-    futures: list[Future] = field(default_factory=list)
-
-    def slot(self, pos: int) -> int:
-        """Where position ``pos`` lives: itself (less ``base``), or its place in the ring of a
-        sliding layer."""
-        return (pos - self.base) % self.cap
-
-    def held(self, length: int) -> int:
-        """How many slots hold positions once [0, length) were written."""
-        return max(0, min(length - self.base, self.cap))
-
-
-def ring_pieces(s: int, cap: int) -> list[tuple[int, int, int]]:
-    """Where a prompt of s positions goes in a cache of ``cap`` slots: [(first position, first
-    slot, count)]. All of it when it fits; else its last ``cap`` positions, each at its ring
-    slot (position % cap), in at most two contiguous pieces."""
-    if s <= cap:
-        return [(0, 0, s)]
-    r = s % cap
-    return [(p, slot, n) for p, slot, n in ((s - cap, r, cap - r), (s - r, 0, r)) if n]
 
 
 class BlockCache:
@@ -149,20 +90,20 @@ class BlockCache:
                     for tier in (Tier.GPU, Tier.CPU) if any(t == tier for sp in splits for t, _, _ in sp)}
             at = dict.fromkeys(bufs, 0)
             for kb, sp in enumerate(splits):
-                parts = []
+                row_chunks = []
                 for tier, r0, r1 in sp:
                     if tier == Tier.DISK:
-                        parts.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
+                        row_chunks.append(self._alloc(tier, r0, r1, cap, f"kv{tag}-l{j}-b{kb}"))
                         continue
                     buf, a = bufs[tier], at[tier]
                     at[tier] += r1 - r0
-                    k, v = _kv(buf.k, buf.v, lambda x: _positions(x, a, a + r1 - r0, 0))
-                    parts.append(Chunk(tier, r0, r1, k, v, cap, held))
-                self.chunks[(j, kb)] = parts
+                    k, v = each_kv(buf.k, buf.v, lambda x: positions(x, a, a + r1 - r0, 0))
+                    row_chunks.append(Chunk(tier, r0, r1, k, v, cap, held))
+                self.chunks[(j, kb)] = row_chunks
             if len(bufs) == 1 and all(len(sp) == 1 and sp[0][0] != Tier.DISK for sp in splits):
                 self._whole[j] = next(iter(bufs.values()))
-        self._disk_layers = {j for (j, _), parts in self.chunks.items() if any(ch.tier == Tier.DISK for ch in parts)}
-        self._off_device = {j for (j, _), parts in self.chunks.items() if any(ch.tier != Tier.GPU for ch in parts)}
+        self._disk_layers = {j for (j, _), chs in self.chunks.items() if any(ch.tier == Tier.DISK for ch in chs)}
+        self._off_device = {j for (j, _), chs in self.chunks.items() if any(ch.tier != Tier.GPU for ch in chs)}
 
     def _alloc(self, tier: Tier, r0: int, r1: int, cap: int, name: str) -> Chunk:
         n = r1 - r0
@@ -220,12 +161,12 @@ class BlockCache:
         for tier, n in self._bytes:
             self.tracker.sub(tier, n)
         self._bytes.clear()
-        for parts in self.chunks.values():
-            for ch in parts:
+        for chunks in self.chunks.values():
+            for ch in chunks:
                 for f in ch.futures:
                     f.cancel()
                 if ch.tier == Tier.DISK and self._disk_store is not None:
-                    for p in _parts(ch.k) + (() if ch.v is ch.k else _parts(ch.v)):
+                    for p in parts(ch.k) + (() if ch.v is ch.k else parts(ch.v)):
                         self._disk_store.free(p)
         self.chunks.clear()
 
@@ -237,8 +178,8 @@ class BlockCache:
         ``beams.beams_refusal``); a disk chunk is rewritten whole from its staged copy."""
         layers = sorted({j for j, _ in self.chunks})
         for kb, p in perms.items():
-            parts = self.chunks[(layers[0], kb)] if layers else []
-            if len(parts) != 1 or parts[0].r0 != 0:
+            chs = self.chunks[(layers[0], kb)] if layers else []
+            if len(chs) != 1 or chs[0].r0 != 0:
                 raise RuntimeError("beam search needs each GPU batch's cache on one tier")
             rows = (p.to(torch.long)[:, None] * self.kv_heads
                     + torch.arange(self.kv_heads, device=p.device)).reshape(-1)
@@ -269,12 +210,12 @@ class BlockCache:
             shape = (ch.held(length + 1), ch.r1 - ch.r0, self.head_dim)
             kbuf = self._empty(shape, torch.device("cpu"))
             vbuf = kbuf if self.shared else self._empty(shape, torch.device("cpu"))
-            self.tracker.add(self._host_tier, _staged_nbytes((kbuf, vbuf)))
+            self.tracker.add(self._host_tier, staged_nbytes((kbuf, vbuf)))
             ch.staged = (kbuf, vbuf)
             n = ch.held(length)
             ch.futures = [p.store.submit_read(p, out=b[:n], rows=(0, n))
-                          for src, buf in _pairs(ch.k, kbuf, ch.v, vbuf)
-                          for p, b in zip(_parts(src), _parts(buf))]
+                          for src, buf in pairs(ch.k, kbuf, ch.v, vbuf)
+                          for p, b in zip(parts(src), parts(buf))]
 
     def store(self, j: int, kb: int) -> list[Future]:
         """Write what compute produced for disk chunks (async); returns the futures."""
@@ -282,12 +223,12 @@ class BlockCache:
         for ch in self.chunks.get((j, kb), []):
             for slot0, kk, vv in ch.pending:
                 rows = (slot0, slot0 + kk.shape[0])
-                for dst, src in _pairs(ch.k, kk, ch.v, vv):
+                for dst, src in pairs(ch.k, kk, ch.v, vv):
                     futs += [p.store.submit_write(p, s, rows=rows)
-                             for p, s in zip(_parts(dst), _parts(src))]
+                             for p, s in zip(parts(dst), parts(src))]
             ch.pending = []
             if ch.staged is not None:
-                self.tracker.sub(self._host_tier, _staged_nbytes(ch.staged))
+                self.tracker.sub(self._host_tier, staged_nbytes(ch.staged))
                 ch.staged = None
         return futs
 
@@ -312,12 +253,12 @@ class BlockCache:
         for ch in self.chunks[(j, kb)]:
             for p0, slot0, n in ring_pieces(s, ch.cap):
                 if self.compress:
-                    kn, vn = _kv(k_rows, v_rows, lambda x: x[ch.r0:ch.r1, p0:p0 + n])
+                    kn, vn = each_kv(k_rows, v_rows, lambda x: x[ch.r0:ch.r1, p0:p0 + n])
                     if ch.tier == Tier.DISK:
-                        ch.pending.append((slot0, *_kv(kn, vn, lambda x: _host(self._encode(x.transpose(0, 1))))))
+                        ch.pending.append((slot0, *each_kv(kn, vn, lambda x: host_copy(self._encode(x.transpose(0, 1))))))
                     else:
-                        for dst, src in _pairs(ch.k, kn, ch.v, vn):
-                            copy_between(_positions(dst, slot0, slot0 + n, 1), self._encode(src),
+                        for dst, src in pairs(ch.k, kn, ch.v, vn):
+                            copy_between(positions(dst, slot0, slot0 + n, 1), self._encode(src),
                                          non_blocking=self._non_blocking(ch))
                 elif ch.tier == Tier.DISK:
                     # position-major host buffers an async disk write can own
@@ -327,7 +268,7 @@ class BlockCache:
                         copy_rows(buf.transpose(0, 1), src[:, p0:p0 + n], ch.r0, ch.r1)
                     ch.pending.append((slot0, bufs[0], bufs[-1]))
                 else:
-                    for dst, src in _pairs(ch.k, k_new, ch.v, v_new):
+                    for dst, src in pairs(ch.k, k_new, ch.v, v_new):
                         copy_rows(dst.narrow(1, slot0, n), src[:, p0:p0 + n], ch.r0, ch.r1,
                                   non_blocking=self._non_blocking(ch))
 
@@ -390,9 +331,9 @@ class BlockCache:
         return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
-        """``_dense``, into a reused buffer where a compressed chunk expands on the CPU."""
+        """``dense``, into a reused buffer where a compressed chunk expands on the CPU."""
         if not (isinstance(x, QTensor) and device.type == "cpu"):
-            return _dense(x, device, pos_major)
+            return dense(x, device, pos_major)
         rows = x.shape[1] if pos_major else x.shape[0]
         need = rows * self.max_len * self.head_dim
         buf = self._scratch.get(key)
@@ -417,97 +358,20 @@ class BlockCache:
             kbuf, vbuf = ch.staged  # type: ignore[misc]
             if perm is not None and ch.held(pos0):
                 old = ch.held(pos0)
-                _permute_rows((kbuf,) if vbuf is kbuf else (kbuf, vbuf), perm, old, pos_major=True)
-                ch.pending.append((0, *_kv(kbuf, vbuf, lambda x: _positions(x, 0, old, 0))))
-            for dst, src in _pairs(kbuf, kn, vbuf, vn):
-                copy_between(_positions(dst, a, b, 0), self._encode(src.transpose(0, 1)))
-            ch.pending.append((a, *_kv(kbuf, vbuf, lambda x: _positions(x, a, b, 0))))
-            return (*_kv(kbuf, vbuf, lambda x: _positions(x, 0, n, 0)), True)
+                permute_rows((kbuf,) if vbuf is kbuf else (kbuf, vbuf), perm, old, pos_major=True)
+                ch.pending.append((0, *each_kv(kbuf, vbuf, lambda x: positions(x, 0, old, 0))))
+            for dst, src in pairs(kbuf, kn, vbuf, vn):
+                copy_between(positions(dst, a, b, 0), self._encode(src.transpose(0, 1)))
+            ch.pending.append((a, *each_kv(kbuf, vbuf, lambda x: positions(x, a, b, 0))))
+            return (*each_kv(kbuf, vbuf, lambda x: positions(x, 0, n, 0)), True)
         nb = self._non_blocking(ch)
         if perm is not None and ch.held(pos0):
             if ch.tier != Tier.GPU and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the last step's writes into RAM have landed
-            _permute_rows((ch.k,) if ch.v is ch.k else (ch.k, ch.v), perm, ch.held(pos0), pos_major=False)
-        for dst, src in _pairs(ch.k, kn, ch.v, vn):
-            copy_between(_positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
-        return (*_kv(ch.k, ch.v, lambda x: _positions(x, 0, n, 1)), False)
-
-
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, r0: int, r1: int, non_blocking: bool = False) -> None:
-    """``dst[:] = to_rows(src, r0, r1)`` without materialising the rows: src (b, t, kvh, d),
-    dst a (r1 - r0, t, d) view (any strides). Whole sequences go in one strided copy; a chunk
-    boundary that splits a sequence's kv heads adds at most two small ones."""
-    kvh = src.shape[2]
-    r = r0
-    while r < r1:
-        bi, h = divmod(r, kvh)
-        if h == 0 and r1 - r >= kvh:
-            nb = (r1 - r) // kvh
-            dst[r - r0: r - r0 + nb * kvh].view(nb, kvh, *dst.shape[1:]).copy_(
-                src[bi:bi + nb].transpose(1, 2), non_blocking=non_blocking)
-            r += nb * kvh
-        else:
-            n = min(kvh - h, r1 - r)
-            dst[r - r0: r - r0 + n].copy_(src[bi, :, h:h + n].transpose(0, 1), non_blocking=non_blocking)
-            r += n
-
-
-PERMUTE_BYTES = 8 << 20  # a cache reorder's temporary at most (slots are independent: moved a piece at a time)
-
-
-def _permute_rows(stored: tuple[Stored, ...], perm: torch.Tensor, n: int, pos_major: bool) -> None:
-    """Row r of each tensor (each part of a compressed one) over its first ``n`` slots becomes
-    row ``perm[r]``'s, in place (rows: dim 0, or dim 1 position-major)."""
-    rows, slots = (1, 0) if pos_major else (0, 1)
-    for x in stored:
-        for part in _parts(x):
-            p = perm.to(part.device)
-            per_slot = part.numel() // part.shape[slots] * part.element_size()
-            step = max(1, PERMUTE_BYTES // max(1, per_slot))  # slots per piece: a bounded temporary
-            for a in range(0, n, step):
-                held = part.narrow(slots, a, min(step, n - a))
-                held.copy_(held.index_select(rows, p))
-
-
-def _pairs(k: Stored, k_src: Any, v: Stored, v_src: Any) -> tuple[tuple[Stored, Any], ...]:
-    """(K, what goes into it), and (V, its own) unless V is K (a shared cache: written once)."""
-    return ((k, k_src),) if v is k else ((k, k_src), (v, v_src))
-
-
-def _kv(k: Any, v: Any, f: Any) -> tuple[Any, Any]:
-    """(f(k), f(v)), with f applied once where V is K (a shared cache keeps V the same object)."""
-    fk = f(k)
-    return fk, fk if v is k else f(v)
-
-
-def _staged_nbytes(staged: tuple[Stored, Stored]) -> int:
-    k, v = staged
-    return int(k.nbytes + (0 if v is k else v.nbytes))
-
-
-def _parts(x: Stored) -> tuple[Any, ...]:
-    return x.parts() if isinstance(x, QTensor) else (x,)
-
-
-def _positions(x: Stored, a: int, b: int, dim: int) -> Stored:
-    """A view of positions [a, b) along leading dim ``dim`` of an in-memory tensor or QTensor."""
-    if isinstance(x, QTensor):
-        data, mins, scales = (p.narrow(dim, a, b - a) for p in x.parts())
-        shape = list(x.shape)
-        shape[dim] = b - a
-        return replace(x, data=data, mins=mins, scales=scales, shape=torch.Size(shape))
-    return x.narrow(dim, a, b - a)
-
-
-def _dense(x: Stored, device: torch.device, pos_major: bool) -> torch.Tensor:
-    """Row-major (rows, L, d) K or V on ``device``, dequantized there when compressed."""
-    x = dequantize(x, device) if isinstance(x, QTensor) else x.to(device, non_blocking=True)
-    return x.transpose(0, 1) if pos_major else x
-
-
-def _host(x: Stored) -> Stored:
-    """A CPU copy that an async disk write can own."""
-    return x.to("cpu") if isinstance(x, QTensor) else x.contiguous().cpu()
+            permute_rows((ch.k,) if ch.v is ch.k else (ch.k, ch.v), perm, ch.held(pos0), pos_major=False)
+        for dst, src in pairs(ch.k, kn, ch.v, vn):
+            copy_between(positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
+        return (*each_kv(ch.k, ch.v, lambda x: positions(x, 0, n, 1)), False)
 
 
 def _scale(scale: float | None, q: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ import torch
 from ..interrupts import submit
 from ..memory.disk import DiskStore
 from ..memory.tiers import MemoryTracker, Tier, copy_between, host_empty
-from .kvcache import split_rows
+from .cache_layout import split_rows
 
 # layers of one block staged on the compute device at once: computing, loading, storing
 STAGED_LAYERS = 3

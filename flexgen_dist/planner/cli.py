@@ -16,6 +16,7 @@ import torch
 
 from flexgen_dist.models.registry import get_spec, registry_names
 from flexgen_dist.engine.blocks import PrefixShape
+from flexgen_dist.engine.held import holds_prefix
 from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages
 from flexgen_dist.config import ConfigError
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--shared-prefix", type=int, default=0, metavar="L", help="leading tokens every prompt "
-                   "shares (a system prompt, few-shot examples): each block computes them once")
+                   "shares (a system prompt, few-shot examples): each block computes them once, and rows' caches "
+                   "leave them out where the model holds them once through decode")
     p.add_argument("--stages", type=int, nargs="+", default=[1])
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batch groups in flight (default: the number of stages)")
@@ -119,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
     try:
         wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes,
-                       prefix=PrefixShape.call_wide(args.shared_prefix) if args.shared_prefix else None)
+                       prefix=PrefixShape.call_wide(args.shared_prefix, holds_prefix(spec, 1.0))
+                       if args.shared_prefix else None)
     except ValueError as e:
         raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: {e}") from None
     kw = dict(partition=args.partition, compress=args.compress,

@@ -233,6 +233,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     # a prefill those of all its tokens (E (1 - (1 - k/E)^T) of E, uniform routing assumed)
     dec_share, pre_share = _read_share(spec, bls), _read_share(spec, bls * s)
     kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
+    # a block's shared prefix held once: each row's cache leaves it out (``engine/held.py``)
+    hp = workload.prefix.held_positions(bls) if workload.prefix is not None else 0.0
     # a shared prefix is computed once a block, or not at all; a batch's repeated prompt once
     rows_pre = workload.prefill_rows(bls, gpu_batch_size)
     a_pre, a_dec = int(rows_pre * spec.hidden_size * b), bls * spec.hidden_size * b  # hidden states
@@ -255,8 +257,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         lnum_active=_mean(spec, spec.active_layer_numel), pre_share=pre_share, dec_numel=lnum * dec_share,
         kv_tok=kv_tok,
         # a sliding layer keeps (and reads) at most its window: these are means over the layers
-        c_pre=bls * cbytes(_held(spec, s) * kv_tok),  # cache written by a block's prefill, per layer
-        c_avg=bls * cbytes(_held(spec, s + n / 2) * kv_tok),  # cache read per decode step, per layer
+        c_pre=bls * cbytes((_held(spec, s) - hp) * kv_tok),  # cache written by a block's prefill, per layer
+        c_avg=bls * cbytes((_held(spec, s + n / 2) - hp) * kv_tok),  # cache read per decode step, per layer
         ctx=_held(spec, s + n / 2),
         # cache written per decode step, per layer (a linear-attention layer writes none)
         c_new=bls * cbytes(kv_tok) * sum(not spec.linear(j) for j in range(spec.num_layers)) / spec.num_layers,
