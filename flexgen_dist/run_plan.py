@@ -238,9 +238,22 @@ class RunPlanner:
                                       num_blocks_in_flight=blocks_in_flight,
                                       packed=self.model.source.packed_formats, num_stages=self.world_size,
                                       cuda=self.device.type == "cuda", head=work.head_load,
-                                      shared=max(work.shared or (0,)),
-                                      held=min(work.shared or (0,)) if holds_prefix(self.model.spec, policy.attn_sparsity)
-                                      else None))
+                                      **self._prefix_terms(policy, work)))
+
+    def _prefix_terms(self, policy: Policy, work: Workload) -> dict[str, Any]:
+        """The peaks' shared-prefix terms: the longest prefix a block computes once and the
+        fewest positions a row's cache leaves out where the model and policy hold prefixes through
+        decode (``engine/held.py``; None: not held). Once rank 0 has found the blocks' prefixes
+        (``Workload.shared``), theirs; before (planning), the opening every prompt shares
+        (``PrefixShape.floor``), which every block will share at the least."""
+        if work.shared is not None:
+            shared, held = max(work.shared), work.held
+        else:
+            floor = work.prefix.floor if work.prefix is not None and not work.embed else 0
+            total = work.prompt_len + work.gen_len
+            shared = held = floor if policy.block_size * (total - floor) >= total else 0
+        holds = shared > 0 and holds_prefix(self.model.spec, policy.attn_sparsity)
+        return {"shared": shared, "held": held if holds else None}
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:
         """This rank's stage's peaks for ``work`` under ``plan``, refused if over a budget."""

@@ -20,6 +20,7 @@ from .distributed.pipeline import Pipeline
 from .engine.blocks import (MIN_SHARED, BlockPlan, PrefixShape, plan_blocks, prefill_positions, prefix_groupings,
                             prefix_reuse, repeat_counts, repeated_prompts, shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
+from .engine.held import held_floor
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
 from .engine.structure import guide_tokenizer
@@ -99,17 +100,35 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
             best = (cost, groups, shared, reuse)
     assert best is not None
     _, groups, shared, reuse = best
+    unshared = dataclasses.replace(work, shared=(0,) * work.num_prompts)  # decided: none (no prefix held)
     if not any(shared):
-        return work
+        return unshared
     if groups is not None:
         log.info("requests grouped by their opening before their length: %d prefix groups",
                  len({g for g in groups if g >= 0}))
-    out = dataclasses.replace(work, shared=shared, groups=groups, reuse=reuse if any(reuse) else None)
-    if not fits(out):
-        log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would not fit "
-                 "the memory budgets")
-        return work
-    return out
+    blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
+    total = work.prompt_len + work.gen_len
+
+    def sharing(lengths: tuple[int, ...], reused: tuple[bool, ...]) -> Workload:
+        return dataclasses.replace(work, shared=lengths, groups=groups, reuse=reused if any(reused) else None,
+                                   held=held_floor(blocks, lengths, total, plan.block_size))
+
+    out = sharing(shared, reuse)
+    if fits(out):
+        return out
+    # the plan may count on the opening every prompt shares being held (``PrefixShape.floor``):
+    # the blocks then share that much and no more
+    floor = work.prefix.floor if work.prefix is not None else 0
+    if floor:
+        capped = tuple(min(n, floor) for n in shared)
+        out = sharing(capped, prefix_reuse(ids, blocks, tuple(n + mixed if n else 0 for n in capped)))
+        if fits(out):
+            log.info("the blocks' shared prefixes are cut to the %d tokens every prompt shares: longer ones would "
+                     "not fit the memory budgets", floor)
+            return out
+    log.info("the prompts' shared prefixes are computed with each prompt: the prefix's keys would not fit "
+             "the memory budgets")
+    return unshared
 
 
 class StageWorker:

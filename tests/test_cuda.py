@@ -537,3 +537,35 @@ def test_repeated_prompts_on_the_gpu(placement: dict, tiny_models, tmp_path: Pat
             got[share] = (greedy, sampled)
     assert got[True][0] == [reference_generate(tm, [p], 5)[0] for p in ps]
     assert got[True] == got[False]
+
+
+@pytest.mark.parametrize("placement", [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=True),  # the rows' own keys in pinned RAM, the CPU attending
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=False),  # copied to the device each step
+    dict(percent=(100, 0, 0, 0, 100, 0), cpu_attention=True, compress_cache=True),  # on disk, 4-bit
+], ids=["device", "ram-cpu-attention", "ram-to-device", "disk-compressed"])
+def test_a_held_prefix_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, gpu_device, monkeypatch) -> None:
+    """A block's shared prefix held once on the device through decode (``engine/held.py``),
+    each chunk's own positions attended where they live and merged by log-sum-exp: the
+    tokens of the run whose every row keeps its prefix, transformers' where uncompressed."""
+    from conftest import reference_generate
+    from flexgen_dist import LLM, run_plan
+    from flexgen_dist.engine import stage
+    from test_shared_prefix import TWO_BLOCKS, prompts
+
+    tm = tiny_models["llama-gqa"]
+    ps = prompts(256, tails=TWO_BLOCKS)
+    got = {}
+    for hold in (True, False):
+        if not hold:
+            monkeypatch.setattr(stage, "holds_prefix", lambda *a: False)
+            monkeypatch.setattr(run_plan, "holds_prefix", lambda *a: False)
+        with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=3, num_gpu_batches=2,
+                 ignore_eos=True, offload_dir=str(tmp_path / "off"), progress=False, sort_window=0,
+                 **placement) as llm:
+            got[hold] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
+            assert llm.metrics["shared_prefix_fraction"] > 0
+    assert got[True] == got[False]
+    if not placement.get("compress_cache"):
+        assert got[True] == [reference_generate(tm, [p], GEN)[0] for p in ps]

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TinyModel, reference_generate
+from conftest import TinyModel, reference_generate, saved
 from flexgen_dist import LLM, SamplingConfig
 from flexgen_dist.engine import stage as stage_mod
 from flexgen_dist.engine.attention import attend_rows, attend_rows_lse, merge_lse, prefix_attention
 from flexgen_dist.engine.held import HeldPrefix, holds_prefix
 from flexgen_dist.memory.tiers import MemoryTracker
-from flexgen_dist import run_plan
+from flexgen_dist import run_plan, workloads
 from test_shared_prefix import GEN, TWO_BLOCKS, attention_shapes, prompts
 
 PLACEMENTS = {
@@ -42,8 +42,8 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Tiny
 def unheld(monkeypatch: pytest.MonkeyPatch):
     """Switches holding off (every row's cache keeps its prefix, as before holding existed)."""
     def off() -> None:
-        monkeypatch.setattr(stage_mod, "holds_prefix", lambda *a: False)
-        monkeypatch.setattr(run_plan, "holds_prefix", lambda *a: False)
+        for mod in (stage_mod, run_plan, workloads):
+            monkeypatch.setattr(mod, "holds_prefix", lambda *a: False)
     return off
 
 
@@ -204,3 +204,30 @@ def test_the_cost_model_reads_each_row_without_its_prefix(models: dict) -> None:
         if holds:  # top-k attention keeps every row's copy
             off = build_workload(ps, GEN, None, RunConfig(attn_sparsity=0.5), spec, tok).prefix
             assert off is not None and not off.held
+
+
+def test_the_default_block_grows_where_the_prefix_is_held(tmp_path_factory: pytest.TempPathFactory,
+                                                        unheld) -> None:
+    """Planning counts on the opening every prompt shares being held (``PrefixShape.floor``):
+    under a memory budget the cache binds, the default GPU batch is twice as large as where
+    every row keeps its prefix; the same tokens, the peaks within the prediction and the budget."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    tm = saved(tmp_path_factory, "kv4", LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval())
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(3, 256, (100,), generator=g).tolist()
+    ps = [head + torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (64,), generator=g)]
+    gbs, tokens = {}, {}
+    for hold in (True, False):
+        if not hold:
+            unheld()
+        with LLM(str(tm.path), ignore_eos=True, progress=False, gpu_mem="5MB") as llm:
+            gbs[hold] = llm.explain(ps, gen_len=GEN).stages[0].policy.gpu_batch_size
+            tokens[hold] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
+            m = llm.metrics
+        assert m["peak_bytes"][0]["gpu"] <= m["predicted"]["peak_bytes"][0]["gpu"]
+    assert gbs[True] == 2 * gbs[False], gbs
+    assert tokens[True] == tokens[False]

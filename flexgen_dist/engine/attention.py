@@ -126,7 +126,8 @@ def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend_rows`` (no sparsity, softcap or sinks) and each query's log-sum-exp of its
     scores, (R, G, t) float32: what merging it with attention over other keys takes
-    (``merge_lse``). A decode on the CPU runs the native kernel, as ``attend_rows`` does."""
+    (``merge_lse``). A decode on the CPU runs the native kernel, as ``attend_rows`` does, its
+    output left in float32 for the merge to round once."""
     if q.shape[2] == 1 and q.device.type == "cpu":
         got = kernels.attention_lse(q, k, v, mask, scale)
         if got is not None:

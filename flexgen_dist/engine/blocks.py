@@ -404,6 +404,7 @@ class PrefixShape:
     opening: int = 0
     repeats: tuple[int, ...] = field(default=(), repr=False)
     held: bool = False
+    kept_all: bool = True  # no prompt was left out (``of_prompts``' ``longest``)
     _saved: dict[int, float] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -412,11 +413,25 @@ class PrefixShape:
         """The shape of ``prompts`` (None for fewer than two): a prompt longer than ``longest``
         shares nothing (``shared_prefixes``)."""
         keep = tuple(p for p in prompts if longest is None or len(p) <= longest)
-        return cls(prompts=keep, held=held) if len(keep) > 1 else None
+        return cls(prompts=keep, held=held, kept_all=len(keep) == len(prompts)) if len(keep) > 1 else None
 
     @classmethod
     def call_wide(cls, opening: int, held: bool = False) -> "PrefixShape":
         return cls(opening=int(opening), held=held)
+
+    @cached_property
+    def floor(self) -> int:
+        """The fewest leading positions a block of two or more of the requests shares, wherever
+        the blocks are cut (``shared_prefixes``: its prompts' common opening, at most one short of
+        its shortest, none under MIN_SHARED): every prompt's common opening; 0 where prefixes are
+        not held (only a held prefix changes the cache a row takes) or some prompt may not share."""
+        if not self.held:
+            return 0
+        if not self.prompts:
+            n = self.opening
+        else:
+            n = min(int(self.lcp.min()), min(len(p) for p in self.prompts) - 1) if self.kept_all else 0
+        return n if n >= MIN_SHARED else 0
 
     def held_positions(self, rows: int) -> float:
         """Mean positions a row's cache leaves out in a block of ``rows`` requests (its block's

@@ -18,12 +18,15 @@ expanded once, so attention sees the values a row's cache would have held.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..memory.quant import dequantize, quantize
 from ..memory.tiers import MemoryTracker, Tier
 from ..models.spec import ModelSpec
 from .attention import merge_lse, prefix_attention
+from .blocks import BlockPlan
 
 
 def holds_prefix(spec: ModelSpec, sparsity: float) -> bool:
@@ -33,6 +36,21 @@ def holds_prefix(spec: ModelSpec, sparsity: float) -> bool:
     every key (top-k sparsity picks over all of a row's keys at once)."""
     return (sparsity >= 1.0 and spec.attn_softcap == 0 and not spec.attn_sinks
             and not any(spec.window(j) for j in range(spec.num_layers)))
+
+
+def held_floor(blocks: Sequence[BlockPlan], shared: Sequence[int], total: int, block_size: int) -> int:
+    """The fewest positions a row's cache leaves out in any of ``blocks`` (``shared``: per
+    request, its block's prefix), as the memory check counts it against full blocks of
+    ``block_size`` rows and ``total`` positions: the least prefix of the blocks of two or more
+    requests (0 where one shares none); a block of one request shares nothing, and fits where
+    ``block_size`` rows less that many positions take at least its one row."""
+    multi = [shared[blk.members[0]] for blk in blocks if len(blk.members) > 1]
+    if not multi or min(multi) == 0:
+        return 0
+    held = min(multi)
+    if any(len(blk.members) == 1 for blk in blocks) and block_size * (total - held) < total:
+        return 0
+    return held
 
 
 class HeldPrefix:

@@ -232,8 +232,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``attention`` and each query head's log-sum-exp of its scores, (R, G, 1) float32: what
-    merging it with attention over other keys takes (``attention.merge_lse``)."""
+    """``attention`` in float32 (not rounded to the dtype: the merge rounds once) and each query
+    head's log-sum-exp of its scores, (R, G, 1) float32: what merging it with attention over
+    other keys takes (``attention.merge_lse``)."""
     return _attention(q, k, v, mask, scale, None, True)
 
 
@@ -250,7 +251,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             or mask.shape != (r, 1, 1, L) or mask.stride(-1) != 1 or k.shape != v.shape
             or k.shape[0] != r or any(x.stride(2) != 1 for x in (k, v))):
         return None
-    out = torch.empty((r, g, 1, d), dtype=dt)
+    out = torch.empty((r, g, 1, d), dtype=torch.float32 if with_lse else dt)
     lse = torch.empty((r, g, 1), dtype=torch.float32) if with_lse else None
     if sinks is not None:
         sinks = sinks.to("cpu", torch.float32).contiguous()

@@ -123,7 +123,8 @@ extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx,
 // see at least one position). d must be a multiple of the vector width. sinks (R, G) float32,
 // or null: a logit per query head that joins the softmax's denominator only (gpt-oss). lse
 // (R, G) float32, or null: each query head's log-sum-exp of its scores (the sink's included),
-// for merging with attention over other keys (a shared prefix held once).
+// for merging with attention over other keys (a shared prefix held once); out is then float32
+// whatever DT, so the merge rounds once.
 template <int DT>
 static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
                       const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
@@ -185,7 +186,7 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void
                         vstore(ag + e, vfma(pg, vload_as_f32<DT>(vl + e * esz), vload(ag + e)));
                 }
             }
-            if (DT == DT_F32) {
+            if (DT == DT_F32 || lse) {  // with lse: float32 out, rounded once after the merge
                 for (int64_t i = 0; i < G * d; i += VW) vstore((float*)out + r * G * d + i, vload(acc + i));
             } else {
                 uint16_t* oh = (uint16_t*)out + r * G * d;

@@ -11,7 +11,7 @@ see ``cost_model``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,6 +281,17 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         stream_overlap=hw.compute_device != "cpu", rows_pre=rows_pre)
 
 
+def _held_terms(workload: WorkShape, block_size: int) -> dict[str, Any]:
+    """The footprint's held-prefix terms (``StageShape.shared``, ``hold``, ``held``): the opening
+    every prompt shares, held once through decode (``PrefixShape.floor``), where a block of one
+    request (which shares nothing) still fits a full block's cache."""
+    floor = workload.prefix.floor if workload.prefix is not None else 0
+    total = workload.prompt_len + workload.gen_len
+    if not floor or block_size * (total - floor) < total:
+        return {}
+    return {"shared": floor, "hold": True, "held": floor}
+
+
 def _held(spec: ModelSpec, length: float) -> float:
     """Cache positions a layer holds at ``length``, averaged over the model's layers (a sliding
     layer holds at most its window, a linear-attention layer none: its states are ``r_move``'s)."""
@@ -438,5 +449,6 @@ def stage_terms(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
                           compress_cache=compress_cache, comp_bits=comp_bits,
                           comp_group_size=comp_group_size, num_stages=num_stages,
                           cuda=hw.compute_device == "cuda", first_layer=first_layer,
-                          head=workload.head, state_fractions=state_fractions), packed),
+                          head=workload.head, state_fractions=state_fractions,
+                          **_held_terms(workload, gpu_batch_size * num_gpu_batches)), packed),
                       prefill_net_s=z.net_p, decode_net_s=z.net_d, overlap=overlap)
