@@ -200,6 +200,9 @@ class RunPlanner:
         cut = base < -(-work.num_prompts // G)  # a group's rows over several GPU batches
         soft = math.lcm(unit, *same) if cut and len(same) == 1 and max(same) > 1 else unit
         groups = f" over {G} micro-batch groups" if G > 1 else ""
+        held = self._prefix_terms(policies[0], work)["held"]
+        counted = f"; each row's cache counted without the {held}-token opening every prompt shares (held once)" \
+            if held else ""
         for u in dict.fromkeys((soft if soft <= cap else unit, unit)):
             size = -(-base // u) * u
             reason = (f"no --gpu-batch-size: {work.num_prompts} prompts{groups} in equal blocks of at most {cap} rows "
@@ -213,7 +216,7 @@ class RunPlanner:
                     if self.fits(sized, ranges, work, G, "sequential", budgets):
                         if gbs < size:
                             reason += f"; halved from {size} to fit {share:.0%} of the memory budgets"
-                        return sized, reason
+                        return sized, reason + counted
                     if gbs == u:
                         break
                     gbs = max(u, gbs // 2 // u * u)

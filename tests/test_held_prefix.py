@@ -225,7 +225,10 @@ def test_the_default_block_grows_where_the_prefix_is_held(tmp_path_factory: pyte
         if not hold:
             unheld()
         with LLM(str(tm.path), ignore_eos=True, progress=False, gpu_mem="5MB") as llm:
-            gbs[hold] = llm.explain(ps, gen_len=GEN).stages[0].policy.gpu_batch_size
+            plan = llm.explain(ps, gen_len=GEN)
+            gbs[hold] = plan.stages[0].policy.gpu_batch_size
+            why = next(c.why for c in plan.choices if c.name == "gpu_batch_size")
+            assert ("100-token opening every prompt shares (held once)" in why) == hold, why
             tokens[hold] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
             m = llm.metrics
         assert m["peak_bytes"][0]["gpu"] <= m["predicted"]["peak_bytes"][0]["gpu"]

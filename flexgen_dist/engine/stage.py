@@ -413,7 +413,7 @@ class StageEngine:
             attend = attend_fn(spec, self.policy.attn_sparsity, st, slot[1], k, mrows, pos0, tw)  # type: ignore[arg-type]
             y = self.family.layer_forward(spec, w, x, pos, attend, slot[1])
             if i == 0 and k == num_gb - 1:  # every batch has used the prefix's keys
-                if st.cache is not None and st.cache.prefix is not None:  # decode attends to them too
+                if st.cache is not None and st.cache.prefix is not None and not st.meta.embed:  # decode attends to them
                     st.cache.prefix.hold(slot[1], *st.prefix_kv[slot[1]])  # type: ignore[index]
                 if not st.meta.keep:
                     st.prefix_kv.pop(slot[1], None)  # type: ignore[arg-type]
