@@ -234,3 +234,25 @@ def test_the_default_block_grows_where_the_prefix_is_held(tmp_path_factory: pyte
         assert m["peak_bytes"][0]["gpu"] <= m["predicted"]["peak_bytes"][0]["gpu"]
     assert gbs[True] == 2 * gbs[False], gbs
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+def test_two_ranks_hold_the_prefix_on_each_stage(models: dict, tmp_path: Path) -> None:
+    """Each stage holds its own layers' prefix keys; the second block reuses the first's on
+    each rank: transformers' tokens, with the cache in RAM and the CPU attending."""
+    import json
+
+    from conftest import local_ranks, read_jsonl, write_jsonl
+
+    tm = models["llama-gqa"]
+    ps = prompts(256, tails=TWO_BLOCKS)
+    out, metrics = tmp_path / "o.jsonl", tmp_path / "m.json"
+    r = local_ranks(["-m", "flexgen_dist.run", "--model", str(tm.path), "--prompts",
+                     str(write_jsonl(tmp_path / "p.jsonl", ps)), "--gen-len", str(GEN), "--ignore-eos",
+                     "--gpu-batch-size", "2", "--num-gpu-batches", "3", "--sort-window", "0",
+                     "--percent", "100", "0", "0", "100", "100", "0", "--cpu-attention",
+                     "--no-progress", "--output", str(out), "--metrics", str(metrics)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["tokens"] for x in read_jsonl(out)] == [reference_generate(tm, [p], GEN)[0] for p in ps]
+    assert json.loads(metrics.read_text())["shared_prefix_fraction"] > 0.6
