@@ -255,7 +255,7 @@ class RunPlanner:
             floor = work.prefix.floor if work.prefix is not None and not work.embed else 0
             total = work.prompt_len + work.gen_len
             shared = held = floor if policy.block_size * (total - floor) >= total else 0
-        holds = shared > 0 and holds_prefix(self.model.spec, policy.attn_sparsity)
+        holds = shared > 0 and holds_prefix(self.model.spec, policy.attn_sparsity, work.prompt_len + work.gen_len)
         return {"shared": shared, "held": held if holds else None}
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:

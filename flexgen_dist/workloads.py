@@ -84,7 +84,8 @@ def build_workload(prompts: Sequence[PromptLike] | None, gen_len: int | None,
     mixed = adapters is not None and len(set(adapters)) > 1  # no keys shared across adapters: one opening each
     prefix = PrefixShape.of_prompts([[-1 - a, *p.ids] if mixed else p.ids for p, a in
                                      zip(ps, adapters or [0] * len(ps))], longest_sharing(spec),
-                                    holds_prefix(spec, 1.0 if cfg.attn_sparsity is None else cfg.attn_sparsity)) \
+                                    holds_prefix(spec, 1.0 if cfg.attn_sparsity is None else cfg.attn_sparsity,
+                                                 max(len(p.ids) for p in ps) + gen_len)) \
         if cfg.share_prefix and not scoring and shares_prefix(spec) else None
     try:
         return Workload(tuple(len(p.ids) for p in ps), gen_len, samp,  # type: ignore[arg-type]

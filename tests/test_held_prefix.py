@@ -35,7 +35,15 @@ PLACEMENTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
-    return attention_shapes(tmp_path_factory, tiny_models)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    out = attention_shapes(tmp_path_factory, tiny_models)
+    torch.manual_seed(22)  # a sliding window longer than any sequence here: its ring never drops a position
+    out["mistral-wide"] = saved(tmp_path_factory, "mistral-wide", MistralForCausalLM(MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=64, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)).eval())
+    return out
 
 
 @pytest.fixture
@@ -85,6 +93,8 @@ def test_which_models_hold_their_prefix(models: dict) -> None:
     assert holds_prefix(specs["llama-gqa"], 1.0) and holds_prefix(specs["opt-pre-proj"], 1.0)
     assert not holds_prefix(specs["llama-gqa"], 0.5)  # top-k attention picks over all of a row's keys
     assert not holds_prefix(specs["mistral"], 1.0)  # a sliding window's ring drops the prefix
+    assert holds_prefix(specs["mistral"], 1.0, 6) and not holds_prefix(specs["mistral"], 1.0, 7)  # its window: 6
+    assert holds_prefix(specs["mistral-wide"], 1.0, 64) and not holds_prefix(specs["mistral-wide"], 1.0)
     assert not holds_prefix(specs["gemma2"], 1.0)  # softcaps (and windows)
 
 
@@ -100,7 +110,7 @@ def test_a_decode_before_the_prefix_is_held_says_so() -> None:
 
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre-proj"])
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt-pre-proj", "mistral-wide"])
 def test_greedy_tokens_equal_transformers_with_the_prefix_held(models: dict, kind: str, placement: str,
                                                                tmp_path: Path, unheld) -> None:
     """Two blocks of the same prefix (the second reuses the first's keys); the cache holds

@@ -29,13 +29,19 @@ from .attention import merge_lse, prefix_attention
 from .blocks import BlockPlan
 
 
-def holds_prefix(spec: ModelSpec, sparsity: float) -> bool:
-    """Whether a block's shared prefix can be held once at decode for this model and policy:
-    every layer attends to all positions (a sliding or chunked layer's ring would drop the
-    prefix's positions as the sequence grows), with no softcap or sinks, and attention reads
-    every key (top-k sparsity picks over all of a row's keys at once)."""
+def holds_prefix(spec: ModelSpec, sparsity: float, length: int | None = None) -> bool:
+    """Whether a block's shared prefix can be held once at decode for this model and policy,
+    for sequences of at most ``length`` positions (None: any): every layer attends to all of
+    them (a sliding layer's ring would drop the prefix's positions as the sequence grows past
+    its window; one whose window holds ``length`` never does; a chunked layer's chunks start
+    at each row's own first token), with no softcap or sinks, and attention reads every key
+    (top-k sparsity picks over all of a row's keys at once)."""
+    def whole(j: int) -> bool:
+        w = spec.window(j)
+        return not w or (length is not None and not spec.chunked(j) and w >= length)
+
     return (sparsity >= 1.0 and spec.attn_softcap == 0 and not spec.attn_sinks
-            and not any(spec.window(j) for j in range(spec.num_layers)))
+            and all(whole(j) for j in range(spec.num_layers)))
 
 
 def held_floor(blocks: Sequence[BlockPlan], shared: Sequence[int], total: int, block_size: int) -> int:

@@ -141,7 +141,7 @@ class StageEngine:
                                group_size=self.policy.comp_group_size,
                                windows={j: self.spec.window(j) for j in self.layers},
                                shared=self.spec.cache_tensors == 1,
-                               held=meta.shared if holds_prefix(self.spec, self.policy.attn_sparsity) else 0)
+                               held=meta.shared if holds_prefix(self.spec, self.policy.attn_sparsity, total) else 0)
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []

@@ -121,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype_bytes = args.dtype_bytes or (2 if hw.compute_device == "cuda" else 4)
     try:
         wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes,
-                       prefix=PrefixShape.call_wide(args.shared_prefix, holds_prefix(spec, 1.0))
+                       prefix=PrefixShape.call_wide(args.shared_prefix,
+                                                    holds_prefix(spec, 1.0, args.prompt_len + args.gen_len))
                        if args.shared_prefix else None)
     except ValueError as e:
         raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: {e}") from None
