@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .engine.beams import BEAM_BYTES, BeamConfig
-from .engine.blocks import PrefixShape
+from .engine.prefix_shape import PrefixShape
 from .engine.footprint import HeadLoad
 from .engine.head import score_width
 from .engine.policy import Policy
@@ -74,7 +74,7 @@ class Workload:
     # beam search (``engine/beams.py``; None: none): each prompt runs as ``beams.width``
     # consecutive requests, its beams, one GPU batch holding all of them
     beams: BeamConfig | None = None
-    # what shared prefixes save the call's prefill (``blocks.PrefixShape``; None: none or not
+    # what shared prefixes save the call's prefill (``prefix_shape.PrefixShape``; None: none or not
     # shared): what the planner's cost model expects a block not to compute. Rank 0's alone
     prefix: PrefixShape | None = field(default=None, compare=False, repr=False)
     prompts: tuple[Prompt, ...] = field(default=(), compare=False, repr=False)

@@ -28,7 +28,7 @@ from .config import DEFAULT_SORT_WINDOW, ConfigError, RunConfig
 from .distributed.partition import partition_layers
 from .engine.beams import beams_refusal, one_tier_caches
 from .engine.footprint import predict_peaks
-from .engine.held import holds_prefix
+from .engine.held import holds_prefix, planned_hold
 from .engine.policy import Policy
 from .models.loader import LoadedModel
 from .plan import Choice, Peaks, Prediction, RunPlan, StagePlan, Workload
@@ -252,9 +252,8 @@ class RunPlanner:
         if work.shared is not None:
             shared, held = max(work.shared), work.held
         else:
-            floor = work.prefix.floor if work.prefix is not None and not work.embed else 0
-            total = work.prompt_len + work.gen_len
-            shared = held = floor if policy.block_size * (total - floor) >= total else 0
+            shared = held = planned_hold(None if work.embed else work.prefix, work.prompt_len + work.gen_len,
+                                         policy.block_size)
         holds = shared > 0 and holds_prefix(self.model.spec, policy.attn_sparsity, work.prompt_len + work.gen_len)
         return {"shared": shared, "held": held if holds else None}
 

@@ -17,10 +17,11 @@ from . import hugepages
 from .config import RunConfig
 from .distributed.group import RankGroup
 from .distributed.pipeline import Pipeline
-from .engine.blocks import (MIN_SHARED, BlockPlan, PrefixShape, plan_blocks, prefill_positions, prefix_groupings,
+from .engine.blocks import (MIN_SHARED, BlockPlan, plan_blocks, prefill_positions, prefix_groupings,
                             prefix_reuse, repeat_counts, repeated_prompts, shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
 from .engine.held import held_floor
+from .engine.prefix_shape import PrefixShape
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
 from .engine.structure import guide_tokenizer
@@ -88,7 +89,7 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
     if mixed:
         ids = [[-1 - a] + list(p) for p, a in zip(ids, work.adapters)]  # type: ignore[arg-type]
         longest = None if longest is None else longest + 1
-    best: tuple[int, tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...]] | None = None
+    best: tuple[int, tuple[int, ...] | None, tuple[int, ...], tuple[bool, ...], list[BlockPlan]] | None = None
     for groups in [None, *prefix_groupings(ids, plan.block_size, plan.sort_window, MIN_SHARED + mixed)]:
         blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
         shared = tuple(max(0, n - mixed) for n in shared_prefixes(ids, blocks, MIN_SHARED + mixed, longest))
@@ -97,16 +98,15 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
         reuse = prefix_reuse(ids, blocks, tuple(n + mixed if n else 0 for n in shared))
         cost = prefill_positions(blocks, shared, reuse)
         if best is None or cost < best[0]:
-            best = (cost, groups, shared, reuse)
+            best = (cost, groups, shared, reuse, blocks)
     assert best is not None
-    _, groups, shared, reuse = best
+    _, groups, shared, reuse, blocks = best
     unshared = dataclasses.replace(work, shared=(0,) * work.num_prompts)  # decided: none (no prefix held)
     if not any(shared):
         return unshared
     if groups is not None:
         log.info("requests grouped by their opening before their length: %d prefix groups",
                  len({g for g in groups if g >= 0}))
-    blocks = call_blocks(dataclasses.replace(work, groups=groups), plan.block_size, plan.sort_window)
     total = work.prompt_len + work.gen_len
 
     def sharing(lengths: tuple[int, ...], reused: tuple[bool, ...]) -> Workload:

@@ -9,7 +9,7 @@ import logging
 from typing import Any, Sequence, cast
 
 from .config import ConfigError, RunConfig
-from .engine.blocks import PrefixShape
+from .engine.prefix_shape import PrefixShape
 from .engine.held import holds_prefix
 from .engine.bans import bad_word_ids
 from .engine.beams import BeamConfig

@@ -70,7 +70,7 @@ def test_prefix_and_rows_merge_to_attention_over_both(dtype: torch.dtype, split:
     full_k, full_v = torch.cat([pk[rows], k], 1), torch.cat([pv[rows], v], 1)
     full_mask = torch.cat([torch.ones(b * kvh, 1, 1, L, dtype=torch.bool), mask], -1)
     want = attend_rows(q.float(), full_k.float(), full_v.float(), full_mask, scale=0.3)
-    pre = prefix_attention(q, pk, pv, 0.3)
+    pre = prefix_attention(q, pk.float(), pv.float(), 0.3)  # held in float32
     bounds = [(0, b * kvh)] if split is None else [(0, split), (split, b * kvh)]
     got = torch.cat([merge_lse((pre[0][a:z], pre[1][a:z]), attend_rows_lse(q[a:z], k[a:z], v[a:z], mask[a:z], 0.3),
                                dtype)

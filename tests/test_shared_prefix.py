@@ -331,7 +331,7 @@ def test_on_the_gpu_the_shared_prefix_gives_the_cpus_tokens(models: dict, gpu_de
 
 def test_the_planner_expects_what_the_prefixes_save(models: dict, tmp_path: Path) -> None:
     """The cost model counts a block's prefill as its rows' positions less what the shared
-    prefixes save (``blocks.PrefixShape``): one opening every prompt shares (the first block
+    prefixes save (``prefix_shape.PrefixShape``): one opening every prompt shares (the first block
     computes it once, the next take its keys), tasks interleaved each with its own prefix
     (which grouping by opening shares), a prompt that begins otherwise; nothing where scoring or
     with sharing off. ``explain``'s predicted prefill moves with it, and the planner's CLI takes

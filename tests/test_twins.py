@@ -214,7 +214,8 @@ def test_the_planner_expects_what_the_repeats_save(models: dict) -> None:
     """The cost model computes a batch's repeated prompt once (``PrefixShape.computed_share``):
     four requests of each of two prompts are 2 rows of 8 in batches of 4, 4 in batches of 2
     (none saved with a batch of one); ``explain``'s predicted prefill moves with it."""
-    from flexgen_dist.engine.blocks import PrefixShape, repeat_counts
+    from flexgen_dist.engine.blocks import repeat_counts
+    from flexgen_dist.engine.prefix_shape import PrefixShape
     from flexgen_dist.planner.terms import WorkShape
 
     shape = PrefixShape(repeats=repeat_counts([0, 0, 0, 0, 4, 4, 4, 4]))

@@ -123,11 +123,12 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 
 def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``attend_rows`` (no sparsity, softcap or sinks) and each query's log-sum-exp of its
     scores, (R, G, t) float32: what merging it with attention over other keys takes
     (``merge_lse``). A decode on the CPU runs the native kernel, as ``attend_rows`` does, its
     output left in float32 for the merge to round once."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[2] == 1 and q.device.type == "cpu":
         got = kernels.attention_lse(q, k, v, mask, scale)
         if got is not None:
@@ -140,19 +141,20 @@ def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def prefix_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every row over keys all rows share (a block's shared prefix, held once):
-    q (R, G, t, d) with row r on kv head r % kv_heads, pk/pv (kv_heads, L, d) -> the output
+    q (R, G, t, d) with row r on kv head r % kv_heads, pk/pv (kv_heads, L, d) float32 -> the output
     (R, G, t, d) float32 and each query's log-sum-exp (R, G, t) float32. One product per kv head over
     the queries of all its rows: the prefix is read once a step, not once per row. In float32
     whatever the dtype, as the native decode kernel computes (the prefix is one row's keys)."""
     r, g, t, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
     kvh = pk.shape[0]
     b = r // kvh
     qh = q.reshape(b, kvh, g * t, d).transpose(0, 1).reshape(kvh, b * g * t, d).float()
-    scores = torch.bmm(qh, pk.float().transpose(1, 2)).mul_(scale)  # (kvh, b * g * t, L)
+    scores = torch.bmm(qh, pk.transpose(1, 2)).mul_(scale)  # (kvh, b * g * t, L)
     lse = torch.logsumexp(scores, dim=-1)
-    o = torch.bmm(scores.sub_(lse[..., None]).exp_(), pv.float())
+    o = torch.bmm(scores.sub_(lse[..., None]).exp_(), pv)
     return (o.view(kvh, b, g, t, d).transpose(0, 1).reshape(r, g, t, d),
             lse.view(kvh, b, g, t).transpose(0, 1).reshape(r, g, t))
 

@@ -352,10 +352,11 @@ def _working_sets(spec: ModelSpec, z: StageShape) -> np.ndarray:
     if z.shared:  # a shared prefix's keys and values, each layer's until the block's last batch has
         # used them (every layer of the stage, with a prefill item per GPU batch), and its row's states
         W[0, 0, 9] += z.shared * (seq_cache * z.num_layers + 2 * h * e)
-        if z.hold:  # every layer's held copy (kv heads first) through decode; at the prefill, one
-            # layer's beside the prefix's own keys (each layer's leave when its copy is made)
-            W[0, 0, 9] += z.shared * seq_cache
-            W[1, 0, 9] += z.shared * seq_cache * z.num_layers
+        if z.hold:  # every layer's held copy (kv heads first, float32) through decode; at the prefill,
+            # one layer's beside the prefix's own keys (each layer's leave when its copy is made)
+            copy = z.shared * spec.cache_tensors * kv * 4
+            W[0, 0, 9] += copy
+            W[1, 0, 9] += copy * z.num_layers
     if z.cpu_attention:  # q goes to the cache and the output comes back; scores on the host
         W[1, 0, [4, 5]] += 2 * b * (q + 2 * kv) * e
         W[1, host, 9] += b * nh * held * 4 + 2 * b * q * 4

@@ -27,6 +27,7 @@ from ..memory.tiers import MemoryTracker, Tier
 from ..models.spec import ModelSpec
 from .attention import merge_lse, prefix_attention
 from .blocks import BlockPlan
+from .prefix_shape import PrefixShape
 
 
 def holds_prefix(spec: ModelSpec, sparsity: float, length: int | None = None) -> bool:
@@ -51,17 +52,28 @@ def held_floor(blocks: Sequence[BlockPlan], shared: Sequence[int], total: int, b
     requests (0 where one shares none); a block of one request shares nothing, and fits where
     ``block_size`` rows less that many positions take at least its one row."""
     multi = [shared[blk.members[0]] for blk in blocks if len(blk.members) > 1]
-    if not multi or min(multi) == 0:
+    if not multi:
         return 0
-    held = min(multi)
-    if any(len(blk.members) == 1 for blk in blocks) and block_size * (total - held) < total:
-        return 0
-    return held
+    return lone_block_fits(min(multi), total, block_size) if any(len(blk.members) == 1 for blk in blocks) \
+        else min(multi)
+
+
+def planned_hold(prefix: PrefixShape | None, total: int, block_size: int) -> int:
+    """What planning counts on every block holding before the blocks are cut: the opening every
+    prompt shares (``PrefixShape.floor``), where ``lone_block_fits``."""
+    return lone_block_fits(prefix.floor if prefix is not None else 0, total, block_size)
+
+
+def lone_block_fits(held: int, total: int, block_size: int) -> int:
+    """``held``, or 0 where a block of one request (which shares nothing) would take more than a
+    full block of ``block_size`` rows of ``total`` positions, less ``held`` each, as counted."""
+    return held if block_size * (total - held) >= total else 0
 
 
 class HeldPrefix:
-    """Each layer's keys and values of a block's shared prefix, (kv_heads, L, d) on the
-    compute device, from the end of the block's prefill there to the end of the block."""
+    """Each layer's keys and values of a block's shared prefix, (kv_heads, L, d) float32 on the
+    compute device (what ``prefix_attention`` computes in, converted once, not each step), from
+    the end of the block's prefill there to the end of the block."""
 
     def __init__(self, length: int, device: torch.device, dtype: torch.dtype, tracker: MemoryTracker,
                  compress: tuple[int, int] | None = None) -> None:
@@ -73,8 +85,6 @@ class HeldPrefix:
     def hold(self, j: int, pk: torch.Tensor, pv: torch.Tensor) -> None:
         """Keep layer j's prefix: ``pk``/``pv`` (1, L', kv_heads, d) as the prefix pass made
         them (L' >= L: a prefix kept from an earlier block, whose first L are this one's)."""
-        if j in self.kv:
-            return
         kv = tuple(self._form(x) for x in (pk, pv))
         self.kv[j] = kv  # type: ignore[assignment]
         n = sum(x.nbytes for x in kv)
@@ -82,14 +92,14 @@ class HeldPrefix:
         self._bytes += n
 
     def _form(self, x: torch.Tensor) -> torch.Tensor:
-        x = x[0, :self.length].transpose(0, 1).to(self.device, self.dtype)
+        x = x[0, :self.length].transpose(0, 1).to(self.device, self.dtype)  # as a row would store it
         if self.compress is not None:  # the values a compressed row would have held
             bits, group = self.compress
-            return dequantize(quantize(x, bits, group, dim=-1))
-        return x.contiguous()
+            x = dequantize(quantize(x, bits, group, dim=-1))
+        return x.float().contiguous()
 
     def attend(self, j: int, q: torch.Tensor, parts: list[tuple[int, int, tuple[torch.Tensor, torch.Tensor]]],
-               scale: float) -> torch.Tensor:
+               scale: float | None) -> torch.Tensor:
         """Layer j's decode output for the rows of ``q`` (R, G, 1, d): the prefix's part for all
         rows at once, merged with each chunk's [(first row, end row, (output, log-sum-exp))]."""
         if j not in self.kv:

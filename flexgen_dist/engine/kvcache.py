@@ -287,7 +287,7 @@ class BlockCache:
                                                   perm))
                 for ch in self.chunks[(j, kb)]]
         if self.prefix is not None:
-            return self.prefix.attend(j, q, outs, _scale(scale, q))
+            return self.prefix.attend(j, q, outs, scale)
         return merge_partial(outs, q.shape[0], self.device)
 
     def whole_layer(self, j: int) -> bool:
@@ -305,7 +305,7 @@ class BlockCache:
         out = self._attend_chunk(self._whole[j], q, k_new, v_new, mask, pos0, sparsity, scale, softcap, sinks,
                                  self._whole_perm(j))
         if self.prefix is not None:
-            return self.prefix.attend(j, q, [(0, q.shape[0], out)], _scale(scale, q))
+            return self.prefix.attend(j, q, [(0, q.shape[0], out)], scale)
         return out.to(self.device, non_blocking=True)
 
     def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -327,7 +327,7 @@ class BlockCache:
         kd = self._expand(kc, dev, pos_major, "k")
         vd = kd if vc is kc else self._expand(vc, dev, pos_major, "v")
         if self.prefix is not None:
-            return attend_rows_lse(qr, kd, vd, m, _scale(scale, q))
+            return attend_rows_lse(qr, kd, vd, m, scale)
         return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
@@ -372,7 +372,3 @@ class BlockCache:
         for dst, src in pairs(ch.k, kn, ch.v, vn):
             copy_between(positions(dst, a, b, 1), self._encode(src), non_blocking=nb)
         return (*each_kv(ch.k, ch.v, lambda x: positions(x, 0, n, 1)), False)
-
-
-def _scale(scale: float | None, q: torch.Tensor) -> float:
-    return q.shape[-1] ** -0.5 if scale is None else scale

@@ -14,7 +14,7 @@ import torch
 from ..budgets import Budgets
 from ..config import RunConfig
 from ..distributed.partition import partition_layers
-from ..engine.blocks import PrefixShape
+from ..engine.prefix_shape import PrefixShape
 from ..engine.footprint import HeadLoad, Packed
 from ..engine.policy import Policy
 from ..models.spec import ModelSpec

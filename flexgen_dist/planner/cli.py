@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from flexgen_dist.models.registry import get_spec, registry_names
-from flexgen_dist.engine.blocks import PrefixShape
+from flexgen_dist.engine.prefix_shape import PrefixShape
 from flexgen_dist.engine.held import holds_prefix
 from flexgen_dist.planner.cost_model import WorkShape
 from flexgen_dist.planner.hardware import DEVICES, HardwareSpec, hardware_for_stages, load_hardware_stages

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexgen_dist.engine.blocks import PrefixShape
 from flexgen_dist.engine.footprint import Footprint, HeadLoad, Packed, StageShape, stage_footprint
+from flexgen_dist.engine.held import planned_hold
+from flexgen_dist.engine.prefix_shape import PrefixShape
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
 
@@ -285,11 +286,8 @@ def _held_terms(workload: WorkShape, block_size: int) -> dict[str, Any]:
     """The footprint's held-prefix terms (``StageShape.shared``, ``hold``, ``held``): the opening
     every prompt shares, held once through decode (``PrefixShape.floor``), where a block of one
     request (which shares nothing) still fits a full block's cache."""
-    floor = workload.prefix.floor if workload.prefix is not None else 0
-    total = workload.prompt_len + workload.gen_len
-    if not floor or block_size * (total - floor) < total:
-        return {}
-    return {"shared": floor, "hold": True, "held": floor}
+    held = planned_hold(workload.prefix, workload.prompt_len + workload.gen_len, block_size)
+    return {"shared": held, "hold": True, "held": held} if held else {}
 
 
 def _held(spec: ModelSpec, length: float) -> float:
