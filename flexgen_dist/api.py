@@ -382,7 +382,8 @@ class LLM(PooledCalls, BeamCalls):
             return work
         stages = plan.stages
         return with_shared_prefixes(work, plan, self.model.spec, lambda w: self._planner.fits(
-            [s.policy for s in stages], [s.layers for s in stages], w, plan.num_micro_batches, plan.schedule))
+            [s.policy for s in stages], [s.layers for s in stages], w, plan.num_micro_batches, plan.schedule),
+            cuda=self.device.type == "cuda")
 
     def _workload(self, prompts: Sequence[PromptLike] | None, gen_len: int | None,
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:

@@ -70,6 +70,10 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
     return {
         **run, "world_size": len(stages),
         **clock.metrics(),
+        # the share of the cache's positions (stage 0's blocks) a shared prefix held once or a
+        # repeated prompt kept once spared (``engine/held.py``, ``engine/prompt_groups.py``)
+        "cache_spared_fraction": (stages[0].get("cache_spared", 0) / stages[0]["cache_positions"]
+                                  if stages[0].get("cache_positions") else 0.0),
         "policy": [s["policy"] for s in stages], "peak_bytes": [s["peak_bytes"] for s in stages],
         "stage_times": [{k: s[k] for k in STAGE_TIME_KEYS} for s in stages],
         "predicted": {**predicted, "peak_bytes": [s["predicted_peak_bytes"] for s in stages]},
@@ -105,6 +109,9 @@ def summary(metrics: dict[str, Any]) -> str:
     if metrics.get("repeated_prompt_fraction"):
         line += (f"; {100 * metrics['repeated_prompt_fraction']:.1f} % of the prompt positions repeated another "
                  "row's prompt, computed once")
+    if metrics.get("cache_spared_fraction"):
+        line += (f"; {100 * metrics['cache_spared_fraction']:.1f} % of the cache's positions were a shared prefix "
+                 "or a repeated prompt kept once")
     pred = metrics.get("predicted", {})
     if "total_throughput" in pred:
         line += (f"\npredicted by the planner: prefill {pred['prefill_throughput']:.1f} | decode "

@@ -58,8 +58,9 @@ class Workload:
     # before (``blocks.prefix_reuse``; None: none does)
     reuse: tuple[bool, ...] | None = None
     # the fewest positions a row's cache leaves out in any block of the call where the blocks'
-    # shared prefixes are held through decode (``engine/held.py``; ``blocks.held_floor``): what
-    # the memory check counts on; rank 0 sets it with the prefixes
+    # shared prefixes are held through decode (``engine/held.py``; ``held.held_floor``), or their
+    # GPU batches' repeated prompts kept once (``engine/prompt_groups.py``): what the memory
+    # check counts on; rank 0 sets it with the prefixes
     held: int = 0
     # per request, its LoRA adapter served per request (``models/lora_stack.py``): 0 the base
     # model, a > 0 the model's a-th adapter (``LoadedModel.adapters``); None: every request the base

@@ -248,13 +248,16 @@ class RunPlanner:
         fewest positions a row's cache leaves out where the model and policy hold prefixes through
         decode (``engine/held.py``; None: not held). Once rank 0 has found the blocks' prefixes
         (``Workload.shared``), theirs; before (planning), the opening every prompt shares
-        (``PrefixShape.floor``), which every block will share at the least."""
+        (``PrefixShape.floor``), which every block will share at the least. A call's blocks that
+        keep their GPU batches' repeated prompts once count what that leaves out of a row
+        instead (``Workload.held``, ``engine/prompt_groups.py``)."""
         if work.shared is not None:
             shared, held = max(work.shared), work.held
         else:
             shared = held = planned_hold(None if work.embed else work.prefix, work.prompt_len + work.gen_len,
                                          policy.block_size)
-        holds = shared > 0 and holds_prefix(self.model.spec, policy.attn_sparsity, work.prompt_len + work.gen_len)
+        total = work.prompt_len + work.gen_len
+        holds = (shared > 0 or held > 0) and holds_prefix(self.model.spec, policy.attn_sparsity, total)
         return {"shared": shared, "held": held if holds else None}
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:

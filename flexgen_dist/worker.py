@@ -20,7 +20,8 @@ from .distributed.pipeline import Pipeline
 from .engine.blocks import (MIN_SHARED, BlockPlan, plan_blocks, prefill_positions, prefix_groupings,
                             prefix_reuse, repeat_counts, repeated_prompts, shared_prefixes, unscored_prefixes)
 from .engine.footprint import needs_disk
-from .engine.held import held_floor
+from .engine.held import held_floor, holds_prefix
+from .engine.prompt_groups import kept_positions
 from .engine.prefix_shape import PrefixShape
 from .engine.prefix import longest_sharing, shares_prefix
 from .engine.stage import StageEngine
@@ -74,10 +75,12 @@ def with_twins(work: Workload) -> Workload:
     return dataclasses.replace(work, twins=twins, prefix=shape)
 
 
-def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callable[[Workload], bool]) -> Workload:
+def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callable[[Workload], bool],
+                         cuda: bool = False) -> Workload:
     """Rank 0: ``work`` with each request's prefix shared with the rest of its block
     (``blocks.shared_prefixes``) where the model can share one (``prefix.shares_prefix``) and the
-    plan still ``fits`` with the prefixes' keys held; else ``work`` as it is. Where the
+    plan still ``fits`` with the prefixes' keys held; else ``work`` as it is (``cuda``: the
+    stages compute on GPUs, for what keeping repeated prompts once leaves out). Where the
     window's prompts open differently, the requests are grouped by opening first if a grouping
     computes fewer prefill positions (``blocks.prefix_groupings``, ``blocks.prefill_positions``)."""
     if not work.prompts or not shares_prefix(spec) or (work.embed and spec.pooling != "last"):
@@ -101,17 +104,34 @@ def with_shared_prefixes(work: Workload, plan: RunPlan, spec: Any, fits: Callabl
             best = (cost, groups, shared, reuse, blocks)
     assert best is not None
     _, groups, shared, reuse, blocks = best
-    unshared = dataclasses.replace(work, shared=(0,) * work.num_prompts)  # decided: none (no prefix held)
+    total = work.prompt_len + work.gen_len
+    holds = all(holds_prefix(spec, s.policy.attn_sparsity, total) for s in plan.stages)
+    cuts = {(s.policy.gpu_batch_size, s.policy.fractions("cache")) for s in plan.stages}
+
+    def kept(lengths: tuple[int, ...]) -> list[int | None] | None:
+        """Per block, what keeping its GPU batches' repeated prompts once leaves out of a row of
+        the call's length (``engine/prompt_groups.py``), the least over the stages' policies."""
+        if work.twins is None or not holds:
+            return None
+        out: list[int | None] = []
+        for blk in blocks:
+            got = [kept_positions(blk.meta(gbs, work.gen_len), gbs, spec.num_kv_heads, fr, lengths[blk.members[0]],
+                                  cuda) for gbs, fr in cuts]
+            out.append(None if None in got else min(got) + work.prompt_len - blk.prompt_len)  # type: ignore[type-var]
+        return out
+
+    nothing = (0,) * work.num_prompts  # decided: no prefix shared, held or taken from another block
+    unshared = dataclasses.replace(work, shared=nothing, held=held_floor(blocks, nothing, total, plan.block_size,
+                                                                         kept(nothing)))
     if not any(shared):
         return unshared
     if groups is not None:
         log.info("requests grouped by their opening before their length: %d prefix groups",
                  len({g for g in groups if g >= 0}))
-    total = work.prompt_len + work.gen_len
 
     def sharing(lengths: tuple[int, ...], reused: tuple[bool, ...]) -> Workload:
         return dataclasses.replace(work, shared=lengths, groups=groups, reuse=reused if any(reused) else None,
-                                   held=held_floor(blocks, lengths, total, plan.block_size))
+                                   held=held_floor(blocks, lengths, total, plan.block_size, kept(lengths)))
 
     out = sharing(shared, reuse)
     if fits(out):
@@ -199,6 +219,7 @@ class StageWorker:
                         samplings=work.samplings, stops=stops, logprobs=work.logprobs, seen=work.seen,
                         guide=guide, embed=work.embed, beams=work.beams)
         times0 = engine.times.as_dict()
+        cache0 = list(engine.cache_positions)
         experts0 = engine.weights.expert_stats.copy()
         read0 = self.disk.bytes_read if self.disk is not None else 0
         bar = progress_bar(len(blocks) * work.gen_len, self.config.progress and self.group.is_driver)
@@ -221,6 +242,7 @@ class StageWorker:
             "policy": engine.policy.to_dict(), "peak_bytes": engine.peak_bytes(),
             "predicted_peak_bytes": peaks.as_dict(), **times,
             "comm_wait_s": pipe.comm_wait_s, "token_steps": pipe.timings.token_steps,
+            "cache_positions": engine.cache_positions[0] - cache0[0], "cache_spared": engine.cache_positions[1] - cache0[1],
             "prefill_s": pipe.timings.prefill_s, "decode_s": pipe.timings.decode_s,
             **{f"prefill_{k}": v for k, v in pipe.prefill_split.items()},
             "disk_bytes_read": (self.disk.bytes_read - read0) if self.disk is not None else 0,

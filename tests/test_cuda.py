@@ -550,8 +550,8 @@ def test_a_held_prefix_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, 
     each chunk's own positions attended where they live and merged by log-sum-exp: the
     tokens of the run whose every row keeps its prefix, transformers' where uncompressed."""
     from conftest import reference_generate
-    from flexgen_dist import LLM, run_plan
-    from flexgen_dist.engine import stage
+    from flexgen_dist import LLM, run_plan, worker
+    from flexgen_dist.engine import prompt_groups
     from test_shared_prefix import TWO_BLOCKS, prompts
 
     tm = tiny_models["llama-gqa"]
@@ -559,8 +559,8 @@ def test_a_held_prefix_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, 
     got = {}
     for hold in (True, False):
         if not hold:
-            monkeypatch.setattr(stage, "holds_prefix", lambda *a: False)
-            monkeypatch.setattr(run_plan, "holds_prefix", lambda *a: False)
+            for mod in (prompt_groups, run_plan, worker):
+                monkeypatch.setattr(mod, "holds_prefix", lambda *a: False)
         with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=3, num_gpu_batches=2,
                  ignore_eos=True, offload_dir=str(tmp_path / "off"), progress=False, sort_window=0,
                  **placement) as llm:
@@ -569,3 +569,33 @@ def test_a_held_prefix_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, 
     assert got[True] == got[False]
     if not placement.get("compress_cache"):
         assert got[True] == [reference_generate(tm, [p], GEN)[0] for p in ps]
+
+
+@pytest.mark.parametrize("placement", [
+    dict(percent=(100, 0, 100, 0, 100, 0)),
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=True),  # prompts' and rows' keys in pinned RAM
+    dict(percent=(100, 0, 0, 100, 100, 0), cpu_attention=False),  # copied to the device each step
+    dict(percent=(100, 0, 0, 0, 100, 0), cpu_attention=True, compress_cache=True),  # on disk, 4-bit
+], ids=["device", "ram-cpu-attention", "ram-to-device", "disk-compressed"])
+def test_repeated_prompts_kept_once_on_the_gpu(placement: dict, tiny_models, tmp_path: Path, gpu_device,
+                                               monkeypatch) -> None:
+    """Three choices of each prompt, each GPU batch's prompts kept once in its cache
+    (``engine/prompt_groups.py``), a prompt's rows' queries attending its one row: the tokens of
+    the run whose every row keeps its prompt, transformers' where uncompressed."""
+    from conftest import reference_generate
+    from flexgen_dist import LLM
+    from flexgen_dist.engine import prompt_groups
+    from test_prompt_groups import _prompts
+
+    tm = tiny_models["llama-gqa"]
+    ps = _prompts(256)
+    got = {}
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(prompt_groups, "prompt_groups", lambda *a: None)
+        with LLM(str(tm.path), device=gpu_device.type, dtype="float32", gpu_batch_size=6, num_gpu_batches=2,
+                 ignore_eos=True, offload_dir=str(tmp_path / "off"), progress=False, **placement) as llm:
+            got[grouped] = [c.token_ids for c in llm.generate(ps, gen_len=GEN, n=3)]
+    assert got[True] == got[False]
+    if not placement.get("compress_cache"):
+        assert got[True] == [t for t in reference_generate(tm, ps, GEN) for _ in range(3)]

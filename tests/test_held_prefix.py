@@ -13,11 +13,11 @@ import torch
 
 from conftest import TinyModel, reference_generate, saved
 from flexgen_dist import LLM, SamplingConfig
-from flexgen_dist.engine import stage as stage_mod
+from flexgen_dist.engine import prompt_groups as prompt_groups_mod
 from flexgen_dist.engine.attention import attend_rows, attend_rows_lse, merge_lse, prefix_attention
 from flexgen_dist.engine.held import HeldPrefix, holds_prefix
 from flexgen_dist.memory.tiers import MemoryTracker
-from flexgen_dist import run_plan, workloads
+from flexgen_dist import run_plan, worker, workloads
 from test_shared_prefix import GEN, TWO_BLOCKS, attention_shapes, prompts
 
 PLACEMENTS = {
@@ -35,6 +35,11 @@ PLACEMENTS = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
+    return held_models(tmp_path_factory, tiny_models)
+
+
+def held_models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, TinyModel]) -> dict[str, TinyModel]:
+    """The attention shapes of ``test_shared_prefix``, and a Mistral whose window outlasts every sequence."""
     from transformers import MistralConfig, MistralForCausalLM
 
     out = attention_shapes(tmp_path_factory, tiny_models)
@@ -50,7 +55,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Tiny
 def unheld(monkeypatch: pytest.MonkeyPatch):
     """Switches holding off (every row's cache keeps its prefix, as before holding existed)."""
     def off() -> None:
-        for mod in (stage_mod, run_plan, workloads):
+        for mod in (prompt_groups_mod, run_plan, workloads, worker):
             monkeypatch.setattr(mod, "holds_prefix", lambda *a: False)
     return off
 
@@ -127,6 +132,7 @@ def test_greedy_tokens_equal_transformers_with_the_prefix_held(models: dict, kin
             got[hold] = [c.token_ids for c in llm.generate(ps, gen_len=GEN)]
             m = llm.metrics
         peaks[hold], predicted[hold] = m["peak_bytes"][0], m["predicted"]["peak_bytes"][0]
+        assert (m["cache_spared_fraction"] > 0) == hold  # the held prefix's positions, reported
         for tier, n in peaks[hold].items():
             assert n <= predicted[hold][tier], (hold, tier, n, predicted[hold][tier])
     if "compressed" in placement:  # a compressed cache rounds: the held prefix rounds the same

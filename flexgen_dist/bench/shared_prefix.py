@@ -19,7 +19,8 @@ there comes from grouping the requests by opening (``blocks.prefix_groupings``).
 
 ``--repeats N`` asks each prompt N times in a row (a request's ``n`` choices; ``--prefix 0``
 for prompts that share nothing else): the shared run computes each GPU batch's repeats once
-(``engine/twins.py``, ``repeated_prompt_fraction``), the unshared one every row.
+(``engine/twins.py``, ``repeated_prompt_fraction``) and keeps each batch's prompts once in its
+cache through decode (``engine/prompt_groups.py``: ``decode_speedup``), the unshared one every row.
 
 ``--score`` scores each prompt's own tokens instead (``LLM.score(first_scored=prefix)``, a
 few-shot log-likelihood job) and compares the scores: the context is computed once per block

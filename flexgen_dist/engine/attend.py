@@ -38,6 +38,8 @@ def attend_fn(spec: ModelSpec, sparsity: float, st: BlockState, layer: int, k: i
                 kk, vv = with_prefix(st, layer, k, kk, vv, None if twins is None else twins.reps)
             if twins is None:
                 cache.write_prefill(layer, k, kk, vv)
+            elif cache.groups is not None:  # each prompt kept once: the rows computed are those
+                cache.write_prefill(layer, k, kk, vv, firsts=True)
             else:  # a latent cache's one tensor (``BlockCache.shared``) stays one
                 wk = twins.widen(kk)
                 cache.write_prefill(layer, k, wk, wk if vv is kk else twins.widen(vv))

@@ -170,6 +170,24 @@ def merge_lse(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
     return out.to(dtype)
 
 
+Part = tuple[int, int, tuple[torch.Tensor, torch.Tensor]]  # (first row, end row, (output, log-sum-exp))
+
+
+def merge_parts(whole: tuple[torch.Tensor, torch.Tensor], parts: list[Part], dtype: torch.dtype) -> torch.Tensor:
+    """``merge_lse`` of attention over one key set for every row, ``whole`` (output,
+    log-sum-exp) on the compute device, with each chunk's over another,
+    [(first row, end row, (output, log-sum-exp))] wherever the chunk attended."""
+    op, lp = whole
+    dev = op.device
+    if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == op.shape[0]:
+        o, lse = parts[0][2]
+        return merge_lse((op, lp), (o.to(dev), lse.to(dev)), dtype)
+    out = torch.empty(op.shape, dtype=dtype, device=dev)
+    for r0, r1, (o, lse) in parts:
+        out[r0:r1] = merge_lse((op[r0:r1], lp[r0:r1]), (o.to(dev), lse.to(dev)), dtype)
+    return out
+
+
 def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """One query position per head with SDPA: the G query heads of a row become G queries

@@ -132,7 +132,9 @@ def step_inputs(st: BlockState, i: int, k: int, window: int, kv_heads: int,
         held = torch.arange(s + i, device=device)
         keys = valid[:, : s + i]
         base = 0 if st.cache is None else st.cache.held
-        if base:  # a shared prefix held once (``held.py``): the cache holds positions [L, s + i),
+        if base and st.cache.groups is not None:  # type: ignore[union-attr]
+            keys = keys[:, base:]  # the prompt kept once (``prompt_groups.py``): a row holds what it generates
+        elif base:  # a shared prefix held once (``held.py``): the cache holds positions [L, s + i),
             # and a row's own are those past its prefix (its left padding, then L positions)
             keys = keys[:, base:] & keys[:, :-base]
     if chunked:  # only the keys of the query's own chunk: the query's slot pos0 is its position

@@ -191,7 +191,8 @@ class StageShape:
     state_fractions: tuple[float, float, float] = (1.0, 0.0, 0.0)  # the linear layers' states (policy's)
     shared: int = 0  # the longest prefix a block's prompts share (computed once: its row's keys are held)
     # a shared prefix held once through decode (``held.py``): its keys stay on the compute device,
-    # and each row's cache leaves out ``held`` positions (the fewest any block's rows leave out)
+    # and each row's cache leaves out ``held`` positions (the fewest any block's rows leave out,
+    # a GPU batch's repeated prompts kept once, ``prompt_groups.py``, counted so too)
     hold: bool = False
     held: int = 0
 
@@ -407,7 +408,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
                    num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad(),
-                   state_fractions=policy.fractions("state"), shared=shared, hold=held is not None and shared > 0,
+                   state_fractions=policy.fractions("state"), shared=shared, hold=held is not None and (shared > 0 or held > 0),
                    held=held or 0)
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)

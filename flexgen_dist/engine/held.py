@@ -25,7 +25,7 @@ import torch
 from ..memory.quant import dequantize, quantize
 from ..memory.tiers import MemoryTracker, Tier
 from ..models.spec import ModelSpec
-from .attention import merge_lse, prefix_attention
+from .attention import merge_parts, prefix_attention
 from .blocks import BlockPlan
 from .prefix_shape import PrefixShape
 
@@ -45,13 +45,17 @@ def holds_prefix(spec: ModelSpec, sparsity: float, length: int | None = None) ->
             and all(whole(j) for j in range(spec.num_layers)))
 
 
-def held_floor(blocks: Sequence[BlockPlan], shared: Sequence[int], total: int, block_size: int) -> int:
+def held_floor(blocks: Sequence[BlockPlan], shared: Sequence[int], total: int, block_size: int,
+               kept: Sequence[int | None] | None = None) -> int:
     """The fewest positions a row's cache leaves out in any of ``blocks`` (``shared``: per
     request, its block's prefix), as the memory check counts it against full blocks of
     ``block_size`` rows and ``total`` positions: the least prefix of the blocks of two or more
-    requests (0 where one shares none); a block of one request shares nothing, and fits where
-    ``block_size`` rows less that many positions take at least its one row."""
-    multi = [shared[blk.members[0]] for blk in blocks if len(blk.members) > 1]
+    requests (0 where one shares none), or where ``kept`` (per block) gives one, what keeping its
+    GPU batches' prompts once leaves out instead (``prompt_groups.kept_positions``); a block of
+    one request shares nothing, and fits where ``block_size`` rows less that many positions take
+    at least its one row."""
+    multi = [shared[blk.members[0]] if kept is None or kept[i] is None else kept[i]  # type: ignore[misc]
+             for i, blk in enumerate(blocks) if len(blk.members) > 1]
     if not multi:
         return 0
     return lone_block_fits(min(multi), total, block_size) if any(len(blk.members) == 1 for blk in blocks) \
@@ -106,14 +110,7 @@ class HeldPrefix:
             raise RuntimeError(f"layer {j} decodes before the block's prefill left its shared prefix: "
                                "a block's GPU batches must all finish their prefill on a stage before its decode")
         pk, pv = self.kv[j]
-        op, lp = prefix_attention(q, pk, pv, scale)
-        if len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == q.shape[0]:
-            o, lse = parts[0][2]
-            return merge_lse((op, lp), (o.to(self.device), lse.to(self.device)), q.dtype)
-        out = torch.empty(op.shape, dtype=q.dtype, device=op.device)
-        for r0, r1, (o, lse) in parts:
-            out[r0:r1] = merge_lse((op[r0:r1], lp[r0:r1]), (o.to(self.device), lse.to(self.device)), q.dtype)
-        return out
+        return merge_parts(prefix_attention(q, pk, pv, scale), parts, q.dtype)
 
     def free(self) -> None:
         self.tracker.sub(Tier.GPU, self._bytes)

@@ -24,6 +24,11 @@ the memory, half the disk traffic, one write and one expansion per step.
 With ``held`` = L (a block's shared prefix held once, ``held.py``) a row keeps positions
 [L, max_len) only, at slots [0, max_len - L), and decode merges each chunk's attention with the
 prefix's (``HeldPrefix.attend``).
+
+With ``groups`` (a GPU batch's repeated prompts kept once, ``prompt_groups.py``) ``held`` is the
+prompt's length: each row keeps only the positions it generates, and ``prompts``, a cache of
+its own with a row per distinct prompt, the prompts' positions; decode merges each row's
+attention with its prompt's (``_prompt_part``).
 """
 from __future__ import annotations
 
@@ -36,10 +41,11 @@ import torch
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor, dequantize, empty_qtensor, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between
-from .attention import attend_rows, attend_rows_lse, merge_partial, to_rows
+from .attention import attend_rows, attend_rows_lse, merge_partial, merge_parts, to_rows
 from .cache_layout import (Chunk, Stored, cache_group_size, copy_rows, dense, each_kv, host_copy, pairs, parts,
                            permute_rows, positions, ring_pieces, split_rows, staged_nbytes)
 from .held import HeldPrefix
+from .prompt_groups import PromptGroups
 
 
 class BlockCache:
@@ -54,7 +60,7 @@ class BlockCache:
                  dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None,
                  cpu_attention: bool, tag: str = "", *, compress: bool = False, bits: int = 4,
                  group_size: int = 64, windows: dict[int, int] | None = None,
-                 shared: bool = False, held: int = 0) -> None:
+                 shared: bool = False, held: int = 0, groups: PromptGroups | None = None) -> None:
         self.device, self.dtype, self.tracker = device, dtype, tracker
         self.shared = shared
         self.max_len, self.head_dim, self.kv_heads = max_len, head_dim, kv_heads
@@ -66,7 +72,15 @@ class BlockCache:
         # tier's memory (the footprint's ``W[1, 0, 5]`` on a CPU device)
         self._host_tier = Tier.CPU if device.type == "cuda" else Tier.GPU
         self.prefix = HeldPrefix(held, device, dtype, tracker, (bits, self.group_size) if compress else None) \
-            if held else None
+            if held and groups is None else None
+        self.groups = groups
+        # rows x positions of a layer without holding, and what holding spares of them
+        self.positions = sum(batch_sizes) * max_len
+        self.spared = held * (sum(batch_sizes) - (sum(groups.sizes) if groups is not None else 1)) if held else 0
+        # each GPU batch's distinct prompts' positions, a row per prompt (``prompt_groups.py``)
+        self.prompts = BlockCache(layers, groups.sizes, kv_heads, held, head_dim, fractions, device, dtype,
+                                  tracker, disk, cpu_attention, tag + "p", compress=compress, bits=bits,
+                                  group_size=group_size, shared=shared) if groups is not None else None
         self._disk_store = disk
         self.chunks: dict[tuple[int, int], list[Chunk]] = {}
         self._bytes: list[tuple[Tier, int]] = []
@@ -104,6 +118,9 @@ class BlockCache:
                 self._whole[j] = next(iter(bufs.values()))
         self._disk_layers = {j for (j, _), chs in self.chunks.items() if any(ch.tier == Tier.DISK for ch in chs)}
         self._off_device = {j for (j, _), chs in self.chunks.items() if any(ch.tier != Tier.GPU for ch in chs)}
+        if self.prompts is not None:
+            self._disk_layers |= self.prompts._disk_layers
+            self._off_device |= self.prompts._off_device
 
     def _alloc(self, tier: Tier, r0: int, r1: int, cap: int, name: str) -> Chunk:
         n = r1 - r0
@@ -155,6 +172,8 @@ class BlockCache:
     def free(self) -> None:
         if self.prefix is not None:
             self.prefix.free()
+        if self.prompts is not None:
+            self.prompts.free()
         for buf in self._scratch.values():
             self.tracker.sub(Tier.GPU, buf.nbytes)
         self._scratch.clear()
@@ -204,6 +223,8 @@ class BlockCache:
     # --- overlapped I/O steps ----------------------------------------------------------
     def load(self, j: int, kb: int, length: int) -> None:
         """Prefetch: read the first ``length`` positions of disk chunks into RAM (async)."""
+        if self.prompts is not None and length:  # a decode step reads the prompts' positions too
+            self.prompts.load(j, kb, self.held)
         for ch in self.chunks.get((j, kb), []):
             if ch.tier != Tier.DISK or length == 0:
                 continue
@@ -219,7 +240,7 @@ class BlockCache:
 
     def store(self, j: int, kb: int) -> list[Future]:
         """Write what compute produced for disk chunks (async); returns the futures."""
-        futs: list[Future] = []
+        futs: list[Future] = [] if self.prompts is None else self.prompts.store(j, kb)
         for ch in self.chunks.get((j, kb), []):
             for slot0, kk, vv in ch.pending:
                 rows = (slot0, slot0 + kk.shape[0])
@@ -237,13 +258,22 @@ class BlockCache:
         # the CPU reads a RAM chunk right after this write when it runs the attention itself
         return ch.tier == Tier.GPU or not self.cpu_attention
 
-    def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    def write_prefill(self, j: int, kb: int, k_new: torch.Tensor, v_new: torch.Tensor,
+                      firsts: bool = False) -> None:
         """Store the prompt's k/v, (b, s, kv_heads, d) as the projection made them, into each
         chunk at positions [0, s) (a ring: the last ``cap`` of them, at their slots).
 
         Uncompressed, each chunk's rows are gathered straight from that layout into the cache
         (one copy, not a row-major copy first and then the cache write). A held prefix's
-        positions are not stored."""
+        positions are not stored. With ``groups`` the prompts' cache takes each prompt's keys and
+        values (``firsts``: k_new and v_new hold those rows alone, as a prefill computing each
+        prompt once made them) and the rows' own caches none."""
+        if self.prompts is not None:
+            g = self.groups
+            assert g is not None
+            kv = (k_new, v_new) if firsts else each_kv(k_new, v_new, lambda x: g.firsts(x, kb))
+            self.prompts.write_prefill(j, kb, *kv)
+            return
         if self.held:
             k_new, v_new = k_new[:, self.held:], v_new[:, self.held:]
         s = k_new.shape[1]
@@ -288,6 +318,8 @@ class BlockCache:
                 for ch in self.chunks[(j, kb)]]
         if self.prefix is not None:
             return self.prefix.attend(j, q, outs, scale)
+        if self.prompts is not None:
+            return merge_parts(self._prompt_part(j, kb, q, scale), outs, q.dtype)
         return merge_partial(outs, q.shape[0], self.device)
 
     def whole_layer(self, j: int) -> bool:
@@ -306,6 +338,11 @@ class BlockCache:
                                  self._whole_perm(j))
         if self.prefix is not None:
             return self.prefix.attend(j, q, [(0, q.shape[0], out)], scale)
+        if self.prompts is not None:
+            at = self.groups.row_starts(self.kv_heads)  # type: ignore[union-attr]
+            got = [self._prompt_part(j, kb, q[at[kb]:at[kb + 1]], scale) for kb in range(len(at) - 1)]
+            return merge_parts((torch.cat([o for o, _ in got]), torch.cat([lse for _, lse in got])),
+                               [(0, q.shape[0], out)], q.dtype)
         return out.to(self.device, non_blocking=True)
 
     def _attend_chunk(self, ch: Chunk, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -320,22 +357,60 @@ class BlockCache:
         qr, m = q[ch.r0:ch.r1], mask[ch.r0:ch.r1]
         sinks = None if sinks is None else sinks[ch.r0:ch.r1]
         kc, vc, pos_major = self._append(ch, kn, vn, pos0, length, perm)
+        return self._attend_stored(ch, kc, vc, pos_major, qr, m, self.held > 0, sparsity, scale, softcap, sinks)
+
+    def _attend_stored(self, ch: Chunk, kc: Stored, vc: Stored, pos_major: bool, qr: torch.Tensor, m: torch.Tensor,
+                       lse: bool, sparsity: float = 1.0, scale: float | None = None, softcap: float = 0.0,
+                       sinks: torch.Tensor | None = None) -> Any:
+        """Attend ``qr`` over a chunk's stored K, V where the chunk lives (the CPU, where it is in
+        RAM and ``cpu_attention``), expanded there where compressed; ``lse``: the output and its
+        log-sum-exps (``attend_rows_lse``), for a merge with a held prefix's or prompt's part."""
         dev = self.device
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
             qr, m = qr.to(dev), m.to(dev)
         kd = self._expand(kc, dev, pos_major, "k")
         vd = kd if vc is kc else self._expand(vc, dev, pos_major, "v")
-        if self.prefix is not None:
+        if lse:
             return attend_rows_lse(qr, kd, vd, m, scale)
         return attend_rows(qr, kd, vd, m, sparsity, scale, softcap, sinks)
+
+    def _prompt_part(self, j: int, kb: int, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of GPU batch kb's rows (q: (b * kvh, G, 1, d)) over their prompts'
+        positions, each prompt's rows at once over its one row (``PromptGroups.gather``): every
+        row's output and log-sum-exp on the compute device (float32)."""
+        g, pc = self.groups, self.prompts
+        assert g is not None and pc is not None
+        qg, mask = g.gather(q, kb), g.mask(kb)
+        outs = []
+        for ch in pc.chunks[(j, kb)]:
+            kc, vc, pos_major = pc._stored(ch)
+            o, lse = pc._attend_stored(ch, kc, vc, pos_major, qg[ch.r0:ch.r1], mask[ch.r0:ch.r1], True,
+                                            scale=scale)
+            outs.append((o.to(self.device), lse.to(self.device)))
+        o, lse = outs[0] if len(outs) == 1 else (torch.cat([o for o, _ in outs]), torch.cat([x for _, x in outs]))
+        return g.scatter(o.float(), lse, kb)
+
+    def _stored(self, ch: Chunk) -> tuple[Stored, Stored, bool]:
+        """A chunk's K, V over every slot, as stored, in memory (a disk chunk's staged copy, once
+        its reads have landed), and whether position-major. For a cache only read at decode
+        (the prompts')."""
+        if ch.tier == Tier.DISK:
+            for f in ch.futures:
+                f.result()
+            ch.futures = []
+            if ch.staged is None:
+                raise RuntimeError("a prompt's cache on disk is read before it was loaded")
+            kbuf, vbuf = ch.staged
+            return (*each_kv(kbuf, vbuf, lambda x: positions(x, 0, ch.cap, 0)), True)
+        return ch.k, ch.v, False
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``dense``, into a reused buffer where a compressed chunk expands on the CPU."""
         if not (isinstance(x, QTensor) and device.type == "cpu"):
             return dense(x, device, pos_major)
         rows = x.shape[1] if pos_major else x.shape[0]
-        need = rows * self.max_len * self.head_dim
+        need = rows * (self.max_len - self.held) * self.head_dim  # the most slots a chunk holds
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < need:
             if buf is not None:

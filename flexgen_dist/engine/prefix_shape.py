@@ -74,6 +74,16 @@ class PrefixShape:
         rows = max(1, int(rows))
         return self.saved(rows) / rows
 
+    def kept_once(self, prompt_len: int, gbs: int, held: float = 0.0) -> float:
+        """Mean prompt positions a row's cache leaves out where each GPU batch of ``gbs`` keeps its
+        prompts once through decode (``engine/prompt_groups.py``): ``prompt_len`` less the share
+        a row still takes of its prompt's one copy (``computed_share``), where that passes
+        ``prompt_groups``' rule against ``held`` (a block's shared prefix held instead); else 0."""
+        if not self.held or not self.repeats:
+            return 0.0
+        c = self.computed_share(gbs)
+        return prompt_len * (1 - c) if 2 * c * prompt_len <= prompt_len - held else 0.0
+
     @cached_property
     def lcp(self) -> np.ndarray:
         """Leading tokens each request shares with the next, the requests in token order."""

@@ -30,7 +30,7 @@ from .activations import ActStore
 from .attend import attend_fn, attend_layer_fn
 from .block_state import BlockState, merged_positions, recurrent, step_inputs, step_targets
 from .blocks import BlockMeta
-from .held import holds_prefix
+from .prompt_groups import cache_layout
 from .kvcache import BlockCache
 from .policy import Policy, merge_decode
 from .prefix import chain_prefix, prefix_pass
@@ -64,6 +64,9 @@ class StageEngine:
         self.tracker = tracker or MemoryTracker()
         self.disk = disk
         self.times = StageTimes()
+        # the blocks' cache positions (rows x positions of a layer), and those of them a prefix
+        # held once or a prompt kept once spared (``BlockCache.spared``)
+        self.cache_positions = [0, 0]
         # compressed: a checkpoint's own quantized blocks (GGUF Q4/Q8) are kept, not re-quantized
         read = source.get_packed if policy.compress_weight else source.get
         self.weights = WeightStore(self.slots, read, policy.fractions("w"), device, dtype,
@@ -134,6 +137,7 @@ class StageEngine:
         if self.layers:
             # a linear-attention layer keeps a state per sequence instead (``_new_states``)
             attending = [j for j in self.layers if not self.spec.linear(j)]
+            held, groups = cache_layout(self.spec, self.policy, meta, self.device)  # a prefix or prompts kept once
             cache = BlockCache(attending, meta.batch_sizes, self.spec.num_kv_heads, total,
                                self.spec.head_dim, self.policy.fractions("cache"), self.device,
                                self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
@@ -141,7 +145,9 @@ class StageEngine:
                                group_size=self.policy.comp_group_size,
                                windows={j: self.spec.window(j) for j in self.layers},
                                shared=self.spec.cache_tensors == 1,
-                               held=meta.shared if holds_prefix(self.spec, self.policy.attn_sparsity, total) else 0)
+                               held=held, groups=groups)
+            self.cache_positions[0] += cache.positions
+            self.cache_positions[1] += cache.spared
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
         valid = []

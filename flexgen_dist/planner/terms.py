@@ -236,6 +236,8 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
     kv_tok = spec.kv_numel_per_token()  # cache elements per token per sequence per layer
     # a block's shared prefix held once: each row's cache leaves it out (``engine/held.py``)
     hp = workload.prefix.held_positions(bls) if workload.prefix is not None else 0.0
+    if workload.prefix is not None:  # or each GPU batch's repeated prompts kept once (``engine/prompt_groups.py``)
+        hp = max(hp, workload.prefix.kept_once(s, gpu_batch_size, hp))
     # a shared prefix is computed once a block, or not at all; a batch's repeated prompt once
     rows_pre = workload.prefill_rows(bls, gpu_batch_size)
     a_pre, a_dec = int(rows_pre * spec.hidden_size * b), bls * spec.hidden_size * b  # hidden states
