@@ -256,8 +256,7 @@ class RunPlanner:
         else:
             shared = held = planned_hold(None if work.embed else work.prefix, work.prompt_len + work.gen_len,
                                          policy.block_size)
-        total = work.prompt_len + work.gen_len
-        holds = (shared > 0 or held > 0) and holds_prefix(self.model.spec, policy.attn_sparsity, total)
+        holds = holds_prefix(self.model.spec, policy.attn_sparsity, work.prompt_len + work.gen_len)
         return {"shared": shared, "held": held if holds else None}
 
     def check(self, plan: RunPlan, work: Workload, rank: int) -> Peaks:

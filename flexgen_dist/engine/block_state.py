@@ -8,17 +8,23 @@ the state.
 """
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..memory.disk import DiskStore
+from ..memory.tiers import MemoryTracker
 from ..models.common import Positions
 from ..models.families import Recurrent
+from ..models.spec import ModelSpec
 from .activations import ActStore
 from .attention import mask_to_rows
 from .blocks import BlockMeta
 from .kvcache import BlockCache
+from .policy import Policy
+from .prompt_groups import cache_layout
 from .states import StateStore
 
 
@@ -60,6 +66,44 @@ class BlockState:
     # beam search: per (linear layer, GPU batch), the rows its states take from (each row's
     # parent), applied at the layer's next use (``recurrent``), wherever the states live
     state_perm: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+def block_cache(spec: ModelSpec, policy: Policy, meta: BlockMeta, layers: list[int], device: torch.device,
+                dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None, tag: str = "") -> BlockCache:
+    """A block's KV cache on a stage's ``layers`` (a linear-attention layer keeps a state per
+    sequence instead), placed by the policy, leaving out of each row what ``cache_layout``
+    says (a shared prefix held once, or each GPU batch's prompts kept once)."""
+    held, groups = cache_layout(spec, policy, meta, device)
+    return BlockCache([j for j in layers if not spec.linear(j)], meta.batch_sizes, spec.num_kv_heads,
+                      meta.prompt_len + meta.gen_len, spec.head_dim, policy.fractions("cache"), device, dtype,
+                      tracker, disk, policy.cpu_attention, tag, compress=policy.compress_cache, bits=policy.comp_bits,
+                      group_size=policy.comp_group_size, windows={j: spec.window(j) for j in layers},
+                      shared=spec.cache_tensors == 1, held=held, groups=groups)
+
+
+def block_states(spec: ModelSpec, policy: Policy, layers: list[int], rows: int, device: torch.device,
+                 dtype: torch.dtype, tracker: MemoryTracker, disk: DiskStore | None, pool: Executor,
+                 tag: str = "") -> StateStore:
+    """Each linear-attention layer's states for ``rows`` sequences: the convolution's last
+    inputs (the model's dtype) and the delta rule's (float32), placed by whole layers by the
+    policy's state fractions (``states.py``), written before they are read (a prefill starts from
+    zeros without reading them)."""
+    return StateStore([j for j in layers if spec.linear(j)], rows,
+                      (spec.lin_conv_dim, spec.lin_conv_kernel - 1), (spec.lin_v_heads, spec.lin_k_dim, spec.lin_v_dim),
+                      policy.fractions("state"), device, dtype, tracker, disk, pool, tag)
+
+
+def valid_keys(meta: BlockMeta, device: torch.device) -> list[torch.Tensor]:
+    """Per GPU batch, (b, s + n) bool: the key positions that are real (a left-padded prompt's
+    padding is not)."""
+    total = meta.prompt_len + meta.gen_len
+    out = []
+    for lens in meta.prompt_lens:
+        v = torch.ones((len(lens), total), dtype=torch.bool, device=device)
+        for r, n in enumerate(lens):
+            v[r, : meta.prompt_len - n] = False
+        out.append(v)
+    return out
 
 
 def recurrent(st: BlockState, layer: int, i: int, ks: range) -> Recurrent:

@@ -408,7 +408,7 @@ def predict_peaks(spec: ModelSpec, policy: Policy, layers: tuple[int, int], *, h
                    compress_weight=policy.compress_weight, compress_cache=policy.compress_cache,
                    comp_bits=policy.comp_bits, comp_group_size=policy.comp_group_size,
                    num_stages=num_stages, cuda=cuda, first_layer=layers[0], head=head or HeadLoad(),
-                   state_fractions=policy.fractions("state"), shared=shared, hold=held is not None and (shared > 0 or held > 0),
+                   state_fractions=policy.fractions("state"), shared=shared, hold=held is not None,
                    held=held or 0)
     x = np.array([f for kind in KINDS for f in policy.fractions(kind)])
     pk = stage_footprint(spec, z, packed).peaks(x).max(axis=0)

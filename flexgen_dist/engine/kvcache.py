@@ -339,7 +339,7 @@ class BlockCache:
         if self.prefix is not None:
             return self.prefix.attend(j, q, [(0, q.shape[0], out)], scale)
         if self.prompts is not None:
-            at = self.groups.row_starts(self.kv_heads)  # type: ignore[union-attr]
+            at = self.groups.starts  # type: ignore[union-attr]
             got = [self._prompt_part(j, kb, q[at[kb]:at[kb + 1]], scale) for kb in range(len(at) - 1)]
             return merge_parts((torch.cat([o for o, _ in got]), torch.cat([lse for _, lse in got])),
                                [(0, q.shape[0], out)], q.dtype)
@@ -396,14 +396,19 @@ class BlockCache:
         its reads have landed), and whether position-major. For a cache only read at decode
         (the prompts')."""
         if ch.tier == Tier.DISK:
-            for f in ch.futures:
-                f.result()
-            ch.futures = []
-            if ch.staged is None:
-                raise RuntimeError("a prompt's cache on disk is read before it was loaded")
-            kbuf, vbuf = ch.staged
+            kbuf, vbuf = self._landed(ch)
             return (*each_kv(kbuf, vbuf, lambda x: positions(x, 0, ch.cap, 0)), True)
         return ch.k, ch.v, False
+
+    @staticmethod
+    def _landed(ch: Chunk) -> tuple[Stored, Stored]:
+        """A disk chunk's staged K, V once its reads (``load``) have landed."""
+        for f in ch.futures:
+            f.result()
+        ch.futures = []
+        if ch.staged is None:
+            raise RuntimeError("a cache chunk on disk is read before it was loaded")
+        return ch.staged
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``dense``, into a reused buffer where a compressed chunk expands on the CPU."""
@@ -427,10 +432,7 @@ class BlockCache:
         staged disk chunk). ``perm``: the rows' new order, applied to the slots held before."""
         a, b, n = ch.slot(pos0), ch.slot(pos0) + length - pos0, ch.held(length)
         if ch.tier == Tier.DISK:
-            for f in ch.futures:
-                f.result()
-            ch.futures = []
-            kbuf, vbuf = ch.staged  # type: ignore[misc]
+            kbuf, vbuf = self._landed(ch)
             if perm is not None and ch.held(pos0):
                 old = ch.held(pos0)
                 permute_rows((kbuf,) if vbuf is kbuf else (kbuf, vbuf), perm, old, pos_major=True)

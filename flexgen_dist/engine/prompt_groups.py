@@ -66,14 +66,24 @@ def kept_positions(meta: BlockMeta, gbs: int, kv_heads: int, fractions: tuple[fl
     CPU device (not ``cuda``) with no part of the cache on disk, where a decode step's attention
     is bound by its arithmetic, the same for a prompt's one row as for each of its rows, not by
     reading the cache, and the merge would only add time (docs/benchmarks.md)."""
-    if (not cuda and not fractions[2] and not IN_CPU_MEMORY) or prompt_groups(meta, held) is None:
-        return None
+    groups = _groups(meta, held, fractions, cuda)
+    return None if groups is None else _kept(meta, groups, gbs, kv_heads, fractions)
+
+
+def _groups(meta: BlockMeta, held: int, fractions: tuple[float, float, float], cuda: bool) -> list[list[int]] | None:
+    """``prompt_groups``, on a CPU device only with part of the cache on disk (``kept_positions``)."""
+    return prompt_groups(meta, held) if cuda or fractions[2] or IN_CPU_MEMORY else None
+
+
+def _kept(meta: BlockMeta, groups: list[list[int]], gbs: int, kv_heads: int,
+          fractions: tuple[float, float, float]) -> int | None:
+    """``kept_positions`` for a block whose batches' rows ask ``groups`` (``prompt_groups``)."""
     s, n = meta.prompt_len, meta.gen_len
     full = {t: r1 - r0 for t, r0, r1 in split_rows(gbs * kv_heads, fractions)}
     most = s + n
-    for twins, lens in zip(meta.twins or [None] * len(meta.prompt_lens), meta.prompt_lens):
-        u = len(set(twins)) if twins is not None else len(lens)
-        need = {t: (r1 - r0) * n for t, r0, r1 in split_rows(len(lens) * kv_heads, fractions)}
+    for rows in groups:
+        u = max(rows) + 1
+        need = {t: (r1 - r0) * n for t, r0, r1 in split_rows(len(rows) * kv_heads, fractions)}
         for t, r0, r1 in split_rows(u * kv_heads, fractions):
             need[t] = need.get(t, 0) + (r1 - r0) * s
         for t, x in need.items():
@@ -90,15 +100,13 @@ def cache_layout(spec: ModelSpec, policy: Policy, meta: BlockMeta, device: torch
     prompts kept once or None). Each batch's repeated prompts kept once (``kept_positions``): the
     block's padded prompt; else its shared prefix held once (``held.py``), where the model and
     policy hold one; else nothing."""
-    total = meta.prompt_len + meta.gen_len
-    if not holds_prefix(spec, policy.attn_sparsity, total):
+    if not holds_prefix(spec, policy.attn_sparsity, meta.prompt_len + meta.gen_len):
         return 0, None
-    if kept_positions(meta, policy.gpu_batch_size, spec.num_kv_heads, policy.fractions("cache"), meta.shared,
-                      device.type == "cuda") is None:
+    fractions = policy.fractions("cache")
+    groups = _groups(meta, meta.shared, fractions, device.type == "cuda")
+    if groups is None or _kept(meta, groups, policy.gpu_batch_size, spec.num_kv_heads, fractions) is None:
         return meta.shared, None
-    rows = prompt_groups(meta, meta.shared)
-    assert rows is not None
-    return meta.prompt_len, PromptGroups.of(rows, meta.prompt_lens, meta.prompt_len, spec.num_kv_heads, device)
+    return meta.prompt_len, PromptGroups.of(groups, meta.prompt_lens, meta.prompt_len, spec.num_kv_heads, device)
 
 
 @dataclass
@@ -117,6 +125,7 @@ class PromptGroups:
 
     batches: list[_Batch] = field(default_factory=list)
     length: int = 0  # the block's padded prompt length: the positions the prompts' cache holds
+    starts: list[int] = field(default_factory=lambda: [0])  # each batch's first row (b * kv_heads each), and the end
 
     @classmethod
     def of(cls, groups: list[list[int]], prompt_lens: list[list[int]], prompt_len: int, kv_heads: int,
@@ -136,6 +145,7 @@ class PromptGroups:
                     back[r] = g * most + n
             glens = torch.tensor([lens[m[0]] for m in members], device=device)
             held = pos[None] >= (prompt_len - glens)[:, None]
+            out.starts.append(out.starts[-1] + b * kv_heads)
             out.batches.append(_Batch(torch.tensor([m[0] for m in members], device=device), index,
                                       back.to(device), mask_to_rows(held[:, None], kv_heads),
                                       any(len(m) < most for m in members), u == b))
@@ -145,13 +155,6 @@ class PromptGroups:
     def sizes(self) -> list[int]:
         """The prompts of each GPU batch: the rows of the prompts' cache."""
         return [x.reps.shape[0] for x in self.batches]
-
-    def row_starts(self, kv_heads: int) -> list[int]:
-        """Where each GPU batch's rows (b * kv_heads each) start among every batch's, and the end."""
-        out = [0]
-        for x in self.batches:
-            out.append(out[-1] + x.back.shape[0] * kv_heads)
-        return out
 
     def mask(self, kb: int) -> torch.Tensor:
         return self.batches[kb].mask

@@ -28,14 +28,12 @@ from ..models.spec import ModelSpec
 from . import head
 from .activations import ActStore
 from .attend import attend_fn, attend_layer_fn
-from .block_state import BlockState, merged_positions, recurrent, step_inputs, step_targets
+from .block_state import (BlockState, block_cache, block_states, merged_positions, recurrent, step_inputs,
+                          step_targets, valid_keys)
 from .blocks import BlockMeta
-from .prompt_groups import cache_layout
-from .kvcache import BlockCache
 from .policy import Policy, merge_decode
 from .prefix import chain_prefix, prefix_pass
 from .schedule import Step, sweep_steps
-from .states import StateStore
 from .streams import load_stream, ready
 from .twins import Twins, twins_at
 from .weights import Slot, WeightStore, expert_of
@@ -133,43 +131,18 @@ class StageEngine:
         if total > self.spec.max_positions:
             raise ValueError(f"prompt length {meta.prompt_len} + gen-len {meta.gen_len} = {total} exceeds "
                              f"the model's {self.spec.max_positions} positions: shorten prompts or --gen-len")
-        cache = None
-        if self.layers:
-            # a linear-attention layer keeps a state per sequence instead (``_new_states``)
-            attending = [j for j in self.layers if not self.spec.linear(j)]
-            held, groups = cache_layout(self.spec, self.policy, meta, self.device)  # a prefix or prompts kept once
-            cache = BlockCache(attending, meta.batch_sizes, self.spec.num_kv_heads, total,
-                               self.spec.head_dim, self.policy.fractions("cache"), self.device,
-                               self.dtype, self.tracker, self.disk, self.policy.cpu_attention, tag,
-                               compress=self.policy.compress_cache, bits=self.policy.comp_bits,
-                               group_size=self.policy.comp_group_size,
-                               windows={j: self.spec.window(j) for j in self.layers},
-                               shared=self.spec.cache_tensors == 1,
-                               held=held, groups=groups)
+        cache = block_cache(self.spec, self.policy, meta, self.layers, self.device, self.dtype, self.tracker,
+                            self.disk, tag) if self.layers else None
+        if cache is not None:
             self.cache_positions[0] += cache.positions
             self.cache_positions[1] += cache.spared
         acts = ActStore(meta.batch_sizes, total * self.spec.hidden_size, self.policy.fractions("act"),
                         self.device, self.dtype, self.tracker, self.disk, tag)
-        valid = []
-        for lens in meta.prompt_lens:
-            v = torch.ones((len(lens), total), dtype=torch.bool, device=self.device)
-            for r, n in enumerate(lens):
-                v[r, : meta.prompt_len - n] = False
-            valid.append(v)
-        st = BlockState(meta, cache, acts, valid, states=self._new_states(sum(meta.batch_sizes), tag))
+        st = BlockState(meta, cache, acts, valid_keys(meta, self.device),
+                        states=block_states(self.spec, self.policy, self.layers, sum(meta.batch_sizes), self.device,
+                                            self.dtype, self.tracker, self.disk, self._pool, tag))
         self._kept_prefix = chain_prefix(st, self._kept_prefix)
         return st
-
-    def _new_states(self, rows: int, tag: str) -> StateStore:
-        """Each linear-attention layer's states for ``rows`` sequences: the convolution's last
-        inputs (the model's dtype) and the delta rule's (float32), placed by whole layers by the
-        policy's state fractions (``states.py``), written before they are read (a prefill starts from
-        zeros without reading them)."""
-        sp = self.spec
-        return StateStore([j for j in self.layers if sp.linear(j)], rows,
-                          (sp.lin_conv_dim, sp.lin_conv_kernel - 1), (sp.lin_v_heads, sp.lin_k_dim, sp.lin_v_dim),
-                          self.policy.fractions("state"), self.device, self.dtype, self.tracker, self.disk,
-                          self._pool, tag)
 
     def free_block(self, st: BlockState) -> None:
         if st.cache is not None:
