@@ -146,7 +146,8 @@ ATT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["row-major", "position-major"])
-@pytest.mark.parametrize("g,d,L", [(1, 64, 1), (3, 64, 37), (4, 128, 200), (2, 32, 9)])
+@pytest.mark.parametrize("g,d,L", [(1, 64, 1), (3, 64, 37), (4, 128, 200), (2, 32, 9), (5, 80, 23), (7, 128, 16),
+                                   (8, 96, 45), (2, 256, 3), (6, 48, 100)])
 def test_native_attention_matches_softmax_reference(dtype: torch.dtype, layout: str, g: int, d: int,
                                                     L: int) -> None:
     """Rows read in place from a preallocated (rows, max_len, d) cache, or from a staged disk
@@ -190,6 +191,30 @@ def test_native_attention_with_sinks_matches_softmax_reference(dtype: torch.dtyp
     torch.testing.assert_close(out.float(), ref, rtol=ATT_TOL[dtype], atol=ATT_TOL[dtype])
     plain = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5)
     assert plain is not None and not torch.allclose(plain.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g,d,L", [(2, 64, 40), (3, 128, 17), (5, 48, 7), (8, 80, 33)])
+def test_native_attention_heads_together_equal_each_head_alone(dtype: torch.dtype, g: int, d: int, L: int) -> None:
+    """The kernel scores pairs of heads against tiles of positions and sums values in tiles of
+    heads x vectors, and adds each score's and each output's terms in one fixed order whatever
+    the tile: so every head's output (and log-sum-exp) is bit for bit what the head gives alone."""
+    _native_library()
+    gen = torch.Generator().manual_seed(g * 10 + d)
+    r = 5
+    q = torch.randn(r, g, 1, d, generator=gen).to(dtype)
+    k, v = torch.randn(2, r, L + 3, d, generator=gen).to(dtype)[:, :, :L]
+    mask = torch.rand(r, 1, 1, L, generator=gen) > 0.25
+    mask[..., 0] = True
+    together = kernels.attention(q, k, v, mask, 0.125)
+    alone = [kernels.attention(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
+    assert together is not None and all(a is not None for a in alone)
+    assert torch.equal(together, torch.cat(alone, 1))
+    got = kernels.attention_lse(q, k, v, mask, 0.125)
+    each = [kernels.attention_lse(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
+    assert got is not None and all(e is not None for e in each)
+    assert torch.equal(got[0], torch.cat([e[0] for e in each], 1))
+    assert torch.equal(got[1], torch.cat([e[1] for e in each], 1))
 
 
 def test_native_attention_declines_other_layouts() -> None:
