@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +178,40 @@ def test_end_to_end_both_sides(tiny_models, tmp_path: Path) -> None:
     assert "round 1/1: side A" in r.stderr and "round 1/1: side B" in r.stderr
     assert not list(tmp_path.glob("*.jsonl"))  # outputs went to temporary files
     _no_checkout_left(tmp_path)
+
+
+def test_compare_attention_builds_a_revision_beside_this_tree(tmp_path: Path) -> None:
+    """compare-attention: REV's kernel sources built beside this tree's, both run on the same
+    inputs; against HEAD whose sources equal the tree's (or differ only by what is uncommitted),
+    the outputs are bit for bit equal where the kernel source is unchanged, and the JSON holds
+    every round of both sides."""
+    from flexgen_dist import kernels
+    from flexgen_dist.bench import attention_compare
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    assert kernels.library() is not None, "g++ is present, so the native kernels must build"
+    out = tmp_path / "att.json"
+    rc = attention_compare.main(["--rev", "HEAD", "--shape", "6", "2", "21", "32", "--shape", "4", "1", "3", "64",
+                                 "--dtypes", "float32", "bfloat16", "--rounds", "2", "--calls", "1",
+                                 "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [(r["shape"], r["dtype"]) for r in res["results"]] == [
+        ([6, 2, 21, 32], "float32"), ([6, 2, 21, 32], "bfloat16"), ([4, 1, 3, 64], "float32"),
+        ([4, 1, 3, 64], "bfloat16")]
+    head_src = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "flexgen_dist/kernels"],
+                              capture_output=True).returncode == 0
+    for r in res["results"]:
+        assert len(r["ms"]["A"]) == len(r["ms"]["B"]) == 2 and r["ratio"] > 0
+        if head_src:
+            assert r["equal"] and r["max_diff"] == 0.0
+
+
+def test_compare_attention_bad_revision_is_one_line(capsys) -> None:
+    from flexgen_dist.bench import attention_compare
+
+    assert attention_compare.main(["--rev", "no-such-revision-xyz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown revision 'no-such-revision-xyz'" in err[0]
+    assert attention_compare.main(["--rev", "HEAD", "--rounds", "0"]) == 2

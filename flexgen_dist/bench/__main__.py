@@ -10,6 +10,8 @@ import sys
 # subcommand -> (module under flexgen_dist.bench with a main(argv) -> int, one line on what it does)
 SUBCOMMANDS = {
     "compare": ("compare", "the same run job on a git revision and on the working tree, side by side"),
+    "compare-attention": ("attention_compare", "the CPU decode-attention kernel of a git revision against the "
+                          "working tree's, in one process"),
 }
 
 

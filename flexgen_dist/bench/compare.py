@@ -177,6 +177,12 @@ def resolve_rev(top: Path, rev: str) -> str:
     return r.stdout.strip()
 
 
+def show_file(top: Path, commit: str, path: str) -> str | None:
+    """The text of ``path`` (relative to the repository's top) at ``commit``, or None where it has none."""
+    r = _git(top, "show", f"{commit}:{path}")
+    return r.stdout if r.returncode == 0 else None
+
+
 def working_tree_state(top: Path) -> tuple[str | None, bool]:
     """(HEAD's full hash or None in a repository without commits, whether the tree differs from it)."""
     head = _git(top, "rev-parse", "--verify", "--quiet", "HEAD^{commit}")

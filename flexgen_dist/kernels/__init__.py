@@ -74,16 +74,18 @@ def cpu_info(field: str) -> str:
         return ""
 
 
-def _build(cxx: str, out: Path) -> None:
-    """Compile every source at once (one compiler per source, in parallel), then link."""
+def _build(cxx: str, out: Path, sources: list[Path] | None = None) -> None:
+    """Compile every source (``_SOURCES``, or the same files from elsewhere) at once (one compiler
+    per source, in parallel), then link."""
+    sources = _SOURCES if sources is None else sources
     out.parent.mkdir(parents=True, exist_ok=True)
     # build under unique names, then rename: ranks on one node may build at the same time
     work = Path(tempfile.mkdtemp(prefix="build-", dir=out.parent))
     try:
         compile_flags = [f for f in _FLAGS if f != "-shared"]
-        objs = [work / f"{src.stem}.o" for src in _SOURCES]
+        objs = [work / f"{src.stem}.o" for src in sources]
         procs = [subprocess.Popen([cxx, *compile_flags, "-c", str(src), "-o", str(obj)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(_SOURCES, objs)]
+                                  stderr=subprocess.PIPE, text=True) for src, obj in zip(sources, objs)]
         errors = []
         for p in procs:
             _, err = p.communicate(timeout=300)
@@ -119,6 +121,15 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU kernels unavailable (%s): torch's kernels run instead", e)
         return None
+    _bind(lib)
+    _state["width"] = lib.fg_vector_width()
+    _state["dpbf16"] = bool(lib.fg_has_dpbf16())
+    _state["key"] = key
+    return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """The entry points' argument and result types."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fg_linear_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_f32.restype = None
@@ -143,9 +154,19 @@ def _load() -> ctypes.CDLL | None:
     lib.fg_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
     lib.fg_linear_bf16.restype = ctypes.c_int
     lib.fg_vector_width.restype = ctypes.c_int
-    _state["width"] = lib.fg_vector_width()
-    _state["dpbf16"] = bool(lib.fg_has_dpbf16())
-    _state["key"] = key
+
+
+def build_from(src_dir: Path, out: Path) -> ctypes.CDLL:
+    """The kernels built from the same files (``_SOURCES``' and ``_HEADERS``' names) in another
+    directory, with this build's compiler and flags, into ``out``: another revision's kernels
+    beside this one's in one process (``bench compare-attention``). Raises RuntimeError where the
+    build fails."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) found")
+    _build(cxx, out, [src_dir / f.name for f in _SOURCES])
+    lib = ctypes.CDLL(str(out))
+    _bind(lib)
     return lib
 
 
@@ -218,15 +239,16 @@ def _dense(fn: Any, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor | None:
+              scale: float, sinks: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """Decode attention over cache rows, in float32, bfloat16 or float16 (float32 arithmetic,
     the output rounded once): q (R, G, 1, d) contiguous, k/v (R, L, d) with each position's d
     elements contiguous and rows and positions evenly strided (strided views of a
     preallocated cache, row-major or position-major, are read in place), mask (R, 1, 1, L)
     bool -> (R, G, 1, d); or None where the kernel does not apply (no library, another dtype,
     device or layout, head_dim not a multiple of the vector width). ``sinks`` (R, G): a logit
-    per query head joining each softmax's denominator (gpt-oss)."""
-    got = _attention(q, k, v, mask, scale, sinks, False)
+    per query head joining each softmax's denominator (gpt-oss). ``lib``: another build of the
+    kernels (``build_from``) to run instead of this one's."""
+    got = _attention(q, k, v, mask, scale, sinks, False, lib)
     return None if got is None else got[0]
 
 
@@ -239,9 +261,10 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               sinks: torch.Tensor | None, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    lib = library()
-    if lib is None:
+               sinks: torch.Tensor | None, with_lse: bool,
+               lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    lib = lib or library()
+    if lib is None or library() is None:
         return None
     r, g, t, d = q.shape
     L = k.shape[1]
