@@ -12,11 +12,10 @@
 // NB weight rows x MB x rows of SIMD partial sums live in registers, summed across lanes at
 // the end of the row.
 //
-// attention_f32: decode attention of one query position over a KV cache laid out as rows
-// of (sequence, kv head), each row's positions contiguous (the engine's row-major chunks,
-// read in place). The G query heads of a kv head share one pass over its keys and values,
-// which are read once, in order; scores, softmax and the weighted sum of values stay in
-// the core's caches.
+// attention: decode attention of one query position over a KV cache laid out as rows of
+// (sequence, kv head), read in place (the engine's row-major chunks, or position-major staged
+// disk chunks). The G query heads of a kv head share each row's pass over its keys and values,
+// read in order; scores and softmax stay in the core's caches, the weighted sums in registers.
 //
 // The OpenMP runtime is the process's: torch has libgomp.so.1 loaded before this library,
 // and the loader resolves the same soname to it, so both share one thread pool.
@@ -241,7 +240,8 @@ static void value_tile(const char* v, int64_t ld, int64_t n, const float* p, int
 
 // Tiles of up to GT heads x CT vectors, at most ACC accumulators: the accumulators, a position's
 // vectors and a broadcast stay within the registers (AVX-512: 16 + 8 + 1 of 32; AVX2: 8 + 4 + 1
-// of 16). A tile spans as much of a head as it can, so each pass reads whole value rows in order.
+// of 16, or one head's 8 accumulators with each vector loaded as it is used). A tile spans as
+// much of a head as it can, so each pass reads whole value rows in order.
 static constexpr int GT = 4;
 static constexpr int CT = 8;
 static constexpr int ACC = VW == 16 ? 16 : 8;
@@ -273,12 +273,12 @@ static const ValueTile* value_tiles() {
 // for merging with attention over other keys (a shared prefix held once); out is then float32
 // whatever DT, so the merge rounds once.
 //
-// Blocks of VW positions: a block's keys (then values) widened to float32 once, into the
-// core's L1, for all G heads. A head's VW scores of a block are VW accumulators summed across
-// lanes together (hsums); the weighted sum of values runs in register tiles of heads x
-// vectors (value_tile). Every score and output is added in the order of a plain loop of one
-// hsum per score and one fma per position and head, so the results do not depend on the
-// blocking.
+// Scores in tiles of a pair of heads (an odd last one alone) x VW / 2 positions (VW alone),
+// each key vector read from the row, in order, once for the pair (score_tile; a last partial
+// tile from a zero-padded widened copy), the tile's VW sums reduced together (hsums); the
+// weighted sum of values in register tiles of heads x vectors over all the positions
+// (value_tile). Every score and output is added in the order of a plain loop of one hsum per
+// score and one fma per position and head, so the results do not depend on the tiling.
 template <int DT>
 static void attention(const void* q, int64_t R, int64_t G, int64_t d, const void* k, int64_t ldk, int64_t ldl,
                       const void* v, int64_t ldv, int64_t ldvl, int64_t L, const uint8_t* mask, int64_t ldm,
