@@ -546,7 +546,9 @@ def test_trace_profiles_the_job_after_its_warmup(tmp_path: Path) -> None:
     # every op of the profiled job (no ranking by time asserted: which ops lead moves with the host)
     ops = [r["op"] for r in res["by_host_time"]]
     assert 5 < len(ops) < 1000 and len(set(ops)) == len(ops)
-    assert any(op in ("aten::addmm", "aten::mm", "aten::linear") for op in ops)
+    # OPT's layer norms and prefill attention are torch's ops whatever the host; its products may
+    # all run the native kernels (the GEMM policy measured here), which the profiler does not list
+    assert any("layer_norm" in op for op in ops) and any("scaled_dot_product" in op for op in ops)
     times = [r["self_cpu_ms"] for r in res["by_host_time"]]
     assert times == sorted(times, reverse=True)
     events = [type("E", (), {"key": f"op{i}", "count": 1, "self_cpu_time_total": float(i)})() for i in range(9)]
