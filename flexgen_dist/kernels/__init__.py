@@ -263,9 +263,9 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                sinks: torch.Tensor | None, with_lse: bool,
                lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    lib = lib or library()
-    if lib is None or library() is None:
+    if library() is None:  # also what sets the vector width read below
         return None
+    lib = lib or library()
     r, g, t, d = q.shape
     L = k.shape[1]
     dt = q.dtype

@@ -116,24 +116,19 @@ extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx,
 
 // Within each 128-bit unit: interleaved floats (unpack_lo/hi) and pairs of floats (unpack_lo2/hi2).
 #if VW == 16
-static inline vf unpack_lo(vf x, vf y) { return _mm512_unpacklo_ps(x, y); }
-static inline vf unpack_hi(vf x, vf y) { return _mm512_unpackhi_ps(x, y); }
-static inline vf unpack_lo2(vf x, vf y) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
-}
-static inline vf unpack_hi2(vf x, vf y) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y)));
-}
+#define FG_V(op) _mm512_##op
 #else
-static inline vf unpack_lo(vf x, vf y) { return _mm256_unpacklo_ps(x, y); }
-static inline vf unpack_hi(vf x, vf y) { return _mm256_unpackhi_ps(x, y); }
+#define FG_V(op) _mm256_##op
+#endif
+static inline vf unpack_lo(vf x, vf y) { return FG_V(unpacklo_ps)(x, y); }
+static inline vf unpack_hi(vf x, vf y) { return FG_V(unpackhi_ps)(x, y); }
 static inline vf unpack_lo2(vf x, vf y) {
-    return _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)));
+    return FG_V(castpd_ps)(FG_V(unpacklo_pd)(FG_V(castps_pd)(x), FG_V(castps_pd)(y)));
 }
 static inline vf unpack_hi2(vf x, vf y) {
-    return _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y)));
+    return FG_V(castpd_ps)(FG_V(unpackhi_pd)(FG_V(castps_pd)(x), FG_V(castps_pd)(y)));
 }
-#endif
+#undef FG_V
 
 // VW accumulators summed across their lanes at once: lane i of the result is hsum(a[i]), added
 // in hsum's own order (the halves of the vector, then the quarters, then within 128 bits: (x0 +
