@@ -107,6 +107,38 @@ def test_compressed_cache_logits_are_close(kind: str, tiny_models, tmp_path: Pat
         assert 0 < rel < 0.1, (i, rel)  # > 0: decode really read the quantized cache
 
 
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_decode_reads_the_codes_and_matches_the_expanded_cache(kind: str, tiny_models, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step on the CPU attends straight over the compressed cache's codes (rows in RAM
+    and staged from disk alike), and its logits are bit for bit those of expanding the cache
+    first and attending over the expansion."""
+    import shutil
+
+    from flexgen_dist.engine import attention
+    from flexgen_dist.kernels import library
+
+    if shutil.which("g++") is None or library() is None:
+        pytest.skip("no native kernels here: the compressed cache is always expanded")
+    lm = load_model(str(tiny_models[kind].path), load_tokenizer=False)
+    pct, steps = (100, 0, 30, 30, 100, 0), 4  # cache rows on all three tiers
+    packed = attention.native.attention_packed
+    calls = []
+
+    def counted(*a, **kw):
+        got = packed(*a, **kw)
+        calls.append(got is not None)
+        return got
+
+    with DiskStore(tmp_path / "off") as disk:
+        monkeypatch.setattr(attention.native, "attention_packed", counted)
+        read = _step_logits(lm, pct, disk, True, steps)
+        assert calls and all(calls)  # every decode chunk read as codes
+        monkeypatch.setattr(attention.native, "attention_packed", lambda *a, **kw: None)
+        expanded = _step_logits(lm, pct, disk, True, steps, [lg.argmax(-1) for lg in read])
+    assert all(torch.equal(a, b) for a, b in zip(read, expanded))
+
+
 def test_compressed_placements_agree_and_cli_runs(tiny_models, tmp_path: Path) -> None:
     tm = tiny_models["llama-gqa"]
     lm = load_model(str(tm.path), load_tokenizer=False)

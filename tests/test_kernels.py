@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgen_dist import kernels
+from flexgen_dist.kernels import attend
 from flexgen_dist.models import common
 
 
@@ -164,7 +165,7 @@ def test_native_attention_matches_softmax_reference(dtype: torch.dtype, layout: 
     q = torch.randn(r, g, 1, d, generator=gen).to(dtype)
     mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
     mask[..., -1] = True  # every row sees at least one position
-    out = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5)
+    out = attend.attention(q, k, v, mask, 1.0 / d ** 0.5)
     assert out is not None and out.shape == (r, g, 1, d) and out.dtype == dtype
     qf, kf, vf = q.float(), k.float(), v.float()
     scores = torch.einsum("rgtd,rld->rgtl", qf, kf) / d ** 0.5
@@ -183,13 +184,13 @@ def test_native_attention_with_sinks_matches_softmax_reference(dtype: torch.dtyp
     mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
     mask[..., -1] = True
     sinks = torch.randn(r, g, generator=gen) * 4
-    out = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5, sinks)
+    out = attend.attention(q, k, v, mask, 1.0 / d ** 0.5, sinks)
     assert out is not None
     scores = torch.einsum("rgtd,rld->rgtl", q.float(), k.float()).div(d ** 0.5).masked_fill(~mask, float("-inf"))
     probs = torch.cat([scores, sinks[:, :, None, None]], -1).softmax(-1)[..., :-1]
     ref = torch.einsum("rgtl,rld->rgtd", probs, v.float())
     torch.testing.assert_close(out.float(), ref, rtol=ATT_TOL[dtype], atol=ATT_TOL[dtype])
-    plain = kernels.attention(q, k, v, mask, 1.0 / d ** 0.5)
+    plain = attend.attention(q, k, v, mask, 1.0 / d ** 0.5)
     assert plain is not None and not torch.allclose(plain.float(), ref, rtol=1e-2, atol=1e-2)
 
 
@@ -206,12 +207,12 @@ def test_native_attention_heads_together_equal_each_head_alone(dtype: torch.dtyp
     k, v = torch.randn(2, r, L + 3, d, generator=gen).to(dtype)[:, :, :L]
     mask = torch.rand(r, 1, 1, L, generator=gen) > 0.25
     mask[..., 0] = True
-    together = kernels.attention(q, k, v, mask, 0.125)
-    alone = [kernels.attention(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
+    together = attend.attention(q, k, v, mask, 0.125)
+    alone = [attend.attention(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
     assert together is not None and all(a is not None for a in alone)
     assert torch.equal(together, torch.cat(alone, 1))
-    got = kernels.attention_lse(q, k, v, mask, 0.125)
-    each = [kernels.attention_lse(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
+    got = attend.attention_lse(q, k, v, mask, 0.125)
+    each = [attend.attention_lse(q[:, h:h + 1].contiguous(), k, v, mask, 0.125) for h in range(g)]
     assert got is not None and all(e is not None for e in each)
     assert torch.equal(got[0], torch.cat([e[0] for e in each], 1))
     assert torch.equal(got[1], torch.cat([e[1] for e in each], 1))
@@ -221,13 +222,79 @@ def test_native_attention_declines_other_layouts() -> None:
     _native_library()
     q, k, v = torch.randn(4, 2, 1, 64), torch.randn(4, 10, 64), torch.randn(4, 10, 64)
     mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
-    assert kernels.attention(q, k, v, mask, 0.125) is not None
-    assert kernels.attention(q, k[..., ::2].repeat(1, 1, 2), v, mask, 0.125) is not None
-    assert kernels.attention(q, torch.randn(4, 64, 10).transpose(1, 2), v, mask, 0.125) is None  # d strided
-    assert kernels.attention(q.bfloat16(), k, v, mask, 0.125) is None  # dtypes mixed
-    assert kernels.attention(q.double(), k.double(), v.double(), mask, 0.125) is None  # float64
-    assert kernels.attention(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
-    assert kernels.attention(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None
+    assert attend.attention(q, k, v, mask, 0.125) is not None
+    assert attend.attention(q, k[..., ::2].repeat(1, 1, 2), v, mask, 0.125) is not None
+    assert attend.attention(q, torch.randn(4, 64, 10).transpose(1, 2), v, mask, 0.125) is None  # d strided
+    assert attend.attention(q.bfloat16(), k, v, mask, 0.125) is None  # dtypes mixed
+    assert attend.attention(q.double(), k.double(), v.double(), mask, 0.125) is None  # float64
+    assert attend.attention(torch.randn(4, 2, 3, 64), k, v, mask, 0.125) is None  # prefill-shaped q
+    assert attend.attention(torch.randn(4, 2, 1, 20), k[..., :20], v[..., :20], mask, 0.125) is None
+
+
+def _packed_cache(r: int, L: int, d: int, dtype: torch.dtype, bits: int, group: int, layout: str,
+                  gen: torch.Generator) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """A compressed cache's first L positions as the engine holds them (memory/quant.py's layout
+    in a buffer of L + 4 slots, row-major, or position-major as a staged disk chunk): the parts
+    (codes, mins, scales) as (rows, L, ...) views, and the expansion of those positions."""
+    from flexgen_dist.memory.quant import dequantize, quantize
+
+    x = torch.randn(r, L + 4, d, generator=gen).to(dtype)
+    if layout == "row-major":
+        q = quantize(x, bits, group, -1)
+        parts = tuple(p[:, :L] for p in (q.data, q.mins, q.scales))
+    else:
+        q = quantize(x.transpose(0, 1).contiguous(), bits, group, -1)
+        parts = tuple(p[:L].transpose(0, 1) for p in (q.data, q.mins, q.scales))
+    full = dequantize(q)
+    return parts, full[:, :L] if layout == "row-major" else full.transpose(0, 1)[:, :L]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("layout", ["row-major", "position-major"])
+@pytest.mark.parametrize("g,d,L,group", [(1, 64, 1, 64), (3, 64, 37, 64), (4, 128, 50, 64), (5, 80, 23, 16),
+                                         (7, 128, 16, 128), (2, 48, 19, 16), (2, 16, 9, 64)])
+def test_native_packed_attention_equals_attention_over_the_expanded_cache(dtype: torch.dtype, bits: int,
+                                                                         layout: str, g: int, d: int, L: int,
+                                                                         group: int) -> None:
+    """Attention read straight from a compressed cache's codes expands each value as the
+    expansion does (code * scale + min in float32, rounded to the dtype) and then runs the dense
+    kernel's arithmetic: the output, its log-sum-exps and the sinks' softmax are bit for bit those
+    over the expanded cache, in every dtype, for 4- and 8-bit codes, groups of one or several
+    vectors (and one group wider than the head, padded), both cache layouts."""
+    _native_library()
+    gen = torch.Generator().manual_seed(g * 1000 + d + L + bits)
+    r = 6
+    (kp, kd), (vp, vd) = (_packed_cache(r, L, d, dtype, bits, group, layout, gen) for _ in range(2))
+    q = torch.randn(r, g, 1, d, generator=gen).to(dtype)
+    mask = torch.rand(r, 1, 1, L, generator=gen) > 0.3
+    mask[..., 0] = True
+    sinks = torch.randn(r, g, generator=gen)
+    for s in (None, sinks):
+        got = attend.attention_packed(q, kp, vp, bits, group, mask, 0.125, s)
+        want = attend.attention(q, kd, vd, mask, 0.125, s)
+        assert got is not None and got[1] is None and want is not None
+        assert got[0].dtype == dtype and torch.equal(got[0], want)
+    got = attend.attention_packed(q, kp, vp, bits, group, mask, 0.125, with_lse=True)
+    want = attend.attention_lse(q, kd, vd, mask, 0.125)
+    assert got is not None and want is not None and got[1] is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_native_packed_attention_declines_what_it_cannot_read() -> None:
+    """None (the caller expands the cache) for codes it does not take: other bits, groups that
+    split a vector, group data in another dtype than q's, a prefill-shaped q."""
+    _native_library()
+    gen = torch.Generator().manual_seed(3)
+    kp, _ = _packed_cache(4, 10, 64, torch.float32, 4, 64, "row-major", gen)
+    q = torch.randn(4, 2, 1, 64, generator=gen)
+    mask = torch.ones(4, 1, 1, 10, dtype=torch.bool)
+    assert attend.attention_packed(q, kp, kp, 4, 64, mask, 0.125) is not None
+    assert attend.attention_packed(q, kp, kp, 2, 64, mask, 0.125) is None  # 2-bit codes
+    k4, _ = _packed_cache(4, 10, 64, torch.float32, 4, 4, "row-major", gen)
+    assert attend.attention_packed(q, k4, k4, 4, 4, mask, 0.125) is None  # groups of 4 split a vector
+    assert attend.attention_packed(q.bfloat16(), kp, kp, 4, 64, mask, 0.125) is None  # float32 groups
+    assert attend.attention_packed(torch.randn(4, 2, 3, 64), kp, kp, 4, 64, mask, 0.125) is None
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 64), (1, 1, 576), (2, 7, 33), (4096, 24)])

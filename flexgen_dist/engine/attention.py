@@ -12,7 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from ..kernels import attend as native
+from ..memory.quant import INT, QTensor
 
 
 def to_rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +107,7 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
         # rows of a row-major chunk or a position-major staged disk chunk), for the G query
         # heads of its kv head, in float32 arithmetic whatever the dtype (None where it does
         # not apply). bfloat16, 8 x 32 rows x 256 positions x 64: 5.3 ms for torch's SDPA.
-        o = kernels.attention(q, k, v, mask, scale, sinks)
+        o = native.attention(q, k, v, mask, scale, sinks)
         if o is not None:
             return o
     if sinks is not None:  # no fused kernel takes them
@@ -130,7 +131,7 @@ def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     output left in float32 for the merge to round once."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[2] == 1 and q.device.type == "cpu":
-        got = kernels.attention_lse(q, k, v, mask, scale)
+        got = native.attention_lse(q, k, v, mask, scale)
         if got is not None:
             return got
     r, g, t, d = q.shape
@@ -138,6 +139,29 @@ def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).to(v.dtype)
     return torch.bmm(probs.reshape(r, g * t, k.shape[1]), v).view(r, g, t, d), lse
+
+
+def attend_packed(q: torch.Tensor, k: QTensor, v: QTensor, mask: torch.Tensor, pos_major: bool, lse: bool,
+                  scale: float | None = None, sinks: torch.Tensor | None = None) -> object | None:
+    """``attend_rows`` (``lse``: ``attend_rows_lse``) of a decode step on the CPU over a compressed
+    cache, read as its codes (``kernels.attend.attention_packed``): k/v (rows, L, d) grouped along d,
+    or (L, rows, d) where ``pos_major`` (a staged disk chunk), in memory on the CPU. The same
+    values as expanding the cache and attending, without writing the expansion out and reading it
+    back. None where the kernel does not apply; the caller expands then."""
+    if (q.device.type != "cpu" or q.shape[2] != 1 or k.bits != v.bits or k.group_size != v.group_size
+            or any(x.fmt != INT or x.dim != 2 or not isinstance(x.data, torch.Tensor)
+                   or x.data.device.type != "cpu" for x in (k, v))):
+        return None
+
+    def rows_first(x: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ps = (x.data, x.mins, x.scales)
+        return tuple(p.transpose(0, 1) for p in ps) if pos_major else ps  # type: ignore[return-value]
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    got = native.attention_packed(q, rows_first(k), rows_first(v), k.bits, k.group_size, mask, scale, sinks, lse)
+    if got is None:
+        return None
+    return got if lse else got[0]
 
 
 def prefix_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 from ..memory.disk import DiskStore
 from ..memory.quant import QTensor, dequantize, empty_qtensor, quantize
 from ..memory.tiers import MemoryTracker, Tier, copy_between
-from .attention import attend_rows, attend_rows_lse, merge_partial, merge_parts, to_rows
+from .attention import attend_packed, attend_rows, attend_rows_lse, merge_partial, merge_parts, to_rows
 from .cache_layout import (Chunk, Stored, cache_group_size, copy_rows, dense, each_kv, host_copy, pairs, parts,
                            permute_rows, positions, ring_pieces, split_rows, staged_nbytes)
 from .held import HeldPrefix
@@ -363,12 +363,17 @@ class BlockCache:
                        lse: bool, sparsity: float = 1.0, scale: float | None = None, softcap: float = 0.0,
                        sinks: torch.Tensor | None = None) -> Any:
         """Attend ``qr`` over a chunk's stored K, V where the chunk lives (the CPU, where it is in
-        RAM and ``cpu_attention``), expanded there where compressed; ``lse``: the output and its
+        RAM and ``cpu_attention``); a compressed one read there as its codes (``attend_packed``), or
+        else expanded first; ``lse``: the output and its
         log-sum-exps (``attend_rows_lse``), for a merge with a held prefix's or prompt's part."""
         dev = self.device
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q
             qr, m = qr.to(dev), m.to(dev)
+        if isinstance(kc, QTensor) and dev.type == "cpu" and sparsity == 1.0 and softcap == 0.0:
+            got = attend_packed(qr, kc, vc, m, pos_major, lse, scale, None if lse else sinks)  # type: ignore[arg-type]
+            if got is not None:  # read as codes: no expansion written out
+                return got
         kd = self._expand(kc, dev, pos_major, "k")
         vd = kd if vc is kc else self._expand(vc, dev, pos_major, "v")
         if lse:

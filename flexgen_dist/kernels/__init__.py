@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use for the machine that runs them: float32 decode
-GEMM (and bfloat16 where the CPU has AVX512_BF16) and attention, RMSNorm, rotary, SwiGLU's ``silu(g) * u`` (``cpu_kernels.cpp``), and
-group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
+GEMM (and bfloat16 where the CPU has AVX512_BF16), RMSNorm, rotary, SwiGLU's ``silu(g) * u``
+(``cpu_kernels.cpp``), decode attention over a cache in the dtype or compressed
+(``cpu_attention.cpp``; its wrappers in ``attend.py``), and group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
 product of few rows with the packed codes (``cpu_qlinear.cpp``).
 
 The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
@@ -31,7 +32,7 @@ import torch
 log = logging.getLogger("flexgen_dist.kernels")
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.cpp", _HERE / "cpu_qlinear.cpp"]
+_SOURCES = [_HERE / "cpu_kernels.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_qlinear.cpp"]
 _HEADERS = [_HERE / "cpu_simd.h"]
 # -ffp-contract=off: a product and a sum stay two roundings where the reference rounds twice
 # (FMAs are written out where they are meant)
@@ -136,6 +137,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
                                  ctypes.c_float, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_attention.restype = None
+    if hasattr(lib, "fg_attention_packed"):  # a build of an earlier revision may lack it (build_from)
+        lib.fg_attention_packed.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, i64, ptr, i64, ptr,
+                                            ctypes.c_float, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        lib.fg_attention_packed.restype = ctypes.c_int
     lib.fg_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_rms_norm.restype = None
     lib.fg_silu_mul.argtypes = [ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
@@ -157,14 +162,14 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def build_from(src_dir: Path, out: Path) -> ctypes.CDLL:
-    """The kernels built from the same files (``_SOURCES``' and ``_HEADERS``' names) in another
-    directory, with this build's compiler and flags, into ``out``: another revision's kernels
-    beside this one's in one process (``bench compare-attention``). Raises RuntimeError where the
-    build fails."""
+    """The kernels built from the same files (``_SOURCES``' and ``_HEADERS``' names; a source an
+    earlier revision did not have is left out) in another directory, with this build's compiler
+    and flags, into ``out``: another revision's kernels beside this one's in one process (``bench
+    compare-attention``). Raises RuntimeError where the build fails."""
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) found")
-    _build(cxx, out, [src_dir / f.name for f in _SOURCES])
+    _build(cxx, out, [src_dir / f.name for f in _SOURCES if (src_dir / f.name).exists()])
     lib = ctypes.CDLL(str(out))
     _bind(lib)
     return lib
@@ -236,55 +241,6 @@ def _dense(fn: Any, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: tor
     fn(x2.data_ptr(), m, k, x2.stride(0), w.data_ptr(), n, w.stride(0), b.data_ptr() if b is not None else None,
        residual.data_ptr() if residual is not None else None, y.data_ptr(), n, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              scale: float, sinks: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
-    """Decode attention over cache rows, in float32, bfloat16 or float16 (float32 arithmetic,
-    the output rounded once): q (R, G, 1, d) contiguous, k/v (R, L, d) with each position's d
-    elements contiguous and rows and positions evenly strided (strided views of a
-    preallocated cache, row-major or position-major, are read in place), mask (R, 1, 1, L)
-    bool -> (R, G, 1, d); or None where the kernel does not apply (no library, another dtype,
-    device or layout, head_dim not a multiple of the vector width). ``sinks`` (R, G): a logit
-    per query head joining each softmax's denominator (gpt-oss). ``lib``: another build of the
-    kernels (``build_from``) to run instead of this one's."""
-    got = _attention(q, k, v, mask, scale, sinks, False, lib)
-    return None if got is None else got[0]
-
-
-def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``attention`` in float32 (not rounded to the dtype: the merge rounds once) and each query
-    head's log-sum-exp of its scores, (R, G, 1) float32: what merging it with attention over
-    other keys takes (``attention.merge_lse``)."""
-    return _attention(q, k, v, mask, scale, None, True)
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-               sinks: torch.Tensor | None, with_lse: bool,
-               lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    if library() is None:  # also what sets the vector width read below
-        return None
-    lib = lib or library()
-    r, g, t, d = q.shape
-    L = k.shape[1]
-    dt = q.dtype
-    if (t != 1 or dt not in _DT or any(x.dtype != dt or x.device.type != "cpu" for x in (q, k, v))
-            or d % int(_state["width"]) or not q.is_contiguous() or mask.dtype != torch.bool
-            or mask.shape != (r, 1, 1, L) or mask.stride(-1) != 1 or k.shape != v.shape
-            or k.shape[0] != r or any(x.stride(2) != 1 for x in (k, v))):
-        return None
-    out = torch.empty((r, g, 1, d), dtype=torch.float32 if with_lse else dt)
-    lse = torch.empty((r, g, 1), dtype=torch.float32) if with_lse else None
-    if sinks is not None:
-        sinks = sinks.to("cpu", torch.float32).contiguous()
-        if sinks.shape != (r, g):
-            return None
-    lib.fg_attention(q.data_ptr(), r, g, d, k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-                     v.stride(1), L, mask.data_ptr(), mask.stride(0), None if sinks is None else sinks.data_ptr(),
-                     scale, out.data_ptr(), None if lse is None else lse.data_ptr(), _DT[dt],
-                     torch.get_num_threads())
-    return out, lse
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
-// Shared by the native CPU kernels (cpu_kernels.cpp, cpu_qlinear.cpp): the SIMD vector type
-// of the build (AVX-512 or AVX2 with FMA), its helpers, a vectorised e^x, and the float32
+// Shared by the native CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_qlinear.cpp): the
+// SIMD vector type of the build (AVX-512 or AVX2 with FMA), its helpers, loads and stores of
+// each dtype's vectors widened to float32, a vectorised e^x, and the float32
 // register-blocked GEMM of few rows (block / rows / TailM / TailN) that linear_f32 runs and
 // the fused 4-bit linear reuses on a dequantized panel of weight rows.
 #pragma once
@@ -124,6 +125,60 @@ static inline vf vexp(vf x) {
     p = vfma(p, r, _set1(5.0000001201e-1f));
     p = vfma(p, r * r, r + _set1(1.f));
     return vzero_below(p * vpow2i(n), x, lo);
+}
+
+// The vector of VW elements at p, widened to float32 (exact): float32, bfloat16 or float16.
+template <int DT>
+static inline vf vload_as_f32(const void* p) {
+    if (DT == DT_F32) return vload((const float*)p);
+#if VW == 16
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    if (DT == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+#else
+    const __m128i h = _mm_loadu_si128((const __m128i*)p);
+    if (DT == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+#endif
+}
+
+// v rounded to the dtype DT (round to nearest even), as float32; and stored in DT at p. A
+// bfloat16 NaN whose payload sits only in the low 16 bits would round to infinity here
+// (activations that reach this are finite in practice; scalar f32_to_bf16 keeps it NaN).
+template <int DT>
+static inline vf vround(vf v) {
+    if (DT == DT_F32) return v;
+#if VW == 16
+    if (DT == DT_F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+#else
+    return round8(v, DT);
+#endif
+}
+
+template <int DT>
+static inline void vstore_as(void* p, vf v) {
+    if (DT == DT_F32) {
+        vstore((float*)p, v);
+        return;
+    }
+#if VW == 16
+    if (DT == DT_F16) {
+        _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(vround<DT>(v)), 16)));
+#else
+    if (DT == DT_F16) {
+        _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    __m256i h = _mm256_srli_epi32(_mm256_castps_si256(vround<DT>(v)), 16);
+    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+#endif
 }
 
 // Software prefetch of the next block of weight rows while this one computes: without it
