@@ -7,7 +7,7 @@ product of few rows with the packed codes (``cpu_qlinear.cpp``).
 The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
 into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``kernels/`` under ``cache_root()``:
 ``$FLEXGEN_CACHE``, ``$XDG_CACHE_HOME/flexgen_dist`` or ``~/.cache/flexgen_dist``), once per source, compiler and CPU feature set, so nodes
-that share a home directory never load a build for another CPU. The build takes ~2 s. The
+that share a home directory never load a build for another CPU. The build takes ~13 s on 2 cores. The
 GEMM form policy (``gemm.py``) is stored in the same directory.
 Without a compiler, on a CPU without AVX2+FMA, or with ``FLEXGEN_CPU_KERNELS=0``, ``library()``
 returns None and callers use torch's own kernels; the reason is logged once.
