@@ -253,15 +253,17 @@ def _packed_cache(r: int, L: int, d: int, dtype: torch.dtype, bits: int, group: 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("layout", ["row-major", "position-major"])
 @pytest.mark.parametrize("g,d,L,group", [(1, 64, 1, 64), (3, 64, 37, 64), (4, 128, 50, 64), (5, 80, 23, 16),
-                                         (7, 128, 16, 128), (2, 48, 19, 16), (2, 16, 9, 64)])
+                                         (7, 128, 16, 128), (2, 48, 19, 16), (2, 16, 9, 64), (3, 128, 21, 32),
+                                         (3, 96, 13, 48), (3, 48, 11, 64)])
 def test_native_packed_attention_equals_attention_over_the_expanded_cache(dtype: torch.dtype, bits: int,
                                                                          layout: str, g: int, d: int, L: int,
                                                                          group: int) -> None:
     """Attention read straight from a compressed cache's codes expands each value as the
     expansion does (code * scale + min in float32, rounded to the dtype) and then runs the dense
     kernel's arithmetic: the output, its log-sum-exps and the sinks' softmax are bit for bit those
-    over the expanded cache, in every dtype, for 4- and 8-bit codes, groups of one or several
-    vectors (and one group wider than the head, padded), both cache layouts."""
+    over the expanded cache, in every dtype, for 4- and 8-bit codes (4-bit ones through a table of
+    the group's 16 values on AVX-512), groups of one or several vectors (and wider than the head,
+    padded; value tiles narrowed to fit a group), both cache layouts."""
     _native_library()
     gen = torch.Generator().manual_seed(g * 1000 + d + L + bits)
     r = 6

@@ -66,7 +66,9 @@ static inline vf vselect(unsigned bits, vf yes, vf no) {
 
 // A cache's keys or values as the kernel reads them: ``row(r)`` the same source moved to row r,
 // ``at(l)`` to position l of its row; ``load(l, e)`` the VW elements [e, e + VW) of position l
-// of that row, as float32.
+// of that row, as float32. A ``grouped`` source also reads a group of ``group`` elements at a
+// time: ``prep(l, e)`` what the group from element e of position l shares (prepared once),
+// ``get(prep, l, e)`` one of its vectors.
 
 // Elements of dtype DT: position l of row r at p + r * ldr + l * ldl elements, d contiguous.
 template <int DT>
@@ -74,6 +76,7 @@ struct Dense {
     static constexpr int esz = DT == DT_F32 ? 4 : 2;
     static constexpr int heads = 2;  // query heads a score tile takes at most
     static constexpr bool heads_first = false;  // value tiles: as much of a head as they hold
+    static constexpr bool grouped = false;
     const char* p;
     int64_t ldr, ldl;
     Dense row(int64_t r) const { return {p + r * ldr * esz, 0, ldl}; }
@@ -130,19 +133,50 @@ struct Packed {
     // VW / 4 positions; value tiles of as many heads as they hold, fewer vectors of each)
     static constexpr int heads = 4;
     static constexpr bool heads_first = true;
+    static constexpr bool grouped = true;
+    // 4-bit codes on AVX-512: a group's 16 values, each code * scale + min rounded to DT, in one
+    // vector, and each code a lane index into it (one permute a vector instead of a conversion,
+    // a product, a sum and a rounding); elsewhere the scale and min, broadcast once a group
+    static constexpr bool table = BITS == 4 && VW == 16;
     const uint8_t* c;
     int64_t cr, cl;
     const char* mn;
     const char* sc;
     int64_t mr, ml;
     const int32_t* gi;
-    Packed row(int64_t r) const { return {c + r * cr, 0, cl, mn + r * mr * esz, sc + r * mr * esz, 0, ml, gi}; }
-    Packed at(int64_t l) const { return {c + l * cl, 0, cl, mn + l * ml * esz, sc + l * ml * esz, 0, ml, gi}; }
-    vf load(int64_t l, int64_t e) const {
+    int64_t group;
+    Packed row(int64_t r) const {
+        return {c + r * cr, 0, cl, mn + r * mr * esz, sc + r * mr * esz, 0, ml, gi, group};
+    }
+    Packed at(int64_t l) const {
+        return {c + l * cl, 0, cl, mn + l * ml * esz, sc + l * ml * esz, 0, ml, gi, group};
+    }
+    struct Prep {
+        vf a, b;  // the table (a), or the scale (a) and the min (b)
+    };
+    Prep prep(int64_t l, int64_t e) const {
         const int64_t g = l * ml + gi[e / VW];
         const vf s = _set1(elem_f32<DT>(sc + g * esz)), m = _set1(elem_f32<DT>(mn + g * esz));
-        return vround<DT>(codes_f32<BITS>(c + l * cl + e * BITS / 8) * s + m);
+#if VW == 16
+        if constexpr (table) {
+            const vf codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            return {vround<DT>(codes * s + m), m};
+        }
+#endif
+        return {s, m};
     }
+    vf get(const Prep& t, int64_t l, int64_t e) const {
+        const uint8_t* b = c + l * cl + e * BITS / 8;
+#if VW == 16
+        if constexpr (table) {
+            const __m128i y = _mm_loadl_epi64((const __m128i*)b), lo_mask = _mm_set1_epi8(15);
+            const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(y, lo_mask), _mm_and_si128(_mm_srli_epi16(y, 4), lo_mask));
+            return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(x), t.a);
+        }
+#endif
+        return vround<DT>(codes_f32<BITS>(b) * t.a + t.b);
+    }
+    vf load(int64_t l, int64_t e) const { return get(prep(l, e), l, e); }
 };
 
 // The first n positions of a cache row widened to float32 rows of d at dst; the rest of m rows
@@ -166,10 +200,22 @@ static inline vf score_tile(const float* qf, const S& k, int64_t d) {
     for (int i = 0; i < VW; i++) acc[i] = vzero();
 #pragma GCC unroll 16
     for (int p = 0; p < pt; p++) {  // each key row read in order
-        for (int64_t e = 0; e < d; e += VW) {
-            const vf kv = k.load(p, e);
+        if constexpr (S::grouped) {  // a group's shared part prepared once
+            for (int64_t e0 = 0; e0 < d; e0 += k.group) {
+                const auto t = k.prep(p, e0);
+                const int64_t e1 = e0 + k.group < d ? e0 + k.group : d;
+                for (int64_t e = e0; e < e1; e += VW) {
+                    const vf kv = k.get(t, p, e);
 #pragma GCC unroll 4
-            for (int h = 0; h < ht; h++) acc[h * pt + p] = vfma(vload(qf + h * d + e), kv, acc[h * pt + p]);
+                    for (int h = 0; h < ht; h++) acc[h * pt + p] = vfma(vload(qf + h * d + e), kv, acc[h * pt + p]);
+                }
+            }
+        } else {
+            for (int64_t e = 0; e < d; e += VW) {
+                const vf kv = k.load(p, e);
+#pragma GCC unroll 4
+                for (int h = 0; h < ht; h++) acc[h * pt + p] = vfma(vload(qf + h * d + e), kv, acc[h * pt + p]);
+            }
         }
     }
     return hsums(acc);
@@ -179,7 +225,7 @@ static inline vf score_tile(const float* qf, const S& k, int64_t d) {
 // into gt query heads' outputs (acc + g * d), ct vectors of each: gt x ct accumulators held in
 // registers over all the positions, each value vector read once for the gt heads; p: the heads'
 // probabilities, ldp apart. Each output element adds its terms in position order, as one head
-// at a time would.
+// at a time would. A grouped source's tile lies within one group (the caller's widths).
 template <class S, int gt, int ct>
 static void value_tile(const S& vs, int64_t e0, int64_t n, const float* p, int64_t ldp, float* acc, int64_t d) {
     const S v = vs;  // a local copy: its fields stay in registers
@@ -190,8 +236,14 @@ static void value_tile(const S& vs, int64_t e0, int64_t n, const float* p, int64
         for (int c = 0; c < ct; c++) a[g][c] = vzero();
     for (int64_t l = 0; l < n; l++) {
         vf x[ct];
+        if constexpr (S::grouped) {
+            const auto t = v.prep(l, e0);
 #pragma GCC unroll 8
-        for (int c = 0; c < ct; c++) x[c] = v.load(l, e0 + c * VW);
+            for (int c = 0; c < ct; c++) x[c] = v.get(t, l, e0 + c * VW);
+        } else {
+#pragma GCC unroll 8
+            for (int c = 0; c < ct; c++) x[c] = v.load(l, e0 + c * VW);
+        }
 #pragma GCC unroll 8
         for (int g = 0; g < gt; g++) {
             const vf pg = _set1(p[g * ldp + l]);
@@ -324,10 +376,15 @@ static void attention(const void* q, int64_t R, int64_t G, int64_t d, const S& k
             const int64_t cmax = G > 1 && CT > ACC / 2 ? ACC / 2 : CT;  // two heads a tile where there are two
             int64_t cw = nv < cmax ? nv : cmax;  // vectors of a tile
             int64_t gw = ACC / cw < GT ? ACC / cw : GT;  // heads of a tile
-            if (S::heads_first) {  // as many heads as a tile takes, then as many vectors as fit
+            if constexpr (S::heads_first) {  // as many heads as a tile takes, then as many vectors as fit
                 gw = G < GT ? G : GT;
                 cw = ACC / gw < CT ? ACC / gw : CT;
                 cw = nv < cw ? nv : cw;
+            }
+            if constexpr (S::grouped) {  // each tile within one group: its width divides the group's
+                const int64_t gv = v.group / VW;
+                cw = gv < cw ? gv : cw;
+                while (gv % cw) cw--;
             }
             for (int64_t g = 0; g < G; g += gw) {
                 const int64_t gt = G - g < gw ? G - g : gw;
@@ -389,7 +446,7 @@ int fg_attention_packed(const void* q, int64_t R, int64_t G, int64_t d, const Pa
         constexpr int DT = decltype(dtag)::value, BITS = decltype(btag)::value;
         auto src = [&](const PackedPart* x) {
             return Packed<DT, BITS>{x->codes, x->cr, x->cl, (const char*)x->mins, (const char*)x->scales, x->mr,
-                                    x->ml, gi.data()};
+                                    x->ml, gi.data(), group};
         };
         attention<DT>(q, R, G, d, src(k), src(v), L, mask, ldm, sinks, scale, out, lse, nthreads);
     };
