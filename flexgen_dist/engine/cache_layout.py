@@ -64,6 +64,15 @@ class Chunk:
         """How many slots hold positions once [0, length) were written."""
         return max(0, min(length - self.base, self.cap))
 
+    def landed(self) -> tuple[Stored, Stored]:
+        """A disk chunk's staged K, V once its reads (``BlockCache.load``) have landed."""
+        for f in self.futures:
+            f.result()
+        self.futures = []
+        if self.staged is None:
+            raise RuntimeError("a cache chunk on disk is read before it was loaded")
+        return self.staged
+
 
 def ring_pieces(s: int, cap: int) -> list[tuple[int, int, int]]:
     """Where a prompt of s positions goes in a cache of ``cap`` slots: [(first position, first

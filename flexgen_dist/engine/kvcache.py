@@ -14,7 +14,8 @@ With ``compress`` every chunk holds K and V as :class:`QTensor` s in the same la
 along head_dim, so each (row, position) is whole groups and positions are written and read
 independently. New k/v are quantized on the compute device before they move anywhere, stay
 compressed on every tier (disk included), and a chunk is dequantized on the device that runs
-its attention, right before use. The group is capped at head_dim: a group never spans
+its attention, right before use (on the CPU the native kernel reads the codes in place
+instead, ``attention.attend_packed``, where it takes them). The group is capped at head_dim: a group never spans
 positions, so a larger one would only store padding.
 
 With ``shared`` the values are the keys (latent attention: DeepSeek-V3 caches one latent per
@@ -401,19 +402,9 @@ class BlockCache:
         its reads have landed), and whether position-major. For a cache only read at decode
         (the prompts')."""
         if ch.tier == Tier.DISK:
-            kbuf, vbuf = self._landed(ch)
+            kbuf, vbuf = ch.landed()
             return (*each_kv(kbuf, vbuf, lambda x: positions(x, 0, ch.cap, 0)), True)
         return ch.k, ch.v, False
-
-    @staticmethod
-    def _landed(ch: Chunk) -> tuple[Stored, Stored]:
-        """A disk chunk's staged K, V once its reads (``load``) have landed."""
-        for f in ch.futures:
-            f.result()
-        ch.futures = []
-        if ch.staged is None:
-            raise RuntimeError("a cache chunk on disk is read before it was loaded")
-        return ch.staged
 
     def _expand(self, x: Stored, device: torch.device, pos_major: bool, key: str) -> torch.Tensor:
         """``dense``, into a reused buffer where a compressed chunk expands on the CPU."""
@@ -437,7 +428,7 @@ class BlockCache:
         staged disk chunk). ``perm``: the rows' new order, applied to the slots held before."""
         a, b, n = ch.slot(pos0), ch.slot(pos0) + length - pos0, ch.held(length)
         if ch.tier == Tier.DISK:
-            kbuf, vbuf = self._landed(ch)
+            kbuf, vbuf = ch.landed()
             if perm is not None and ch.held(pos0):
                 old = ch.held(pos0)
                 permute_rows((kbuf,) if vbuf is kbuf else (kbuf, vbuf), perm, old, pos_major=True)
