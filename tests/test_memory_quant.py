@@ -138,3 +138,33 @@ def test_bad_arguments_are_rejected() -> None:
         quantize(torch.arange(8).reshape(2, 4))
     with pytest.raises(ValueError, match="dim=2"):
         quantize(torch.randn(4, 8), dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape,group_size", [((7, 64), 64), ((3, 5, 80), 64), ((4, 1, 16), 64), ((6, 33), 16),
+                                              ((2, 3, 128), 32), ((5, 7), 3), ((9, 100), 48)])
+def test_native_quantization_equals_the_reference(dtype: torch.dtype, bits: int, shape: tuple[int, ...],
+                                                 group_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU ``quantize`` along the last dim runs the native one-pass kernel where it can;
+    its codes (padding included), minimums and scales are bit for bit torch's reference path's,
+    with repeated values, a constant row (scale 0) and a strided input among them."""
+    import shutil
+
+    from flexgen_dist import kernels
+
+    if shutil.which("g++") is None or kernels.library() is None:
+        pytest.skip("no native kernels here: quantize runs torch's path only")
+    gen = torch.Generator().manual_seed(bits * 100 + shape[-1])
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    x[..., :2] = 0.5
+    x[0] = 1.25
+    strided = torch.randn(shape[-1], 3, generator=gen).to(dtype).t()[:, None].expand(3, 2, shape[-1])
+    for t in (x, x.transpose(0, -2) if x.dim() > 2 else x, strided[..., :shape[-1]]):
+        assert kernels.quant(t, bits, group_size) is not None
+        native = quantize(t, bits, group_size)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "quant", lambda *a, **kw: None)
+            ref = quantize(t, bits, group_size)
+        for a, b in ((native.data, ref.data), (native.mins, ref.mins), (native.scales, ref.scales)):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -2,7 +2,8 @@
 GEMM (and bfloat16 where the CPU has AVX512_BF16), RMSNorm, rotary, SwiGLU's ``silu(g) * u``
 (``cpu_kernels.cpp``), decode attention over a cache in the dtype or compressed
 (``cpu_attention.cpp``; its wrappers in ``attend.py``), and group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
-product of few rows with the packed codes (``cpu_qlinear.cpp``).
+product of few rows with the packed codes (``cpu_qlinear.cpp``), and the quantization a
+compressed cache stores (``cpu_quant.cpp``).
 
 The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
 into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``kernels/`` under ``cache_root()``:
@@ -32,7 +33,8 @@ import torch
 log = logging.getLogger("flexgen_dist.kernels")
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "cpu_kernels.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_qlinear.cpp"]
+_SOURCES = [_HERE / "cpu_kernels.cpp", _HERE / "cpu_attention.cpp", _HERE / "cpu_qlinear.cpp",
+            _HERE / "cpu_quant.cpp"]
 _HEADERS = [_HERE / "cpu_simd.h"]
 # -ffp-contract=off: a product and a sum stay two roundings where the reference rounds twice
 # (FMAs are written out where they are meant)
@@ -137,10 +139,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.fg_attention.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr,
                                  ctypes.c_float, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_attention.restype = None
-    if hasattr(lib, "fg_attention_packed"):  # a build of an earlier revision may lack it (build_from)
+    if hasattr(lib, "fg_attention_packed"):  # a build of an earlier revision may lack these (build_from)
         lib.fg_attention_packed.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, i64, ptr, i64, ptr,
                                             ctypes.c_float, ptr, ptr, ctypes.c_int, ctypes.c_int]
         lib.fg_attention_packed.restype = ctypes.c_int
+    if hasattr(lib, "fg_quant"):
+        lib.fg_quant.argtypes = [ptr, i64, i64, i64, ctypes.c_int, i64, ctypes.c_int, ptr, i64, ptr, ptr, i64,
+                                 ctypes.c_int]
+        lib.fg_quant.restype = ctypes.c_int
     lib.fg_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_rms_norm.restype = None
     lib.fg_silu_mul.argtypes = [ptr, ptr, i64, ctypes.c_int, ctypes.c_int]
@@ -361,6 +367,31 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     lib.fg_dequant(codes.data_ptr(), n0, n1, cols, *cs, mins.data_ptr(), scales.data_ptr(), *ms, _DT[mins.dtype],
                    group, bits, out.data_ptr(), _DT[dtype], torch.get_num_threads())
     return out
+
+
+def quant(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``memory.quant.quantize`` of x along its last dim in one pass on the CPU: (codes (..., packed)
+    uint8, mins (..., groups), scales (..., groups)) in x's dtype, bit for bit the reference's;
+    None where the kernel does not apply (no library or a build without it, other bits, another
+    dtype or device)."""
+    lib = library()
+    if (lib is None or not hasattr(lib, "fg_quant") or bits not in (4, 8) or x.dtype not in _DT
+            or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0 or group < 1):
+        return None
+    n = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    x2 = _rows(x)
+    if x2 is None:
+        x2 = x.reshape(-1, n).contiguous()
+    groups = -(-n // group)
+    codes = torch.empty((*lead, -(-groups * group * bits // 8)), dtype=torch.uint8)
+    mins = torch.empty((*lead, groups), dtype=x.dtype)
+    scales = torch.empty_like(mins)
+    rows = x2.shape[0]
+    if rows:
+        lib.fg_quant(x2.data_ptr(), rows, n, x2.stride(0), _DT[x.dtype], group, bits, codes.data_ptr(),
+                     codes.shape[-1], mins.data_ptr(), scales.data_ptr(), groups, torch.get_num_threads())
+    return codes, mins, scales
 
 
 def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,

@@ -72,6 +72,7 @@ static inline vf vzero_below(vf v, vf x, float lo) {  // v where x >= lo, else 0
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _set1(lo), _CMP_GE_OQ), v);
 }
 static inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline float hmin(vf v) { return _mm512_reduce_min_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VW 8
 #define NB 2
@@ -96,6 +97,12 @@ static inline float hmax(vf v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline float hmin(vf v) {
+    __m128 s = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_min_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
 }
 static inline float hsum(vf v) {
