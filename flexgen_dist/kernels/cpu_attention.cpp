@@ -134,10 +134,12 @@ struct Packed {
     static constexpr int heads = 4;
     static constexpr bool heads_first = true;
     static constexpr bool grouped = true;
-    // 4-bit codes on AVX-512: a group's 16 values, each code * scale + min rounded to DT, in one
-    // vector, and each code a lane index into it (one permute a vector instead of a conversion,
-    // a product, a sum and a rounding); elsewhere the scale and min, broadcast once a group
-    static constexpr bool table = BITS == 4 && VW == 16;
+    // 4-bit codes: a group's 16 values, each code * scale + min rounded to DT, in one vector
+    // (AVX-512) or two (AVX2, for a half dtype: float32 needs no rounding, so its product and sum
+    // cost less than two permutes and a blend), each code a lane index into them (a permute a
+    // vector instead of a conversion, a product, a sum and a rounding); elsewhere the scale and
+    // min, broadcast once a group
+    static constexpr bool table = BITS == 4 && (VW == 16 || DT != DT_F32);
     const uint8_t* c;
     int64_t cr, cl;
     const char* mn;
@@ -152,28 +154,39 @@ struct Packed {
         return {c + l * cl, 0, cl, mn + l * ml * esz, sc + l * ml * esz, 0, ml, gi, group};
     }
     struct Prep {
-        vf a, b;  // the table (a), or the scale (a) and the min (b)
+        vf a, b;  // the table (a; AVX2: codes 0-7 in a, 8-15 in b), or the scale (a) and the min (b)
     };
     Prep prep(int64_t l, int64_t e) const {
         const int64_t g = l * ml + gi[e / VW];
         const vf s = _set1(elem_f32<DT>(sc + g * esz)), m = _set1(elem_f32<DT>(mn + g * esz));
-#if VW == 16
         if constexpr (table) {
+#if VW == 16
             const vf codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             return {vround<DT>(codes * s + m), m};
-        }
+#else
+            const vf lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+            return {vround<DT>(lo * s + m), vround<DT>(hi * s + m)};
 #endif
+        }
         return {s, m};
     }
     vf get(const Prep& t, int64_t l, int64_t e) const {
         const uint8_t* b = c + l * cl + e * BITS / 8;
-#if VW == 16
         if constexpr (table) {
+#if VW == 16
             const __m128i y = _mm_loadl_epi64((const __m128i*)b), lo_mask = _mm_set1_epi8(15);
             const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(y, lo_mask), _mm_and_si128(_mm_srli_epi16(y, 4), lo_mask));
             return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(x), t.a);
-        }
+#else
+            int32_t w;
+            memcpy(&w, b, 4);
+            const __m128i y = _mm_cvtsi32_si128(w), lo_mask = _mm_set1_epi8(15);
+            const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(y, lo_mask), _mm_and_si128(_mm_srli_epi16(y, 4), lo_mask));
+            const __m256i idx = _mm256_cvtepu8_epi32(x);  // lanes 8-15 (bit 3) take the second table
+            return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.a, idx), _mm256_permutevar8x32_ps(t.b, idx),
+                                    _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 #endif
+        }
         return vround<DT>(codes_f32<BITS>(b) * t.a + t.b);
     }
     vf load(int64_t l, int64_t e) const { return get(prep(l, e), l, e); }
