@@ -142,7 +142,8 @@ def attend_rows_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def attend_packed(q: torch.Tensor, k: QTensor, v: QTensor, mask: torch.Tensor, pos_major: bool, lse: bool,
-                  scale: float | None = None, sinks: torch.Tensor | None = None) -> object | None:
+                  scale: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """``attend_rows`` (``lse``: ``attend_rows_lse``) of a decode step on the CPU over a compressed
     cache, read as its codes (``kernels.attend.attention_packed``): k/v (rows, L, d) grouped along d,
     or (L, rows, d) where ``pos_major`` (a staged disk chunk), in memory on the CPU. The same
@@ -161,7 +162,7 @@ def attend_packed(q: torch.Tensor, k: QTensor, v: QTensor, mask: torch.Tensor, p
     got = native.attention_packed(q, rows_first(k), rows_first(v), k.bits, k.group_size, mask, scale, sinks, lse)
     if got is None:
         return None
-    return got if lse else got[0]
+    return (got[0], got[1]) if lse else got[0]  # type: ignore[return-value]
 
 
 def prefix_attention(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,

@@ -125,7 +125,9 @@ def empty_qtensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, bits:
 
 
 def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1) -> QTensor:
-    """Quantize ``x`` group-wise along ``dim``; runs on ``x``'s device, math in float32."""
+    """Quantize ``x`` group-wise along ``dim``; runs on ``x``'s device, math in float32 (on the CPU
+    along the last dim, the native one-pass kernel where it applies: the same codes, minimums and
+    scales)."""
     d = _check_args(x.shape, x.dtype, bits, group_size, dim)
     if x.device.type == "cpu" and d == x.dim() - 1:
         from ..kernels import quant as native  # the same codes in one pass (a leaf: no cycle)
