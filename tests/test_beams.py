@@ -95,7 +95,9 @@ def test_each_cache_placement_follows_its_beams(policy: dict, tiny_models, tmp_p
                  compress_cache=True, progress=False) as llm:
             on_disk = ours(llm.beam_search(PROMPTS, beam_width=2, max_tokens=T,
                                            sampling=SamplingConfig(stop_token_ids=ends)))
-        assert on_disk == got
+        # the same beams; the scores to rounding: each placement runs the products of its own
+        # shapes, and the GEMM policy (timed on each machine) may pick another form for one
+        same(on_disk, got)
         return
     same(got, [hf_beams(tm, p, 2, ends=(EOS, *ends)) for p in PROMPTS])
 
