@@ -15,8 +15,8 @@ along head_dim, so each (row, position) is whole groups and positions are writte
 independently. New k/v are quantized on the compute device before they move anywhere, stay
 compressed on every tier (disk included), and a chunk is dequantized on the device that runs
 its attention, right before use (on the CPU the native kernel reads the codes in place
-instead, ``attention.attend_packed``, where it takes them). The group is capped at head_dim: a group never spans
-positions, so a larger one would only store padding.
+instead, ``attention.attend_packed``, where it takes them). The group is capped at head_dim:
+a group never spans positions, so a larger one would only store padding.
 
 With ``shared`` the values are the keys (latent attention: DeepSeek-V3 caches one latent per
 token and attends it as both), so a chunk stores K alone and its V is the same tensor: half
@@ -365,8 +365,8 @@ class BlockCache:
                        sinks: torch.Tensor | None = None) -> Any:
         """Attend ``qr`` over a chunk's stored K, V where the chunk lives (the CPU, where it is in
         RAM and ``cpu_attention``); a compressed one read there as its codes (``attend_packed``), or
-        else expanded first; ``lse``: the output and its
-        log-sum-exps (``attend_rows_lse``), for a merge with a held prefix's or prompt's part."""
+        else expanded first; ``lse``: the output and its log-sum-exps (``attend_rows_lse``), for a
+        merge with a held prefix's or prompt's part."""
         dev = self.device
         if ch.tier != Tier.GPU and kc.device != self.device and self.cpu_attention:
             dev = torch.device("cpu")  # move q (small) to the cache, not the cache to q

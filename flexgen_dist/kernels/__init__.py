@@ -1,9 +1,9 @@
 """Native CPU kernels, compiled on first use for the machine that runs them: float32 decode
 GEMM (and bfloat16 where the CPU has AVX512_BF16), RMSNorm, rotary, SwiGLU's ``silu(g) * u``
 (``cpu_kernels.cpp``), decode attention over a cache in the dtype or compressed
-(``cpu_attention.cpp``; its wrappers in ``attend.py``), and group-wise 4/8-bit weights in the compute dtype: their expansion in one pass and the fused
-product of few rows with the packed codes (``cpu_qlinear.cpp``), and the quantization a
-compressed cache stores (``cpu_quant.cpp``).
+(``cpu_attention.cpp``; its wrappers in ``attend.py``), group-wise 4/8-bit weights in the
+compute dtype: their expansion in one pass and the fused product of few rows with the packed
+codes (``cpu_qlinear.cpp``), and the quantization a compressed cache stores (``cpu_quant.cpp``).
 
 The sources (``_SOURCES``) are built with the system C++ compiler (``$CXX`` or g++) with ``_FLAGS``
 into ``kernel_dir()`` (``$FLEXGEN_KERNEL_DIR``, else ``kernels/`` under ``cache_root()``:

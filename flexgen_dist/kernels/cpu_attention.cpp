@@ -109,18 +109,6 @@ static inline vf codes_f32(const uint8_t* b) {
 #endif
 }
 
-template <int DT>
-static inline float elem_f32(const char* p) {
-    uint16_t h;
-    if (DT == DT_F32) {
-        float f;
-        memcpy(&f, p, 4);
-        return f;
-    }
-    memcpy(&h, p, 2);
-    return DT == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
 // Group-wise codes of BITS (memory/quant.py's layout, grouped along d): position l of row r's
 // codes at c + r * cr + l * cl bytes, its groups' minimums and scales (dtype DT) at mn / sc + r *
 // mr + l * ml elements; gi[i] the group of the vector [i * VW, (i + 1) * VW) (groups hold whole
@@ -158,7 +146,7 @@ struct Packed {
     };
     Prep prep(int64_t l, int64_t e) const {
         const int64_t g = l * ml + gi[e / VW];
-        const vf s = _set1(elem_f32<DT>(sc + g * esz)), m = _set1(elem_f32<DT>(mn + g * esz));
+        const vf s = _set1(ld1<DT>((const Elem<DT>*)sc, g)), m = _set1(ld1<DT>((const Elem<DT>*)mn, g));
         if constexpr (table) {
 #if VW == 16
             const vf codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

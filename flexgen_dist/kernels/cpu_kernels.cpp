@@ -16,7 +16,6 @@
 // and the loader resolves the same soname to it, so both share one thread pool.
 #include "cpu_simd.h"
 
-#include <type_traits>
 
 extern "C" {
 
@@ -57,30 +56,8 @@ extern "C" void fg_panel_f32(int64_t nr, const float* x, int64_t M, int64_t ldx,
 
 // The elementwise kernels below take float32, bfloat16 or float16 (DT) and compute in float32,
 // rounding to the dtype exactly where torch's own path for that dtype rounds (for float32 the
-// roundings are no-ops, and the float32 kernels are these same templates). T is the element.
-template <int DT>
-using Elem = typename std::conditional<DT == DT_F32, float, uint16_t>::type;
-
-template <int DT>
-static inline float ld1(const Elem<DT>* p, int64_t i) {
-    if constexpr (DT == DT_F32) return p[i];
-    else if constexpr (DT == DT_BF16) return bf16_to_f32(p[i]);
-    else return f16_to_f32(p[i]);
-}
-
-template <int DT>
-static inline Elem<DT> to_dt(float v) {
-    if constexpr (DT == DT_F32) return v;
-    else if constexpr (DT == DT_BF16) return f32_to_bf16(v);
-    else return f32_to_f16(v);
-}
-
-template <int DT>
-static inline float rnd1(float v) {  // v rounded to the dtype, as float32
-    if constexpr (DT == DT_F32) return v;
-    else if constexpr (DT == DT_BF16) return bf16_to_f32(f32_to_bf16(v));
-    else return f16_to_f32(f32_to_f16(v));
-}
+// roundings are no-ops, and the float32 kernels are these same templates); Elem<DT> is the
+// element (cpu_simd.h).
 
 // RMSNorm: y (M, n) contiguous = round(round(x * r) * w), r = 1 / sqrt(mean(x^2) + eps), x rows
 // ldx apart, in one read of x and one write of y (torch's CPU rms_norm runs five passes). The

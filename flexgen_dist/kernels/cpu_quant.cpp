@@ -12,34 +12,6 @@
 #include <cmath>
 
 template <int DT>
-static inline float elem_at(const char* p) {
-    if (DT == DT_F32) {
-        float f;
-        memcpy(&f, p, 4);
-        return f;
-    }
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return DT == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
-template <int DT>
-static inline void put(char* p, float v) {
-    if (DT == DT_F32) {
-        memcpy(p, &v, 4);
-        return;
-    }
-    const uint16_t h = DT == DT_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
-    memcpy(p, &h, 2);
-}
-
-template <int DT>
-static inline float rounded(float v) {  // v rounded to the dtype, as float32
-    if (DT == DT_F32) return v;
-    return DT == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
-}
-
-template <int DT>
 static void quant_rows(const char* x, int64_t rows, int64_t n, int64_t ldx, int64_t group, int bits, uint8_t* codes,
                        int64_t ldc, char* mins, char* scales, int64_t ldm, int nthreads) {
     const int esz = DT == DT_F32 ? 4 : 2;
@@ -55,7 +27,7 @@ static void quant_rows(const char* x, int64_t rows, int64_t n, int64_t ldx, int6
             const char* xr = x + r * ldx * esz;
             int64_t e = 0;
             for (; e + VW <= n; e += VW) vstore(f.data() + e, vload_as_f32<DT>(xr + e * esz));
-            for (; e < n; e++) f[e] = elem_at<DT>(xr + e * esz);
+            for (; e < n; e++) f[e] = ld1<DT>((const Elem<DT>*)xr, e);
             for (; e < width; e++) f[e] = f[n - 1];  // the padding repeats the last value
             for (int64_t g = 0; g < groups; g++) {
                 const float* fg = f.data() + g * group;
@@ -74,9 +46,9 @@ static void quant_rows(const char* x, int64_t rows, int64_t n, int64_t ldx, int6
                     mn = fg[i] < mn ? fg[i] : mn;
                     mx = fg[i] > mx ? fg[i] : mx;
                 }
-                const float ms = rounded<DT>(mn), ss = rounded<DT>((mx - mn) / levels);
-                put<DT>(mins + (r * ldm + g) * esz, ms);
-                put<DT>(scales + (r * ldm + g) * esz, ss);
+                const float ms = rnd1<DT>(mn), ss = rnd1<DT>((mx - mn) / levels);
+                ((Elem<DT>*)mins)[r * ldm + g] = to_dt<DT>(ms);
+                ((Elem<DT>*)scales)[r * ldm + g] = to_dt<DT>(ss);
                 const float safe = ss > 0.f ? ss : 1.f;
                 uint8_t* qg = q.data() + g * group;
                 for (int64_t j = 0; j < group; j++) {

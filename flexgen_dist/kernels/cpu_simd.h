@@ -1,4 +1,5 @@
-// Shared by the native CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_qlinear.cpp): the
+// Shared by the native CPU kernels (cpu_kernels.cpp, cpu_attention.cpp, cpu_qlinear.cpp,
+// cpu_quant.cpp): the
 // SIMD vector type of the build (AVX-512 or AVX2 with FMA), its helpers, loads and stores of
 // each dtype's vectors widened to float32, a vectorised e^x, and the float32
 // register-blocked GEMM of few rows (block / rows / TailM / TailN) that linear_f32 runs and
@@ -10,6 +11,7 @@
 
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 // dtype codes shared with the Python wrappers, and exact scalar conversions
@@ -186,6 +188,31 @@ static inline void vstore_as(void* p, vf v) {
     __m256i h = _mm256_srli_epi32(_mm256_castps_si256(vround<DT>(v)), 16);
     _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 #endif
+}
+
+// Scalars of a dtype DT: its element type, one widened to float32, one rounded to DT.
+template <int DT>
+using Elem = typename std::conditional<DT == DT_F32, float, uint16_t>::type;
+
+template <int DT>
+static inline float ld1(const Elem<DT>* p, int64_t i) {
+    if constexpr (DT == DT_F32) return p[i];
+    else if constexpr (DT == DT_BF16) return bf16_to_f32(p[i]);
+    else return f16_to_f32(p[i]);
+}
+
+template <int DT>
+static inline Elem<DT> to_dt(float v) {
+    if constexpr (DT == DT_F32) return v;
+    else if constexpr (DT == DT_BF16) return f32_to_bf16(v);
+    else return f32_to_f16(v);
+}
+
+template <int DT>
+static inline float rnd1(float v) {  // v rounded to the dtype, as float32
+    if constexpr (DT == DT_F32) return v;
+    else if constexpr (DT == DT_BF16) return bf16_to_f32(f32_to_bf16(v));
+    else return f16_to_f32(f32_to_f16(v));
 }
 
 // Software prefetch of the next block of weight rows while this one computes: without it
