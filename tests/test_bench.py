@@ -115,15 +115,21 @@ def test_planner_accuracy_tiny(tmp_path: Path) -> None:
     out = tmp_path / "pa.json"
     planner_accuracy.main(["--model", "opt-125m", "--prompt-len", "8", "--gen-len", "2", "--gpu-batch-size", "1",
                            "--num-gpu-batches", "2", "--quick", "--policies", "w0-50_cache-disk", "all-in-ram",
-                           "--workdir", str(tmp_path / "work"), "--json", str(out)])
+                           "all-in-ram_4bit-cache", "--workdir", str(tmp_path / "work"), "--json", str(out)])
     data = json.loads(out.read_text())
-    assert set(data["policies"]) == {"w0-50_cache-disk", "all-in-ram"}
+    assert set(data["policies"]) == {"w0-50_cache-disk", "all-in-ram", "all-in-ram_4bit-cache"}
     assert data["hardware"]["compute_device"] == "cpu" and "quick" in data["hardware_source"]
     for r in data["policies"].values():
         for side in ("predicted", "measured"):
             assert r[side]["total_s"] > 0 and r[side]["prefill_s"] > 0 and r[side]["decode_s"] > 0
         assert set(r["rel_error"]) == {"prefill_s", "decode_s", "total_s"}
     assert data["policies"]["w0-50_cache-disk"]["measured"]["disk_bytes_read"] > 0
+    # a compressed cache is also predicted as the cost model counted it expanded: a slower guess
+    # where compute sets the pace (everything in RAM)
+    packed = data["policies"]["all-in-ram_4bit-cache"]
+    assert packed["policy"]["compress_cache"] and not data["policies"]["all-in-ram"]["policy"]["compress_cache"]
+    assert packed["predicted_expanded"]["decode_s"] > packed["predicted_at_realised"]["decode_s"]
+    assert "predicted_expanded" not in data["policies"]["all-in-ram"]
     assert "max_abs_total_error" in data and isinstance(data["all_within_30pct"], bool)
 
 

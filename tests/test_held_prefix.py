@@ -196,7 +196,7 @@ def test_the_cost_model_reads_each_row_without_its_prefix(models: dict) -> None:
     holds it (``PrefixShape.held_positions``); not where a window keeps every row's copy."""
     from flexgen_dist.config import RunConfig
     from flexgen_dist.planner.hardware import load_hardware_stages
-    from flexgen_dist.planner.terms import WorkShape, stage_sizes
+    from flexgen_dist.planner.sizes import WorkShape, stage_sizes
     from flexgen_dist.workloads import build_workload
 
     from conftest import REPO

@@ -303,6 +303,8 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     assert hw.host_layer_s + hw.host_batch_s > 0 and hw.host_cache_batch_s is not None
     assert hw.att_flops_dtype is not None and set(hw.att_flops_dtype) == {"float32", "bfloat16", "float16"}
     assert hw.att_flops == hw.att_flops_dtype["float32"]  # a CPU device computes in float32 by default
+    from flexgen_dist.kernels import library
+    assert (hw.cpu_packed_flops is not None) == (library() is not None)  # codes read in place where built
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
@@ -381,6 +383,49 @@ def test_host_time_is_its_own_channel_on_a_gpu_and_compute_on_a_cpu(tmp_path):
         for phase in (0, 1):
             assert t1[phase][4] == pytest.approx(t0[phase][4] + (3 * c if compress else 0.0))
     assert HardwareSpec.from_dict({**slow.to_dict(), "host_cache_batch_s": c}).host_cache_batch_s == c
+
+
+def test_a_compressed_cache_the_host_attends_costs_its_measured_rate(tmp_path):
+    """``cpu_packed_flops``: the host's decode attention over a compressed cache reads its codes
+    in place at that rate, where the cache lies off the device under CPU attention (and anywhere
+    on a CPU device); without the figure the cache is counted expanded, then attended, as before.
+    A GPU's own share and an uncompressed cache are not touched; the field round-trips and
+    refuses a rate that is not positive."""
+    spec = get_spec("opt-125m")
+    packed = 3e10
+    kw = dict(gpu_batch_size=4, num_gpu_batches=3, has_embed=True, has_head=True)
+
+    def comp(hw: HardwareSpec, x: list[float], compress: bool, cpu_attention: bool = True) -> float:
+        return stage_terms(spec, spec.num_layers, hw, WL, cpu_attention=cpu_attention, compress_cache=compress,
+                           **kw).decode @ np.append(np.array(x, dtype=float), 1.0)
+
+    gpu = HardwareSpec.from_yaml(T4)
+    base = np.array([1, 0, 0, 0, 0, 0, 1, 0, 0], dtype=float)  # weights, activations on the device
+    x_cc, x_cg = base.copy(), base.copy()
+    x_cc[4], x_cg[3] = 1.0, 1.0  # the cache in host RAM, or on the device
+    bls, ctx = 12, WL.prompt_len + WL.gen_len / 2
+    att = 4.0 * bls * ctx * spec.q_dim
+    for device in ("cuda", "cpu"):
+        hw = replace(gpu, compute_device=device)
+        with_rate = replace(hw, cpu_packed_flops=packed)
+        t_old = comp(hw, x_cc, True)[4]
+        t_new = comp(with_rate, x_cc, True)[4]
+        # the host's share: attention at the packed rate in place of expansion + attention
+        assert t_old - t_new == pytest.approx(att / hw.cpu_flops + bls * ctx * spec.kv_numel_per_token() * WL.dtype_bytes
+                                              / (2 * hw.cpu_flops) - att / packed)
+        assert np.allclose(comp(hw, x_cc, False), comp(with_rate, x_cc, False))  # no compressed cache: no change
+        g_old, g_new = comp(hw, x_cg, True)[4], comp(with_rate, x_cg, True)[4]
+        if device == "cuda":  # the GPU attends its own share, expanded, as before
+            assert g_new == pytest.approx(g_old)
+            # without CPU attention the host's share comes to the GPU too
+            assert comp(with_rate, x_cc, True, cpu_attention=False)[4] == pytest.approx(comp(hw, x_cc, True, False)[4])
+        else:  # a CPU device attends every share where it lies, codes in place
+            assert g_new == pytest.approx(t_new)
+    gpu_rate = replace(gpu, cpu_packed_flops=packed)
+    gpu_rate.to_yaml(tmp_path / "hw.yaml")
+    assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").cpu_packed_flops == packed
+    with pytest.raises(ValueError, match="cpu_packed_flops"):
+        replace(gpu, cpu_packed_flops=0.0)
 
 
 # CLI ----------------------------------------------------------------------------------

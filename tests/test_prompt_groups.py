@@ -243,7 +243,7 @@ def test_the_cost_model_reads_each_prompt_once_a_batch(models: dict) -> None:
     from flexgen_dist.engine.blocks import repeat_counts
     from flexgen_dist.engine.prefix_shape import PrefixShape
     from flexgen_dist.planner.hardware import load_hardware_stages
-    from flexgen_dist.planner.terms import WorkShape, stage_sizes
+    from flexgen_dist.planner.sizes import WorkShape, stage_sizes
     from flexgen_dist.workloads import build_workload
 
     from conftest import REPO

@@ -338,7 +338,7 @@ def test_the_planner_expects_what_the_prefixes_save(models: dict, tmp_path: Path
     a call-wide prefix (``--shared-prefix``)."""
     from flexgen_dist.config import RunConfig
     from flexgen_dist.planner.cli import main as planner
-    from flexgen_dist.planner.terms import WorkShape
+    from flexgen_dist.planner.sizes import WorkShape
     from flexgen_dist.workloads import build_workload
 
     with LLM(str(models["llama-gqa"].path), progress=False) as llm:

@@ -216,7 +216,7 @@ def test_the_planner_expects_what_the_repeats_save(models: dict) -> None:
     (none saved with a batch of one); ``explain``'s predicted prefill moves with it."""
     from flexgen_dist.engine.blocks import repeat_counts
     from flexgen_dist.engine.prefix_shape import PrefixShape
-    from flexgen_dist.planner.terms import WorkShape
+    from flexgen_dist.planner.sizes import WorkShape
 
     shape = PrefixShape(repeats=repeat_counts([0, 0, 0, 0, 4, 4, 4, 4]))
     assert shape.repeats == (4, 4)

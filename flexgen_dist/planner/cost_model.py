@@ -24,7 +24,8 @@ from flexgen_dist.distributed.items import PREFILL, Item, ItemStream
 from flexgen_dist.engine.policy import Policy
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.hardware import HardwareSpec
-from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
+from flexgen_dist.planner.terms import CHANNELS, PHASES, TIERS, WC, WD, WG, StageTerms, stage_terms
+from flexgen_dist.planner.sizes import WorkShape
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ MEM_FIELDS = ("gpu_mem", "cpu_mem", "disk_mem")
 BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
-                   "host_layer_s", "host_batch_s", "host_cache_batch_s", "att_flops", "att_flops_dtype")
+                   "host_layer_s", "host_batch_s", "host_cache_batch_s", "att_flops", "att_flops_dtype",
+                   "cpu_packed_flops")
 HOST_FIELDS = ("host_layer_s", "host_batch_s", "host_cache_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
@@ -56,6 +57,9 @@ class HardwareSpec:
     kernel on a padded block (``4 rows s q`` FLOPs a layer), in the dtype of ``mm_flops``, and
     ``att_flops_dtype`` per dtype; without them the cost model counts that attention at
     ``mm_flops``, which a CPU's fused attention reaches a third of in bfloat16.
+    ``cpu_packed_flops`` (optional): ``cpu_flops``' attention over a 4-bit compressed cache, its
+    codes read in place (the host's decode attention where the cache is compressed); without
+    it the cost model counts that cache expanded and then attended.
     """
 
     name: str
@@ -82,6 +86,7 @@ class HardwareSpec:
     host_cache_batch_s: float | None = None
     att_flops: float | None = None
     att_flops_dtype: dict[str, float] | None = None
+    cpu_packed_flops: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -103,7 +108,7 @@ class HardwareSpec:
                 what = "seconds >= 0" if f == "net_latency" else "a positive rate"
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be {what}")
             object.__setattr__(self, f, float(v))
-        for f in ("gemm_bw", "att_flops"):
+        for f in ("gemm_bw", "att_flops", "cpu_packed_flops"):
             v = getattr(self, f)
             if v is None:
                 continue
@@ -183,7 +188,7 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
-        for f in ("disk_cpu", "att_flops") + HOST_FIELDS:
+        for f in ("disk_cpu", "att_flops", "cpu_packed_flops") + HOST_FIELDS:
             if vals.get(f) is not None:
                 convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):

@@ -17,7 +17,7 @@ from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, best_pipeline, piece_cost
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.search import Candidate, PlanError, diagnose, stage_candidates
-from flexgen_dist.planner.terms import WorkShape
+from flexgen_dist.planner.sizes import WorkShape
 
 
 class PlannedStage(NamedTuple):

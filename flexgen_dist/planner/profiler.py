@@ -162,6 +162,24 @@ def measure_attention_flops(device: str, quick: bool = False) -> float:
     return 4.0 * bh * keys * hd / t
 
 
+def measure_packed_attention_flops(quick: bool = False) -> float | None:
+    """FLOP/s of the host's decode attention over a 4-bit compressed cache (groups of 64), its
+    codes read in place (``engine.attention.attend_packed``), at ``measure_attention_flops``' shape
+    in float32: what the host's share of a compressed cache costs a decode step. None where the
+    native kernel is not built here (the engine expands such a cache, as the cost model then counts)."""
+    from flexgen_dist.engine.attention import attend_packed
+    from flexgen_dist.memory.quant import quantize
+
+    bh, keys, hd = _ATTN_SHAPES[quick]
+    q = torch.randn(bh, 1, 1, hd)
+    k, v = (quantize(torch.randn(bh, keys, hd), 4, 64) for _ in range(2))
+    mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool)
+    if attend_packed(q, k, v, mask, False, False) is None:
+        return None
+    t = _timeit(lambda: attend_packed(q, k, v, mask, False, False), 3 if quick else 5, lambda: None)
+    return 4.0 * bh * keys * hd / t
+
+
 def measure_copy_bw(device: str, quick: bool = False) -> tuple[float, float]:
     """(host->device, device->host) bytes/s: pinned copies on cuda, memcpy on a CPU device."""
     nbytes = _COPY_BYTES[quick]
@@ -355,6 +373,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     bw_dtype = {"float32": gemm_bw, **{d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in halves}}
     att_dtype = {d: measure_prompt_attention_flops(device, getattr(torch, d), quick) for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
+    cpu_packed = measure_packed_attention_flops(quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
     dtoc, ctod, disk_cpu = measure_disk_bw(offload_dir, quick, device)
@@ -374,7 +393,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     return HardwareSpec(name=f"{socket.gethostname()}-{device}", source="measured",
                         gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem,
                         ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
-                        mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att,
+                        mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att, cpu_packed_flops=cpu_packed,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
                         host_layer_s=host_layer_s, host_batch_s=host_batch_s,

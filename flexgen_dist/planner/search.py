@@ -20,7 +20,8 @@ from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy, merge_decode
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
-from flexgen_dist.planner.terms import CC, CD, CG, CONST, HC, HD, HG, TIERS, WC, WD, WG, StageTerms, WorkShape, stage_terms
+from flexgen_dist.planner.terms import CC, CD, CG, CONST, HC, HD, HG, TIERS, WC, WD, WG, StageTerms, stage_terms
+from flexgen_dist.planner.sizes import WorkShape
 from flexgen_dist.planner.hardware import HardwareSpec
 
 GIB = 2**30
