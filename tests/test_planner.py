@@ -305,6 +305,8 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     assert hw.att_flops == hw.att_flops_dtype["float32"]  # a CPU device computes in float32 by default
     from flexgen_dist.kernels import library
     assert (hw.cpu_packed_flops is not None) == (library() is not None)  # codes read in place where built
+    assert set(hw.cpu_att_peak_dtype) == {"float32", "bfloat16", "float16"}
+    assert hw.cpu_att_peak == hw.cpu_att_peak_dtype["float32"]
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
@@ -426,6 +428,43 @@ def test_a_compressed_cache_the_host_attends_costs_its_measured_rate(tmp_path):
     assert HardwareSpec.from_yaml(tmp_path / "hw.yaml").cpu_packed_flops == packed
     with pytest.raises(ValueError, match="cpu_packed_flops"):
         replace(gpu, cpu_packed_flops=0.0)
+
+
+@pytest.mark.parametrize("model", ["opt-125m", "llama-3.2-1b"])
+def test_the_hosts_decode_attention_is_the_slower_of_reading_and_computing(model):
+    """``cpu_att_peak``: the host's decode attention takes the slower of reading its cache at
+    ``2 cpu_flops`` bytes/s and computing at the peak (grouped-query attention reads a quarter
+    of the bytes per FLOP here; a 2-byte dtype half of float32's). Without the figure: FLOPs at
+    ``cpu_flops``, as before. ``for_dtype`` takes the run dtype's peak; a CPU device attends
+    its own share so too, a GPU its own as before."""
+    spec = get_spec(model)
+    kw = dict(gpu_batch_size=4, num_gpu_batches=3, has_embed=True, has_head=True, cpu_attention=True)
+    bls, ctx = 12, WL.prompt_len + WL.gen_len / 2
+    flops, kv = 4.0 * bls * ctx * spec.q_dim, bls * ctx * spec.kv_numel_per_token()
+    gpu = HardwareSpec.from_yaml(T4)
+    coef = lambda hw, col: stage_terms(spec, spec.num_layers, hw, WL, **kw).decode[4, col]  # noqa: E731
+    CG, CC = 3, 4
+    assert coef(gpu, CC) == pytest.approx(flops / gpu.cpu_flops)  # no peak measured: as before
+    read = kv * WL.dtype_bytes / (2 * gpu.cpu_flops)
+    for peak in (gpu.cpu_flops / 4, gpu.cpu_flops * 40):  # computing sets the pace, then reading
+        hw = replace(gpu, cpu_att_peak=peak)
+        assert coef(hw, CC) == pytest.approx(max(read, flops / peak))
+        assert coef(hw, CG) == pytest.approx(coef(gpu, CG))  # the GPU's own share
+        on_cpu = replace(hw, compute_device="cpu")
+        assert coef(on_cpu, CG) == pytest.approx(coef(on_cpu, CC)) == pytest.approx(max(read, flops / peak))
+    fast = replace(gpu, cpu_att_peak=gpu.cpu_flops * 40)
+    assert coef(fast, CC) < coef(gpu, CC)  # 2-byte elements: half float32's bytes a FLOP
+    wl32 = WorkShape(WL.prompt_len, WL.gen_len, dtype_bytes=4)
+    c32 = [stage_terms(spec, spec.num_layers, h, wl32, **kw).decode[4, CC] for h in (fast, gpu)]
+    gqa = spec.num_kv_heads < spec.num_heads
+    assert (c32[0] < c32[1]) == gqa and c32[0] <= c32[1] * (1 + 1e-12)  # float32 MHA: read as before
+    rates = {"float32": 1e11, "bfloat16": 2e11}
+    typed = replace(gpu, cpu_att_peak_dtype=rates)
+    assert typed.for_dtype("bfloat16").cpu_att_peak == 2e11 and typed.for_dtype("float16").cpu_att_peak is None
+    with pytest.raises(ValueError, match="cpu_att_peak"):
+        replace(gpu, cpu_att_peak=-1.0)
+    with pytest.raises(ValueError, match="cpu_att_peak_dtype"):
+        replace(gpu, cpu_att_peak_dtype={"int8": 1.0})
 
 
 # CLI ----------------------------------------------------------------------------------

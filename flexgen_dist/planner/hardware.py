@@ -24,7 +24,7 @@ BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
                    "host_layer_s", "host_batch_s", "host_cache_batch_s", "att_flops", "att_flops_dtype",
-                   "cpu_packed_flops")
+                   "cpu_packed_flops", "cpu_att_peak", "cpu_att_peak_dtype")
 HOST_FIELDS = ("host_layer_s", "host_batch_s", "host_cache_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
@@ -60,6 +60,13 @@ class HardwareSpec:
     ``cpu_packed_flops`` (optional): ``cpu_flops``' attention over a 4-bit compressed cache, its
     codes read in place (the host's decode attention where the cache is compressed); without
     it the cost model counts that cache expanded and then attended.
+    ``cpu_att_peak`` (optional): the host's decode attention where it computes rather than reads:
+    eight query heads a key and value (grouped-query attention), in the dtype of ``mm_flops``,
+    and ``cpu_att_peak_dtype`` per dtype. ``cpu_flops``' shape (one head a key) is bound by
+    reading the cache, at ``2 cpu_flops`` bytes/s; with this figure the cost model takes a
+    step's host attention as the slower of reading its cache at that rate and computing at
+    this one, so heads sharing keys and narrower dtypes cost what they do. Without it, the
+    attention costs its FLOPs at ``cpu_flops``.
     """
 
     name: str
@@ -87,6 +94,8 @@ class HardwareSpec:
     att_flops: float | None = None
     att_flops_dtype: dict[str, float] | None = None
     cpu_packed_flops: float | None = None
+    cpu_att_peak: float | None = None
+    cpu_att_peak_dtype: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -108,14 +117,14 @@ class HardwareSpec:
                 what = "seconds >= 0" if f == "net_latency" else "a positive rate"
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be {what}")
             object.__setattr__(self, f, float(v))
-        for f in ("gemm_bw", "att_flops", "cpu_packed_flops"):
+        for f in ("gemm_bw", "att_flops", "cpu_packed_flops", "cpu_att_peak"):
             v = getattr(self, f)
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be a positive rate, or absent")
             object.__setattr__(self, f, float(v))
-        for f in ("mm_flops_dtype", "gemm_bw_dtype", "att_flops_dtype"):
+        for f in ("mm_flops_dtype", "gemm_bw_dtype", "att_flops_dtype", "cpu_att_peak_dtype"):
             d = getattr(self, f)
             if d is None:
                 continue
@@ -139,8 +148,9 @@ class HardwareSpec:
                           for v in (getattr(self, f.name) for f in fields(self))))
 
     def for_dtype(self, dtype: str) -> HardwareSpec:
-        """This machine as a run computing in ``dtype`` sees it: ``mm_flops``, ``gemm_bw`` and
-        prompt attention's rate from the per-dtype figures where the profile has them."""
+        """This machine as a run computing in ``dtype`` sees it: ``mm_flops``, ``gemm_bw``, prompt
+        attention's rate and the host's peak decode attention from the per-dtype figures where
+        the profile has them."""
         new: dict[str, float] = {}
         if self.mm_flops_dtype and dtype in self.mm_flops_dtype:
             new["mm_flops"] = self.mm_flops_dtype[dtype]
@@ -148,6 +158,8 @@ class HardwareSpec:
             new["gemm_bw"] = self.gemm_bw_dtype[dtype]
         if self.att_flops_dtype and dtype in self.att_flops_dtype:
             new["att_flops"] = self.att_flops_dtype[dtype]
+        if self.cpu_att_peak_dtype and dtype in self.cpu_att_peak_dtype:
+            new["cpu_att_peak"] = self.cpu_att_peak_dtype[dtype]
         return replace(self, **new) if new else self
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
@@ -188,7 +200,7 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
-        for f in ("disk_cpu", "att_flops", "cpu_packed_flops") + HOST_FIELDS:
+        for f in ("disk_cpu", "att_flops", "cpu_packed_flops", "cpu_att_peak") + HOST_FIELDS:
             if vals.get(f) is not None:
                 convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):

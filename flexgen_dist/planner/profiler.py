@@ -162,6 +162,25 @@ def measure_attention_flops(device: str, quick: bool = False) -> float:
     return 4.0 * bh * keys * hd / t
 
 
+def measure_attention_peak(quick: bool = False) -> dict[str, float]:
+    """FLOP/s of the host's decode attention where it computes rather than reads, per dtype:
+    ``measure_attention_flops``' FLOPs with eight query heads a key and value (grouped-query
+    attention: an eighth of the cache read), the engine's own kernel (``attend_rows``)."""
+    from flexgen_dist.engine.attention import attend_rows
+
+    bh, keys, hd = _ATTN_SHAPES[quick]
+    rows, g = bh // 8, 8
+    out = {}
+    for name in DTYPES:
+        dt = getattr(torch, name)
+        q = torch.randn(rows, g, 1, hd, dtype=dt)
+        k, v = torch.randn(rows, keys, hd, dtype=dt), torch.randn(rows, keys, hd, dtype=dt)
+        mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+        t = _timeit(lambda: attend_rows(q, k, v, mask), 3 if quick else 5, lambda: None)
+        out[name] = 4.0 * rows * g * keys * hd / t
+    return out
+
+
 def measure_packed_attention_flops(quick: bool = False) -> float | None:
     """FLOP/s of the host's decode attention over a 4-bit compressed cache (groups of 64), its
     codes read in place (``engine.attention.attend_packed``), at ``measure_attention_flops``' shape
@@ -374,6 +393,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     att_dtype = {d: measure_prompt_attention_flops(device, getattr(torch, d), quick) for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
     cpu_packed = measure_packed_attention_flops(quick)
+    cpu_peak = measure_attention_peak(quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
     dtoc, ctod, disk_cpu = measure_disk_bw(offload_dir, quick, device)
@@ -394,6 +414,7 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem,
                         ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att, cpu_packed_flops=cpu_packed,
+                        cpu_att_peak=cpu_peak["float16" if device == "cuda" else "float32"], cpu_att_peak_dtype=cpu_peak,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
                         host_layer_s=host_layer_s, host_batch_s=host_batch_s,

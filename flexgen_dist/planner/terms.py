@@ -182,14 +182,12 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     D[3, CD] += z.c_new / hw.ctod_bw
     D[3, CONST] += z.r_disk / hw.ctod_bw
     att_flops = 4.0 * bls * z.ctx * z.q
-    deq_c = bls * z.ctx * z.kv_tok * b if z.compress_cache else 0.0  # bytes to expand
+    kv = bls * z.ctx * z.kv_tok  # cache elements the step's attention reads
+    deq_c = kv * b if z.compress_cache else 0.0  # bytes to expand
     D[4, CONST] = _gemm(z, hw, bls, z.streams, z.dec_numel) + z.deq_w + _head_time(z, hw, z.streams) / z.l
     device = att_flops / hw.bmm_flops + deq_c / z.mem_bw
-    # the host attends its share: a compressed cache's codes read in place at their measured
-    # rate, else expanded in fp32 (4*q FLOPs per 2*kv*4 bytes -> bw = 2 * cpu_flops) and attended
-    host = (att_flops / z.packed_flops if z.packed_flops
-            else att_flops / hw.cpu_flops + deq_c / (2 * hw.cpu_flops))
-    on_host = hw.compute_device == "cpu" and z.packed_flops > 0  # a CPU device reads codes in place too
+    host, measured = _host_attention(z, hw, att_flops, kv)
+    on_host = hw.compute_device == "cpu" and measured  # a CPU device attends as the host does
     D[4, CG] = host if on_host else device
     D[4, [CC, CD]] = host if z.cpu_attention or on_host else device
     D[5, CONST] = z.net_d / z.l
@@ -198,6 +196,26 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
     D[COMP if z.host_is_compute else HOST, CONST] += z.host_layer * (1 if z.merged else z.num_gb) + (z.host_batch + z.host_cache_batch) * z.num_gb
     _add_disk_cpu(D, hw)
     return D
+
+
+def _host_attention(z: StageSizes, hw: HardwareSpec, flops: float, kv: float) -> tuple[float, bool]:
+    """Seconds of the host's decode attention over ``kv`` cache elements (``flops`` FLOPs), and
+    whether they come from the profile's figures for it. ``cpu_flops`` is measured with one head
+    a key in float32, where reading the cache sets the pace (2 bytes a FLOP: ``2 cpu_flops``
+    bytes/s); with ``host_peak`` a step takes the slower of reading its cache at that rate and
+    computing at the peak, so heads sharing a key (grouped-query attention) and narrower dtypes
+    cost what they do. A compressed cache's codes are read in place: each element expanded
+    in registers at the rate ``cpu_packed_flops`` measured (one head a key: 2 FLOPs an element),
+    or its FLOPs at that rate where the peak was not measured. Without those figures: FLOPs at
+    ``cpu_flops``, a compressed cache's expansion added at ``2 cpu_flops`` bytes/s."""
+    if z.packed_flops:
+        return (max(2 * kv / z.packed_flops, flops / z.host_peak) if z.host_peak
+                else flops / z.packed_flops), True
+    if z.compress_cache:
+        return flops / hw.cpu_flops + kv * z.b / (2 * hw.cpu_flops), False
+    if z.host_peak:
+        return max(kv * z.b / (2 * hw.cpu_flops), flops / z.host_peak), True
+    return flops / hw.cpu_flops, False
 
 
 def _add_disk_cpu(T: np.ndarray, hw: HardwareSpec) -> None:
