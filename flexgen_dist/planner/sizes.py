@@ -59,7 +59,7 @@ def compressed_bytes(numel: float, bits: int, group_size: int, meta_bytes: int) 
 class StageSizes:
     """Derived sizes and rates that one stage's time terms share.
 
-    Notation as in the module docstring. Byte counts are per layer per block unless noted.
+    Notation as in ``cost_model``'s docstring. Byte counts are per layer per block unless noted.
     """
 
     l: int
