@@ -15,7 +15,8 @@ the template writes): ``<tool_call>{...}</tool_call>`` blocks (Qwen 2.5/3, Herme
 ``<｜tool▁calls▁begin｜>``, Llama 3.1-3.3's bare ``{"name", "parameters"}`` JSON, gpt-oss' harmony
 ``commentary`` messages to ``functions.NAME``, Kimi K2's ``<|tool_calls_section_begin|>``, MiniMax-M2's
 ``<minimax:tool_call>`` with ``<invoke name=...>`` and ``<parameter name=...>`` tags, Granite 3.x's
-``<|tool_call|>`` and a JSON list, the pythonic ``[name(key=value), ...]`` list (Llama 4); the text
+``<|tool_call|>`` and a JSON list, the pythonic ``[name(key=value), ...]`` list (Llama 4), Phi-4-mini's
+``functools[...]`` JSON list (its template takes the tools on the system message: ``prompts.render_chat``); the text
 before the calls is the message's
 content (a reasoning model's thinking is left out first: ``reasoning.py``). For a template that teaches none of these,
 ``auto`` is refused in one line naming the choices that work; ``none`` renders the tools and
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine.structure import Structure
+from .prompts import SYSTEM_TOOLS
 from .reasoning import harmony_answer, harmony_messages
 
 REQUIRED = "required"
@@ -104,7 +106,7 @@ def parse_tools(body: dict[str, Any], chat: bool, syntax: str = "") -> ToolChoic
         raise ToolError("unsupported_field", "tool_choice 'auto' (the default with tools) reads the model's own "
                                              "calls, in a syntax this model's chat template does not teach "
                                              "(<tool_call> blocks, [TOOL_CALLS], DeepSeek's, Kimi's, MiniMax's, Granite's, Llama 3's JSON, "
-                                             "pythonic lists, harmony): set "
+                                             "pythonic lists, harmony, Phi-4-mini's functools): set "
                                              "tool_choice to 'required', to {'type': 'function', 'function': "
                                              "{'name': ...}}, or to 'none'")
     if choice == "none":
@@ -213,6 +215,26 @@ def granite_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     head, marker, body = raw.partition(_GRANITE)
     if not marker:
         head, body = "", raw
+    try:
+        objs, end = _JSON.raw_decode(body.strip())
+    except json.JSONDecodeError:
+        return raw, []
+    found = [_call(o, names) for o in objs] if isinstance(objs, list) and objs else [None]
+    if None in found or not _SPECIALS.fullmatch(body.strip()[end:]):
+        return raw, []
+    return head.strip() or None, found  # type: ignore[return-value]
+
+
+_PHI4 = "functools"
+
+
+def phi4_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
+    """Phi-4-mini's calls: ``functools`` then a JSON list of ``{"name", "arguments"}`` (or
+    ``"parameters"``), nothing but end-of-turn tokens after it; the text before is the content.
+    The list is read as JSON, whole (an argument may hold lists of its own)."""
+    head, marker, body = raw.partition(_PHI4)
+    if not marker:
+        return raw, []
     try:
         objs, end = _JSON.raw_decode(body.strip())
     except json.JSONDecodeError:
@@ -390,7 +412,8 @@ READERS = {"harmony": ("<|channel|>", harmony_calls), "kimi": (_KIMI_BEGIN, kimi
            "xml": ("<parameter=", xml_calls), "glm": ("<arg_key>", glm_calls), "hermes": ("<tool_call>", hermes_calls),
            "mistral": ("[TOOL_CALLS]", mistral_calls), "deepseek": (_DS_BEGIN, deepseek_calls),
            "llama3": ('"parameters": dictionary of argument name and its value', llama3_calls),
-           "pythonic": ("[func_name1(params_name1=params_value1", pythonic_calls)}
+           "pythonic": ("[func_name1(params_name1=params_value1", pythonic_calls),
+           "phi4": (SYSTEM_TOOLS, phi4_calls)}
 
 
 def reads_auto(tokenizer: Any | None) -> str:

@@ -99,6 +99,8 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict
                           "assistant's message (the text to go on from)")
     extra = {**(template_kwargs or {}), "add_generation_prompt": generation_prompt and not cont,
              **({"continue_final_message": True} if cont else {})}
+    if tools and SYSTEM_TOOLS in tokenizer.chat_template:
+        messages, tools = system_tools(messages, tools), None
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
     except TemplateError as e:  # the template's own refusal (raise_exception) or a bad variable
@@ -117,6 +119,18 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict
 
 
 _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the tools it is given
+# Phi-4-mini's template writes the tools a system message carries (its own ``tools`` key, a JSON
+# list of the functions), not the ``tools`` it is given
+SYSTEM_TOOLS = "'<|tool|>' + message['tools']"
+
+
+def system_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with ``tools`` on its system message, as a template that reads them
+    there wants them (Phi-4-mini's: ``tools``, a JSON list of the functions' definitions); an
+    empty system message opens a conversation that has none."""
+    listed = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
+    first = messages[0] if messages[0]["role"] == "system" else {"role": "system", "content": ""}
+    return [{**first, "tools": listed}, *messages[1 if first is messages[0] else 0:]]
 
 
 def make_prompt(pid: Any, text: str | None, ids: list[int] | None, tokenizer: Any | None,

@@ -322,6 +322,58 @@ def test_auto_tool_choice_reads_the_calls_the_template_teaches(case: str, tok_mo
     assert out["text"]["message"] == {"role": "assistant", "content": "Sunny."} and out["text"]["finish_reason"] == "stop"
 
 
+PHI4_MINI_TEMPLATE = (  # Phi-4-mini-instruct's own: the tools come on the system message
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+    "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+    "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+    "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_phi4_mini_takes_its_tools_on_the_system_message_and_calls_with_functools(tok_model, tmp_path: Path) -> None:
+    """Phi-4-mini's template ignores the ``tools`` it is given and writes the ones its system
+    message carries: the request's functions go there (a system message opened where the
+    conversation has none), and its ``functools[...]`` list is read back under ``auto``."""
+    import shutil
+
+    from flexgen_dist.openai_tools import phi4_calls, reads_auto
+    from flexgen_dist.prompts import render_chat
+
+    d, _, tok = tok_model
+    model = tmp_path / "phi4"
+    shutil.copytree(d, model)
+    for f in model.glob("chat_template*"):
+        f.unlink()
+    cfg_path = model / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "chat_template": PHI4_MINI_TEMPLATE}))
+    from transformers import AutoTokenizer
+
+    phi = AutoTokenizer.from_pretrained(model)
+    assert reads_auto(phi) == "phi4"
+    msgs = [{"role": "user", "content": "The weather?"}]
+    listed = json.dumps([WEATHER["function"], ALARM["function"]], ensure_ascii=False)
+    text = render_chat(0, msgs, phi, [WEATHER, ALARM])[0]
+    assert text == f"<|system|><|tool|>{listed}<|/tool|><|end|><|user|>The weather?<|end|><|assistant|>"
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    assert render_chat(0, sys_msgs, phi, [WEATHER])[0].startswith(
+        f"<|system|>Be brief.<|tool|>{json.dumps([WEATHER['function']])}<|/tool|><|end|><|user|>")
+    assert render_chat(0, sys_msgs, phi)[0].startswith("<|system|>Be brief.<|end|>")  # no tools: as written
+    names = {"get_weather": {}, "set_alarm": {}}
+    two = 'functools[{"name": "get_weather", "arguments": {"unit": "c"}}, {"name": "set_alarm", "parameters": {"on": [true]}}]'
+    assert phi4_calls("Let me check. " + two + "<|end|>", names) == (
+        "Let me check.", [("get_weather", '{"unit": "c"}'), ("set_alarm", '{"on": [true]}')])
+    for bad in (two.replace("set_alarm", "nope"), two + " and then prose", "functools[", "functools[]", "It is sunny."):
+        assert phi4_calls(bad, names) == (bad, []), bad
+    answer = 'functools[{"name": "get_weather", "arguments": {"unit": "c"}}]'
+    reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 240,
+                                                       "structured_outputs": {"choice": [answer]}}}]
+    with LLM(str(model), progress=False) as llm:
+        call = llm.batch(reqs)[0]["response"]["body"]["choices"][0]
+    assert call["finish_reason"] == "tool_calls" and call["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["message"]["tool_calls"]] \
+        == [("get_weather", {"unit": "c"})]
+
+
 def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
     from flexgen_dist.openai_tools import (deepseek_calls, glm_calls, hermes_calls, kimi_calls, llama3_calls,
                                            mistral_calls, xml_calls)
