@@ -99,7 +99,7 @@ def render_chat(pid: Any, messages: Any, tokenizer: Any | None, tools: list[dict
                           "assistant's message (the text to go on from)")
     extra = {**(template_kwargs or {}), "add_generation_prompt": generation_prompt and not cont,
              **({"continue_final_message": True} if cont else {})}
-    if tools and SYSTEM_TOOLS in tokenizer.chat_template:
+    if SYSTEM_TOOLS in tokenizer.chat_template:
         messages, tools = system_tools(messages, tools), None
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
@@ -124,10 +124,32 @@ _RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it writes the t
 SYSTEM_TOOLS = "'<|tool|>' + message['tools']"
 
 
-def system_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with ``tools`` on its system message, as a template that reads them
-    there wants them (Phi-4-mini's: ``tools``, a JSON list of the functions' definitions); an
-    empty system message opens a conversation that has none."""
+def system_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation as a template that reads its tools from the system message wants it
+    (Phi-4-mini's): ``tools`` there, a JSON list of the functions' definitions (an empty
+    system message opens a conversation that has none), and an assistant's earlier calls
+    written as the model writes them, ``functools[{"name", "arguments"}, ...]`` after its text
+    (that template renders only a message's content)."""
+    def written(m: dict[str, Any]) -> dict[str, Any]:
+        calls = m.get("tool_calls")
+        if m["role"] != "assistant" or not isinstance(calls, list) or not calls:
+            return m
+        listed = []
+        for c in calls:
+            fn = c.get("function", {}) if isinstance(c, dict) else {}
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                pass  # kept as the text it was given
+            listed.append({"name": fn.get("name"), "arguments": args})
+        said = m["content"].strip()
+        return {k: v for k, v in m.items() if k != "tool_calls"} | {
+            "content": (said + " " if said else "") + "functools" + json.dumps(listed, ensure_ascii=False)}
+
+    messages = [written(m) for m in messages]
+    if not tools:
+        return messages
     listed = json.dumps([t.get("function", t) for t in tools], ensure_ascii=False)
     first = messages[0] if messages[0]["role"] == "system" else {"role": "system", "content": ""}
     return [{**first, "tools": listed}, *messages[1 if first is messages[0] else 0:]]

@@ -358,6 +358,11 @@ def test_phi4_mini_takes_its_tools_on_the_system_message_and_calls_with_functool
     assert render_chat(0, sys_msgs, phi, [WEATHER])[0].startswith(
         f"<|system|>Be brief.<|tool|>{json.dumps([WEATHER['function']])}<|/tool|><|end|><|user|>")
     assert render_chat(0, sys_msgs, phi)[0].startswith("<|system|>Be brief.<|end|>")  # no tools: as written
+    turns = [*msgs, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}]
+    assert ('<|assistant|>functools[{"name": "get_weather", "arguments": {"unit": "c"}}]<|end|><|tool|>22 C<|end|>'
+            in render_chat(0, turns, phi, [WEATHER])[0])  # its earlier call as it wrote it
     names = {"get_weather": {}, "set_alarm": {}}
     two = 'functools[{"name": "get_weather", "arguments": {"unit": "c"}}, {"name": "set_alarm", "parameters": {"on": [true]}}]'
     assert phi4_calls("Let me check. " + two + "<|end|>", names) == (
