@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import bpe_chat_model, local_ranks, masked_reference, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig, Structure
