@@ -18,6 +18,7 @@ import numpy as np
 
 from flexgen_dist.engine.footprint import Packed
 from flexgen_dist.engine.policy import Policy, merge_decode
+from flexgen_dist.memory.units import format_bytes
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cost_model import StageCost, cost_from_terms
 from flexgen_dist.planner.terms import CC, CD, CG, CONST, HC, HD, HG, TIERS, WC, WD, WG, StageTerms, stage_terms
@@ -328,11 +329,13 @@ def diagnose(spec: ModelSpec, num_layers_in_stage: int, hw: HardwareSpec, worklo
     if not short:  # the slack LP says it fits: rounding to whole percents must have failed
         return (f"no whole-percent placement fits for {spec.name} at block size 1: "
                 "raise --gpu-mem/--cpu-mem/--disk-mem or add stages")
-    what = "; ".join(f"{t} too small by {s:.1f} GiB" for t, s in short)
+    what = "; ".join(f"{t} too small by {format_bytes(max(int(s * GIB), 1))}" for t, s in short)
     flags = " / ".join(f"--{t}-mem" for t, _ in short)
     if hw.compute_device == "cpu" and any(t != "disk" for t, _ in short):
         # one pool of RAM: --cpu-mem caps it, --gpu-mem only says how much of it computes
-        flags = "--cpu-mem (the RAM pool of a CPU-only machine; --gpu-mem is its compute share)" + \
+        flags = ("--cpu-mem (the RAM pool of a CPU-only machine), and --gpu-mem where you gave it (the share of "
+                 "that pool that computes)" if any(t == "gpu" for t, _ in short) else
+                 "--cpu-mem (the RAM pool of a CPU-only machine; --gpu-mem is its compute share)") + \
             "".join(" / --disk-mem" for t, _ in short if t == "disk")
     stage = (f" ({num_layers_in_stage} of {spec.num_layers} layers in this stage)"
              if num_layers_in_stage != spec.num_layers else "")
