@@ -148,6 +148,15 @@ def test_infeasible_budget_names_the_tier(t4, name, budget, tier):
     assert isinstance(e.value, ValueError)
 
 
+def test_a_cpu_only_machines_short_compute_share_names_both_flags(t4):
+    """On a CPU-only machine the gpu tier is RAM's compute share: a shortfall there is raised
+    with --cpu-mem (the pool) and --gpu-mem where it was given; a small one reads in MiB."""
+    cpu = replace(t4, compute_device="cpu", gpu_mem=64 * 2**20, cpu_mem=2**34)
+    with pytest.raises(PlanError, match=r"gpu too small by [0-9.]+ (MiB|GiB) for opt-1.3b") as e:
+        _plan("opt-1.3b", cpu)
+    assert "raise --cpu-mem (the RAM pool of a CPU-only machine), and --gpu-mem where you gave it" in str(e.value)
+
+
 def test_compression_keeps_weights_off_disk(t4):
     pol, cost = _plan("opt-175b", t4, compress=True, **FAST)
     assert pol.compress_weight and pol.compress_cache and pol.w_disk_percent == 0
