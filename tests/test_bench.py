@@ -128,8 +128,10 @@ def test_planner_accuracy_tiny(tmp_path: Path) -> None:
     # where compute sets the pace (everything in RAM)
     packed = data["policies"]["all-in-ram_4bit-cache"]
     assert packed["policy"]["compress_cache"] and not data["policies"]["all-in-ram"]["policy"]["compress_cache"]
-    assert packed["predicted_expanded"]["decode_s"] > packed["predicted_at_realised"]["decode_s"]
-    assert "predicted_expanded" not in data["policies"]["all-in-ram"]
+    assert packed["predicted_without_attention_figures"]["decode_s"] > packed["predicted_at_realised"]["decode_s"]
+    assert all(set(r["rel_error_without_attention_figures"]) == {"prefill_s", "decode_s", "total_s"}
+               for r in data["policies"].values())
+    assert data["workload"]["dtype"] == "float32"
     assert "max_abs_total_error" in data and isinstance(data["all_within_30pct"], bool)
 
 

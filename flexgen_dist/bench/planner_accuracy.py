@@ -16,8 +16,11 @@ channel the model thinks is the bottleneck) and the engine's compute / I/O-wait 
 Each policy is predicted twice: at its nominal weight fractions (what the planner would
 answer) and at the split the engine realised by placing whole tensors (what the cost
 model's time equations should match); both errors are reported. Policies with a 4-bit cache
-(``CACHE_4BIT``) are also predicted without the profile's ``cpu_packed_flops`` (the cache
-counted expanded, then attended): ``predicted_expanded`` and its error.
+Every policy is also predicted without the profile's figures for the host's decode attention
+(``cpu_packed_flops``, ``cpu_att_peak``): ``predicted_without_attention_figures`` and its error,
+the cost model's count before them (a compressed cache expanded, then attended; every
+attention's FLOPs at ``cpu_flops``). ``--model`` and ``--dtype`` choose the shape (a
+grouped-query one, e.g. smollm2-135m, shows the difference) and the engine's dtype.
 """
 from __future__ import annotations
 
@@ -40,14 +43,15 @@ DEFAULT_POLICIES = {
     "all-in-ram_4bit-cache": (100, 0, 100, 0, 100, 0),
     "w0-50_cache-ram_4bit-cache": (0, 50, 0, 100, 100, 0),
 }
-# policies with a 4-bit compressed cache (groups of 64); their prediction is also given as the
-# cost model counted such a cache before its codes were read in place (expanded, then attended)
+# policies with a 4-bit compressed cache (groups of 64)
 CACHE_4BIT = ("all-in-ram_4bit-cache", "w0-50_cache-ram_4bit-cache")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="opt-350m", help="registry shape (dummy weights, fp32)")
+    ap.add_argument("--model", default="opt-350m", help="registry shape (dummy weights)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the engine's dtype, and the profile's rates for it")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--gpu-batch-size", type=int, default=8)
@@ -66,7 +70,8 @@ def rel_err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas > 0 else float("inf")
 
 
-def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offload: Path) -> dict[str, Any]:
+def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offload: Path,
+            dtype: Any = None) -> dict[str, Any]:
     import torch
 
     from ..distributed.local import generate
@@ -78,7 +83,7 @@ def measure(lm: Any, policy: Any, prompts: list[list[int]], gen_len: int, offloa
     sc = SamplingConfig(ignore_eos=True)
     with DiskStore(offload) as disk:
         eng = StageEngine(lm.spec, lm.source, (0, lm.spec.num_layers), has_embed=True, has_head=True,
-                          policy=policy, device=torch.device("cpu"), dtype=torch.float32, disk=disk)
+                          policy=policy, device=torch.device("cpu"), dtype=dtype or torch.float32, disk=disk)
         try:
             generate(eng, [p[:8] for p in prompts[:1]], 2, sc)  # warm-up: kernels, allocator
             eng.times.compute_s = eng.times.io_wait_s = 0.0
@@ -131,24 +136,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         hw = profile_hardware(device="cpu", offload_dir=str(work), quick=args.quick)
         how = f"profiled in this run ({'quick' if args.quick else 'full'} mode, {time.perf_counter() - t0:.0f} s)"
-    hw = hw.for_dtype("float32")  # the engine runs float32 here: its rates, as a run's planner takes them
+    hw = hw.for_dtype(args.dtype)  # the engine's dtype: its rates, as a run's planner takes them
+    dtype = getattr(torch, args.dtype)
     print(f"hardware {how}: mm {hw.mm_flops / 1e9:.1f} GFLOP/s, attention {hw.bmm_flops / 1e9:.2f} GFLOP/s, "
           f"skinny GEMM {(hw.gemm_bw or 0) / 1e9:.1f} GB/s, memcpy {hw.ctog_bw / 1e9:.1f} GB/s, disk read {hw.dtoc_bw / 1e9:.2f} GB/s, "
           f"write {hw.ctod_bw / 1e9:.2f} GB/s", flush=True)
 
-    lm = load_model(args.model, dummy_weights=True, dtype=torch.float32)
+    lm = load_model(args.model, dummy_weights=True, dtype=dtype)
     spec = lm.spec
     bls = args.gpu_batch_size * args.num_gpu_batches
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, spec.vocab_size, (bls, args.prompt_len), generator=g).tolist()
-    wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes=4)
+    wl = WorkShape(args.prompt_len, args.gen_len, dtype_bytes=dtype.itemsize)
+    before = replace(hw, cpu_packed_flops=None, cpu_att_peak=None, cpu_att_peak_dtype=None)
     results: dict[str, Any] = {}
     for name in args.policies:
         pol = Policy(args.gpu_batch_size, args.num_gpu_batches, *DEFAULT_POLICIES[name],
                      compress_cache=name in CACHE_4BIT)
         cost = estimate_stage(spec, spec.num_layers, pol, hw, wl, has_embed=True, has_head=True)
         pred = prediction(cost)
-        meas = measure(lm, pol, prompts, args.gen_len, work / "offload")
+        meas = measure(lm, pol, prompts, args.gen_len, work / "offload", dtype)
         real = realised_policy(pol, meas["weight_bytes_per_tier"])
         pred_real = prediction(estimate_stage(spec, spec.num_layers, real, hw, wl, has_embed=True, has_head=True))
         phases = ("prefill_s", "decode_s", "total_s")
@@ -161,13 +168,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "predicted_at_realised": pred_real, "rel_error_at_realised": err_real,
                          "within_30pct_at_realised": abs(err_real["total_s"]) <= 0.30,
                          "predicted_channels_s": cost.channels, "predicted_bottleneck": bottleneck}
-        extra = ""
-        if pol.compress_cache:
-            old = prediction(estimate_stage(spec, spec.num_layers, real, replace(hw, cpu_packed_flops=None), wl,
-                                            has_embed=True, has_head=True))
-            results[name]["predicted_expanded"] = old
-            results[name]["rel_error_expanded"] = {k: rel_err(old[k], meas[k]) for k in phases}
-            extra = f"; counted expanded {100 * rel_err(old['total_s'], meas['total_s']):+.1f} %"
+        old = prediction(estimate_stage(spec, spec.num_layers, real, before, wl, has_embed=True, has_head=True))
+        results[name]["predicted_without_attention_figures"] = old
+        results[name]["rel_error_without_attention_figures"] = {k: rel_err(old[k], meas[k]) for k in phases}
+        extra = f"; without the attention figures {100 * rel_err(old['total_s'], meas['total_s']):+.1f} %"
         print(f"{name:26s} predicted {pred['total_s']:6.2f} s (at realised split {pred_real['total_s']:6.2f} s) | "
               f"measured {meas['total_s']:6.2f} s | error {100 * err['total_s']:+6.1f} % "
               f"(realised {100 * err_real['total_s']:+6.1f} %; prefill {100 * err['prefill_s']:+.0f} %, "
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res = {
         "benchmark": "planner_accuracy", "machine": machine(), "model": spec.name,
         "workload": {"prompt_len": args.prompt_len, "gen_len": args.gen_len, "gpu_batch_size": args.gpu_batch_size,
-                     "num_gpu_batches": args.num_gpu_batches, "block_size": bls, "dtype": "float32"},
+                     "num_gpu_batches": args.num_gpu_batches, "block_size": bls, "dtype": args.dtype},
         "hardware": hw.to_dict(), "hardware_source": how, "policies": results,
         "max_abs_total_error": max(abs(r["rel_error"]["total_s"]) for r in results.values()),
         "all_within_30pct": all(r["within_30pct"] for r in results.values()),
