@@ -225,16 +225,17 @@ def granite_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     return head.strip() or None, found  # type: ignore[return-value]
 
 
-_PHI4 = "functools"
+_PHI4 = re.compile(r"functools\s*\[")  # the marker, the list's bracket after it (prose may say "functools.")
 
 
 def phi4_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     """Phi-4-mini's calls: ``functools`` then a JSON list of ``{"name", "arguments"}`` (or
     ``"parameters"``), nothing but end-of-turn tokens after it; the text before is the content.
     The list is read as JSON, whole (an argument may hold lists of its own)."""
-    head, marker, body = raw.partition(_PHI4)
-    if not marker:
+    m = _PHI4.search(raw)
+    if m is None:
         return raw, []
+    head, body = raw[:m.start()], raw[m.end() - 1:]
     try:
         objs, end = _JSON.raw_decode(body.strip())
     except json.JSONDecodeError:

@@ -366,7 +366,9 @@ def test_phi4_mini_takes_its_tools_on_the_system_message_and_calls_with_functool
     two = 'functools[{"name": "get_weather", "arguments": {"unit": "c"}}, {"name": "set_alarm", "parameters": {"on": [true]}}]'
     assert phi4_calls("Let me check. " + two + "<|end|>", names) == (
         "Let me check.", [("get_weather", '{"unit": "c"}'), ("set_alarm", '{"on": [true]}')])
-    for bad in (two.replace("set_alarm", "nope"), two + " and then prose", "functools[", "functools[]", "It is sunny."):
+    assert phi4_calls("Use functools.lru_cache. " + two, names)[0] == "Use functools.lru_cache."  # prose may name it
+    for bad in (two.replace("set_alarm", "nope"), two + " and then prose", "functools[", "functools[]", "It is sunny.",
+                "import functools\nfunctools.reduce(f, [1, 2])"):
         assert phi4_calls(bad, names) == (bad, []), bad
     answer = 'functools[{"name": "get_weather", "arguments": {"unit": "c"}}]'
     reqs = [{"custom_id": "call", "url": CHAT, "body": {"messages": msgs, "tools": [WEATHER], "max_tokens": 240,
