@@ -215,6 +215,13 @@ def granite_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     head, marker, body = raw.partition(_GRANITE)
     if not marker:
         head, body = "", raw
+    return _listed(raw, head, body, names)
+
+
+def _listed(raw: str, head: str, body: str, names: Tools) -> tuple[str | None, Calls]:
+    """The calls of the JSON list of ``{"name", "arguments"}`` that ``body`` opens with, nothing
+    but end-of-turn tokens after it, and ``head`` as the content (None where blank); no calls
+    (``raw`` whole is the content) where it is not a list of calls of ``names``."""
     try:
         objs, end = _JSON.raw_decode(body.strip())
     except json.JSONDecodeError:
@@ -233,17 +240,7 @@ def phi4_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
     ``"parameters"``), nothing but end-of-turn tokens after it; the text before is the content.
     The list is read as JSON, whole (an argument may hold lists of its own)."""
     m = _PHI4.search(raw)
-    if m is None:
-        return raw, []
-    head, body = raw[:m.start()], raw[m.end() - 1:]
-    try:
-        objs, end = _JSON.raw_decode(body.strip())
-    except json.JSONDecodeError:
-        return raw, []
-    found = [_call(o, names) for o in objs] if isinstance(objs, list) and objs else [None]
-    if None in found or not _SPECIALS.fullmatch(body.strip()[end:]):
-        return raw, []
-    return head.strip() or None, found  # type: ignore[return-value]
+    return (raw, []) if m is None else _listed(raw, raw[:m.start()], raw[m.end() - 1:], names)
 
 
 def pythonic_calls(raw: str, names: Tools) -> tuple[str | None, Calls]:
