@@ -19,7 +19,8 @@ from .engine.sampling import MAX_PENALTY, SamplingConfig, TokenLogprobs
 from .models.spec import ModelSpec
 from .openai_fields import CHAT, COMPLETIONS, GUIDED, RequestError
 from .openai_responses import RESPONSES, ResponsesError, chat_body, unsupported_field
-from .openai_tools import ToolChoice, ToolError, parse_tools, reads_auto
+from .openai_tools import ToolChoice, ToolError, parse_tools
+from .tool_calls import reads_auto
 from .pairs import Pairs, cross_encoder
 from .prompts import Prompt, check_truncation, make_prompt, truncated
 

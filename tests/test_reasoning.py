@@ -12,7 +12,7 @@ import pytest
 
 from conftest import bpe_chat_model, masked_reference, read_jsonl
 from flexgen_dist import LLM, ConfigError, SamplingConfig, Structure
-from flexgen_dist.openai_tools import harmony_calls
+from flexgen_dist.tool_calls import harmony_calls
 from flexgen_dist.reasoning import Reasoning, reasoning_of
 from flexgen_dist.run import main
 

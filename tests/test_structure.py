@@ -335,7 +335,7 @@ def test_phi4_mini_takes_its_tools_on_the_system_message_and_calls_with_functool
     conversation has none), and its ``functools[...]`` list is read back under ``auto``."""
     import shutil
 
-    from flexgen_dist.openai_tools import phi4_calls, reads_auto
+    from flexgen_dist.tool_calls import phi4_calls, reads_auto
     from flexgen_dist.prompts import render_chat
 
     d, _, tok = tok_model
@@ -381,7 +381,7 @@ def test_phi4_mini_takes_its_tools_on_the_system_message_and_calls_with_functool
 
 
 def test_the_call_readers_take_whole_calls_of_known_functions_only() -> None:
-    from flexgen_dist.openai_tools import (deepseek_calls, glm_calls, hermes_calls, kimi_calls, llama3_calls,
+    from flexgen_dist.tool_calls import (deepseek_calls, glm_calls, hermes_calls, kimi_calls, llama3_calls,
                                            mistral_calls, xml_calls)
 
     names = {"get_weather", "set_alarm"}
@@ -425,7 +425,7 @@ def test_tagged_arguments_follow_their_schemas_and_minimax_and_granite_calls_are
     reader."""
     from types import SimpleNamespace
 
-    from flexgen_dist.openai_tools import granite_calls, minimax_calls, pythonic_calls, reads_auto, xml_calls
+    from flexgen_dist.tool_calls import granite_calls, minimax_calls, pythonic_calls, reads_auto, xml_calls
 
     tools = {"set_alarm": {"on": {"type": "boolean"}, "label": {"type": "string"}}, "get_weather": {}}
     mm = ('Let me look.\n<minimax:tool_call>\n<invoke name="set_alarm">\n<parameter name="on">true</parameter>\n'
