@@ -1,9 +1,10 @@
 """GPTQ, AWQ and compressed-tensors checkpoints (``models/int_quant.py``): a linear layer's
 integer codes, zero points and scales are expanded at load to the values they encode, so
 greedy tokens equal transformers' on those values (float32), for GPTQ's original format (zeros
-stored minus one) with act-order groups, ``gptq_v2`` symmetric, 8-bit GPTQ, AWQ's GEMM layout,
-and compressed-tensors' pack-quantized (4-bit groups, symmetric and not, act-ordered; 8-bit
-per channel) and naive-quantized (int8) weights; the checkpoints here are packed as
+stored minus one) with act-order groups, ``gptq_v2`` symmetric, 8-, 3- and 2-bit GPTQ, AWQ's
+GEMM layout, and compressed-tensors' pack-quantized (4- and 3-bit groups, symmetric and not,
+act-ordered, 3 bits in both its layouts; 6 and 8 bits per channel) and naive-quantized (int8)
+weights; the checkpoints here are packed as
 AutoGPTQ's, AutoAWQ's and compressed-tensors' packers pack them, and a layout that is not
 read is refused in one line."""
 from __future__ import annotations
@@ -51,14 +52,45 @@ def quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: 
     return codes, zeros, scales, ((codes - z).float() * s).t().contiguous()
 
 
+def _gptq_3bit(x: torch.Tensor) -> torch.Tensor:
+    """AutoGPTQ's 3-bit packing down the rows of x (n, c), n a multiple of 32: each 32 codes
+    in three words, ten whole codes a word and the 11th and 22nd split across two (its loop,
+    written out)."""
+    out = torch.zeros(x.shape[0] // 32 * 3, x.shape[1], dtype=torch.long)
+    i = row = 0
+    while row < out.shape[0]:
+        for j in range(10):
+            out[row] |= x[i + j] << (3 * j)
+        i += 10
+        out[row] |= (x[i] << 30) & 0xFFFFFFFF
+        row += 1
+        out[row] |= (x[i] >> 2) & 1
+        i += 1
+        for j in range(10):
+            out[row] |= x[i + j] << (3 * j + 1)
+        i += 10
+        out[row] |= (x[i] << 31) & 0xFFFFFFFF
+        row += 1
+        out[row] |= (x[i] >> 1) & 0x3
+        i += 1
+        for j in range(10):
+            out[row] |= x[i + j] << (3 * j + 2)
+        i += 10
+        row += 1
+    return out
+
+
 def gptq_tensors(codes: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """AutoGPTQ's packing: qweight[k] |= code[k * p + j] << (bits * j) over input rows, qzeros
-    alike over output columns, each zero minus 1 in the original format."""
+    alike over output columns (3 bits: ``_gptq_3bit``), each zero minus 1 in the original
+    format."""
+    z = (zeros - 1) & ((1 << bits) - 1) if v1 else zeros
+    if bits == 3:
+        return _words(_gptq_3bit(codes)), _words(_gptq_3bit(z.t()).t().contiguous())
     p = 32 // bits
     qweight = torch.zeros(codes.shape[0] // p, codes.shape[1], dtype=torch.long)
     for j in range(p):
         qweight |= codes[j::p] << (bits * j)
-    z = (zeros - 1) & ((1 << bits) - 1) if v1 else zeros
     qzeros = torch.zeros(z.shape[0], z.shape[1] // p, dtype=torch.long)
     for j in range(p):
         qzeros |= z[:, j::p] << (bits * j)
@@ -75,11 +107,18 @@ def awq_tensors(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor,
     return pack(codes), pack(zeros)
 
 
-def ct_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def ct_words(codes: torch.Tensor, bits: int, dense: bool = True) -> torch.Tensor:
     """compressed-tensors' packing of signed codes (rows, cols): each stored plus 2^(bits-1),
-    code i of a row at bit i x bits of its little-endian word stream."""
+    code i of a row at bit i x bits of its little-endian word stream (``dense``: the packer's
+    current layout, codes split across words where the width does not divide 32; otherwise
+    an older release's 32 // bits whole codes a word)."""
     per = 32 // bits
     u = codes + (1 << (bits - 1))
+    if dense and 32 % bits:  # bit by bit: an int64 per bit of the stream
+        stream = ((u.unsqueeze(-1) >> torch.arange(bits)) & 1).reshape(u.shape[0], -1)
+        stream = torch.nn.functional.pad(stream, (0, -stream.shape[1] % 32))
+        acc = (stream.view(u.shape[0], -1, 32) << torch.arange(32)).sum(-1)
+        return _words(acc)
     acc = torch.zeros(u.shape[0], -(-u.shape[1] // per), dtype=torch.long)
     for j in range(per):
         part = u[:, j::per]
@@ -112,10 +151,16 @@ LAYOUTS = {
     "gptq-act-order": dict(method="gptq", bits=4, group=32, sym=False, act_order=True, fmt="gptq"),
     "gptq-v2-sym": dict(method="gptq", bits=4, group=32, sym=True, act_order=False, fmt="gptq_v2"),
     "gptq-8bit": dict(method="gptq", bits=8, group=64, sym=True, act_order=False, fmt="gptq"),
+    "gptq-3bit": dict(method="gptq", bits=3, group=32, sym=False, act_order=False, fmt="gptq"),
+    "gptq-3bit-act-order": dict(method="gptq", bits=3, group=32, sym=True, act_order=True, fmt="gptq_v2"),
+    "gptq-2bit": dict(method="gptq", bits=2, group=64, sym=False, act_order=False, fmt="gptq"),
     "awq": dict(method="awq", bits=4, group=32, sym=False, act_order=False, fmt=None),
     "ct-w4-sym": dict(method="ct", bits=4, group=32, sym=True, act_order=False, fmt="pack-quantized"),
     "ct-w4-asym-act-order": dict(method="ct", bits=4, group=32, sym=False, act_order=True, fmt="pack-quantized"),
     "ct-w8-channel": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="pack-quantized"),
+    "ct-w3-asym": dict(method="ct", bits=3, group=32, sym=False, act_order=False, fmt="pack-quantized"),
+    "ct-w3-older": dict(method="ct", bits=3, group=32, sym=True, act_order=False, fmt="pack-quantized", dense=False),
+    "ct-w6-channel": dict(method="ct", bits=6, group=0, sym=True, act_order=False, fmt="pack-quantized"),
     "ct-naive-w8": dict(method="ct", bits=8, group=0, sym=False, act_order=False, fmt="naive-quantized"),
     # W8A8: int8 weights per output row, the inputs quantized per token at run time (not run)
     "ct-w8a8": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="int-quantized", acts=True),
@@ -156,11 +201,11 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
             if lay["fmt"] in ("naive-quantized", "int-quantized"):
                 out[stem + "weight"] = codes.to(torch.int8)
             else:
-                out[stem + "weight_packed"] = ct_words(codes, lay["bits"])
+                out[stem + "weight_packed"] = ct_words(codes, lay["bits"], lay.get("dense", True))
                 out[stem + "weight_shape"] = torch.tensor(list(w.shape))
             if not lay["sym"]:
                 out[stem + "weight_zero_point"] = zeros.to(torch.int8) if lay["fmt"] == "naive-quantized" else \
-                    ct_words(zeros.t().contiguous(), lay["bits"]).t().contiguous()
+                    ct_words(zeros.t().contiguous(), lay["bits"], lay.get("dense", True)).t().contiguous()
             if lay["act_order"]:
                 out[stem + "weight_g_idx"] = g_idx.to(torch.int32)
             out[stem + "weight_scale"] = scales
@@ -203,8 +248,11 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
 
 
 @pytest.mark.parametrize("kind,layout", [("llama", "gptq-act-order"), ("llama", "gptq-v2-sym"),
-                                         ("qwen2", "gptq-8bit"), ("llama", "awq"), ("qwen2", "awq"),
+                                         ("qwen2", "gptq-8bit"), ("llama", "gptq-3bit"),
+                                         ("qwen2", "gptq-3bit-act-order"), ("llama", "gptq-2bit"),
+                                         ("llama", "awq"), ("qwen2", "awq"),
                                          ("llama", "ct-w4-sym"), ("qwen2", "ct-w4-asym-act-order"),
+                                         ("llama", "ct-w3-asym"), ("qwen2", "ct-w3-older"), ("llama", "ct-w6-channel"),
                                          ("llama", "ct-w8-channel"), ("llama", "ct-naive-w8"),
                                          ("qwen2", "ct-w8a8")])
 def test_integer_checkpoints_match_transformers_on_their_values(kind: str, layout: str, tmp_path: Path) -> None:
@@ -242,8 +290,32 @@ def test_a_word_unpacks_to_its_codes_in_each_layout() -> None:
                                                         torch.ones(2, 8, dtype=torch.float16)), (8, 1), "w")
 
 
+def test_streams_of_bits_unpack_as_the_packers_packed_them() -> None:
+    """3-bit GPTQ words (AutoGPTQ's loop) and compressed-tensors' words of every width from 2 to
+    8 bits, in the current stream layout and an older release's whole codes a word (told apart
+    by the number of words), unpack to the codes packed; a count the words cannot hold is a
+    one-line error."""
+    from flexgen_dist.models.int_quant import _stream, _unpack_dense
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 8, (96, 5), generator=g)
+    assert torch.equal(_stream(_words(_gptq_3bit(x)).t(), 3, 96), x.t().int())
+    # hand-checked: codes 0..31 mod 8; word 0 ends with code 10's low bits (2 = 0b010 -> 0b10)
+    first = _words(_gptq_3bit((torch.arange(32) % 8).unsqueeze(1)))[:, 0].tolist()
+    assert first[0] & 0x3FFFFFFF == sum((j % 8) << (3 * j) for j in range(10)) and (first[0] >> 30) & 3 == 2
+    for bits in range(2, 9):
+        off = 1 << (bits - 1)
+        for cols in (64, 96, 4096):
+            c = torch.randint(-off, off, (3, cols), generator=g)
+            for dense in (True, False):
+                assert torch.equal(_unpack_dense(ct_words(c, bits, dense), bits, cols) - off, c.int()), (bits, dense)
+    with pytest.raises(ModelLoadError, match="5 packed words do not hold 64 codes of 3 bits \\(that takes 6 or 7\\)"):
+        _unpack_dense(torch.zeros(2, 5, dtype=torch.int32), 3, 64)
+
+
 @pytest.mark.parametrize("edit,match", [
-    ("3bit", "a 3-bit GPTQ checkpoint is not supported"),
+    ("5bit", "a 5-bit GPTQ checkpoint is not supported \\(2, 3, 4 and 8 bits are\\)"),
+    ("3bit-words", "3-bit GPTQ qweight .* do not agree"),
     ("gemv", "an AWQ checkpoint in the 'gemv' layout is not supported"),
     ("marlin", "a GPTQ checkpoint in format 'marlin' is not supported"),
     ("no-scales", "has no model.layers.0.self_attn.q_proj.scales"),
@@ -263,7 +335,9 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
                                                                "strategy": "token", "symmetric": True}
     elif edit == "float":
         q["format"] = "float-quantized"
-    elif edit == "3bit":
+    elif edit == "5bit":
+        q["bits"] = 5
+    elif edit == "3bit-words":  # 4-bit words read as 3-bit: 64 columns would take 6 words a row, not 8
         q["bits"] = 3
     elif edit == "gemv":
         q["version"] = "GEMV"
@@ -286,7 +360,8 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
 
 
 @pytest.mark.parametrize("kind,layout", [("llama", "gptq-v2-sym"), ("llama", "awq"), ("qwen2", "ct-w4-sym"),
-                                         ("qwen2", "gptq-8bit"), ("llama", "gptq-act-order")])
+                                         ("qwen2", "gptq-8bit"), ("llama", "gptq-act-order"), ("llama", "gptq-3bit"),
+                                         ("qwen2", "ct-w6-channel")])
 def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Under --compress-weight a layer whose groups are contiguous keeps the checkpoint's own
@@ -302,7 +377,8 @@ def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, t
     tm = quantized_dir(kind, layout, tmp_path / "m")
     lay = LAYOUTS[layout]
     native = not lay["act_order"]
-    want = (lay["bits"], lay["group"]) if native else (4, 64)
+    kept = 4 if lay["bits"] <= 4 else 8  # 2 and 3 bits kept as 4-bit codes, 5 to 7 as 8-bit: the same values
+    want = (kept, lay["group"] or 64) if native else (4, 64)  # group 0: one group a row of 64
     seqs = [p + r for p, r in zip(PROMPTS, reference_generate(tm, PROMPTS, 6))]
     value = tm.model.get_parameter("model.layers.0.self_attn.q_proj.weight").detach()
     opts = dict(compress_weight=True, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True, progress=False)

@@ -4,9 +4,9 @@ project's eval.
     python -m flexgen_dist.bench.int_checkpoints --json bench_results/int-checkpoints.json
 
 The bundled SmolLM2-135M (its GGUF's values, float32) is written as a Hugging Face directory,
-then as a 4-bit GPTQ checkpoint of it (round to nearest, groups of ``--group`` input columns,
-asymmetric, AutoGPTQ's original format: the layout of the ``-GPTQ-Int4`` releases, without
-GPTQ's error feedback). ``eval ppl`` (every token scored in prefill, the bundled English
+then as a GPTQ checkpoint of it for each of ``--gptq-bits`` (4 and 3 by default; round to
+nearest, groups of ``--group`` input columns, asymmetric, AutoGPTQ's original format: the
+layout of the ``-GPTQ-Int4`` releases and the 3-bit branches, without GPTQ's error feedback). ``eval ppl`` (every token scored in prefill, the bundled English
 sample) then runs the float directory, the GPTQ one expanded (``scale x (code - zero)`` in
 float32), the GPTQ one under ``--compress-weight`` with its codes kept (native) and
 re-quantized into the engine's groups (``--no-gguf-native``), and the float directory under
@@ -61,12 +61,12 @@ def export_hf(path: Path) -> None:
     lm.tokenizer.save_pretrained(str(path))
 
 
-def _words(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """4-bit codes packed 8 to an int32 word along ``dim``, the first in the lowest bits."""
+def _words(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Codes of ``bits`` packed into int32 words along ``dim`` as GPTQ's packers do: one stream
+    of bits, the first code in the lowest bits (3 bits: 32 codes in three words)."""
     c = codes.long() if dim == 0 else codes.long().t()
-    acc = torch.zeros(c.shape[0] // 8, c.shape[1], dtype=torch.long)
-    for j in range(8):
-        acc |= c[j::8] << (4 * j)
+    stream = ((c.unsqueeze(1) >> torch.arange(bits)[:, None]) & 1).reshape(-1, c.shape[1])  # a row per bit
+    acc = (stream.view(-1, 32, c.shape[1]) << torch.arange(32)[:, None]).sum(1)
     acc = torch.where(acc >= 2 ** 31, acc - 2 ** 32, acc).to(torch.int32)
     return acc if dim == 0 else acc.t().contiguous()
 
@@ -91,21 +91,23 @@ def _quantized_copy(src: Path, dst: Path, layer: Callable[[str, torch.Tensor], d
             (dst / f.name).write_bytes(f.read_bytes())
 
 
-def gptq_rtn(src: Path, dst: Path, group: int) -> None:
-    """``src``'s decoder-layer matrices as 4-bit GPTQ layers (round to nearest, asymmetric,
-    zeros stored minus 1); everything else as it is."""
+def gptq_rtn(src: Path, dst: Path, group: int, bits: int = 4) -> None:
+    """``src``'s decoder-layer matrices as GPTQ layers of ``bits`` (round to nearest,
+    asymmetric, zeros stored minus 1); everything else as it is."""
+    top = (1 << bits) - 1
+
     def layer(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         rows, cols = w.shape
         g = w.t().reshape(cols // group, group, rows)  # (groups, group, out)
         lo, hi = g.amin(1).clamp(max=0), g.amax(1).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-        zero = (-lo / scale.float()).round().clamp(0, 15).long()
-        codes = ((g / scale.float()[:, None]).round().long() + zero[:, None]).clamp(0, 15).reshape(cols, rows)
+        scale = ((hi - lo) / top).clamp(min=1e-8).half()
+        zero = (-lo / scale.float()).round().clamp(0, top).long()
+        codes = ((g / scale.float()[:, None]).round().long() + zero[:, None]).clamp(0, top).reshape(cols, rows)
         stem = name.removesuffix("weight")
-        return {stem + "qweight": _words(codes, 0), stem + "qzeros": _words((zero - 1) & 15, 1), stem + "scales": scale,
-                stem + "g_idx": (torch.arange(cols) // group).to(torch.int32)}
+        return {stem + "qweight": _words(codes, bits, 0), stem + "qzeros": _words((zero - 1) & top, bits, 1),
+                stem + "scales": scale, stem + "g_idx": (torch.arange(cols) // group).to(torch.int32)}
 
-    _quantized_copy(src, dst, layer, {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+    _quantized_copy(src, dst, layer, {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
                                       "sym": False, "checkpoint_format": "gptq"})
 
 
@@ -148,26 +150,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=64, help="GPTQ group size (input columns; divides 576 and 1536)")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--max-windows", type=int, default=4)
+    ap.add_argument("--gptq-bits", default="4,3", help="GPTQ widths to write and evaluate (of 2, 3, 4, 8)")
     ap.add_argument("--fp8-block", type=int, default=128, help="FP8 block (rows and columns)")
     ap.add_argument("--prompts", type=int, default=16, help="the timed pair: prompts")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--json", default="bench_results/int-checkpoints.json")
     args = ap.parse_args(argv)
+    widths = [int(b) for b in args.gptq_bits.split(",") if b]
+    if any(b not in (2, 3, 4, 8) for b in widths):
+        ap.error(f"--gptq-bits {args.gptq_bits}: GPTQ writes 2, 3, 4 or 8 bits")
     ev: dict[str, Any] = {"window": args.window, "max_windows": args.max_windows}
     with tempfile.TemporaryDirectory() as tmp:
-        dense, gptq, fp8 = Path(tmp) / "hf", Path(tmp) / "gptq", Path(tmp) / "fp8"
+        dense, fp8 = Path(tmp) / "hf", Path(tmp) / "fp8"
         dense.mkdir()
         export_hf(dense)
-        gptq_rtn(dense, gptq, args.group)
         fp8_blocks(dense, fp8, args.fp8_block)
         rows = ppl_rows(str(dense), False, [("float32 (the GGUF's values, as a HF directory)", {})], ev)
-        rows += ppl_rows(str(gptq), False, [
-            (f"GPTQ 4-bit g{args.group}, expanded (float32)", {}),
-            (f"GPTQ 4-bit g{args.group}, codes kept (`--compress-weight`)", {"compress_weight": True}),
-            (f"GPTQ 4-bit g{args.group}, re-quantized (`--compress-weight --no-gguf-native`)",
-             {"compress_weight": True, "gguf_native": False}),
-        ], ev)
+        for bits in widths:
+            gptq = Path(tmp) / f"gptq{bits}"
+            gptq_rtn(dense, gptq, args.group, bits)
+            name = f"GPTQ {bits}-bit g{args.group}"
+            rows += ppl_rows(str(gptq), False, [
+                (f"{name}, expanded (float32)", {}),
+                (f"{name}, codes kept (`--compress-weight`)", {"compress_weight": True}),
+                (f"{name}, re-quantized (`--compress-weight --no-gguf-native`)",
+                 {"compress_weight": True, "gguf_native": False}),
+            ], ev)
         rows += ppl_rows(str(dense), False, [("float32 directory, the engine's 4-bit g64 (`--compress-weight`)",
                                               {"compress_weight": True})], ev)
         b = args.fp8_block

@@ -13,9 +13,11 @@ come to one form first (``layer_codes``: unsigned codes and zeros, float32 scale
 groups), which both the expansion and the packing read; ``IntLayers`` reads a layer's tensors
 through its source.
 
-- GPTQ (AutoGPTQ / GPTQModel, ``quant_method: gptq``): ``qweight`` (in / p, out) holds p =
-  32 / bits codes of consecutive input columns per word, the first in the lowest bits;
-  ``qzeros`` (groups, out / p) holds consecutive output rows alike. The original format
+- GPTQ (AutoGPTQ / GPTQModel, ``quant_method: gptq``, 2, 3, 4 or 8 bits): ``qweight`` (in x
+  bits / 32, out) holds each output row's codes as a stream of bits down its column of words,
+  consecutive input columns from the lowest bit up (2, 4 and 8 bits: 32 / bits whole codes a
+  word; 3 bits: 32 codes in three words, two of them split across a word's end);
+  ``qzeros`` (groups, out x bits / 32) holds consecutive output rows alike. The original format
   (``checkpoint_format: gptq``, the default) stores each zero point minus 1 (so 0 is written
   as 15 in 4 bits); ``gptq_v2`` stores it as it is.
 - AWQ (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` (in,
@@ -23,9 +25,11 @@ through its source.
   out / 8) alike; groups are consecutive input columns.
 
 - compressed-tensors (llm-compressor's weight-only schemes, ``quant_method:
-  compressed-tensors``, W4A16 / W8A16): ``X.weight_packed`` (out, in * bits / 32) holds
-  consecutive input columns from the lowest bits, each code stored plus 2^(bits-1) (so the
-  codes are signed); ``X.weight_scale`` (out, groups), (out, 1) per channel;
+  compressed-tensors``, W4A16 / W8A16, any width from 2 to 8 bits): ``X.weight_packed`` (out,
+  in x bits / 32) holds consecutive input columns from the lowest bits, each code stored plus
+  2^(bits-1) (so the codes are signed); a width that does not divide 32 is one stream of bits
+  across the words (the packer's current layout) or, in older releases, 32 // bits whole codes
+  a word with the top bits unused, told apart by the number of words; ``X.weight_scale`` (out, groups), (out, 1) per channel;
   ``X.weight_zero_point`` (asymmetric only: signed codes packed alike along the output
   rows); ``X.weight_g_idx`` where groups are activation-ordered; ``X.weight_shape``. The
   ``naive-quantized`` format stores 8-bit codes as an int8 ``X.weight`` beside its scale.
@@ -35,6 +39,9 @@ weights per output row, int8 inputs per token) is run with the inputs in the run
 ``float_quant`` runs FP8-dynamic); its float (FP8) weight schemes are ``float_quant``'s. Other
 bit widths, AWQ's GEMV layout and other methods are refused in one line
 (``config_fields.field_problem``).
+
+Under ``--compress-weight`` codes of 2 and 3 bits are kept as 4-bit codes and those of 5 to 7
+bits as 8-bit ones (``IntQuant.kept_bits``): the same values, exactly, in the engine's widths.
 """
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ from .float_quant import ct_float, ct_float_problem, ct_groups, ct_weights, quan
 from .source import ModelLoadError
 
 AWQ_REVERSE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word's 8 is its (AWQ_REVERSE[j])-th code
+GPTQ_BITS = (2, 3, 4, 8)  # the widths GPTQ's packers write
+CT_BITS = (2, 3, 4, 5, 6, 7, 8)  # compressed-tensors' integer widths
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,13 @@ class IntQuant:
     zero_minus_one: bool  # GPTQ's original format: zeros stored minus 1
 
     @property
-    def per_word(self) -> int:
-        return 32 // self.bits
+    def kept_bits(self) -> int:
+        """The width the engine keeps these codes in under --compress-weight (4 or 8)."""
+        return 4 if self.bits <= 4 else 8
+
+    def codes_in(self, words: int) -> int:
+        """How many codes ``words`` int32 words of a GPTQ stream hold (0: not a whole number)."""
+        return words * 32 // self.bits if words * 32 % self.bits == 0 else 0
 
 
 def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
@@ -88,8 +102,8 @@ def int_quant_problem(q: dict[str, Any]) -> str | None:
         return _ct_problem(q)
     bits = q.get("bits", q.get("w_bit", 4))
     if method == "gptq":
-        if bits not in (4, 8):
-            return f"a {bits}-bit GPTQ checkpoint is not supported (4 and 8 bits are)"
+        if bits not in GPTQ_BITS:
+            return f"a {bits}-bit GPTQ checkpoint is not supported (2, 3, 4 and 8 bits are)"
         fmt = q.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2"):
             return f"a GPTQ checkpoint in format {fmt!r} is not supported (gptq and gptq_v2 are)"
@@ -122,9 +136,9 @@ def _ct_problem(q: dict[str, Any]) -> str | None:
     if not formats <= {"pack-quantized", "naive-quantized", "int-quantized", "dense"}:
         return (f"a compressed-tensors checkpoint in format {sorted(map(str, formats))[0]!r} is not supported "
                 "(pack-quantized and naive-quantized integer weights are)")
-    if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+    if w.get("type", "int") != "int" or w.get("num_bits") not in CT_BITS:
         return (f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits are not "
-                "supported (4- and 8-bit int and 8-bit float are)")
+                "supported (2- to 8-bit int and 8-bit float are)")
     if w.get("strategy") not in ("group", "channel") or (w.get("strategy") == "group" and not w.get("group_size")):
         return (f"compressed-tensors weights with strategy {w.get('strategy')!r} are not supported (group, with a "
                 "group_size, and channel are)")
@@ -134,9 +148,9 @@ def _ct_problem(q: dict[str, Any]) -> str | None:
 
 
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words -> their codes (int32), each word's codes consecutive along ``dim`` (0:
-    rows, 1: columns), the first in the lowest bits."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    """int32 words -> their codes (int32), each word's 32 // bits codes consecutive along
+    ``dim`` (0: rows, 1: columns), the first in the lowest bits (the top 32 % bits unused)."""
+    shifts = torch.arange(32 // bits, dtype=torch.int32) * bits
     w = words.to(torch.int32)
     if dim == 0:
         codes = (w.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)  # (rows, per word, cols)
@@ -160,13 +174,33 @@ def column_groups(g_idx: torch.Tensor | None, cols: int, groups: int, size: int,
     return torch.arange(cols) // size
 
 
+def _stream(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """int32 words (rows, w) -> (rows, count) int32 codes: code i at bit i x bits of each row's
+    stream of bits, word 0's lowest bit first, a code split across two words where the width
+    does not divide 32."""
+    if 32 % bits == 0:
+        return _unpack(words, bits, 1)[:, :count]
+    u = torch.cat([words.to(torch.int64) & 0xFFFFFFFF, torch.zeros(words.shape[0], 1, dtype=torch.int64)], 1)
+    at = torch.arange(count, dtype=torch.int64) * bits
+    word, shift = at // 32, at % 32
+    low = u[:, word] >> shift
+    high = u[:, word + 1] << (32 - shift)  # the next word's bits above the first's (none where shift + bits <= 32)
+    return ((low | high) & ((1 << bits) - 1)).to(torch.int32)
+
+
 def _unpack_dense(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """compressed-tensors' int32 words (rows, w) -> (rows, count) unsigned codes: code i at bit
-    i x bits of the row's little-endian stream (stored plus 2^(bits - 1): signed minus that)."""
-    codes = _unpack(words.to(torch.int32), bits, 1)
-    if codes.shape[1] < count:
-        raise ModelLoadError(f"{words.shape[1]} packed words hold {codes.shape[1]} codes, fewer than {count}")
-    return codes[:, :count]
+    """compressed-tensors' int32 words (rows, w) -> (rows, count) unsigned codes (stored plus
+    2^(bits - 1): signed minus that): one stream of bits (``_stream``), or, where the width
+    does not divide 32 and there are as many words as an older release writes, 32 // bits
+    whole codes a word."""
+    words = words.to(torch.int32)
+    stream, whole = -(-count * bits // 32), -(-count // (32 // bits))
+    if words.shape[1] == stream:
+        return _stream(words, bits, count)
+    if words.shape[1] == whole:
+        return _unpack(words, bits, 1)[:, :count]
+    raise ModelLoadError(f"{words.shape[1]} packed words do not hold {count} codes of {bits} bits (that takes "
+                         f"{stream}{'' if stream == whole else f' or {whole}'}): corrupt checkpoint?")
 
 
 Parts = dict[str, "torch.Tensor | None"]  # a layer's tensors by the suffixes its method names them with
@@ -204,7 +238,11 @@ def layer_codes(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str
             raise ModelLoadError(f"{name}: {q.method.upper()} qweight/qzeros of dtype {qweight.dtype}/"
                                  f"{qzeros.dtype}, expected int32: corrupt checkpoint?")
         if q.method == "gptq":
-            codes, zeros = _unpack(qweight, q.bits, 0).t(), _unpack(qzeros, q.bits, 1).t()
+            if q.codes_in(qweight.shape[0]) != cols or q.codes_in(qzeros.shape[1]) != rows:
+                raise ModelLoadError(f"{name}: {q.bits}-bit GPTQ qweight {tuple(qweight.shape)} and qzeros "
+                                     f"{tuple(qzeros.shape)} for a {rows} x {cols} matrix do not agree: corrupt "
+                                     "checkpoint?")
+            codes, zeros = _stream(qweight.t(), q.bits, cols), _stream(qzeros, q.bits, rows).t()
             if q.zero_minus_one:
                 zeros = (zeros + 1) & ((1 << q.bits) - 1)
         else:  # AWQ: each word's 8 output rows in its own order
@@ -230,16 +268,14 @@ def packed_parts(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A layer's codes as the engine stores compressed weights (``models/packed.PackedWeight``:
     (out, in) unsigned codes packed low bits first, per group of input columns a scale and
-    a minimum, value = code x scale + min, so min = -zero x scale), or None where they cannot
-    be kept so: activation-ordered groups, a group that does not divide the row, other bits."""
-    if q.bits not in (4, 8):
-        return None
+    a minimum, value = code x scale + min, so min = -zero x scale; in ``q.kept_bits``), or None
+    where they cannot be kept so: activation-ordered groups, a group that does not divide the row."""
     codes, zeros, scale, g = layer_codes(q, parts, shape, name)
     cols, groups = shape[1], scale.shape[1]
     if cols % groups or not torch.equal(g, torch.arange(cols) // (cols // groups)):
         return None
     codes = codes.contiguous()
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if q.bits == 4 else codes
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if q.kept_bits == 4 else codes
     return packed.to(torch.uint8).contiguous(), (-zeros.float() * scale).contiguous(), scale.contiguous()
 
 
@@ -280,8 +316,7 @@ class IntLayers:
             return tuple(parts["weight"].shape)  # type: ignore[union-attr,return-value]
         qw = parts["qweight"]
         assert qw is not None
-        p = self.q.per_word
-        return (qw.shape[1], qw.shape[0] * p) if self.q.method == "gptq" else (qw.shape[1] * p, qw.shape[0])
+        return (qw.shape[1], self.q.codes_in(qw.shape[0])) if self.q.method == "gptq" else (qw.shape[1] * 8, qw.shape[0])
 
     def expand(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``stem``'s float32 matrix (``codes``: a naive-quantized layer's int8 weight)."""
@@ -299,15 +334,13 @@ class IntLayers:
         """The group size ``packed`` keeps layer ``stem``'s codes in (0: expanded instead), from
         the shapes and the group order alone (no code read: for sizing before loading)."""
         q = self.q
-        if q.bits not in (4, 8):
-            return 0
         if q.method == "compressed-tensors":
             scale = self.shape_of(stem + "weight_scale")
             cols = int(self.read(stem + "weight_shape")[1]) if self.has(stem + "weight_shape") else 0
             groups, g = (scale[1] if len(scale) == 2 else 1), stem + "weight_g_idx"
         else:
             qw = self.shape_of(stem + "qweight")
-            cols = qw[0] * q.per_word if q.method == "gptq" else qw[0]
+            cols = q.codes_in(qw[0]) if q.method == "gptq" else qw[0]
             groups, g = self.shape_of(stem + "scales")[0], stem + "g_idx"
         if not cols or cols % groups:
             return 0

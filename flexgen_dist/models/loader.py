@@ -115,7 +115,7 @@ class HFDirSource(WeightSource):
                 got = self.ints.packed(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if got is not None:
                     (shape, (codes, mins, scales)), iq = got, self.ints.q  # type: ignore[union-attr]
-                    out[k] = PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, iq.bits,
+                    out[k] = PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, iq.kept_bits,
                                           shape[1] // scales.shape[1])
                     continue
             t = self._tensor(name)
@@ -192,7 +192,7 @@ class HFDirSource(WeightSource):
             if self.iq is not None and name in self._packed:
                 group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if group:
-                    out[k] = (self.iq.bits, group)
+                    out[k] = (self.iq.kept_bits, group)
         return out
 
     def _fp8_scale_name(self, name: str) -> str:
