@@ -186,8 +186,35 @@ def mxfp4_roundtrip_(model: torch.nn.Module) -> None:
                 p.copy_(torch.from_numpy(back).transpose(1, 2))
 
 
-def quantizable(w: torch.Tensor) -> bool:
-    return w.dim() in (2, 3) and w.shape[-1] % 32 == 0 and not (w.dim() == 2 and w.shape[0] == 1)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # written by gguf_blocks.encode_blocks (the gguf package only reads them)
+# llama.cpp's Q4_K_M mix, simplified: the value and down matrices and the head in Q6_K (it does so for
+# half the layers' and the head), the rest in Q4_K
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K", (".v_proj.", ".down_proj.", "lm_head.", ".attn_v.", ".ffn_down."))}
+
+
+def tensor_qtype(name: str, qtype: str) -> str:
+    """The type a tensor named ``name`` (HF's name or the file's) is written in under ``qtype``."""
+    if qtype not in MIXES:
+        return qtype
+    base, more, names = MIXES[qtype]
+    return more if name == "output.weight" or any(n in name for n in names) else base
+
+
+def quantizable(w: torch.Tensor, qtype: str | None = None) -> bool:
+    block = 256 if qtype in K_TYPES or qtype in MIXES else 32
+    return w.dim() in (2, 3) and w.shape[-1] % block == 0 and not (w.dim() == 2 and w.shape[0] == 1)
+
+
+def quantize_rows(a: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows of float32 values as ``qtype``'s blocks (rows of bytes)."""
+    import gguf
+    import gguf.quants as gq
+
+    from flexgen_dist.models.gguf_blocks import encode_blocks
+
+    if qtype in K_TYPES:
+        return encode_blocks(a.reshape(-1, a.shape[-1]), qtype).reshape(*a.shape[:-1], -1)
+    return gq.quantize(a, getattr(gguf.GGMLQuantizationType, qtype))
 
 
 def roundtrip_(model: torch.nn.Module, qtype: str) -> None:
@@ -196,11 +223,12 @@ def roundtrip_(model: torch.nn.Module, qtype: str) -> None:
     import gguf
     import gguf.quants as gq
 
-    t = getattr(gguf.GGMLQuantizationType, qtype)
     with torch.no_grad():
-        for p in model.parameters():
-            if quantizable(p):
-                p.copy_(torch.from_numpy(gq.dequantize(gq.quantize(p.float().numpy(), t), t)))
+        for name, p in model.named_parameters():
+            if quantizable(p, qtype):
+                qt = tensor_qtype(name, qtype)
+                t = getattr(gguf.GGMLQuantizationType, qt)
+                p.copy_(torch.from_numpy(gq.dequantize(quantize_rows(p.float().numpy(), qt), t)))
 
 
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -665,9 +693,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: str | None = None, mxf
         if mxfp4_experts and name.endswith("_exps.weight"):  # gpt-oss's experts as released: MXFP4
             mx = gguf.GGMLQuantizationType.MXFP4
             w.add_tensor(name, gq.quantize(a, mx), raw_dtype=mx)
-        elif qtype and quantizable(t):
-            qt = getattr(gguf.GGMLQuantizationType, qtype)
-            w.add_tensor(name, gq.quantize(a, qt), raw_dtype=qt)  # its shape: rows of bytes
+        elif qtype and quantizable(t, qtype):
+            qt = tensor_qtype(name, qtype)
+            w.add_tensor(name, quantize_rows(a, qt), raw_dtype=getattr(gguf.GGMLQuantizationType, qt))  # rows of bytes
         else:
             w.add_tensor(name, a)
     w.write_header_to_file()

@@ -1,29 +1,114 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept in the file's own blocks under --compress-weight."""
+"""GGUF weights kept in the file's own blocks under --compress-weight: Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 and the K-quants (Q2_K ... Q6_K), each expanding to ``gguf.dequantize``'s values bit for
+bit; a Q4_K_M file (Q4_K, with Q6_K value, down and head matrices) gives transformers' greedy
+tokens on its values with its blocks kept."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import PROMPTS, TinyModel, reference_generate
 from flexgen_dist.memory.quant import QTensor, dequantize
+from flexgen_dist.models.gguf_blocks import GGUF_NATIVE, encode_blocks, gguf_packed
 from flexgen_dist.models.loader import bundled_model_path
-from flexgen_dist.models.packed import gguf_packed
+
+# (elements, bytes) of a block and where its float16 factors sit (llama.cpp's block structs)
+BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
+          "Q8_0": (32, 34, (0,)), "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)),
+          "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def random_blocks(kind: str, rows: int, per_row: int, seed: int = 0) -> np.ndarray:
+    """Rows of random ``kind`` blocks: every code, scale and mask bit random, the float16
+    factors finite (any bytes are a valid block but for a NaN or infinite factor)."""
+    rng = np.random.default_rng(seed)
+    _, size, halves = BLOCKS[kind]
+    blk = rng.integers(0, 256, (rows * per_row, size), dtype=np.uint8)
+    for at in halves:
+        blk[:, at:at + 2] = (rng.standard_normal(rows * per_row) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blk.reshape(rows, per_row * size)
+
+
+@pytest.mark.parametrize("kind", list(GGUF_NATIVE))
 def test_packed_blocks_dequantize_bit_exact(kind: str) -> None:
+    """Every kept type, on random blocks: the engine's expansion of the kept codes equals
+    ``gguf.dequantize`` exactly (float32), in the code width and groups of the type's row
+    of the table, at its size."""
     import gguf
     import gguf.quants as gq
 
-    x = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    per, size, _ = BLOCKS[kind]
+    rows, cols = 6, 2 * per
+    raw = random_blocks(kind, rows, 2)
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    raw = gq.quantize(x, qtype)
     ref = torch.from_numpy(gq.dequantize(raw, qtype).copy())
-    pw = gguf_packed(raw, kind, (6, 96), torch.float32)
-    assert pw.bits == (8 if kind == "Q8_0" else 4) and pw.group_size == 32
-    qt = QTensor(pw.codes, pw.mins, pw.scales, torch.Size(pw.shape), torch.float32, 1, 32, pw.bits)
+    pw = gguf_packed(raw, kind, (rows, cols), torch.float32)
+    bits, group = GGUF_NATIVE[kind]
+    assert (pw.bits, pw.group_size) == (bits, group)
+    qt = QTensor(pw.codes, pw.mins, pw.scales, torch.Size(pw.shape), torch.float32, 1, group, bits)
     assert torch.equal(dequantize(qt), ref)
-    assert pw.nbytes < x.nbytes / (3 if kind == "Q8_0" else 5)  # ~4x / ~7x smaller than float32
+    assert pw.nbytes == rows * cols * bits // 8 + 2 * 4 * rows * cols // group  # codes, float32 scales and mins
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_encoded_k_blocks_read_back_close_and_reencode_to_themselves(kind: str) -> None:
+    """``encode_blocks`` (round to nearest) writes blocks ``gguf.dequantize`` reads within a
+    step of the values, and encoding the values read gives them back unchanged (what a test
+    file written from a model's quantized values needs)."""
+    import gguf
+    import gguf.quants as gq
+
+    x = np.random.default_rng(1).standard_normal((5, 512)).astype(np.float32) * 0.05
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    y = gq.dequantize(encode_blocks(x, kind), qtype)
+    assert np.abs(y - x).max() < {"Q4_K": 0.07, "Q5_K": 0.035, "Q6_K": 0.02}[kind] * np.abs(x).max()
+    assert np.array_equal(gq.dequantize(encode_blocks(y, kind), qtype), y)
+
+
+@pytest.mark.bundled
+def test_a_q4_k_m_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path) -> None:
+    """A Llama written as a Q4_K_M file (rows of 256: hidden 256, FFN 512): greedy tokens equal
+    transformers' on the file's values in float32, expanded and with the blocks kept
+    (--compress-weight: Q4_K matrices as 4-bit codes in groups of 32, Q6_K ones as 8-bit in
+    groups of 16, each expanding to the file's values exactly); the budget check sizes them
+    as stored."""
+    import transformers as tf
+
+    from conftest import kept_codes_sized_as_stored
+    from gguf_convert import roundtrip_, write_gguf
+
+    torch.manual_seed(3)
+    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                           pad_token_id=2, tie_word_embeddings=False)).eval()
+    with torch.no_grad():  # sharp attention, so that a wrong row order of q or k would show
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight *= 12
+    roundtrip_(m, "Q4_K_M")
+    path = write_gguf(m, tmp_path / "m.gguf", "Q4_K_M")
+    ref = reference_generate(TinyModel("llama", path, m, 0), PROMPTS, 6)
+    for compress in (False, True):
+        from flexgen_dist import LLM
+
+        with LLM(str(path), compress_weight=compress, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True,
+                 progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref, compress
+            if compress:
+                placed = llm.engine.weights.placed[("layer", 0)]
+                for key, hf, want in (("q.w", "q_proj", (4, 32)), ("v.w", "v_proj", (8, 16)),
+                                      ("down.w", "mlp.down_proj", (8, 16)), ("up.w", "mlp.up_proj", (4, 32))):
+                    q = placed[key].data
+                    assert isinstance(q, QTensor) and (q.bits, q.group_size) == want, key
+                    stem = "self_attn." + hf if hf.endswith(("q_proj", "v_proj")) else hf
+                    if key != "q.w":  # q's rows are permuted in the file (llama.cpp's order), undone on load
+                        value = m.get_parameter(f"model.layers.0.{stem}.weight").detach()
+                        assert torch.equal(dequantize(q), value), key
+    predicted, stored = kept_codes_sized_as_stored(path)
+    assert predicted == stored > 0
 
 
 @pytest.mark.bundled

@@ -32,7 +32,8 @@ from .gguf_deepseek import join_kv_b
 from .llama import unpermute_gguf
 from .rope_config import rope_scaling
 from .source import ModelLoadError, WeightSource
-from .packed import GGUF_NATIVE, PackedWeight, gguf_packed
+from .gguf_blocks import GGUF_NATIVE, gguf_packed
+from .packed import PackedWeight
 from .spec import ModelSpec, RopeScaling
 
 log = logging.getLogger("flexgen_dist")
@@ -341,7 +342,7 @@ def llama3_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, name
 
 class GGUFSource(WeightSource):
     """The tensors of a GGUF file, dequantized per tensor (``get``) or kept in the file's own
-    Q4_0/Q4_1/Q8_0 blocks (``get_packed``). A fused tensor's rows are cut whole rows of blocks
+    blocks (``get_packed``: Q4_0 ... Q8_0 and the K-quants, ``gguf_blocks``). A fused tensor's rows are cut whole rows of blocks
     (blocks run along a row), so a slice of a packed tensor stays packed."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, reader: Any, path: Path) -> None:
@@ -424,8 +425,7 @@ class GGUFSource(WeightSource):
             return {}
         shapes = self.shapes(part, layer)
         kinds = {k: t.tensor_type.name for k, (t, _, _) in self._names(part, layer).items()}
-        return {k: (8 if kind == "Q8_0" else 4, 32) for k, kind in kinds.items()
-                if kind in GGUF_NATIVE and len(shapes[k]) == 2}
+        return {k: GGUF_NATIVE[kind] for k, kind in kinds.items() if kind in GGUF_NATIVE and len(shapes[k]) == 2}
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
         packed: dict[str, PackedWeight] = {}
