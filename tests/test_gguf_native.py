@@ -156,3 +156,33 @@ def test_budget_predicts_the_packed_bytes_exactly(native: bool) -> None:
     emb = eng.weights.placed[("embed", None)]["tok.w"].data
     assert (emb.bits, emb.group_size) == ((8, 32) if native else (4, 64))
     assert peak["cpu"] == stored["cpu"] > 0
+
+
+@pytest.mark.bundled
+def test_the_bundled_model_as_q4_k_m_keeps_each_type_in_its_width(tmp_path: Path) -> None:
+    """``bench.gguf_kquants`` writes the bundled model by llama.cpp's Q4_K_M recipe (Q6_K for the
+    value and down matrices of its "more bits" layers, fallbacks where a row is not whole
+    super-blocks); kept, each layer's matrices are in their type's width and groups and give
+    the greedy tokens of the file expanded."""
+    from flexgen_dist import LLM
+    from flexgen_dist.bench.gguf_kquants import more_bits, q4_k_m_type, write_q4_k_m
+
+    assert [i for i in range(30) if more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert q4_k_m_type("blk.3.ffn_down.weight", 1536, 30) == "Q4_K"
+    assert q4_k_m_type("blk.5.ffn_down.weight", 1536, 30) == "Q6_K"
+    assert q4_k_m_type("blk.5.attn_v.weight", 576, 30) == "Q8_0"  # Q6_K's fallback
+    assert q4_k_m_type("blk.3.attn_q.weight", 576, 30) == "Q5_0"  # Q4_K's
+    path = tmp_path / "q4km.gguf"
+    assert write_q4_k_m(bundled_model_path(), path) == {"Q8_0": 15, "Q6_K": 14, "Q5_0": 166, "Q4_K": 16}
+    out = {}
+    for compress in (False, True):
+        with LLM(str(path), compress_weight=compress, ignore_eos=True, progress=False) as llm:
+            out[compress] = [c.token_ids for c in llm.generate(["The capital of France is", "def add(a, b):"],
+                                                               gen_len=8)]
+            if compress:
+                placed = llm.engine.weights.placed
+                for layer, key, want in ((3, "down.w", (4, 32)), (5, "down.w", (8, 16)), (5, "v.w", (8, 32)),
+                                         (3, "q.w", (8, 32))):
+                    q = placed[("layer", layer)][key].data
+                    assert isinstance(q, QTensor) and (q.bits, q.group_size) == want, (layer, key)
+    assert out[True] == out[False]
