@@ -42,9 +42,11 @@ def _reference(x, wd, b, r):
 
 
 # odd shapes: K not a multiple of 32 (a chunk cut short) or of the group; N not a multiple of
-# the panel (32) or of the register blocks; groups of 16, 24, 32, 64 and 10; 4 and 8 bits
+# the panel (32) or of the register blocks; groups of 16 (GGUF's Q2_K/Q3_K/Q6_K: a 32-column chunk
+# over two groups), 24, 32, 64 and 10; 4 and 8 bits
 SHAPES = [(1, 7, 64, 64, 4), (3, 33, 100, 32, 4), (7, 65, 130, 64, 4), (64, 96, 2048, 64, 4),
-          (13, 40, 96, 32, 8), (5, 17, 48, 16, 4), (2, 9, 70, 10, 4), (6, 37, 72, 24, 8), (19, 70, 200, 64, 4)]
+          (13, 40, 96, 32, 8), (5, 17, 48, 16, 4), (4, 33, 272, 16, 8), (2, 9, 70, 10, 4), (6, 37, 72, 24, 8),
+          (19, 70, 200, 64, 4)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

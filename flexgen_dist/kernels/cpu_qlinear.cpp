@@ -220,30 +220,42 @@ struct BfTailN<0> {
 
 // Columns [k0, k0 + kc) of one quantized row as bfloat16 in split order (kc a multiple of 32;
 // columns at or past K are zero). Whole 32-column chunks inside one group of 4- or 8-bit codes
-// expand straight from the codes; the rest goes through dq_cols.
+// expand straight from the codes, and so do those over two groups of 16 (a chunk's even and odd
+// columns each hold 8 of either group, lanes 0-7 and 8-15: the scale and min vectors are split
+// so); the rest goes through dq_cols.
 static void bf_panel_row(const uint8_t* c, const void* mn, const void* sc, int mt, int64_t k0, int64_t kc,
                          int64_t K, int64_t group, int bits, uint16_t* out, float* t) {
     const int64_t kend = k0 + kc < K ? k0 + kc : K;
+    auto chunk = [&](int64_t e, __m512 s, __m512 m) {
+        __m512i lo, hi;
+        if (bits == 4) {
+            __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + e / 2)));
+            lo = _mm512_and_si512(d, _mm512_set1_epi32(15));
+            hi = _mm512_srli_epi32(d, 4);
+        } else {
+            __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(c + e)));
+            lo = _mm512_and_si512(d, _mm512_set1_epi32(255));
+            hi = _mm512_srli_epi32(d, 8);
+        }
+        __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), m);
+        __m512 fhi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), m);
+        _mm512_storeu_si512((void*)(out + (e - k0)), (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
+    };
     int64_t e = k0;
     while (e < kend) {
         const int64_t g = e / group, ge = (g + 1) * group < kend ? (g + 1) * group : kend;
         if (e % 32 == 0 && e + 32 <= ge) {
             const __m512 s = _mm512_set1_ps(load_as_f32(sc, g, mt)), m = _mm512_set1_ps(load_as_f32(mn, g, mt));
-            for (; e + 32 <= ge; e += 32) {
-                __m512i lo, hi;
-                if (bits == 4) {
-                    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(c + e / 2)));
-                    lo = _mm512_and_si512(d, _mm512_set1_epi32(15));
-                    hi = _mm512_srli_epi32(d, 4);
-                } else {
-                    __m512i d = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(c + e)));
-                    lo = _mm512_and_si512(d, _mm512_set1_epi32(255));
-                    hi = _mm512_srli_epi32(d, 8);
-                }
-                __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), m);
-                __m512 fhi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), m);
-                _mm512_storeu_si512((void*)(out + (e - k0)), (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
-            }
+            for (; e + 32 <= ge; e += 32) chunk(e, s, m);
+            continue;
+        }
+        if (group == 16 && e % 32 == 0 && e + 32 <= kend) {
+            const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(load_as_f32(sc, g, mt)),
+                                                  _mm512_set1_ps(load_as_f32(sc, g + 1, mt)));
+            const __m512 m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(load_as_f32(mn, g, mt)),
+                                                  _mm512_set1_ps(load_as_f32(mn, g + 1, mt)));
+            chunk(e, s, m);
+            e += 32;
             continue;
         }
         // a piece of a chunk: expanded to float32 (rounded to bfloat16), placed in split order
