@@ -2,7 +2,7 @@
 integer codes, zero points and scales are expanded at load to the values they encode, so
 greedy tokens equal transformers' on those values (float32), for GPTQ's original format (zeros
 stored minus one) with act-order groups, ``gptq_v2`` symmetric, 8-, 3- and 2-bit GPTQ, AWQ's
-GEMM layout, and compressed-tensors' pack-quantized (4- and 3-bit groups, symmetric and not,
+GEMM and GEMV layouts, and compressed-tensors' pack-quantized (4- and 3-bit groups, symmetric and not,
 act-ordered, 3 bits in both its layouts; 6 and 8 bits per channel) and naive-quantized (int8)
 weights; the checkpoints here are packed as
 AutoGPTQ's, AutoAWQ's and compressed-tensors' packers pack them, and a layout that is not
@@ -107,6 +107,35 @@ def awq_tensors(codes: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor,
     return pack(codes), pack(zeros)
 
 
+def zeros_width(cols: int, group: int) -> int:
+    """AutoAWQ's ``calculate_zeros_width``: the GEMV layout's words of zero points a row (its
+    groups, 8 a word, rounded up to a multiple of 1, 2 or 4 words for groups of 128+, 64, 32)."""
+    mult = 1 if group >= 128 else {64: 2, 32: 4}[group]
+    return -(-(-(-(cols // group) // 8)) // mult) * mult
+
+
+def awq_gemv_tensors(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoAWQ's GEMV packing (its from_linear loops): qweight (out, in / 8), word c of a row
+    holding input columns 8c .. 8c + 7 from the lowest nibble; qzeros (out, zeros_width) the
+    row's groups alike, padded with 0; scales (out, 8 x zeros_width) float16, padded with 0."""
+    w = codes.t()  # (out, in)
+    width = zeros_width(w.shape[1], group)
+    qweight = torch.zeros(w.shape[0], w.shape[1] // 8, dtype=torch.long)
+    for col in range(w.shape[1] // 8):
+        for i in range(8):
+            qweight[:, col] |= w[:, col * 8 + i] << (4 * i)
+    z = zeros.t()  # (out, groups)
+    qzeros = torch.zeros(z.shape[0], width, dtype=torch.long)
+    for col in range(-(-z.shape[1] // 8)):
+        for i in range(8):
+            if col * 8 + i < z.shape[1]:
+                qzeros[:, col] |= z[:, col * 8 + i] << (4 * i)
+    qscales = torch.zeros(z.shape[0], width * 8, dtype=torch.float16)
+    qscales[:, :z.shape[1]] = scales.t()
+    return _words(qweight), _words(qzeros), qscales
+
+
 def ct_words(codes: torch.Tensor, bits: int, dense: bool = True) -> torch.Tensor:
     """compressed-tensors' packing of signed codes (rows, cols): each stored plus 2^(bits-1),
     code i of a row at bit i x bits of its little-endian word stream (``dense``: the packer's
@@ -155,6 +184,7 @@ LAYOUTS = {
     "gptq-3bit-act-order": dict(method="gptq", bits=3, group=32, sym=True, act_order=True, fmt="gptq_v2"),
     "gptq-2bit": dict(method="gptq", bits=2, group=64, sym=False, act_order=False, fmt="gptq"),
     "awq": dict(method="awq", bits=4, group=32, sym=False, act_order=False, fmt=None),
+    "awq-gemv": dict(method="awq", bits=4, group=32, sym=False, act_order=False, fmt="gemv"),
     "ct-w4-sym": dict(method="ct", bits=4, group=32, sym=True, act_order=False, fmt="pack-quantized"),
     "ct-w4-asym-act-order": dict(method="ct", bits=4, group=32, sym=False, act_order=True, fmt="pack-quantized"),
     "ct-w8-channel": dict(method="ct", bits=8, group=0, sym=True, act_order=False, fmt="pack-quantized"),
@@ -216,6 +246,8 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
         if lay["method"] == "gptq":
             out[stem + "qweight"], out[stem + "qzeros"] = gptq_tensors(codes, zeros, lay["bits"], lay["fmt"] == "gptq")
             out[stem + "g_idx"] = g_idx.to(torch.int32)
+        elif lay["fmt"] == "gemv":
+            out[stem + "qweight"], out[stem + "qzeros"], scales = awq_gemv_tensors(codes, zeros, scales, lay["group"])
         else:
             out[stem + "qweight"], out[stem + "qzeros"] = awq_tensors(codes, zeros)
         out[stem + "scales"] = scales
@@ -230,7 +262,7 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
                                       "desc_act": lay["act_order"], "sym": lay["sym"], "checkpoint_format": lay["fmt"]}
     elif lay["method"] == "awq":
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": lay["group"],
-                                      "zero_point": True, "version": "gemm"}
+                                      "zero_point": True, "version": lay["fmt"] or "gemm"}
     else:
         weights = {"num_bits": lay["bits"], "type": "int", "symmetric": lay["sym"], "dynamic": False,
                    "strategy": "group" if lay["group"] else "channel", "group_size": lay["group"] or None,
@@ -250,7 +282,7 @@ def quantized_dir(kind: str, layout: str, path: Path) -> TinyModel:
 @pytest.mark.parametrize("kind,layout", [("llama", "gptq-act-order"), ("llama", "gptq-v2-sym"),
                                          ("qwen2", "gptq-8bit"), ("llama", "gptq-3bit"),
                                          ("qwen2", "gptq-3bit-act-order"), ("llama", "gptq-2bit"),
-                                         ("llama", "awq"), ("qwen2", "awq"),
+                                         ("llama", "awq"), ("qwen2", "awq"), ("qwen2", "awq-gemv"),
                                          ("llama", "ct-w4-sym"), ("qwen2", "ct-w4-asym-act-order"),
                                          ("llama", "ct-w3-asym"), ("qwen2", "ct-w3-older"), ("llama", "ct-w6-channel"),
                                          ("llama", "ct-w8-channel"), ("llama", "ct-naive-w8"),
@@ -316,7 +348,7 @@ def test_streams_of_bits_unpack_as_the_packers_packed_them() -> None:
 @pytest.mark.parametrize("edit,match", [
     ("5bit", "a 5-bit GPTQ checkpoint is not supported \\(2, 3, 4 and 8 bits are\\)"),
     ("3bit-words", "3-bit GPTQ qweight .* do not agree"),
-    ("gemv", "an AWQ checkpoint in the 'gemv' layout is not supported"),
+    ("gemv-fast", "an AWQ checkpoint in the 'gemv_fast' layout is not supported \\(gemm and gemv are\\)"),
     ("marlin", "a GPTQ checkpoint in format 'marlin' is not supported"),
     ("no-scales", "has no model.layers.0.self_attn.q_proj.scales"),
     ("group", "do not agree|group_size does not fit"),
@@ -326,7 +358,7 @@ def test_streams_of_bits_unpack_as_the_packers_packed_them() -> None:
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    layout = {"gemv": "awq", "outputs": "ct-w4-sym", "float": "ct-w4-sym"}.get(edit, "gptq-v2-sym")
+    layout = {"gemv-fast": "awq", "outputs": "ct-w4-sym", "float": "ct-w4-sym"}.get(edit, "gptq-v2-sym")
     tm = quantized_dir("llama", layout, tmp_path / "m")
     cfg = json.loads((tm.path / "config.json").read_text())
     q = cfg["quantization_config"]
@@ -339,8 +371,8 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
         q["bits"] = 5
     elif edit == "3bit-words":  # 4-bit words read as 3-bit: 64 columns would take 6 words a row, not 8
         q["bits"] = 3
-    elif edit == "gemv":
-        q["version"] = "GEMV"
+    elif edit == "gemv-fast":
+        q["version"] = "gemv_fast"
     elif edit == "marlin":
         q["checkpoint_format"] = "marlin"
     elif edit == "group":
@@ -359,7 +391,8 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("kind,layout", [("llama", "gptq-v2-sym"), ("llama", "awq"), ("qwen2", "ct-w4-sym"),
+@pytest.mark.parametrize("kind,layout", [("llama", "gptq-v2-sym"), ("llama", "awq"), ("llama", "awq-gemv"),
+                                         ("qwen2", "ct-w4-sym"),
                                          ("qwen2", "gptq-8bit"), ("llama", "gptq-act-order"), ("llama", "gptq-3bit"),
                                          ("qwen2", "ct-w6-channel")])
 def test_compressed_weights_keep_the_checkpoints_codes(kind: str, layout: str, tmp_path: Path,

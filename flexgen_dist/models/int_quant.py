@@ -22,7 +22,11 @@ through its source.
   as 15 in 4 bits); ``gptq_v2`` stores it as it is.
 - AWQ (AutoAWQ's GEMM layout, ``quant_method: awq``, ``version: gemm``): ``qweight`` (in,
   out / 8) holds 8 output rows per word in the order 0 2 4 6 1 3 5 7; ``qzeros`` (groups,
-  out / 8) alike; groups are consecutive input columns.
+  out / 8) alike; groups are consecutive input columns. Its GEMV layout (``version: gemv``)
+  keeps each output row's codes along the row instead: ``qweight`` (out, in / 8), 8
+  consecutive input columns a word from the lowest bits; ``qzeros`` (out, w) holds the row's
+  groups alike and ``scales`` (out, 8 w) one per group, both padded past the in / group
+  groups (AutoAWQ's ``calculate_zeros_width``).
 
 - compressed-tensors (llm-compressor's weight-only schemes, ``quant_method:
   compressed-tensors``, W4A16 / W8A16, any width from 2 to 8 bits): ``X.weight_packed`` (out,
@@ -37,7 +41,7 @@ through its source.
 A compressed-tensors scheme that also quantizes each layer's input at run time (W8A8: int8
 weights per output row, int8 inputs per token) is run with the inputs in the run's dtype (as
 ``float_quant`` runs FP8-dynamic); its float (FP8) weight schemes are ``float_quant``'s. Other
-bit widths, AWQ's GEMV layout and other methods are refused in one line
+bit widths and other methods are refused in one line
 (``config_fields.field_problem``).
 
 Under ``--compress-weight`` codes of 2 and 3 bits are kept as 4-bit codes and those of 5 to 7
@@ -64,6 +68,7 @@ class IntQuant:
     bits: int
     group_size: int  # input columns per group (-1: one group over all)
     zero_minus_one: bool  # GPTQ's original format: zeros stored minus 1
+    gemv: bool = False  # AWQ's GEMV layout (codes along each output row)
 
     @property
     def kept_bits(self) -> int:
@@ -91,7 +96,7 @@ def int_quant(cfg: dict[str, Any]) -> IntQuant | None:
     bits = int(q.get("bits", q.get("w_bit", 4)))
     group = int(q.get("group_size", q.get("q_group_size", 128)))
     v1 = method == "gptq" and q.get("checkpoint_format", "gptq") == "gptq"
-    return IntQuant(method, bits, group, v1)
+    return IntQuant(method, bits, group, v1, method == "awq" and str(q.get("version", "gemm")).lower() == "gemv")
 
 
 def int_quant_problem(q: dict[str, Any]) -> str | None:
@@ -112,8 +117,8 @@ def int_quant_problem(q: dict[str, Any]) -> str | None:
         if bits != 4:
             return f"a {bits}-bit AWQ checkpoint is not supported (4 bits is)"
         version = str(q.get("version", "gemm")).lower()
-        if version != "gemm":
-            return f"an AWQ checkpoint in the {version!r} layout is not supported (gemm is)"
+        if version not in ("gemm", "gemv"):
+            return f"an AWQ checkpoint in the {version!r} layout is not supported (gemm and gemv are)"
         if q.get("zero_point", True) is not True:
             return "an AWQ checkpoint without zero points is not supported"
         return None
@@ -245,11 +250,21 @@ def layer_codes(q: IntQuant, parts: Parts, shape: tuple[int, int], name: str
             codes, zeros = _stream(qweight.t(), q.bits, cols), _stream(qzeros, q.bits, rows).t()
             if q.zero_minus_one:
                 zeros = (zeros + 1) & ((1 << q.bits) - 1)
+        elif q.gemv:  # AWQ's GEMV: codes, zeros and scales along each output row, zeros and scales padded
+            groups = 1 if q.group_size <= 0 else -(-cols // q.group_size)
+            if qweight.shape != (rows, -(-cols // 8)) or qzeros.shape[0] != rows or qzeros.shape[1] * 8 < groups \
+                    or scales.shape[0] != rows or scales.shape[1] < groups:
+                raise ModelLoadError(f"{name}: AWQ GEMV qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} "
+                                     f"and scales {tuple(scales.shape)} for a {rows} x {cols} matrix do not agree: "
+                                     "corrupt checkpoint?")
+            codes, zeros = _unpack(qweight, 4, 1)[:, :cols], _unpack(qzeros, 4, 1)[:, :groups]
+            scale = scales[:, :groups].float()
         else:  # AWQ: each word's 8 output rows in its own order
             order = torch.tensor(AWQ_REVERSE)
             codes, zeros = (_unpack(t, 4, 1) for t in (qweight, qzeros))
             codes, zeros = (c.view(c.shape[0], -1, 8)[..., order].reshape(c.shape).t() for c in (codes, zeros))
-        scale = scales.float().t()
+        if not q.gemv:
+            scale = scales.float().t()
         g_idx, size = parts.get("g_idx"), cols if q.group_size <= 0 else q.group_size
     groups = scale.shape[1]
     if codes.shape != (rows, cols) or zeros.shape != (rows, groups) or scale.shape[0] != rows:
@@ -316,7 +331,9 @@ class IntLayers:
             return tuple(parts["weight"].shape)  # type: ignore[union-attr,return-value]
         qw = parts["qweight"]
         assert qw is not None
-        return (qw.shape[1], self.q.codes_in(qw.shape[0])) if self.q.method == "gptq" else (qw.shape[1] * 8, qw.shape[0])
+        if self.q.method == "gptq":
+            return qw.shape[1], self.q.codes_in(qw.shape[0])
+        return (qw.shape[0], qw.shape[1] * 8) if self.q.gemv else (qw.shape[1] * 8, qw.shape[0])
 
     def expand(self, stem: str, codes: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``stem``'s float32 matrix (``codes``: a naive-quantized layer's int8 weight)."""
@@ -340,8 +357,10 @@ class IntLayers:
             groups, g = (scale[1] if len(scale) == 2 else 1), stem + "weight_g_idx"
         else:
             qw = self.shape_of(stem + "qweight")
-            cols = q.codes_in(qw[0]) if q.method == "gptq" else qw[0]
+            cols = q.codes_in(qw[0]) if q.method == "gptq" else qw[1] * 8 if q.gemv else qw[0]
             groups, g = self.shape_of(stem + "scales")[0], stem + "g_idx"
+            if q.gemv:
+                groups = 1 if q.group_size <= 0 else -(-cols // q.group_size)
         if not cols or cols % groups:
             return 0
         if self.has(g) and not torch.equal(self.read(g).long(), torch.arange(cols) // (cols // groups)):
