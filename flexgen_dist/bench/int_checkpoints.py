@@ -11,7 +11,9 @@ sample) then runs the float directory, the GPTQ one expanded (``scale x (code - 
 float32), the GPTQ one under ``--compress-weight`` with its codes kept (native) and
 re-quantized into the engine's groups (``--no-gguf-native``), and the float directory under
 ``--compress-weight`` (the engine's own 4-bit quantizer on the float values), side by side in
-one run. The same directory as a block-scaled FP8 checkpoint (DeepSeek-V3's format, blocks of
+one run; and the directory quantized by transformers with bitsandbytes (NF4, double
+quantization: the ``-bnb-4bit`` releases), expanded and re-quantized (``--no-bnb`` leaves it
+out). The same directory as a block-scaled FP8 checkpoint (DeepSeek-V3's format, blocks of
 ``--fp8-block``; the embedding, tied to the head, kept in float) runs expanded, with its codes
 kept under ``--compress-weight`` (the head then compressed by the engine: 4 and 8 bits) and
 re-quantized (``--no-gguf-native``); and, timed side by side in bfloat16 with every weight on
@@ -111,6 +113,20 @@ def gptq_rtn(src: Path, dst: Path, group: int, bits: int = 4) -> None:
                                       "sym": False, "checkpoint_format": "gptq"})
 
 
+def bnb_nf4(src: Path, dst: Path) -> None:
+    """``src`` quantized by transformers with bitsandbytes (NF4, double quantization, blocks of
+    64: the ``-bnb-4bit`` releases' settings) and saved to ``dst``, as those releases are made."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                            bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=qc, device_map="cpu", dtype=torch.float32)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja"):
+            (dst / f.name).write_bytes(f.read_bytes())
+
+
 def fp8_blocks(src: Path, dst: Path, block: int) -> None:
     """``src``'s decoder-layer matrices as FP8 e4m3 in blocks of ``block`` x ``block`` (the
     last ones partial), each beside its ``weight_scale_inv`` grid (amax / 448, float32):
@@ -152,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-windows", type=int, default=4)
     ap.add_argument("--gptq-bits", default="4,3", help="GPTQ widths to write and evaluate (of 2, 3, 4, 8)")
     ap.add_argument("--fp8-block", type=int, default=128, help="FP8 block (rows and columns)")
+    ap.add_argument("--no-bnb", dest="bnb", action="store_false",
+                    help="leave out the bitsandbytes NF4 rows (they need the bitsandbytes package)")
     ap.add_argument("--prompts", type=int, default=16, help="the timed pair: prompts")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=16)
@@ -179,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
             ], ev)
         rows += ppl_rows(str(dense), False, [("float32 directory, the engine's 4-bit g64 (`--compress-weight`)",
                                               {"compress_weight": True})], ev)
+        if args.bnb:
+            nf4 = Path(tmp) / "nf4"
+            bnb_nf4(dense, nf4)
+            rows += ppl_rows(str(nf4), False, [
+                ("bitsandbytes NF4 (double quantization, blocks of 64), expanded (float32)", {}),
+                ("bitsandbytes NF4, re-quantized 4-bit g64 (`--compress-weight`)", {"compress_weight": True}),
+                ("bitsandbytes NF4, re-quantized 8-bit g64 (`--compress-weight --comp-bits 8`)",
+                 {"compress_weight": True, "comp_bits": 8}),
+            ], ev)
         b = args.fp8_block
         rows += ppl_rows(str(fp8), False, [
             (f"FP8 e4m3 {b}x{b} blocks, expanded (float32)", {}),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .bnb_quant import bnb_problem
 from .float_quant import fp8_problem
 from .int_quant import int_quant_problem
 
@@ -232,8 +233,10 @@ def field_problem(cfg: dict[str, Any], model_type: str) -> str | None:
             return None  # gpt-oss's experts as OpenAI ships them: expanded at load
         elif method in ("gptq", "awq", "compressed-tensors"):  # integer codes per group: expanded at load (int_quant.py)
             problem = int_quant_problem(q)
+        elif method == "bitsandbytes":  # NF4/FP4 and LLM.int8() weights: expanded at load (bnb_quant.py)
+            problem = bnb_problem(q)
         else:
-            problem = (f"a {method!r}-quantized checkpoint is not supported ('fp8' and 'fbgemm_fp8', 4- and 8-bit "
-                       "'gptq', 4-bit 'awq', 'compressed-tensors' int and FP8 weights, and gpt-oss's 'mxfp4' are)")
+            problem = (f"a {method!r}-quantized checkpoint is not supported ('fp8' and 'fbgemm_fp8', 'gptq', 'awq', "
+                       "'compressed-tensors' int and FP8 weights, 'bitsandbytes' and gpt-oss's 'mxfp4' are)")
         return None if problem is None else f"{problem}: use the full-precision weights or a .gguf file"
     return None

@@ -20,6 +20,7 @@ import torch
 from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
+from .bnb_quant import BnbLayers, BnbQuant, activation_note_bnb, bnb_quant
 from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8, dequantize_mxfp4, fp8_format,
                           fp8_layout, fp8_packed)
 from .int_quant import IntLayers, IntQuant, int_quant
@@ -54,7 +55,7 @@ def bundled_model_path() -> Path:
 # weight sources
 class HFDirSource(WeightSource):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, path: Path,
-                 fp8: Fp8Layout | None = None, iq: IntQuant | None = None) -> None:
+                 fp8: Fp8Layout | None = None, iq: IntQuant | None = None, bnb: BnbQuant | None = None) -> None:
         super().__init__(spec, dtype)
         self.path = path
         self.fp8 = fp8  # an FP8 checkpoint's scales: its matrices are expanded on read
@@ -71,6 +72,8 @@ class HFDirSource(WeightSource):
         self.ints = None if iq is None else IntLayers(iq, set(self.index), self._raw, self._shape, str(path))
         self._packed = {} if self.ints is None else self.ints.virtual()  # X.weight -> its codes' tensor
         self.index.update({n: self.index[codes] for n, codes in self._packed.items()})
+        # a bitsandbytes matrix X.weight is read with its companions (X.weight.absmax, ..., X.SCB)
+        self.bnb = None if bnb is None else BnbLayers(bnb, self.index.__contains__, self._raw, str(path))
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -152,6 +155,8 @@ class HFDirSource(WeightSource):
         t = self._raw(name)
         if self.ints is not None and t.dtype == torch.int8 and name + "_scale" in self.index:
             return self.ints.expand(name.removesuffix("weight"), t)  # compressed-tensors' int8 codes
+        if self.bnb is not None and self.bnb.layer(name, t):
+            return self.bnb.expand(name, t)
         return t
 
     def _raw(self, name: str) -> torch.Tensor:
@@ -313,7 +318,7 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
         cfg = _read_config(p)
         spec, projection = _with_pooling(p, _generation_eos(p, spec_from_hf_config(cfg, p.name)))
         tok = read_tokenizer(p) if load_tokenizer else None
-        fp8, iq = fp8_layout(cfg), int_quant(cfg)
+        fp8, iq, bnb = fp8_layout(cfg), int_quant(cfg), bnb_quant(cfg)
         if fp8:
             log.info("%s: FP8 checkpoint (%s, scales %s): its weights are expanded to %s as they are read",
                      p.name, fp8.method, "in blocks" if fp8.block[0] else "per tensor or per row",
@@ -322,10 +327,14 @@ def load_model(model: str | None, *, dummy_weights: bool = False, dtype: torch.d
             log.info("%s: %d-bit %s checkpoint (groups of %s): its weights are expanded to %s as they are read",
                      p.name, iq.bits, iq.method, iq.group_size if iq.group_size > 0 else "a whole row",
                      str(dtype).replace("torch.", ""))
-        note = activation_note(cfg)
+        if bnb:
+            log.info("%s: bitsandbytes %s checkpoint: its weights are expanded to %s as they are read%s", p.name,
+                     bnb.quant_type, str(dtype).replace("torch.", ""),
+                     " (--compress-weight quantizes them again, into the engine's groups)" if bnb.bits == 4 else "")
+        note = activation_note(cfg) or activation_note_bnb(cfg)
         if note:
             log.warning("%s: %s", p.name, note)
-        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq)), tok, str(p),
+        return LoadedModel(*untie_if_the_file_differs(HFDirSource(spec, dtype, p, fp8, iq, bnb)), tok, str(p),
                            projection=projection)
     if p.exists():
         raise ModelLoadError(f"{model}: not a model directory or .gguf file")
