@@ -10,14 +10,13 @@ import json
 import logging
 from pathlib import Path
 
+import bitsandbytes as bnb  # a dev dependency: the packer and the reference
 import pytest
 import torch
 
 from conftest import PROMPTS, TinyModel, reference_generate
 from flexgen_dist import LLM
 from flexgen_dist.errors import ModelLoadError
-
-bnb = pytest.importorskip("bitsandbytes")  # a dev dependency: installed wherever the suite runs
 
 
 def bnb_dir(kind: str, path: Path) -> TinyModel:
