@@ -186,7 +186,8 @@ def mxfp4_roundtrip_(model: torch.nn.Module) -> None:
                 p.copy_(torch.from_numpy(back).transpose(1, 2))
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # written by gguf_blocks.encode_blocks (the gguf package only reads them)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # in rows of 256, written by gguf_blocks.encode_blocks
+ENCODED = K_TYPES + ("IQ4_NL",)  # the types the gguf package reads but does not write
 # llama.cpp's Q4_K_M mix, simplified: the value and down matrices and the head in Q6_K (it does so for
 # half the layers' and the head), the rest in Q4_K
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K", (".v_proj.", ".down_proj.", "lm_head.", ".attn_v.", ".ffn_down."))}
@@ -212,7 +213,7 @@ def quantize_rows(a: np.ndarray, qtype: str) -> np.ndarray:
 
     from flexgen_dist.models.gguf_blocks import encode_blocks
 
-    if qtype in K_TYPES:
+    if qtype in ENCODED:
         return encode_blocks(a.reshape(-1, a.shape[-1]), qtype).reshape(*a.shape[:-1], -1)
     return gq.quantize(a, getattr(gguf.GGMLQuantizationType, qtype))
 

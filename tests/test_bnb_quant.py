@@ -2,8 +2,9 @@
 themselves (a random model quantized on load with ``BitsAndBytesConfig``, then saved): NF4 with
 double quantization, FP4 without, and LLM.int8(); each matrix expands to what bitsandbytes'
 own ``dequantize_4bit`` / ``int8_vectorwise_dequant`` give, and greedy tokens equal
-transformers' on those values (float32), with weights offloaded and under --compress-weight's
-re-quantization running; what is not read is refused in one line."""
+transformers' on those values (float32), with weights offloaded, and for 4 bits also with the
+codes kept under --compress-weight (the engine's ``nf4`` / ``fp4`` table formats, sized as
+stored); what is not read is refused in one line."""
 from __future__ import annotations
 
 import json
@@ -74,8 +75,29 @@ def test_bitsandbytes_checkpoints_match_transformers_on_their_values(kind: str, 
     want = tm.model.model.layers[1]
     assert torch.equal(got["q.w"], want.self_attn.q_proj.weight.detach())  # bitsandbytes' values exactly
     assert torch.equal(got["down.w"], want.mlp.down_proj.weight.detach())
-    with LLM(str(tm.path), compress_weight=True, ignore_eos=True, progress=False) as llm:  # re-quantized: runs
-        assert all(len(c.token_ids) == 6 for c in llm.generate(PROMPTS, gen_len=6))
+    from flexgen_dist.memory.quant import QTensor, dequantize
+
+    with LLM(str(tm.path), compress_weight=True, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True,
+             progress=False) as llm:
+        tokens = [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)]  # the embedding and head 4-bit too
+        placed = {j: llm.engine.weights.placed[("layer", j)] for j in (0, 1)}
+    assert all(len(t) == 6 for t in tokens)
+    for j in (0, 1):
+        layer = tm.model.model.layers[j]
+        for key, mod in (("q.w", layer.self_attn.q_proj), ("o.w", layer.self_attn.o_proj),
+                         ("down.w", layer.mlp.down_proj)):
+            q = placed[j][key].data
+            assert isinstance(q, QTensor)
+            if kind.endswith("int8"):  # 8-bit: expanded, then quantized by the engine
+                assert (q.fmt, q.bits, q.group_size) == ("int", 4, 64)
+            else:  # 4-bit: the codes and block scales kept in the table format, the values exactly
+                assert (q.fmt, q.bits, q.group_size) == (kind.split("-")[1], 4, 64)
+                assert torch.equal(dequantize(q), mod.weight.detach()), (j, key)
+    if not kind.endswith("int8"):
+        from conftest import kept_codes_sized_as_stored
+
+        predicted, stored = kept_codes_sized_as_stored(tm.path)
+        assert predicted == stored > 0
 
 
 @pytest.mark.parametrize("edit,match", [

@@ -18,7 +18,8 @@ from flexgen_dist.models.loader import bundled_model_path
 # (elements, bytes) of a block and where its float16 factors sit (llama.cpp's block structs)
 BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
           "Q8_0": (32, 34, (0,)), "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)),
-          "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
+          "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
 
 
 def random_blocks(kind: str, rows: int, per_row: int, seed: int = 0) -> np.ndarray:
@@ -46,14 +47,16 @@ def test_packed_blocks_dequantize_bit_exact(kind: str) -> None:
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     ref = torch.from_numpy(gq.dequantize(raw, qtype).copy())
     pw = gguf_packed(raw, kind, (rows, cols), torch.float32)
-    bits, group = GGUF_NATIVE[kind]
-    assert (pw.bits, pw.group_size) == (bits, group)
-    qt = QTensor(pw.codes, pw.mins, pw.scales, torch.Size(pw.shape), torch.float32, 1, group, bits)
+    bits, group, *table = GGUF_NATIVE[kind]
+    fmt = table[0] if table else "int"
+    assert (pw.bits, pw.group_size, pw.fmt) == (bits, group, fmt)
+    qt = QTensor(pw.codes, pw.mins, pw.scales, torch.Size(pw.shape), torch.float32, 1, group, bits, fmt)
     assert torch.equal(dequantize(qt), ref)
-    assert pw.nbytes == rows * cols * bits // 8 + 2 * 4 * rows * cols // group  # codes, float32 scales and mins
+    metas = 1 if table else 2  # a table format's scales alone; else scales and mins, float32 here
+    assert pw.nbytes == rows * cols * bits // 8 + metas * 4 * rows * cols // group
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
 def test_encoded_k_blocks_read_back_close_and_reencode_to_themselves(kind: str) -> None:
     """``encode_blocks`` (round to nearest) writes blocks ``gguf.dequantize`` reads within a
     step of the values, and encoding the values read gives them back unchanged (what a test
@@ -64,7 +67,8 @@ def test_encoded_k_blocks_read_back_close_and_reencode_to_themselves(kind: str) 
     x = np.random.default_rng(1).standard_normal((5, 512)).astype(np.float32) * 0.05
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     y = gq.dequantize(encode_blocks(x, kind), qtype)
-    assert np.abs(y - x).max() < {"Q4_K": 0.07, "Q5_K": 0.035, "Q6_K": 0.02}[kind] * np.abs(x).max()
+    assert np.abs(y - x).max() < {"Q4_K": 0.07, "Q5_K": 0.035, "Q6_K": 0.02, "IQ4_NL": 0.1, "IQ4_XS": 0.1}[kind] \
+        * np.abs(x).max()
     assert np.array_equal(gq.dequantize(encode_blocks(y, kind), qtype), y)
 
 
@@ -186,3 +190,44 @@ def test_the_bundled_model_as_q4_k_m_keeps_each_type_in_its_width(tmp_path: Path
                     q = placed[("layer", layer)][key].data
                     assert isinstance(q, QTensor) and (q.bits, q.group_size) == want, (layer, key)
     assert out[True] == out[False]
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL"])
+def test_an_iq4_file_keeps_its_codes_in_the_table_format(qtype: str, tmp_path: Path) -> None:
+    """A Llama written as an IQ4_XS / IQ4_NL file (every matrix, the embedding and head
+    included): greedy tokens equal transformers' on the file's values in float32 with the
+    codes kept (--compress-weight: the ``iq4nl`` table format, 4-bit codes and a float32
+    scale per 32 values, each matrix expanding to the file's values exactly) and expanded; the
+    budget check sizes them as stored."""
+    import transformers as tf
+
+    from conftest import kept_codes_sized_as_stored
+    from flexgen_dist import LLM
+    from gguf_convert import roundtrip_, write_gguf
+
+    torch.manual_seed(4)
+    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                                           pad_token_id=2, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight *= 12
+    roundtrip_(m, qtype)
+    path = write_gguf(m, tmp_path / "m.gguf", qtype)
+    ref = reference_generate(TinyModel("llama", path, m, 0), PROMPTS, 6)
+    for compress in (True, False):
+        with LLM(str(path), compress_weight=compress, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True,
+                 progress=False) as llm:
+            assert [c.token_ids for c in llm.generate(PROMPTS, gen_len=6)] == ref, compress
+            if compress:
+                placed = llm.engine.weights.placed
+                for slot, key, value in ((("layer", 1), "down.w", m.model.layers[1].mlp.down_proj.weight),
+                                         (("layer", 0), "v.w", m.model.layers[0].self_attn.v_proj.weight),
+                                         (("head", None), "lm_head.w", m.lm_head.weight)):
+                    q = placed[slot][key].data
+                    assert isinstance(q, QTensor) and (q.fmt, q.bits, q.group_size) == ("iq4nl", 4, 32), key
+                    assert torch.equal(dequantize(q), value.detach()), key
+    predicted, stored = kept_codes_sized_as_stored(path)
+    assert predicted == stored > 0

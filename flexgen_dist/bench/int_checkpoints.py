@@ -12,8 +12,8 @@ float32), the GPTQ one under ``--compress-weight`` with its codes kept (native) 
 re-quantized into the engine's groups (``--no-gguf-native``), and the float directory under
 ``--compress-weight`` (the engine's own 4-bit quantizer on the float values), side by side in
 one run; and the directory quantized by transformers with bitsandbytes (NF4, double
-quantization: the ``-bnb-4bit`` releases), expanded and re-quantized (``--no-bnb`` leaves it
-out). The same directory as a block-scaled FP8 checkpoint (DeepSeek-V3's format, blocks of
+quantization: the ``-bnb-4bit`` releases), expanded, with its codes kept (the ``nf4`` table
+format) and re-quantized, and timed kept against re-quantized (``--no-bnb`` leaves it out). The same directory as a block-scaled FP8 checkpoint (DeepSeek-V3's format, blocks of
 ``--fp8-block``; the embedding, tied to the head, kept in float) runs expanded, with its codes
 kept under ``--compress-weight`` (the head then compressed by the engine: 4 and 8 bits) and
 re-quantized (``--no-gguf-native``); and, timed side by side in bfloat16 with every weight on
@@ -202,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             bnb_nf4(dense, nf4)
             rows += ppl_rows(str(nf4), False, [
                 ("bitsandbytes NF4 (double quantization, blocks of 64), expanded (float32)", {}),
-                ("bitsandbytes NF4, re-quantized 4-bit g64 (`--compress-weight`)", {"compress_weight": True}),
-                ("bitsandbytes NF4, re-quantized 8-bit g64 (`--compress-weight --comp-bits 8`)",
+                ("bitsandbytes NF4, codes kept (`--compress-weight`)", {"compress_weight": True}),
+                ("bitsandbytes NF4, codes kept, the rest 8-bit (`--compress-weight --comp-bits 8`)",
                  {"compress_weight": True, "comp_bits": 8}),
+                ("bitsandbytes NF4, re-quantized 4-bit g64 (`--compress-weight --no-gguf-native`)",
+                 {"compress_weight": True, "gguf_native": False}),
             ], ev)
         b = args.fp8_block
         rows += ppl_rows(str(fp8), False, [
@@ -222,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             timed.append({"mode": name, **t})
             print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
                   f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
+        if args.bnb:
+            for name, opts in (("NF4 codes kept (expanded a layer at a time)", {"compress_weight": True}),
+                               ("NF4 re-quantized 4-bit g64 (the fused product)",
+                                {"compress_weight": True, "gguf_native": False})):
+                t = throughput(str(nf4), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
+                timed.append({"mode": name, **t})
+                print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
+                      f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
     for r in rows:
         r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
     print("| mode | perplexity | vs float32 | next-token accuracy | weight bytes |")

@@ -20,7 +20,7 @@ from ..interrupts import submit
 from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
-from ..memory.quant import E4M3, INT, QTensor, dequantize, qtensor_layout, quantize
+from ..memory.quant import E4M3, INT, LUT4, QTensor, dequantize, qtensor_layout, quantize
 from ..models.common import EXPERTS
 from ..models.packed import PackedWeight
 from .streams import OnStream
@@ -422,10 +422,11 @@ def _on_disk(p: Placed) -> bool:
 def stored_nbytes(shape: tuple[int, ...], dtype_bytes: int, packed: tuple[Any, ...] | None = None) -> int:
     """Bytes a weight of ``shape`` takes at rest: dense, or with ``packed = (bits, group_size)``
     codes plus a min and a scale per group along dim 1 (the layout of a compressed weight);
-    ``(8, group_size, "e4m3")``: FP8 codes and a float32 scale per group (no mins)."""
+    ``(8, group_size, "e4m3")``: FP8 codes and a float32 scale per group (no mins); ``(4,
+    group_size, fmt)`` of a 4-bit table format (``LUT4``) alike, with 4-bit codes."""
     if packed is None or len(shape) != 2:
         return math.prod(shape) * dtype_bytes
     data_shape, meta_shape = qtensor_layout(shape, packed[0], packed[1], dim=1)
-    if len(packed) > 2 and packed[2] == E4M3:
+    if len(packed) > 2 and (packed[2] == E4M3 or packed[2] in LUT4):
         return math.prod(data_shape) + 4 * math.prod(meta_shape)
     return math.prod(data_shape) + 2 * math.prod(meta_shape) * dtype_bytes

@@ -158,6 +158,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.fg_dequant.restype = None
     lib.fg_dequant_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_dequant_fp8.restype = None
+    lib.fg_dequant_lut4.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fg_dequant_lut4.restype = None
     lib.fg_qlinear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ctypes.c_int,
                                ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_qlinear.restype = None
@@ -337,6 +339,34 @@ def dequant_fp8(codes: torch.Tensor, scales: torch.Tensor, cols: int, group: int
         return None
     lib.fg_dequant_fp8(codes.data_ptr(), codes.shape[0], cols, codes.stride(0), scales.data_ptr(), scales.stride(0),
                        group, out.data_ptr(), _DT[dtype], torch.get_num_threads())
+    return out
+
+
+def dequant_lut4(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, cols: int, group: int,
+                 dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Rows of 4-bit table codes (rows, >= groups * group / 2) uint8, two a byte low bits first,
+    expanded into ``dtype`` in one pass: each ``table[code] * scale`` in float32 (table 16
+    float32 values, scales (rows, groups) float32), rounded to ``dtype``: the values
+    ``memory.quant.dequantize`` computes. Into ``out`` when given. None where the kernel does
+    not apply (no library, another dtype or device, rows not strided)."""
+    lib = library()
+    if lib is None or dtype not in _DT or codes.dim() != 2 or scales.dim() != 2 or scales.dtype != torch.float32:
+        return None
+    if codes.device.type != "cpu" or scales.device.type != "cpu" or codes.dtype != torch.uint8:
+        return None
+    if codes.stride(1) != 1 or scales.stride(1) != 1 or codes.shape[1] * 2 < scales.shape[1] * group:
+        return None
+    if scales.shape[1] != -(-cols // group) or codes.shape[0] != scales.shape[0]:
+        return None
+    table = table.to(torch.float32).contiguous()
+    if table.numel() != 16 or table.device.type != "cpu":
+        return None
+    if out is None:
+        out = torch.empty((codes.shape[0], cols), dtype=dtype)
+    elif out.shape != (codes.shape[0], cols) or not out.is_contiguous() or out.dtype != dtype or out.device.type != "cpu":
+        return None
+    lib.fg_dequant_lut4(codes.data_ptr(), codes.shape[0], cols, codes.stride(0), table.data_ptr(), scales.data_ptr(),
+                        scales.stride(0), group, out.data_ptr(), _DT[dtype], torch.get_num_threads())
     return out
 
 

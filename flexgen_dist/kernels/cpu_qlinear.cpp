@@ -389,6 +389,35 @@ void fg_dequant_fp8(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ld
     }
 }
 
+// Rows of 4-bit table codes expanded into the dtype ``ot``: codes (rows, >= groups * group / 2
+// bytes; row stride ldc; two a byte, low bits first), a table of 16 float32 values, float32
+// scales (rows, groups; row stride lds), each element table[code] * its group's scale in
+// float32, rounded to ``ot``; out contiguous (rows, cols). A byte's two values are looked up
+// at once (a 256-pair table, with the group's scale applied per group).
+void fg_dequant_lut4(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ldc, const float* table,
+                     const float* scales, int64_t lds, int64_t group, void* out, int ot, int nthreads) {
+    float pairs[512];
+    for (int b = 0; b < 256; b++) {
+        pairs[2 * b] = table[b & 15];
+        pairs[2 * b + 1] = table[b >> 4];
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t* c = codes + r * ldc;
+        const float* sc = scales + r * lds;
+        for (int64_t g0 = 0; g0 < cols; g0 += group) {
+            const float s = sc[g0 / group];
+            const int64_t g1 = g0 + group < cols ? g0 + group : cols;
+            for (int64_t e = g0; e < g1; e++) {
+                const float v = pairs[2 * c[e >> 1] + (e & 1)] * s;
+                if (ot == DT_F32) ((float*)out)[r * cols + e] = v;
+                else if (ot == DT_BF16) ((uint16_t*)out)[r * cols + e] = f32_to_bf16(v);
+                else ((uint16_t*)out)[r * cols + e] = f32_to_f16(v);
+            }
+        }
+    }
+}
+
 // y (M, N; row stride ldy, dtype dt) = x (M, K; row stride ldx, dtype dt) @ W.T (+ bias (N))
 // (+ res (M, N; row stride ldy)), W (N, K) given as codes (row stride ldc bytes), mins and
 // scales (N, groups; row stride ldm, dtype mt), groups of ``group`` along K, ``bits`` 4 or 8.

@@ -28,6 +28,12 @@ float32, the scales float32, no mins (``mins`` is empty, ``L + (0,)``); the code
 with zeros (the value 0) to whole groups. Nothing quantizes to it: a checkpoint's codes are
 adopted (``models/packed.py``), and ``dequantize`` gives exactly the values the checkpoint's
 expansion gives (the same float32 product).
+
+A QTensor of a 4-bit table format (``LUT4``: ``nf4`` and ``fp4``, bitsandbytes' code tables;
+``iq4nl``, llama.cpp's IQ4_NL/IQ4_XS values) holds 4-bit codes packed as ``INT``'s (two a byte,
+low bits first) that stand for the 16 values of the format's table: element e of a group is
+``table[code] * scale`` in float32, the scales float32, no mins (``L + (0,)``). Adopted from
+checkpoints only, like ``E4M3``.
 """
 from __future__ import annotations
 
@@ -39,6 +45,24 @@ import torch
 
 SUPPORTED_BITS = (2, 4, 8)
 INT, E4M3 = "int", "e4m3"  # a QTensor's formats: min-max integer codes, or FP8 codes times a scale
+# 4-bit code tables (module doc): each format's 16 values, float32 (bitsandbytes' NF4 and FP4 maps,
+# llama.cpp's IQ4_NL values), exactly as the checkpoints' own expansions use them
+LUT4: dict[str, tuple[float, ...]] = {
+    "nf4": (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0),
+    "fp4": (0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5, 0.1666666716337204,
+            0.25, 0.0, -0.0052083334885537624, -0.6666666865348816, -1.0, -0.3333333432674408, -0.5,
+            -0.1666666716337204, -0.25),
+    "iq4nl": (-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0,
+              113.0),
+}
+
+
+def lut4_table(fmt: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 float32 values of 4-bit table format ``fmt``."""
+    return torch.tensor(LUT4[fmt], dtype=torch.float32, device=device)
 
 
 @dataclass
@@ -179,6 +203,14 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
             if fast is not None:
                 return fast
         return _expand_e4m3(q, data, scales, n, out)
+    if q.fmt in LUT4:  # each code's table value times its group's scale, in float32
+        if data.device.type == "cpu" and q.dim == len(q.shape) - 1 == 1:
+            from ..kernels import dequant_lut4  # the native one-pass expansion (a leaf: no cycle)
+
+            fast = dequant_lut4(data, scales, lut4_table(q.fmt), n, q.group_size, q.dtype, out)
+            if fast is not None:
+                return fast
+        return _expand_e4m3(q, data, scales, n, out)
     if q.dim == len(q.shape) - 1:
         # the same values in one pass (the kernels package is a leaf: no import cycle)
         from ..kernels.qweight import one_pass_expansion
@@ -203,19 +235,25 @@ E4M3_CHUNK = 1 << 24
 
 def _expand_e4m3(q: QTensor, data: torch.Tensor, scales: torch.Tensor, n: int,
                  out: torch.Tensor | None) -> torch.Tensor:
-    """An E4M3 QTensor's values (module doc) in ``q.dtype``, through a float32 product of at
-    most ``E4M3_CHUNK`` values at a time along the leading rows (so expanding a large matrix on
-    a GPU holds no float32 copy of all of it beyond the output the footprint counts)."""
+    """An E4M3 or 4-bit table QTensor's values (module doc) in ``q.dtype``, through a float32
+    product of at most ``E4M3_CHUNK`` values at a time along the leading rows (so expanding a
+    large matrix on a GPU holds no float32 copy of all of it beyond the output the footprint
+    counts)."""
     num_groups, g = scales.shape[-1], q.group_size
     lead = scales.shape[:-1]
     rows = max(1, E4M3_CHUNK // max(1, num_groups * g))
-    codes = data[..., :num_groups * g].reshape(-1, num_groups, g)
+    table = lut4_table(q.fmt, data.device) if q.fmt in LUT4 else None
+    packed = data.reshape(-1, data.shape[-1])
     sc = scales.reshape(-1, num_groups)
     last = q.dim == len(q.shape) - 1
     into = out.view(-1, n) if out is not None and last else None  # straight into the caller's buffer
-    flat = torch.empty((codes.shape[0], n), dtype=q.dtype, device=data.device) if into is None else into
-    for r0 in range(0, codes.shape[0], rows):
-        vals = codes[r0:r0 + rows].view(torch.float8_e4m3fn).float() * sc[r0:r0 + rows].float().unsqueeze(-1)
+    flat = torch.empty((packed.shape[0], n), dtype=q.dtype, device=data.device) if into is None else into
+    for r0 in range(0, packed.shape[0], rows):
+        part = packed[r0:r0 + rows]
+        codes = part if table is None else _unpack(part, 4)
+        codes = codes[:, :num_groups * g].reshape(-1, num_groups, g)
+        vals = (codes.view(torch.float8_e4m3fn).float() if table is None else table[codes.long()]) \
+            * sc[r0:r0 + rows].float().unsqueeze(-1)
         flat[r0:r0 + rows] = vals.reshape(vals.shape[0], -1)[:, :n]
     if into is not None:
         return out  # type: ignore[return-value]

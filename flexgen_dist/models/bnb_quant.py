@@ -19,9 +19,12 @@ each matrix is read, then kept in the run's dtype like any weight.
   computed: the outputs are those of the dequantized weights, and the load says so.
 
 The values are what bitsandbytes' own ``dequantize_4bit`` / ``int8_vectorwise_dequant`` give
-(tested against them). Under ``--compress-weight`` the expanded values are quantized by the
-engine (a 4-bit code table is not a scale and minimum, so the codes cannot be kept as they
-are); docs/accuracy.md measures what that costs.
+(tested against them). Under ``--compress-weight`` a 4-bit matrix keeps its codes instead
+(``packed``: the engine's 4-bit table formats ``nf4`` / ``fp4``, ``memory.quant.LUT4``: the
+codes two a byte, each block's float32 scale), where its blocks lie along its rows (the input
+width a multiple of the block size), its table is the format's own and its recorded dtype is
+float32 or the run's (so the kept values are bitsandbytes' exactly); other matrices, and
+8-bit ones, are expanded and quantized by the engine.
 """
 from __future__ import annotations
 
@@ -31,7 +34,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..memory.quant import LUT4
 from .float_quant import quantization_config
+from .packed import PackedWeight
 from .source import ModelLoadError
 
 QS_SUFFIXES = (".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4")
@@ -115,6 +120,57 @@ class BnbLayers:
             return name.endswith("weight") and self.state(name) is not None
         return t.dtype == torch.int8 and name.endswith("weight") and self.has(name.removesuffix("weight") + "SCB")
 
+    def _state4(self, name: str) -> tuple[dict[str, Any], tuple[int, ...], int]:
+        """A 4-bit matrix's quant_state record, its shape and its number of values."""
+        qs_name = self.state(name)
+        assert qs_name is not None
+        qs = _json_record(self.read(qs_name), f"{self.where}: {name}")
+        shape = tuple(int(s) for s in qs.get("shape") or ())
+        n = 1
+        for s in shape:
+            n *= s
+        return qs, shape, n
+
+    def _absmax(self, name: str, qs: dict[str, Any]) -> torch.Tensor:
+        """A 4-bit matrix's block scales, float32 (double quantization's expanded)."""
+        absmax = self.read(name + ".absmax")
+        if self.has(name + ".nested_absmax"):
+            absmax = _blockwise(absmax.view(torch.uint8).reshape(-1), self.read(name + ".nested_quant_map"),
+                                self.read(name + ".nested_absmax"), int(qs.get("nested_blocksize", 256)),
+                                absmax.numel(), f"{self.where}: {name}") + float(qs.get("nested_offset", 0.0))
+        return absmax.float().reshape(-1)
+
+    def kept_format(self, name: str, run_dtype: torch.dtype) -> tuple[int, int, str] | None:
+        """``(4, block size, table format)`` where 4-bit matrix ``name`` keeps its codes under
+        --compress-weight (module doc), else None; read from its record and table alone."""
+        if self.b.bits != 4 or self.state(name) is None or self.b.quant_type not in LUT4:
+            return None
+        qs, shape, _ = self._state4(name)
+        block = int(qs.get("blocksize", 64))
+        dtype = getattr(torch, str(qs.get("dtype", "float32")), None)
+        table = self.read(name + ".quant_map").float().reshape(-1)
+        if len(shape) != 2 or block <= 0 or shape[1] % block or block % 2 or dtype not in (torch.float32, run_dtype):
+            return None
+        if not torch.equal(table, torch.tensor(LUT4[self.b.quant_type])):
+            return None
+        return 4, block, self.b.quant_type
+
+    def packed(self, name: str, run_dtype: torch.dtype) -> PackedWeight | None:
+        """4-bit matrix ``name``'s codes in the engine's table format, or None where they are
+        not kept so (``kept_format``)."""
+        fmt = self.kept_format(name, run_dtype)
+        if fmt is None:
+            return None
+        qs, (rows, cols), n = self._state4(name)
+        raw = self.read(name).contiguous().view(torch.uint8).reshape(-1)
+        absmax = self._absmax(name, qs)
+        if raw.numel() * 2 < n or absmax.numel() != n // fmt[1]:
+            raise ModelLoadError(f"{self.where}: {name}: {raw.numel()} bytes of codes and {absmax.numel()} scales for "
+                                 f"a {rows} x {cols} matrix in blocks of {fmt[1]}: corrupt checkpoint?")
+        codes = ((raw[: n // 2] & 15) << 4) | (raw[: n // 2] >> 4)  # the first code into the low nibble
+        return PackedWeight(codes.view(rows, cols // 2), torch.zeros(rows, 0), absmax.view(rows, cols // fmt[1]),
+                            (rows, cols), 4, fmt[1], fmt[2])
+
     def expand(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The float32 matrix ``name`` (read as ``t``) encodes (module doc)."""
         where = f"{self.where}: {name}"
@@ -124,24 +180,14 @@ class BnbLayers:
                 raise ModelLoadError(f"{where}: int8 weight {tuple(t.shape)} and SCB {tuple(scb.shape)} do not agree: "
                                      "corrupt checkpoint?")
             return t.float() * scb.view(-1, 1) * INT8_RECIPROCAL
-        qs_name = self.state(name)
-        assert qs_name is not None
-        qs = _json_record(self.read(qs_name), where)
-        shape = tuple(int(s) for s in qs.get("shape") or ())
-        n = 1
-        for s in shape:
-            n *= s
+        qs, shape, n = self._state4(name)
         raw = t.contiguous().view(torch.uint8).reshape(-1)
         if len(shape) != 2 or raw.numel() * 2 < n:
             raise ModelLoadError(f"{where}: {raw.numel()} bytes of 4-bit codes for a matrix of shape {shape}: "
                                  "corrupt checkpoint?")
         codes = torch.stack([raw >> 4, raw & 15], dim=1).reshape(-1)  # the first code in the high nibble
-        absmax = self.read(name + ".absmax")
-        if "nested_absmax" in qs or self.has(name + ".nested_absmax"):
-            absmax = _blockwise(absmax.view(torch.uint8).reshape(-1), self.read(name + ".nested_quant_map"),
-                                self.read(name + ".nested_absmax"), int(qs.get("nested_blocksize", 256)),
-                                absmax.numel(), where) + float(qs.get("nested_offset", 0.0))
-        values = _blockwise(codes, self.read(name + ".quant_map"), absmax, int(qs.get("blocksize", 64)), n, where)
+        values = _blockwise(codes, self.read(name + ".quant_map"), self._absmax(name, qs), int(qs.get("blocksize", 64)),
+                            n, where)
         dtype = getattr(torch, str(qs.get("dtype", "float32")), None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ModelLoadError(f"{where}: its bitsandbytes quant_state names dtype {qs.get('dtype')!r}: corrupt "

@@ -14,16 +14,22 @@ llama.cpp's (and ``gguf.dequantize``'s) formula gives, bit for bit in float32.
 | Q4_K | 256: d, dmin, 12 bytes of 6-bit scales and mins, nibbles | d sc q - dmin m | 4-bit, groups of 32 |
 | Q5_K | 256: d, dmin, scales and mins, fifth bits, nibbles | d sc q - dmin m | 8-bit, groups of 32 |
 | Q6_K | 256: low nibbles, high 2 bits, 16 int8 scales, d | d sc (q - 32) | 8-bit, groups of 16, min -32 scale |
+| IQ4_NL | 32: d, nibbles | d k[q] | the ``iq4nl`` table, groups of 32 |
+| IQ4_XS | 256: d, 2 + 4 bytes of 6-bit scales, nibbles | d (ls - 32) k[q] | the ``iq4nl`` table, groups of 32 |
+
+(k: llama.cpp's 16 IQ4_NL values, -127 ... 113; a table format's scales are kept in float32
+and it has no minimums: ``memory.quant.LUT4``.)
 
 Every product above is exact in float32 (an 11-bit float16 mantissa times integers of at
 most 15 bits), so ``code x scale + min`` rounds once, as the reference's ``d x q - m`` does:
 the same value. The scales and minimums are kept in the run's dtype (exact in float32; in
-bfloat16 they round as every weight does). Widths that have no engine code width of their
+bfloat16 they round as every weight does), a table format's scales in float32 (``d (ls - 32)
+k[q]`` is one product of exact factors there too). Widths that have no engine code width of their
 own are kept in the next one up (5 and 6 bits in 8, 2 and 3 in 4): more bytes than the file's,
-the file's values exactly. Other types (IQ*, TQ*) are expanded and re-quantized.
+the file's values exactly. Other types (the other IQ*, TQ*) are expanded and re-quantized.
 
-``encode_blocks`` writes Q4_K, Q5_K and Q6_K blocks (which the ``gguf`` package reads but does
-not write) by rounding to nearest, for the benchmarks' and tests' files; llama.cpp's own
+``encode_blocks`` writes Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks (which the ``gguf``
+package reads but does not write) by rounding to nearest (to the nearest table value), for the benchmarks' and tests' files; llama.cpp's own
 quantizer searches each block's scales, so its blocks hold other codes in the same layout.
 """
 from __future__ import annotations
@@ -37,12 +43,15 @@ from .packed import PackedWeight
 
 QK = 256  # a K-quant super-block's elements
 
-GGUF_NATIVE: dict[str, tuple[int, int]] = {  # type -> (the engine's code width, group) it is kept in
+# type -> (the engine's code width, group[, a table format]) it is kept in
+GGUF_NATIVE: dict[str, tuple[Any, ...]] = {
     "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q8_0": (8, 32),
     "Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16),
+    "IQ4_NL": (4, 32, "iq4nl"), "IQ4_XS": (4, 32, "iq4nl"),
 }
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q2_K": (QK, 84), "Q3_K": (QK, 110), "Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210)}
+          "Q2_K": (QK, 84), "Q3_K": (QK, 110), "Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210),
+          "IQ4_NL": (32, 18), "IQ4_XS": (QK, 136)}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -78,8 +87,16 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode_blocks(blk: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks (n, bytes) of ``kind`` -> (codes (n, elements) uint8 in element order, scales and
     mins (n, groups) float32): element e of a block is ``codes[e] * scales[g] + mins[g]``,
-    g = e // group (module table)."""
+    g = e // group (module table); for a table format ``table[codes[e]] * scales[g]``, mins
+    (n, 0)."""
     n = blk.shape[0]
+    if kind == "IQ4_NL":
+        return _bits(blk[:, 2:18], [0, 4], 4, 16), _f16(blk[:, 0:2]), np.zeros((n, 0), np.float32)
+    if kind == "IQ4_XS":
+        high = (blk[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
+        ls = _bits(blk[:, 4:8], [0, 4], 4, 1)  # sub-block 2j: byte j's low nibble, 2j + 1: its high one
+        scale = _f16(blk[:, 0:2]) * ((ls | (high.astype(np.uint8) << 4)).astype(np.float32) - 32.0)
+        return _bits(blk[:, 8:136], [0, 4], 4, 16), scale, np.zeros((n, 0), np.float32)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _f16(blk[:, 0:2])
         at = 4 if kind in ("Q4_1", "Q5_1") else 2
@@ -126,16 +143,19 @@ def gguf_packed(data: Any, kind: str, shape: tuple[int, ...], dtype: torch.dtype
     (a block's own nibble order is not the engine's: the codes are reordered, no value changes)."""
     rows, cols = int(shape[0]), int(shape[1])
     per, size = _BLOCK[kind]
-    bits, group = GGUF_NATIVE[kind]
+    bits, group, *fmt = GGUF_NATIVE[kind]
     blk = np.ascontiguousarray(data).reshape(rows * (cols // per), size)
     q, scale, mn = decode_blocks(blk, kind)
     q = q.reshape(rows, cols)
     if bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
     groups = cols // group
-    return PackedWeight(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)),
-                        torch.from_numpy(mn.reshape(rows, groups)).to(dtype),
-                        torch.from_numpy(scale.reshape(rows, groups)).to(dtype), (rows, cols), bits, group)
+    codes = torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8))
+    scales = torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, groups)))
+    if fmt:  # a table format: float32 scales, no minimums
+        return PackedWeight(codes, torch.zeros(rows, 0), scales, (rows, cols), bits, group, fmt[0])
+    return PackedWeight(codes, torch.from_numpy(mn.reshape(rows, groups)).to(dtype), scales.to(dtype), (rows, cols),
+                        bits, group)
 
 
 def _as_f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -151,13 +171,37 @@ def _round_step(x: np.ndarray, step: np.ndarray, lo: int, hi: int) -> np.ndarray
 
 
 def encode_blocks(x: np.ndarray, kind: str) -> np.ndarray:
-    """Rows of float32 values (n, a multiple of 256) as ``kind`` blocks (Q4_K, Q5_K or Q6_K),
-    rounded to nearest: (n, bytes) uint8, the layout ``decode_blocks`` and ``gguf.dequantize``
-    read."""
+    """Rows of float32 values (n, a multiple of 256; of 32 for IQ4_NL) as ``kind`` blocks
+    (Q4_K, Q5_K, Q6_K, IQ4_NL or IQ4_XS), rounded to nearest: (n, bytes) uint8, the layout
+    ``decode_blocks`` and ``gguf.dequantize`` read."""
     rows = x.shape[0]
-    v = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, QK)
+    v = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 32 if kind == "IQ4_NL" else QK)
     n = v.shape[0]
-    if kind in ("Q4_K", "Q5_K"):
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        from ..memory.quant import LUT4
+
+        k = np.array(LUT4["iq4nl"], dtype=np.float32)
+        sub = v.reshape(n, -1, 32)
+        at = np.abs(sub).argmax(-1)
+        step = np.take_along_axis(sub, at[..., None], -1)[..., 0] / -127  # the largest magnitude at -127
+        if kind == "IQ4_NL":
+            d, d_b = _as_f16(step[:, 0])
+            scale = d
+        else:
+            d, d_b = _as_f16(np.abs(step).max(-1) / 31)
+            ls = _round_step(step, d, -32, 31)
+            scale = d * ls
+        safe = np.where(scale == 0, 1.0, scale)[..., None, None]  # (n, sub-blocks, 1, 1)
+        q = np.abs(sub[..., None] / safe - k).argmin(-1).astype(np.uint8)  # the nearest table value
+        nibbles = _unbits(q.reshape(-1, 32), [0, 4], 4, 16).reshape(n, -1)
+        if kind == "IQ4_NL":
+            out = np.concatenate([d_b, nibbles], axis=1)
+        else:
+            u = (ls + 32).astype(np.uint16)
+            high = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
+            low = _unbits((u & 15).astype(np.uint8), [0, 4], 4, 1)
+            out = np.concatenate([d_b, high.reshape(-1, 1).view(np.uint8), low, nibbles], axis=1)
+    elif kind in ("Q4_K", "Q5_K"):
         top = 15 if kind == "Q4_K" else 31
         sub = v.reshape(n, 8, 32)
         lo, hi = np.minimum(sub.min(-1), 0), np.maximum(sub.max(-1), 0)
@@ -182,5 +226,5 @@ def encode_blocks(x: np.ndarray, kind: str) -> np.ndarray:
         out = np.concatenate([_unbits(q & 15, [0, 4], 4, 64), _unbits(q >> 4, [0, 2, 4, 6], 2, 32),
                               sc.astype(np.int8).view(np.uint8), d_b], axis=1)
     else:
-        raise ValueError(f"encode_blocks writes Q4_K, Q5_K and Q6_K, not {kind}")
+        raise ValueError(f"encode_blocks writes Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS, not {kind}")
     return out.reshape(rows, -1)

@@ -121,6 +121,11 @@ class HFDirSource(WeightSource):
                     out[k] = PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, iq.kept_bits,
                                           shape[1] // scales.shape[1])
                     continue
+            if packed and self.bnb is not None and not (rows or transposed or index or mxfp4):
+                pw = self.bnb.packed(name, self.dtype)
+                if pw is not None:
+                    out[k] = pw
+                    continue
             t = self._tensor(name)
             if packed and t.dtype in FP8_DTYPES and t.dim() == 2 and not (rows or transposed or index or mxfp4):
                 out[k] = fp8_packed(t, self._fp8_scale(name), self.fp8.block, f"{self.path}: {name}")  # type: ignore[union-attr]
@@ -169,21 +174,21 @@ class HFDirSource(WeightSource):
         return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
-        if (self.iq is None and self.fp8 is None) or not self.keep_packed:
+        if (self.iq is None and self.fp8 is None and self.bnb is None) or not self.keep_packed:
             return dict(self.get(part, layer))
         raw = self._read(part, layer, packed=True)
         packed = {k: v for k, v in raw.items() if isinstance(v, PackedWeight)}
         shapes = self.shapes(part, layer)
         for k, pw in packed.items():
             if tuple(pw.shape) != tuple(shapes[k]):
-                method = self.iq.method if self.iq is not None else "FP8"
+                method = self.iq.method if self.iq is not None else "bitsandbytes" if self.bnb is not None else "FP8"
                 raise ModelLoadError(f"{self.path}: {method} weight {k} of {part} {layer} has shape "
                                      f"{pw.shape}, expected {shapes[k]}: corrupt checkpoint?")
         dense = {k: v for k, v in raw.items() if k not in packed}
         return {**self._checked(part, layer, dense), **packed}
 
     def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[Any, ...]]:
-        if (self.iq is None and self.fp8 is None) or not self.keep_packed:
+        if (self.iq is None and self.fp8 is None and self.bnb is None) or not self.keep_packed:
             return {}
         out = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
@@ -198,6 +203,10 @@ class HFDirSource(WeightSource):
                 group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
                 if group:
                     out[k] = (self.iq.kept_bits, group)
+            if self.bnb is not None and name in self.index:
+                fmt = self.bnb.kept_format(name, self.dtype)
+                if fmt is not None:
+                    out[k] = fmt
         return out
 
     def _fp8_scale_name(self, name: str) -> str:
