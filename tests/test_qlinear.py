@@ -126,3 +126,69 @@ def test_expansion_without_the_native_kernels_is_the_reference(monkeypatch) -> N
     monkeypatch.setattr(kernels, "_state", {"lib": None})
     assert torch.equal(w.dense(), wd)
     assert torch.equal(common.linear(x, w), common.linear(x, wd))
+
+
+# the 4-bit table formats (bitsandbytes' NF4/FP4, llama.cpp's IQ4 values): odd shapes as above
+TABLE_SHAPES = [(1, 33, 272, 32), (5, 17, 64, 64), (13, 40, 96, 16), (3, 8, 100, 32)]
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp4", "iq4nl"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,group", TABLE_SHAPES)
+def test_a_table_format_multiplies_and_expands_as_its_reference(fmt: str, dtype: torch.dtype, m: int, n: int, k: int,
+                                                                group: int) -> None:
+    """A 4-bit table format's codes (each code its table entry times the group's float32
+    scale, no mins): the one-pass expansion equals the torch reference bit for bit, the fused
+    product equals expanding then multiplying (bit for bit in float32, within one rounding of
+    the output in the half dtypes, on both bfloat16 paths), and ``QWeight`` routes both."""
+    from flexgen_dist.kernels.qweight import expand_table_reference
+    from flexgen_dist.memory.quant import QTensor, _pack, lut4_table
+
+    g = torch.Generator().manual_seed(m * 31 + k)
+    groups = -(-k // group)
+    codes = _pack(torch.randint(0, 16, (n, groups * group), generator=g, dtype=torch.uint8), 4)
+    scales = torch.randn(n, groups, generator=g)
+    table = lut4_table(fmt)
+    wd = expand_table_reference(codes, scales, table, k, group, dtype)
+    assert torch.equal(kernels.dequant_lut4(codes, scales, table, k, group, dtype), wd)
+    q = QTensor(codes, torch.empty(n, 0), scales, torch.Size((n, k)), dtype, 1, group, 4, fmt)
+    assert torch.equal(dequantize(q), wd)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    ref = _reference(x, wd, b, None)
+    for native in ([True, False] if dtype == torch.bfloat16 else [True]):
+        y = kernels.qlinear(x, codes, scales, scales, n, group, 4, b, native_bf16=native, table=table)
+        assert y is not None and y.dtype == dtype
+        err = (y.float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype] * max(1.0, ref.float().abs().max().item()), (native, err)
+    if dtype == torch.float32:
+        assert torch.equal(kernels.qlinear(x, codes, scales, scales, n, group, 4, b, table=table),
+                           kernels.linear_f32(x, wd, b))
+    w = QWeight(codes, torch.empty(n, 0), scales, (n, k), group, 4, dtype, table=table)
+    assert torch.equal(w.dense(), wd) and torch.equal(w.rows(torch.tensor([[2, 0]])), wd[[2, 0]].view(1, 2, k))
+    fused = w.linear(x, b)
+    assert fused is not None and torch.equal(fused, kernels.qlinear(x, codes, scales, scales, n, group, 4, b,
+                                                                    table=table))
+
+
+@pytest.mark.gpu
+def test_a_table_format_on_the_gpu_expands_to_the_cpu_values(gpu_device) -> None:
+    """A 4-bit table format's codes copied to the compute device expand (in torch there) to
+    exactly the CPU's values in every compute dtype; its weight takes no fused GPU product
+    (the caller expands it)."""
+    from flexgen_dist.memory.quant import QTensor, _pack, lut4_table
+
+    g = torch.Generator().manual_seed(2)
+    codes = _pack(torch.randint(0, 16, (48, 128), generator=g, dtype=torch.uint8), 4)
+    scales = torch.randn(48, 4, generator=g)
+    for fmt in ("nf4", "iq4nl"):
+        for dtype in DTYPES:
+            q = QTensor(codes, torch.empty(48, 0), scales, torch.Size((48, 128)), dtype, 1, 32, 4, fmt)
+            cpu = dequantize(q)
+            dev = dequantize(q, gpu_device)
+            assert dev.device.type == gpu_device.type and torch.equal(dev.cpu(), cpu)
+            w = QWeight(codes.to(gpu_device), torch.empty(48, 0, device=gpu_device), scales.to(gpu_device), (48, 128),
+                        32, 4, dtype, table=lut4_table(fmt, gpu_device))
+            if gpu_device.type == "cuda":  # (on the CPU stand-in the fused CPU product runs: tested above)
+                assert w.linear(torch.randn(2, 128, device=gpu_device).to(dtype)) is None
+            assert torch.equal(w.dense().cpu(), cpu)

@@ -20,7 +20,7 @@ from ..interrupts import submit
 from ..kernels.qweight import QWeight
 from ..memory.disk import DiskStore, DiskTensor, aligned_empty
 from ..memory.tiers import MemoryTracker, Tier, copy_between, pin_if_cuda
-from ..memory.quant import E4M3, INT, LUT4, QTensor, dequantize, qtensor_layout, quantize
+from ..memory.quant import E4M3, INT, LUT4, QTensor, dequantize, lut4_table, qtensor_layout, quantize
 from ..models.common import EXPERTS
 from ..models.packed import PackedWeight
 from .streams import OnStream
@@ -270,11 +270,12 @@ class WeightStore:
                 for k in _PARTS:
                     getattr(q, k).read(out=b[k])
                 q = replace(q, **{k: b[k] for k in _PARTS})
-            if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2 and q.fmt == INT:
+            if self.device.type == "cpu" and q.dim == 1 and len(q.shape) == 2 and (q.fmt == INT or q.fmt in LUT4):
                 # packed: the product reads the codes (decode), or expands them into the
                 # reused buffer (prefill); nothing is expanded here, on the I/O thread
                 return QWeight(q.data, q.mins, q.scales, (int(q.shape[0]), int(q.shape[1])),
-                               q.group_size, q.bits, q.dtype, b["dense"])
+                               q.group_size, q.bits, q.dtype, b["dense"],
+                               table=lut4_table(q.fmt) if q.fmt in LUT4 else None)
             if self.device.type == "cpu":  # into a reused buffer: no fresh pages to fault in
                 return dequantize(q, self.device, out=b["dense"])
             t = dequantize(q, self.device)

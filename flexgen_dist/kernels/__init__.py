@@ -154,14 +154,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.fg_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_rope.restype = None
     lib.fg_dequant.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ctypes.c_int, i64, ctypes.c_int,
-                               ptr, ctypes.c_int, ctypes.c_int]
+                               ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.fg_dequant.restype = None
     lib.fg_dequant_fp8.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.fg_dequant_fp8.restype = None
-    lib.fg_dequant_lut4.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.fg_dequant_lut4.restype = None
     lib.fg_qlinear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int, i64, i64, ctypes.c_int,
-                               ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+                               ptr, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int, ptr]
     lib.fg_qlinear.restype = None
     lib.fg_has_dpbf16.restype = ctypes.c_int
     lib.fg_linear_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
@@ -348,38 +346,29 @@ def dequant_lut4(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor,
     expanded into ``dtype`` in one pass: each ``table[code] * scale`` in float32 (table 16
     float32 values, scales (rows, groups) float32), rounded to ``dtype``: the values
     ``memory.quant.dequantize`` computes. Into ``out`` when given. None where the kernel does
-    not apply (no library, another dtype or device, rows not strided)."""
-    lib = library()
-    if lib is None or dtype not in _DT or codes.dim() != 2 or scales.dim() != 2 or scales.dtype != torch.float32:
+    not apply (``dequant``'s conditions)."""
+    if scales.dtype != torch.float32:
         return None
-    if codes.device.type != "cpu" or scales.device.type != "cpu" or codes.dtype != torch.uint8:
-        return None
-    if codes.stride(1) != 1 or scales.stride(1) != 1 or codes.shape[1] * 2 < scales.shape[1] * group:
-        return None
-    if scales.shape[1] != -(-cols // group) or codes.shape[0] != scales.shape[0]:
-        return None
-    table = table.to(torch.float32).contiguous()
-    if table.numel() != 16 or table.device.type != "cpu":
-        return None
-    if out is None:
-        out = torch.empty((codes.shape[0], cols), dtype=dtype)
-    elif out.shape != (codes.shape[0], cols) or not out.is_contiguous() or out.dtype != dtype or out.device.type != "cpu":
-        return None
-    lib.fg_dequant_lut4(codes.data_ptr(), codes.shape[0], cols, codes.stride(0), table.data_ptr(), scales.data_ptr(),
-                        scales.stride(0), group, out.data_ptr(), _DT[dtype], torch.get_num_threads())
-    return out
+    return dequant(codes, scales, scales, cols, group, 4, dtype, out, table=table)
 
 
 def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
-            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+            dtype: torch.dtype, out: torch.Tensor | None = None, table: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
     """Rows of group-wise quantized codes expanded into ``dtype`` (float32, bfloat16 or
     float16) in one pass: codes (..., packed) uint8, mins/scales (..., groups) of any of those
     dtypes, each row contiguous -> (..., cols), contiguous (written into ``out`` when given: a
     reused buffer spares the page faults of a fresh allocation). Each value is
     ``code * scale + min`` in float32, rounded to ``dtype``: the reference expansion's value.
     None where the kernel does not apply (no library, bits other than 4 and 8, another dtype or
-    device, rows that are neither one strided run nor two, as a slice of a cache chunk is)."""
+    device, rows that are neither one strided run nor two, as a slice of a cache chunk is).
+    ``table``: a 4-bit table format's 16 float32 values (``table[code] * scale``; ``mins`` is
+    not read: pass the scales)."""
     lib = library()
+    if table is not None:
+        if bits != 4 or table.numel() != 16 or table.dtype != torch.float32 or table.device.type != "cpu":
+            return None
+        table = table.contiguous()
     if lib is None or dtype not in _DT or not _qparts_ok(codes, mins, scales, cols, group, bits):
         return None
     lead = tuple(mins.shape[:-1])
@@ -395,7 +384,8 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     elif out.shape != (*lead, cols) or not out.is_contiguous() or out.dtype != dtype or out.device.type != "cpu":
         return None
     lib.fg_dequant(codes.data_ptr(), n0, n1, cols, *cs, mins.data_ptr(), scales.data_ptr(), *ms, _DT[mins.dtype],
-                   group, bits, out.data_ptr(), _DT[dtype], torch.get_num_threads())
+                   group, bits, out.data_ptr(), _DT[dtype], torch.get_num_threads(),
+                   table.data_ptr() if table is not None else None)
     return out
 
 
@@ -426,17 +416,26 @@ def quant(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.T
 
 def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,
             group: int, bits: int, b: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, native_bf16: bool = True) -> torch.Tensor | None:
+            residual: torch.Tensor | None = None, native_bf16: bool = True,
+            table: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, W, b)`` (+ ``residual``) with W (out, in) given by its group-wise quantized
     codes (out, packed) and mins/scales (out, groups), grouped along the input dim, expanded a
     panel at a time inside the product (never as a whole). x (..., in) in float32, bfloat16 or
     float16 on the CPU, its last dim contiguous; the output and b and residual in x's dtype.
     Rounds as the reference does (module doc of ``cpu_qlinear.cpp``). None where the kernel does
     not apply (no library, another dtype or layout). ``native_bf16=False`` widens bfloat16 to
-    float32 even where the CPU multiplies bfloat16 natively (the path of other CPUs, for tests)."""
+    float32 even where the CPU multiplies bfloat16 natively (the path of other CPUs, for tests).
+    ``table``: a 4-bit table format's 16 float32 values (each code stands for its entry times the
+    group's float32 scale; ``mins`` is not read: pass the scales)."""
     lib = library()
     k = x.shape[-1]
     dt = x.dtype
+    if table is not None:
+        if bits != 4 or table.numel() != 16 or table.dtype != torch.float32 or table.device.type != "cpu" \
+                or scales.dtype != torch.float32:
+            return None
+        table = table.contiguous()
+        mins = scales  # not read: the kernel's mins of a table format are 0
     if (lib is None or dt not in _DT or x.device.type != "cpu" or codes.dim() != 2 or mins.dim() != 2
             or codes.shape[0] != out_features or codes.stride(-1) != 1
             or not _qparts_ok(codes, mins, scales, k, group, bits)
@@ -460,5 +459,6 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
                    scales.data_ptr(), mins.stride(0), _DT[mins.dtype], out_features, group, bits,
                    b.data_ptr() if b is not None else None,
                    residual.data_ptr() if residual is not None else None, y.data_ptr(), out_features, _DT[dt],
-                   xf.data_ptr() if xf is not None else None, int(native), torch.get_num_threads())
+                   xf.data_ptr() if xf is not None else None, int(native), torch.get_num_threads(),
+                   table.data_ptr() if table is not None else None)
     return y.view(*x.shape[:-1], out_features)

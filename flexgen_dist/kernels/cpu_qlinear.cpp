@@ -9,6 +9,9 @@
 // dequant: the same expansion into a dense tensor of the compute dtype in one pass (a prefill
 // GEMM of many rows runs on the BLAS; KV cache chunks before their attention).
 //
+// A 4-bit table format (``table``: 16 float32 values) reads each code as table[code] and has no
+// mins: element e is table[code] * fp32(scale) (+ 0), rounded to the compute dtype.
+//
 // Values are those of the reference expansion: element e of row r is
 // fp32(code) * fp32(scale) + fp32(min), a product and a sum each rounded in float32, then
 // rounded to the compute dtype (round to nearest even), as ``memory/quant.py`` computes
@@ -49,19 +52,29 @@ static inline __m256 dq8(__m128i c8, __m256 s, __m256 m, int dt) {
     return round8(_mm256_add_ps(_mm256_mul_ps(f, s), m), dt);
 }
 
+// Eight 4-bit codes' table values (tlo: entries 0-7, thi: 8-15) times s (+ m, 0: no mins).
+static inline __m256 dq8t(__m128i c8, __m256 s, __m256 m, __m256 tlo, __m256 thi, int dt) {
+    const __m256i idx = _mm256_cvtepu8_epi32(c8);
+    const __m256 lo = _mm256_permutevar8x32_ps(tlo, idx), hi = _mm256_permutevar8x32_ps(thi, idx);
+    const __m256 f = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7))));
+    return round8(_mm256_add_ps(_mm256_mul_ps(f, s), m), dt);
+}
+
 static inline int q_code(const uint8_t* c, int64_t e, int bits) {
     return bits == 8 ? c[e] : (c[e >> 1] >> ((e & 1) * 4)) & 15;
 }
 
 // Columns [k0, k1) of one quantized row, expanded and rounded to the dtype ``rt``, as float32
 // into o[0 .. k1 - k0). Runs of 16 inside a group are vectorised (k0 and the group a multiple
-// of 16); the rest is scalar.
+// of 16); the rest is scalar. ``table``: a 4-bit table format's values (mins unread), or null.
 static void dq_cols(const uint8_t* c, const void* mn, const void* sc, int mt, int64_t k0, int64_t k1,
-                    int64_t group, int bits, int rt, float* o) {
+                    int64_t group, int bits, int rt, float* o, const float* table = nullptr) {
+    const __m256 tlo = table ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
+    const __m256 thi = table ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
     int64_t e = k0;
     while (e < k1) {
         const int64_t g = e / group, ge = (g + 1) * group < k1 ? (g + 1) * group : k1;
-        const float sf = load_as_f32(sc, g, mt), mf = load_as_f32(mn, g, mt);
+        const float sf = load_as_f32(sc, g, mt), mf = table ? 0.0f : load_as_f32(mn, g, mt);
         const __m256 s = _mm256_set1_ps(sf), m = _mm256_set1_ps(mf);
         if (e % 16 == 0) {
             if (bits == 4) {
@@ -71,6 +84,11 @@ static void dq_cols(const uint8_t* c, const void* mn, const void* sc, int mt, in
                     __m128i lo = _mm_and_si128(b, lo_mask);
                     __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), lo_mask);
                     __m128i q = _mm_unpacklo_epi8(lo, hi);  // 16 codes in element order
+                    if (table) {
+                        _mm256_storeu_ps(o + e - k0, dq8t(q, s, m, tlo, thi, rt));
+                        _mm256_storeu_ps(o + e - k0 + 8, dq8t(_mm_srli_si128(q, 8), s, m, tlo, thi, rt));
+                        continue;
+                    }
                     _mm256_storeu_ps(o + e - k0, dq8(q, s, m, rt));
                     _mm256_storeu_ps(o + e - k0 + 8, dq8(_mm_srli_si128(q, 8), s, m, rt));
                 }
@@ -83,7 +101,7 @@ static void dq_cols(const uint8_t* c, const void* mn, const void* sc, int mt, in
             }
         }
         for (; e < ge; e++) {
-            float v = (float)q_code(c, e, bits) * sf + mf;
+            float v = (table ? table[q_code(c, e, bits)] : (float)q_code(c, e, bits)) * sf + mf;
             o[e - k0] = rt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : rt == DT_F16 ? f16_to_f32(f32_to_f16(v)) : v;
         }
     }
@@ -224,8 +242,10 @@ struct BfTailN<0> {
 // columns each hold 8 of either group, lanes 0-7 and 8-15: the scale and min vectors are split
 // so); the rest goes through dq_cols.
 static void bf_panel_row(const uint8_t* c, const void* mn, const void* sc, int mt, int64_t k0, int64_t kc,
-                         int64_t K, int64_t group, int bits, uint16_t* out, float* t) {
+                         int64_t K, int64_t group, int bits, uint16_t* out, float* t, const float* table) {
     const int64_t kend = k0 + kc < K ? k0 + kc : K;
+    const __m512 tv = table ? _mm512_loadu_ps(table) : _mm512_setzero_ps();
+    auto minv = [&](int64_t g) { return table ? 0.0f : load_as_f32(mn, g, mt); };
     auto chunk = [&](int64_t e, __m512 s, __m512 m) {
         __m512i lo, hi;
         if (bits == 4) {
@@ -237,30 +257,31 @@ static void bf_panel_row(const uint8_t* c, const void* mn, const void* sc, int m
             lo = _mm512_and_si512(d, _mm512_set1_epi32(255));
             hi = _mm512_srli_epi32(d, 8);
         }
-        __m512 flo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), s), m);
-        __m512 fhi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), s), m);
+        const __m512 vlo = table ? _mm512_permutexvar_ps(lo, tv) : _mm512_cvtepi32_ps(lo);
+        const __m512 vhi = table ? _mm512_permutexvar_ps(hi, tv) : _mm512_cvtepi32_ps(hi);
+        __m512 flo = _mm512_add_ps(_mm512_mul_ps(vlo, s), m);
+        __m512 fhi = _mm512_add_ps(_mm512_mul_ps(vhi, s), m);
         _mm512_storeu_si512((void*)(out + (e - k0)), (__m512i)_mm512_cvtne2ps_pbh(fhi, flo));
     };
     int64_t e = k0;
     while (e < kend) {
         const int64_t g = e / group, ge = (g + 1) * group < kend ? (g + 1) * group : kend;
         if (e % 32 == 0 && e + 32 <= ge) {
-            const __m512 s = _mm512_set1_ps(load_as_f32(sc, g, mt)), m = _mm512_set1_ps(load_as_f32(mn, g, mt));
+            const __m512 s = _mm512_set1_ps(load_as_f32(sc, g, mt)), m = _mm512_set1_ps(minv(g));
             for (; e + 32 <= ge; e += 32) chunk(e, s, m);
             continue;
         }
         if (group == 16 && e % 32 == 0 && e + 32 <= kend) {
             const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(load_as_f32(sc, g, mt)),
                                                   _mm512_set1_ps(load_as_f32(sc, g + 1, mt)));
-            const __m512 m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(load_as_f32(mn, g, mt)),
-                                                  _mm512_set1_ps(load_as_f32(mn, g + 1, mt)));
+            const __m512 m = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(minv(g)), _mm512_set1_ps(minv(g + 1)));
             chunk(e, s, m);
             e += 32;
             continue;
         }
         // a piece of a chunk: expanded to float32 (rounded to bfloat16), placed in split order
         const int64_t pe = ge < (e / 32 + 1) * 32 ? ge : (e / 32 + 1) * 32;
-        dq_cols(c, mn, sc, mt, e, pe, group, bits, DT_BF16, t);
+        dq_cols(c, mn, sc, mt, e, pe, group, bits, DT_BF16, t, table);
         for (int64_t f = e; f < pe; f++) {
             const int64_t o = f - k0, base = o & ~(int64_t)31, r = o & 31;
             out[base + (r & 1 ? 16 + r / 2 : r / 2)] = f32_to_bf16(t[f - e]);
@@ -308,9 +329,10 @@ int fg_has_dpbf16(void) { return HAVE_DPBF16; }
 // Rows of group-wise quantized codes expanded into the dtype ``ot`` in one pass: codes (n0,
 // n1) rows of ``packed`` bytes at strides (c0, c1), mins/scales of dtype ``mt`` at strides (m0,
 // m1), each row ``cols`` elements in groups of ``group``; out contiguous (n0, n1, cols).
+// ``table``: a 4-bit table format's 16 values (mins not read), or null.
 void fg_dequant(const uint8_t* codes, int64_t n0, int64_t n1, int64_t cols, int64_t c0, int64_t c1,
                 const void* mins, const void* scales, int64_t m0, int64_t m1, int mt, int64_t group, int bits,
-                void* out, int ot, int nthreads) {
+                void* out, int ot, int nthreads, const float* table) {
     const int64_t rows = n0 * n1;
     const int esz = mt == DT_F32 ? 4 : 2, osz = ot == DT_F32 ? 4 : 2;
 #pragma omp parallel num_threads(nthreads) if (rows * cols >= 65536)
@@ -324,10 +346,10 @@ void fg_dequant(const uint8_t* codes, int64_t n0, int64_t n1, int64_t cols, int6
             const char* sc = (const char*)scales + (a * m0 + b * m1) * esz;
             char* o = (char*)out + r * cols * osz;
             if (ot == DT_F32) {
-                dq_cols(codes + a * c0 + b * c1, mn, sc, mt, 0, cols, group, bits, DT_F32, (float*)o);
+                dq_cols(codes + a * c0 + b * c1, mn, sc, mt, 0, cols, group, bits, DT_F32, (float*)o, table);
                 continue;
             }
-            dq_cols(codes + a * c0 + b * c1, mn, sc, mt, 0, cols, group, bits, ot, t);
+            dq_cols(codes + a * c0 + b * c1, mn, sc, mt, 0, cols, group, bits, ot, t, table);
             uint16_t* oh = (uint16_t*)o;
             int64_t e = 0;
             if (ot == DT_BF16) {  // already rounded: the high halves are the bfloat16 values
@@ -389,44 +411,16 @@ void fg_dequant_fp8(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ld
     }
 }
 
-// Rows of 4-bit table codes expanded into the dtype ``ot``: codes (rows, >= groups * group / 2
-// bytes; row stride ldc; two a byte, low bits first), a table of 16 float32 values, float32
-// scales (rows, groups; row stride lds), each element table[code] * its group's scale in
-// float32, rounded to ``ot``; out contiguous (rows, cols). A byte's two values are looked up
-// at once (a 256-pair table, with the group's scale applied per group).
-void fg_dequant_lut4(const uint8_t* codes, int64_t rows, int64_t cols, int64_t ldc, const float* table,
-                     const float* scales, int64_t lds, int64_t group, void* out, int ot, int nthreads) {
-    float pairs[512];
-    for (int b = 0; b < 256; b++) {
-        pairs[2 * b] = table[b & 15];
-        pairs[2 * b + 1] = table[b >> 4];
-    }
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t* c = codes + r * ldc;
-        const float* sc = scales + r * lds;
-        for (int64_t g0 = 0; g0 < cols; g0 += group) {
-            const float s = sc[g0 / group];
-            const int64_t g1 = g0 + group < cols ? g0 + group : cols;
-            for (int64_t e = g0; e < g1; e++) {
-                const float v = pairs[2 * c[e >> 1] + (e & 1)] * s;
-                if (ot == DT_F32) ((float*)out)[r * cols + e] = v;
-                else if (ot == DT_BF16) ((uint16_t*)out)[r * cols + e] = f32_to_bf16(v);
-                else ((uint16_t*)out)[r * cols + e] = f32_to_f16(v);
-            }
-        }
-    }
-}
-
 // y (M, N; row stride ldy, dtype dt) = x (M, K; row stride ldx, dtype dt) @ W.T (+ bias (N))
 // (+ res (M, N; row stride ldy)), W (N, K) given as codes (row stride ldc bytes), mins and
 // scales (N, groups; row stride ldm, dtype mt), groups of ``group`` along K, ``bits`` 4 or 8.
 // xf: a scratch of M x K float32 (or M x round_up(K, 32) bfloat16 for the native bfloat16 product,
-// which runs where the CPU has it and native_bf16 is set).
+// which runs where the CPU has it and native_bf16 is set). ``table``: a 4-bit table format's 16
+// values (the mins are not read; scales float32), or null.
 void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, int64_t ldc,
                 const void* mins, const void* scales, int64_t ldm, int mt, int64_t N, int64_t group, int bits,
                 const void* bias, const void* res, void* y, int64_t ldy, int dt, float* xf, int native_bf16,
-                int nthreads) {
+                int nthreads, const float* table) {
     const int esz = mt == DT_F32 ? 4 : 2;
 #if HAVE_DPBF16
     if (dt == DT_BF16 && native_bf16) {
@@ -451,7 +445,7 @@ void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
                         const int64_t n = n0 + r;
                         bf_panel_row(codes + n * ldc, (const char*)mins + n * ldm * esz,
                                      (const char*)scales + n * ldm * esz, mt, k0, kc, K, group, bits,
-                                     panel + r * kcap, t);
+                                     panel + r * kcap, t, table);
                     }
                     Prefetch none{nullptr, nullptr, 0};  // the panel is in cache: it was just written
                     for (int64_t r0 = 0; r0 < nr; r0 += BF_NB)
@@ -495,7 +489,7 @@ void fg_qlinear(const void* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
             const int64_t n0 = b * NB, nr = N - n0 < NB ? N - n0 : NB;
             for (int64_t r = 0; r < nr; r++)
                 dq_cols(codes + (n0 + r) * ldc, (const char*)mins + (n0 + r) * ldm * esz,
-                        (const char*)scales + (n0 + r) * ldm * esz, mt, 0, K, group, bits, dt, panel + r * K);
+                        (const char*)scales + (n0 + r) * ldm * esz, mt, 0, K, group, bits, dt, panel + r * K, table);
             if (dt == DT_F32) {
                 fg_panel_f32(nr, xs, M, ldxs, panel, K, K, bias ? (const float*)bias + n0 : nullptr,
                              res ? (const float*)res + n0 : nullptr, (float*)y + n0, ldy);

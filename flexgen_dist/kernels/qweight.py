@@ -10,7 +10,10 @@ weight once into a reused dense buffer (``dense``) and runs the BLAS, where the 
 An embedding lookup expands only the rows it gathers (``rows``).
 
 Every expansion gives the reference's values: ``code * scale + min`` in float32, rounded to the
-compute dtype (``expand_reference`` is that formula in torch; the native kernels equal it).
+compute dtype (``expand_reference`` is that formula in torch; the native kernels equal it). A
+4-bit table format (``table``: bitsandbytes' NF4/FP4, llama.cpp's IQ4 values) reads each code
+as its table entry and has no mins: ``table[code] * scale``; the CPU's fused product and its
+one-pass expansion take it, a GPU expands it in torch.
 
 This module belongs to the kernels package, a leaf: it imports nothing else from flexgen_dist.
 """
@@ -22,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from . import dequant, qlinear, qlinear_gpu
+from . import dequant, dequant_lut4, qlinear, qlinear_gpu
 
 # Rows of x up to which the fused product runs; beyond, the weight is expanded and the BLAS
 # multiplies it. Measured per opt-1.3b layer (2 cores, AVX512_BF16, bfloat16): the fused
@@ -49,7 +52,8 @@ class QWeight:
     """A packed (out, in) weight: ``codes`` (out, packed) uint8, ``mins``/``scales`` (out,
     groups), groups of ``group_size`` along the input dim, ``bits`` 4 or 8 per code; values in
     ``dtype``. ``buffer``: a reused (out, in) tensor of that dtype that ``dense`` fills (a
-    fresh one each call without it)."""
+    fresh one each call without it). ``table``: a 4-bit table format's 16 float32 values
+    (module doc; ``mins`` unread, ``scales`` float32)."""
 
     codes: torch.Tensor
     mins: torch.Tensor
@@ -59,6 +63,7 @@ class QWeight:
     bits: int
     dtype: torch.dtype
     buffer: torch.Tensor | None = None
+    table: torch.Tensor | None = None
     _expanded: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -74,6 +79,8 @@ class QWeight:
 
     def _expand(self) -> torch.Tensor:
         out = self.buffer
+        if self.table is not None:
+            return self._expand_table(self.codes, self.scales, out)
         one_pass = one_pass_expansion(self.device)
         if one_pass is not None:
             y = one_pass(self.codes, self.mins, self.scales, self.shape[1], self.group_size, self.bits, self.dtype, out)
@@ -83,9 +90,22 @@ class QWeight:
                              self.dtype)
         return y if out is None else out.copy_(y)
 
+    def _expand_table(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Rows of a table format's codes expanded (the native kernel on the CPU, else torch)."""
+        assert self.table is not None
+        if self.device.type == "cpu":
+            y = dequant_lut4(codes, scales, self.table, self.shape[1], self.group_size, self.dtype, out)
+            if y is not None:
+                return y
+        y = expand_table_reference(codes, scales, self.table.to(codes.device), self.shape[1], self.group_size,
+                                   self.dtype)
+        return y if out is None else out.copy_(y)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, self.dense())`` expanding only the gathered rows."""
         flat = ids.reshape(-1)
+        if self.table is not None:
+            return self._expand_table(self.codes[flat], self.scales[flat], None).view(*ids.shape, self.shape[1])
         codes, mins, scales = self.codes[flat], self.mins[flat], self.scales[flat]
         one_pass = one_pass_expansion(self.device)
         y = one_pass(codes, mins, scales, self.shape[1], self.group_size, self.bits, self.dtype) \
@@ -104,12 +124,12 @@ class QWeight:
         if not fused_enabled() or x.device != self.device:
             return None
         if self.device.type == "cuda":
-            return qlinear_gpu.qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size,
-                                       self.bits, b, residual)
+            return None if self.table is not None else qlinear_gpu.qlinear(
+                x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b, residual)
         if self.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS:
             return None
         return qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b,
-                       residual)
+                       residual, table=self.table)
 
 
 def expand_reference(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int,
@@ -123,4 +143,15 @@ def expand_reference(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tens
     lead, groups = mins.shape[:-1], mins.shape[-1]
     x = codes[..., : groups * group].reshape(*lead, groups, group).float()
     x = x * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
+    return x.reshape(*lead, groups * group)[..., :cols].to(dtype).contiguous()
+
+
+def expand_table_reference(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, cols: int, group: int,
+                           dtype: torch.dtype) -> torch.Tensor:
+    """The reference expansion of a 4-bit table format's rows (codes two a byte, low bits
+    first): ``table[code] * scale`` in float32, rounded to ``dtype``, on the codes' device."""
+    shifts = torch.tensor([0, 4], dtype=torch.uint8, device=codes.device)
+    c = ((codes.unsqueeze(-1) >> shifts) & 15).reshape(*codes.shape[:-1], -1)
+    lead, groups = scales.shape[:-1], scales.shape[-1]
+    x = table.float()[c[..., : groups * group].long()].reshape(*lead, groups, group) * scales.float().unsqueeze(-1)
     return x.reshape(*lead, groups * group)[..., :cols].to(dtype).contiguous()

@@ -60,9 +60,15 @@ LUT4: dict[str, tuple[float, ...]] = {
 }
 
 
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
 def lut4_table(fmt: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 float32 values of 4-bit table format ``fmt``."""
-    return torch.tensor(LUT4[fmt], dtype=torch.float32, device=device)
+    """The 16 float32 values of 4-bit table format ``fmt`` (one tensor per format and device)."""
+    key = (fmt, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(LUT4[fmt], dtype=torch.float32, device=device)
+    return _TABLES[key]
 
 
 @dataclass
