@@ -4,7 +4,8 @@ measured with the project's eval and timed side by side.
     python -m flexgen_dist.bench.gguf_kquants --json bench_results/gguf-kquants.json
 
 The bundled SmolLM2-135M (a Q4_1 file) is written again as llama.cpp's ``Q4_K_M`` recipe
-would write it from these values (``q4_k_m_type``): Q4_K, with Q6_K for the head and for the
+would write it from these values (``q4_k_m_type``; ``--recipes`` also writes an IQ4_XS file,
+``iq4_xs_type``, whose 576-wide rows fall back to IQ4_NL): Q4_K, with Q6_K for the head and for the
 value and down matrices of the layers llama.cpp gives more bits (the first and last eighth
 and every third between); a matrix whose rows are not whole 256-element super-blocks takes
 llama.cpp's fallback (Q4_K -> Q5_0, Q6_K -> Q8_0), which at this model's width of 576 is all
@@ -30,7 +31,7 @@ from .accuracy import ppl_rows
 from .int_checkpoints import throughput
 from .single import machine, write_json
 
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for rows not of 256
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}  # llama.cpp's, for rows not of 256
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -49,10 +50,20 @@ def q4_k_m_type(name: str, cols: int, layers: int) -> str:
     return want if cols % 256 == 0 else FALLBACK[want]
 
 
-def write_q4_k_m(src: Path, dst: Path) -> dict[str, int]:
+def iq4_xs_type(name: str, cols: int, layers: int) -> str:
+    """The type of tensor ``name`` in an IQ4_XS file (simplified: IQ4_XS everywhere but the
+    embedding/head, Q6_K), with llama.cpp's fallbacks for rows not of 256 (IQ4_NL, Q8_0)."""
+    want = "Q6_K" if name in ("token_embd.weight", "output.weight") else "IQ4_XS"
+    return want if cols % 256 == 0 else FALLBACK[want]
+
+
+RECIPES = {"q4_k_m": q4_k_m_type, "iq4_xs": iq4_xs_type}
+
+
+def write_q4_k_m(src: Path, dst: Path, recipe: str = "q4_k_m") -> dict[str, int]:
     """``src`` (a GGUF file) written to ``dst`` with every quantized matrix re-encoded from its
-    values by ``q4_k_m_type`` (metadata, tokenizer and float tensors as they are); the count
-    of tensors per type written."""
+    values by ``recipe``'s types (``RECIPES``; metadata, tokenizer and float tensors as they
+    are); the count of tensors per type written."""
     import gguf
     import gguf.quants as gq
 
@@ -74,9 +85,9 @@ def write_q4_k_m(src: Path, dst: Path) -> dict[str, int]:
             w.add_tensor(t.name, np.asarray(t.data))
             continue
         values = gq.dequantize(t.data, t.tensor_type)  # (rows, cols) float32
-        kind = q4_k_m_type(t.name, values.shape[-1], layers)
+        kind = RECIPES[recipe](t.name, values.shape[-1], layers)
         qt = getattr(gguf.GGMLQuantizationType, kind)
-        raw = encode_blocks(values, kind) if kind.endswith("_K") else gq.quantize(values, qt)
+        raw = encode_blocks(values, kind) if kind.endswith("_K") or kind.startswith("IQ4") else gq.quantize(values, qt)
         w.add_tensor(t.name, raw, raw_dtype=qt)
         counts[kind] = counts.get(kind, 0) + 1
     w.write_header_to_file()
@@ -93,30 +104,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=16, help="the timed pair: prompts")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=16)
+    ap.add_argument("--recipes", default="q4_k_m,iq4_xs", help=f"files to write (of {', '.join(RECIPES)})")
     ap.add_argument("--json", default="bench_results/gguf-kquants.json")
     args = ap.parse_args(argv)
+    recipes = [r for r in args.recipes.split(",") if r]
+    if any(r not in RECIPES for r in recipes):
+        ap.error(f"--recipes {args.recipes}: choose from {', '.join(RECIPES)}")
     from ..models.loader import bundled_model_path
 
     src = bundled_model_path()
     ev: dict[str, Any] = {"window": args.window, "max_windows": args.max_windows}
+    counts: dict[str, dict[str, int]] = {}
+    timed = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "q4_k_m.gguf"
-        counts = write_q4_k_m(src, path)
-        print(f"written: {path.name}, tensors by type {counts}", flush=True)
         rows = ppl_rows(str(src), False, [("the bundled Q4_1 file, expanded (float32)", {})], ev)
-        rows += ppl_rows(str(path), False, [
-            ("Q4_K_M, expanded (float32)", {}),
-            ("Q4_K_M, blocks kept (`--compress-weight`)", {"compress_weight": True}),
-            ("Q4_K_M, re-quantized 4-bit g64 (`--compress-weight --no-gguf-native`)",
-             {"compress_weight": True, "gguf_native": False}),
-        ], ev)
-        timed = []
-        for name, opts in (("Q4_K_M blocks kept", {"compress_weight": True}),
-                           ("Q4_K_M re-quantized 4-bit g64", {"compress_weight": True, "gguf_native": False})):
-            t = throughput(str(path), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
-            timed.append({"mode": name, **t})
-            print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
-                  f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
+        for recipe in recipes:
+            path = Path(tmp) / f"{recipe}.gguf"
+            counts[recipe] = write_q4_k_m(src, path, recipe)
+            print(f"written: {path.name}, tensors by type {counts[recipe]}", flush=True)
+            name = recipe.upper()
+            rows += ppl_rows(str(path), False, [
+                (f"{name}, expanded (float32)", {}),
+                (f"{name}, blocks kept (`--compress-weight`)", {"compress_weight": True}),
+                (f"{name}, re-quantized 4-bit g64 (`--compress-weight --no-gguf-native`)",
+                 {"compress_weight": True, "gguf_native": False}),
+            ], ev)
+            for mode, opts in ((f"{name} blocks kept", {"compress_weight": True}),
+                               (f"{name} re-quantized 4-bit g64", {"compress_weight": True, "gguf_native": False})):
+                t = throughput(str(path), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
+                timed.append({"mode": mode, **t})
+                print(f"{mode}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
+                      f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
     for r in rows:
         r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
     print("| mode | perplexity | vs the Q4_1 file | next-token accuracy | weight bytes |")
