@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .accuracy import ppl_rows
-from .int_checkpoints import throughput
+from .int_checkpoints import print_tables, timed_run
 from .single import machine, write_json
 
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}  # llama.cpp's, for rows not of 256
@@ -129,24 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                 (f"{name}, re-quantized 4-bit g64 (`--compress-weight --no-gguf-native`)",
                  {"compress_weight": True, "gguf_native": False}),
             ], ev)
-            for mode, opts in ((f"{name} blocks kept", {"compress_weight": True}),
-                               (f"{name} re-quantized 4-bit g64", {"compress_weight": True, "gguf_native": False})):
-                t = throughput(str(path), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
-                timed.append({"mode": mode, **t})
-                print(f"{mode}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
-                      f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
-    for r in rows:
-        r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
-    print("| mode | perplexity | vs the Q4_1 file | next-token accuracy | weight bytes |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['ppl']:.4f} | {100 * r['ppl_change']:+.2f} % | {100 * r['accuracy']:.2f} % | "
-              f"{r['weight_bytes'] / 2 ** 20:.1f} MiB |")
-    print("\n| weights on disk, bfloat16 | prefill tok/s | decode tok/s | total tok/s | stored weight bytes |")
-    print("|---|---|---|---|---|")
-    for t in timed:
-        print(f"| {t['mode']} | {t['prefill_throughput']:.1f} | {t['decode_throughput']:.1f} | "
-              f"{t['total_throughput']:.1f} | {sum(t['weight_bytes'].values()) / 2 ** 20:.1f} MiB |")
+            timed += [timed_run(str(path), mode, opts, args, str(Path(tmp) / "off")) for mode, opts in (
+                (f"{name} blocks kept", {"compress_weight": True}),
+                (f"{name} re-quantized 4-bit g64", {"compress_weight": True, "gguf_native": False}))]
+    print_tables(rows, timed, "the Q4_1 file")
     write_json(args.json, {"machine": machine(), "eval": ev, "types": counts, "rows": rows, "timed": timed,
                            "timed_shape": {"prompts": args.prompts, "prompt_len": args.prompt_len,
                                            "gen_len": args.gen_len}})

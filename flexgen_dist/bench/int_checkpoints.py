@@ -161,6 +161,31 @@ def throughput(model: str, opts: dict[str, Any], prompts: int, prompt_len: int, 
     return {"options": opts, **{k: m.get(k) for k in keys}, "weight_bytes": stored}
 
 
+def timed_run(model: str, mode: str, opts: dict[str, Any], args: Any, offload: str) -> dict[str, Any]:
+    """``throughput`` of one mode (``args``: prompts, prompt_len, gen_len), said in one line."""
+    t = throughput(model, opts, args.prompts, args.prompt_len, args.gen_len, offload)
+    print(f"{mode}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
+          f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
+    return {"mode": mode, **t}
+
+
+def print_tables(rows: list[dict[str, Any]], timed: list[dict[str, Any]], versus: str) -> None:
+    """The perplexity rows (each's change against the first, ``versus``) and the timed ones as
+    Markdown tables."""
+    for r in rows:
+        r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
+    print(f"| mode | perplexity | vs {versus} | next-token accuracy | weight bytes |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['ppl']:.4f} | {100 * r['ppl_change']:+.2f} % | {100 * r['accuracy']:.2f} % | "
+              f"{r['weight_bytes'] / 2 ** 20:.1f} MiB |")
+    print("\n| weights on disk, bfloat16 | prefill tok/s | decode tok/s | total tok/s | stored weight bytes |")
+    print("|---|---|---|---|---|")
+    for t in timed:
+        print(f"| {t['mode']} | {t['prefill_throughput']:.1f} | {t['decode_throughput']:.1f} | "
+              f"{t['total_throughput']:.1f} | {sum(t['weight_bytes'].values()) / 2 ** 20:.1f} MiB |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", type=int, default=64, help="GPTQ group size (input columns; divides 576 and 1536)")
@@ -217,33 +242,15 @@ def main(argv: list[str] | None = None) -> int:
             (f"FP8 {b}x{b}, re-quantized 4-bit (`--compress-weight --no-gguf-native`)",
              {"compress_weight": True, "gguf_native": False}),
         ], ev)
-        timed = []
-        for name, opts in ((f"FP8 {b}x{b} expanded (bfloat16 on disk)", {}),
-                           (f"FP8 {b}x{b} codes kept, the rest 8-bit", {"compress_weight": True, "comp_bits": 8})):
-            t = throughput(str(fp8), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
-            timed.append({"mode": name, **t})
-            print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
-                  f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
+        off = str(Path(tmp) / "off")
+        timed = [timed_run(str(fp8), name, opts, args, off) for name, opts in (
+            (f"FP8 {b}x{b} expanded (bfloat16 on disk)", {}),
+            (f"FP8 {b}x{b} codes kept, the rest 8-bit", {"compress_weight": True, "comp_bits": 8}))]
         if args.bnb:
-            for name, opts in (("NF4 codes kept (expanded a layer at a time)", {"compress_weight": True}),
-                               ("NF4 re-quantized 4-bit g64 (the fused product)",
-                                {"compress_weight": True, "gguf_native": False})):
-                t = throughput(str(nf4), opts, args.prompts, args.prompt_len, args.gen_len, str(Path(tmp) / "off"))
-                timed.append({"mode": name, **t})
-                print(f"{name}: prefill {t['prefill_throughput']:.1f}, decode {t['decode_throughput']:.1f}, "
-                      f"total {t['total_throughput']:.1f} tok/s; weights {t['weight_bytes']}", flush=True)
-    for r in rows:
-        r["ppl_change"] = r["ppl"] / rows[0]["ppl"] - 1
-    print("| mode | perplexity | vs float32 | next-token accuracy | weight bytes |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['ppl']:.4f} | {100 * r['ppl_change']:+.2f} % | {100 * r['accuracy']:.2f} % | "
-              f"{r['weight_bytes'] / 2 ** 20:.1f} MiB |")
-    print("\n| weights on disk, bfloat16 | prefill tok/s | decode tok/s | total tok/s |")
-    print("|---|---|---|---|")
-    for t in timed:
-        print(f"| {t['mode']} | {t['prefill_throughput']:.1f} | {t['decode_throughput']:.1f} | "
-              f"{t['total_throughput']:.1f} |")
+            timed += [timed_run(str(nf4), name, opts, args, off) for name, opts in (
+                ("NF4 codes kept", {"compress_weight": True}),
+                ("NF4 re-quantized 4-bit g64", {"compress_weight": True, "gguf_native": False}))]
+    print_tables(rows, timed, "float32")
     write_json(args.json, {"benchmark": "int-checkpoints", "machine": machine(), "group": args.group, "eval": ev,
                            "rows": rows, "fp8_block": args.fp8_block, "timed": timed,
                            "timed_shape": [args.prompts, args.prompt_len, args.gen_len]})
