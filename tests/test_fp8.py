@@ -167,7 +167,7 @@ def test_the_expansion_is_each_code_times_its_blocks_scale() -> None:
     ("e5m2", "an 'fp8' checkpoint in format 'e5m2' is not supported \\(e4m3 is\\)"),
     ("ct-fp4", "compressed-tensors float weights of 4 bits are not supported \\(FP8 is\\)"),
     ("ct-group", "compressed-tensors FP8 weights with strategy 'group' are not supported"),
-    ("bnb", "a 'bitsandbytes'-quantized checkpoint is not supported"),
+    ("hqq", "a 'hqq'-quantized checkpoint is not supported"),
 ])
 def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
@@ -185,7 +185,7 @@ def test_what_is_not_read_is_refused_in_one_line(edit: str, match: str, tmp_path
         w = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
         w.update({"num_bits": 4} if edit == "ct-fp4" else {"strategy": "group", "group_size": 16})
     else:
-        cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+        cfg["quantization_config"] = {"quant_method": "hqq", "nbits": 4}
     (tm.path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=match) as info:
         with LLM(str(tm.path), progress=False) as llm:

@@ -218,7 +218,8 @@ def test_every_config_field_is_used_inert_or_pinned(model_type: str) -> None:
 
 @pytest.mark.parametrize("change,match", [
     ({"hidden_act": "gelu"}, "llama with hidden_act='gelu' is not supported"),
-    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes'-quantized checkpoint is not supported"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "neither load_in_4bit nor load_in_8bit is not supported"),
+    ({"quantization_config": {"quant_method": "hqq"}}, "'hqq'-quantized checkpoint is not supported"),
 ])
 def test_a_pinned_field_with_another_value_is_refused(change: dict, match: str, tmp_path: Path) -> None:
     tm = _model(tmp_path / "m", SCALINGS["linear"])
