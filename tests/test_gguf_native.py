@@ -19,7 +19,7 @@ from flexgen_dist.models.loader import bundled_model_path
 BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
           "Q8_0": (32, 34, (0,)), "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)),
           "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
-          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,)), "MXFP4": (32, 17, ())}  # (any E8M0 byte is finite)
 
 
 def random_blocks(kind: str, rows: int, per_row: int, seed: int = 0) -> np.ndarray:

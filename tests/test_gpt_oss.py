@@ -114,7 +114,8 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_openai_mxfp4_checkpoints_match_transformers(tmp_path: Path) -> None:
     """gpt-oss as OpenAI ships it: the experts' matrices MXFP4 (``*_blocks`` and ``*_scales``,
-    out x in), the rest as is; expanded on read to the values transformers expands."""
+    out x in), the rest as is; expanded on read to the values transformers expands, or kept
+    in the mxfp4 table format under --compress-weight (the same values, sized as stored)."""
     import json
 
     from safetensors.torch import save_file
@@ -136,6 +137,22 @@ def test_openai_mxfp4_checkpoints_match_transformers(tmp_path: Path) -> None:
     with LLM(str(tm.path), percent=OFFLOAD, gpu_batch_size=2, num_gpu_batches=2, offload_dir=str(tmp_path / "off"),
              ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == ref
+    # --compress-weight: each expert's codes kept in the mxfp4 table format, its values exactly
+    from conftest import kept_codes_sized_as_stored
+    from flexgen_dist.memory.quant import QTensor, dequantize
+
+    with LLM(str(tm.path), compress_weight=True, ignore_eos=True, progress=False) as llm:
+        assert all(len(c.token_ids) == GEN for c in llm.generate(LONG, gen_len=GEN))
+        placed = llm.engine.weights.placed[("layer", 1)]
+    gate_up = tm.model.get_parameter("model.layers.1.mlp.experts.gate_up_proj")[1].detach()  # in x out
+    down = tm.model.get_parameter("model.layers.1.mlp.experts.down_proj")[1].detach()
+    for key, want in (("experts.1.gate.w", gate_up[:, 0::2].t()), ("experts.1.up.w", gate_up[:, 1::2].t()),
+                      ("experts.1.down.w", down.t())):
+        q = placed[key].data
+        assert isinstance(q, QTensor) and (q.fmt, q.bits, q.group_size) == ("mxfp4", 4, 32), key
+        assert torch.equal(dequantize(q), want), key
+    predicted, stored = kept_codes_sized_as_stored(tm.path)
+    assert predicted == stored > 0
 
 
 @pytest.mark.parametrize("name,total,active", [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)])
@@ -203,3 +220,11 @@ def test_gguf_files_match_transformers(mxfp4: bool, tmp_path: Path) -> None:
     want = reference_generate(TinyModel("gpt_oss", path, m, 2), LONG, GEN)
     with LLM(str(path), percent=OFFLOAD, offload_dir=str(tmp_path / "off"), ignore_eos=True, progress=False) as llm:
         assert [c.token_ids for c in llm.generate(LONG, gen_len=GEN)] == want
+    if mxfp4:  # --compress-weight keeps the file's MXFP4 blocks in the mxfp4 table format, their values exactly
+        from flexgen_dist.memory.quant import QTensor, dequantize
+
+        with LLM(str(path), compress_weight=True, ignore_eos=True, progress=False) as llm:
+            llm.generate(LONG[:1], gen_len=1)
+            q = llm.engine.weights.placed[("layer", 0)]["experts.2.down.w"].data
+        assert isinstance(q, QTensor) and (q.fmt, q.bits, q.group_size) == ("mxfp4", 4, 32)
+        assert torch.equal(dequantize(q), m.get_parameter("model.layers.0.mlp.experts.down_proj")[2].detach().t())

@@ -30,7 +30,8 @@ adopted (``models/packed.py``), and ``dequantize`` gives exactly the values the 
 expansion gives (the same float32 product).
 
 A QTensor of a 4-bit table format (``LUT4``: ``nf4`` and ``fp4``, bitsandbytes' code tables;
-``iq4nl``, llama.cpp's IQ4_NL/IQ4_XS values) holds 4-bit codes packed as ``INT``'s (two a byte,
+``iq4nl``, llama.cpp's IQ4_NL/IQ4_XS values; ``mxfp4``, the e2m1 values doubled, beside a
+scale of 2^(e - 128) a block: MXFP4's values, as llama.cpp writes them) holds 4-bit codes packed as ``INT``'s (two a byte,
 low bits first) that stand for the 16 values of the format's table: element e of a group is
 ``table[code] * scale`` in float32, the scales float32, no mins (``L + (0,)``). Adopted from
 checkpoints only, like ``E4M3``.
@@ -57,6 +58,8 @@ LUT4: dict[str, tuple[float, ...]] = {
             -0.1666666716337204, -0.25),
     "iq4nl": (-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0, 1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0,
               113.0),
+    # e2m1's values times 2, so that the scale 2^(e - 128) of an E8M0 exponent e stays finite
+    "mxfp4": (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0),
 }
 
 

@@ -16,6 +16,7 @@ llama.cpp's (and ``gguf.dequantize``'s) formula gives, bit for bit in float32.
 | Q6_K | 256: low nibbles, high 2 bits, 16 int8 scales, d | d sc (q - 32) | 8-bit, groups of 16, min -32 scale |
 | IQ4_NL | 32: d, nibbles | d k[q] | the ``iq4nl`` table, groups of 32 |
 | IQ4_XS | 256: d, 2 + 4 bytes of 6-bit scales, nibbles | d (ls - 32) k[q] | the ``iq4nl`` table, groups of 32 |
+| MXFP4 | 32: an E8M0 exponent e, nibbles | 2^(e - 128) 2 e2m1[q] | the ``mxfp4`` table, groups of 32 |
 
 (k: llama.cpp's 16 IQ4_NL values, -127 ... 113; a table format's scales are kept in float32
 and it has no minimums: ``memory.quant.LUT4``.)
@@ -47,11 +48,11 @@ QK = 256  # a K-quant super-block's elements
 GGUF_NATIVE: dict[str, tuple[Any, ...]] = {
     "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q8_0": (8, 32),
     "Q2_K": (4, 16), "Q3_K": (4, 16), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16),
-    "IQ4_NL": (4, 32, "iq4nl"), "IQ4_XS": (4, 32, "iq4nl"),
+    "IQ4_NL": (4, 32, "iq4nl"), "IQ4_XS": (4, 32, "iq4nl"), "MXFP4": (4, 32, "mxfp4"),
 }
 _BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q2_K": (QK, 84), "Q3_K": (QK, 110), "Q4_K": (QK, 144), "Q5_K": (QK, 176), "Q6_K": (QK, 210),
-          "IQ4_NL": (32, 18), "IQ4_XS": (QK, 136)}
+          "IQ4_NL": (32, 18), "IQ4_XS": (QK, 136), "MXFP4": (32, 17)}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -64,6 +65,14 @@ def _bits(b: np.ndarray, shifts: list[int], width: int, size: int) -> np.ndarray
     runs of ``size`` bytes giving one run of elements per shift (llama.cpp's order)."""
     out = b.reshape(b.shape[0], -1, 1, size) >> np.array(shifts, dtype=np.uint8).reshape(1, 1, -1, 1)
     return (out & np.uint8((1 << width) - 1)).reshape(b.shape[0], -1)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponent bytes -> 2^(e - 128) in float32, exactly (llama.cpp's ``e8m0_to_fp32_half``:
+    subnormal below e = 2, finite up to e = 255)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def _unbits(v: np.ndarray, shifts: list[int], width: int, size: int) -> np.ndarray:
@@ -92,6 +101,8 @@ def decode_blocks(blk: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
     n = blk.shape[0]
     if kind == "IQ4_NL":
         return _bits(blk[:, 2:18], [0, 4], 4, 16), _f16(blk[:, 0:2]), np.zeros((n, 0), np.float32)
+    if kind == "MXFP4":
+        return _bits(blk[:, 1:17], [0, 4], 4, 16), e8m0_half(blk[:, 0:1]), np.zeros((n, 0), np.float32)
     if kind == "IQ4_XS":
         high = (blk[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3
         ls = _bits(blk[:, 4:8], [0, 4], 4, 1)  # sub-block 2j: byte j's low nibble, 2j + 1: its high one

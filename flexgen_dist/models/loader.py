@@ -74,6 +74,7 @@ class HFDirSource(WeightSource):
         self.index.update({n: self.index[codes] for n, codes in self._packed.items()})
         # a bitsandbytes matrix X.weight is read with its companions (X.weight.absmax, ..., X.SCB)
         self.bnb = None if bnb is None else BnbLayers(bnb, self.index.__contains__, self._raw, str(path))
+        self.mxfp4 = any(n.endswith("_blocks") for n in self.index)  # gpt-oss's experts as OpenAI ships them
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -121,6 +122,9 @@ class HFDirSource(WeightSource):
                     out[k] = PackedWeight(codes, mins.to(self.dtype), scales.to(self.dtype), shape, iq.kept_bits,
                                           shape[1] // scales.shape[1])
                     continue
+            if packed and mxfp4 and not transposed:  # one expert's codes, its rows, in the mxfp4 table format
+                out[k] = self._mxfp4_packed(name, int(index) if index else None, rows)
+                continue
             if packed and self.bnb is not None and not (rows or transposed or index or mxfp4):
                 pw = self.bnb.packed(name, self.dtype)
                 if pw is not None:
@@ -174,7 +178,7 @@ class HFDirSource(WeightSource):
         return tuple(h.get_slice(name).get_shape()) if hasattr(h, "get_slice") else tuple(h[name].shape)
 
     def get_packed(self, part: str, layer: int | None = None) -> dict[str, torch.Tensor | PackedWeight]:
-        if (self.iq is None and self.fp8 is None and self.bnb is None) or not self.keep_packed:
+        if (self.iq is None and self.fp8 is None and self.bnb is None and not self.mxfp4) or not self.keep_packed:
             return dict(self.get(part, layer))
         raw = self._read(part, layer, packed=True)
         packed = {k: v for k, v in raw.items() if isinstance(v, PackedWeight)}
@@ -188,10 +192,12 @@ class HFDirSource(WeightSource):
         return {**self._checked(part, layer, dense), **packed}
 
     def packed_formats(self, part: str, layer: int | None = None) -> dict[str, tuple[Any, ...]]:
-        if (self.iq is None and self.fp8 is None and self.bnb is None) or not self.keep_packed:
+        if (self.iq is None and self.fp8 is None and self.bnb is None and not self.mxfp4) or not self.keep_packed:
             return {}
         out = {}
         for k, (name, rows, transposed, index, mxfp4) in self._names(part, layer).items():
+            if mxfp4 and not transposed:
+                out[k] = (4, 32, "mxfp4")
             if rows or transposed or index or mxfp4:
                 continue
             if self.fp8 is not None and self._is_fp8(name):
@@ -235,7 +241,8 @@ class HFDirSource(WeightSource):
         return dequantize_fp8(t, scale[index] if index is not None and scale.dim() > 0 and scale.numel() > 1
                               else scale, self.fp8.block, f"{self.path}: {name}")
 
-    def _expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
+    def _mxfp4_parts(self, name: str, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 tensor's blocks and E8M0 scales, of expert ``index`` where given."""
         scale_name = name.removesuffix("_blocks") + "_scales"
         if scale_name not in self.index:
             raise ModelLoadError(f"{self.path}: tensor {name} is MXFP4 but its scales {scale_name} are missing: "
@@ -246,7 +253,29 @@ class HFDirSource(WeightSource):
                 raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(blocks.shape)}, expected more than "
                                      f"{index} experts: corrupt checkpoint?")
             blocks, scales = blocks[index], scales[index]
-        return dequantize_mxfp4(blocks, scales, f"{self.path}: {name}")
+        return blocks, scales
+
+    def _expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
+        return dequantize_mxfp4(*self._mxfp4_parts(name, index), f"{self.path}: {name}")
+
+    def _mxfp4_packed(self, name: str, index: int | None, rows: str) -> PackedWeight:
+        """One MXFP4 matrix (of expert ``index``, its ``rows`` "r0:r1:step" where given) in the
+        ``mxfp4`` table format: the e2m1 codes as they are (two a byte, the low nibble first),
+        a float32 scale 2^(e - 128) per 32 values (the table holds the values doubled)."""
+        blocks, scales = self._mxfp4_parts(name, index)
+        where = f"{self.path}: {name}"
+        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[:-1] != scales.shape \
+                or blocks.shape[-1] != 16:
+            dequantize_mxfp4(blocks, scales, where)  # its one-line refusal
+        if rows:
+            r0, r1, step = (int(r) for r in (rows + ":1").split(":")[:3])
+            if blocks.shape[0] < r1:
+                raise ModelLoadError(f"{where} has {blocks.shape[0]} rows, expected >= {r1}")
+            blocks, scales = blocks[r0:r1:step], scales[r0:r1:step]
+        n, groups = scales.shape
+        half = torch.ldexp(torch.ones(n, groups), scales.to(torch.int32) - 128)
+        return PackedWeight(blocks.reshape(n, groups * 16).contiguous(), torch.zeros(n, 0), half.contiguous(),
+                            (n, groups * 32), 4, 32, "mxfp4")
 
     def own_head(self) -> str | None:
         """Where the config ties the head to the embedding but the checkpoint holds a head of
