@@ -1,6 +1,7 @@
 """bitsandbytes checkpoints (``quant_method: bitsandbytes``: the ``-bnb-4bit`` releases, and
 models saved after ``load_in_4bit`` / ``load_in_8bit``), expanded to the values they encode as
-each matrix is read, then kept in the run's dtype like any weight.
+each matrix is read, then kept in the run's dtype like any weight (or, 4-bit under
+``--compress-weight``, kept as their codes: below).
 
 - **4-bit** (``load_in_4bit``, NF4 or FP4): ``X.weight`` holds the row-major matrix's codes
   two a byte, the first in the high nibble (stored as uint8, or viewed as another storage
@@ -9,8 +10,8 @@ each matrix is read, then kept in the run's dtype like any weight.
   values of the flattened matrix; ``X.weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``)
   a JSON record of the shape, block size and dtypes. Value i = ``quant_map[code i] x
   absmax[i // blocksize]`` in float32, rounded to the recorded dtype (the weights' before
-  quantization), as bitsandbytes' expansion returns it. With double quantization the scales are themselves
-  8-bit codes: ``absmax[j] = nested_quant_map[code j] x nested_absmax[j // nested_blocksize]
+  quantization), as bitsandbytes' expansion returns it. With double quantization the scales
+  are themselves 8-bit codes: ``absmax[j] = nested_quant_map[code j] x nested_absmax[j // nested_blocksize]
   + nested_offset``.
 - **8-bit** (``load_in_8bit``, LLM.int8()): ``X.weight`` int8 (out, in) and ``X.SCB`` (out,)
   float32, value ``code x SCB[row] / 127`` (bitsandbytes multiplies by the float32 reciprocal
@@ -66,7 +67,8 @@ def bnb_problem(q: dict[str, Any]) -> str | None:
     if four == eight:
         return "a bitsandbytes checkpoint that is neither load_in_4bit nor load_in_8bit is not supported"
     if four and q.get("bnb_4bit_quant_type", "fp4") not in ("nf4", "fp4"):
-        return f"a bitsandbytes 4-bit checkpoint of type {q['bnb_4bit_quant_type']!r} is not supported (nf4 and fp4 are)"
+        return (f"a bitsandbytes 4-bit checkpoint of type {q['bnb_4bit_quant_type']!r} is not supported "
+                "(nf4 and fp4 are)")
     if eight and q.get("llm_int8_has_fp16_weight"):
         return "a bitsandbytes 8-bit checkpoint with llm_int8_has_fp16_weight is not supported"
     return None

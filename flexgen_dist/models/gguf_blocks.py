@@ -24,14 +24,16 @@ and it has no minimums: ``memory.quant.LUT4``.)
 Every product above is exact in float32 (an 11-bit float16 mantissa times integers of at
 most 15 bits), so ``code x scale + min`` rounds once, as the reference's ``d x q - m`` does:
 the same value. The scales and minimums are kept in the run's dtype (exact in float32; in
-bfloat16 they round as every weight does), a table format's scales in float32 (``d (ls - 32)
-k[q]`` is one product of exact factors there too). Widths that have no engine code width of their
-own are kept in the next one up (5 and 6 bits in 8, 2 and 3 in 4): more bytes than the file's,
-the file's values exactly. Other types (the other IQ*, TQ*) are expanded and re-quantized.
+bfloat16 they round as every weight does), a table format's scales in float32 (``d (ls -
+32) k[q]`` is one product of exact factors there too). Widths that have no engine code width
+of their own are kept in the next one up (5 and 6 bits in 8, 2 and 3 in 4): more bytes than
+the file's, the file's values exactly. Other types (the other IQ*, TQ*) are expanded and
+re-quantized.
 
 ``encode_blocks`` writes Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks (which the ``gguf``
-package reads but does not write) by rounding to nearest (to the nearest table value), for the benchmarks' and tests' files; llama.cpp's own
-quantizer searches each block's scales, so its blocks hold other codes in the same layout.
+package reads but does not write) by rounding to nearest (the nearest table value), for the
+benchmarks' and tests' files; llama.cpp's own quantizer searches each block's scales, so its
+blocks hold other codes in the same layout.
 """
 from __future__ import annotations
 
