@@ -173,9 +173,9 @@ def test_a_table_format_multiplies_and_expands_as_its_reference(fmt: str, dtype:
 
 @pytest.mark.gpu
 def test_a_table_format_on_the_gpu_expands_to_the_cpu_values(gpu_device) -> None:
-    """A 4-bit table format's codes copied to the compute device expand (in torch there) to
-    exactly the CPU's values in every compute dtype; its weight takes no fused GPU product
-    (the caller expands it)."""
+    """A 4-bit table format's codes copied to the compute device expand (the Triton one-pass
+    kernel) to exactly the CPU's values in every compute dtype, and its weight's fused product
+    is within the dtype's rounding of expanding then multiplying."""
     from flexgen_dist.memory.quant import QTensor, _pack, lut4_table
 
     g = torch.Generator().manual_seed(2)
@@ -189,6 +189,8 @@ def test_a_table_format_on_the_gpu_expands_to_the_cpu_values(gpu_device) -> None
             assert dev.device.type == gpu_device.type and torch.equal(dev.cpu(), cpu)
             w = QWeight(codes.to(gpu_device), torch.empty(48, 0, device=gpu_device), scales.to(gpu_device), (48, 128),
                         32, 4, dtype, table=lut4_table(fmt, gpu_device))
-            if gpu_device.type == "cuda":  # (on the CPU stand-in the fused CPU product runs: tested above)
-                assert w.linear(torch.randn(2, 128, device=gpu_device).to(dtype)) is None
+            x = torch.randn(2, 128, device=gpu_device).to(dtype)
+            fused = w.linear(x)  # the Triton product on a GPU (the CPU's on the stand-in)
+            ref = F.linear(x.float(), cpu.to(gpu_device).float())
+            assert fused is not None and ((fused.float() - ref).norm() / ref.norm()).item() < TOL[dtype] * 4
             assert torch.equal(w.dense().cpu(), cpu)

@@ -81,6 +81,39 @@ def check_dequant(device: torch.device) -> int:
     return n_checked
 
 
+# (rows, out, in, group, table format): the 4-bit table formats' products and expansions
+TABLE_CASES = [(1, 40, 96, 32, "nf4"), (5, 48, 200, 64, "iq4nl"), (3, 33, 64, 32, "mxfp4")]
+
+
+def check_tables(device: torch.device) -> int:
+    """A 4-bit table format (each code its table entry times a float32 scale, no mins): the
+    one-pass expansion equals the torch reference bit for bit and the product is within the
+    dtype's tolerance of expand-then-multiply, in float32 and bfloat16; returns the number checked."""
+    from flexgen_dist.kernels import qlinear_gpu
+    from flexgen_dist.kernels.qweight import expand_table_reference
+    from flexgen_dist.memory.quant import _pack, lut4_table
+
+    n_checked = 0
+    for i, (m, n, k, group, fmt) in enumerate(TABLE_CASES):
+        g = torch.Generator().manual_seed(40 + i)
+        groups = -(-k // group)
+        codes = _pack(torch.randint(0, 16, (n, groups * group), generator=g, dtype=torch.uint8), 4).to(device)
+        scales = (torch.rand(n, groups, generator=g) * 0.1).to(device)
+        table = lut4_table(fmt, device)
+        for dtype in (torch.float32, torch.bfloat16):
+            ref_w = expand_table_reference(codes, scales, table, k, group, dtype)
+            w = qlinear_gpu.dequant(codes, scales, scales, k, group, 4, dtype, table=table)
+            assert w is not None and torch.equal(w, ref_w), f"{(n, k, group, fmt, dtype)}: expansion differs"
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            y = qlinear_gpu.qlinear(x, codes, scales, scales, n, group, 4, table=table)
+            assert y is not None, f"the fused kernel refused a table format {qlinear_gpu._failed[:1]}"
+            ref = torch.nn.functional.linear(x.float(), ref_w.float())
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            assert err < TOL[dtype], f"{(m, n, k, group, fmt, dtype)}: relative error {err:.2e}"
+            n_checked += 1
+    return n_checked
+
+
 def check_all(device: torch.device) -> int:
     """Every shape, dtype and epilogue with the default tiling, and every shape with the
     ``TILES`` in one dtype; returns the number of products checked."""
@@ -116,6 +149,7 @@ def test_the_kernel_in_the_interpreter_matches_the_reference() -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"checked {len(SHAPES) * (2 * 3 + len(TILES))} products" in r.stdout
     assert f"checked {len(DEQUANT) * 3} expansions" in r.stdout
+    assert f"checked {len(TABLE_CASES) * 2} table formats" in r.stdout
 
 
 def test_what_the_kernel_does_not_take_is_left_to_the_expansion() -> None:
@@ -226,22 +260,33 @@ def test_the_kernels_compile_for_hopper_and_ampere(arch: int) -> None:
         pytest.skip("the interpreter compiles nothing")
     k = qlinear_gpu._kernel()
     for dt in ("fp16", "bf16", "fp32"):
-        args = dict(zip(["x_ptr", "codes_ptr", "mins_ptr", "scales_ptr", "b_ptr", "r_ptr", "y_ptr", "part_ptr"],
-                        [f"*{dt}", "*u8", f"*{dt}", f"*{dt}", f"*{dt}", f"*{dt}", f"*{dt}", "*fp32"]))
+        args = dict(zip(["x_ptr", "codes_ptr", "mins_ptr", "scales_ptr", "table_ptr", "b_ptr", "r_ptr", "y_ptr",
+                         "part_ptr"], [f"*{dt}", "*u8", f"*{dt}", f"*{dt}", "*fp32", f"*{dt}", f"*{dt}", f"*{dt}", "*fp32"]))
         args.update({n: "i32" for n in ("M", "N", "K", "PACKED", "GROUPS", "K_PER", "stride_xm", "stride_cn",
                                         "stride_gn", "stride_rm", "stride_ym")})
         for split, bits in ((1, 4), (4, 8)):
             const = dict(GROUP=64, BITS=bits, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, HAS_BIAS=True,
-                         HAS_RES=True, IEEE=dt == "fp32", WIDEN=False)
+                         HAS_RES=True, IEEE=dt == "fp32", WIDEN=False, TABLE=False)
             ptx = _compile(k.qlinear, args, const, arch, num_warps=4, num_stages=3).asm["ptx"]
             assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx)
             if dt != "fp32":  # the tiles' product on the tensor cores; float32's IEEE dot is FMAs
                 assert "mma" in ptx and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
-        dq_args = dict(zip(["codes_ptr", "mins_ptr", "scales_ptr", "y_ptr"], ["*u8", f"*{dt}", f"*{dt}", f"*{dt}"]))
+        dq_args = dict(zip(["codes_ptr", "mins_ptr", "scales_ptr", "table_ptr", "y_ptr"],
+                           ["*u8", f"*{dt}", f"*{dt}", "*fp32", f"*{dt}"]))
         dq_args.update({n: "i32" for n in ("R", "C", "PACKED", "GROUPS", "stride_cr", "stride_gr", "stride_yr")})
-        ptx = _compile(k.dequant, dq_args, dict(GROUP=64, BITS=4, BLOCK_R=32, BLOCK_C=128, INTERPRET=False), arch,
-                       num_warps=4).asm["ptx"]
+        ptx = _compile(k.dequant, dq_args, dict(GROUP=64, BITS=4, BLOCK_R=32, BLOCK_C=128, INTERPRET=False,
+                                                TABLE=False), arch, num_warps=4).asm["ptx"]
         assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx) and not re.search(r"fma\.rn(\.ftz)?\.f32", ptx)
+        # a 4-bit table format (float32 scales, no mins): both kernels build, the product rounded on its own
+        t_args = {**args, "mins_ptr": "*fp32", "scales_ptr": "*fp32"}
+        const = dict(GROUP=32, BITS=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, HAS_BIAS=False,
+                     HAS_RES=False, IEEE=dt == "fp32", WIDEN=False, TABLE=True)
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", _compile(k.qlinear, t_args, const, arch, num_warps=4,
+                                                            num_stages=3).asm["ptx"])
+        ptx = _compile(k.dequant, {**dq_args, "mins_ptr": "*fp32", "scales_ptr": "*fp32"},
+                       dict(GROUP=32, BITS=4, BLOCK_R=32, BLOCK_C=128, INTERPRET=False, TABLE=True), arch,
+                       num_warps=4).asm["ptx"]
+        assert re.search(r"mul\.rn(\.ftz)?\.f32", ptx)
 
 
 @pytest.mark.gpu
@@ -250,6 +295,7 @@ def test_the_compiled_kernels_on_the_gpu_match_the_reference() -> None:
         pytest.skip("no CUDA device")
     assert check_all(torch.device("cuda")) == len(SHAPES) * (3 * 3 + len(TILES))
     assert check_dequant(torch.device("cuda")) == len(DEQUANT) * 3
+    assert check_tables(torch.device("cuda")) == len(TABLE_CASES) * 2
 
 
 def _interpreter_index_on_new_numpy() -> None:
@@ -272,3 +318,4 @@ if __name__ == "__main__":
     _interpreter_index_on_new_numpy()
     print(f"checked {check_all(torch.device('cpu'))} products")
     print(f"checked {check_dequant(torch.device('cpu'))} expansions")
+    print(f"checked {check_tables(torch.device('cpu'))} table formats")

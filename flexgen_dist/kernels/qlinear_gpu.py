@@ -20,6 +20,10 @@ the bias, rounds to x's dtype, and adds the residual in float32 and rounds again
 attention, a compressed weight before a prefill's cuBLAS product), bit for bit the reference's
 values: there the product is rounded on its own (``mul_rn``), as torch's two-pass expansion does.
 
+A 4-bit table format (``table``: 16 float32 values; bitsandbytes' NF4/FP4, llama.cpp's IQ4,
+MXFP4) reads each code as its table entry times the group's float32 scale, no mins (``mins``
+is not read: pass the scales); both kernels take it.
+
 ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors (tests/test_qlinear_gpu.py), so its
 logic is tested on machines without a GPU. The interpreter multiplies bfloat16 tiles wrongly
 (numpy has no bfloat16), so there the tiles are widened to float32 before the product: the same
@@ -166,9 +170,17 @@ def choose_tiles(n: int, device: torch.device) -> Tiles:
     return Tiles(_block_n(n, device))
 
 
+def _table_ok(table: torch.Tensor | None, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> bool:
+    """Whether a table format's parts are what the kernels read (or there is no table)."""
+    return table is None or (bits == 4 and table.numel() == 16 and table.dtype == torch.float32
+                             and table.is_contiguous() and table.device == codes.device
+                             and scales.dtype == torch.float32)
+
+
 def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, out_features: int,
             group: int, bits: int, b: torch.Tensor | None = None,
-            residual: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor | None:
+            residual: torch.Tensor | None = None, tiles: Tiles | None = None,
+            table: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x, W, b)`` (+ ``residual``), W (out, in) from its codes (out, packed) and
     mins/scales (out, groups) grouped along the input dim; x (..., in) on the codes' device in
     float32, bfloat16 or float16. None where the kernel does not apply (no Triton, more than
@@ -177,6 +189,10 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
     tiling (default: ``choose_tiles``)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
+    if not _table_ok(table, codes, scales, bits):
+        return None
+    if table is not None:
+        mins = scales  # not read
     if (not 0 < m <= MAX_ROWS or x.device != codes.device or codes.dim() != 2 or codes.shape[0] != out_features
             or not _takes(codes, mins, scales, k, group, bits, x.dtype)):
         return None
@@ -195,12 +211,12 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
     asked = tiles or choose_tiles(out_features, x.device)
-    key = (asked, x.dtype, _block_m(m), group, bits, r2 is not None, x.device)
+    key = (asked, x.dtype, _block_m(m), group, bits, r2 is not None, x.device, table is not None)
     t = _fitted.get(key, asked)
     while t is not None:
         try:
             y, part = _qlinear_launch(kern, interpret, x2, codes, mins, scales, b, r2, m, out_features, k,
-                                      group, bits, t)
+                                      group, bits, t, table)
             break
         except _OutOfResources as e:
             smaller = _smaller(t, group)
@@ -226,8 +242,8 @@ def qlinear(x: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor, scales: to
 
 def _qlinear_launch(kern, interpret: bool, x2: torch.Tensor, codes: torch.Tensor, mins: torch.Tensor,  # noqa: ANN001
                     scales: torch.Tensor, b: torch.Tensor | None, r2: torch.Tensor | None, m: int,
-                    out_features: int, k: int, group: int, bits: int,
-                    t: Tiles) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                    out_features: int, k: int, group: int, bits: int, t: Tiles,
+                    table: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One launch of the product with tiling ``t``: (y, float32 partial sums or None), y None
     where the kernel failed here; raises ``_OutOfResources`` where ``t`` does not fit."""
     bm, bn, bk = _block_m(m), t.block_n, max(group, t.block_k)
@@ -241,25 +257,32 @@ def _qlinear_launch(kern, interpret: bool, x2: torch.Tensor, codes: torch.Tensor
     # an absent bias, residual or partial buffer points at x2, never at y: the interpreter
     # copies every tensor argument back after the run, which would overwrite y with its
     # unwritten copy
-    if not _launch(kern.qlinear, grid, x2, codes, mins, scales, b if b is not None else x2,
+    if not _launch(kern.qlinear, grid, x2, codes, mins, scales, table if table is not None else scales,
+                   b if b is not None else x2,
                    r2 if r2 is not None else x2, y, part if part is not None else x2,
                    m, out_features, k, codes.shape[1], mins.shape[1], k_per, x2.stride(0), codes.stride(0),
                    mins.stride(0), r2.stride(0) if r2 is not None else 0, y.stride(0),
                    GROUP=group, BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                    HAS_BIAS=b is not None, HAS_RES=r2 is not None, IEEE=x2.dtype == torch.float32, WIDEN=interpret,
-                   num_warps=t.num_warps, num_stages=t.num_stages):
+                   TABLE=table is not None, num_warps=t.num_warps, num_stages=t.num_stages):
         return None, None
     return y, part
 
 
 def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols: int, group: int, bits: int,
-            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+            dtype: torch.dtype, out: torch.Tensor | None = None, table: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
     """Codes (..., packed) grouped along the last dim -> (..., cols) in ``dtype`` on the GPU, in
     one pass (torch's expansion makes five over float32 intermediates): ``code * scale + min``
     with the product and the sum each rounded in float32, then rounded to ``dtype``, the
     reference's values bit for bit (``expand_reference``). Into ``out`` when given (contiguous,
     that shape and dtype). None where it does not apply (no Triton, 2-bit codes, a group that is
-    not a power of two, a layout it does not read)."""
+    not a power of two, a layout it does not read). ``table``: a 4-bit table format's values
+    (module doc)."""
+    if not _table_ok(table, codes, scales, bits):
+        return None
+    if table is not None:
+        mins = scales  # not read
     if not _takes(codes, mins, scales, cols, group, bits, dtype):
         return None
     kern, interpret = _kernel(), _interpret()
@@ -277,9 +300,9 @@ def dequant(codes: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor, cols:
     br = max(1, 4096 // bc)
     grid = (-(-r // br), -(-cols // bc))
     try:
-        if not _launch(kern.dequant, grid, c2, m2, s2, y2, r, cols, c2.shape[1], m2.shape[1], c2.stride(0),
-                       m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br, BLOCK_C=bc,
-                       INTERPRET=interpret, num_warps=4):
+        if not _launch(kern.dequant, grid, c2, m2, s2, table if table is not None else s2, y2, r, cols, c2.shape[1],
+                       m2.shape[1], c2.stride(0), m2.stride(0), y2.stride(0), GROUP=group, BITS=bits, BLOCK_R=br,
+                       BLOCK_C=bc, INTERPRET=interpret, TABLE=table is not None, num_warps=4):
             return None
     except _OutOfResources:  # a one-pass tile with no pipeline: not expected; torch expands
         return None

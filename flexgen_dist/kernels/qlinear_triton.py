@@ -9,12 +9,13 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def _expand_tile(codes_ptr, mins_ptr, scales_ptr, rows, rows_ok, c0, PACKED, GROUPS, stride_c, stride_g,
+def _expand_tile(codes_ptr, mins_ptr, scales_ptr, table_ptr, rows, rows_ok, c0, PACKED, GROUPS, stride_c, stride_g,
                  GROUP: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, TABLE: tl.constexpr):
     """Columns [c0, c0 + COLS) of the given rows, expanded in float32: ``code * scale + min``,
     the product rounded on its own (``mul_rn``, never fused with the add), as the reference
-    rounds it. Codes, mins and scales past the ends read as 0."""
+    rounds it; with ``TABLE`` (a 4-bit table format) ``table[code] * scale``, no mins. Codes,
+    mins and scales past the ends read as 0."""
     if BITS == 4:
         rb = c0 // 2 + tl.arange(0, COLS // 2)
         c = tl.load(codes_ptr + rows[:, None] * stride_c + rb[None, :], mask=rows_ok[:, None] & (rb < PACKED)[None, :],
@@ -27,22 +28,28 @@ def _expand_tile(codes_ptr, mins_ptr, scales_ptr, rows, rows_ok, c0, PACKED, GRO
     rg = c0 // GROUP + tl.arange(0, COLS // GROUP)
     g_mask = rows_ok[:, None] & (rg < GROUPS)[None, :]
     sc = tl.load(scales_ptr + rows[:, None] * stride_g + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
-    mn = tl.load(mins_ptr + rows[:, None] * stride_g + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
-    wf = tl.reshape(w.to(tl.float32), (ROWS, COLS // GROUP, GROUP))
+    if TABLE:  # each code's entry of the format's 16 values
+        wv = tl.load(table_ptr + w.to(tl.int32))
+    else:
+        wv = w.to(tl.float32)
+    wf = tl.reshape(wv, (ROWS, COLS // GROUP, GROUP))
     sb = tl.broadcast_to(sc[:, :, None], (ROWS, COLS // GROUP, GROUP))
     if INTERPRET:  # numpy never fuses a product with the add
         prod = wf * sb
     else:
         prod = libdevice.mul_rn(wf, sb)
+    if TABLE:
+        return tl.reshape(prod, (ROWS, COLS))
+    mn = tl.load(mins_ptr + rows[:, None] * stride_g + rg[None, :], mask=g_mask, other=0.0).to(tl.float32)
     return tl.reshape(prod + mn[:, :, None], (ROWS, COLS))
 
 
 @triton.jit
-def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, part_ptr,
+def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, table_ptr, b_ptr, r_ptr, y_ptr, part_ptr,
                    M, N, K, PACKED, GROUPS, K_PER, stride_xm, stride_cn, stride_gn, stride_rm, stride_ym,
                    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_RES: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+                   HAS_RES: tl.constexpr, IEEE: tl.constexpr, WIDEN: tl.constexpr, TABLE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -56,8 +63,8 @@ def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, 
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :],
                     other=0.0)
-        wf = _expand_tile(codes_ptr, mins_ptr, scales_ptr, rn, n_ok, k0, PACKED, GROUPS, stride_cn, stride_gn,
-                          GROUP, BITS, BLOCK_N, BLOCK_K, WIDEN)
+        wf = _expand_tile(codes_ptr, mins_ptr, scales_ptr, table_ptr, rn, n_ok, k0, PACKED, GROUPS, stride_cn,
+                          stride_gn, GROUP, BITS, BLOCK_N, BLOCK_K, WIDEN, TABLE)
         wt = tl.trans(wf.to(x.dtype))
         if IEEE:
             acc += tl.dot(x, wt, input_precision="ieee")
@@ -79,15 +86,15 @@ def qlinear_kernel(x_ptr, codes_ptr, mins_ptr, scales_ptr, b_ptr, r_ptr, y_ptr, 
 
 
 @triton.jit
-def dequant_kernel(codes_ptr, mins_ptr, scales_ptr, y_ptr, R, C, PACKED, GROUPS, stride_cr, stride_gr, stride_yr,
-                   GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+def dequant_kernel(codes_ptr, mins_ptr, scales_ptr, table_ptr, y_ptr, R, C, PACKED, GROUPS, stride_cr, stride_gr,
+                   stride_yr, GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   INTERPRET: tl.constexpr, TABLE: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok = rr < R
-    y = _expand_tile(codes_ptr, mins_ptr, scales_ptr, rr, r_ok, pid_c * BLOCK_C, PACKED, GROUPS, stride_cr, stride_gr,
-                     GROUP, BITS, BLOCK_R, BLOCK_C, INTERPRET)
+    y = _expand_tile(codes_ptr, mins_ptr, scales_ptr, table_ptr, rr, r_ok, pid_c * BLOCK_C, PACKED, GROUPS, stride_cr,
+                     stride_gr, GROUP, BITS, BLOCK_R, BLOCK_C, INTERPRET, TABLE)
     tl.store(y_ptr + rr[:, None] * stride_yr + rc[None, :], y.to(y_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (rc < C)[None, :])

@@ -12,8 +12,8 @@ An embedding lookup expands only the rows it gathers (``rows``).
 Every expansion gives the reference's values: ``code * scale + min`` in float32, rounded to the
 compute dtype (``expand_reference`` is that formula in torch; the native kernels equal it). A
 4-bit table format (``table``: bitsandbytes' NF4/FP4, llama.cpp's IQ4 values) reads each code
-as its table entry and has no mins: ``table[code] * scale``; the CPU's fused product and its
-one-pass expansion take it, a GPU expands it in torch.
+as its table entry and has no mins: ``table[code] * scale``; the fused products and one-pass
+expansions of both devices take it (``table_expansion``).
 
 This module belongs to the kernels package, a leaf: it imports nothing else from flexgen_dist.
 """
@@ -39,6 +39,18 @@ def one_pass_expansion(device: torch.device) -> Callable[..., torch.Tensor | Non
     out=None)``, None where it does not take its arguments): the native kernel on the CPU, a
     Triton one on a GPU; None elsewhere (the caller expands with ``expand_reference``)."""
     return {"cpu": dequant, "cuda": qlinear_gpu.dequant}.get(device.type)
+
+
+def table_expansion(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, cols: int, group: int,
+                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A 4-bit table format's rows expanded in one pass on their device (the native kernel on
+    the CPU, the Triton one on a GPU); None where neither applies (the caller expands with
+    ``expand_table_reference``)."""
+    if codes.device.type == "cpu":
+        return dequant_lut4(codes, scales, table, cols, group, dtype, out)
+    if codes.device.type == "cuda":
+        return qlinear_gpu.dequant(codes, scales, scales, cols, group, 4, dtype, out, table=table)
+    return None
 
 
 def fused_enabled() -> bool:
@@ -91,12 +103,11 @@ class QWeight:
         return y if out is None else out.copy_(y)
 
     def _expand_table(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """Rows of a table format's codes expanded (the native kernel on the CPU, else torch)."""
+        """Rows of a table format's codes expanded (``table_expansion``, else torch)."""
         assert self.table is not None
-        if self.device.type == "cpu":
-            y = dequant_lut4(codes, scales, self.table, self.shape[1], self.group_size, self.dtype, out)
-            if y is not None:
-                return y
+        y = table_expansion(codes, scales, self.table, self.shape[1], self.group_size, self.dtype, out)
+        if y is not None:
+            return y
         y = expand_table_reference(codes, scales, self.table.to(codes.device), self.shape[1], self.group_size,
                                    self.dtype)
         return y if out is None else out.copy_(y)
@@ -124,8 +135,8 @@ class QWeight:
         if not fused_enabled() or x.device != self.device:
             return None
         if self.device.type == "cuda":
-            return None if self.table is not None else qlinear_gpu.qlinear(
-                x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b, residual)
+            return qlinear_gpu.qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size,
+                                       self.bits, b, residual, table=self.table)
         if self.device.type != "cpu" or not 0 < m <= FUSED_MAX_ROWS:
             return None
         return qlinear(x, self.codes, self.mins, self.scales, self.shape[0], self.group_size, self.bits, b,

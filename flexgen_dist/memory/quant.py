@@ -213,10 +213,10 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
                 return fast
         return _expand_e4m3(q, data, scales, n, out)
     if q.fmt in LUT4:  # each code's table value times its group's scale, in float32
-        if data.device.type == "cpu" and q.dim == len(q.shape) - 1 == 1:
-            from ..kernels import dequant_lut4  # the native one-pass expansion (a leaf: no cycle)
+        if q.dim == len(q.shape) - 1 == 1:
+            from ..kernels.qweight import table_expansion  # one pass on the device (a leaf: no cycle)
 
-            fast = dequant_lut4(data, scales, lut4_table(q.fmt), n, q.group_size, q.dtype, out)
+            fast = table_expansion(data, scales, lut4_table(q.fmt, data.device), n, q.group_size, q.dtype, out)
             if fast is not None:
                 return fast
         return _expand_e4m3(q, data, scales, n, out)
