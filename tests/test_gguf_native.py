@@ -72,19 +72,14 @@ def test_encoded_k_blocks_read_back_close_and_reencode_to_themselves(kind: str) 
     assert np.array_equal(gq.dequantize(encode_blocks(y, kind), qtype), y)
 
 
-@pytest.mark.bundled
-def test_a_q4_k_m_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path) -> None:
-    """A Llama written as a Q4_K_M file (rows of 256: hidden 256, FFN 512): greedy tokens equal
-    transformers' on the file's values in float32, expanded and with the blocks kept
-    (--compress-weight: Q4_K matrices as 4-bit codes in groups of 32, Q6_K ones as 8-bit in
-    groups of 16, each expanding to the file's values exactly); the budget check sizes them
-    as stored."""
+def llama_file(qtype: str, seed: int, path: Path) -> tuple:
+    """(a random Llama with rows of 256, hidden 256 and FFN 512, holding the values of its
+    ``qtype`` file; that file at ``path``)."""
     import transformers as tf
 
-    from conftest import kept_codes_sized_as_stored
     from gguf_convert import roundtrip_, write_gguf
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                            max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
@@ -92,8 +87,20 @@ def test_a_q4_k_m_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path)
     with torch.no_grad():  # sharp attention, so that a wrong row order of q or k would show
         for layer in m.model.layers:
             layer.self_attn.q_proj.weight *= 12
-    roundtrip_(m, "Q4_K_M")
-    path = write_gguf(m, tmp_path / "m.gguf", "Q4_K_M")
+    roundtrip_(m, qtype)
+    return m, write_gguf(m, path, qtype)
+
+
+@pytest.mark.bundled
+def test_a_q4_k_m_file_keeps_its_blocks_and_matches_transformers(tmp_path: Path) -> None:
+    """A Llama written as a Q4_K_M file (rows of 256: hidden 256, FFN 512): greedy tokens equal
+    transformers' on the file's values in float32, expanded and with the blocks kept
+    (--compress-weight: Q4_K matrices as 4-bit codes in groups of 32, Q6_K ones as 8-bit in
+    groups of 16, each expanding to the file's values exactly); the budget check sizes them
+    as stored."""
+    from conftest import kept_codes_sized_as_stored
+
+    m, path = llama_file("Q4_K_M", 3, tmp_path / "m.gguf")
     ref = reference_generate(TinyModel("llama", path, m, 0), PROMPTS, 6)
     for compress in (False, True):
         from flexgen_dist import LLM
@@ -200,22 +207,10 @@ def test_an_iq4_file_keeps_its_codes_in_the_table_format(qtype: str, tmp_path: P
     codes kept (--compress-weight: the ``iq4nl`` table format, 4-bit codes and a float32
     scale per 32 values, each matrix expanding to the file's values exactly) and expanded; the
     budget check sizes them as stored."""
-    import transformers as tf
-
     from conftest import kept_codes_sized_as_stored
     from flexgen_dist import LLM
-    from gguf_convert import roundtrip_, write_gguf
 
-    torch.manual_seed(4)
-    m = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512,
-                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                                           pad_token_id=2, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.q_proj.weight *= 12
-    roundtrip_(m, qtype)
-    path = write_gguf(m, tmp_path / "m.gguf", qtype)
+    m, path = llama_file(qtype, 4, tmp_path / "m.gguf")
     ref = reference_generate(TinyModel("llama", path, m, 0), PROMPTS, 6)
     for compress in (True, False):
         with LLM(str(path), compress_weight=compress, gpu_batch_size=2, num_gpu_batches=2, ignore_eos=True,
