@@ -204,8 +204,9 @@ def encode_blocks(x: np.ndarray, kind: str) -> np.ndarray:
             d, d_b = _as_f16(np.abs(step).max(-1) / 31)
             ls = _round_step(step, d, -32, 31)
             scale = d * ls
-        safe = np.where(scale == 0, 1.0, scale)[..., None, None]  # (n, sub-blocks, 1, 1)
-        q = np.abs(sub[..., None] / safe - k).argmin(-1).astype(np.uint8)  # the nearest table value
+        safe = np.where(scale == 0, 1.0, scale)[..., None]  # (n, sub-blocks, 1)
+        # the nearest table value (k ascending): the count of midpoints below each value
+        q = np.searchsorted((k[1:] + k[:-1]) / 2, sub / safe).astype(np.uint8)
         nibbles = _unbits(q.reshape(-1, 32), [0, 4], 4, 16).reshape(n, -1)
         if kind == "IQ4_NL":
             out = np.concatenate([d_b, nibbles], axis=1)
