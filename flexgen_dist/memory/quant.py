@@ -211,7 +211,7 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
             fast = dequant_fp8(data, scales, n, q.group_size, q.dtype, out)
             if fast is not None:
                 return fast
-        return _expand_e4m3(q, data, scales, n, out)
+        return _expand_scaled(q, data, scales, n, out)
     if q.fmt in LUT4:  # each code's table value times its group's scale, in float32
         if q.dim == len(q.shape) - 1 == 1:
             from ..kernels.qweight import table_expansion  # one pass on the device (a leaf: no cycle)
@@ -219,7 +219,7 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
             fast = table_expansion(data, scales, lut4_table(q.fmt, data.device), n, q.group_size, q.dtype, out)
             if fast is not None:
                 return fast
-        return _expand_e4m3(q, data, scales, n, out)
+        return _expand_scaled(q, data, scales, n, out)
     if q.dim == len(q.shape) - 1:
         # the same values in one pass (the kernels package is a leaf: no import cycle)
         from ..kernels.qweight import one_pass_expansion
@@ -238,11 +238,11 @@ def dequantize(q: QTensor, device: torch.device | str | None = None,
     return x if out is None else out.copy_(x)
 
 
-# values expanded at once in float32 by ``_expand_e4m3`` (a GPU's temporary stays ~64 MB)
+# values expanded at once in float32 by ``_expand_scaled`` (a GPU's temporary stays ~64 MB)
 E4M3_CHUNK = 1 << 24
 
 
-def _expand_e4m3(q: QTensor, data: torch.Tensor, scales: torch.Tensor, n: int,
+def _expand_scaled(q: QTensor, data: torch.Tensor, scales: torch.Tensor, n: int,
                  out: torch.Tensor | None) -> torch.Tensor:
     """An E4M3 or 4-bit table QTensor's values (module doc) in ``q.dtype``, through a float32
     product of at most ``E4M3_CHUNK`` values at a time along the leading rows (so expanding a

@@ -142,12 +142,14 @@ class BnbLayers:
                                 absmax.numel(), f"{self.where}: {name}") + float(qs.get("nested_offset", 0.0))
         return absmax.float().reshape(-1)
 
-    def kept_format(self, name: str, run_dtype: torch.dtype) -> tuple[int, int, str] | None:
+    def kept_format(self, name: str, run_dtype: torch.dtype,
+                    state: tuple[dict[str, Any], tuple[int, ...], int] | None = None) -> tuple[int, int, str] | None:
         """``(4, block size, table format)`` where 4-bit matrix ``name`` keeps its codes under
-        --compress-weight (module doc), else None; read from its record and table alone."""
+        --compress-weight (module doc), else None; read from its record (``state``: already
+        read) and table alone."""
         if self.b.bits != 4 or self.state(name) is None or self.b.quant_type not in LUT4:
             return None
-        qs, shape, _ = self._state4(name)
+        qs, shape, _ = state or self._state4(name)
         block = int(qs.get("blocksize", 64))
         dtype = getattr(torch, str(qs.get("dtype", "float32")), None)
         table = self.read(name + ".quant_map").float().reshape(-1)
@@ -160,10 +162,13 @@ class BnbLayers:
     def packed(self, name: str, run_dtype: torch.dtype) -> PackedWeight | None:
         """4-bit matrix ``name``'s codes in the engine's table format, or None where they are
         not kept so (``kept_format``)."""
-        fmt = self.kept_format(name, run_dtype)
+        if self.b.bits != 4 or self.state(name) is None:
+            return None
+        state = self._state4(name)  # the record read once, for the check and the codes
+        fmt = self.kept_format(name, run_dtype, state)
         if fmt is None:
             return None
-        qs, (rows, cols), n = self._state4(name)
+        qs, (rows, cols), n = state
         raw = self.read(name).contiguous().view(torch.uint8).reshape(-1)
         absmax = self._absmax(name, qs)
         if raw.numel() * 2 < n or absmax.numel() != n // fmt[1]:
