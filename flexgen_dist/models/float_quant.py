@@ -1,4 +1,5 @@
-"""Float-coded checkpoints: FP8 weights with their scales, and gpt-oss's MXFP4 experts; each
+"""Float-coded checkpoints: FP8 weights with their scales, and gpt-oss's MXFP4 experts (a
+Hugging Face directory's reader hands them to ``FloatLayers``); each
 matrix expanded to float32 as it is read (then kept in the run's dtype like any weight), or,
 for a 2-D FP8 matrix under ``--compress-weight``, kept as its codes (``fp8_packed``: a
 ``PackedWeight`` of format e4m3, one byte a value and a float32 scale per row and block of
@@ -26,7 +27,7 @@ dequantized model, as transformers' ``dequantize=True`` computes it (``activatio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -197,3 +198,81 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> t
     vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
     out = torch.ldexp(vals.reshape(*scales.shape, 32), scales.to(torch.int32)[..., None] - 127)
     return out.reshape(*scales.shape[:-1], -1)
+
+
+class FloatLayers:
+    """A checkpoint's float-coded matrices read with their companions: an FP8 matrix ``X`` with
+    its scales (``X`` + the layout's suffix), an MXFP4 one ``X_blocks`` with ``X_scales`` (of
+    one expert where the tensors hold all). ``has(name)``: the checkpoint holds the tensor;
+    ``raw(name)``: reads it; ``header_dtype(name)``: its stored dtype from the file's header
+    (a safetensors dtype string, or a torch dtype) without reading it."""
+
+    def __init__(self, layout: Fp8Layout | None, has: Callable[[str], bool], raw: Callable[[str], torch.Tensor],
+                 header_dtype: Callable[[str], Any], where: str) -> None:
+        self.layout, self.has, self.raw, self.header_dtype, self.where = layout, has, raw, header_dtype, where
+
+    def scale_name(self, name: str) -> str:
+        """The name of FP8 matrix ``name``'s scales (refused in one line where there are none)."""
+        scale_name = name + (self.layout.suffix if self.layout else "_scale_inv")
+        if self.layout is None or not self.has(scale_name):
+            raise ModelLoadError(f"{self.where}: tensor {name} is FP8 but "
+                                 + ("the config has no FP8 quantization_config" if self.layout is None
+                                    else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
+        return scale_name
+
+    def scale(self, name: str) -> torch.Tensor:
+        return self.raw(self.scale_name(name))
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored in float8 (from the file's header)."""
+        return self.has(name) and self.header_dtype(name) in ("F8_E4M3", "F8_E4M3FN", *FP8_DTYPES)
+
+    def expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
+        """FP8 matrix ``name`` (``t``: its codes, of expert ``index`` where given) in float32."""
+        scale = self.scale(name)
+        assert self.layout is not None  # scale() refused a file without one
+        return dequantize_fp8(t, scale[index] if index is not None and scale.dim() > 0 and scale.numel() > 1
+                              else scale, self.layout.block, f"{self.where}: {name}")
+
+    def packed_fp8(self, name: str, t: torch.Tensor) -> PackedWeight:
+        """A 2-D FP8 matrix kept as its codes (``fp8_packed``)."""
+        scale = self.scale(name)
+        assert self.layout is not None
+        return fp8_packed(t, scale, self.layout.block, f"{self.where}: {name}")
+
+    def mxfp4_parts(self, name: str, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 tensor's blocks and E8M0 scales, of expert ``index`` where given (views of
+        the file's mapped tensors: one expert's bytes are all that is read)."""
+        scale_name = name.removesuffix("_blocks") + "_scales"
+        if not self.has(scale_name):
+            raise ModelLoadError(f"{self.where}: tensor {name} is MXFP4 but its scales {scale_name} are missing: "
+                                 "corrupt checkpoint?")
+        blocks, scales = self.raw(name), self.raw(scale_name)
+        if index is not None:
+            if blocks.dim() < 3 or blocks.shape[0] <= index:
+                raise ModelLoadError(f"{self.where}: tensor {name} has shape {tuple(blocks.shape)}, expected more "
+                                     f"than {index} experts: corrupt checkpoint?")
+            blocks, scales = blocks[index], scales[index]
+        return blocks, scales
+
+    def expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
+        return dequantize_mxfp4(*self.mxfp4_parts(name, index), f"{self.where}: {name}")
+
+    def packed_mxfp4(self, name: str, index: int | None, rows: str) -> PackedWeight:
+        """One MXFP4 matrix (of expert ``index``, its ``rows`` "r0:r1:step" where given) in the
+        ``mxfp4`` table format: the e2m1 codes as they are (two a byte, the low nibble first),
+        a float32 scale 2^(e - 128) per 32 values (the table holds the values doubled)."""
+        blocks, scales = self.mxfp4_parts(name, index)
+        where = f"{self.where}: {name}"
+        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[:-1] != scales.shape \
+                or blocks.shape[-1] != 16:
+            dequantize_mxfp4(blocks, scales, where)  # its one-line refusal
+        if rows:
+            r0, r1, step = (int(r) for r in (rows + ":1").split(":")[:3])
+            if blocks.shape[0] < r1:
+                raise ModelLoadError(f"{where} has {blocks.shape[0]} rows, expected >= {r1}")
+            blocks, scales = blocks[r0:r1:step], scales[r0:r1:step]
+        n, groups = scales.shape
+        half = torch.ldexp(torch.ones(n, groups), scales.to(torch.int32) - 128)
+        return PackedWeight(blocks.reshape(n, groups * 16).contiguous(), torch.zeros(n, 0), half.contiguous(),
+                            (n, groups * 32), 4, 32, "mxfp4")

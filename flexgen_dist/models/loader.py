@@ -21,8 +21,7 @@ from .dummy import DummySource
 from .common import LM_HEADS, LM_PREFIXES
 from .families import INDEX, MXFP4, ROWS, TRANSPOSED
 from .bnb_quant import BnbLayers, BnbQuant, activation_note_bnb, bnb_quant
-from .float_quant import (FP8_DTYPES, Fp8Layout, activation_note, dequantize_fp8, dequantize_mxfp4, fp8_format,
-                          fp8_layout, fp8_packed)
+from .float_quant import FP8_DTYPES, FloatLayers, Fp8Layout, activation_note, fp8_format, fp8_layout
 from .int_quant import IntLayers, IntQuant, int_quant
 from .packed import PackedWeight
 from .hf_config import spec_from_hf_config
@@ -75,6 +74,8 @@ class HFDirSource(WeightSource):
         # a bitsandbytes matrix X.weight is read with its companions (X.weight.absmax, ..., X.SCB)
         self.bnb = None if bnb is None else BnbLayers(bnb, self.index.__contains__, self._raw, str(path))
         self.mxfp4 = any(n.endswith("_blocks") for n in self.index)  # gpt-oss's experts as OpenAI ships them
+        # FP8 matrices with their scales, MXFP4 blocks with theirs
+        self.floats = FloatLayers(fp8, self.index.__contains__, self._raw, self._header_dtype, str(path))
 
     def _open(self, f: Path) -> Any:
         """The (cached) handle of one checkpoint file: a safetensors reader or a mapped state dict."""
@@ -123,7 +124,7 @@ class HFDirSource(WeightSource):
                                           shape[1] // scales.shape[1])
                     continue
             if packed and mxfp4 and not transposed:  # one expert's codes, its rows, in the mxfp4 table format
-                out[k] = self._mxfp4_packed(name, int(index) if index else None, rows)
+                out[k] = self.floats.packed_mxfp4(name, int(index) if index else None, rows)
                 continue
             if packed and self.bnb is not None and not (rows or transposed or index or mxfp4):
                 pw = self.bnb.packed(name, self.dtype)
@@ -132,10 +133,10 @@ class HFDirSource(WeightSource):
                     continue
             t = self._tensor(name)
             if packed and t.dtype in FP8_DTYPES and t.dim() == 2 and not (rows or transposed or index or mxfp4):
-                out[k] = fp8_packed(t, self._fp8_scale(name), self.fp8.block, f"{self.path}: {name}")  # type: ignore[union-attr]
+                out[k] = self.floats.packed_fp8(name, t)
                 continue
             if mxfp4:  # codes and scales of all experts: one expert's, expanded
-                t = self._expand_mxfp4(name, int(index) if index else None)
+                t = self.floats.expand_mxfp4(name, int(index) if index else None)
                 index = ""
             if index:  # one expert of a 3-D tensor holding all (a view)
                 if t.dim() < 2 or t.shape[0] <= int(index):  # experts x rows x cols, or experts x biases
@@ -143,7 +144,7 @@ class HFDirSource(WeightSource):
                                          f"more than {index} experts: corrupt checkpoint?")
                 t = t[int(index)]
             if t.dtype in FP8_DTYPES:  # FP8: times its blocks' (rows', the matrix's) scales, before any cut
-                t = self._expand_fp8(name, t, int(index) if index else None)
+                t = self.floats.expand_fp8(name, t, int(index) if index else None)
             if transposed:  # stored in x out (gpt-oss's experts)
                 t = t.transpose(-2, -1)
             if rows:  # rows of a fused tensor, every step-th (a view; ``get`` converts and copies it),
@@ -171,6 +172,12 @@ class HFDirSource(WeightSource):
     def _raw(self, name: str) -> torch.Tensor:
         h = self._open(self.index[name])
         return h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+
+    def _header_dtype(self, name: str) -> Any:
+        """A tensor's stored dtype from the file's header (safetensors: its dtype string) or its
+        mapped copy (a torch dtype), without reading it."""
+        h = self._open(self.index[name])
+        return h.get_slice(name).get_dtype() if hasattr(h, "get_slice") else h[name].dtype
 
     def _shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the file's header (safetensors) or its mapped copy."""
@@ -200,10 +207,10 @@ class HFDirSource(WeightSource):
                 out[k] = (4, 32, "mxfp4")
             if rows or transposed or index or mxfp4:
                 continue
-            if self.fp8 is not None and self._is_fp8(name):
+            if self.fp8 is not None and name not in self._packed and self.floats.is_fp8(name):
                 shape = self._shape(name)
                 if len(shape) == 2:
-                    out[k] = fp8_format(shape, self._shape(self._fp8_scale_name(name)), self.fp8.block)
+                    out[k] = fp8_format(shape, self._shape(self.floats.scale_name(name)), self.fp8.block)
                 continue
             if self.iq is not None and name in self._packed:
                 group = self.ints.packed_group(name.removesuffix("weight"))  # type: ignore[union-attr]
@@ -214,68 +221,6 @@ class HFDirSource(WeightSource):
                 if fmt is not None:
                     out[k] = fmt
         return out
-
-    def _fp8_scale_name(self, name: str) -> str:
-        """The name of FP8 matrix ``name``'s scales (refused in one line where there are none)."""
-        scale_name = name + (self.fp8.suffix if self.fp8 else "_scale_inv")
-        if self.fp8 is None or scale_name not in self.index:
-            raise ModelLoadError(f"{self.path}: tensor {name} is FP8 but "
-                                 + ("the config has no FP8 quantization_config" if self.fp8 is None
-                                    else f"its scales {scale_name} are missing") + ": corrupt checkpoint?")
-        return scale_name
-
-    def _fp8_scale(self, name: str) -> torch.Tensor:
-        return self._tensor(self._fp8_scale_name(name))
-
-    def _is_fp8(self, name: str) -> bool:
-        """Whether tensor ``name`` is stored in float8 (from the file's header)."""
-        if name not in self.index or name in self._packed:
-            return False
-        h = self._open(self.index[name])
-        if hasattr(h, "get_slice"):
-            return h.get_slice(name).get_dtype() in ("F8_E4M3", "F8_E4M3FN")
-        return h[name].dtype in FP8_DTYPES
-
-    def _expand_fp8(self, name: str, t: torch.Tensor, index: int | None) -> torch.Tensor:
-        scale = self._fp8_scale(name)
-        return dequantize_fp8(t, scale[index] if index is not None and scale.dim() > 0 and scale.numel() > 1
-                              else scale, self.fp8.block, f"{self.path}: {name}")
-
-    def _mxfp4_parts(self, name: str, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """An MXFP4 tensor's blocks and E8M0 scales, of expert ``index`` where given."""
-        scale_name = name.removesuffix("_blocks") + "_scales"
-        if scale_name not in self.index:
-            raise ModelLoadError(f"{self.path}: tensor {name} is MXFP4 but its scales {scale_name} are missing: "
-                                 "corrupt checkpoint?")
-        blocks, scales = self._tensor(name), self._tensor(scale_name)
-        if index is not None:
-            if blocks.dim() < 3 or blocks.shape[0] <= index:
-                raise ModelLoadError(f"{self.path}: tensor {name} has shape {tuple(blocks.shape)}, expected more than "
-                                     f"{index} experts: corrupt checkpoint?")
-            blocks, scales = blocks[index], scales[index]
-        return blocks, scales
-
-    def _expand_mxfp4(self, name: str, index: int | None) -> torch.Tensor:
-        return dequantize_mxfp4(*self._mxfp4_parts(name, index), f"{self.path}: {name}")
-
-    def _mxfp4_packed(self, name: str, index: int | None, rows: str) -> PackedWeight:
-        """One MXFP4 matrix (of expert ``index``, its ``rows`` "r0:r1:step" where given) in the
-        ``mxfp4`` table format: the e2m1 codes as they are (two a byte, the low nibble first),
-        a float32 scale 2^(e - 128) per 32 values (the table holds the values doubled)."""
-        blocks, scales = self._mxfp4_parts(name, index)
-        where = f"{self.path}: {name}"
-        if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[:-1] != scales.shape \
-                or blocks.shape[-1] != 16:
-            dequantize_mxfp4(blocks, scales, where)  # its one-line refusal
-        if rows:
-            r0, r1, step = (int(r) for r in (rows + ":1").split(":")[:3])
-            if blocks.shape[0] < r1:
-                raise ModelLoadError(f"{where} has {blocks.shape[0]} rows, expected >= {r1}")
-            blocks, scales = blocks[r0:r1:step], scales[r0:r1:step]
-        n, groups = scales.shape
-        half = torch.ldexp(torch.ones(n, groups), scales.to(torch.int32) - 128)
-        return PackedWeight(blocks.reshape(n, groups * 16).contiguous(), torch.zeros(n, 0), half.contiguous(),
-                            (n, groups * 32), 4, 32, "mxfp4")
 
     def own_head(self) -> str | None:
         """Where the config ties the head to the embedding but the checkpoint holds a head of
