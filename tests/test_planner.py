@@ -16,7 +16,7 @@ from flexgen_dist.models.registry import get_spec
 from flexgen_dist.models.spec import ModelSpec
 from flexgen_dist.planner.cli import main as cli_main
 from flexgen_dist.planner.cost_model import WorkShape, estimate_pipeline, estimate_stage
-from flexgen_dist.planner.terms import stage_terms
+from flexgen_dist.planner.terms import _read_and_compute, stage_terms
 from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner.profiler import profile_hardware
 from flexgen_dist.planner.pipeline import plan_pipeline
@@ -316,6 +316,10 @@ def test_profiler_quick_mode_is_positive(tmp_path):
     assert (hw.cpu_packed_flops is not None) == (library() is not None)  # codes read in place where built
     assert set(hw.cpu_att_peak_dtype) == {"float32", "bfloat16", "float16"}
     assert hw.cpu_att_peak == hw.cpu_att_peak_dtype["float32"]
+    for name in ("decode_flops", "cpu_att_read", "gemm_bw"):  # each per dtype, float32's the plain figure
+        assert set(getattr(hw, name + "_dtype")) == {"float32", "bfloat16", "float16"}
+        assert getattr(hw, name) == getattr(hw, name + "_dtype")["float32"], name
+    assert hw.cpu_att_read == hw.cpu_flops  # the one-head probe in float32
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # the DiskStore cleaned up
 
 
@@ -440,40 +444,84 @@ def test_a_compressed_cache_the_host_attends_costs_its_measured_rate(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["opt-125m", "llama-3.2-1b"])
-def test_the_hosts_decode_attention_is_the_slower_of_reading_and_computing(model):
-    """``cpu_att_peak``: the host's decode attention takes the slower of reading its cache at
-    ``2 cpu_flops`` bytes/s and computing at the peak (grouped-query attention reads a quarter
-    of the bytes per FLOP here; a 2-byte dtype half of float32's). Without the figure: FLOPs at
-    ``cpu_flops``, as before. ``for_dtype`` takes the run dtype's peak; a CPU device attends
-    its own share so too, a GPU its own as before."""
+def test_the_hosts_decode_attention_reads_then_computes(model):
+    """``cpu_att_peak`` (eight query heads a key) with ``cpu_att_read`` (one head a key, or
+    ``cpu_flops`` where absent): the host's decode attention is its cache's bytes at the read
+    rate the two imply plus its FLOPs at the compute rate they imply; a shape of one head a key
+    costs what the one-head probe measured, one of eight what the peak probe measured, those
+    between in between. Without the peak: FLOPs at ``cpu_flops``, as before. ``for_dtype`` takes
+    the run dtype's figures; a CPU device attends its own share so too, a GPU its own as before."""
     spec = get_spec(model)
     kw = dict(gpu_batch_size=4, num_gpu_batches=3, has_embed=True, has_head=True, cpu_attention=True)
     bls, ctx = 12, WL.prompt_len + WL.gen_len / 2
     flops, kv = 4.0 * bls * ctx * spec.q_dim, bls * ctx * spec.kv_numel_per_token()
+    g = spec.num_heads / spec.num_kv_heads  # query heads a key
     gpu = HardwareSpec.from_yaml(T4)
-    coef = lambda hw, col: stage_terms(spec, spec.num_layers, hw, WL, **kw).decode[4, col]  # noqa: E731
+    coef = lambda hw, col, wl=WL: stage_terms(spec, spec.num_layers, hw, wl, **kw).decode[4, col]  # noqa: E731
     CG, CC = 3, 4
     assert coef(gpu, CC) == pytest.approx(flops / gpu.cpu_flops)  # no peak measured: as before
-    read = kv * WL.dtype_bytes / (2 * gpu.cpu_flops)
-    for peak in (gpu.cpu_flops / 4, gpu.cpu_flops * 40):  # computing sets the pace, then reading
-        hw = replace(gpu, cpu_att_peak=peak)
-        assert coef(hw, CC) == pytest.approx(max(read, flops / peak))
-        assert coef(hw, CG) == pytest.approx(coef(gpu, CG))  # the GPU's own share
-        on_cpu = replace(hw, compute_device="cpu")
-        assert coef(on_cpu, CG) == pytest.approx(coef(on_cpu, CC)) == pytest.approx(max(read, flops / peak))
-    fast = replace(gpu, cpu_att_peak=gpu.cpu_flops * 40)
-    assert coef(fast, CC) < coef(gpu, CC)  # 2-byte elements: half float32's bytes a FLOP
+    one, eight = gpu.cpu_flops, gpu.cpu_flops * 3
+    hw = replace(gpu, cpu_att_peak=eight)
+    got = coef(hw, CC)
+    assert got == pytest.approx(_read_and_compute(kv * WL.dtype_bytes, flops, one, eight, WL.dtype_bytes))
+    # the rates are of the run's dtype: one head a key is the one-head probe's shape
+    assert flops / eight <= got * (1 + 1e-9) and (got < flops / one * (1 - 1e-9)) == (g > 1)
+    assert coef(hw, CG) == pytest.approx(coef(gpu, CG))  # the GPU's own share
+    on_cpu = replace(hw, compute_device="cpu")
+    assert coef(on_cpu, CG) == pytest.approx(coef(on_cpu, CC)) == pytest.approx(got)
     wl32 = WorkShape(WL.prompt_len, WL.gen_len, dtype_bytes=4)
-    c32 = [stage_terms(spec, spec.num_layers, h, wl32, **kw).decode[4, CC] for h in (fast, gpu)]
-    gqa = spec.num_kv_heads < spec.num_heads
-    assert (c32[0] < c32[1]) == gqa and c32[0] <= c32[1] * (1 + 1e-12)  # float32 MHA: read as before
-    rates = {"float32": 1e11, "bfloat16": 2e11}
-    typed = replace(gpu, cpu_att_peak_dtype=rates)
+    if g == 1:  # one head a key: the one-head probe's own shape and rate
+        assert coef(hw, CC, wl32) == pytest.approx(flops / one) == pytest.approx(got)
+    read_fast = replace(hw, cpu_att_read=one * 2)  # a faster read rate in the run's dtype: less time
+    assert coef(read_fast, CC) < got
+    # the kernel's two rates reproduce both probes, and a shape between lies between
+    for b in (2, 4):
+        f = 1e9
+        assert _read_and_compute(f * b / 2, f, one, eight, b) == pytest.approx(f / one)
+        assert _read_and_compute(f * b / 16, f, one, eight, b) == pytest.approx(f / eight)
+        assert f / eight < _read_and_compute(f * b / 6, f, one, eight, b) < f / one
+    typed = replace(gpu, cpu_att_peak_dtype={"float32": 1e11, "bfloat16": 2e11},
+                    cpu_att_read_dtype={"float32": 1e10, "bfloat16": 3e10})
     assert typed.for_dtype("bfloat16").cpu_att_peak == 2e11 and typed.for_dtype("float16").cpu_att_peak is None
-    with pytest.raises(ValueError, match="cpu_att_peak"):
-        replace(gpu, cpu_att_peak=-1.0)
-    with pytest.raises(ValueError, match="cpu_att_peak_dtype"):
-        replace(gpu, cpu_att_peak_dtype={"int8": 1.0})
+    assert typed.for_dtype("bfloat16").cpu_att_read == 3e10 and typed.for_dtype("float16").cpu_att_read is None
+    for bad in (dict(cpu_att_peak=-1.0), dict(cpu_att_read=0.0), dict(cpu_att_peak_dtype={"int8": 1.0}),
+                dict(cpu_att_read_dtype={"float32": -2.0})):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            replace(gpu, **bad)
+
+
+def test_a_products_rate_moves_from_the_decode_figure_to_the_prefill_one():
+    """``decode_flops``: products of up to 64 rows are costed at it, of 512 and more at
+    ``mm_flops``, geometric between; a decode step's products (rows: its GPU batch, or the
+    block where merged) take it, a prefill's the GEMM rate; without it every size takes
+    ``mm_flops``, as before. ``for_dtype`` takes the run dtype's."""
+    gpu = HardwareSpec.from_yaml(T4)
+    hw = replace(gpu, decode_flops=gpu.mm_flops / 4)
+    assert gpu.product_flops(8) == gpu.product_flops(4096) == gpu.mm_flops
+    assert hw.product_flops(1) == hw.product_flops(64) == gpu.mm_flops / 4
+    assert hw.product_flops(512) == hw.product_flops(10**6) == gpu.mm_flops
+    mid = hw.product_flops(64 * 8 ** 0.5)  # halfway in the doublings: the geometric mean
+    assert mid == pytest.approx(gpu.mm_flops / 2)
+    rates = [hw.product_flops(r) for r in (64, 100, 200, 300, 512)]
+    assert rates == sorted(rates)
+    spec = get_spec("opt-1.3b")
+    for cpu in (False, True):
+        base = replace(gpu, compute_device="cpu") if cpu else gpu
+        slow = replace(base, decode_flops=base.mm_flops / 1000)  # slow enough to set a GPU's pace
+        kw = dict(gpu_batch_size=8, num_gpu_batches=2, has_embed=False, has_head=False, cpu_attention=False)
+        a, b = (stage_terms(spec, spec.num_layers, h, WL, **kw) for h in (base, slow))
+        assert a.prefill[4, -1] == pytest.approx(b.prefill[4, -1])  # 8 x 512 rows: the GEMM's rate
+        assert b.decode[4, -1] > a.decode[4, -1]  # 8 rows a product: the slower decode rate
+        fast = replace(base, decode_flops=base.mm_flops * 4)
+        assert stage_terms(spec, spec.num_layers, fast, WL, **kw).decode[4, -1] <= a.decode[4, -1]
+    typed = replace(gpu, decode_flops_dtype={"float32": 1e12, "bfloat16": 3e12})
+    assert typed.for_dtype("bfloat16").decode_flops == 3e12 and typed.for_dtype("float16").decode_flops is None
+    for bad in (dict(decode_flops=-1.0), dict(decode_flops_dtype={"fp8": 1e12})):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            replace(gpu, **bad)
+    # a profile file carries them through YAML
+    d = typed.to_dict()
+    assert HardwareSpec.from_dict(d) == typed
 
 
 # CLI ----------------------------------------------------------------------------------

@@ -24,11 +24,15 @@ BW_FIELDS = ("ctog_bw", "gtoc_bw", "dtoc_bw", "ctod_bw", "net_bw")
 FLOPS_FIELDS = ("mm_flops", "bmm_flops", "cpu_flops")
 OPTIONAL_FIELDS = ("compute_device", "gemm_bw", "disk_cpu", "mm_flops_dtype", "gemm_bw_dtype",
                    "host_layer_s", "host_batch_s", "host_cache_batch_s", "att_flops", "att_flops_dtype",
-                   "cpu_packed_flops", "cpu_att_peak", "cpu_att_peak_dtype")
+                   "cpu_packed_flops", "cpu_att_peak", "cpu_att_peak_dtype", "decode_flops", "decode_flops_dtype",
+                   "cpu_att_read", "cpu_att_read_dtype")
 HOST_FIELDS = ("host_layer_s", "host_batch_s", "host_cache_batch_s")
 DTYPES = ("float32", "bfloat16", "float16")
 # what a cached, self-measured profile carries beside the spec (profile_cache.py); not part of it
 META_KEYS = ("profile_version", "identity", "measured_at")
+# rows of the products ``decode_flops`` times, and of ``mm_flops``' prefill-sized one on a CPU:
+# a product's arithmetic rate moves from the one to the other between them (``product_flops``)
+DECODE_ROWS, PREFILL_ROWS = 64, 512
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,16 @@ class HardwareSpec:
     ``cpu_att_peak`` (optional): the host's decode attention where it computes rather than reads:
     eight query heads a key and value (grouped-query attention), in the dtype of ``mm_flops``,
     and ``cpu_att_peak_dtype`` per dtype. ``cpu_flops``' shape (one head a key) is bound by
-    reading the cache, at ``2 cpu_flops`` bytes/s; with this figure the cost model takes a
-    step's host attention as the slower of reading its cache at that rate and computing at
-    this one, so heads sharing keys and narrower dtypes cost what they do. Without it, the
-    attention costs its FLOPs at ``cpu_flops``.
+    reading the cache. ``cpu_att_read`` (optional): ``cpu_flops``' shape in the dtype of
+    ``mm_flops``, and ``cpu_att_read_dtype`` per dtype (without it, ``cpu_flops``). The two in
+    one dtype place the kernel's time per byte of cache read and per FLOP computed, which the
+    cost model adds (``planner/terms.py``), so heads sharing keys and narrower dtypes cost what
+    they do. Without ``cpu_att_peak`` the attention costs its FLOPs at ``cpu_flops``.
+    ``decode_flops`` (optional): the arithmetic rate of a decode step's products of
+    ``DECODE_ROWS`` rows on the compute device (on a CPU beyond their weight stream, which the
+    cost model adds; on a GPU of the whole product, which overlaps it), in the dtype of
+    ``mm_flops``, and ``decode_flops_dtype`` per dtype. A product of ``r`` rows is costed at a
+    rate between it and ``mm_flops`` (``product_flops``); without it, at ``mm_flops``.
     """
 
     name: str
@@ -96,6 +106,10 @@ class HardwareSpec:
     cpu_packed_flops: float | None = None
     cpu_att_peak: float | None = None
     cpu_att_peak_dtype: dict[str, float] | None = None
+    decode_flops: float | None = None
+    decode_flops_dtype: dict[str, float] | None = None
+    cpu_att_read: float | None = None
+    cpu_att_read_dtype: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -117,14 +131,16 @@ class HardwareSpec:
                 what = "seconds >= 0" if f == "net_latency" else "a positive rate"
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be {what}")
             object.__setattr__(self, f, float(v))
-        for f in ("gemm_bw", "att_flops", "cpu_packed_flops", "cpu_att_peak"):
+        for f in ("gemm_bw", "att_flops", "cpu_packed_flops", "cpu_att_peak", "decode_flops",
+                  "cpu_att_read"):
             v = getattr(self, f)
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"HardwareSpec.{f}={v!r}: must be a positive rate, or absent")
             object.__setattr__(self, f, float(v))
-        for f in ("mm_flops_dtype", "gemm_bw_dtype", "att_flops_dtype", "cpu_att_peak_dtype"):
+        for f in ("mm_flops_dtype", "gemm_bw_dtype", "att_flops_dtype", "cpu_att_peak_dtype", "decode_flops_dtype",
+                  "cpu_att_read_dtype"):
             d = getattr(self, f)
             if d is None:
                 continue
@@ -160,7 +176,23 @@ class HardwareSpec:
             new["att_flops"] = self.att_flops_dtype[dtype]
         if self.cpu_att_peak_dtype and dtype in self.cpu_att_peak_dtype:
             new["cpu_att_peak"] = self.cpu_att_peak_dtype[dtype]
+        if self.decode_flops_dtype and dtype in self.decode_flops_dtype:
+            new["decode_flops"] = self.decode_flops_dtype[dtype]
+        if self.cpu_att_read_dtype and dtype in self.cpu_att_read_dtype:
+            new["cpu_att_read"] = self.cpu_att_read_dtype[dtype]
         return replace(self, **new) if new else self
+
+    def product_flops(self, rows: float) -> float:
+        """The arithmetic rate of a linear layer's product of ``rows`` rows: ``decode_flops``
+        up to ``DECODE_ROWS`` rows, ``mm_flops`` from ``PREFILL_ROWS``, between them
+        geometric in the rows (a rate that rises, or falls, steadily with the rows' doublings);
+        ``mm_flops`` at every size where the profile has no ``decode_flops``."""
+        if self.decode_flops is None or rows >= PREFILL_ROWS:
+            return self.mm_flops
+        if rows <= DECODE_ROWS:
+            return self.decode_flops
+        f = math.log(rows / DECODE_ROWS) / math.log(PREFILL_ROWS / DECODE_ROWS)
+        return self.decode_flops ** (1.0 - f) * self.mm_flops ** f
 
     def with_budgets(self, gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
                      disk_mem: int | str | None = None) -> HardwareSpec:
@@ -200,7 +232,7 @@ class HardwareSpec:
                    **{f: float for f in FLOPS_FIELDS + ("net_latency",)}}
         if vals.get("gemm_bw") is not None:
             convert["gemm_bw"] = _parse_rate
-        for f in ("disk_cpu", "att_flops", "cpu_packed_flops", "cpu_att_peak") + HOST_FIELDS:
+        for f in ("disk_cpu", "att_flops", "cpu_packed_flops", "cpu_att_peak", "decode_flops", "cpu_att_read") + HOST_FIELDS:
             if vals.get(f) is not None:
                 convert[f] = float
         if vals.get("gemm_bw_dtype") is not None and isinstance(vals["gemm_bw_dtype"], dict):

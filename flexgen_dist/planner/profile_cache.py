@@ -24,7 +24,7 @@ from flexgen_dist.planner.hardware import HardwareSpec
 from flexgen_dist.planner import profiler
 
 
-PROFILE_VERSION = 6  # what a cached profile holds and how it is measured; older ones are measured again
+PROFILE_VERSION = 7  # what a cached profile holds and how it is measured; older ones are measured again
 
 
 def default_cache_path(device: str, threads: int | None = None) -> Path:

@@ -21,7 +21,7 @@ import torch
 
 from flexgen_dist.kernels import gemm
 from flexgen_dist.memory.disk import DiskStore, aligned_empty, drop_page_cache
-from flexgen_dist.planner.hardware import DEVICES, DTYPES, HardwareSpec
+from flexgen_dist.planner.hardware import DECODE_ROWS, DEVICES, DTYPES, HardwareSpec
 from flexgen_dist.planner.host import measure_cache_batch_overhead, measure_host_overhead
 
 
@@ -114,6 +114,32 @@ def measure_prompt_attention_flops(device: str, dtype: torch.dtype, quick: bool 
     return 4.0 * b * t * t * nh * d / t_s
 
 
+def _gemm_walk(device: str, quick: bool, dtype: torch.dtype | None, rows: tuple[int, ...],
+               shapes: list[tuple[int, int]], walk_bytes: int) -> tuple[list[float], int, int]:
+    """Median seconds of a walk through distinct weight matrices of ``shapes`` ((out, in),
+    repeated to ``walk_bytes``: more than any cache holds, multiplied one after another as a
+    decode step walks the layers) by the engine's own product, for each count of ``rows`` on
+    the same weights, with the walk's weight bytes and elements."""
+    from flexgen_dist.models.common import linear
+
+    dtype = dtype or (torch.float16 if device == "cuda" else torch.float32)
+    esize = torch.empty((), dtype=dtype).element_size()
+    per = sum(n * k for n, k in shapes)
+    count = max(2, walk_bytes // (per * esize))
+    g = torch.Generator(device=device).manual_seed(0)
+    ws = [torch.randn(n, k, device=device, generator=g).to(dtype) for _ in range(count) for n, k in shapes]
+    times = []
+    for r in rows:
+        xs = {k: torch.randn(r, k, device=device, generator=g).to(dtype) for _, k in shapes}
+
+        def walk() -> None:
+            for w in ws:
+                linear(xs[w.shape[1]], w)
+
+        times.append(_timeit(walk, 2 if quick else 5, _sync_of(device)))
+    return times, count * per * esize, count * per
+
+
 def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
     """Bytes/s of weights a decode-shaped linear layer streams (``_GEMM_ROWS`` rows), through
     the engine's own product (on a CPU, the form its GEMM policy stores for the shape).
@@ -122,21 +148,41 @@ def measure_gemm_bw(device: str, quick: bool = False, dtype: torch.dtype | None 
     the GEMM library's skinny kernels set the pace. Distinct weight matrices (more bytes than
     any cache holds) are multiplied one after another, as a decode step walks the layers.
     """
-    from flexgen_dist.models.common import linear
-
     k, n = _GEMM_SHAPE[device]
-    dtype = dtype or (torch.float16 if device == "cuda" else torch.float32)
-    esize = torch.empty((), dtype=dtype).element_size()
-    count = max(2, _GEMM_BYTES[quick] // (k * n * esize))
-    ws = [torch.randn(n, k, device=device).to(dtype) for _ in range(count)]
-    x = torch.randn(_GEMM_ROWS, k, device=device).to(dtype)
+    (t,), nbytes, _ = _gemm_walk(device, quick, dtype, (_GEMM_ROWS,), [(n, k)], _GEMM_BYTES[quick])
+    return nbytes / t
 
-    def walk() -> None:
-        for w in ws:
-            linear(x, w)
 
-    t = _timeit(walk, 2 if quick else 5, _sync_of(device))
-    return count * k * n * esize / t
+def _decode_layer(hidden: int) -> list[tuple[int, int]]:
+    """The products of one decoder layer of width ``hidden``, (out, in): q, k and v (a quarter
+    of q: grouped-query attention), o, gate and up (2.75 x hidden), down."""
+    kv, ffn = hidden // 4, hidden * 11 // 4
+    return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (ffn, hidden), (ffn, hidden), (hidden, ffn)]
+
+
+def measure_decode_flops(device: str, quick: bool = False, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s of a decode step's products at ``DECODE_ROWS`` rows: a walk through decoder
+    layers' products (``_decode_layer`` at ``gemm_bw``'s width), timed with ``_GEMM_ROWS`` and
+    with ``DECODE_ROWS`` rows on the same weights. On a CPU the same cores stream and
+    multiply, and the cost model adds the two, so the rate is of the rows beyond
+    ``_GEMM_ROWS`` (the time the walk grew by); on a GPU they overlap, and the rate is of the
+    whole walk at ``DECODE_ROWS`` rows.
+
+    *Why a rate of its own:* a product of a few dozen rows is neither a prefill's GEMM nor a
+    skinny one. On a 2-core Xeon (AVX512_BF16, no AMX) 64 rows multiplied at ~150 GFLOP/s in
+    bfloat16 beyond their stream, where the prefill-sized product ran at ~250: counted at the
+    prefill rate, the bundled model's bfloat16 decode was predicted 1.8x faster than it ran.
+    *Why a layer's mix of shapes:* small products run further below the peak; one 1024 x 4096
+    shape measured ~350 GFLOP/s in float32, a layer's mix at that width ~295, SmolLM2's ~260.
+    The walk is 64 MiB: the rows multiply its time, and a dtype without a fast product here
+    (float16 without AVX512_FP16) would take long."""
+    shapes = _decode_layer(_GEMM_SHAPE[device][0])
+    (t_few, t_rows), _, numel = _gemm_walk(device, quick, dtype, (_GEMM_ROWS, DECODE_ROWS), shapes,
+                                           _GEMM_BYTES[True])
+    if device == "cuda":
+        return 2.0 * DECODE_ROWS * numel / t_rows
+    grew = max(t_rows - t_few, 0.05 * t_rows)  # at least a twentieth of the walk: noise
+    return 2.0 * (DECODE_ROWS - _GEMM_ROWS) * numel / grew
 
 
 def measure_attention_flops(device: str, quick: bool = False) -> float:
@@ -162,14 +208,35 @@ def measure_attention_flops(device: str, quick: bool = False) -> float:
     return 4.0 * bh * keys * hd / t
 
 
-def measure_attention_peak(quick: bool = False) -> dict[str, float]:
-    """FLOP/s of the host's decode attention where it computes rather than reads, per dtype:
-    ``measure_attention_flops``' FLOPs with eight query heads a key and value (grouped-query
-    attention: an eighth of the cache read), the engine's own kernel (``attend_rows``)."""
+def measure_attention_read(quick: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, float]:
+    """FLOP/s of the host's decode attention where it reads, per dtype: ``measure_attention_flops``'
+    shape (one head a key) on the CPU in each dtype. With ``measure_attention_peak``'s rates
+    (eight heads a key) it places the kernel's read and compute times for any heads a key."""
     from flexgen_dist.engine.attention import attend_rows
 
     bh, keys, hd = _ATTN_SHAPES[quick]
-    rows, g = bh // 8, 8
+    out = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        q = torch.randn(bh, 1, 1, hd, dtype=dt)
+        k, v = torch.randn(bh, keys, hd, dtype=dt), torch.randn(bh, keys, hd, dtype=dt)
+        mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool)
+        t = _timeit(lambda: attend_rows(q, k, v, mask), 3 if quick else 5, lambda: None)
+        out[name] = 4.0 * bh * keys * hd / t
+    return out
+
+
+def measure_attention_peak(quick: bool = False) -> dict[str, float]:
+    """FLOP/s of the host's decode attention where it computes rather than reads, per dtype:
+    ``measure_attention_flops``' FLOPs with eight query heads a key and value (grouped-query
+    attention), the engine's own kernel (``attend_rows``), over as large a cache as the
+    one-head probe's: a cache of an eighth of it (as this probe had before) stayed in part in
+    the last-level cache from one repetition to the next, as a decode step's never does, and
+    measured 81 GFLOP/s in float32 on the 2-core development VM where the cold cache gives 46."""
+    from flexgen_dist.engine.attention import attend_rows
+
+    bh, keys, hd = _ATTN_SHAPES[quick]
+    rows, g = bh, 8
     out = {}
     for name in DTYPES:
         dt = getattr(torch, name)
@@ -386,12 +453,14 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but CUDA is not available here: profile with --device cpu")
     mm = measure_mm_flops(device, quick)
-    gemm_bw = measure_gemm_bw(device, quick)
-    halves = [d for d in DTYPES if d != "float32"]
+    own = "float16" if device == "cuda" else "float32"  # the dtype of the plain figures
     mm_dtype = {d: measure_prefill_flops(device, getattr(torch, d), quick) for d in DTYPES}
-    bw_dtype = {"float32": gemm_bw, **{d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in halves}}
+    bw_dtype = {d: measure_gemm_bw(device, quick, getattr(torch, d)) for d in DTYPES}
+    gemm_bw = bw_dtype[own]
+    dec_dtype = {d: measure_decode_flops(device, quick, getattr(torch, d)) for d in DTYPES}
     att_dtype = {d: measure_prompt_attention_flops(device, getattr(torch, d), quick) for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
+    cpu_read = {"float32": cpu_att, **measure_attention_read(quick, ("bfloat16", "float16"))}  # float32's: cpu_flops
     cpu_packed = measure_packed_attention_flops(quick)
     cpu_peak = measure_attention_peak(quick)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
@@ -414,9 +483,11 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
                         gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem,
                         ctog_bw=ctog, gtoc_bw=gtoc, dtoc_bw=dtoc, ctod_bw=ctod,
                         mm_flops=mm, bmm_flops=bmm, cpu_flops=cpu_att, cpu_packed_flops=cpu_packed,
-                        cpu_att_peak=cpu_peak["float16" if device == "cuda" else "float32"], cpu_att_peak_dtype=cpu_peak,
+                        cpu_att_peak=cpu_peak[own], cpu_att_peak_dtype=cpu_peak,
+                        cpu_att_read=cpu_read[own], cpu_att_read_dtype=cpu_read,
                         net_bw=net_bw, net_latency=net_latency, compute_device=device,
                         gemm_bw=gemm_bw, disk_cpu=disk_cpu, mm_flops_dtype=mm_dtype, gemm_bw_dtype=bw_dtype,
+                        decode_flops=dec_dtype[own], decode_flops_dtype=dec_dtype,
                         host_layer_s=host_layer_s, host_batch_s=host_batch_s,
                         host_cache_batch_s=host_cache_batch_s,
                         att_flops=att_dtype["float16" if device == "cuda" else "float32"], att_flops_dtype=att_dtype)

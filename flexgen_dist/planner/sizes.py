@@ -101,6 +101,8 @@ class StageSizes:
     # the host's decode attention where it computes rather than reads (FLOP/s; 0: not measured):
     # in the run's dtype over a plain cache, in float32 over a compressed one's codes
     host_peak: float = 0.0
+    # ... and where it reads: one head a key, in the run's dtype (FLOP/s; 0: cpu_flops')
+    host_read: float = 0.0
     # where host time goes: a CPU device's host *is* the compute (one after the other), a GPU
     # computes while the host issues the next kernels (its own channel: the slower sets the pace)
     host_is_compute: bool = False
@@ -213,6 +215,7 @@ def stage_sizes(spec: ModelSpec, num_layers: int, hw: HardwareSpec, workload: Wo
         host_cache_batch=(hw.host_cache_batch_s or 0.0) if compress_cache else 0.0,
         packed_flops=(hw.cpu_packed_flops or 0.0) if compress_cache else 0.0,
         host_peak=((hw.cpu_att_peak_dtype or {}).get("float32", 0.0) if compress_cache else hw.cpu_att_peak) or 0.0,
+        host_read=hw.cpu_att_read or 0.0,
         host_is_compute=hw.compute_device == "cpu",
         stream_overlap=hw.compute_device != "cpu", rows_pre=rows_pre)
 

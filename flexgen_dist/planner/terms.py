@@ -100,17 +100,21 @@ def _held_terms(workload: WorkShape, block_size: int) -> dict[str, Any]:
 
 def _gemm(z: StageSizes, hw: HardwareSpec, rows: float, passes: int, numel: float | None = None) -> float:
     """Linear layers of one block: the arithmetic (each token computes with ``lnum_active``
-    elements: a mixture of experts' chosen ones) and reading ``numel`` elements (all of a
-    layer's by default) ``passes`` times, overlapped or not (``_stream``)."""
+    elements: a mixture of experts' chosen ones) at the rate of products of ``rows / passes``
+    rows (``HardwareSpec.product_flops``), and reading ``numel`` elements (all of a layer's by
+    default) ``passes`` times, overlapped or not (``_stream``)."""
     flops = 2.0 * rows * (z.lnum_active or z.lnum)
-    return _stream(z, flops / hw.mm_flops, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
+    rate = hw.product_flops(rows / max(passes, 1))
+    return _stream(z, flops / rate, passes * (z.lnum if numel is None else numel) * z.b / z.stream_bw)
 
 
 def _head_time(z: StageSizes, hw: HardwareSpec, passes: float) -> float:
-    """LM head of one block, streamed ``passes`` times: logits of the last position only."""
+    """LM head of one block, streamed ``passes`` times: logits of the last position only (a
+    decode-shaped product of the block's rows, or of a GPU batch's where it streams per batch)."""
     if not z.has_head:
         return 0.0
-    return _stream(z, 2.0 * z.bls * z.e * z.V / hw.mm_flops, passes * z.V * z.e * z.b / z.stream_bw)
+    rate = hw.product_flops(z.bls / max(passes, 1.0))
+    return _stream(z, 2.0 * z.bls * z.e * z.V / rate, passes * z.V * z.e * z.b / z.stream_bw)
 
 
 def _stream(z: StageSizes, compute_s: float, read_s: float) -> float:
@@ -200,22 +204,36 @@ def decode_terms(z: StageSizes, hw: HardwareSpec) -> np.ndarray:
 
 def _host_attention(z: StageSizes, hw: HardwareSpec, flops: float, kv: float) -> tuple[float, bool]:
     """Seconds of the host's decode attention over ``kv`` cache elements (``flops`` FLOPs), and
-    whether they come from the profile's figures for it. ``cpu_flops`` is measured with one head
-    a key in float32, where reading the cache sets the pace (2 bytes a FLOP: ``2 cpu_flops``
-    bytes/s); with ``host_peak`` a step takes the slower of reading its cache at that rate and
-    computing at the peak, so heads sharing a key (grouped-query attention) and narrower dtypes
-    cost what they do. A compressed cache's codes are read in place: each element expanded
-    in registers at the rate ``cpu_packed_flops`` measured (one head a key: 2 FLOPs an element),
-    or its FLOPs at that rate where the peak was not measured. Without those figures: FLOPs at
-    ``cpu_flops``, a compressed cache's expansion added at ``2 cpu_flops`` bytes/s."""
+    whether they come from the profile's figures for it. Over a plain cache with ``host_peak``
+    measured: reading and computing add up (``_read_and_compute``), so heads sharing a key
+    (grouped-query attention) and narrower dtypes cost what they do. A compressed cache's codes
+    are read in place: each element expanded in registers at the rate ``cpu_packed_flops``
+    measured (one head a key: 2 FLOPs an element), or computed at the float32 peak, the slower;
+    its FLOPs at ``cpu_packed_flops`` where the peak was not measured. Without those figures:
+    FLOPs at ``cpu_flops``, a compressed cache's expansion added at ``2 cpu_flops`` bytes/s."""
     if z.packed_flops:
         return (max(2 * kv / z.packed_flops, flops / z.host_peak) if z.host_peak
                 else flops / z.packed_flops), True
     if z.compress_cache:
         return flops / hw.cpu_flops + kv * z.b / (2 * hw.cpu_flops), False
     if z.host_peak:
-        return max(kv * z.b / (2 * hw.cpu_flops), flops / z.host_peak), True
+        return _read_and_compute(kv * z.b, flops, z.host_read or hw.cpu_flops, z.host_peak, z.b), True
     return flops / hw.cpu_flops, False
+
+
+def _read_and_compute(nbytes: float, flops: float, one_head: float, eight_heads: float, b: float) -> float:
+    """Seconds of the host's decode attention reading ``nbytes`` of cache and computing ``flops``,
+    from the kernel's rates with one and with eight query heads a key (FLOP/s, elements of
+    ``b`` bytes): ``nbytes / bw + flops / peak``, with ``bw`` and ``peak`` the two the rates
+    imply (a FLOP of one head a key reads ``b / 2`` bytes, of eight ``b / 16``).
+
+    *Why a sum, not the slower of the two:* the kernel reads a key, then computes with it; on
+    the 2-core development VM one, three and eight heads a key ran at 29.7, 21.2 and 11.4 GB/s
+    of cache in float32 (20.2, 14.8 and 9.4 in bfloat16), and the sum fitted to the first and
+    last gives 21.3 (15.1) for three, where the slower of the two gave 29.7 (20.2)."""
+    inv_bw = max(1.0 / one_head - 1.0 / eight_heads, 0.0) / (7.0 * b / 16.0)
+    inv_peak = max(1.0 / eight_heads - b / 16.0 * inv_bw, 0.0)
+    return nbytes * inv_bw + flops * inv_peak
 
 
 def _add_disk_cpu(T: np.ndarray, hw: HardwareSpec) -> None:
