@@ -80,6 +80,7 @@ def merge_metrics(run: dict[str, Any], timings: Timings, stages: list[dict[str, 
         "direct_io": all(disks) if disks else None,  # None: no stage used the disk tier
         "kernel_policy": [s.get("kernel_policy") for s in stages],
         "huge_pages": [s.get("huge_pages") for s in stages],  # per stage: on / off / unavailable
+        "keep_freed": [s.get("keep_freed") for s in stages],  # per stage: freed host memory kept (hugepages.py)
         "threads": [s.get("threads") for s in stages],  # per stage: the compute threads and why
         "one_time_s": [s.get("one_time_s") for s in stages],  # per stage: costs kept out of the clock
         **({"experts": [s.get("experts") for s in stages]} if any(s.get("experts") for s in stages) else {}),

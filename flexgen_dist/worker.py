@@ -249,6 +249,7 @@ class StageWorker:
             "direct_io": None if self.disk is None else self.disk.direct,
             "kernel_policy": gemm.summary(),  # which GEMM forms ran: equal digests, same sums
             "huge_pages": hugepages.status(),  # large host tensors on huge pages (hugepages.py)
+            "keep_freed": hugepages.keep_freed(),  # freed host memory kept in the heap for reuse
             "threads": self.threads.as_dict() if self.threads is not None else None,
             "one_time_s": dict(self.one_time),  # kernel build, GEMM tuning: not in the clock
         }

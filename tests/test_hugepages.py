@@ -12,7 +12,8 @@ from flexgen_dist import hugepages
 
 
 def _python(code: str, **env: str | None) -> str:
-    full = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "FLEXGEN_HUGE_PAGES")}
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("THP_MEM_ALLOC_ENABLE", "FLEXGEN_HUGE_PAGES", "FLEXGEN_KEEP_FREED") and not k.startswith("MALLOC_")}
     full.update({k: v for k, v in env.items() if v is not None})
     res = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -77,8 +78,40 @@ def test_every_stage_reports_its_huge_pages(tiny_models, tmp_path: Path) -> None
     rc = main(["--model", str(tm.path), "--num-prompts", "2", "--prompt-len", "8", "--gen-len", "2",
                "--output", str(tmp_path / "o.jsonl"), "--no-progress", "--metrics", str(met)])
     assert rc == 0
-    got = json.loads(met.read_text())["huge_pages"]
-    assert got == [hugepages.status()] and got[0] in ("on", "off", "unavailable")
+    got = json.loads(met.read_text())
+    assert got["huge_pages"] == [hugepages.status()] and got["huge_pages"][0] in ("on", "off", "unavailable")
+    assert got["keep_freed"] == [hugepages.keep_freed()] and got["keep_freed"][0] in ("on", "off", "unavailable")
+
+
+KEEP = "import flexgen_dist; from flexgen_dist import hugepages; print(hugepages.keep_freed())"
+# a 64 MiB tensor written and freed five times: the page faults of each
+REFAULT = """import resource, flexgen_dist, torch
+from flexgen_dist import hugepages
+out = []
+for _ in range(5):
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = torch.ones(16 << 20); del y
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(hugepages.keep_freed(), *out)"""
+
+
+def test_freed_host_memory_is_kept_for_the_next_tensor_unless_opted_out() -> None:
+    """On glibc, import keeps large freed blocks in the heap: a tensor written after one of its
+    size was freed reuses its pages (almost no page faults), where glibc's default hands the
+    block back to the kernel and the next is faulted in anew. ``FLEXGEN_KEEP_FREED=0`` or a
+    ``MALLOC_*`` setting of the user's leaves glibc as it is."""
+    import ctypes
+
+    glibc = hasattr(ctypes.CDLL(None), "gnu_get_libc_version")
+    assert _python(KEEP) == ("on" if glibc else "unavailable")
+    assert _python(KEEP, FLEXGEN_KEEP_FREED="0") == "off"
+    assert _python(KEEP, MALLOC_ARENA_MAX="2") == "off"  # the user's own malloc settings stay
+    if glibc:  # after the first (fresh memory either way), the kept process reuses it
+        kept, *faults_kept = _python(REFAULT).split()
+        off, *faults_off = _python(REFAULT, FLEXGEN_KEEP_FREED="0").split()
+        assert (kept, off) == ("on", "off")
+        later_kept, later_off = [int(f) for f in faults_kept[1:]], [int(f) for f in faults_off[1:]]
+        assert max(later_kept) * 8 < min(later_off), (faults_kept, faults_off)
 
 
 @pytest.mark.parametrize("value", ["1", "yes"])
