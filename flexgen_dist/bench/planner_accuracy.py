@@ -138,9 +138,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         how = f"profiled in this run ({'quick' if args.quick else 'full'} mode, {time.perf_counter() - t0:.0f} s)"
     hw = hw.for_dtype(args.dtype)  # the engine's dtype: its rates, as a run's planner takes them
     dtype = getattr(torch, args.dtype)
-    print(f"hardware {how}: mm {hw.mm_flops / 1e9:.1f} GFLOP/s, attention {hw.bmm_flops / 1e9:.2f} GFLOP/s, "
-          f"skinny GEMM {(hw.gemm_bw or 0) / 1e9:.1f} GB/s, memcpy {hw.ctog_bw / 1e9:.1f} GB/s, disk read {hw.dtoc_bw / 1e9:.2f} GB/s, "
-          f"write {hw.ctod_bw / 1e9:.2f} GB/s", flush=True)
+    rate = lambda v: "-" if v is None else f"{v / 1e9:.1f}"  # noqa: E731 - a figure the profile may lack
+    print(f"hardware {how}: mm {hw.mm_flops / 1e9:.1f} GFLOP/s (64-row products {rate(hw.decode_flops)}), "
+          f"attention {hw.bmm_flops / 1e9:.2f} GFLOP/s (host, one / eight heads a key: {rate(hw.cpu_att_read)} / "
+          f"{rate(hw.cpu_att_peak)}), skinny GEMM {(hw.gemm_bw or 0) / 1e9:.1f} GB/s, memcpy {hw.ctog_bw / 1e9:.1f} GB/s, "
+          f"disk read {hw.dtoc_bw / 1e9:.2f} GB/s, write {hw.ctod_bw / 1e9:.2f} GB/s", flush=True)
 
     lm = load_model(args.model, dummy_weights=True, dtype=dtype)
     spec = lm.spec
