@@ -135,7 +135,7 @@ def test_tuning_can_be_switched_off(monkeypatch, tmp_path: Path) -> None:
 
 
 def test_without_a_compiler_the_torch_forms_are_tuned(monkeypatch, caplog, policy) -> None:
-    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels.build, "_state", {})
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with caplog.at_level(logging.WARNING, logger="flexgen_dist.kernels"):
         assert kernels.library() is None

@@ -137,7 +137,7 @@ def test_native_bf16_linear_declines_what_it_cannot_take() -> None:
 
 
 def test_kernels_can_be_switched_off(monkeypatch) -> None:
-    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels.build, "_state", {})
     monkeypatch.setenv("FLEXGEN_CPU_KERNELS", "0")
     assert kernels.library() is None
 
@@ -427,7 +427,7 @@ def test_native_dequant_equals_the_torch_path(monkeypatch, dtype: torch.dtype, b
     fast = kernels.dequant(q.data, q.mins, q.scales, shape[-1], group, bits, dtype)
     assert fast is not None and fast.dtype == dtype
     with monkeypatch.context() as m:
-        m.setattr(kernels, "_state", {"lib": None})  # the torch path
+        m.setattr(kernels.build, "_state", {"lib": None})  # the torch path
         ref = dequantize(q)
     assert torch.equal(fast, ref) and torch.equal(dequantize(q), ref)
     part = slice(1, shape[0] - 1)  # rows of a bigger tensor: evenly strided, each contiguous

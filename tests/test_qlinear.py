@@ -123,7 +123,7 @@ def test_expansion_without_the_native_kernels_is_the_reference(monkeypatch) -> N
     q, wd = _packed(20, 64, torch.bfloat16, 4, 64, seed=9)
     w = QWeight(q.data, q.mins, q.scales, (20, 64), 64, 4, torch.bfloat16)
     x = torch.randn(3, 64).bfloat16()
-    monkeypatch.setattr(kernels, "_state", {"lib": None})
+    monkeypatch.setattr(kernels.build, "_state", {"lib": None})
     assert torch.equal(w.dense(), wd)
     assert torch.equal(common.linear(x, w), common.linear(x, wd))
 
