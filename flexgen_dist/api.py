@@ -44,14 +44,14 @@ from .models.token_score import token_ids, with_token_classifier
 from .plan import Peaks, RunPlan, Workload
 from .beam_calls import BeamCalls
 from .pooled_calls import PooledCalls
+from .score_calls import ScoreCalls
 from .openai_batch import run_batch
 from .prompts import Messages, Prompt, StopStrings
 from .reasoning import Reasoning, reasoning_of
 from .run_plan import RunPlanner
-from .scoring import Score
 from .threads import apply as apply_threads, choose_threads
 from .worker import StageWorker, with_shared_prefixes, with_twins
-from .workloads import LoraChoice, PromptLike, build_workload, scored_workload
+from .workloads import LoraChoice, PromptLike, build_workload
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -72,7 +72,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-class LLM(PooledCalls, BeamCalls):
+class LLM(PooledCalls, BeamCalls, ScoreCalls):
     """A model placed over GPU, CPU and disk (one stage per rank), ready to generate.
 
     A thin facade: rank 0 turns a call's arguments into a ``Workload``, ``RunPlanner`` makes
@@ -325,28 +325,6 @@ class LLM(PooledCalls, BeamCalls):
         work = self._workload(prompts, gen_len, None)
         return [self._planner.check(plan, work, s) for s in range(len(plan.stages))]
 
-    def score(self, sequences: Sequence[PromptLike] | None = None,
-              first_scored: Sequence[int] | None = None, decode_tokens: int = 0,
-              logprobs: int | None = None, lora: LoraChoice = None) -> list[Score]:
-        """Teacher-forced scores of ``sequences`` (strings or token-id lists), in input order.
-        Token j of sequence n counts from ``first_scored[n]`` on (default 1: every token that
-        has a prefix). The last ``decode_tokens`` tokens of each sequence are predicted by
-        decode steps (one token fed per step, attending to the KV cache as generation does:
-        this is where ``compress_cache`` and ``attn_sparsity`` act); the others by one
-        prefill with the head on every position. ``logprobs=K`` (0-20) also gives each scored
-        token's log-probability and its K most likely alternatives (``Score.logprobs``: an
-        ``echo`` of the prompt's logprobs, or a per-token perplexity filter). ``lora``: as
-        ``generate``'s. On ranks other than 0 the arguments are ignored and the result is empty."""
-        self._check_open()
-        with self._guard():
-            work, peaks = self._start(lambda: self._scored(sequences, first_scored, decode_tokens, logprobs, lora))
-            out: list[Score] = []
-            for blk, rows in self._run(work, peaks):
-                for m, r in zip(blk.members, rows):
-                    r, lp, ranks = r if work.logprobs is not None else (r, None, None)
-                    out.append(Score(m, float(r[0]), int(r[1]), int(r[2]), lp, ranks))
-            return sorted(out, key=lambda sc: sc.index)
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this LLM is closed: build a new one")
@@ -389,11 +367,6 @@ class LLM(PooledCalls, BeamCalls):
                   sampling: SamplingConfig | Sequence[SamplingConfig] | None, **extra: Any) -> Workload:
         return build_workload(prompts, gen_len, sampling, self.config, self.model.spec, self.tokenizer,
                               reasoning=self.reasoning, served=self.model.adapters, **extra)
-
-    def _scored(self, sequences: Sequence[PromptLike] | None, first_scored: Sequence[int] | None,
-                decode_tokens: int, logprobs: int | None = None, lora: LoraChoice = None) -> Workload:
-        return scored_workload(sequences, first_scored, decode_tokens, self.config, self.model.spec, self.tokenizer,
-                               logprobs, lora=lora, served=self.model.adapters)
 
     def _say_plan(self) -> None:
         plan = self.plan

@@ -1,5 +1,5 @@
-"""What the ``LLM`` facade's call mixins (``pooled_calls.py``, ``beam_calls.py``) use of it:
-its model, config and tokenizer, whether this rank is the driver, and the steps every call
+"""What the ``LLM`` facade's call mixins (``pooled_calls.py``, ``beam_calls.py``,
+``score_calls.py``) use of it: its model, config and tokenizer, whether this rank is the driver, and the steps every call
 takes (``_check_open``, ``_guard``, ``_start``, ``_run``, ``_windows``). ``api.LLM`` defines
 them; the mixins only declare them, once, here."""
 from __future__ import annotations

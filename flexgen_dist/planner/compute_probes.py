@@ -189,43 +189,26 @@ def measure_attention_flops(device: str, quick: bool = False) -> float:
     return 4.0 * bh * keys * hd / t
 
 
-def measure_attention_read(quick: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, float]:
-    """FLOP/s of the host's decode attention where it reads, per dtype: ``measure_attention_flops``'
-    shape (one head a key) on the CPU in each dtype. With ``measure_attention_peak``'s rates
-    (eight heads a key) it places the kernel's read and compute times for any heads a key."""
+def measure_host_attention(quick: bool = False, heads: int = 1, dtypes: tuple[str, ...] = DTYPES) -> dict[str, float]:
+    """FLOP/s of the host's decode attention (``attend_rows``) per dtype over
+    ``measure_attention_flops``' cache, with ``heads`` query heads a key and value: with one,
+    reading the cache sets the pace (``cpu_att_read``); with eight (grouped-query attention),
+    computing does (``cpu_att_peak``). The two place the kernel's time per byte read and per
+    FLOP for any heads a key (``planner/terms.py``). Both read the same cache, larger than any
+    last-level cache: the eight-head probe read an eighth of it before, which stayed in part in
+    cache from one repetition to the next, as a decode step's never does, and measured 81
+    GFLOP/s in float32 on the 2-core development VM where the cold cache gives 46."""
     from flexgen_dist.engine.attention import attend_rows
 
     bh, keys, hd = _ATTN_SHAPES[quick]
     out = {}
     for name in dtypes:
         dt = getattr(torch, name)
-        q = torch.randn(bh, 1, 1, hd, dtype=dt)
+        q = torch.randn(bh, heads, 1, hd, dtype=dt)
         k, v = torch.randn(bh, keys, hd, dtype=dt), torch.randn(bh, keys, hd, dtype=dt)
         mask = torch.ones(bh, 1, 1, keys, dtype=torch.bool)
         t = _timeit(lambda: attend_rows(q, k, v, mask), 3 if quick else 5, lambda: None)
-        out[name] = 4.0 * bh * keys * hd / t
-    return out
-
-
-def measure_attention_peak(quick: bool = False) -> dict[str, float]:
-    """FLOP/s of the host's decode attention where it computes rather than reads, per dtype:
-    ``measure_attention_flops``' FLOPs with eight query heads a key and value (grouped-query
-    attention), the engine's own kernel (``attend_rows``), over as large a cache as the
-    one-head probe's: a cache of an eighth of it (as this probe had before) stayed in part in
-    the last-level cache from one repetition to the next, as a decode step's never does, and
-    measured 81 GFLOP/s in float32 on the 2-core development VM where the cold cache gives 46."""
-    from flexgen_dist.engine.attention import attend_rows
-
-    bh, keys, hd = _ATTN_SHAPES[quick]
-    rows, g = bh, 8
-    out = {}
-    for name in DTYPES:
-        dt = getattr(torch, name)
-        q = torch.randn(rows, g, 1, hd, dtype=dt)
-        k, v = torch.randn(rows, keys, hd, dtype=dt), torch.randn(rows, keys, hd, dtype=dt)
-        mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
-        t = _timeit(lambda: attend_rows(q, k, v, mask), 3 if quick else 5, lambda: None)
-        out[name] = 4.0 * rows * g * keys * hd / t
+        out[name] = 4.0 * bh * heads * keys * hd / t
     return out
 
 

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from flexgen_dist.memory.disk import DiskStore, aligned_empty, drop_page_cache
-from flexgen_dist.planner.compute_probes import (_sync_of, _timeit, measure_attention_flops, measure_attention_peak,
-                                                 measure_attention_read, measure_decode_flops, measure_gemm_bw,
-                                                 measure_mm_flops, measure_packed_attention_flops,
-                                                 measure_prefill_flops, measure_prompt_attention_flops)
+from flexgen_dist.planner.compute_probes import (_sync_of, _timeit, measure_attention_flops, measure_decode_flops,
+                                                 measure_gemm_bw, measure_host_attention, measure_mm_flops,
+                                                 measure_packed_attention_flops, measure_prefill_flops,
+                                                 measure_prompt_attention_flops)
 from flexgen_dist.planner.hardware import DEVICES, DTYPES, HardwareSpec
 from flexgen_dist.planner.host import measure_cache_batch_overhead, measure_host_overhead
 
@@ -234,9 +234,9 @@ def profile_hardware(device: str = "cpu", offload_dir: str = "/tmp", quick: bool
     dec_dtype = {d: measure_decode_flops(device, quick, getattr(torch, d)) for d in DTYPES}
     att_dtype = {d: measure_prompt_attention_flops(device, getattr(torch, d), quick) for d in DTYPES}
     cpu_att = measure_attention_flops("cpu", quick)
-    cpu_read = {"float32": cpu_att, **measure_attention_read(quick, ("bfloat16", "float16"))}  # float32's: cpu_flops
+    cpu_read = {"float32": cpu_att, **measure_host_attention(quick, 1, ("bfloat16", "float16"))}  # float32's: cpu_flops
     cpu_packed = measure_packed_attention_flops(quick)
-    cpu_peak = measure_attention_peak(quick)
+    cpu_peak = measure_host_attention(quick, 8)
     bmm = measure_attention_flops(device, quick) if device == "cuda" else cpu_att
     ctog, gtoc = measure_copy_bw(device, quick)
     dtoc, ctod, disk_cpu = measure_disk_bw(offload_dir, quick, device)
